@@ -1,0 +1,206 @@
+"""Adasum across processes on torch.distributed: vector-halving, distance-doubling (VHDD).
+
+Bandwidth-optimal like a ring all-reduce (each rank sends 2 N (P-1)/P elements for a power of
+two). For P = 2**k + r ranks, the tree of `adasum.tree` applies: ranks 2i+1 (i < r) first hand
+their buffer to rank 2i, which combines the pair; the Q = 2**k group leaders then run:
+
+1. Reduce-scatter, levels d = 1, 2, 4, ... < Q: the partner is ``group XOR d``; the current
+   segment is halved, the lower group keeps the first half. Each sends the half it gives up and
+   receives the partner's copy of the half it keeps. It then holds, for its slice, the vectors of
+   both subtrees and computes per tensor the partial ``<a,b>``, ``|a|^2``, ``|b|^2`` over the
+   slice. One all-reduce over the whole group of a float64 ``[Q/2d, 3, T]`` array (each rank
+   writes only its block's row) sums the partials of the 2d ranks of each block, so every rank of
+   a block gets the full dot products, computes the same coefficients and applies them to its
+   slice. Slices ignore tensor boundaries.
+2. Gather, levels in reverse: partners swap their slices until every leader has the whole buffer;
+   then leaders send it to their folded partner.
+
+Every element of the result is computed by exactly one rank and copied to the others, so all
+ranks end with bitwise-identical tensors.
+
+Point-to-point exchanges go through ``batch_isend_irecv`` so NCCL pairs a send with its receive.
+On NCCL nothing here synchronises the host (all work is stream-ordered on the current stream);
+on gloo the exchanges block.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+import torch.distributed as dist
+
+from adasum import ops
+from adasum.layout import Layout, check_same_layout, flatten, group_by_dtype, unflatten_into
+from adasum.tree import Tree
+
+
+def _global(group: dist.ProcessGroup | None, group_rank: int) -> int:
+    return group_rank if group is None else dist.get_global_rank(group, group_rank)
+
+
+def _exchange(
+    send: torch.Tensor | None, recv: torch.Tensor | None, peer: int, group: dist.ProcessGroup | None
+) -> None:
+    """Send `send` to and receive `recv` from `peer` (a group rank), skipping empty tensors."""
+    peer = _global(group, peer)
+    p2p = []
+    if send is not None and send.numel() > 0:
+        p2p.append(dist.P2POp(dist.isend, send, peer, group))
+    if recv is not None and recv.numel() > 0:
+        p2p.append(dist.P2POp(dist.irecv, recv, peer, group))
+    if p2p:
+        for work in dist.batch_isend_irecv(p2p):
+            work.wait()
+
+
+def _halves(lo: int, hi: int, lower: bool) -> tuple[tuple[int, int], tuple[int, int]]:
+    """(kept, given up) halves of [lo, hi); the lower partner keeps the first half."""
+    mid = lo + (hi - lo) // 2
+    return ((lo, mid), (mid, hi)) if lower else ((mid, hi), (lo, mid))
+
+
+def _combine_local(buffer: torch.Tensor, other: torch.Tensor, layout: Layout) -> None:
+    """buffer := adasum(buffer, other) per tensor, both standing for one worker (the fold)."""
+    lengths = list(layout.sizes)
+    a, b = buffer.to(torch.float64), other.to(torch.float64)
+    coeff_a, coeff_b = ops.coefficients(ops.dot_and_norms(a, b, lengths), 0.5, 0.5)
+    ops.scale_add(a, b, coeff_a, coeff_b, lengths, out=buffer)
+
+
+def adasum_flat_(buffer: torch.Tensor, sizes: Sequence[int], group: dist.ProcessGroup | None = None) -> None:
+    """Adasum of a flat buffer across the group, in place, each of `sizes` a tensor of its own.
+
+    Every rank must pass the same sizes and dtype; nothing is checked here (see `all_reduce`).
+    """
+    world = dist.get_world_size(group)
+    if world == 1:
+        return
+    layout = Layout(tuple(int(n) for n in sizes))
+    if layout.numel != buffer.numel():
+        raise ValueError(f"sizes add up to {layout.numel} elements, the buffer has {buffer.numel()}")
+    rank = dist.get_rank(group)
+    tree = Tree(world)
+    me = tree.group_of(rank)
+    tensors = len(layout.sizes)
+    partial_shape = (3, tensors)
+
+    if not tree.is_leader(rank):
+        leader = tree.leader(me)
+        _exchange(buffer, None, leader, group)
+        for d in tree.levels():
+            blocks = tree.groups // (2 * d)
+            dist.all_reduce(buffer.new_zeros((blocks, *partial_shape), dtype=torch.float64), group=group)
+        _exchange(None, buffer, leader, group)
+        return
+
+    follower = tree.follower(me)
+    if follower is not None:
+        received = torch.empty_like(buffer)
+        _exchange(None, received, follower, group)
+        _combine_local(buffer, received, layout)
+        del received
+
+    segments = [(0, buffer.numel())]
+    for d in tree.levels():
+        lower = (me & d) == 0
+        peer = tree.leader(me ^ d)
+        (klo, khi), (glo, ghi) = _halves(*segments[-1], lower)
+        mine = buffer[klo:khi]
+        theirs = torch.empty_like(mine)
+        _exchange(buffer[glo:ghi], theirs, peer, group)
+        a, b = (mine, theirs) if lower else (theirs, mine)
+        a, b = a.to(torch.float64), b.to(torch.float64)
+        first, lengths = layout.overlap(klo, khi)
+        block = me // (2 * d)
+        sums = buffer.new_zeros((tree.groups // (2 * d), *partial_shape), dtype=torch.float64)
+        if lengths:
+            sums[block, :, first : first + len(lengths)] = ops.dot_and_norms(a, b, lengths)
+        dist.all_reduce(sums, group=group)
+        if lengths:
+            base = block * 2 * d
+            workers_a, workers_b = tree.count(base, d), tree.count(base + d, d)
+            total = workers_a + workers_b
+            coeff_a, coeff_b = ops.coefficients(
+                sums[block, :, first : first + len(lengths)], workers_a / total, workers_b / total
+            )
+            ops.scale_add(a, b, coeff_a, coeff_b, lengths, out=mine)
+        segments.append((klo, khi))
+
+    for d in reversed(tree.levels()):
+        lower = (me & d) == 0
+        kept, given = _halves(*segments[-2], lower)
+        assert kept == segments[-1]
+        _exchange(buffer[kept[0] : kept[1]], buffer[given[0] : given[1]], tree.leader(me ^ d), group)
+        segments.pop()
+
+    if follower is not None:
+        _exchange(buffer, None, follower, group)
+
+
+def _group_device(group: dist.ProcessGroup | None) -> torch.device:
+    if dist.get_backend(group) == "nccl":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
+def all_reduce(
+    tensors: torch.Tensor | Sequence[torch.Tensor],
+    group: dist.ProcessGroup | None = None,
+    *,
+    check_layout: bool = True,
+) -> None:
+    """Replace each tensor, on every rank, by the Adasum of the ranks' copies; in place.
+
+    Each tensor gets its own coefficients ("per layer"). Any world size; gloo and NCCL; all ranks
+    end with bitwise-identical tensors, equal to ``adasum.reduce`` of the ranks' copies up to
+    float64 rounding of the coefficients. Tensors are fused into one flat buffer per dtype.
+
+    With `check_layout` (the default) one 16-byte all-reduce first checks that every rank passed
+    the same number of tensors with the same shapes and dtypes; a mismatch raises ValueError on
+    every rank, naming the first difference. Non-floating dtypes raise TypeError. World size 1
+    leaves the tensors unchanged. Non-finite values propagate identically on every rank.
+
+    >>> grads = [p.grad for p in model.parameters()]
+    >>> adasum.all_reduce(grads)
+    """
+    tensors = [tensors] if isinstance(tensors, torch.Tensor) else list(tensors)
+    if not dist.is_initialized():
+        raise RuntimeError("adasum.all_reduce needs torch.distributed to be initialised")
+    if dist.get_world_size(group) == 1:
+        for t in tensors:
+            ops.check_floating(t.dtype)
+        return
+    device = _group_device(group)
+    if check_layout:
+        check_same_layout(tensors, group, device)
+    for t in tensors:
+        ops.check_floating(t.dtype)
+        if t.device != tensors[0].device:
+            raise ValueError(f"all tensors must be on one device, got {tensors[0].device} and {t.device}")
+    if tensors and tensors[0].device.type != device.type:
+        raise ValueError(f"the {dist.get_backend(group)} backend needs {device.type} tensors, got {tensors[0].device}")
+    for indices in group_by_dtype(tensors).values():
+        members = [tensors[i] for i in indices]
+        flat = flatten(members)
+        adasum_flat_(flat, [t.numel() for t in members], group)
+        unflatten_into(flat, members)
+
+
+def all_reduce_async(
+    tensors: torch.Tensor | Sequence[torch.Tensor],
+    group: dist.ProcessGroup | None = None,
+    *,
+    check_layout: bool = True,
+) -> torch.futures.Future:
+    """`all_reduce`, returning a Future of the list of tensors.
+
+    On NCCL the work is enqueued on the current CUDA stream and the host does not wait for it
+    (except for the layout check's one small read, which ``check_layout=False`` removes); consumers
+    on the same stream see the result. On gloo the exchanges complete before it returns.
+    """
+    tensor_list = [tensors] if isinstance(tensors, torch.Tensor) else list(tensors)
+    all_reduce(tensor_list, group, check_layout=check_layout)
+    future: torch.futures.Future = torch.futures.Future()
+    future.set_result(tensor_list)
+    return future

@@ -1,0 +1,165 @@
+"""adasum.all_reduce on real spawned process groups (gloo here; NCCL with ADASUM_TEST_BACKEND=nccl),
+against the independent NumPy tree of `reference.py`, with bitwise agreement across ranks."""
+
+import numpy as np
+import pytest
+import torch
+
+import adasum
+import distributed
+from reference import tree as reference_tree
+
+pytestmark = pytest.mark.nccl
+
+SIZES = [1, 0, 7, 33, 5, 1000, 3, 0, 64, 129, 2, 17, 8, 511, 1, 1, 90, 4, 12, 6, 250, 31, 2, 9, 77, 3, 14, 1, 40, 5]
+
+
+def worker_data(seed: int, world: int, shapes, dtype=torch.float32):
+    """Every rank's tensors, generated identically on each rank so any rank can build the reference."""
+    g = torch.Generator().manual_seed(seed)
+    return [[torch.randn(s, generator=g, dtype=torch.float64).to(dtype) for s in shapes] for _ in range(world)]
+
+
+def reference(per_rank, index):
+    return reference_tree([per_rank[r][index].double().reshape(-1).numpy() for r in range(len(per_rank))])
+
+
+def rel_err(x, ref):
+    ref = torch.from_numpy(np.asarray(ref))
+    den = ref.norm()
+    return float((x.double().reshape(-1).cpu() - ref).norm() / den) if den > 0 else float(x.double().norm())
+
+
+def checks(rank, world):
+    """Many checks in one spawn; returns the results' bytes for the cross-rank bitwise comparison."""
+    dev = distributed.device_for(rank)
+    out = {}
+
+    # dozens of fused tensors of odd sizes (zero-size included), fp32 and fp64, against the reference
+    for dtype, tol in [(torch.float32, 1e-6), (torch.float64, 1e-13)]:
+        data = worker_data(10 + world, world, [(n,) for n in SIZES], dtype)
+        mine = [t.clone().to(dev) for t in data[rank]]
+        adasum.all_reduce(mine)
+        for i, t in enumerate(mine):
+            if t.numel():
+                assert rel_err(t, reference(data, i)) < tol, (dtype, i, rel_err(t, reference(data, i)))
+        out[f"fused-{dtype}"] = torch.cat([t.cpu().reshape(-1) for t in mine]).numpy().tobytes()
+
+    # multi-dimensional tensors, one call, mixed dtypes
+    shapes = [(3, 5), (2, 2, 3), (7,)]
+    data32 = worker_data(20, world, shapes, torch.float32)
+    data64 = worker_data(21, world, shapes, torch.float64)
+    mixed = [data32[rank][0].clone(), data64[rank][1].clone(), data32[rank][2].clone()]
+    mixed = [t.to(dev) for t in mixed]
+    adasum.all_reduce(mixed)
+    assert mixed[1].dtype == torch.float64 and mixed[0].shape == (3, 5)
+    assert rel_err(mixed[0], reference(data32, 0)) < 1e-6
+    assert rel_err(mixed[1], reference(data64, 1)) < 1e-13
+    assert rel_err(mixed[2], reference(data32, 2)) < 1e-6
+    out["mixed"] = b"".join(t.cpu().numpy().tobytes() for t in mixed)
+
+    # a single tensor passed alone, larger than the world and odd
+    single = worker_data(30, world, [(1001,)])
+    t = single[rank][0].clone().to(dev)
+    adasum.all_reduce(t)
+    assert rel_err(t, reference(single, 0)) < 1e-6
+    out["single"] = t.cpu().numpy().tobytes()
+
+    # orthogonal inputs give the sum; parallel inputs with random signed scales give the mean
+    for n in (world * 20 - 17, world * 2 + 1, world + 2):
+        q, _ = torch.linalg.qr(torch.randn(n, world, generator=torch.Generator().manual_seed(n), dtype=torch.float64))
+        t = q[:, rank].clone().to(dev)
+        adasum.all_reduce(t)
+        assert torch.allclose(t.cpu(), q.sum(dim=1), atol=1e-12), n
+    g = torch.Generator().manual_seed(40)
+    v = torch.randn(45, generator=g, dtype=torch.float64)
+    scales = torch.randn(world, generator=g, dtype=torch.float64) * 5
+    t = (scales[rank] * v).to(dev)
+    adasum.all_reduce(t)
+    assert torch.allclose(t.cpu(), scales.mean() * v, rtol=1e-10, atol=1e-12)
+
+    # Horovod's stability cases: parallel vectors at the ends of float32's range
+    base = torch.tensor([0.5, -0.25, 0.75, 1.0, 0.125], dtype=torch.float64)
+    for e in (-126, -60, 0, 60, 126):
+        exps = [e if r % 2 else -e for r in range(world)]
+        t = (base * 2.0 ** exps[rank]).float().to(dev)
+        adasum.all_reduce(t)
+        expected = sum(base * 2.0**x for x in exps) / world
+        assert torch.isfinite(t).all()
+        assert torch.allclose(t.cpu().double(), expected.float().double(), rtol=1e-6, atol=0), e
+
+    # bf16 and fp16 within their precision
+    for dtype, tol in [(torch.bfloat16, 2e-2), (torch.float16, 4e-3)]:
+        data = worker_data(50, world, [(300,), (41,)], dtype)
+        mine = [x.clone().to(dev) for x in data[rank]]
+        adasum.all_reduce(mine)
+        for i in range(2):
+            assert mine[i].dtype == dtype
+            assert rel_err(mine[i], reference(data, i)) < tol, (dtype, rel_err(mine[i], reference(data, i)))
+        out[f"half-{dtype}"] = b"".join(x.cpu().view(torch.int16).numpy().tobytes() for x in mine)
+
+    # zero inputs never give NaN; an empty list and zero-size tensors are fine
+    z = torch.zeros(10, device=dev)
+    adasum.all_reduce(z)
+    assert torch.equal(z.cpu(), torch.zeros(10))
+    adasum.all_reduce([])
+    empties = [torch.zeros(0, device=dev), torch.zeros(0, 3, device=dev)]
+    adasum.all_reduce(empties)
+
+    # non-finite values propagate identically on every rank
+    nan = torch.ones(6, device=dev)
+    if rank == world - 1:
+        nan[2] = float("nan")
+    adasum.all_reduce([nan, torch.ones(4, device=dev)])
+    if world > 1:
+        assert torch.isnan(nan).all()
+    out["nan"] = nan.cpu().numpy().tobytes()
+
+    # bad input: a clear error on every rank, never a hang
+    errors = {}
+    bad_cases = {
+        "count": [torch.ones(3, device=dev)] * (2 if rank == world - 1 else 1),
+        "shape": [torch.ones(3 if rank == world - 1 else 4, device=dev)],
+        "dtype": [torch.ones(3, device=dev, dtype=torch.float64 if rank == world - 1 else torch.float32)],
+    }
+    for name, tensors in bad_cases.items():
+        try:
+            adasum.all_reduce(tensors)
+            errors[name] = None
+        except ValueError as e:
+            errors[name] = str(e)
+    for kind in (torch.int64, torch.bool, torch.complex64):
+        with pytest.raises(TypeError):
+            adasum.all_reduce([torch.ones(3, device=dev, dtype=kind)])
+    out["errors"] = errors
+    return out
+
+
+@pytest.mark.parametrize("world", [1, 2, 3, 4, 5, 8])
+def test_all_reduce_matches_reference_and_is_bitwise_identical(world):
+    results = distributed.run(world, checks)
+    for key in results[0]:
+        if key == "errors":
+            continue
+        for r in range(1, world):
+            assert results[r][key] == results[0][key], f"rank {r} differs from rank 0 on {key}"
+    for r in range(world):
+        errors = results[r]["errors"]
+        if world == 1:
+            assert all(v is None for v in errors.values())
+            continue
+        assert "rank 0 passed 1, rank" in errors["count"] and "passed 2" in errors["count"]
+        assert "index 0" in errors["shape"] and "[4]" in errors["shape"] and "[3]" in errors["shape"]
+        assert "float64" in errors["dtype"] and "float32" in errors["dtype"]
+
+
+def test_world_size_one_leaves_inputs_unchanged():
+    def_ = distributed.run(1, _identity_body)
+    assert def_ == [True]
+
+
+def _identity_body(rank, world):
+    t = torch.randn(17)
+    before = t.clone()
+    adasum.all_reduce(t)
+    return bool(torch.equal(t, before))

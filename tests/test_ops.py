@@ -1,0 +1,147 @@
+import math
+
+import numpy as np
+import pytest
+import torch
+
+import adasum
+from adasum.tree import Tree
+from reference import tree as reference_tree
+
+
+def rel_err(x: torch.Tensor, ref) -> float:
+    ref = torch.as_tensor(np.asarray(ref), dtype=torch.float64)
+    return float((x.double() - ref).norm() / ref.norm().clamp_min(1e-300))
+
+
+def orthogonal_columns(n: int, p: int, seed: int) -> list[torch.Tensor]:
+    q, _ = torch.linalg.qr(torch.randn(n, p, generator=torch.Generator().manual_seed(seed), dtype=torch.float64))
+    return [q[:, i].clone() for i in range(p)]
+
+
+def test_combine_orthogonal_gives_sum_and_parallel_gives_mean():
+    a, b = orthogonal_columns(50, 2, 0)
+    assert torch.allclose(adasum.combine(a, b), a + b, atol=1e-14)
+    g = torch.Generator().manual_seed(1)
+    v = torch.randn(37, dtype=torch.float64, generator=g)
+    for ca, cb in [(3.0, -2.0), (-0.5, -7.0), (1e-3, 1e3)]:
+        out = adasum.combine(ca * v, cb * v)
+        assert torch.allclose(out, (ca + cb) / 2 * v, rtol=1e-12, atol=1e-12)
+
+
+def test_combine_zero_guard_never_nan():
+    b = torch.randn(10)
+    z = torch.zeros(10)
+    assert torch.equal(adasum.combine(z, z), z)
+    assert torch.equal(adasum.combine(z, b), b)
+    assert torch.equal(adasum.combine(b, z), b)
+    tiny = torch.full((4,), 1e-160, dtype=torch.float64)
+    assert torch.isfinite(adasum.combine(tiny, tiny)).all()
+
+
+def test_combine_matches_formula_and_keeps_shape_dtype():
+    g = torch.Generator().manual_seed(2)
+    a, b = torch.randn(3, 4, 5, generator=g), torch.randn(3, 4, 5, generator=g)
+    out = adasum.combine(a, b)
+    assert out.shape == a.shape and out.dtype == a.dtype
+    dot = (a.double() * b.double()).sum()
+    ref = (1 - dot / (2 * a.double().square().sum())) * a.double() + (1 - dot / (2 * b.double().square().sum())) * b.double()
+    assert rel_err(out, ref) < 1e-7
+
+
+def test_combine_is_homogeneous_and_symmetric():
+    g = torch.Generator().manual_seed(3)
+    a, b = torch.randn(100, dtype=torch.float64, generator=g), torch.randn(100, dtype=torch.float64, generator=g)
+    assert torch.allclose(adasum.combine(4.0 * a, 4.0 * b), 4.0 * adasum.combine(a, b), rtol=1e-12)
+    assert torch.allclose(adasum.combine(a, b), adasum.combine(b, a), rtol=1e-12)
+
+
+@pytest.mark.parametrize("bad", [torch.int32, torch.int64, torch.bool, torch.complex64])
+def test_non_floating_dtypes_raise_type_error(bad):
+    x = torch.ones(3, dtype=bad)
+    with pytest.raises(TypeError):
+        adasum.combine(x, x)
+    with pytest.raises(TypeError):
+        adasum.reduce([x, x])
+
+
+def test_mismatched_inputs_raise():
+    with pytest.raises(ValueError):
+        adasum.combine(torch.ones(3), torch.ones(4))
+    with pytest.raises(ValueError):
+        adasum.reduce([torch.ones(3), torch.ones(3, dtype=torch.float64)])
+    with pytest.raises(ValueError):
+        adasum.reduce([])
+
+
+@pytest.mark.parametrize("workers", list(range(1, 10)) + [16, 17, 31])
+def test_reduce_limits_for_any_worker_count(workers):
+    g = torch.Generator().manual_seed(workers)
+    ortho = orthogonal_columns(max(40, workers + 3), workers, workers)
+    assert torch.allclose(adasum.reduce(ortho), sum(ortho), atol=1e-12)
+    v = torch.randn(29, dtype=torch.float64, generator=g)
+    scales = torch.randn(workers, dtype=torch.float64, generator=g) * 3
+    parallel = [s * v for s in scales]
+    assert torch.allclose(adasum.reduce(parallel), scales.mean() * v, rtol=1e-10, atol=1e-12)
+
+
+@pytest.mark.parametrize("workers", [1, 2, 3, 4, 5, 6, 7, 8, 11])
+def test_reduce_matches_independent_tree(workers):
+    g = torch.Generator().manual_seed(100 + workers)
+    xs = [torch.randn(257, dtype=torch.float64, generator=g) for _ in range(workers)]
+    ref = reference_tree([x.numpy() for x in xs])
+    assert rel_err(adasum.reduce(xs), ref) < 1e-12
+
+
+def test_power_of_two_tree_is_horovods():
+    g = torch.Generator().manual_seed(7)
+    x = [torch.randn(64, dtype=torch.float64, generator=g) for _ in range(4)]
+    c = adasum.combine
+    horovod = c(c(x[0], x[1]), c(x[2], x[3]))
+    assert torch.allclose(adasum.reduce(x), horovod, rtol=1e-13, atol=1e-14)
+
+
+@pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-6), (torch.bfloat16, 2e-2), (torch.float16, 4e-3)])
+def test_reduce_low_precision_within_dtype_precision(dtype, tol):
+    g = torch.Generator().manual_seed(11)
+    xs = [torch.randn(1000, generator=g) for _ in range(5)]
+    low = [x.to(dtype) for x in xs]
+    out = adasum.reduce(low)
+    assert out.dtype == dtype
+    ref = reference_tree([x.double().numpy() for x in low])
+    assert rel_err(out, ref) < tol
+
+
+@pytest.mark.parametrize(
+    "dtype,exponents",
+    [
+        (torch.float32, range(-126, 128, 9)),
+        (torch.float16, range(-14, 16, 3)),
+        (torch.bfloat16, range(-126, 128, 9)),
+        (torch.float64, range(-250, 250, 25)),
+    ],
+)
+def test_stability_parallel_vectors_across_the_representable_range(dtype, exponents):
+    # Horovod's stability cases: parallel vectors whose scales span the dtype's range.
+    base = torch.tensor([0.5, -0.25, 0.75, 1.0], dtype=torch.float64)
+    for e in exponents:
+        for f in exponents:
+            a = (base * 2.0**e).to(dtype)
+            b = (base * 2.0**f).to(dtype)
+            out = adasum.combine(a, b)
+            expected = ((a.double() + b.double()) / 2).to(dtype)
+            assert torch.isfinite(out).all(), (e, f)
+            assert torch.allclose(out.double(), expected.double(), rtol=2 * torch.finfo(dtype).eps, atol=0), (e, f)
+
+
+def test_tree_counts():
+    t = Tree(5)
+    assert (t.groups, t.folded) == (4, 1)
+    assert [t.leader(g) for g in range(4)] == [0, 2, 3, 4]
+    assert t.follower(0) == 1 and t.follower(1) is None
+    assert t.count(0, 2) == 3 and t.count(2, 2) == 2 and t.count(0, 4) == 5
+    assert [t.group_of(r) for r in range(5)] == [0, 0, 1, 2, 3]
+    assert Tree(8).levels() == [1, 2, 4] and Tree(1).levels() == []
+    with pytest.raises(ValueError):
+        Tree(0)
+    assert math.isclose(adasum.ops.ZERO_NORM, 1.4916681462400413e-154)
