@@ -6,6 +6,17 @@ over any number of workers, and a bandwidth-optimal collective.
 
 from adasum.collectives import all_reduce, all_reduce_async
 from adasum.ops import combine, reduce
+from adasum.reducers import Adasum, Mean, Reducer, Sum, get_reducer
 
-__all__ = ["all_reduce", "all_reduce_async", "combine", "reduce"]
+__all__ = [
+    "Adasum",
+    "Mean",
+    "Reducer",
+    "Sum",
+    "all_reduce",
+    "all_reduce_async",
+    "combine",
+    "get_reducer",
+    "reduce",
+]
 __version__ = "0.1.0"

@@ -1,0 +1,138 @@
+"""How to combine across workers, behind one interface that every placement uses.
+
+A reducer answers one question: given the workers' copies of a list of tensors, what single
+list do they agree on? Each reducer has two forms that compute the same thing:
+
+* ``reduce(per_worker)``: single-process, over a list (one entry per worker) of lists of tensors;
+  the simulator runs this one.
+* ``all_reduce(tensors, group)``: in place across a torch.distributed process group;
+  ``all_reduce_flat(buffer, sizes, group)`` is the same on one flat buffer holding tensors of
+  `sizes` elements end to end (what a DDP bucket is).
+
+What is combined (gradients, optimizer deltas, model deltas) and what happens afterwards (an
+optimizer step, slow momentum) is the caller's business. Places that combine take a reducer
+object or its name: ``"sum"``, ``"mean"``, ``"adasum"``, ``"adacons"``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from adasum import ops
+from adasum.collectives import adasum_flat_
+from adasum.layout import flatten, group_by_dtype, unflatten_into
+
+
+class Reducer:
+    """Base class: subclasses implement `reduce` and `all_reduce_flat`."""
+
+    name = "reducer"
+
+    def reduce(self, per_worker: Sequence[Sequence[torch.Tensor]]) -> list[torch.Tensor]:
+        raise NotImplementedError
+
+    def all_reduce_flat(
+        self, buffer: torch.Tensor, sizes: Sequence[int], group: dist.ProcessGroup | None = None
+    ) -> None:
+        raise NotImplementedError
+
+    def all_reduce(self, tensors: Sequence[torch.Tensor], group: dist.ProcessGroup | None = None) -> None:
+        """In place across `group`; tensors are fused into one flat buffer per dtype."""
+        tensors = list(tensors)
+        for t in tensors:
+            ops.check_floating(t.dtype)
+        for indices in group_by_dtype(tensors).values():
+            members = [tensors[i] for i in indices]
+            flat = flatten(members)
+            self.all_reduce_flat(flat, [t.numel() for t in members], group)
+            unflatten_into(flat, members)
+
+    def state_dict(self) -> dict[str, Any]:
+        return {}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        pass
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}()"
+
+
+def _check_workers(per_worker: Sequence[Sequence[torch.Tensor]]) -> int:
+    if len(per_worker) == 0:
+        raise ValueError("reduce needs at least one worker")
+    count = len(per_worker[0])
+    for w, tensors in enumerate(per_worker):
+        if len(tensors) != count:
+            raise ValueError(f"worker 0 has {count} tensors, worker {w} has {len(tensors)}")
+    return count
+
+
+class Sum(Reducer):
+    """The plain sum over workers."""
+
+    name = "sum"
+
+    def reduce(self, per_worker):
+        count = _check_workers(per_worker)
+        return [torch.stack([w[i] for w in per_worker]).sum(0) for i in range(count)]
+
+    def all_reduce_flat(self, buffer, sizes, group=None):
+        dist.all_reduce(buffer, group=group)
+
+
+class Mean(Reducer):
+    """The average over workers (Horovod's and DDP's default)."""
+
+    name = "mean"
+
+    def reduce(self, per_worker):
+        count = _check_workers(per_worker)
+        return [torch.stack([w[i] for w in per_worker]).sum(0) / len(per_worker) for i in range(count)]
+
+    def all_reduce_flat(self, buffer, sizes, group=None):
+        dist.all_reduce(buffer, group=group)
+        buffer.div_(dist.get_world_size(group))
+
+
+class Adasum(Reducer):
+    """Adasum (see `adasum.ops`): per tensor by default; ``per_tensor=False`` uses one pair of
+    coefficients for all tensors together (the whole-model variant)."""
+
+    name = "adasum"
+
+    def __init__(self, per_tensor: bool = True) -> None:
+        self.per_tensor = per_tensor
+
+    def reduce(self, per_worker):
+        count = _check_workers(per_worker)
+        if self.per_tensor:
+            return [ops.reduce([w[i] for w in per_worker]) for i in range(count)]
+        flat = ops.reduce([torch.cat([t.reshape(-1) for t in w]) for w in per_worker])
+        return [p.view(t.shape) for p, t in zip(flat.split([t.numel() for t in per_worker[0]]), per_worker[0])]
+
+    def all_reduce_flat(self, buffer, sizes, group=None):
+        adasum_flat_(buffer, sizes if self.per_tensor else [buffer.numel()], group)
+
+    def __repr__(self) -> str:
+        return f"Adasum(per_tensor={self.per_tensor})"
+
+
+_REDUCERS: dict[str, type[Reducer]] = {"sum": Sum, "mean": Mean, "adasum": Adasum}
+
+
+def register(name: str, cls: type[Reducer]) -> None:
+    """Make `cls` available by `name` to every place that takes a reducer name."""
+    _REDUCERS[name] = cls
+
+
+def get_reducer(reducer: str | Reducer) -> Reducer:
+    """A reducer object from a reducer or its name ("sum", "mean", "adasum", "adacons")."""
+    if isinstance(reducer, Reducer):
+        return reducer
+    if isinstance(reducer, str) and reducer in _REDUCERS:
+        return _REDUCERS[reducer]()
+    raise ValueError(f"unknown reducer {reducer!r}; choose one of {sorted(_REDUCERS)} or pass a Reducer")
