@@ -22,6 +22,7 @@ Non-finite inputs propagate: a tensor with a NaN or Inf in either input comes ou
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Sequence
 
@@ -39,6 +40,12 @@ def check_floating(dtype: torch.dtype) -> None:
         raise TypeError(f"Adasum needs floating-point tensors, got {dtype}")
 
 
+@functools.lru_cache(maxsize=512)
+def _device_lengths(lengths: tuple[int, ...], device: torch.device) -> torch.Tensor:
+    # a fresh host-to-device copy would synchronise the host on every call; layouts repeat
+    return torch.tensor(lengths, dtype=torch.int64, device=device)
+
+
 _CPU_CHUNK = 65536  # float64 pairs of this many elements stay in cache
 
 
@@ -53,7 +60,7 @@ def dot_and_norms(a: torch.Tensor, b: torch.Tensor, lengths: Sequence[int]) -> t
     if a.device.type != "cpu":
         a64, b64 = a.to(torch.float64), b.to(torch.float64)
         products = torch.stack([a64 * b64, a64 * a64, b64 * b64])
-        seg = torch.tensor(lengths, dtype=torch.int64, device=a.device)
+        seg = _device_lengths(tuple(lengths), a.device)
         return torch.segment_reduce(products, "sum", lengths=seg, axis=1, unsafe=True)
     gram = torch.zeros(len(lengths), 2, 2, dtype=torch.float64)
     pair = torch.empty(2, min(_CPU_CHUNK, max(lengths, default=0)), dtype=torch.float64)
@@ -91,7 +98,7 @@ def scale_add(
     """``out = coeff_a * a + coeff_b * b`` segment by segment, computed in float64 and written in
     out's dtype. `out` may alias `a` or `b`."""
     if a.device.type != "cpu":
-        seg = torch.tensor(lengths, dtype=torch.int64, device=a.device)
+        seg = _device_lengths(tuple(lengths), a.device)
         n = a.numel()
         ca = torch.repeat_interleave(coeff_a, seg, output_size=n)
         cb = torch.repeat_interleave(coeff_b, seg, output_size=n)
