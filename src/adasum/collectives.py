@@ -82,6 +82,9 @@ def _post(
     p2p = [dist.P2POp(dist.isend, t, peer, group) for t in sends if t.numel() > 0]
     p2p += [dist.P2POp(dist.irecv, t, peer, group) for t in recvs if t.numel() > 0]
     works = list(dist.batch_isend_irecv(p2p)) if p2p else []
+    if len(works) != len(p2p):
+        # NCCL coalesces a batch into one work: every receive then waits for the whole batch
+        return works, [works[0] if t.numel() > 0 else None for t in recvs]
     n_send = sum(1 for t in sends if t.numel() > 0)
     send_works, recv_iter = works[:n_send], iter(works[n_send:])
     recv_works = [next(recv_iter) if t.numel() > 0 else None for t in recvs]

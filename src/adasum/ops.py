@@ -49,6 +49,13 @@ def _device_lengths(lengths: tuple[int, ...], device: torch.device) -> torch.Ten
 _CPU_CHUNK = 65536  # float64 pairs of this many elements stay in cache
 
 
+def _dot_and_norms_batched(a: torch.Tensor, b: torch.Tensor, lengths: Sequence[int]) -> torch.Tensor:
+    a64, b64 = a.to(torch.float64), b.to(torch.float64)
+    products = torch.stack([a64 * b64, a64 * a64, b64 * b64], dim=1)  # [n, 3]
+    seg = _device_lengths(tuple(lengths), a.device)
+    return torch.segment_reduce(products, "sum", lengths=seg, axis=0, unsafe=True).t()
+
+
 def dot_and_norms(a: torch.Tensor, b: torch.Tensor, lengths: Sequence[int]) -> torch.Tensor:
     """Per-segment ``<a,b>``, ``|a|^2``, ``|b|^2`` of two flat tensors, in float64, as a [3, T] tensor.
 
@@ -58,10 +65,7 @@ def dot_and_norms(a: torch.Tensor, b: torch.Tensor, lengths: Sequence[int]) -> t
     on GPUs a few batched kernels serve all segments together, with no host synchronisation.
     """
     if a.device.type != "cpu":
-        a64, b64 = a.to(torch.float64), b.to(torch.float64)
-        products = torch.stack([a64 * b64, a64 * a64, b64 * b64])
-        seg = _device_lengths(tuple(lengths), a.device)
-        return torch.segment_reduce(products, "sum", lengths=seg, axis=1, unsafe=True)
+        return _dot_and_norms_batched(a, b, lengths)
     gram = torch.zeros(len(lengths), 2, 2, dtype=torch.float64)
     pair = torch.empty(2, min(_CPU_CHUNK, max(lengths, default=0)), dtype=torch.float64)
     start = 0
@@ -87,6 +91,14 @@ def coefficients(
     return coeff_a, coeff_b
 
 
+def _scale_add_batched(a, b, coeff_a, coeff_b, lengths: Sequence[int], out: torch.Tensor) -> None:
+    seg = _device_lengths(tuple(lengths), a.device)
+    n = a.numel()
+    ca = torch.repeat_interleave(coeff_a, seg, output_size=n)
+    cb = torch.repeat_interleave(coeff_b, seg, output_size=n)
+    out.copy_(torch.addcmul(ca * a.to(torch.float64), cb, b.to(torch.float64)))
+
+
 def scale_add(
     a: torch.Tensor,
     b: torch.Tensor,
@@ -98,11 +110,7 @@ def scale_add(
     """``out = coeff_a * a + coeff_b * b`` segment by segment, computed in float64 and written in
     out's dtype. `out` may alias `a` or `b`."""
     if a.device.type != "cpu":
-        seg = _device_lengths(tuple(lengths), a.device)
-        n = a.numel()
-        ca = torch.repeat_interleave(coeff_a, seg, output_size=n)
-        cb = torch.repeat_interleave(coeff_b, seg, output_size=n)
-        out.copy_(torch.addcmul(ca * a.to(torch.float64), cb, b.to(torch.float64)))
+        _scale_add_batched(a, b, coeff_a, coeff_b, lengths, out)
         return
     coeffs = torch.stack([coeff_a, coeff_b], dim=1).unsqueeze(1)  # [T, 1, 2]
     pair = torch.empty(2, min(_CPU_CHUNK, max(lengths, default=0)), dtype=torch.float64)
