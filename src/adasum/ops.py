@@ -22,12 +22,13 @@ Non-finite inputs propagate: a tensor with a NaN or Inf in either input comes ou
 
 from __future__ import annotations
 
-import functools
 import math
 from collections.abc import Sequence
 
 import torch
 
+from adasum import triton_kernels
+from adasum.tiles import tiles
 from adasum.tree import Tree
 
 ZERO_NORM = math.sqrt(torch.finfo(torch.float64).tiny)
@@ -40,20 +41,17 @@ def check_floating(dtype: torch.dtype) -> None:
         raise TypeError(f"Adasum needs floating-point tensors, got {dtype}")
 
 
-@functools.lru_cache(maxsize=512)
-def _device_lengths(lengths: tuple[int, ...], device: torch.device) -> torch.Tensor:
-    # a fresh host-to-device copy would synchronise the host on every call; layouts repeat
-    return torch.tensor(lengths, dtype=torch.int64, device=device)
-
-
 _CPU_CHUNK = 65536  # float64 pairs of this many elements stay in cache
 
 
 def _dot_and_norms_batched(a: torch.Tensor, b: torch.Tensor, lengths: Sequence[int]) -> torch.Tensor:
+    """Torch-only device path: products in float64, summed per tile, then tiles per segment.
+    (segment_reduce runs one thread per segment: fine for tiles, hopeless for a whole tensor.)"""
+    table = tiles(tuple(lengths), a.device)
     a64, b64 = a.to(torch.float64), b.to(torch.float64)
     products = torch.stack([a64 * b64, a64 * a64, b64 * b64], dim=1)  # [n, 3]
-    seg = _device_lengths(tuple(lengths), a.device)
-    return torch.segment_reduce(products, "sum", lengths=seg, axis=0, unsafe=True).t()
+    tile_sums = torch.segment_reduce(products, "sum", lengths=table.sizes, axis=0, unsafe=True)
+    return torch.segment_reduce(tile_sums, "sum", lengths=table.count, axis=0, unsafe=True).t()
 
 
 def dot_and_norms(a: torch.Tensor, b: torch.Tensor, lengths: Sequence[int]) -> torch.Tensor:
@@ -64,6 +62,8 @@ def dot_and_norms(a: torch.Tensor, b: torch.Tensor, lengths: Sequence[int]) -> t
     into a cached 2 x chunk float64 block whose Gram matrix (one BLAS call) gives all three sums;
     on GPUs a few batched kernels serve all segments together, with no host synchronisation.
     """
+    if triton_kernels.available(a.device):
+        return triton_kernels.dot_and_norms(a, b, lengths)
     if a.device.type != "cpu":
         return _dot_and_norms_batched(a, b, lengths)
     gram = torch.zeros(len(lengths), 2, 2, dtype=torch.float64)
@@ -92,10 +92,11 @@ def coefficients(
 
 
 def _scale_add_batched(a, b, coeff_a, coeff_b, lengths: Sequence[int], out: torch.Tensor) -> None:
-    seg = _device_lengths(tuple(lengths), a.device)
+    seg = tiles(tuple(lengths), a.device).segments
+    sizes = tiles(tuple(lengths), a.device).sizes
     n = a.numel()
-    ca = torch.repeat_interleave(coeff_a, seg, output_size=n)
-    cb = torch.repeat_interleave(coeff_b, seg, output_size=n)
+    ca = torch.repeat_interleave(coeff_a[seg], sizes, output_size=n)
+    cb = torch.repeat_interleave(coeff_b[seg], sizes, output_size=n)
     out.copy_(torch.addcmul(ca * a.to(torch.float64), cb, b.to(torch.float64)))
 
 
@@ -109,6 +110,9 @@ def scale_add(
 ) -> None:
     """``out = coeff_a * a + coeff_b * b`` segment by segment, computed in float64 and written in
     out's dtype. `out` may alias `a` or `b`."""
+    if triton_kernels.available(a.device):
+        triton_kernels.scale_add(a, b, coeff_a, coeff_b, lengths, out)
+        return
     if a.device.type != "cpu":
         _scale_add_batched(a, b, coeff_a, coeff_b, lengths, out)
         return
