@@ -5,7 +5,6 @@ steps with momentum also against the independent NumPy reference, and as a DDP c
 import numpy as np
 import pytest
 import torch
-import torch.distributed as dist
 
 import adasum
 import distributed
@@ -89,7 +88,8 @@ def checks(rank, world):
         expected = torch.cat([t.reshape(-1) for t in flat_single.reduce([list(w.split(sizes)) for w in per_worker])])
         assert rel_err(buffer, expected) < TOL[torch.float32], (name, rel_err(buffer, expected))
         out[f"{name}-flat"] = buffer.numpy().tobytes()
-    out["ddp"] = ddp_hook_check(rank, world)
+    if world == 3:  # one world size is enough for the hook; DDP's start-up is slow on gloo
+        out["ddp"] = ddp_hook_check(rank, world)
     return out
 
 

@@ -1,6 +1,6 @@
 """SlowMo against hand-written references: tau = 1 with SGD(lr=1) is momentum SGD on the reduced
 gradient (mean and Adasum); tau = 3 with momentum SGD is SlowMo done by hand; local SGD is periodic
-averaging; buffers policies; lr = 0; checkpoints resumed mid-period are bitwise equal to an
+averaging; DDP-synchronised base steps; buffers policies; lr = 0; checkpoints resumed mid-period are bitwise equal to an
 uninterrupted run; one worker (Lookahead) with and without a process group."""
 
 import io
@@ -179,6 +179,27 @@ def checks(rank, world):
     dist.all_gather_object(everyone, before)
     assert close(model[2].parameters(), [sum(e[k] for e in everyone) / world for k in range(2)], 1e-12)
     assert all(torch.isfinite(m).all() for m in opt.state_dict()["momentum"])
+
+    # the base algorithm DDP-synchronised: Lookahead-like slow steps on mean-gradient SGD
+    ddp = torch.nn.parallel.DistributedDataParallel(make_model())
+    opt = adasum.SlowMo(torch.optim.SGD(ddp.parameters(), lr=0.1, momentum=0.9), sync_every=2,
+                        slow_lr=0.6, slow_momentum=0.5, module=ddp)
+    for step in range(5):
+        opt.zero_grad()
+        backward(ddp, rank, step)
+        opt.step()
+    x = [p.detach().clone() for p in make_model().parameters()]
+    anchor, u, buf = [p.clone() for p in x], [torch.zeros_like(p) for p in x], None
+    for step in range(5):
+        g = [sum(gs) / world for gs in zip(*(grads_at(x, j, step) for j in range(world)))]
+        buf = g if buf is None else [0.9 * b + gi for b, gi in zip(buf, g)]
+        x = [xi - 0.1 * b for xi, b in zip(x, buf)]
+        if step % 2 == 1:
+            u = [0.5 * uk + (a - xi) / 0.1 for uk, a, xi in zip(u, anchor, x)]
+            anchor = [a - 0.6 * 0.1 * uk for a, uk in zip(anchor, u)]
+            x = [a.clone() for a in anchor]
+    assert close(ddp.parameters(), x)
+    out["ddp"] = model_bytes(ddp)
 
     out["resume"] = resume_check(rank, world)
     return out

@@ -196,7 +196,8 @@ class AdaCons(Reducer):
     def _weights(
         self, key: str, dots: torch.Tensor, sq_norms: torch.Tensor, mean_sq: torch.Tensor
     ) -> torch.Tensor:
-        """Weights [S, N] from per-tensor partials ([T, N], [T, N], [T]); updates the key's state."""
+        """Weights [S, N] from per-tensor (or already summed) partials ([T, N], [T, N], [T]); updates
+        the key's state."""
         if not self.per_tensor:
             dots, sq_norms, mean_sq = dots.sum(0, keepdim=True), sq_norms.sum(0, keepdim=True), mean_sq.sum(0, keepdim=True)
         state = self._states.get(key)
@@ -315,6 +316,8 @@ class AdaCons(Reducer):
             part = ops.dot_and_norms(flat.to(torch.float64), mean.to(torch.float64), lengths)
             partials[:, torch.tensor(where, dtype=torch.int64, device=device)] = part.to(device)
             del mean
+        if not self.per_tensor:  # whole model: gather 3 numbers per rank, not 3 per tensor
+            partials = partials.sum(1, keepdim=True)
         gathered = [torch.empty_like(partials) for _ in range(world)]
         dist.all_gather(gathered, partials, group=group)
         stacked = torch.stack(gathered)  # [N, 3, T]
