@@ -236,12 +236,10 @@ class AdaCons(Reducer):
         sq_norms = torch.zeros(count, workers, dtype=torch.float64)
         mean_sq = torch.zeros(count, dtype=torch.float64)
         for i in range(count):
-            m = means[i].reshape(-1).to(torch.float64)
-            mean_sq[i] = torch.dot(m, m)
+            m = means[i].reshape(-1)
             for j in range(workers):
-                g = per_worker[j][i].reshape(-1).to(torch.float64)
-                dots[i, j] = torch.dot(g, m)
-                sq_norms[i, j] = torch.dot(g, g)
+                part = ops.dot_and_norms(per_worker[j][i].reshape(-1), m, [m.numel()])[:, 0].cpu()
+                dots[i, j], sq_norms[i, j], mean_sq[i] = part
         weights = self._weights(self._key([(t.dtype, t.numel()) for t in first], key), dots, sq_norms, mean_sq)
         out = []
         for i in range(count):
@@ -313,7 +311,7 @@ class AdaCons(Reducer):
             dist.all_reduce(mean, group=group)
             mean.div_(world)
             # rows: <g_i, m>, |g_i|^2, |m|^2 for each tensor of this buffer
-            part = ops.dot_and_norms(flat.to(torch.float64), mean.to(torch.float64), lengths)
+            part = ops.dot_and_norms(flat, mean, lengths)  # float64 sums, no float64 copies
             partials[:, torch.tensor(where, dtype=torch.int64, device=device)] = part.to(device)
             del mean
         if not self.per_tensor:  # whole model: gather 3 numbers per rank, not 3 per tensor
