@@ -121,8 +121,7 @@ def _halves(lo: int, hi: int, lower: bool) -> tuple[tuple[int, int], tuple[int, 
 def _combine_local(buffer: torch.Tensor, other: torch.Tensor, layout: Layout) -> None:
     """buffer := adasum(buffer, other) per tensor, both standing for one worker (the fold)."""
     lengths = list(layout.sizes)
-    coeff_a, coeff_b = ops.coefficients(ops.dot_and_norms(buffer, other, lengths), 0.5, 0.5)
-    ops.scale_add(buffer, other, coeff_a, coeff_b, lengths, out=buffer)
+    ops.combine_from_sums(buffer, other, ops.dot_and_norms(buffer, other, lengths), 0.5, 0.5, lengths, out=buffer)
 
 
 def adasum_flat_(buffer: torch.Tensor, sizes: Sequence[int], group: dist.ProcessGroup | None = None) -> None:
@@ -187,15 +186,13 @@ def adasum_flat_(buffer: torch.Tensor, sizes: Sequence[int], group: dist.Process
             _wait(recv_works)
             first, lengths = layout.overlap(lo, hi)
             if lengths:
-                sums[block, :, first : first + len(lengths)] += ops.dot_and_norms(*pair(lo, hi), lengths)
+                ops.dot_and_norms(*pair(lo, hi), lengths, out=sums[block, :, first : first + len(lengths)])
         _wait([w for send_works, _ in posted for w in send_works])
         dist.all_reduce(sums, group=group)
 
         base = block * 2 * d
         workers_a, workers_b = tree.count(base, d), tree.count(base + d, d)
-        coeff_a, coeff_b = ops.coefficients(
-            sums[block], workers_a / (workers_a + workers_b), workers_b / (workers_a + workers_b)
-        )
+        weight_a, weight_b = workers_a / (workers_a + workers_b), workers_b / (workers_a + workers_b)
         # The last level's pieces go to the partner as soon as they are computed: the gather's
         # first step, overlapped with the math of the next piece.
         last = d == levels[-1]
@@ -203,8 +200,10 @@ def adasum_flat_(buffer: torch.Tensor, sizes: Sequence[int], group: dist.Process
         for (lo, hi), (g0, g1) in zip(kept, given):
             first, lengths = layout.overlap(lo, hi)
             if lengths:
-                picked = slice(first, first + len(lengths))
-                ops.scale_add(*pair(lo, hi), coeff_a[picked], coeff_b[picked], lengths, out=buffer[lo:hi])
+                ops.combine_from_sums(
+                    *pair(lo, hi), sums[block, :, first : first + len(lengths)], weight_a, weight_b, lengths,
+                    out=buffer[lo:hi],
+                )
             if last:
                 gathers.append(_post([buffer[lo:hi]], [buffer[g0:g1]], peer, group))
         _wait([w for sends, recvs in gathers for w in sends + recvs])

@@ -54,18 +54,26 @@ def _dot_and_norms_batched(a: torch.Tensor, b: torch.Tensor, lengths: Sequence[i
     return torch.segment_reduce(tile_sums, "sum", lengths=table.count, axis=0, unsafe=True).t()
 
 
-def dot_and_norms(a: torch.Tensor, b: torch.Tensor, lengths: Sequence[int]) -> torch.Tensor:
+def dot_and_norms(
+    a: torch.Tensor, b: torch.Tensor, lengths: Sequence[int], out: torch.Tensor | None = None
+) -> torch.Tensor:
     """Per-segment ``<a,b>``, ``|a|^2``, ``|b|^2`` of two flat tensors, in float64, as a [3, T] tensor.
 
     `lengths` splits the flat tensors into T consecutive segments (zero lengths allowed); their sum
     is ``a.numel()``. Everything is computed in float64. On the CPU, chunks of both inputs are cast
     into a cached 2 x chunk float64 block whose Gram matrix (one BLAS call) gives all three sums;
-    on GPUs a few batched kernels serve all segments together, with no host synchronisation.
+    on GPUs Triton kernels (or, without Triton, a few batched torch kernels) serve all segments
+    together, with no host synchronisation. With `out` ([3, T] float64), the sums are added into it.
     """
     if triton_kernels.available(a.device):
-        return triton_kernels.dot_and_norms(a, b, lengths)
-    if a.device.type != "cpu":
-        return _dot_and_norms_batched(a, b, lengths)
+        return triton_kernels.dot_and_norms(a, b, lengths, out)
+    sums = _dot_and_norms_batched(a, b, lengths) if a.device.type != "cpu" else _dot_and_norms_blocked(a, b, lengths)
+    if out is None:
+        return sums
+    return out.add_(sums)
+
+
+def _dot_and_norms_blocked(a: torch.Tensor, b: torch.Tensor, lengths: Sequence[int]) -> torch.Tensor:
     gram = torch.zeros(len(lengths), 2, 2, dtype=torch.float64)
     pair = torch.empty(2, min(_CPU_CHUNK, max(lengths, default=0)), dtype=torch.float64)
     start = 0
@@ -110,9 +118,6 @@ def scale_add(
 ) -> None:
     """``out = coeff_a * a + coeff_b * b`` segment by segment, computed in float64 and written in
     out's dtype. `out` may alias `a` or `b`."""
-    if triton_kernels.available(a.device):
-        triton_kernels.scale_add(a, b, coeff_a, coeff_b, lengths, out)
-        return
     if a.device.type != "cpu":
         _scale_add_batched(a, b, coeff_a, coeff_b, lengths, out)
         return
@@ -131,6 +136,24 @@ def scale_add(
         start += n
 
 
+def combine_from_sums(
+    a: torch.Tensor,
+    b: torch.Tensor,
+    sums: torch.Tensor,
+    weight_a: float,
+    weight_b: float,
+    lengths: Sequence[int],
+    out: torch.Tensor,
+) -> None:
+    """``out = c_a a + c_b b`` per segment, with (c_a, c_b) = ``coefficients(sums, weight_a, weight_b)``.
+    One fused kernel on GPUs with Triton; `out` may alias `a` or `b`."""
+    if triton_kernels.available(a.device):
+        triton_kernels.combine(a, b, sums, weight_a, weight_b, ZERO_NORM, lengths, out)
+        return
+    coeff_a, coeff_b = coefficients(sums, weight_a, weight_b)
+    scale_add(a, b, coeff_a, coeff_b, lengths, out)
+
+
 def combine_weighted(a: torch.Tensor, b: torch.Tensor, workers_a: int, workers_b: int) -> torch.Tensor:
     """The operator for `a` standing for `workers_a` workers and `b` for `workers_b` (module doc)."""
     if a.shape != b.shape:
@@ -141,9 +164,9 @@ def combine_weighted(a: torch.Tensor, b: torch.Tensor, workers_a: int, workers_b
     total = workers_a + workers_b
     flat_a, flat_b = a.reshape(-1), b.reshape(-1)
     lengths = [flat_a.numel()]
-    coeff_a, coeff_b = coefficients(dot_and_norms(flat_a, flat_b, lengths), workers_a / total, workers_b / total)
     out = torch.empty(a.shape, dtype=a.dtype, device=a.device)
-    scale_add(flat_a, flat_b, coeff_a, coeff_b, lengths, out.view(-1))
+    sums = dot_and_norms(flat_a, flat_b, lengths)
+    combine_from_sums(flat_a, flat_b, sums, workers_a / total, workers_b / total, lengths, out.view(-1))
     return out
 
 
