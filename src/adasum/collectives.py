@@ -121,7 +121,7 @@ def _halves(lo: int, hi: int, lower: bool) -> tuple[tuple[int, int], tuple[int, 
 def _combine_local(buffer: torch.Tensor, other: torch.Tensor, layout: Layout) -> None:
     """buffer := adasum(buffer, other) per tensor, both standing for one worker (the fold)."""
     lengths = list(layout.sizes)
-    ops.combine_from_sums(buffer, other, ops.dot_and_norms(buffer, other, lengths), 0.5, 0.5, lengths, out=buffer)
+    ops.combine_from_sums(buffer, other, ops.dot_and_norms(buffer, other, lengths), 1, 1, lengths, out=buffer)
 
 
 def adasum_flat_(buffer: torch.Tensor, sizes: Sequence[int], group: dist.ProcessGroup | None = None) -> None:
@@ -192,7 +192,6 @@ def adasum_flat_(buffer: torch.Tensor, sizes: Sequence[int], group: dist.Process
 
         base = block * 2 * d
         workers_a, workers_b = tree.count(base, d), tree.count(base + d, d)
-        weight_a, weight_b = workers_a / (workers_a + workers_b), workers_b / (workers_a + workers_b)
         # The last level's pieces go to the partner as soon as they are computed: the gather's
         # first step, overlapped with the math of the next piece.
         last = d == levels[-1]
@@ -201,7 +200,7 @@ def adasum_flat_(buffer: torch.Tensor, sizes: Sequence[int], group: dist.Process
             first, lengths = layout.overlap(lo, hi)
             if lengths:
                 ops.combine_from_sums(
-                    *pair(lo, hi), sums[block, :, first : first + len(lengths)], weight_a, weight_b, lengths,
+                    *pair(lo, hi), sums[block, :, first : first + len(lengths)], workers_a, workers_b, lengths,
                     out=buffer[lo:hi],
                 )
             if last:

@@ -140,17 +140,19 @@ def combine_from_sums(
     a: torch.Tensor,
     b: torch.Tensor,
     sums: torch.Tensor,
-    weight_a: float,
-    weight_b: float,
+    workers_a: int,
+    workers_b: int,
     lengths: Sequence[int],
     out: torch.Tensor,
 ) -> None:
-    """``out = c_a a + c_b b`` per segment, with (c_a, c_b) = ``coefficients(sums, weight_a, weight_b)``.
-    One fused kernel on GPUs with Triton; `out` may alias `a` or `b`."""
+    """``out = c_a a + c_b b`` per segment, `a` standing for `workers_a` workers and `b` for
+    `workers_b`, with (c_a, c_b) = ``coefficients(sums, w_a, w_b)``. One fused kernel on GPUs with
+    Triton; `out` may alias `a` or `b`."""
     if triton_kernels.available(a.device):
-        triton_kernels.combine(a, b, sums, weight_a, weight_b, ZERO_NORM, lengths, out)
+        triton_kernels.combine(a, b, sums, workers_a, workers_b, lengths, out)
         return
-    coeff_a, coeff_b = coefficients(sums, weight_a, weight_b)
+    total = workers_a + workers_b
+    coeff_a, coeff_b = coefficients(sums, workers_a / total, workers_b / total)
     scale_add(a, b, coeff_a, coeff_b, lengths, out)
 
 
@@ -161,12 +163,11 @@ def combine_weighted(a: torch.Tensor, b: torch.Tensor, workers_a: int, workers_b
     if a.dtype != b.dtype:
         raise TypeError(f"dtypes differ: {a.dtype} and {b.dtype}")
     check_floating(a.dtype)
-    total = workers_a + workers_b
     flat_a, flat_b = a.reshape(-1), b.reshape(-1)
     lengths = [flat_a.numel()]
     out = torch.empty(a.shape, dtype=a.dtype, device=a.device)
     sums = dot_and_norms(flat_a, flat_b, lengths)
-    combine_from_sums(flat_a, flat_b, sums, workers_a / total, workers_b / total, lengths, out.view(-1))
+    combine_from_sums(flat_a, flat_b, sums, workers_a, workers_b, lengths, out.view(-1))
     return out
 
 

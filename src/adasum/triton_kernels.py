@@ -79,12 +79,17 @@ if triton is not None:
         tl.store(out_ptr + row_stride + seg, aa_sum)
         tl.store(out_ptr + 2 * row_stride + seg, bb_sum)
 
-    @triton.jit
+    @triton.jit(do_not_specialize=["workers_a", "workers_b"])  # a count of 1 would become a Python int
     def _combine_kernel(
-        a_ptr, b_ptr, sums_ptr, row_stride, weight_a, weight_b, zero_norm, out_ptr, starts_ptr, sizes_ptr, segs_ptr,
+        a_ptr, b_ptr, sums_ptr, row_stride, workers_a, workers_b, out_ptr, starts_ptr, sizes_ptr, segs_ptr,
         BLOCK: tl.constexpr, ITERS: tl.constexpr,
     ):
-        # the coefficients of ops.coefficients, computed per tile from the segment's three sums
+        # The coefficients of ops.coefficients, computed per tile from the segment's three sums.
+        # Python floats would arrive as float32 (1/3 inexact, the zero guard 2**-511 flushed to 0),
+        # so the weights come as worker counts and the guard is built from its float64 bits.
+        weight_a = workers_a.to(tl.float64) / (workers_a + workers_b).to(tl.float64)
+        weight_b = workers_b.to(tl.float64) / (workers_a + workers_b).to(tl.float64)
+        zero_norm = tl.full([], 0x2000000000000000, tl.int64).to(tl.float64, bitcast=True)  # 2**-511
         tile = tl.program_id(0)
         start = tl.load(starts_ptr + tile)
         size = tl.load(sizes_ptr + tile)
@@ -132,7 +137,7 @@ def dot_and_norms(
 
 
 def combine(
-    a: torch.Tensor, b: torch.Tensor, sums: torch.Tensor, weight_a: float, weight_b: float, zero_norm: float,
+    a: torch.Tensor, b: torch.Tensor, sums: torch.Tensor, workers_a: int, workers_b: int,
     lengths: Sequence[int], out: torch.Tensor,
 ) -> None:
     """``out = c_a * a + c_b * b`` per segment with the coefficients of the segment's `sums`
@@ -141,6 +146,6 @@ def combine(
     if table.n_tiles:
         assert sums.stride(1) == 1 and sums.dtype == torch.float64
         _combine_kernel[(table.n_tiles,)](
-            a, b, sums, sums.stride(0), weight_a, weight_b, zero_norm, out,
+            a, b, sums, sums.stride(0), workers_a, workers_b, out,
             table.starts, table.sizes, table.segments, BLOCK=BLOCK, ITERS=ITERS,
         )
