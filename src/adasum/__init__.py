@@ -5,18 +5,26 @@ over any number of workers, and a bandwidth-optimal collective.
 """
 
 from adasum.collectives import all_reduce, all_reduce_async
+from adasum.groups import CollectiveError, group_timeout
+from adasum.nonfinite import NonFinite, NonFiniteError, check_finite, find_nonfinite
 from adasum.ops import combine, reduce
 from adasum.reducers import Adasum, Mean, Reducer, Sum, get_reducer
 
 __all__ = [
     "Adasum",
+    "CollectiveError",
     "Mean",
+    "NonFinite",
+    "NonFiniteError",
     "Reducer",
     "Sum",
     "all_reduce",
     "all_reduce_async",
+    "check_finite",
     "combine",
+    "find_nonfinite",
     "get_reducer",
+    "group_timeout",
     "reduce",
 ]
 __version__ = "0.1.0"
