@@ -2,13 +2,18 @@
 
 The body is a module-level function ``body(rank, world_size, *args)``; whatever it returns comes back
 to the test, one entry per rank, and an exception in any rank fails the test with that rank's traceback.
+A rank that exits without a result fails the test too, unless ``allow_exit=True`` (fault tests that
+kill a rank on purpose): its entry is then an `Exited` with its exit code.
 """
 
 from __future__ import annotations
 
 import os
+import queue
 import tempfile
+import time
 import traceback
+from dataclasses import dataclass
 from datetime import timedelta
 
 import torch
@@ -16,6 +21,13 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 BACKEND = os.environ.get("ADASUM_TEST_BACKEND", "gloo")
+
+
+@dataclass(frozen=True)
+class Exited:
+    """The result of a rank that exited without returning (only with ``run(..., allow_exit=True)``)."""
+
+    exitcode: int | None
 
 
 def device_for(rank: int) -> torch.device:
@@ -43,8 +55,48 @@ def _worker(rank, world_size, store_path, backend, timeout_s, env, body, args, r
         results.put((rank, "error", traceback.format_exc()))
 
 
-def run(world_size: int, body, *args, timeout_s: float = 120, backend: str | None = None, env=None) -> list:
-    """Run `body` on `world_size` ranks and return the per-rank results, in rank order."""
+def _collect(procs, results, timeout_s: float) -> dict:
+    """{rank: (status, value)} for every rank: "ok"/"error" as reported, "exited" with the exit code
+    for a rank whose process ended without reporting. Each result has `timeout_s` to arrive."""
+    got: dict[int, tuple] = {}
+    deadline = time.monotonic() + timeout_s
+    while len(got) < len(procs):
+        try:
+            rank, status, value = results.get(timeout=0.5)
+            got[rank] = (status, value)
+            deadline = time.monotonic() + timeout_s
+            continue
+        except queue.Empty:
+            pass
+        gone = [r for r, p in enumerate(procs) if r not in got and p.exitcode is not None]
+        if gone:
+            try:  # a rank that finished normally may have left its result in the pipe
+                while True:
+                    rank, status, value = results.get(timeout=2)
+                    got[rank] = (status, value)
+            except queue.Empty:
+                pass
+            for r in gone:
+                got.setdefault(r, ("exited", procs[r].exitcode))
+        if time.monotonic() > deadline:
+            missing = sorted(set(range(len(procs))) - set(got))
+            raise AssertionError(f"ranks {missing} gave no result within {timeout_s:g} s")
+    return got
+
+
+def run(
+    world_size: int,
+    body,
+    *args,
+    timeout_s: float = 120,
+    backend: str | None = None,
+    env=None,
+    allow_exit: bool = False,
+) -> list:
+    """Run `body` on `world_size` ranks and return the per-rank results, in rank order.
+
+    With `allow_exit`, a rank that exits without a result gives an `Exited` entry instead of failing.
+    """
     backend = backend or BACKEND
     ctx = mp.get_context("spawn")
     results = ctx.Queue()
@@ -72,10 +124,13 @@ def run(world_size: int, body, *args, timeout_s: float = 120, backend: str | Non
         out: dict[int, object] = {}
         errors = []
         try:
-            for _ in range(world_size):
-                rank, status, value = results.get(timeout=timeout_s + 60)
+            for rank, (status, value) in sorted(_collect(procs, results, timeout_s + 60).items()):
                 if status == "ok":
                     out[rank] = value
+                elif status == "exited" and allow_exit:
+                    out[rank] = Exited(value)
+                elif status == "exited":
+                    errors.append(f"rank {rank}: exited with code {value} without a result")
                 else:
                     errors.append(f"rank {rank}:\n{value}")
         finally:

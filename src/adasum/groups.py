@@ -9,6 +9,7 @@ that says which step, level and peer failed, and after how long.
 
 from __future__ import annotations
 
+import re
 from collections.abc import Iterator
 from contextlib import contextmanager
 from datetime import timedelta
@@ -64,7 +65,8 @@ def failures_named(
     except RuntimeError as error:  # gloo raises RuntimeError (DistBackendError is one)
         timeout = timeout if timeout is not None else group_timeout(group)
         lines = str(error).strip().splitlines()
-        cause = lines[0] if lines else type(error).__name__
+        # gloo prefixes its source location: "[/path/gloo/transport/tcp/pair.cc:553] Connection closed ..."
+        cause = re.sub(r"^\[[^\]]*\]\s*", "", lines[0]) if lines else type(error).__name__
         raise CollectiveError(
             f"{operation} on rank {dist.get_rank(group)} of {dist.get_world_size(group)}: {step} failed "
             f"(group timeout {timeout.total_seconds():g} s): a peer died, stalled past the timeout or "
