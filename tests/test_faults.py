@@ -75,9 +75,10 @@ def fault_body(rank, world, victim, action, target, call):
 
 # (world, victim, action, target, call, {survivor: the step its error must name})
 SCENARIOS = {
-    "exit-before-first-exchange-w3": (
-        3, 2, "exit", "exchange", 1,
-        {0: "the reduce-scatter exchange at level 1 of 1 with rank 2", 1: "the dot-product all-reduce at level 1 of 1"},
+    # world 3: rank 1 is folded into rank 0, then ranks 0 and 2 run the tree
+    "exit-before-the-fold-w3": (
+        3, 1, "exit", "exchange", 1,
+        {0: "the fold (receiving from rank 1)", 2: "the reduce-scatter exchange at level 1 of 1 with rank 0"},
     ),
     "stall-at-level-2-exchange-w4": (
         4, 1, "stall", "exchange", 2,
@@ -87,9 +88,10 @@ SCENARIOS = {
             3: "the reduce-scatter exchange at level 2 of 2 with rank 1",
         },
     ),
-    "exit-in-dot-product-all-reduce-w4": (
-        4, 3, "exit", "all_reduce", 2,
-        {r: "the dot-product all-reduce at level 1 of 2" for r in range(3)},
+    # the folded rank takes part in the dot-product all-reduces (its call 1 is the layout check)
+    "exit-in-dot-product-all-reduce-w3": (
+        3, 1, "exit", "all_reduce", 2,
+        {r: "the dot-product all-reduce at level 1 of 1" for r in (0, 2)},
     ),
     "exit-in-gather-w2": (2, 0, "exit", "exchange", 2, {1: "the gather exchange at level 1 of 1 with rank 0"}),
 }
