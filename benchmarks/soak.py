@@ -59,7 +59,8 @@ def draw_step(seed: int, step: int, world: int) -> dict:
     if fault is not None:
         sizable = [i for i, (shape, *_rest) in enumerate(tensors) if torch.Size(shape).numel() > 0]
         if sizable:
-            poisoned = (rng.choice(sizable), rng.randrange(size), rng.choice([float("nan"), float("inf"), -float("inf")]))
+            value = rng.choice([float("nan"), float("inf"), -float("inf")])
+            poisoned = (rng.choice(sizable), rng.randrange(size), value)
         else:
             fault = None
     return {
@@ -125,7 +126,9 @@ def check_reference(result: list[torch.Tensor], inputs: list[list[torch.Tensor]]
         scale = sum(float(w[i].double().norm()) for w in inputs) or 1.0
         err = float((t.double() - ref).abs().max()) / scale
         if not err <= TOLERANCE[t.dtype]:
-            raise AssertionError(f"step {step}: tensor {i} ({t.dtype}, {tuple(t.shape)}) is off adasum.reduce by {err:.3g}")
+            raise AssertionError(
+                f"step {step}: tensor {i} ({t.dtype}, {tuple(t.shape)}) is off adasum.reduce by {err:.3g}"
+            )
 
 
 def soak(rank: int, world: int, args: argparse.Namespace, store_path: str) -> None:
