@@ -29,14 +29,14 @@ def _inject(victim_action: str, target: str, call: int) -> None:
                 os._exit(17)
             time.sleep(TIMEOUT_S + 4)
 
-    if target == "exchange":
-        real = collectives._exchange
+    if target == "exchange":  # every point-to-point batch is posted through _post
+        real = collectives._post
 
-        def exchange(*args, **kwargs):
+        def post(*args, **kwargs):
             act()
             return real(*args, **kwargs)
 
-        collectives._exchange = exchange
+        collectives._post = post
     else:  # the small float64 all-reduces (the layout check is call 1)
         real_all_reduce = dist.all_reduce
 
@@ -93,6 +93,7 @@ SCENARIOS = {
         3, 1, "exit", "all_reduce", 2,
         {r: "the dot-product all-reduce at level 1 of 1" for r in (0, 2)},
     ),
+    # world 2: post 1 is the reduce-scatter, post 2 the (last level's) gather
     "exit-in-gather-w2": (2, 0, "exit", "exchange", 2, {1: "the gather exchange at level 1 of 1 with rank 0"}),
 }
 

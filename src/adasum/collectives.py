@@ -24,8 +24,8 @@ on gloo the exchanges block.
 
 Faults: on gloo every exchange and small all-reduce waits at most the process group's timeout
 (a dead peer is usually noticed at once as a closed connection, a stalled one when the timeout
-runs out); a failure is re-raised as `CollectiveError` naming the step, the level, the peer and the
-timeout. On NCCL nothing waits on the host here: its watchdog enforces the timeout (see
+runs out); a failure is re-raised as `adasum.CollectiveError` naming the step, the level, the peer
+and the timeout. On NCCL nothing waits on the host here: its watchdog enforces the timeout (see
 docs/faults.md).
 """
 
@@ -39,13 +39,74 @@ import torch.distributed as dist
 
 from adasum import ops
 from adasum.groups import failures_named, group_device, group_timeout
-from adasum.nonfinite import check_finite, check_policy
 from adasum.layout import Layout, check_same_layout, flatten, group_by_dtype, unflatten_into
+from adasum.nonfinite import check_finite, check_policy
 from adasum.tree import Tree
+
+
+class _Workspace:
+    """Reusable host buffers. Large fresh CPU allocations are returned to the OS on free and
+    page-fault anew on every call (about as slow as the data exchange itself), so the CPU path keeps
+    its fusion and receive buffers; CUDA's caching allocator already does this on GPUs."""
+
+    def __init__(self) -> None:
+        self._buffers: dict[tuple[str, torch.dtype], torch.Tensor] = {}
+
+    def get(self, name: str, numel: int, like: torch.Tensor) -> torch.Tensor:
+        if like.device.type != "cpu":
+            return torch.empty(numel, dtype=like.dtype, device=like.device)
+        key = (name, like.dtype)
+        buf = self._buffers.get(key)
+        if buf is None or buf.numel() < numel:
+            buf = torch.empty(numel, dtype=like.dtype)
+            self._buffers[key] = buf
+        return buf[:numel]
+
+    def clear(self) -> None:
+        self._buffers.clear()
+
+
+_workspace = _Workspace()
+
+
+def clear_workspace() -> None:
+    """Free the host buffers kept between calls (fusion and receive buffers of the CPU path)."""
+    _workspace.clear()
+
+
+# Largest piece, in elements, of a level's exchange: (gloo, NCCL)
+_PIECE = (1 << 20, 1 << 23)
 
 
 def _global(group: dist.ProcessGroup | None, group_rank: int) -> int:
     return group_rank if group is None else dist.get_global_rank(group, group_rank)
+
+
+def _post(
+    sends: Sequence[torch.Tensor], recvs: Sequence[torch.Tensor], peer: int, group: dist.ProcessGroup | None
+) -> tuple[list, list]:
+    """Start sending `sends` to and receiving `recvs` from `peer` (a group rank) as one batch, so
+    NCCL pairs them; empty tensors are skipped. Returns the send and the receive works (None for
+    a skipped receive)."""
+    peer = _global(group, peer)
+    p2p = [dist.P2POp(dist.isend, t, peer, group) for t in sends if t.numel() > 0]
+    p2p += [dist.P2POp(dist.irecv, t, peer, group) for t in recvs if t.numel() > 0]
+    works = list(dist.batch_isend_irecv(p2p)) if p2p else []
+    if len(works) != len(p2p):
+        # NCCL coalesces a batch into one work: every receive then waits for the whole batch
+        return works, [works[0] if t.numel() > 0 else None for t in recvs]
+    n_send = sum(1 for t in sends if t.numel() > 0)
+    send_works, recv_iter = works[:n_send], iter(works[n_send:])
+    recv_works = [next(recv_iter) if t.numel() > 0 else None for t in recvs]
+    return send_works, recv_works
+
+
+def _wait(works, timeout: timedelta | None = None) -> None:
+    """Wait for `works`; with a `timeout` (gloo) each wait gives up after it, None (NCCL) leaves the
+    waiting to the stream: an explicit timeout there would block the host until the kernels finish."""
+    for work in works:
+        if work is not None:
+            work.wait() if timeout is None else work.wait(timeout)
 
 
 def _exchange(
@@ -55,20 +116,15 @@ def _exchange(
     group: dist.ProcessGroup | None,
     timeout: timedelta | None = None,
 ) -> None:
-    """Send `send` to and receive `recv` from `peer` (a group rank), skipping empty tensors.
+    """Send `send` to and receive `recv` from `peer` (a group rank), and wait for both."""
+    send_works, recv_works = _post([] if send is None else [send], [] if recv is None else [recv], peer, group)
+    _wait(send_works + recv_works, timeout)
 
-    With a `timeout` (gloo) each wait gives up after it; None (NCCL) leaves waits to the stream.
-    """
-    peer = _global(group, peer)
-    p2p = []
-    if send is not None and send.numel() > 0:
-        p2p.append(dist.P2POp(dist.isend, send, peer, group))
-    if recv is not None and recv.numel() > 0:
-        p2p.append(dist.P2POp(dist.irecv, recv, peer, group))
-    if p2p:
-        for work in dist.batch_isend_irecv(p2p):
-            # an explicit timeout on NCCL would block the host until the kernels finish
-            work.wait() if timeout is None else work.wait(timeout)
+
+def _split(lo: int, hi: int, count: int) -> list[tuple[int, int]]:
+    """[lo, hi) cut into `count` consecutive pieces of near-equal size."""
+    bounds = [lo + (hi - lo) * i // count for i in range(count + 1)]
+    return list(zip(bounds[:-1], bounds[1:]))
 
 
 def _halves(lo: int, hi: int, lower: bool) -> tuple[tuple[int, int], tuple[int, int]]:
@@ -80,16 +136,15 @@ def _halves(lo: int, hi: int, lower: bool) -> tuple[tuple[int, int], tuple[int, 
 def _combine_local(buffer: torch.Tensor, other: torch.Tensor, layout: Layout) -> None:
     """buffer := adasum(buffer, other) per tensor, both standing for one worker (the fold)."""
     lengths = list(layout.sizes)
-    a, b = buffer.to(torch.float64), other.to(torch.float64)
-    coeff_a, coeff_b = ops.coefficients(ops.dot_and_norms(a, b, lengths), 0.5, 0.5)
-    ops.scale_add(a, b, coeff_a, coeff_b, lengths, out=buffer)
+    coeff_a, coeff_b = ops.coefficients(ops.dot_and_norms(buffer, other, lengths), 0.5, 0.5)
+    ops.scale_add(buffer, other, coeff_a, coeff_b, lengths, out=buffer)
 
 
 def adasum_flat_(buffer: torch.Tensor, sizes: Sequence[int], group: dist.ProcessGroup | None = None) -> None:
     """Adasum of a flat buffer across the group, in place, each of `sizes` a tensor of its own.
 
     Every rank must pass the same sizes and dtype; nothing is checked here (see `all_reduce`).
-    A dead or stalled peer raises `CollectiveError` within the group's timeout (gloo).
+    A dead or stalled peer raises `adasum.CollectiveError` within the group's timeout (gloo).
     """
     world = dist.get_world_size(group)
     if world == 1:
@@ -107,6 +162,7 @@ def adasum_flat_(buffer: torch.Tensor, sizes: Sequence[int], group: dist.Process
     levels = tree.levels()
 
     def step(what: str):
+        """Name the communication inside the block if it fails (CollectiveError)."""
         return failures_named("adasum.all_reduce", what, group, timeout)
 
     def level(i: int) -> str:
@@ -126,41 +182,74 @@ def adasum_flat_(buffer: torch.Tensor, sizes: Sequence[int], group: dist.Process
 
     follower = tree.follower(me)
     if follower is not None:
-        received = torch.empty_like(buffer)
+        received = _workspace.get("recv", buffer.numel(), buffer)
         with step(f"the fold (receiving from rank {follower})"):
             _exchange(None, received, follower, group, wait)
         _combine_local(buffer, received, layout)
         del received
 
+    # Each level's exchange is cut into pieces, each its own send/receive batch, so the math on one
+    # piece overlaps the transfer of the next (gloo moves data on its own threads; NCCL on its
+    # stream, which the current stream waits on per piece). Both partners cut the same parent
+    # segment into the same number of pieces, so their batches pair up.
+    piece = _PIECE[dist.get_backend(group) == "nccl"]
     segments = [(0, buffer.numel())]
     for i, d in enumerate(levels):
         lower = (me & d) == 0
         peer = tree.leader(me ^ d)
-        (klo, khi), (glo, ghi) = _halves(*segments[-1], lower)
-        mine = buffer[klo:khi]
-        theirs = torch.empty_like(mine)
-        with step(f"the reduce-scatter exchange at {level(i)} with rank {peer}"):
-            _exchange(buffer[glo:ghi], theirs, peer, group, wait)
-        a, b = (mine, theirs) if lower else (theirs, mine)
-        a, b = a.to(torch.float64), b.to(torch.float64)
-        first, lengths = layout.overlap(klo, khi)
+        parent = segments[-1]
+        (klo, khi), (glo, ghi) = _halves(*parent, lower)
+        count = max(1, -(-(parent[1] - parent[0]) // (2 * piece)))
+        kept, given = _split(klo, khi, count), _split(glo, ghi, count)
+        theirs = _workspace.get("recv", khi - klo, buffer)
+        exchange, gather = (f"the {phase} exchange at {level(i)} with rank {peer}" for phase in ("reduce-scatter", "gather"))
+        with step(exchange):
+            posted = [
+                _post([buffer[g0:g1]], [theirs[k0 - klo : k1 - klo]], peer, group)
+                for (k0, k1), (g0, g1) in zip(kept, given)
+            ]
+
+        def pair(lo: int, hi: int) -> tuple[torch.Tensor, torch.Tensor]:
+            mine, other = buffer[lo:hi], theirs[lo - klo : hi - klo]
+            return (mine, other) if lower else (other, mine)
+
         block = me // (2 * d)
         sums = buffer.new_zeros((tree.groups // (2 * d), *partial_shape), dtype=torch.float64)
-        if lengths:
-            sums[block, :, first : first + len(lengths)] = ops.dot_and_norms(a, b, lengths)
+        for (lo, hi), (_, recv_works) in zip(kept, posted):
+            with step(exchange):
+                _wait(recv_works, wait)
+            first, lengths = layout.overlap(lo, hi)
+            if lengths:
+                sums[block, :, first : first + len(lengths)] += ops.dot_and_norms(*pair(lo, hi), lengths)
+        with step(exchange):
+            _wait([w for send_works, _ in posted for w in send_works], wait)
         with step(f"the dot-product all-reduce at {level(i)}"):
             dist.all_reduce(sums, group=group)
-        if lengths:
-            base = block * 2 * d
-            workers_a, workers_b = tree.count(base, d), tree.count(base + d, d)
-            total = workers_a + workers_b
-            coeff_a, coeff_b = ops.coefficients(
-                sums[block, :, first : first + len(lengths)], workers_a / total, workers_b / total
-            )
-            ops.scale_add(a, b, coeff_a, coeff_b, lengths, out=mine)
-        segments.append((klo, khi))
 
-    for i in reversed(range(len(levels))):
+        base = block * 2 * d
+        workers_a, workers_b = tree.count(base, d), tree.count(base + d, d)
+        coeff_a, coeff_b = ops.coefficients(
+            sums[block], workers_a / (workers_a + workers_b), workers_b / (workers_a + workers_b)
+        )
+        # The last level's pieces go to the partner as soon as they are computed: the gather's
+        # first step, overlapped with the math of the next piece.
+        last = d == levels[-1]
+        gathers = []
+        for (lo, hi), (g0, g1) in zip(kept, given):
+            first, lengths = layout.overlap(lo, hi)
+            if lengths:
+                picked = slice(first, first + len(lengths))
+                ops.scale_add(*pair(lo, hi), coeff_a[picked], coeff_b[picked], lengths, out=buffer[lo:hi])
+            if last:
+                with step(gather):
+                    gathers.append(_post([buffer[lo:hi]], [buffer[g0:g1]], peer, group))
+        with step(gather):
+            _wait([w for sends, recvs in gathers for w in sends + recvs], wait)
+        segments.append((klo, khi))
+    # the last level's gather is done; the reverse levels below complete the rest
+    segments = segments[:-1]
+
+    for i in reversed(range(len(levels) - 1)):
         d = levels[i]
         lower = (me & d) == 0
         kept, given = _halves(*segments[-2], lower)
@@ -232,7 +321,7 @@ def all_reduce(
         check_finite(tensors, group, operation="adasum.all_reduce")
     for indices in group_by_dtype(tensors).values():
         members = [tensors[i] for i in indices]
-        flat = flatten(members)
+        flat = flatten(members, _workspace.get("fusion", sum(t.numel() for t in members), members[0]))
         adasum_flat_(flat, [t.numel() for t in members], group)
         unflatten_into(flat, members)
 

@@ -100,7 +100,8 @@ class Mean(Reducer):
 
 class Adasum(Reducer):
     """Adasum (see `adasum.ops`): per tensor by default; ``per_tensor=False`` uses one pair of
-    coefficients for all tensors together (the whole-model variant)."""
+    coefficients for all tensors of one dtype together (the whole-model variant; per dtype
+    because the collective runs on one flat buffer per dtype)."""
 
     name = "adasum"
 
@@ -111,8 +112,13 @@ class Adasum(Reducer):
         count = _check_workers(per_worker)
         if self.per_tensor:
             return [ops.reduce([w[i] for w in per_worker]) for i in range(count)]
-        flat = ops.reduce([torch.cat([t.reshape(-1) for t in w]) for w in per_worker])
-        return [p.view(t.shape) for p, t in zip(flat.split([t.numel() for t in per_worker[0]]), per_worker[0])]
+        # one pair of coefficients per dtype group, as `all_reduce` (one flat buffer per dtype) does
+        out: list[torch.Tensor] = [torch.empty(0)] * count
+        for indices in group_by_dtype(list(per_worker[0])).values():
+            flat = ops.reduce([torch.cat([w[i].reshape(-1) for i in indices]) for w in per_worker])
+            for i, piece in zip(indices, flat.split([per_worker[0][i].numel() for i in indices])):
+                out[i] = piece.view(per_worker[0][i].shape)
+        return out
 
     def all_reduce_flat(self, buffer, sizes, group=None):
         adasum_flat_(buffer, sizes if self.per_tensor else [buffer.numel()], group)
