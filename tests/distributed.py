@@ -2,6 +2,8 @@
 
 The body is a module-level function ``body(rank, world_size, *args)``; whatever it returns comes back
 to the test, one entry per rank, and an exception in any rank fails the test with that rank's traceback.
+A rank that exits without a result fails the test too, unless ``allow_exit=True`` (fault tests that
+kill a rank on purpose): its entry is then an `Exited` with its exit code.
 """
 
 from __future__ import annotations
@@ -11,6 +13,7 @@ import queue
 import tempfile
 import time
 import traceback
+from dataclasses import dataclass
 from datetime import timedelta
 
 import torch
@@ -18,6 +21,13 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 BACKEND = os.environ.get("ADASUM_TEST_BACKEND", "gloo")
+
+
+@dataclass(frozen=True)
+class Exited:
+    """The result of a rank that exited without returning (only with ``run(..., allow_exit=True)``)."""
+
+    exitcode: int | None
 
 
 def world_sizes(*sizes: int) -> list[int]:
@@ -53,8 +63,51 @@ def _worker(rank, world_size, store_path, backend, timeout_s, env, body, args, r
         results.put((rank, "error", traceback.format_exc()))
 
 
-def run(world_size: int, body, *args, timeout_s: float = 120, backend: str | None = None, env=None) -> list:
-    """Run `body` on `world_size` ranks and return the per-rank results, in rank order."""
+def _collect(procs, results, timeout_s: float, allow_exit: bool) -> dict:
+    """{rank: (status, value)}: "ok"/"error" as reported, "exited" with the exit code for a rank whose
+    process ended without reporting. Each result has `timeout_s` to arrive. Unless `allow_exit`, the
+    first such exit ends the collection at once (the ranks still running are then killed)."""
+    got: dict[int, tuple] = {}
+    deadline = time.monotonic() + timeout_s
+    while len(got) < len(procs):
+        try:
+            rank, status, value = results.get(timeout=0.5)
+            got[rank] = (status, value)
+            deadline = time.monotonic() + timeout_s
+            continue
+        except queue.Empty:
+            pass
+        gone = [r for r, p in enumerate(procs) if r not in got and p.exitcode is not None]
+        if gone:
+            try:  # a rank that finished normally may have left its result in the pipe
+                while True:
+                    rank, status, value = results.get(timeout=2)
+                    got[rank] = (status, value)
+            except queue.Empty:
+                pass
+            exited = [r for r in gone if r not in got]
+            for r in exited:
+                got[r] = ("exited", procs[r].exitcode)
+            if exited and not allow_exit:
+                return got
+        if time.monotonic() > deadline:
+            return got
+    return got
+
+
+def run(
+    world_size: int,
+    body,
+    *args,
+    timeout_s: float = 120,
+    backend: str | None = None,
+    env=None,
+    allow_exit: bool = False,
+) -> list:
+    """Run `body` on `world_size` ranks and return the per-rank results, in rank order.
+
+    With `allow_exit`, a rank that exits without a result gives an `Exited` entry instead of failing.
+    """
     backend = backend or BACKEND
     ctx = mp.get_context("spawn")
     results = ctx.Queue()
@@ -81,26 +134,18 @@ def run(world_size: int, body, *args, timeout_s: float = 120, backend: str | Non
                 os.environ["OMP_NUM_THREADS"] = old
         out: dict[int, object] = {}
         errors = []
-        deadline = time.monotonic() + timeout_s + 60
         try:
-            while len(out) + len(errors) < world_size:
-                try:
-                    rank, status, value = results.get(timeout=1.0)
-                except queue.Empty:
-                    # a rank that died without reporting (crash at start-up, os._exit) fails the run now
-                    reported = set(out) | {int(e.split()[1].rstrip(":")) for e in errors}
-                    dead = [r for r, p in enumerate(procs) if r not in reported and p.exitcode is not None]
-                    if dead and results.empty():
-                        time.sleep(0.5)
-                        if results.empty():
-                            errors += [f"rank {r}: exited with code {procs[r].exitcode} without a result" for r in dead]
-                            break
-                    if time.monotonic() > deadline:
-                        errors.append(f"timed out after {timeout_s + 60:.0f} s")
-                        break
-                    continue
+            got = _collect(procs, results, timeout_s + 60, allow_exit)
+            for rank in range(world_size):
+                status, value = got.get(rank, ("missing", None))
                 if status == "ok":
                     out[rank] = value
+                elif status == "exited" and allow_exit:
+                    out[rank] = Exited(value)
+                elif status == "exited":
+                    errors.append(f"rank {rank}: exited with code {value} without a result")
+                elif status == "missing":
+                    errors.append(f"rank {rank}: gave no result (timed out or stopped after another rank exited)")
                 else:
                     errors.append(f"rank {rank}:\n{value}")
         finally:

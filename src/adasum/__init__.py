@@ -7,6 +7,8 @@ interface.
 """
 
 from adasum.collectives import all_reduce, all_reduce_async
+from adasum.groups import CollectiveError, group_timeout
+from adasum.nonfinite import NonFinite, NonFiniteError, check_finite, find_nonfinite
 from adasum.ops import combine, reduce
 from adasum.reducers import Adasum, Mean, Reducer, Sum, get_reducer
 from adasum.adacons import AdaCons  # also registers "adacons" with get_reducer
@@ -15,14 +17,20 @@ from adasum.slowmo import SlowMo
 __all__ = [
     "AdaCons",
     "Adasum",
+    "CollectiveError",
     "Mean",
+    "NonFinite",
+    "NonFiniteError",
     "Reducer",
     "SlowMo",
     "Sum",
     "all_reduce",
     "all_reduce_async",
+    "check_finite",
     "combine",
+    "find_nonfinite",
     "get_reducer",
+    "group_timeout",
     "reduce",
 ]
 __version__ = "0.1.0"

@@ -21,17 +21,26 @@ ranks end with bitwise-identical tensors.
 Point-to-point exchanges go through ``batch_isend_irecv`` so NCCL pairs a send with its receive.
 On NCCL nothing here synchronises the host (all work is stream-ordered on the current stream);
 on gloo the exchanges block.
+
+Faults: on gloo every exchange and small all-reduce waits at most the process group's timeout
+(a dead peer is usually noticed at once as a closed connection, a stalled one when the timeout
+runs out); a failure is re-raised as `adasum.CollectiveError` naming the step, the level, the peer
+and the timeout. On NCCL nothing waits on the host here: its watchdog enforces the timeout (see
+docs/faults.md).
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
+from datetime import timedelta
 
 import torch
 import torch.distributed as dist
 
 from adasum import ops
+from adasum.groups import failures_named, group_device, group_timeout
 from adasum.layout import Layout, check_same_layout, flatten, group_by_dtype, unflatten_into
+from adasum.nonfinite import check_finite, check_policy
 from adasum.tree import Tree
 
 
@@ -92,18 +101,24 @@ def _post(
     return send_works, recv_works
 
 
-def _wait(works) -> None:
+def _wait(works, timeout: timedelta | None = None) -> None:
+    """Wait for `works`; with a `timeout` (gloo) each wait gives up after it, None (NCCL) leaves the
+    waiting to the stream: an explicit timeout there would block the host until the kernels finish."""
     for work in works:
         if work is not None:
-            work.wait()
+            work.wait() if timeout is None else work.wait(timeout)
 
 
 def _exchange(
-    send: torch.Tensor | None, recv: torch.Tensor | None, peer: int, group: dist.ProcessGroup | None
+    send: torch.Tensor | None,
+    recv: torch.Tensor | None,
+    peer: int,
+    group: dist.ProcessGroup | None,
+    timeout: timedelta | None = None,
 ) -> None:
     """Send `send` to and receive `recv` from `peer` (a group rank), and wait for both."""
     send_works, recv_works = _post([] if send is None else [send], [] if recv is None else [recv], peer, group)
-    _wait(send_works + recv_works)
+    _wait(send_works + recv_works, timeout)
 
 
 def _split(lo: int, hi: int, count: int) -> list[tuple[int, int]]:
@@ -128,6 +143,7 @@ def adasum_flat_(buffer: torch.Tensor, sizes: Sequence[int], group: dist.Process
     """Adasum of a flat buffer across the group, in place, each of `sizes` a tensor of its own.
 
     Every rank must pass the same sizes and dtype; nothing is checked here (see `all_reduce`).
+    A dead or stalled peer raises `adasum.CollectiveError` within the group's timeout (gloo).
     """
     world = dist.get_world_size(group)
     if world == 1:
@@ -140,20 +156,34 @@ def adasum_flat_(buffer: torch.Tensor, sizes: Sequence[int], group: dist.Process
     me = tree.group_of(rank)
     tensors = len(layout.sizes)
     partial_shape = (3, tensors)
+    timeout = group_timeout(group)
+    wait = None if dist.get_backend(group) == "nccl" else timeout
+    levels = tree.levels()
+
+    def step(what: str):
+        """Name the communication inside the block if it fails (CollectiveError)."""
+        return failures_named("adasum.all_reduce", what, group, timeout)
+
+    def level(i: int) -> str:
+        return f"level {i + 1} of {len(levels)}"
 
     if not tree.is_leader(rank):
         leader = tree.leader(me)
-        _exchange(buffer, None, leader, group)
-        for d in tree.levels():
+        with step(f"the fold (sending to rank {leader})"):
+            _exchange(buffer, None, leader, group, wait)
+        for i, d in enumerate(levels):
             blocks = tree.groups // (2 * d)
-            dist.all_reduce(buffer.new_zeros((blocks, *partial_shape), dtype=torch.float64), group=group)
-        _exchange(None, buffer, leader, group)
+            with step(f"the dot-product all-reduce at {level(i)}"):
+                dist.all_reduce(buffer.new_zeros((blocks, *partial_shape), dtype=torch.float64), group=group)
+        with step(f"the fold (receiving the result from rank {leader})"):
+            _exchange(None, buffer, leader, group, wait)
         return
 
     follower = tree.follower(me)
     if follower is not None:
         received = _workspace.get("recv", buffer.numel(), buffer)
-        _exchange(None, received, follower, group)
+        with step(f"the fold (receiving from rank {follower})"):
+            _exchange(None, received, follower, group, wait)
         _combine_local(buffer, received, layout)
         del received
 
@@ -162,9 +192,8 @@ def adasum_flat_(buffer: torch.Tensor, sizes: Sequence[int], group: dist.Process
     # stream, which the current stream waits on per piece). Both partners cut the same parent
     # segment into the same number of pieces, so their batches pair up.
     piece = _PIECE[dist.get_backend(group) == "nccl"]
-    levels = tree.levels()
     segments = [(0, buffer.numel())]
-    for d in levels:
+    for i, d in enumerate(levels):
         lower = (me & d) == 0
         peer = tree.leader(me ^ d)
         parent = segments[-1]
@@ -172,9 +201,12 @@ def adasum_flat_(buffer: torch.Tensor, sizes: Sequence[int], group: dist.Process
         count = max(1, -(-(parent[1] - parent[0]) // (2 * piece)))
         kept, given = _split(klo, khi, count), _split(glo, ghi, count)
         theirs = _workspace.get("recv", khi - klo, buffer)
-        posted = [
-            _post([buffer[g0:g1]], [theirs[k0 - klo : k1 - klo]], peer, group) for (k0, k1), (g0, g1) in zip(kept, given)
-        ]
+        exchange, gather = (f"the {phase} exchange at {level(i)} with rank {peer}" for phase in ("reduce-scatter", "gather"))
+        with step(exchange):
+            posted = [
+                _post([buffer[g0:g1]], [theirs[k0 - klo : k1 - klo]], peer, group)
+                for (k0, k1), (g0, g1) in zip(kept, given)
+            ]
 
         def pair(lo: int, hi: int) -> tuple[torch.Tensor, torch.Tensor]:
             mine, other = buffer[lo:hi], theirs[lo - klo : hi - klo]
@@ -183,12 +215,15 @@ def adasum_flat_(buffer: torch.Tensor, sizes: Sequence[int], group: dist.Process
         block = me // (2 * d)
         sums = buffer.new_zeros((tree.groups // (2 * d), *partial_shape), dtype=torch.float64)
         for (lo, hi), (_, recv_works) in zip(kept, posted):
-            _wait(recv_works)
+            with step(exchange):
+                _wait(recv_works, wait)
             first, lengths = layout.overlap(lo, hi)
             if lengths:
                 ops.dot_and_norms(*pair(lo, hi), lengths, out=sums[block, :, first : first + len(lengths)])
-        _wait([w for send_works, _ in posted for w in send_works])
-        dist.all_reduce(sums, group=group)
+        with step(exchange):
+            _wait([w for send_works, _ in posted for w in send_works], wait)
+        with step(f"the dot-product all-reduce at {level(i)}"):
+            dist.all_reduce(sums, group=group)
 
         base = block * 2 * d
         workers_a, workers_b = tree.count(base, d), tree.count(base + d, d)
@@ -204,28 +239,30 @@ def adasum_flat_(buffer: torch.Tensor, sizes: Sequence[int], group: dist.Process
                     out=buffer[lo:hi],
                 )
             if last:
-                gathers.append(_post([buffer[lo:hi]], [buffer[g0:g1]], peer, group))
-        _wait([w for sends, recvs in gathers for w in sends + recvs])
+                with step(gather):
+                    gathers.append(_post([buffer[lo:hi]], [buffer[g0:g1]], peer, group))
+        with step(gather):
+            _wait([w for sends, recvs in gathers for w in sends + recvs], wait)
         segments.append((klo, khi))
     # the last level's gather is done; the reverse levels below complete the rest
     segments = segments[:-1]
-    levels = levels[:-1]
 
-    for d in reversed(levels):
+    for i in reversed(range(len(levels) - 1)):
+        d = levels[i]
         lower = (me & d) == 0
         kept, given = _halves(*segments[-2], lower)
         assert kept == segments[-1]
-        _exchange(buffer[kept[0] : kept[1]], buffer[given[0] : given[1]], tree.leader(me ^ d), group)
+        peer = tree.leader(me ^ d)
+        with step(f"the gather exchange at {level(i)} with rank {peer}"):
+            _exchange(buffer[kept[0] : kept[1]], buffer[given[0] : given[1]], peer, group, wait)
         segments.pop()
 
     if follower is not None:
-        _exchange(buffer, None, follower, group)
+        with step(f"the fold (sending the result to rank {follower})"):
+            _exchange(buffer, None, follower, group, wait)
 
 
-def _group_device(group: dist.ProcessGroup | None) -> torch.device:
-    if dist.get_backend(group) == "nccl":
-        return torch.device("cuda", torch.cuda.current_device())
-    return torch.device("cpu")
+_group_device = group_device  # the name other modules imported before it moved to adasum.groups
 
 
 def all_reduce(
@@ -233,6 +270,7 @@ def all_reduce(
     group: dist.ProcessGroup | None = None,
     *,
     check_layout: bool = True,
+    nonfinite: str = "propagate",
 ) -> None:
     """Replace each tensor, on every rank, by the Adasum of the ranks' copies; in place.
 
@@ -243,27 +281,42 @@ def all_reduce(
     With `check_layout` (the default) one 16-byte all-reduce first checks that every rank passed
     the same number of tensors with the same shapes and dtypes; a mismatch raises ValueError on
     every rank, naming the first difference. Non-floating dtypes raise TypeError. World size 1
-    leaves the tensors unchanged. Non-finite values propagate identically on every rank.
+    leaves the tensors unchanged.
+
+    Non-finite inputs: ``nonfinite="propagate"`` (the default) lets them through; a tensor with a
+    NaN or Inf on any rank comes out non-finite, identically on every rank. ``"raise"`` first
+    checks with one small all-reduce and raises `adasum.NonFiniteError` on every rank, naming the
+    first such tensor (its index in `tensors`) and the lowest rank that has it; nothing is changed.
+
+    A dead or stalled peer raises `adasum.CollectiveError` naming the step within the group's
+    timeout (gloo; on NCCL the watchdog enforces it).
 
     >>> grads = [p.grad for p in model.parameters()]
     >>> adasum.all_reduce(grads)
+    >>> adasum.all_reduce(grads, nonfinite="raise")
     """
+    check_policy(nonfinite, ("propagate", "raise"))
     tensors = [tensors] if isinstance(tensors, torch.Tensor) else list(tensors)
     if not dist.is_initialized():
         raise RuntimeError("adasum.all_reduce needs torch.distributed to be initialised")
     if dist.get_world_size(group) == 1:
         for t in tensors:
             ops.check_floating(t.dtype)
+        if nonfinite == "raise":
+            check_finite(tensors, group, operation="adasum.all_reduce")
         return
-    device = _group_device(group)
+    device = group_device(group)
     if check_layout:
-        check_same_layout(tensors, group, device)
+        with failures_named("adasum.all_reduce", "the layout check", group):
+            check_same_layout(tensors, group, device)
     for t in tensors:
         ops.check_floating(t.dtype)
         if t.device != tensors[0].device:
             raise ValueError(f"all tensors must be on one device, got {tensors[0].device} and {t.device}")
     if tensors and tensors[0].device.type != device.type:
         raise ValueError(f"the {dist.get_backend(group)} backend needs {device.type} tensors, got {tensors[0].device}")
+    if nonfinite == "raise":
+        check_finite(tensors, group, operation="adasum.all_reduce")
     for indices in group_by_dtype(tensors).values():
         members = [tensors[i] for i in indices]
         flat = flatten(members, _workspace.get("fusion", sum(t.numel() for t in members), members[0]))
@@ -276,15 +329,17 @@ def all_reduce_async(
     group: dist.ProcessGroup | None = None,
     *,
     check_layout: bool = True,
+    nonfinite: str = "propagate",
 ) -> torch.futures.Future:
     """`all_reduce`, returning a Future of the list of tensors.
 
     On NCCL the work is enqueued on the current CUDA stream and the host does not wait for it
-    (except for the layout check's one small read, which ``check_layout=False`` removes); consumers
-    on the same stream see the result. On gloo the exchanges complete before it returns.
+    (except for the layout check's one small read, which ``check_layout=False`` removes, and the
+    non-finite check's, which ``nonfinite="raise"`` adds); consumers on the same stream see the
+    result. On gloo the exchanges complete before it returns.
     """
     tensor_list = [tensors] if isinstance(tensors, torch.Tensor) else list(tensors)
-    all_reduce(tensor_list, group, check_layout=check_layout)
+    all_reduce(tensor_list, group, check_layout=check_layout, nonfinite=nonfinite)
     future: torch.futures.Future = torch.futures.Future()
     future.set_result(tensor_list)
     return future

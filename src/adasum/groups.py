@@ -1,0 +1,74 @@
+"""Facts about a torch.distributed process group that the collectives need: the device its
+backend works on, the timeout it was created with, and clear errors when one of its steps fails.
+
+On gloo a wait on a dead peer fails at once ("Connection closed by peer") and a wait on a stalled
+peer fails when the group's timeout runs out; both point-to-point ``work.wait()`` and collectives
+use the group's timeout. `failures_named` turns those transport errors into a `CollectiveError`
+that says which step, level and peer failed, and after how long.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Iterator
+from contextlib import contextmanager
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+
+
+class CollectiveError(RuntimeError):
+    """A collective step failed: a peer died, stalled past the group's timeout, or the link broke.
+
+    The message names the operation, the step, the level and peer, and the timeout; the
+    transport's own error is chained as ``__cause__``. The process group is unusable afterwards:
+    destroy it (or exit) and restart, e.g. under torchrun's restarts.
+    """
+
+
+def group_device(group: dist.ProcessGroup | None = None) -> torch.device:
+    """The device the group's collectives take tensors on: the current GPU on NCCL, else the CPU."""
+    if dist.get_backend(group) == "nccl":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
+def group_timeout(group: dist.ProcessGroup | None = None) -> timedelta:
+    """The timeout `group` was created with (``init_process_group``/``new_group``), or torch's default.
+
+    >>> dist.init_process_group("gloo", timeout=timedelta(seconds=60))
+    >>> adasum.group_timeout()
+    datetime.timedelta(seconds=60)
+    """
+    pg = group if group is not None else dist.distributed_c10d._get_default_group()
+    try:
+        timeout = pg._get_backend(group_device(group)).options._timeout
+    except (AttributeError, RuntimeError):
+        timeout = None
+    return timeout if isinstance(timeout, timedelta) else dist.constants.default_pg_timeout
+
+
+@contextmanager
+def failures_named(
+    operation: str, step: str, group: dist.ProcessGroup | None, timeout: timedelta | None = None
+) -> Iterator[None]:
+    """Re-raise a transport failure inside the block as a `CollectiveError` naming `step`.
+
+    >>> with failures_named("adasum.all_reduce", "the exchange at level 1 of 2 with rank 3", group):
+    ...     work.wait()
+    """
+    try:
+        yield
+    except CollectiveError:
+        raise
+    except RuntimeError as error:  # gloo raises RuntimeError (DistBackendError is one)
+        timeout = timeout if timeout is not None else group_timeout(group)
+        lines = str(error).strip().splitlines()
+        # gloo prefixes its source location: "[/path/gloo/transport/tcp/pair.cc:553] Connection closed ..."
+        cause = re.sub(r"^\[[^\]]*\]\s*", "", lines[0]) if lines else type(error).__name__
+        raise CollectiveError(
+            f"{operation} on rank {dist.get_rank(group)} of {dist.get_world_size(group)}: {step} failed "
+            f"(group timeout {timeout.total_seconds():g} s): a peer died, stalled past the timeout or "
+            f"the connection broke; {cause}"
+        ) from error

@@ -1,0 +1,152 @@
+"""Non-finite values across ranks: find on every rank whether any rank has a NaN or Inf, in which
+tensor and on which rank, with one small all-reduce, so that every rank takes the same decision.
+
+Policies, chosen by an argument wherever tensors are combined:
+
+* ``"propagate"``: do nothing; Adasum lets a NaN or Inf through, identically on every rank (a
+  tensor non-finite on any rank comes out non-finite on all).
+* ``"raise"``: raise `NonFiniteError` on every rank, naming the first tensor (lowest index) that is
+  non-finite on some rank and the lowest rank where it is.
+* ``"skip"`` (training steps only): skip the step on every rank and count it.
+
+How: each rank takes every tensor's largest magnitude (``torch._foreach_norm`` with ``ord=inf``,
+a few batched kernels: NaN if the tensor holds a NaN, Inf if an Inf, else finite), encodes the
+first non-finite tensor as ``(index * world + rank) * 2 + (1 if Inf else 0)`` (int64 max when
+none), and one all-reduce with MIN over the group gives every rank the lowest index and, for it,
+the lowest rank. The host reads one number at the end; nothing syncs per tensor.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+from adasum.groups import failures_named, group_device
+
+POLICIES = ("propagate", "raise", "skip")
+"""What to do about a NaN or Inf: let it through, raise on every rank, or skip the step on every rank."""
+
+_NONE = torch.iinfo(torch.int64).max
+
+
+@dataclass(frozen=True)
+class NonFinite:
+    """Where a non-finite value was found: tensor `index` (its `name` if given) on group `rank`."""
+
+    index: int
+    rank: int
+    kind: str  # "NaN" (the tensor holds a NaN) or "Inf" (an Inf and no NaN)
+    name: str | None = None
+
+    def describe(self) -> str:
+        """E.g. ``tensor 3 ('fc.weight') has NaN on rank 1``."""
+        label = f"tensor {self.index}" + (f" ({self.name!r})" if self.name is not None else "")
+        return f"{label} has {self.kind} on rank {self.rank}"
+
+
+class NonFiniteError(FloatingPointError):
+    """Raised on every rank when a rank holds a NaN or Inf under the ``"raise"`` policy."""
+
+    def __init__(self, message: str, found: NonFinite) -> None:
+        super().__init__(message)
+        self.found = found
+
+
+def check_policy(policy: str, allowed: Sequence[str] = POLICIES) -> None:
+    """Raise ValueError unless `policy` is one of `allowed` (by default all of `POLICIES`)."""
+    if policy not in allowed:
+        raise ValueError(f"nonfinite must be one of {list(allowed)}, got {policy!r}")
+
+
+def _max_magnitudes(tensors: Sequence[torch.Tensor], device: torch.device) -> torch.Tensor:
+    """Float64 vector on `device`: each tensor's largest |value| (NaN if it has a NaN); 0 if empty
+    or integral."""
+    norms: list[torch.Tensor | None] = [None] * len(tensors)
+    batches: dict[tuple[torch.device, torch.dtype], list[int]] = {}
+    for i, t in enumerate(tensors):
+        if t.numel() > 0 and (t.is_floating_point() or t.is_complex()):
+            batches.setdefault((t.device, t.dtype), []).append(i)
+    for (_, dtype), indices in batches.items():
+        members = [tensors[i].detach() for i in indices]
+        if dtype.is_complex:
+            members = [torch.view_as_real(t) for t in members]
+        for i, n in zip(indices, torch._foreach_norm(members, float("inf"), dtype=torch.float64)):
+            norms[i] = n if n.device == device else n.to(device)
+    zero = torch.zeros((), dtype=torch.float64, device=device)
+    return torch.stack([zero if n is None else n for n in norms])
+
+
+def _local_code(tensors: Sequence[torch.Tensor], rank: int, world: int, device: torch.device) -> torch.Tensor:
+    """One int64 on `device`: ``(first non-finite index * world + rank) * 2 + is_inf``, or int64 max."""
+    count = len(tensors)
+    if count == 0:
+        return torch.full((1,), _NONE, dtype=torch.int64, device=device)
+    home = tensors[0].device
+    magnitudes = _max_magnitudes(tensors, home)
+    positions = torch.arange(count, device=home)
+    first = torch.where(torch.isfinite(magnitudes), count, positions).min()
+    is_inf = torch.isinf(magnitudes[first.clamp_max(count - 1)]).long()
+    code = torch.where(first < count, (first * world + rank) * 2 + is_inf, _NONE)
+    return code.reshape(1).to(device)
+
+
+def find_nonfinite(
+    tensors: torch.Tensor | Sequence[torch.Tensor],
+    group: dist.ProcessGroup | None = None,
+    names: Sequence[str] | None = None,
+) -> NonFinite | None:
+    """On every rank of `group`: where any rank holds a NaN or Inf, or None if no rank does.
+
+    Returns the lowest tensor index that is non-finite on some rank and, for it, the lowest such
+    (group) rank; every rank gets the same answer from one all-reduce of one int64. Every rank
+    must pass the same number of tensors. Without torch.distributed initialised (and no group), it
+    looks at the local tensors only (as rank 0).
+
+    >>> found = adasum.find_nonfinite([p.grad for p in model.parameters()])
+    >>> if found is not None:       # the same on every rank: skip the step everywhere
+    ...     skipped += 1
+    """
+    tensors = [tensors] if isinstance(tensors, torch.Tensor) else list(tensors)
+    if names is not None and len(names) != len(tensors):
+        raise ValueError(f"got {len(names)} names for {len(tensors)} tensors")
+    if group is None and not dist.is_initialized():
+        rank, world, device = 0, 1, tensors[0].device if tensors else torch.device("cpu")
+    else:
+        rank, world, device = dist.get_rank(group), dist.get_world_size(group), group_device(group)
+    code = _local_code(tensors, rank, world, device)
+    if world > 1:
+        with failures_named("adasum.find_nonfinite", "the non-finite check all-reduce", group):
+            dist.all_reduce(code, op=dist.ReduceOp.MIN, group=group)
+    value = int(code.item())
+    if value == _NONE:
+        return None
+    where, is_inf = divmod(value, 2)
+    index, bad_rank = divmod(where, world)
+    return NonFinite(index, bad_rank, "Inf" if is_inf else "NaN", None if names is None else names[index])
+
+
+def check_finite(
+    tensors: torch.Tensor | Sequence[torch.Tensor],
+    group: dist.ProcessGroup | None = None,
+    names: Sequence[str] | None = None,
+    *,
+    operation: str = "adasum.check_finite",
+) -> None:
+    """Raise `NonFiniteError` on every rank of `group` if any rank holds a NaN or Inf.
+
+    The one-line message names the operation, the first such tensor (index, and name if given) and
+    the lowest rank that has it; ``error.found`` holds the `NonFinite`. See `find_nonfinite`.
+
+    >>> adasum.check_finite(grads, names=[n for n, _ in model.named_parameters()])
+    NonFiniteError: adasum.check_finite: tensor 3 ('fc.weight') has NaN on rank 1 ...
+    """
+    found = find_nonfinite(tensors, group, names)
+    if found is not None:
+        raise NonFiniteError(
+            f"{operation}: {found.describe()} (the first non-finite tensor, lowest such rank; "
+            f"nonfinite='raise')",
+            found,
+        )

@@ -1,0 +1,151 @@
+"""Non-finite values: the cross-rank check (find_nonfinite, check_finite) and all_reduce's policies.
+NaN and Inf are injected on one rank (or several); "raise" must name the same tensor and rank on
+every rank and change nothing, "propagate" must give bitwise-identical results on every rank."""
+
+import math
+
+import pytest
+import torch
+
+import adasum
+import distributed
+from adasum.nonfinite import NonFinite, check_policy
+
+NAN, INF = float("nan"), float("inf")
+DTYPES = [torch.float32, torch.float64, torch.float32, torch.bfloat16, torch.float16, torch.float32]
+SHAPES = [(5,), (3, 4), (0,), (17,), (2, 2), (40,)]
+
+
+def clean(seed: int) -> list[torch.Tensor]:
+    """Mixed dtypes (so the check's per-dtype batches must be put back in order) and an empty tensor."""
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randn(s, generator=g, dtype=torch.float64).to(d) for s, d in zip(SHAPES, DTYPES)]
+
+
+def poisoned(rank: int, world: int, bad: dict) -> list[torch.Tensor]:
+    """This rank's tensors with `bad[(rank, index)]` written into element 1 (flat)."""
+    tensors = clean(100 + rank)
+    for (r, index), value in bad.items():
+        if r == rank:
+            tensors[index].view(-1)[1] = value
+    return tensors
+
+
+# (the injected values {(rank, tensor index): value}, the expected (index, rank, kind)); world >= 2
+CASES = [
+    ({(1, 3): NAN}, (3, 1, "NaN")),
+    ({(0, 5): INF}, (5, 0, "Inf")),
+    ({(1, 1): -INF}, (1, 1, "Inf")),
+    ({(1, 0): NAN, (0, 0): INF, (1, 3): NAN}, (0, 0, "Inf")),  # lowest index, then lowest rank
+    ({(1, 4): INF, (0, 4): NAN, (1, 3): INF}, (3, 1, "Inf")),
+    ({(1, 4): NAN, (-1, 4): NAN}, (4, 1, "NaN")),  # rank -1: the last rank
+]
+
+
+def _bits(t: torch.Tensor) -> bytes:
+    return t.reshape(-1).view(torch.uint8).numpy().tobytes()
+
+
+def _resolve(bad: dict, world: int) -> dict:
+    return {(r % world, i): v for (r, i), v in bad.items()}
+
+
+def checks(rank, world):
+    out = {}
+    names = [f"p{i}" for i in range(len(SHAPES))]
+
+    # nothing non-finite: None everywhere, and "raise" leaves the result bitwise equal to the default
+    assert adasum.find_nonfinite(clean(100 + rank)) is None
+    a, b = clean(100 + rank), clean(100 + rank)
+    adasum.all_reduce([t for t in a if t.numel()], nonfinite="raise")
+    adasum.all_reduce([t for t in b if t.numel()])
+    assert all(torch.equal(x, y) for x, y in zip(a, b))
+
+    # "raise": every rank names the same first tensor and lowest rank; the tensors stay unchanged
+    for case, (bad, expected) in enumerate(CASES):
+        bad = _resolve(bad, world)
+        index, bad_rank, kind = expected
+        bad_rank %= world
+        found = adasum.find_nonfinite(poisoned(rank, world, bad), names=names)
+        assert found == NonFinite(index, bad_rank, kind, f"p{index}"), (case, found)
+        tensors = poisoned(rank, world, bad)
+        before = [t.clone() for t in tensors]
+        with pytest.raises(adasum.NonFiniteError) as raised:
+            adasum.all_reduce(tensors, nonfinite="raise")
+        message = str(raised.value)
+        assert message == (
+            f"adasum.all_reduce: tensor {index} has {kind} on rank {bad_rank} "
+            "(the first non-finite tensor, lowest such rank; nonfinite='raise')"
+        ), message
+        assert raised.value.found == NonFinite(index, bad_rank, kind)
+        assert all(_bits(x) == _bits(y) for x, y in zip(tensors, before))
+        out[f"raise-{case}"] = message
+    with pytest.raises(adasum.NonFiniteError, match=r"tensor 1 \('p1'\) has NaN on rank 0"):
+        adasum.check_finite(poisoned(rank, world, {(0, 1): NAN}), names=names)
+
+    # integer tensors never count as non-finite; a single tensor may be passed alone
+    assert adasum.find_nonfinite([torch.arange(3), torch.ones(2)]) is None
+    single = torch.ones(4)
+    if rank == world - 1:
+        single[0] = NAN
+    assert adasum.find_nonfinite(single) == NonFinite(0, world - 1, "NaN")
+
+    # "propagate": the poisoned tensors come out non-finite, bitwise identical on every rank; the
+    # others in the same fused buffer are untouched by it and equal adasum.reduce's tree
+    bad = {(world - 1, 0): NAN, (0, 3): INF, (1, 5): -INF}
+    tensors = poisoned(rank, world, bad)
+    adasum.all_reduce(tensors)
+    everyone = [poisoned(r, world, bad) for r in range(world)]
+    for i, t in enumerate(tensors):
+        if i in (0, 3, 5):
+            assert not torch.isfinite(t).all(), i
+        elif t.numel():
+            ref = adasum.reduce([w[i] for w in everyone])
+            tol = {torch.float32: 1e-5, torch.float64: 1e-12, torch.float16: 5e-3, torch.bfloat16: 3e-2}[t.dtype]
+            assert torch.isfinite(t).all() and torch.allclose(t.double(), ref.double(), rtol=tol, atol=tol), i
+    out["propagate"] = b"".join(_bits(t) for t in tensors)
+
+    # bad policies
+    for policy in ("skip", "ignore"):
+        with pytest.raises(ValueError, match="nonfinite must be one of"):
+            adasum.all_reduce([torch.ones(2)], nonfinite=policy)
+    return out
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_nonfinite_raise_names_tensor_and_rank_everywhere_and_propagate_is_identical(world):
+    results = distributed.run(world, checks)
+    for r in range(1, world):
+        assert results[r] == results[0], f"rank {r} differs from rank 0"
+
+
+def test_single_process_and_world_one():
+    """Without torch.distributed the check looks at the local tensors, as rank 0."""
+    tensors = [torch.ones(3), torch.tensor([1.0, INF]), torch.tensor([NAN], dtype=torch.bfloat16)]
+    assert adasum.find_nonfinite(tensors, names=["a", "b", "c"]) == NonFinite(1, 0, "Inf", "b")
+    assert adasum.find_nonfinite(tensors[2:]) == NonFinite(0, 0, "NaN")
+    assert adasum.find_nonfinite([]) is None
+    assert adasum.find_nonfinite([torch.zeros(0), torch.full((3,), 3e38)]) is None
+    assert adasum.find_nonfinite([torch.tensor([1 + 1j, complex(0, math.inf)])]) == NonFinite(0, 0, "Inf")
+    with pytest.raises(adasum.NonFiniteError, match=r"adasum.check_finite: tensor 1 \('b'\) has Inf on rank 0"):
+        adasum.check_finite(tensors, names=["a", "b", "c"])
+    with pytest.raises(ValueError, match="2 names for 3 tensors"):
+        adasum.find_nonfinite(tensors, names=["a", "b"])
+    check_policy("skip")
+    with pytest.raises(ValueError, match="nonfinite must be one of"):
+        check_policy("skip", ("propagate", "raise"))
+
+
+def world_one_body(rank, world):
+    t = torch.tensor([1.0, NAN])
+    adasum.all_reduce(t)  # propagate: unchanged
+    try:
+        adasum.all_reduce(t, nonfinite="raise")
+    except adasum.NonFiniteError as e:
+        return str(e)
+    return None
+
+
+def test_world_one_raise_still_checks():
+    [message] = distributed.run(1, world_one_body)
+    assert message is not None and "tensor 0 has NaN on rank 0" in message
