@@ -26,6 +26,7 @@ on gloo the exchanges block.
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
@@ -60,58 +61,115 @@ def _halves(lo: int, hi: int, lower: bool) -> tuple[tuple[int, int], tuple[int, 
     return ((lo, mid), (mid, hi)) if lower else ((mid, hi), (lo, mid))
 
 
-def _combine_local(buffer: torch.Tensor, other: torch.Tensor, layout: Layout) -> None:
-    """buffer := adasum(buffer, other) per tensor, both standing for one worker (the fold)."""
-    lengths = list(layout.sizes)
+def _fold_(
+    buffer: torch.Tensor,
+    other: torch.Tensor,
+    layout: Layout,
+    offset: int,
+    partial_sums: torch.Tensor | None,
+    row: int,
+    group: dist.ProcessGroup | None,
+) -> None:
+    """buffer := adasum(buffer, other) per tensor, both standing for one worker (the fold).
+
+    `buffer` is elements [offset, offset + numel) of the layout. With `partial_sums` (a zeroed
+    float64 [rows, 3, T] array; sliced placements only) the partials are summed over the group in
+    `row`, so that slices of one tensor held by other ranks count too.
+    """
+    first, lengths = layout.overlap(offset, offset + buffer.numel())
     a, b = buffer.to(torch.float64), other.to(torch.float64)
-    coeff_a, coeff_b = ops.coefficients(ops.dot_and_norms(a, b, lengths), 0.5, 0.5)
+    partials = ops.dot_and_norms(a, b, lengths)
+    if partial_sums is not None:
+        partial_sums[row, :, first : first + len(lengths)] = partials
+        dist.all_reduce(partial_sums, group=group)
+        partials = partial_sums[row, :, first : first + len(lengths)]
+    coeff_a, coeff_b = ops.coefficients(partials, 0.5, 0.5)
     ops.scale_add(a, b, coeff_a, coeff_b, lengths, out=buffer)
 
 
-def adasum_flat_(buffer: torch.Tensor, sizes: Sequence[int], group: dist.ProcessGroup | None = None) -> None:
+@dataclass(frozen=True)
+class Placement:
+    """Where one VHDD tree runs inside a larger group (hierarchical mode uses this).
+
+    `peers` are the group ranks of the tree's workers in tree order (the calling rank is one of
+    them); the caller's buffer holds elements [offset, offset + numel) of the layout. Other ranks of
+    the group run their own trees on other slices of the same layout at the same time; the
+    per-tensor partial sums are all-reduced over the whole group, each rank writing its tree
+    block's row, so the slices of one tensor add up to whole-tensor dot products. Every rank of the
+    group must call with trees of the same size.
+    """
+
+    peers: tuple[int, ...]
+    offset: int
+
+
+def adasum_flat_(
+    buffer: torch.Tensor,
+    sizes: Sequence[int],
+    group: dist.ProcessGroup | None = None,
+    placement: Placement | None = None,
+) -> None:
     """Adasum of a flat buffer across the group, in place, each of `sizes` a tensor of its own.
 
     Every rank must pass the same sizes and dtype; nothing is checked here (see `all_reduce`).
+    With a `placement`, the buffer is a slice of the layout and the tree runs over
+    ``placement.peers`` only (see `Placement`).
     """
-    world = dist.get_world_size(group)
+    layout = Layout(tuple(int(n) for n in sizes))
+    if placement is None:
+        peers: Sequence[int] = range(dist.get_world_size(group))
+        offset, rank = 0, dist.get_rank(group)
+        if layout.numel != buffer.numel():
+            raise ValueError(f"sizes add up to {layout.numel} elements, the buffer has {buffer.numel()}")
+    else:
+        peers, offset = placement.peers, placement.offset
+        rank = peers.index(dist.get_rank(group))
+        if offset + buffer.numel() > layout.numel:
+            raise ValueError(f"the slice ends at {offset + buffer.numel()}, past the layout's {layout.numel} elements")
+    world = len(peers)
     if world == 1:
         return
-    layout = Layout(tuple(int(n) for n in sizes))
-    if layout.numel != buffer.numel():
-        raise ValueError(f"sizes add up to {layout.numel} elements, the buffer has {buffer.numel()}")
-    rank = dist.get_rank(group)
     tree = Tree(world)
     me = tree.group_of(rank)
     tensors = len(layout.sizes)
     partial_shape = (3, tensors)
+    # a sliced placement sums the fold's partials over the group as well (one extra small all-reduce)
+    sliced_fold = placement is not None and tree.folded > 0
+
+    def fold_sums() -> torch.Tensor:
+        return buffer.new_zeros((tree.folded, *partial_shape), dtype=torch.float64)
 
     if not tree.is_leader(rank):
-        leader = tree.leader(me)
+        leader = peers[tree.leader(me)]
         _exchange(buffer, None, leader, group)
+        if sliced_fold:
+            dist.all_reduce(fold_sums(), group=group)
         for d in tree.levels():
             blocks = tree.groups // (2 * d)
             dist.all_reduce(buffer.new_zeros((blocks, *partial_shape), dtype=torch.float64), group=group)
         _exchange(None, buffer, leader, group)
         return
 
-    follower = tree.follower(me)
+    follower = None if tree.follower(me) is None else peers[tree.follower(me)]
     if follower is not None:
         received = torch.empty_like(buffer)
         _exchange(None, received, follower, group)
-        _combine_local(buffer, received, layout)
+        _fold_(buffer, received, layout, offset, fold_sums() if sliced_fold else None, me, group)
         del received
+    elif sliced_fold:
+        dist.all_reduce(fold_sums(), group=group)
 
     segments = [(0, buffer.numel())]
     for d in tree.levels():
         lower = (me & d) == 0
-        peer = tree.leader(me ^ d)
+        peer = peers[tree.leader(me ^ d)]
         (klo, khi), (glo, ghi) = _halves(*segments[-1], lower)
         mine = buffer[klo:khi]
         theirs = torch.empty_like(mine)
         _exchange(buffer[glo:ghi], theirs, peer, group)
         a, b = (mine, theirs) if lower else (theirs, mine)
         a, b = a.to(torch.float64), b.to(torch.float64)
-        first, lengths = layout.overlap(klo, khi)
+        first, lengths = layout.overlap(offset + klo, offset + khi)
         block = me // (2 * d)
         sums = buffer.new_zeros((tree.groups // (2 * d), *partial_shape), dtype=torch.float64)
         if lengths:
@@ -131,7 +189,7 @@ def adasum_flat_(buffer: torch.Tensor, sizes: Sequence[int], group: dist.Process
         lower = (me & d) == 0
         kept, given = _halves(*segments[-2], lower)
         assert kept == segments[-1]
-        _exchange(buffer[kept[0] : kept[1]], buffer[given[0] : given[1]], tree.leader(me ^ d), group)
+        _exchange(buffer[kept[0] : kept[1]], buffer[given[0] : given[1]], peers[tree.leader(me ^ d)], group)
         segments.pop()
 
     if follower is not None:
