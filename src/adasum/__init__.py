@@ -4,12 +4,15 @@ Adasum (Maleki et al., MLSys 2021) on torch.distributed, with the pairwise opera
 over any number of workers, and a bandwidth-optimal collective.
 """
 
+from adasum import ddp, hierarchical
 from adasum.collectives import all_reduce, all_reduce_async
 from adasum.ops import combine, reduce
+from adasum.optim import DistributedOptimizer
 from adasum.reducers import Adasum, Mean, Reducer, Sum, get_reducer
 
 __all__ = [
     "Adasum",
+    "DistributedOptimizer",
     "Mean",
     "Reducer",
     "Sum",
