@@ -130,18 +130,22 @@ def run_and_compare(rank, world, make_opt, rounds=3, combine=adasum.reduce, tol=
 
 def optim_body(rank, world):
     out = {}
-    for name in ("sgd", "adam", "adamw", "lamb"):
+    full = world < 4  # world 4 runs the main cases and hierarchical mode (keeps the file fast)
+    for name in ("sgd", "adam", "adamw", "lamb") if full else ("sgd", "adam"):
         out[f"delta-{name}"] = run_and_compare(rank, world, OPTIMIZERS[name])
     sgd = OPTIMIZERS["sgd"]
     out["gradient-adasum"] = run_and_compare(rank, world, sgd, mode="gradient")
     out["gradient-mean"] = run_and_compare(
         rank, world, sgd, mode="gradient", reduce="mean", combine=lambda ts: torch.stack(ts).mean(0)
     )
-    out["delta-sum"] = run_and_compare(rank, world, sgd, reduce=adasum.Sum(), combine=lambda ts: torch.stack(ts).sum(0))
-    out["accumulate"] = run_and_compare(rank, world, OPTIMIZERS["adam"], micros=2)
     out["local-steps"] = run_and_compare(rank, world, sgd, local_steps=2)
-    out["clip"] = run_and_compare(rank, world, OPTIMIZERS["adam"], clip=0.05)
-    out["tiny-buckets"] = run_and_compare(rank, world, sgd, bucket_cap_mb=1e-4)
+    if full:
+        out["delta-sum"] = run_and_compare(
+            rank, world, sgd, reduce=adasum.Sum(), combine=lambda ts: torch.stack(ts).sum(0)
+        )
+        out["accumulate"] = run_and_compare(rank, world, OPTIMIZERS["adam"], micros=2)
+        out["clip"] = run_and_compare(rank, world, OPTIMIZERS["adam"], clip=0.05)
+        out["tiny-buckets"] = run_and_compare(rank, world, sgd, bucket_cap_mb=1e-4)
     # whole-model coefficients: one bucket per dtype, whatever the cap
     model = make_model()
     whole = adasum.DistributedOptimizer(sgd(model.parameters()), reduce=adasum.Adasum(per_tensor=False))
@@ -160,9 +164,10 @@ def optim_body(rank, world):
 
 
 def grad_scaler_checks(rank, world):
-    """scaler.step(opt) with an inf injected on the last rank: every rank skips and backs off."""
+    """scaler.step(opt) with an inf injected on the last rank: every rank skips and backs off;
+    also after unscale_ and clipping, and under bf16 autocast on the CPU."""
     history = []
-    for unscale_first in (False, True):
+    for unscale_first, autocast in ((False, False), (True, False), (False, True)):
         model = make_model()
         scaler = torch.amp.GradScaler("cpu", init_scale=2.0**8, growth_interval=1)
         opt = adasum.DistributedOptimizer(OPTIMIZERS["adam"](model.parameters()), grad_scaler=scaler)
@@ -170,7 +175,9 @@ def grad_scaler_checks(rank, world):
         for step in range(4):
             before = snapshot(model)
             opt.zero_grad()
-            scaler.scale(loss_of(model, rank, sim.step_index)).backward()
+            with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+                loss = loss_of(model, rank, sim.step_index)
+            scaler.scale(loss).backward()
             inject = step == 1 and rank == world - 1
             if inject:
                 next(model.parameters()).grad[0, 0] = float("inf")
@@ -185,7 +192,8 @@ def grad_scaler_checks(rank, world):
                 assert scaler.get_scale() == scale / 2, (scaler.get_scale(), scale)
             else:  # a power-of-two scale unscales exactly: the plain simulation
                 expected = sim.round()
-                assert all(rel(p, e) < 1e-5 for p, e in zip(model.parameters(), expected))
+                tol = 3e-2 if autocast else 1e-5  # bf16 autocast against the float32 simulation
+                assert all(rel(p, e) < tol for p, e in zip(model.parameters(), expected))
                 assert scaler.get_scale() == scale * 2
             history.append(to_bytes(model.parameters()) + repr(scaler.get_scale()).encode())
     return history
