@@ -95,7 +95,7 @@ def worker(rank: int, world: int, store_path: str, args) -> None:
         device = torch.device("cpu")
     dist.init_process_group(
         args.backend, store=dist.FileStore(store_path, world), rank=rank, world_size=world,
-        timeout=timedelta(seconds=600),
+        timeout=timedelta(seconds=600), device_id=device if device.type == "cuda" else None,
     )
     rows = []
     for dtype_name in args.dtypes:

@@ -15,7 +15,7 @@ for step in $steps; do
       ADASUM_TEST_BACKEND=nccl timeout 420 python3 -m pytest -m nccl tests -q -x -p no:cacheprovider 2>&1 | tail -15 | tee "$OUT/nccl_tests.log" ;;
     bench)
       timeout 420 python3 benchmarks/bench_collective.py --backend nccl --dtypes fp32,bf16 --min-exp 10 --max-exp 28 --step-exp 2 \
-        --layouts resnet50,bert-large --repeats 11 --out "$OUT/collective.jsonl" 2>&1 | tee "$OUT/bench.log" ;;
+        --layouts resnet50,bert-large --repeats 11 --label "${LABEL:-}" --out "$OUT/collective.jsonl" 2>&1 | tee "$OUT/bench.log" ;;
     profile)
       timeout 200 python3 benchmarks/profile_collective.py --backend nccl --numel 67108864 --rows 20 2>&1 | tail -32 | tee "$OUT/profile_flat.log"
       timeout 200 python3 benchmarks/profile_collective.py --backend nccl --layout resnet50 --rows 20 2>&1 | tail -32 | tee "$OUT/profile_resnet.log" ;;

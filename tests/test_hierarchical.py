@@ -63,7 +63,7 @@ def hierarchical_body(rank, world, local_sizes):
         assert rel_err(torch.cat(mine), flat_ref) < 1e-6
 
     # gloo's pipelined exchanges (messages shrunk to 37 elements so that shards span several)
-    adasum.collectives._PIPELINE_CHUNK = 37
+    adasum.collectives._PIECE = (37, 37)
     for local_size in local_sizes:
         data = [[torch.randn(n, generator=torch.Generator().manual_seed(50 + r)) for n in SIZES] for r in range(world)]
         mine = [t.clone() for t in data[rank]]

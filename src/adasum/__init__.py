@@ -1,7 +1,9 @@
 """adasum: adaptive aggregation of data-parallel gradients for PyTorch.
 
 Adasum (Maleki et al., MLSys 2021) on torch.distributed, with the pairwise operator, its tree
-over any number of workers, and a bandwidth-optimal collective.
+over any number of workers, and a bandwidth-optimal collective; AdaCons (adaptive consensus
+aggregation) and SlowMo (slow momentum over periodically combined models) on the same reducer
+interface.
 """
 
 from adasum import ddp, hierarchical
@@ -9,12 +11,16 @@ from adasum.collectives import all_reduce, all_reduce_async
 from adasum.ops import combine, reduce
 from adasum.optim import DistributedOptimizer
 from adasum.reducers import Adasum, Mean, Reducer, Sum, get_reducer
+from adasum.adacons import AdaCons  # also registers "adacons" with get_reducer
+from adasum.slowmo import SlowMo
 
 __all__ = [
+    "AdaCons",
     "Adasum",
     "DistributedOptimizer",
     "Mean",
     "Reducer",
+    "SlowMo",
     "Sum",
     "all_reduce",
     "all_reduce_async",

@@ -66,7 +66,8 @@ def clear_workspace() -> None:
     _workspace.clear()
 
 
-_PIPELINE_CHUNK = 1 << 20  # elements per message in gloo's pipelined exchanges
+# Largest piece, in elements, of a level's exchange: (gloo, NCCL)
+_PIECE = (1 << 20, 1 << 23)
 
 
 def _global(group: dist.ProcessGroup | None, group_rank: int) -> int:
@@ -106,8 +107,10 @@ def _exchange(
     _wait(send_works + recv_works)
 
 
-def _chunks(lo: int, hi: int, size: int) -> list[tuple[int, int]]:
-    return [(start, min(start + size, hi)) for start in range(lo, hi, size)] or [(lo, hi)]
+def _split(lo: int, hi: int, count: int) -> list[tuple[int, int]]:
+    """[lo, hi) cut into `count` consecutive pieces of near-equal size."""
+    bounds = [lo + (hi - lo) * i // count for i in range(count + 1)]
+    return list(zip(bounds[:-1], bounds[1:]))
 
 
 def _halves(lo: int, hi: int, lower: bool) -> tuple[tuple[int, int], tuple[int, int]]:
@@ -132,13 +135,12 @@ def _fold_(
     `row`, so that slices of one tensor held by other ranks count too.
     """
     first, lengths = layout.overlap(offset, offset + buffer.numel())
-    partials = ops.dot_and_norms(buffer, other, lengths)
+    sums = ops.dot_and_norms(buffer, other, lengths)
     if partial_sums is not None:
-        partial_sums[row, :, first : first + len(lengths)] = partials
+        partial_sums[row, :, first : first + len(lengths)] = sums
         dist.all_reduce(partial_sums, group=group)
-        partials = partial_sums[row, :, first : first + len(lengths)]
-    coeff_a, coeff_b = ops.coefficients(partials, 0.5, 0.5)
-    ops.scale_add(buffer, other, coeff_a, coeff_b, lengths, out=buffer)
+        sums = partial_sums[row, :, first : first + len(lengths)]
+    ops.combine_from_sums(buffer, other, sums, 0.5, 0.5, lengths, out=buffer)
 
 
 @dataclass(frozen=True)
@@ -213,24 +215,24 @@ def adasum_flat_(
     elif sliced_fold:
         dist.all_reduce(fold_sums(), group=group)
 
-    # On gloo the exchanges run on gloo's own threads: cutting them into chunks lets the math on one
-    # chunk overlap the transfer of the next. NCCL serialises a pair's sends and receives on one
-    # stream, so there a level stays one batched exchange.
-    chunk = _PIPELINE_CHUNK if dist.get_backend(group) == "gloo" else max(buffer.numel(), 1)
+    # Each level's exchange is cut into pieces, each its own send/receive batch, so the math on one
+    # piece overlaps the transfer of the next (gloo moves data on its own threads; NCCL on its
+    # stream, which the current stream waits on per piece). Both partners cut the same parent
+    # segment into the same number of pieces, so their batches pair up.
+    piece = _PIECE[dist.get_backend(group) == "nccl"]
     levels = tree.levels()
     segments = [(0, buffer.numel())]
     for d in levels:
         lower = (me & d) == 0
         peer = peers[tree.leader(me ^ d)]
-        (klo, khi), (glo, ghi) = _halves(*segments[-1], lower)
+        parent = segments[-1]
+        (klo, khi), (glo, ghi) = _halves(*parent, lower)
+        count = max(1, -(-(parent[1] - parent[0]) // (2 * piece)))
+        kept, given = _split(klo, khi, count), _split(glo, ghi, count)
         theirs = _workspace.get("recv", khi - klo, buffer)
-        kept_chunks = _chunks(klo, khi, chunk)
-        send_works, recv_works = _post(
-            [buffer[lo:hi] for lo, hi in _chunks(glo, ghi, chunk)],
-            [theirs[lo - klo : hi - klo] for lo, hi in kept_chunks],
-            peer,
-            group,
-        )
+        posted = [
+            _post([buffer[g0:g1]], [theirs[k0 - klo : k1 - klo]], peer, group) for (k0, k1), (g0, g1) in zip(kept, given)
+        ]
 
         def pair(lo: int, hi: int) -> tuple[torch.Tensor, torch.Tensor]:
             mine, other = buffer[lo:hi], theirs[lo - klo : hi - klo]
@@ -238,34 +240,35 @@ def adasum_flat_(
 
         block = me // (2 * d)
         sums = buffer.new_zeros((tree.groups // (2 * d), *partial_shape), dtype=torch.float64)
-        for (lo, hi), work in zip(kept_chunks, recv_works):
-            _wait([work])
+        for (lo, hi), (_, recv_works) in zip(kept, posted):
+            _wait(recv_works)
             first, lengths = layout.overlap(offset + lo, offset + hi)
             if lengths:
-                sums[block, :, first : first + len(lengths)] += ops.dot_and_norms(*pair(lo, hi), lengths)
-        _wait(send_works)
+                ops.dot_and_norms(*pair(lo, hi), lengths, out=sums[block, :, first : first + len(lengths)])
+        _wait([w for send_works, _ in posted for w in send_works])
         dist.all_reduce(sums, group=group)
 
         base = block * 2 * d
         workers_a, workers_b = tree.count(base, d), tree.count(base + d, d)
-        coeff_a, coeff_b = ops.coefficients(
-            sums[block], workers_a / (workers_a + workers_b), workers_b / (workers_a + workers_b)
-        )
-        # The last level's result goes straight to its partner: the first step of the gather.
-        gather_now = d == levels[-1] and chunk < buffer.numel()
-        gather_works = _post([], [buffer[lo:hi] for lo, hi in _chunks(glo, ghi, chunk)], peer, group)[1] if gather_now else []
-        for lo, hi in kept_chunks:
+        weight_a, weight_b = workers_a / (workers_a + workers_b), workers_b / (workers_a + workers_b)
+        # The last level's pieces go to the partner as soon as they are computed: the gather's
+        # first step, overlapped with the math of the next piece.
+        last = d == levels[-1]
+        gathers = []
+        for (lo, hi), (g0, g1) in zip(kept, given):
             first, lengths = layout.overlap(offset + lo, offset + hi)
             if lengths:
-                picked = slice(first, first + len(lengths))
-                ops.scale_add(*pair(lo, hi), coeff_a[picked], coeff_b[picked], lengths, out=buffer[lo:hi])
-            if gather_now:
-                gather_works += _post([buffer[lo:hi]], [], peer, group)[0]
-        _wait(gather_works)
+                ops.combine_from_sums(
+                    *pair(lo, hi), sums[block, :, first : first + len(lengths)], weight_a, weight_b, lengths,
+                    out=buffer[lo:hi],
+                )
+            if last:
+                gathers.append(_post([buffer[lo:hi]], [buffer[g0:g1]], peer, group))
+        _wait([w for sends, recvs in gathers for w in sends + recvs])
         segments.append((klo, khi))
-    if levels and chunk < buffer.numel():
-        segments.pop()
-        levels = levels[:-1]
+    # the last level's gather is done; the reverse levels below complete the rest
+    segments = segments[:-1]
+    levels = levels[:-1]
 
     for d in reversed(levels):
         lower = (me & d) == 0

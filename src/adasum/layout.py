@@ -64,20 +64,18 @@ def flatten(tensors: Sequence[torch.Tensor], out: torch.Tensor | None = None) ->
     else a copy (into `out` if given: a flat tensor of the right size and dtype)."""
     if len(tensors) == 1 and tensors[0].is_contiguous():
         return tensors[0].view(-1)
+    flat_views = [t.reshape(-1) for t in tensors]
     if out is None:
-        return torch.cat([t.reshape(-1) for t in tensors])
-    for t, piece in zip(tensors, out.split([t.numel() for t in tensors])):
-        piece.view(t.shape).copy_(t)
-    return out
+        return torch.cat(flat_views)
+    return torch.cat(flat_views, out=out)  # one batched kernel on GPUs, not one copy per tensor
 
 
 def unflatten_into(flat: torch.Tensor, tensors: Sequence[torch.Tensor]) -> None:
     """Copy the flat buffer back into `tensors` (nothing to do if `flat` is a view of the only one)."""
     if len(tensors) == 1 and flat.data_ptr() == tensors[0].data_ptr() and tensors[0].is_contiguous():
         return
-    pieces = flat.split([t.numel() for t in tensors])
-    for t, piece in zip(tensors, pieces):
-        t.copy_(piece.view(t.shape))
+    pieces = [piece.view(t.shape) for t, piece in zip(tensors, flat.split([t.numel() for t in tensors]))]
+    torch._foreach_copy_(list(tensors), pieces)  # batched: a few launches for all tensors
 
 
 def describe(tensors: Sequence[torch.Tensor]) -> list[tuple[str, tuple[int, ...]]]:

@@ -22,12 +22,13 @@ Non-finite inputs propagate: a tensor with a NaN or Inf in either input comes ou
 
 from __future__ import annotations
 
-import functools
 import math
 from collections.abc import Sequence
 
 import torch
 
+from adasum import triton_kernels
+from adasum.tiles import tiles
 from adasum.tree import Tree
 
 ZERO_NORM = math.sqrt(torch.finfo(torch.float64).tiny)
@@ -40,32 +41,39 @@ def check_floating(dtype: torch.dtype) -> None:
         raise TypeError(f"Adasum needs floating-point tensors, got {dtype}")
 
 
-@functools.lru_cache(maxsize=512)
-def _device_lengths(lengths: tuple[int, ...], device: torch.device) -> torch.Tensor:
-    # a fresh host-to-device copy would synchronise the host on every call; layouts repeat
-    return torch.tensor(lengths, dtype=torch.int64, device=device)
-
-
 _CPU_CHUNK = 65536  # float64 pairs of this many elements stay in cache
 
 
 def _dot_and_norms_batched(a: torch.Tensor, b: torch.Tensor, lengths: Sequence[int]) -> torch.Tensor:
+    """Torch-only device path: products in float64, summed per tile, then tiles per segment.
+    (segment_reduce runs one thread per segment: fine for tiles, hopeless for a whole tensor.)"""
+    table = tiles(tuple(lengths), a.device)
     a64, b64 = a.to(torch.float64), b.to(torch.float64)
     products = torch.stack([a64 * b64, a64 * a64, b64 * b64], dim=1)  # [n, 3]
-    seg = _device_lengths(tuple(lengths), a.device)
-    return torch.segment_reduce(products, "sum", lengths=seg, axis=0, unsafe=True).t()
+    tile_sums = torch.segment_reduce(products, "sum", lengths=table.sizes, axis=0, unsafe=True)
+    return torch.segment_reduce(tile_sums, "sum", lengths=table.count, axis=0, unsafe=True).t()
 
 
-def dot_and_norms(a: torch.Tensor, b: torch.Tensor, lengths: Sequence[int]) -> torch.Tensor:
+def dot_and_norms(
+    a: torch.Tensor, b: torch.Tensor, lengths: Sequence[int], out: torch.Tensor | None = None
+) -> torch.Tensor:
     """Per-segment ``<a,b>``, ``|a|^2``, ``|b|^2`` of two flat tensors, in float64, as a [3, T] tensor.
 
     `lengths` splits the flat tensors into T consecutive segments (zero lengths allowed); their sum
     is ``a.numel()``. Everything is computed in float64. On the CPU, chunks of both inputs are cast
     into a cached 2 x chunk float64 block whose Gram matrix (one BLAS call) gives all three sums;
-    on GPUs a few batched kernels serve all segments together, with no host synchronisation.
+    on GPUs Triton kernels (or, without Triton, a few batched torch kernels) serve all segments
+    together, with no host synchronisation. With `out` ([3, T] float64), the sums are added into it.
     """
-    if a.device.type != "cpu":
-        return _dot_and_norms_batched(a, b, lengths)
+    if triton_kernels.available(a.device):
+        return triton_kernels.dot_and_norms(a, b, lengths, out)
+    sums = _dot_and_norms_batched(a, b, lengths) if a.device.type != "cpu" else _dot_and_norms_blocked(a, b, lengths)
+    if out is None:
+        return sums
+    return out.add_(sums)
+
+
+def _dot_and_norms_blocked(a: torch.Tensor, b: torch.Tensor, lengths: Sequence[int]) -> torch.Tensor:
     gram = torch.zeros(len(lengths), 2, 2, dtype=torch.float64)
     pair = torch.empty(2, min(_CPU_CHUNK, max(lengths, default=0)), dtype=torch.float64)
     start = 0
@@ -92,10 +100,11 @@ def coefficients(
 
 
 def _scale_add_batched(a, b, coeff_a, coeff_b, lengths: Sequence[int], out: torch.Tensor) -> None:
-    seg = _device_lengths(tuple(lengths), a.device)
+    seg = tiles(tuple(lengths), a.device).segments
+    sizes = tiles(tuple(lengths), a.device).sizes
     n = a.numel()
-    ca = torch.repeat_interleave(coeff_a, seg, output_size=n)
-    cb = torch.repeat_interleave(coeff_b, seg, output_size=n)
+    ca = torch.repeat_interleave(coeff_a[seg], sizes, output_size=n)
+    cb = torch.repeat_interleave(coeff_b[seg], sizes, output_size=n)
     out.copy_(torch.addcmul(ca * a.to(torch.float64), cb, b.to(torch.float64)))
 
 
@@ -127,6 +136,24 @@ def scale_add(
         start += n
 
 
+def combine_from_sums(
+    a: torch.Tensor,
+    b: torch.Tensor,
+    sums: torch.Tensor,
+    weight_a: float,
+    weight_b: float,
+    lengths: Sequence[int],
+    out: torch.Tensor,
+) -> None:
+    """``out = c_a a + c_b b`` per segment, with (c_a, c_b) = ``coefficients(sums, weight_a, weight_b)``.
+    One fused kernel on GPUs with Triton; `out` may alias `a` or `b`."""
+    if triton_kernels.available(a.device):
+        triton_kernels.combine(a, b, sums, weight_a, weight_b, ZERO_NORM, lengths, out)
+        return
+    coeff_a, coeff_b = coefficients(sums, weight_a, weight_b)
+    scale_add(a, b, coeff_a, coeff_b, lengths, out)
+
+
 def combine_weighted(a: torch.Tensor, b: torch.Tensor, workers_a: int, workers_b: int) -> torch.Tensor:
     """The operator for `a` standing for `workers_a` workers and `b` for `workers_b` (module doc)."""
     if a.shape != b.shape:
@@ -137,9 +164,9 @@ def combine_weighted(a: torch.Tensor, b: torch.Tensor, workers_a: int, workers_b
     total = workers_a + workers_b
     flat_a, flat_b = a.reshape(-1), b.reshape(-1)
     lengths = [flat_a.numel()]
-    coeff_a, coeff_b = coefficients(dot_and_norms(flat_a, flat_b, lengths), workers_a / total, workers_b / total)
     out = torch.empty(a.shape, dtype=a.dtype, device=a.device)
-    scale_add(flat_a, flat_b, coeff_a, coeff_b, lengths, out.view(-1))
+    sums = dot_and_norms(flat_a, flat_b, lengths)
+    combine_from_sums(flat_a, flat_b, sums, workers_a / total, workers_b / total, lengths, out.view(-1))
     return out
 
 

@@ -107,7 +107,8 @@ class Mean(Reducer):
 
 class Adasum(Reducer):
     """Adasum (see `adasum.ops`): per tensor by default; ``per_tensor=False`` uses one pair of
-    coefficients for all tensors together (the whole-model variant).
+    coefficients for all tensors of one dtype together (the whole-model variant; per dtype
+    because the collective runs on one flat buffer per dtype).
 
     ``hierarchical=True`` (multi-GPU nodes): mean within each node of `local_size` consecutive
     ranks (default LOCAL_WORLD_SIZE), Adasum across the node means (see `adasum.hierarchical`).
@@ -128,9 +129,14 @@ class Adasum(Reducer):
                 size = self.local_size or hierarchical.local_size_from_env() or 1
                 return [hierarchical.reduce_hierarchical([w[i] for w in per_worker], size) for i in range(count)]
             return [ops.reduce([w[i] for w in per_worker]) for i in range(count)]
+        # one pair of coefficients per dtype group, as `all_reduce` (one flat buffer per dtype) does
         whole = Adasum(per_tensor=True, hierarchical=self.hierarchical, local_size=self.local_size)
-        flat = whole.reduce([[torch.cat([t.reshape(-1) for t in w])] for w in per_worker])[0]
-        return [p.view(t.shape) for p, t in zip(flat.split([t.numel() for t in per_worker[0]]), per_worker[0])]
+        out: list[torch.Tensor] = [torch.empty(0)] * count
+        for indices in group_by_dtype(list(per_worker[0])).values():
+            flat = whole.reduce([[torch.cat([w[i].reshape(-1) for i in indices])] for w in per_worker])[0]
+            for i, piece in zip(indices, flat.split([per_worker[0][i].numel() for i in indices])):
+                out[i] = piece.view(per_worker[0][i].shape)
+        return out
 
     def setup(self, group=None):
         if self.hierarchical:

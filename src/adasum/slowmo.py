@@ -7,12 +7,20 @@ x_{t,0}; then, per parameter::
     u_{t+1}   = beta u_t + (x_{t,0} - x_bar) / gamma_t   (slow momentum buffer)
     x_{t+1,0} = x_{t,0} - alpha gamma_t u_{t+1}          (every worker restarts here)
 
-alpha = 1, beta = 0 is local SGD (periodic averaging).
+alpha = 1, beta = 0 is local SGD (periodic averaging); one worker with beta = 0 is Lookahead.
+`slow_momentum_update` is the outer step for one tensor (the simulator uses it too); `SlowMo`
+wraps a torch optimizer and runs it across a process group with any reducer.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from typing import Any
+
 import torch
+import torch.distributed as dist
+
+from adasum.reducers import Mean, Reducer, get_reducer
 
 
 def slow_momentum_update(
@@ -36,3 +44,199 @@ def slow_momentum_update(
         return
     momentum.mul_(slow_momentum).add_(anchor - combined, alpha=1.0 / lr)
     anchor.add_(momentum, alpha=-slow_lr * lr)
+
+
+BUFFER_POLICIES = ("local", "reset", "average")
+
+
+def _world_size(group: dist.ProcessGroup | None) -> int:
+    if group is None and not dist.is_initialized():
+        return 1
+    return dist.get_world_size(group)
+
+
+class SlowMo:
+    """Wrap any torch optimizer (the base algorithm) with SlowMo: `sync_every` base steps, then the
+    workers' models are combined and the slow momentum step is taken (module docstring).
+
+    * ``reducer="mean"`` (default) averages the models exactly; any other reducer ("adasum",
+      "adacons", "sum" or a `Reducer` object) combines the model deltas ``x_i - x_{t,0}`` and
+      ``x_bar = x_{t,0} + combined delta``.
+    * gamma_t is each param group's current ``lr`` at the sync; ``lr == 0`` does not divide
+      (see `slow_momentum_update`).
+    * ``buffers``: the base optimizer's state (momentum, Adam moments) is kept per worker
+      ("local", the default, as public implementations do), cleared at each sync ("reset"), or
+      averaged across workers at each sync ("average": every floating-point state tensor except
+      ``step``).
+    * ``module``: its floating-point buffers (BatchNorm running statistics) are averaged at each
+      sync; integer buffers (``num_batches_tracked``) are left alone.
+    * The base algorithm may be plain local steps or DDP-synchronised steps (a DDP-wrapped model).
+    * One worker (no process group, or world size 1): nothing is communicated (every reducer is the
+      identity on one worker); this is Lookahead.
+
+    Memory: two extra copies of the parameters, the anchor ``x_{t,0}`` and the slow momentum
+    buffer ``u``, each in the parameter's dtype; a sync also needs the reducer's flat buffer per
+    dtype (one more parameter-sized copy while it runs; AdaCons two).
+
+    The workers' models must be identical when SlowMo is constructed (DDP ensures this; otherwise
+    broadcast them first); the anchor is taken then. Learning-rate schedulers take the base
+    optimizer (``param_groups`` is shared). ``state_dict()`` carries the base optimizer's state,
+    the anchor, the slow momentum, the step counter and the reducer's state; together with the
+    model's own state dict, a run resumed from any step continues exactly as if never stopped.
+
+    >>> opt = adasum.SlowMo(torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9),
+    ...                     sync_every=12, slow_lr=1.0, slow_momentum=0.5)
+    >>> loss.backward(); opt.step(); opt.zero_grad()
+    """
+
+    def __init__(
+        self,
+        optimizer: torch.optim.Optimizer,
+        *,
+        sync_every: int,
+        slow_lr: float = 1.0,
+        slow_momentum: float = 0.0,
+        reducer: str | Reducer = "mean",
+        buffers: str = "local",
+        group: dist.ProcessGroup | None = None,
+        module: torch.nn.Module | None = None,
+    ) -> None:
+        if not isinstance(optimizer, torch.optim.Optimizer):
+            raise TypeError(f"SlowMo wraps a torch.optim.Optimizer, got {type(optimizer).__name__}")
+        if isinstance(sync_every, bool) or not isinstance(sync_every, int) or sync_every < 1:
+            raise ValueError(f"sync_every must be an integer >= 1, got {sync_every!r}")
+        if slow_lr < 0:
+            raise ValueError(f"slow_lr must be >= 0, got {slow_lr}")
+        if not 0.0 <= slow_momentum < 1.0:
+            raise ValueError(f"slow_momentum must be in [0, 1), got {slow_momentum}")
+        if buffers not in BUFFER_POLICIES:
+            raise ValueError(f"buffers must be one of {BUFFER_POLICIES}, got {buffers!r}")
+        if module is not None and not isinstance(module, torch.nn.Module):
+            raise TypeError(f"module must be a torch.nn.Module, got {type(module).__name__}")
+        self.optimizer = optimizer
+        self.sync_every = sync_every
+        self.slow_lr = float(slow_lr)
+        self.slow_momentum = float(slow_momentum)
+        self.reducer = get_reducer(reducer)
+        self.buffers = buffers
+        self.group = group
+        self.module = module
+        self._params = [p for g in optimizer.param_groups for p in g["params"]]
+        if len({id(p) for p in self._params}) != len(self._params):
+            raise ValueError("a parameter appears more than once in the optimizer's param_groups")
+        with torch.no_grad():
+            self._anchor = [p.detach().clone() for p in self._params]
+            self._momentum = [torch.zeros_like(p) for p in self._params]
+        self._step = 0
+
+    # -- pass-through
+
+    @property
+    def param_groups(self) -> list[dict[str, Any]]:
+        return self.optimizer.param_groups
+
+    @property
+    def state(self) -> Any:
+        return self.optimizer.state
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        self.optimizer.zero_grad(set_to_none=set_to_none)
+
+    # -- the algorithm
+
+    def step(self, closure: Callable[[], Any] | None = None) -> Any:
+        """One base-optimizer step; every `sync_every`-th step also combines the workers and takes
+        the slow momentum step. Returns what the base step returns."""
+        loss = self.optimizer.step() if closure is None else self.optimizer.step(closure)
+        self._step += 1
+        if self._step % self.sync_every == 0:
+            self.sync()
+        return loss
+
+    @torch.no_grad()
+    def sync(self) -> None:
+        """Combine the workers' models and take the slow momentum step now (`step` calls this
+        every `sync_every` steps)."""
+        params = [p for g in self.optimizer.param_groups for p in g["params"]]
+        if len(params) != len(self._params) or any(p is not q for p, q in zip(params, self._params)):
+            raise ValueError("the optimizer's parameters changed since SlowMo was constructed")
+        world = _world_size(self.group)
+        if world > 1:
+            tensors = [p.detach() for p in self._params]  # views: the reducer works in place
+            if isinstance(self.reducer, Mean):
+                self.reducer.all_reduce(tensors, self.group)  # the exact average of the models
+            else:
+                for x, anchor in zip(tensors, self._anchor):
+                    x.sub_(anchor)
+                self.reducer.all_reduce(tensors, self.group)
+                for x, anchor in zip(tensors, self._anchor):
+                    x.add_(anchor)
+        index = 0
+        for group in self.optimizer.param_groups:
+            lr = float(group["lr"])
+            for p in group["params"]:
+                anchor, momentum = self._anchor[index], self._momentum[index]
+                slow_momentum_update(anchor, p.detach(), momentum, lr, self.slow_lr, self.slow_momentum)
+                p.detach().copy_(anchor)
+                index += 1
+        if self.buffers == "reset":
+            self.optimizer.state.clear()
+        elif self.buffers == "average" and world > 1:
+            Mean().all_reduce(self._optimizer_state_tensors(), self.group)
+        if self.module is not None and world > 1:
+            Mean().all_reduce([b for b in self.module.buffers() if b.is_floating_point()], self.group)
+
+    def _optimizer_state_tensors(self) -> list[torch.Tensor]:
+        """The base optimizer's floating-point state tensors except step counters, in a fixed order."""
+        out = []
+        for p in self._params:
+            state = self.optimizer.state.get(p, {})
+            for name in sorted(state):
+                value = state[name]
+                if name != "step" and isinstance(value, torch.Tensor) and value.is_floating_point():
+                    out.append(value)
+        return out
+
+    # -- checkpoints
+
+    def state_dict(self) -> dict[str, Any]:
+        """Base optimizer state, anchor, slow momentum, step counter, reducer state (references,
+        as torch optimizers return them; `torch.save` copies)."""
+        return {
+            "optimizer": self.optimizer.state_dict(),
+            "step": self._step,
+            "anchor": list(self._anchor),
+            "momentum": list(self._momentum),
+            "reducer": self.reducer.state_dict(),
+            "settings": {
+                "sync_every": self.sync_every,
+                "slow_lr": self.slow_lr,
+                "slow_momentum": self.slow_momentum,
+                "buffers": self.buffers,
+                "reducer": repr(self.reducer),
+            },
+        }
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Restore what `state_dict` returned (the settings stay those given to the constructor)."""
+        for name in ("anchor", "momentum"):
+            saved = state[name]
+            if len(saved) != len(self._params):
+                raise ValueError(f"state has {len(saved)} {name} tensors, the optimizer has {len(self._params)} parameters")
+            for i, (mine, theirs) in enumerate(zip(getattr(self, f"_{name}"), saved)):
+                if mine.shape != theirs.shape:
+                    raise ValueError(f"{name} {i}: state has shape {list(theirs.shape)}, parameter has {list(mine.shape)}")
+        self.optimizer.load_state_dict(state["optimizer"])
+        with torch.no_grad():
+            for mine, theirs in zip(self._anchor, state["anchor"]):
+                mine.copy_(theirs)
+            for mine, theirs in zip(self._momentum, state["momentum"]):
+                mine.copy_(theirs)
+        self._step = int(state["step"])
+        self.reducer.load_state_dict(state.get("reducer", {}))
+
+    def __repr__(self) -> str:
+        return (
+            f"SlowMo({type(self.optimizer).__name__}, sync_every={self.sync_every}, slow_lr={self.slow_lr}, "
+            f"slow_momentum={self.slow_momentum}, reducer={self.reducer!r}, buffers={self.buffers!r})"
+        )

@@ -1,0 +1,358 @@
+r"""AdaCons: adaptive consensus gradient aggregation (Choukroun, Azoulay, Kisilev, arXiv 2411.03742).
+
+For N workers with gradients ``g_i`` (by default the whole call's tensors taken as one vector)::
+
+    m     = (1/N) sum_j g_j                                   (first all-reduce)
+    a_i   = <g_i, m> / |g_i|                                  (mean projected on worker i's direction)
+    s_t   = beta s_{t-1} + (1 - beta) sort(a)                 (subspace momentum over sorted values;
+    â_i   = s_t[position of a_i in sort(a)]                     s_1 = sort(a_1))
+    c_i   = max(â_i, 0) / sum_j max(â_j, 0)                   (1/N each if that sum is not positive)
+    d     = scale * sum_i c_i g_i / |g_i|                     (second all-reduce)
+
+Rules chosen here (the paper leaves them open):
+
+* **Sort momentum, the permutation the right way round.** With ``idx = argsort(a)`` (stable, so
+  ties go by worker index), worker ``idx[k]`` holds rank position ``k`` and receives ``s[k]``:
+  ``â[idx] = s``, i.e. ``â = s[argsort(idx)]``. The authors' sample code writes ``s[idx]``, which
+  is the same only when ``idx`` is its own inverse (always for N <= 2, not in general).
+* **Negative coefficients are clipped to 0**: a worker whose gradient points away from the mean
+  (after smoothing) gets no weight. When all are positive nothing changes, unlike a shift by
+  ``min(a)``, which would always drop one worker.
+* **Non-positive sum**: if no coefficient is positive (the mean is zero, or every gradient is
+  orthogonal to or opposed to it), every worker gets ``1/N``. With the default scale the result
+  is then ``|m| * d``, which is 0 whenever ``m = 0``.
+* **Zero gradients**: a worker with ``|g_i|^2`` below `adasum.ops.ZERO_NORM` has ``a_i = 0`` and
+  contributes nothing (its direction is undefined); never NaN.
+* **Scale**: ``scale="mean_norm"`` (the default) multiplies by ``|m|``, so identical worker
+  gradients aggregate to that very gradient and plain SGD works unchanged; ``scale="unit"`` is the
+  paper's ``d`` (``|d| <= 1``), for scale-invariant optimizers (Adam, LAMB).
+* **Granularity**: by default one set of coefficients for all tensors of a call, across dtypes
+  (``per_tensor=False``); ``per_tensor=True`` gives each tensor its own coefficients and momentum.
+  In a DDP communication hook each bucket is one call, so "whole model" means "whole bucket".
+
+Numerics: dot products and norms are accumulated in float64 whatever the dtype; coefficients are
+float64; the scaled gradient is computed in float32 or float64 (the wider of the tensor's dtype and
+float32) and written back in the tensor's dtype before the second all-reduce.
+
+Communication per call: two all-reduces of the gradient buffer (one flat buffer per dtype each,
+never one per tensor) and one all-gather of ``3 x S`` float64 values per rank (S = 1 whole-model,
+S = number of tensors per-tensor).
+
+Momentum state is kept per call site: one float64 ``[S, N]`` tensor per *layout key*, by default a
+digest of the call's tensor dtypes and element counts in order (``key=`` overrides it). So the
+buckets of a DDP model, which differ in layout, each keep their own momentum; two calls with the
+same layout (identical buckets, or one object used for gradients and for model deltas of the same
+parameters) share one state, updated once per call. Use one AdaCons object per purpose, or pass
+`key`. The states travel in `state_dict()`.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from adasum import ops
+from adasum.layout import flatten, group_by_dtype, unflatten_into
+from adasum.reducers import Reducer, _check_workers, register
+
+SCALES = ("mean_norm", "unit")
+
+
+# --- the coefficient math: pure functions on [S, N] float64 tensors (segments x workers), shared by
+# --- the single-process and the distributed forms
+
+
+def projections(dots: torch.Tensor, sq_norms: torch.Tensor) -> torch.Tensor:
+    """``a_i = <g_i, m> / |g_i|`` per segment and worker; 0 where ``|g_i|^2 < ZERO_NORM``.
+
+    >>> projections(torch.tensor([[2.0, 0.0]]), torch.tensor([[4.0, 0.0]]))
+    tensor([[1., 0.]])
+    """
+    nonzero = sq_norms >= ops.ZERO_NORM
+    return torch.where(nonzero, dots / sq_norms.clamp_min(ops.ZERO_NORM).sqrt(), torch.zeros_like(dots))
+
+
+def sort_momentum(
+    a: torch.Tensor, state: torch.Tensor | None, beta: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Subspace momentum over the sorted coefficients: ``(smoothed a, new state)``.
+
+    ``s = beta * state + (1 - beta) * sort(a)`` along the last (worker) dim, ``s = sort(a)`` when
+    `state` is None (the first call); each worker gets the value of its rank position,
+    ``smoothed[idx] = s`` with ``idx = argsort(a)`` (stable: ties go by worker index).
+
+    >>> smoothed, state = sort_momentum(torch.tensor([[3.0, 1.0, 2.0]]), None, 0.9)
+    """
+    ordered, idx = torch.sort(a, dim=-1, stable=True)
+    state = ordered if state is None else state * beta + ordered * (1 - beta)
+    smoothed = torch.empty_like(a).scatter_(-1, idx, state)
+    return smoothed, state
+
+
+def normalize(a: torch.Tensor) -> torch.Tensor:
+    """Coefficients summing to 1 per segment: ``max(a, 0) / sum(max(a, 0))``, or ``1/N`` each where
+    that sum is not positive.
+
+    >>> normalize(torch.tensor([[3.0, -1.0, 1.0], [-1.0, 0.0, -2.0]]))
+    tensor([[0.7500, 0.0000, 0.2500], [0.3333, 0.3333, 0.3333]])
+    """
+    clipped = a.clamp_min(0)
+    total = clipped.sum(dim=-1, keepdim=True)
+    uniform = torch.full_like(a, 1.0 / a.shape[-1])
+    return torch.where(total > 0, clipped / torch.where(total > 0, total, torch.ones_like(total)), uniform)
+
+
+def worker_weights(
+    c: torch.Tensor, sq_norms: torch.Tensor, mean_sq_norm: torch.Tensor, scale: str = "mean_norm"
+) -> torch.Tensor:
+    """The factor each worker's gradient is multiplied by before summing: ``c_i * scale / |g_i|``,
+    with scale ``|m|`` ("mean_norm") or 1 ("unit"); 0 for a zero gradient.
+
+    `mean_sq_norm` is ``|m|^2`` per segment, shape [S].
+
+    >>> worker_weights(torch.tensor([[0.5, 0.5]]), torch.tensor([[4.0, 4.0]]), torch.tensor([4.0]))
+    tensor([[0.5000, 0.5000]])
+    """
+    if scale not in SCALES:
+        raise ValueError(f"scale must be one of {SCALES}, got {scale!r}")
+    nonzero = sq_norms >= ops.ZERO_NORM
+    w = c / sq_norms.clamp_min(ops.ZERO_NORM).sqrt()
+    if scale == "mean_norm":
+        w = w * mean_sq_norm.sqrt().unsqueeze(-1)
+    return torch.where(nonzero, w, torch.zeros_like(w))
+
+
+def coefficients(
+    dots: torch.Tensor,
+    sq_norms: torch.Tensor,
+    mean_sq_norm: torch.Tensor,
+    state: torch.Tensor | None,
+    beta: float,
+    scale: str = "mean_norm",
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """AdaCons from the per-worker ``<g_i, m>`` and ``|g_i|^2`` ([S, N]) and ``|m|^2`` ([S]):
+    ``(weights [S, N], new momentum state [S, N])``; the aggregate is ``sum_i weights_i g_i``.
+
+    >>> w, state = coefficients(dots, sq_norms, mean_sq, None, beta=0.0)
+    """
+    smoothed, state = sort_momentum(projections(dots, sq_norms), state, beta)
+    return worker_weights(normalize(smoothed), sq_norms, mean_sq_norm, scale), state
+
+
+def scale_segments_(flat: torch.Tensor, weights: torch.Tensor, sizes: Sequence[int]) -> None:
+    """``flat[segment s] *= weights[s]`` in place; one weight for the whole buffer if ``len(weights) == 1``.
+
+    Computed in the wider of flat's dtype and float32, written back in flat's dtype.
+    """
+    compute = torch.promote_types(flat.dtype, torch.float32)
+    w = weights.to(device=flat.device, dtype=compute)
+    if w.numel() > 1:
+        counts = torch.tensor(list(sizes), dtype=torch.int64, device=flat.device)
+        w = torch.repeat_interleave(w, counts, output_size=flat.numel())
+    else:
+        w = w.reshape(())
+    if flat.dtype == compute:
+        flat.mul_(w)
+    else:
+        flat.copy_(flat.to(compute) * w)
+
+
+def layout_key(description: Sequence[tuple[torch.dtype, int]], per_tensor: bool) -> str:
+    """The default momentum key of a call: a digest of its tensors' dtypes and element counts."""
+    digest = hashlib.blake2b(repr([(str(d), int(n)) for d, n in description]).encode(), digest_size=8)
+    return f"{'tensor' if per_tensor else 'model'}:{len(description)}:{digest.hexdigest()}"
+
+
+class AdaCons(Reducer):
+    """Adaptive consensus aggregation (module docstring for the formula and the rules).
+
+    `momentum` is the subspace momentum beta (0: none; the paper's demo uses 0.99). `per_tensor`
+    gives each tensor its own coefficients; `scale` is "mean_norm" (identical gradients aggregate to
+    themselves) or "unit" (the paper's ``|d| <= 1``).
+
+    >>> reducer = adasum.AdaCons(momentum=0.9)
+    >>> reducer.all_reduce([p.grad for p in model.parameters()])   # across the process group
+    >>> reducer.reduce([[g0a, g0b], [g1a, g1b]])                    # single process, per worker
+    """
+
+    name = "adacons"
+
+    def __init__(self, momentum: float = 0.0, per_tensor: bool = False, scale: str = "mean_norm") -> None:
+        if not 0.0 <= momentum < 1.0:
+            raise ValueError(f"momentum must be in [0, 1), got {momentum}")
+        if scale not in SCALES:
+            raise ValueError(f"scale must be one of {SCALES}, got {scale!r}")
+        self.momentum = float(momentum)
+        self.per_tensor = bool(per_tensor)
+        self.scale = scale
+        self._states: dict[str, torch.Tensor] = {}
+
+    # -- shared by both forms
+
+    def _weights(
+        self, key: str, dots: torch.Tensor, sq_norms: torch.Tensor, mean_sq: torch.Tensor
+    ) -> torch.Tensor:
+        """Weights [S, N] from per-tensor (or already summed) partials ([T, N], [T, N], [T]); updates
+        the key's state."""
+        if not self.per_tensor:
+            dots, sq_norms, mean_sq = dots.sum(0, keepdim=True), sq_norms.sum(0, keepdim=True), mean_sq.sum(0, keepdim=True)
+        state = self._states.get(key)
+        if state is not None:
+            if state.shape != dots.shape:
+                raise ValueError(
+                    f"AdaCons momentum state {key!r} has shape {list(state.shape)}, this call needs "
+                    f"{list(dots.shape)} (the number of workers or tensors changed)"
+                )
+            state = state.to(dots.device)
+        weights, self._states[key] = coefficients(dots, sq_norms, mean_sq, state, self.momentum, self.scale)
+        return weights
+
+    def _key(self, description: Sequence[tuple[torch.dtype, int]], key: str | None) -> str:
+        return key if key is not None else layout_key(description, self.per_tensor)
+
+    # -- single process
+
+    def reduce(self, per_worker: Sequence[Sequence[torch.Tensor]], *, key: str | None = None) -> list[torch.Tensor]:
+        """AdaCons of the workers' copies, one list of tensors per worker, in worker order."""
+        count = _check_workers(per_worker)
+        if count == 0:
+            return []
+        workers = len(per_worker)
+        first = per_worker[0]
+        for i in range(count):
+            ops.check_floating(first[i].dtype)
+            for w, tensors in enumerate(per_worker):
+                if tensors[i].shape != first[i].shape or tensors[i].dtype != first[i].dtype:
+                    raise ValueError(
+                        f"tensor {i}: worker 0 has {first[i].dtype} {list(first[i].shape)}, "
+                        f"worker {w} has {tensors[i].dtype} {list(tensors[i].shape)}"
+                    )
+        means = [torch.stack([w[i] for w in per_worker]).sum(0) / workers for i in range(count)]
+        dots = torch.zeros(count, workers, dtype=torch.float64)
+        sq_norms = torch.zeros(count, workers, dtype=torch.float64)
+        mean_sq = torch.zeros(count, dtype=torch.float64)
+        for i in range(count):
+            m = means[i].reshape(-1)
+            for j in range(workers):
+                part = ops.dot_and_norms(per_worker[j][i].reshape(-1), m, [m.numel()])[:, 0].cpu()
+                dots[i, j], sq_norms[i, j], mean_sq[i] = part
+        weights = self._weights(self._key([(t.dtype, t.numel()) for t in first], key), dots, sq_norms, mean_sq)
+        out = []
+        for i in range(count):
+            row = weights[i if self.per_tensor else 0]
+            scaled = []
+            for j in range(workers):
+                g = per_worker[j][i].reshape(-1).clone()
+                scale_segments_(g, row[j : j + 1], [g.numel()])
+                scaled.append(g)
+            out.append(torch.stack(scaled).sum(0).view(first[i].shape))
+        return out
+
+    # -- distributed
+
+    def all_reduce_flat(
+        self,
+        buffer: torch.Tensor,
+        sizes: Sequence[int],
+        group: dist.ProcessGroup | None = None,
+        *,
+        key: str | None = None,
+    ) -> None:
+        """In place on one flat buffer holding tensors of `sizes` elements (a DDP bucket)."""
+        ops.check_floating(buffer.dtype)
+        sizes = [int(n) for n in sizes]
+        if sum(sizes) != buffer.numel():
+            raise ValueError(f"sizes add up to {sum(sizes)} elements, the buffer has {buffer.numel()}")
+        self._all_reduce_buffers([buffer], [sizes], [list(range(len(sizes)))], len(sizes), group,
+                                 self._key([(buffer.dtype, n) for n in sizes], key))
+
+    def all_reduce(
+        self, tensors: Sequence[torch.Tensor], group: dist.ProcessGroup | None = None, *, key: str | None = None
+    ) -> None:
+        """In place across `group`; one flat buffer per dtype, coefficients over all of them."""
+        tensors = list(tensors)
+        for t in tensors:
+            ops.check_floating(t.dtype)
+        groups = list(group_by_dtype(tensors).values())
+        flats = [flatten([tensors[i] for i in indices]) for indices in groups]
+        self._all_reduce_buffers(
+            flats,
+            [[tensors[i].numel() for i in indices] for indices in groups],
+            groups,
+            len(tensors),
+            group,
+            self._key([(t.dtype, t.numel()) for t in tensors], key),
+        )
+        for flat, indices in zip(flats, groups):
+            unflatten_into(flat, [tensors[i] for i in indices])
+
+    def _all_reduce_buffers(
+        self,
+        flats: list[torch.Tensor],
+        sizes: list[list[int]],
+        indices: list[list[int]],
+        count: int,
+        group: dist.ProcessGroup | None,
+        key: str,
+    ) -> None:
+        """The distributed form over flat buffers; `indices[b]` places buffer b's tensors in call order."""
+        if count == 0:
+            return
+        world = dist.get_world_size(group)
+        rank = dist.get_rank(group)
+        device = flats[0].device if flats else torch.device("cpu")
+        partials = torch.zeros(3, count, dtype=torch.float64, device=device)
+        for flat, lengths, where in zip(flats, sizes, indices):
+            mean = flat.clone()
+            dist.all_reduce(mean, group=group)
+            mean.div_(world)
+            # rows: <g_i, m>, |g_i|^2, |m|^2 for each tensor of this buffer
+            part = ops.dot_and_norms(flat, mean, lengths)  # float64 sums, no float64 copies
+            partials[:, torch.tensor(where, dtype=torch.int64, device=device)] = part.to(device)
+            del mean
+        if not self.per_tensor:  # whole model: gather 3 numbers per rank, not 3 per tensor
+            partials = partials.sum(1, keepdim=True)
+        gathered = [torch.empty_like(partials) for _ in range(world)]
+        dist.all_gather(gathered, partials, group=group)
+        stacked = torch.stack(gathered)  # [N, 3, T]
+        # |m|^2 from rank 0 so that every rank uses the very same value
+        weights = self._weights(key, stacked[:, 0].T, stacked[:, 1].T, stacked[0, 2])
+        mine = weights[:, rank]
+        for flat, lengths, where in zip(flats, sizes, indices):
+            if self.per_tensor:
+                scale_segments_(flat, mine[torch.tensor(where, dtype=torch.int64, device=mine.device)], lengths)
+            else:
+                scale_segments_(flat, mine, lengths)
+            dist.all_reduce(flat, group=group)
+
+    # -- state
+
+    def state_dict(self) -> dict[str, Any]:
+        """The momentum states (CPU float64), keyed by call site, and the settings."""
+        return {
+            "momentum": self.momentum,
+            "per_tensor": self.per_tensor,
+            "scale": self.scale,
+            "states": {k: v.detach().cpu().clone() for k, v in self._states.items()},
+        }
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Restore the momentum states; the settings must match this object's."""
+        for name in ("momentum", "per_tensor", "scale"):
+            if name in state and state[name] != getattr(self, name):
+                raise ValueError(f"AdaCons state has {name}={state[name]!r}, this reducer has {getattr(self, name)!r}")
+        self._states = {k: v.detach().clone().to(torch.float64) for k, v in state.get("states", {}).items()}
+
+    def reset(self) -> None:
+        """Forget all momentum states."""
+        self._states.clear()
+
+    def __repr__(self) -> str:
+        return f"AdaCons(momentum={self.momentum}, per_tensor={self.per_tensor}, scale={self.scale!r})"
+
+
+register("adacons", AdaCons)

@@ -1,0 +1,46 @@
+"""Tile tables: a flat slice cut into tiles of at most `TILE` elements, each inside one segment
+(tensor). GPU kernels run one program per tile; tables are cached per layout and device, so
+repeated calls neither rebuild them nor copy them to the device again (which would synchronise)."""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
+
+import torch
+
+TILE = 16384
+
+
+@dataclass(frozen=True)
+class Tiles:
+    starts: torch.Tensor  # int64 [n_tiles]: first element of each tile
+    sizes: torch.Tensor  # int64 [n_tiles]: elements in each tile
+    segments: torch.Tensor  # int64 [n_tiles]: the segment each tile lies in
+    first: torch.Tensor  # int64 [T]: index of each segment's first tile
+    count: torch.Tensor  # int64 [T]: tiles in each segment
+    n_tiles: int
+    longest: int  # the most tiles in one segment
+
+
+@functools.lru_cache(maxsize=1024)
+def tiles(lengths: tuple[int, ...], device: torch.device) -> Tiles:
+    """The tile table of segments of `lengths` elements laid end to end, on `device`."""
+    starts, sizes, segments, first, count = [], [], [], [], []
+    offset = 0
+    for seg, n in enumerate(lengths):
+        first.append(len(starts))
+        for lo in range(offset, offset + n, TILE):
+            starts.append(lo)
+            sizes.append(min(TILE, offset + n - lo))
+            segments.append(seg)
+        count.append(len(starts) - first[-1])
+        offset += n
+
+    def as_tensor(values: list[int]) -> torch.Tensor:
+        return torch.tensor(values, dtype=torch.int64, device=device)
+
+    return Tiles(
+        as_tensor(starts), as_tensor(sizes), as_tensor(segments), as_tensor(first), as_tensor(count),
+        len(starts), max(count, default=0),
+    )

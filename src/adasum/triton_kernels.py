@@ -1,0 +1,146 @@
+"""Triton kernels for the per-tensor math on GPUs (optional: used when Triton imports).
+
+A slice of a flat buffer is cut into tiles that each lie inside one tensor (segment) and hold at
+most `TILE` elements. `dot_and_norms` reduces each tile in float64 (one program per tile), then
+adds the tiles of each segment together in order; `scale_add` writes ``ca * a + cb * b`` per tile,
+computed in float64, with the tile's segment coefficients. Tile tables are cached per layout, so
+a call launches two or three kernels and never synchronises the host. Results are deterministic.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+try:
+    import triton
+    import triton.language as tl
+except ImportError:  # pragma: no cover - exercised where Triton is missing
+    triton = None
+
+from adasum.tiles import TILE, tiles
+
+BLOCK = 1024
+ITERS = TILE // BLOCK
+
+
+def available(device: torch.device) -> bool:
+    """Whether the Triton kernels can run on `device`."""
+    return triton is not None and device.type == "cuda"
+
+
+if triton is not None:
+
+    @triton.jit
+    def _tile_sums_kernel(a_ptr, b_ptr, starts_ptr, sizes_ptr, out_ptr, BLOCK: tl.constexpr, ITERS: tl.constexpr):
+        tile = tl.program_id(0)
+        start = tl.load(starts_ptr + tile)
+        size = tl.load(sizes_ptr + tile)
+        ab = tl.zeros([BLOCK], dtype=tl.float64)
+        aa = tl.zeros([BLOCK], dtype=tl.float64)
+        bb = tl.zeros([BLOCK], dtype=tl.float64)
+        for i in range(ITERS):
+            offs = i * BLOCK + tl.arange(0, BLOCK)
+            mask = offs < size
+            a = tl.load(a_ptr + start + offs, mask=mask, other=0.0).to(tl.float64)
+            b = tl.load(b_ptr + start + offs, mask=mask, other=0.0).to(tl.float64)
+            ab += a * b
+            aa += a * a
+            bb += b * b
+        tl.store(out_ptr + tile * 3 + 0, tl.sum(ab, axis=0))
+        tl.store(out_ptr + tile * 3 + 1, tl.sum(aa, axis=0))
+        tl.store(out_ptr + tile * 3 + 2, tl.sum(bb, axis=0))
+
+    @triton.jit
+    def _segment_sums_kernel(
+        tiles_ptr, first_ptr, count_ptr, out_ptr, row_stride, BLOCK: tl.constexpr, ROUNDS: tl.constexpr,
+        ACCUMULATE: tl.constexpr,
+    ):
+        seg = tl.program_id(0)
+        first = tl.load(first_ptr + seg)
+        count = tl.load(count_ptr + seg)
+        ab = tl.zeros([BLOCK], dtype=tl.float64)
+        aa = tl.zeros([BLOCK], dtype=tl.float64)
+        bb = tl.zeros([BLOCK], dtype=tl.float64)
+        for r in range(ROUNDS):  # enough rounds for the longest segment (a power of two: few compilations)
+            offs = r * BLOCK + tl.arange(0, BLOCK)
+            mask = offs < count
+            row = (first + offs) * 3
+            ab += tl.load(tiles_ptr + row + 0, mask=mask, other=0.0)
+            aa += tl.load(tiles_ptr + row + 1, mask=mask, other=0.0)
+            bb += tl.load(tiles_ptr + row + 2, mask=mask, other=0.0)
+        ab_sum, aa_sum, bb_sum = tl.sum(ab, axis=0), tl.sum(aa, axis=0), tl.sum(bb, axis=0)
+        if ACCUMULATE:
+            ab_sum += tl.load(out_ptr + seg)
+            aa_sum += tl.load(out_ptr + row_stride + seg)
+            bb_sum += tl.load(out_ptr + 2 * row_stride + seg)
+        tl.store(out_ptr + seg, ab_sum)
+        tl.store(out_ptr + row_stride + seg, aa_sum)
+        tl.store(out_ptr + 2 * row_stride + seg, bb_sum)
+
+    @triton.jit
+    def _combine_kernel(
+        a_ptr, b_ptr, sums_ptr, row_stride, weight_a, weight_b, zero_norm, out_ptr, starts_ptr, sizes_ptr, segs_ptr,
+        BLOCK: tl.constexpr, ITERS: tl.constexpr,
+    ):
+        # the coefficients of ops.coefficients, computed per tile from the segment's three sums
+        tile = tl.program_id(0)
+        start = tl.load(starts_ptr + tile)
+        size = tl.load(sizes_ptr + tile)
+        seg = tl.load(segs_ptr + tile)
+        dot = tl.load(sums_ptr + seg)
+        norm_a = tl.load(sums_ptr + row_stride + seg)
+        norm_b = tl.load(sums_ptr + 2 * row_stride + seg)
+        ca = tl.where(norm_a >= zero_norm, 1.0 - weight_a * dot / tl.where(norm_a >= zero_norm, norm_a, 1.0), 1.0)
+        cb = tl.where(norm_b >= zero_norm, 1.0 - weight_b * dot / tl.where(norm_b >= zero_norm, norm_b, 1.0), 1.0)
+        for i in range(ITERS):
+            offs = i * BLOCK + tl.arange(0, BLOCK)
+            mask = offs < size
+            a = tl.load(a_ptr + start + offs, mask=mask, other=0.0).to(tl.float64)
+            b = tl.load(b_ptr + start + offs, mask=mask, other=0.0).to(tl.float64)
+            mixed = ca * a + cb * b
+            out = mixed if out_ptr.dtype.element_ty == tl.float64 else mixed.to(tl.float32)
+            tl.store(out_ptr + start + offs, out.to(out_ptr.dtype.element_ty), mask=mask)
+
+
+def _rounds(longest: int, block: int) -> int:
+    return 1 << max(0, (-(-longest // block) - 1).bit_length())
+
+
+def dot_and_norms(
+    a: torch.Tensor, b: torch.Tensor, lengths: Sequence[int], out: torch.Tensor | None = None
+) -> torch.Tensor:
+    """Per-segment ``<a,b>``, ``|a|^2``, ``|b|^2`` in float64 as a [3, T] tensor (see module doc);
+    with `out` (a float64 [3, T] view whose rows are contiguous) the sums are added into it."""
+    table = tiles(tuple(lengths), a.device)
+    segments = len(lengths)
+    accumulate = out is not None
+    if out is None:
+        out = torch.empty(3, segments, dtype=torch.float64, device=a.device)
+    if segments == 0:
+        return out
+    assert out.stride(1) == 1 and out.dtype == torch.float64
+    tile_sums = torch.empty(max(table.n_tiles, 1), 3, dtype=torch.float64, device=a.device)
+    if table.n_tiles:
+        _tile_sums_kernel[(table.n_tiles,)](a, b, table.starts, table.sizes, tile_sums, BLOCK=BLOCK, ITERS=ITERS)
+    _segment_sums_kernel[(segments,)](
+        tile_sums, table.first, table.count, out, out.stride(0),
+        BLOCK=256, ROUNDS=_rounds(table.longest, 256), ACCUMULATE=accumulate,
+    )
+    return out
+
+
+def combine(
+    a: torch.Tensor, b: torch.Tensor, sums: torch.Tensor, weight_a: float, weight_b: float, zero_norm: float,
+    lengths: Sequence[int], out: torch.Tensor,
+) -> None:
+    """``out = c_a * a + c_b * b`` per segment with the coefficients of the segment's `sums`
+    (``ops.coefficients``), in float64, stored in out's dtype: one kernel."""
+    table = tiles(tuple(lengths), a.device)
+    if table.n_tiles:
+        assert sums.stride(1) == 1 and sums.dtype == torch.float64
+        _combine_kernel[(table.n_tiles,)](
+            a, b, sums, sums.stride(0), weight_a, weight_b, zero_norm, out,
+            table.starts, table.sizes, table.segments, BLOCK=BLOCK, ITERS=ITERS,
+        )

@@ -1,0 +1,192 @@
+"""AdaCons's coefficient math and single-process form, against the independent NumPy reference of
+`reference_adacons.py`. The distributed form is checked against this one in test_reducers.py."""
+
+import subprocess
+import sys
+import os
+
+import numpy as np
+import pytest
+import torch
+
+import adasum
+from adasum import adacons
+from reference_adacons import AdaConsReference, smooth_sorted
+
+
+def non_involution(a) -> bool:
+    idx = np.argsort(a, kind="stable")
+    return not np.array_equal(np.argsort(idx, kind="stable"), idx)
+
+
+def test_sort_momentum_puts_each_worker_at_its_rank_position():
+    # argsort([5, 1, 3, 4]) = [1, 2, 3, 0], whose inverse is [3, 0, 1, 2]: not its own inverse
+    steps = [[5.0, 1.0, 3.0, 4.0], [0.5, 7.0, -1.0, 2.0], [0.0, 0.0, 1.0, -3.0], [4.0, 3.0, 2.0, 1.0]]
+    assert non_involution(steps[0]) and non_involution(steps[1])
+    for beta in (0.0, 0.5, 0.9):
+        state_ref, state = None, None
+        for a in steps:
+            expected, state_ref = smooth_sorted(a, state_ref, beta)
+            got, state = adacons.sort_momentum(torch.tensor([a], dtype=torch.float64), state, beta)
+            assert torch.allclose(got[0], torch.tensor(expected, dtype=torch.float64), rtol=1e-15, atol=0)
+            assert torch.allclose(state[0], torch.tensor(state_ref, dtype=torch.float64), rtol=1e-15, atol=0)
+
+
+def test_sort_momentum_differs_from_the_sample_codes_indexing():
+    # the authors' sample code indexes the smoothed sorted vector with the sort permutation itself
+    a1 = torch.tensor([[5.0, 1.0, 3.0, 4.0]], dtype=torch.float64)
+    a2 = torch.tensor([[0.5, 7.0, -1.0, 2.0]], dtype=torch.float64)
+    _, state = adacons.sort_momentum(a1, None, 0.5)
+    got, state = adacons.sort_momentum(a2, state, 0.5)
+    idx = torch.argsort(a2, dim=-1, stable=True)
+    wrong = state[0][idx[0]]
+    right = state[0][torch.argsort(idx[0])]
+    assert torch.equal(got[0], right)
+    assert not torch.allclose(got[0], wrong)
+    # with beta = 0 the smoothed values are the inputs themselves
+    same, _ = adacons.sort_momentum(a2, state, 0.0)
+    assert torch.equal(same, a2)
+
+
+def test_normalize_rules_for_negative_coefficients_and_non_positive_sums():
+    c = adacons.normalize(torch.tensor([[3.0, -1.0, 1.0], [-1.0, 0.0, -2.0], [0.0, 0.0, 0.0], [1.0, 1.0, 2.0]],
+                                       dtype=torch.float64))
+    expected = torch.tensor([[0.75, 0.0, 0.25], [1 / 3, 1 / 3, 1 / 3], [1 / 3, 1 / 3, 1 / 3], [0.25, 0.25, 0.5]],
+                            dtype=torch.float64)
+    assert torch.allclose(c, expected, rtol=1e-15, atol=0)
+    assert torch.allclose(c.sum(-1), torch.ones(4, dtype=torch.float64))
+
+
+def test_projection_and_weights_zero_guard():
+    dots = torch.tensor([[2.0, 0.0, 1.0]], dtype=torch.float64)
+    sq = torch.tensor([[4.0, 0.0, 1e-200]], dtype=torch.float64)
+    a = adacons.projections(dots, sq)
+    assert torch.equal(a, torch.tensor([[1.0, 0.0, 0.0]], dtype=torch.float64))
+    w = adacons.worker_weights(torch.tensor([[0.5, 0.25, 0.25]], dtype=torch.float64), sq,
+                               torch.tensor([9.0], dtype=torch.float64))
+    assert torch.equal(w, torch.tensor([[0.5 * 3 / 2, 0.0, 0.0]], dtype=torch.float64))
+    assert torch.isfinite(w).all()
+
+
+def random_workers(seed, workers, shapes, dtype=torch.float64):
+    g = torch.Generator().manual_seed(seed)
+    return [[torch.randn(s, generator=g, dtype=torch.float64).to(dtype) for s in shapes] for _ in range(workers)]
+
+
+@pytest.mark.parametrize("workers", [1, 2, 3, 4, 5])
+@pytest.mark.parametrize("per_tensor", [False, True])
+@pytest.mark.parametrize("scale", ["mean_norm", "unit"])
+def test_reduce_matches_reference_over_steps_with_momentum(workers, per_tensor, scale):
+    shapes = [(3, 4), (7,), (1,), (0,), (2, 2, 2)]
+    ours = adasum.AdaCons(momentum=0.8, per_tensor=per_tensor, scale=scale)
+    ref = AdaConsReference(0.8, per_tensor, scale)
+    for step in range(4):
+        data = random_workers(100 * workers + step, workers, shapes)
+        got = ours.reduce(data)
+        expected = ref([[t.numpy() for t in w] for w in data])
+        for t, e, s in zip(got, expected, shapes):
+            assert t.shape == s and t.dtype == torch.float64
+            assert np.allclose(t.numpy(), e, rtol=1e-12, atol=1e-14)
+
+
+def test_identical_gradients_aggregate_to_themselves():
+    g = random_workers(7, 1, [(5, 3), (4,)], torch.float32)[0]
+    for workers in (1, 2, 3, 4, 7):
+        for per_tensor in (False, True):
+            out = adasum.AdaCons(momentum=0.9, per_tensor=per_tensor).reduce([g] * workers)
+            for o, t in zip(out, g):
+                assert o.dtype == torch.float32
+                assert torch.allclose(o, t, rtol=1e-6, atol=1e-7)
+    # "unit" gives the unit direction instead
+    out = adasum.AdaCons(scale="unit").reduce([g] * 3)
+    flat = torch.cat([t.reshape(-1) for t in g]).double()
+    assert torch.allclose(torch.cat([o.reshape(-1) for o in out]).double(), flat / flat.norm(), rtol=1e-6)
+
+
+def test_opposed_and_zero_gradients_never_nan():
+    v = torch.randn(6, dtype=torch.float64)
+    assert torch.equal(adasum.AdaCons().reduce([[v], [-v]])[0], torch.zeros(6, dtype=torch.float64))
+    z = torch.zeros(6, dtype=torch.float64)
+    assert torch.equal(adasum.AdaCons(momentum=0.5).reduce([[z], [z], [z]])[0], z)
+    # one worker far from the others: the opposed ones get weight 0, the result is the mean
+    big, small = torch.tensor([10.0, 0.0], dtype=torch.float64), torch.tensor([-1.0, 0.0], dtype=torch.float64)
+    out = adasum.AdaCons().reduce([[big], [small], [small]])[0]
+    assert torch.allclose(out, (big + 2 * small) / 3, rtol=1e-15)
+
+
+def test_whole_model_spans_dtypes_and_per_tensor_does_not():
+    data32 = random_workers(3, 3, [(8,)], torch.float32)
+    data64 = random_workers(4, 3, [(5,)], torch.float64)
+    mixed = [[a[0], b[0]] for a, b in zip(data32, data64)]
+    whole = adasum.AdaCons().reduce(mixed)
+    ref = AdaConsReference()([[t.double().numpy() for t in w] for w in mixed])
+    assert whole[0].dtype == torch.float32 and whole[1].dtype == torch.float64
+    assert np.allclose(whole[0].double().numpy(), ref[0], rtol=1e-5)
+    assert np.allclose(whole[1].numpy(), ref[1], rtol=1e-5)
+    # the whole-model result differs from reducing each dtype group alone
+    alone = adasum.AdaCons().reduce([[w[1]] for w in mixed])[0]
+    assert not torch.allclose(alone, whole[1])
+
+
+def test_momentum_state_is_keyed_by_layout():
+    a_data = [random_workers(10 + s, 3, [(4,), (6,)]) for s in range(3)]
+    b_data = [random_workers(20 + s, 3, [(9,)]) for s in range(3)]
+    shared, alone_a, alone_b = (adasum.AdaCons(momentum=0.9) for _ in range(3))
+    for s in range(3):  # interleaved calls with two layouts, as two DDP buckets would make
+        got_a, got_b = shared.reduce(a_data[s]), shared.reduce(b_data[s])
+        for x, y in zip(got_a, alone_a.reduce(a_data[s])):
+            assert torch.equal(x, y)
+        assert torch.equal(got_b[0], alone_b.reduce(b_data[s])[0])
+    assert len(shared.state_dict()["states"]) == 2
+    # an explicit key separates calls of one layout
+    keyed, plain = adasum.AdaCons(momentum=0.9), adasum.AdaCons(momentum=0.9)
+    for s in range(3):
+        keyed.reduce(a_data[s], key="other")
+        assert all(torch.equal(x, y) for x, y in zip(keyed.reduce(a_data[s], key="mine"), plain.reduce(a_data[s])))
+    # without a key, two calls of one layout share one state, updated once per call
+    seq, ref = adasum.AdaCons(momentum=0.9), AdaConsReference(0.9)
+    for s in (0, 1, 2, 0):
+        got = seq.reduce(a_data[s])
+        expected = ref([[t.numpy() for t in w] for w in a_data[s]])
+        assert all(np.allclose(x.numpy(), e, rtol=1e-12) for x, e in zip(got, expected))
+
+
+def test_state_dict_round_trip_continues_identically():
+    data = [random_workers(30 + s, 4, [(5,), (3, 3)]) for s in range(5)]
+    whole = adasum.AdaCons(momentum=0.7, per_tensor=True)
+    outs = [whole.reduce(d) for d in data]
+    first = adasum.AdaCons(momentum=0.7, per_tensor=True)
+    for d in data[:2]:
+        first.reduce(d)
+    buf = __import__("io").BytesIO()
+    torch.save(first.state_dict(), buf)
+    buf.seek(0)
+    resumed = adasum.AdaCons(momentum=0.7, per_tensor=True)
+    resumed.load_state_dict(torch.load(buf))
+    for d, expected in zip(data[2:], outs[2:]):
+        assert all(torch.equal(x, y) for x, y in zip(resumed.reduce(d), expected))
+    with pytest.raises(ValueError, match="momentum"):
+        adasum.AdaCons(momentum=0.1).load_state_dict(first.state_dict())
+
+
+def test_bad_input_and_names():
+    with pytest.raises(ValueError, match="momentum"):
+        adasum.AdaCons(momentum=1.0)
+    with pytest.raises(ValueError, match="scale"):
+        adasum.AdaCons(scale="norm")
+    with pytest.raises(ValueError, match="worker 1"):
+        adasum.AdaCons().reduce([[torch.ones(3)], [torch.ones(4)]])
+    with pytest.raises(TypeError):
+        adasum.AdaCons().reduce([[torch.ones(3, dtype=torch.int64)]] * 2)
+    with pytest.raises(ValueError, match="workers"):
+        r = adasum.AdaCons(momentum=0.5)
+        r.reduce([[torch.ones(3)]] * 2)
+        r.reduce([[torch.ones(3)]] * 3)
+    assert adasum.AdaCons().reduce([[], []]) == []
+
+
+def test_get_reducer_knows_adacons_without_importing_it():
+    code = "from adasum.reducers import get_reducer; print(type(get_reducer('adacons')).__name__)"
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, check=True)
+    assert out.stdout.strip() == "AdaCons"

@@ -1,0 +1,158 @@
+"""Every reducer's distributed form (`all_reduce`, `all_reduce_flat`) against its single-process
+form (`reduce`) on 2, 3 and 4 real gloo ranks, bitwise identical across ranks; AdaCons over several
+steps with momentum also against the independent NumPy reference, and as a DDP communication hook."""
+
+import numpy as np
+import pytest
+import torch
+
+import adasum
+import distributed
+from adasum.reducers import get_reducer
+from reference_adacons import AdaConsReference
+
+pytestmark = pytest.mark.nccl
+
+REDUCERS = {
+    "sum": lambda: get_reducer("sum"),
+    "mean": lambda: get_reducer("mean"),
+    "adasum": lambda: get_reducer("adasum"),
+    "adasum-model": lambda: adasum.Adasum(per_tensor=False),
+    "adacons": lambda: get_reducer("adacons"),
+    "adacons-momentum": lambda: adasum.AdaCons(momentum=0.9),
+    "adacons-per-tensor": lambda: adasum.AdaCons(momentum=0.7, per_tensor=True),
+    "adacons-unit": lambda: adasum.AdaCons(momentum=0.5, scale="unit"),
+}
+SHAPES = [(3, 4), (0,), (17,), (1,), (2, 5)]
+DTYPES = [torch.float32, torch.float64, torch.float32, torch.float64, torch.float32]
+TOL = {torch.float32: 2e-5, torch.float64: 1e-11}
+STEPS = 3
+
+
+def consensus_data(step: int, world: int) -> list[list[torch.Tensor]]:
+    """Worker gradients g_i = v + t_i w_i (w_i orthonormal, orthogonal to v, over the whole model):
+    a_i = <g_i, m>/|g_i| decreases with t_i while t_i < sqrt(N - 2), so the sort order is chosen:
+    at step 0 it is [1, 2, .., N-1, 0], a permutation that is not its own inverse for N >= 3."""
+    n = sum(int(np.prod(s)) for s in SHAPES)
+    q, _ = torch.linalg.qr(torch.randn(n, world + 1, generator=torch.Generator().manual_seed(step), dtype=torch.float64))
+    t = [0.05] + [0.9 - 0.2 * (j - 1) for j in range(1, world)]
+    t = t[-step % world :] + t[: -step % world] if step else t
+    flats = [3 * q[:, 0] + t[i] * q[:, i + 1] for i in range(world)]
+    out = []
+    for flat in flats:
+        pieces = flat.split([int(np.prod(s)) for s in SHAPES])
+        out.append([p.reshape(s).to(d) for p, s, d in zip(pieces, SHAPES, DTYPES)])
+    return out
+
+
+def rel_err(x: torch.Tensor, ref) -> float:
+    ref = torch.as_tensor(np.asarray(ref), dtype=torch.float64).reshape(-1)
+    x = x.double().reshape(-1)
+    return float((x - ref).norm() / ref.norm()) if ref.norm() > 0 else float(x.norm())
+
+
+def checks(rank, world):
+    out = {}
+    for name, make in REDUCERS.items():
+        ours, single = make(), make()
+        reference = AdaConsReference(single.momentum, single.per_tensor, single.scale) if name.startswith("adacons") else None
+        for step in range(STEPS):
+            data = consensus_data(step, world)
+            mine = [t.clone() for t in data[rank]]
+            ours.all_reduce(mine)
+            expected = single.reduce(data)
+            ref = reference([[t.numpy() for t in w] for w in data]) if reference else None
+            # whole-model AdaCons shares coefficients across dtypes: float32 precision throughout
+            shared = name.startswith("adacons") and not single.per_tensor
+            for i, (t, e) in enumerate(zip(mine, expected)):
+                tol = TOL[torch.float32] if shared else TOL[t.dtype]
+                assert t.shape == e.shape and t.dtype == e.dtype == DTYPES[i], (name, t.dtype, e.dtype)
+                if t.numel():
+                    assert rel_err(t, e) < tol, (name, step, i, rel_err(t, e))
+                    if ref is not None:
+                        assert rel_err(t, ref[i]) < tol, (name, step, i, rel_err(t, ref[i]))
+            out[f"{name}-{step}"] = b"".join(t.numpy().tobytes() for t in mine)
+        if reference is not None:
+            mine_state, single_state = ours.state_dict()["states"], single.state_dict()["states"]
+            assert mine_state.keys() == single_state.keys()
+            for k in mine_state:
+                assert torch.allclose(mine_state[k], single_state[k], rtol=1e-6)  # float32 means inside
+
+        # one flat float32 buffer with a zero-size tensor inside, as a DDP bucket
+        flat_reducer, flat_single = make(), make()
+        sizes = [5, 0, 17, 3]
+        g = torch.Generator().manual_seed(77)
+        per_worker = [torch.randn(sum(sizes), generator=g) for _ in range(world)]
+        buffer = per_worker[rank].clone()
+        flat_reducer.all_reduce_flat(buffer, sizes)
+        expected = torch.cat([t.reshape(-1) for t in flat_single.reduce([list(w.split(sizes)) for w in per_worker])])
+        assert rel_err(buffer, expected) < TOL[torch.float32], (name, rel_err(buffer, expected))
+        out[f"{name}-flat"] = buffer.numpy().tobytes()
+    if world == 3:  # one world size is enough for the hook; DDP's start-up is slow on gloo
+        out["ddp"] = ddp_hook_check(rank, world)
+    return out
+
+
+def _adacons_hook(reducer, bucket):
+    buffer = bucket.buffer()
+    reducer.all_reduce_flat(buffer, [p.numel() for p in bucket.parameters()], key=f"bucket-{bucket.index()}")
+    future = torch.futures.Future()
+    future.set_result(buffer)
+    return future
+
+
+def _model():
+    torch.manual_seed(5)
+    return torch.nn.Sequential(torch.nn.Linear(6, 5), torch.nn.Tanh(), torch.nn.Linear(5, 3))
+
+
+def _batch(worker, step):
+    g = torch.Generator().manual_seed(1000 * step + worker)
+    return torch.randn(8, 6, generator=g), torch.randn(8, 3, generator=g)
+
+
+def ddp_hook_check(rank, world):
+    """AdaCons as a DDP communication hook (one bucket: whole model) equals its single-process form."""
+    model = torch.nn.parallel.DistributedDataParallel(_model())
+    model.register_comm_hook(adasum.AdaCons(momentum=0.9), _adacons_hook)
+    single = adasum.AdaCons(momentum=0.9)
+    replicas = [_model() for _ in range(world)]
+    results = []
+    for step in range(3):
+        x, y = _batch(rank, step)
+        torch.nn.functional.mse_loss(model(x), y).backward()
+        grads = []
+        for w, replica in enumerate(replicas):
+            replica.zero_grad()
+            xw, yw = _batch(w, step)
+            torch.nn.functional.mse_loss(replica(xw), yw).backward()
+            grads.append([p.grad for p in replica.parameters()])
+        expected = single.reduce(grads, key="bucket-0")
+        with torch.no_grad():
+            for p, e in zip(model.parameters(), expected):
+                assert rel_err(p.grad, e) < 1e-5, (step, rel_err(p.grad, e))
+                p -= 0.1 * p.grad
+                p.grad = None
+            for replica in replicas:
+                for q, e in zip(replica.parameters(), expected):
+                    q -= 0.1 * e
+        results.append(b"".join(p.detach().numpy().tobytes() for p in model.parameters()))
+    return b"".join(results)
+
+
+@pytest.mark.parametrize("world", [2, 3, 4])
+def test_distributed_and_single_process_forms_agree(world):
+    if world >= 3:  # the designed data does exercise a sort permutation that is not its own inverse
+        data = consensus_data(0, world)
+        ref_a = []
+        m = sum(torch.cat([t.double().reshape(-1) for t in w]) for w in data) / world
+        for w in data:
+            g = torch.cat([t.double().reshape(-1) for t in w])
+            ref_a.append(float(g @ m / g.norm()))
+        idx = np.argsort(ref_a, kind="stable")
+        assert list(idx) == [*range(1, world), 0]
+        assert not np.array_equal(np.argsort(idx), idx)
+    results = distributed.run(world, checks)
+    for key in results[0]:
+        for r in range(1, world):
+            assert results[r][key] == results[0][key], f"rank {r} differs from rank 0 on {key}"
