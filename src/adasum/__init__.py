@@ -6,10 +6,12 @@ aggregation) and SlowMo (slow momentum over periodically combined models) on the
 interface.
 """
 
+from adasum import ddp, hierarchical
 from adasum.collectives import all_reduce, all_reduce_async
 from adasum.groups import CollectiveError, group_timeout
 from adasum.nonfinite import NonFinite, NonFiniteError, check_finite, find_nonfinite
 from adasum.ops import combine, reduce
+from adasum.optim import DistributedOptimizer
 from adasum.reducers import Adasum, Mean, Reducer, Sum, get_reducer
 from adasum.adacons import AdaCons  # also registers "adacons" with get_reducer
 from adasum.slowmo import SlowMo
@@ -18,6 +20,7 @@ __all__ = [
     "AdaCons",
     "Adasum",
     "CollectiveError",
+    "DistributedOptimizer",
     "Mean",
     "NonFinite",
     "NonFiniteError",

@@ -32,6 +32,7 @@ docs/faults.md).
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import dataclass
 from datetime import timedelta
 
 import torch
@@ -133,25 +134,73 @@ def _halves(lo: int, hi: int, lower: bool) -> tuple[tuple[int, int], tuple[int, 
     return ((lo, mid), (mid, hi)) if lower else ((mid, hi), (lo, mid))
 
 
-def _combine_local(buffer: torch.Tensor, other: torch.Tensor, layout: Layout) -> None:
-    """buffer := adasum(buffer, other) per tensor, both standing for one worker (the fold)."""
-    lengths = list(layout.sizes)
-    ops.combine_from_sums(buffer, other, ops.dot_and_norms(buffer, other, lengths), 1, 1, lengths, out=buffer)
+def _fold_(
+    buffer: torch.Tensor,
+    other: torch.Tensor,
+    layout: Layout,
+    offset: int,
+    partial_sums: torch.Tensor | None,
+    row: int,
+    group: dist.ProcessGroup | None,
+) -> None:
+    """buffer := adasum(buffer, other) per tensor, both standing for one worker (the fold).
+
+    `buffer` is elements [offset, offset + numel) of the layout. With `partial_sums` (a zeroed
+    float64 [rows, 3, T] array; sliced placements only) the partials are summed over the group in
+    `row`, so that slices of one tensor held by other ranks count too.
+    """
+    first, lengths = layout.overlap(offset, offset + buffer.numel())
+    sums = ops.dot_and_norms(buffer, other, lengths)
+    if partial_sums is not None:
+        partial_sums[row, :, first : first + len(lengths)] = sums
+        dist.all_reduce(partial_sums, group=group)
+        sums = partial_sums[row, :, first : first + len(lengths)]
+    ops.combine_from_sums(buffer, other, sums, 1, 1, lengths, out=buffer)
 
 
-def adasum_flat_(buffer: torch.Tensor, sizes: Sequence[int], group: dist.ProcessGroup | None = None) -> None:
+@dataclass(frozen=True)
+class Placement:
+    """Where one VHDD tree runs inside a larger group (hierarchical mode uses this).
+
+    `peers` are the group ranks of the tree's workers in tree order (the calling rank is one of
+    them); the caller's buffer holds elements [offset, offset + numel) of the layout. Other ranks of
+    the group run their own trees on other slices of the same layout at the same time; the
+    per-tensor partial sums are all-reduced over the whole group, each rank writing its tree
+    block's row, so the slices of one tensor add up to whole-tensor dot products. Every rank of the
+    group must call with trees of the same size.
+    """
+
+    peers: tuple[int, ...]
+    offset: int
+
+
+def adasum_flat_(
+    buffer: torch.Tensor,
+    sizes: Sequence[int],
+    group: dist.ProcessGroup | None = None,
+    placement: Placement | None = None,
+) -> None:
     """Adasum of a flat buffer across the group, in place, each of `sizes` a tensor of its own.
 
     Every rank must pass the same sizes and dtype; nothing is checked here (see `all_reduce`).
     A dead or stalled peer raises `adasum.CollectiveError` within the group's timeout (gloo).
+    With a `placement`, the buffer is a slice of the layout and the tree runs over
+    ``placement.peers`` only (see `Placement`).
     """
-    world = dist.get_world_size(group)
+    layout = Layout(tuple(int(n) for n in sizes))
+    if placement is None:
+        peers: Sequence[int] = range(dist.get_world_size(group))
+        offset, rank = 0, dist.get_rank(group)
+        if layout.numel != buffer.numel():
+            raise ValueError(f"sizes add up to {layout.numel} elements, the buffer has {buffer.numel()}")
+    else:
+        peers, offset = placement.peers, placement.offset
+        rank = peers.index(dist.get_rank(group))
+        if offset + buffer.numel() > layout.numel:
+            raise ValueError(f"the slice ends at {offset + buffer.numel()}, past the layout's {layout.numel} elements")
+    world = len(peers)
     if world == 1:
         return
-    layout = Layout(tuple(int(n) for n in sizes))
-    if layout.numel != buffer.numel():
-        raise ValueError(f"sizes add up to {layout.numel} elements, the buffer has {buffer.numel()}")
-    rank = dist.get_rank(group)
     tree = Tree(world)
     me = tree.group_of(rank)
     tensors = len(layout.sizes)
@@ -159,6 +208,8 @@ def adasum_flat_(buffer: torch.Tensor, sizes: Sequence[int], group: dist.Process
     timeout = group_timeout(group)
     wait = None if dist.get_backend(group) == "nccl" else timeout
     levels = tree.levels()
+    # a sliced placement sums the fold's partials over the group as well (one extra small all-reduce)
+    sliced_fold = placement is not None and tree.folded > 0
 
     def step(what: str):
         """Name the communication inside the block if it fails (CollectiveError)."""
@@ -167,10 +218,15 @@ def adasum_flat_(buffer: torch.Tensor, sizes: Sequence[int], group: dist.Process
     def level(i: int) -> str:
         return f"level {i + 1} of {len(levels)}"
 
+    def fold_sums() -> torch.Tensor:
+        return buffer.new_zeros((tree.folded, *partial_shape), dtype=torch.float64)
+
     if not tree.is_leader(rank):
-        leader = tree.leader(me)
+        leader = peers[tree.leader(me)]
         with step(f"the fold (sending to rank {leader})"):
             _exchange(buffer, None, leader, group, wait)
+            if sliced_fold:
+                dist.all_reduce(fold_sums(), group=group)
         for i, d in enumerate(levels):
             blocks = tree.groups // (2 * d)
             with step(f"the dot-product all-reduce at {level(i)}"):
@@ -179,13 +235,16 @@ def adasum_flat_(buffer: torch.Tensor, sizes: Sequence[int], group: dist.Process
             _exchange(None, buffer, leader, group, wait)
         return
 
-    follower = tree.follower(me)
+    follower = None if tree.follower(me) is None else peers[tree.follower(me)]
     if follower is not None:
         received = _workspace.get("recv", buffer.numel(), buffer)
         with step(f"the fold (receiving from rank {follower})"):
             _exchange(None, received, follower, group, wait)
-        _combine_local(buffer, received, layout)
+        with step("the fold's dot-product all-reduce"):
+            _fold_(buffer, received, layout, offset, fold_sums() if sliced_fold else None, me, group)
         del received
+    elif sliced_fold:
+        dist.all_reduce(fold_sums(), group=group)
 
     # Each level's exchange is cut into pieces, each its own send/receive batch, so the math on one
     # piece overlaps the transfer of the next (gloo moves data on its own threads; NCCL on its
@@ -195,7 +254,7 @@ def adasum_flat_(buffer: torch.Tensor, sizes: Sequence[int], group: dist.Process
     segments = [(0, buffer.numel())]
     for i, d in enumerate(levels):
         lower = (me & d) == 0
-        peer = tree.leader(me ^ d)
+        peer = peers[tree.leader(me ^ d)]
         parent = segments[-1]
         (klo, khi), (glo, ghi) = _halves(*parent, lower)
         count = max(1, -(-(parent[1] - parent[0]) // (2 * piece)))
@@ -217,7 +276,7 @@ def adasum_flat_(buffer: torch.Tensor, sizes: Sequence[int], group: dist.Process
         for (lo, hi), (_, recv_works) in zip(kept, posted):
             with step(exchange):
                 _wait(recv_works, wait)
-            first, lengths = layout.overlap(lo, hi)
+            first, lengths = layout.overlap(offset + lo, offset + hi)
             if lengths:
                 ops.dot_and_norms(*pair(lo, hi), lengths, out=sums[block, :, first : first + len(lengths)])
         with step(exchange):
@@ -232,7 +291,7 @@ def adasum_flat_(buffer: torch.Tensor, sizes: Sequence[int], group: dist.Process
         last = d == levels[-1]
         gathers = []
         for (lo, hi), (g0, g1) in zip(kept, given):
-            first, lengths = layout.overlap(lo, hi)
+            first, lengths = layout.overlap(offset + lo, offset + hi)
             if lengths:
                 ops.combine_from_sums(
                     *pair(lo, hi), sums[block, :, first : first + len(lengths)], workers_a, workers_b, lengths,
@@ -252,7 +311,7 @@ def adasum_flat_(buffer: torch.Tensor, sizes: Sequence[int], group: dist.Process
         lower = (me & d) == 0
         kept, given = _halves(*segments[-2], lower)
         assert kept == segments[-1]
-        peer = tree.leader(me ^ d)
+        peer = peers[tree.leader(me ^ d)]
         with step(f"the gather exchange at {level(i)} with rank {peer}"):
             _exchange(buffer[kept[0] : kept[1]], buffer[given[0] : given[1]], peer, group, wait)
         segments.pop()

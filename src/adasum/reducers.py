@@ -22,7 +22,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from adasum import ops
+from adasum import hierarchical, ops
 from adasum.collectives import adasum_flat_
 from adasum.layout import flatten, group_by_dtype, unflatten_into
 
@@ -50,6 +50,13 @@ class Reducer:
             flat = flatten(members)
             self.all_reduce_flat(flat, [t.numel() for t in members], group)
             unflatten_into(flat, members)
+
+    def setup(self, group: dist.ProcessGroup | None = None) -> None:
+        """Collective set-up for `group` (sub-groups, checks), before the first `all_reduce_flat`.
+
+        Optional (the first call does it otherwise); owners of a group (the DDP hook state, the
+        distributed optimizer) call it at construction so that errors surface there.
+        """
 
     def state_dict(self) -> dict[str, Any]:
         return {}
@@ -101,30 +108,59 @@ class Mean(Reducer):
 class Adasum(Reducer):
     """Adasum (see `adasum.ops`): per tensor by default; ``per_tensor=False`` uses one pair of
     coefficients for all tensors of one dtype together (the whole-model variant; per dtype
-    because the collective runs on one flat buffer per dtype)."""
+    because the collective runs on one flat buffer per dtype).
+
+    ``hierarchical=True`` (multi-GPU nodes): mean within each node of `local_size` consecutive
+    ranks (default LOCAL_WORLD_SIZE), Adasum across the node means (see `adasum.hierarchical`).
+    """
 
     name = "adasum"
 
-    def __init__(self, per_tensor: bool = True) -> None:
+    def __init__(self, per_tensor: bool = True, hierarchical: bool = False, local_size: int | None = None) -> None:
         self.per_tensor = per_tensor
+        self.hierarchical = hierarchical
+        self.local_size = local_size
+        self._hierarchies: dict[Any, Any] = {}  # per group, built on first use (collective)
 
     def reduce(self, per_worker):
         count = _check_workers(per_worker)
         if self.per_tensor:
+            if self.hierarchical:
+                size = self.local_size or hierarchical.local_size_from_env() or 1
+                return [hierarchical.reduce_hierarchical([w[i] for w in per_worker], size) for i in range(count)]
             return [ops.reduce([w[i] for w in per_worker]) for i in range(count)]
         # one pair of coefficients per dtype group, as `all_reduce` (one flat buffer per dtype) does
+        whole = Adasum(per_tensor=True, hierarchical=self.hierarchical, local_size=self.local_size)
         out: list[torch.Tensor] = [torch.empty(0)] * count
         for indices in group_by_dtype(list(per_worker[0])).values():
-            flat = ops.reduce([torch.cat([w[i].reshape(-1) for i in indices]) for w in per_worker])
+            flat = whole.reduce([[torch.cat([w[i].reshape(-1) for i in indices])] for w in per_worker])[0]
             for i, piece in zip(indices, flat.split([per_worker[0][i].numel() for i in indices])):
                 out[i] = piece.view(per_worker[0][i].shape)
         return out
 
+    def setup(self, group=None):
+        if self.hierarchical:
+            self._hierarchy(group)
+
+    def _hierarchy(self, group):
+        if group not in self._hierarchies:
+            self._hierarchies[group] = hierarchical.build_hierarchy(group, self.local_size)
+        return self._hierarchies[group]
+
     def all_reduce_flat(self, buffer, sizes, group=None):
-        adasum_flat_(buffer, sizes if self.per_tensor else [buffer.numel()], group)
+        sizes = sizes if self.per_tensor else [buffer.numel()]
+        if self.hierarchical:
+            hierarchical.adasum_hierarchical_flat_(buffer, sizes, self._hierarchy(group))
+        else:
+            adasum_flat_(buffer, sizes, group)
+
+    def __getstate__(self) -> dict[str, Any]:
+        # process groups do not pickle; they are rebuilt on first use
+        return {**self.__dict__, "_hierarchies": {}}
 
     def __repr__(self) -> str:
-        return f"Adasum(per_tensor={self.per_tensor})"
+        extra = f", hierarchical=True, local_size={self.local_size}" if self.hierarchical else ""
+        return f"Adasum(per_tensor={self.per_tensor}{extra})"
 
 
 _REDUCERS: dict[str, type[Reducer]] = {"sum": Sum, "mean": Mean, "adasum": Adasum}

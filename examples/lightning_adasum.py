@@ -1,0 +1,97 @@
+"""Adasum in PyTorch Lightning (optional extra: pip install 'adasum[lightning]').
+
+    torchrun --nproc-per-node 4 examples/lightning_adasum.py
+
+Lightning's ``DDPStrategy(ddp_comm_hook=..., ddp_comm_state=...)`` registers the hook only when
+training on CUDA (it silently ignores it on CPU). The route that works everywhere: a callback that
+registers the hook on the DDP-wrapped model in ``on_fit_start``, after the strategy has wrapped
+the model and before the first backward pass.
+"""
+
+import argparse
+import os
+
+import lightning as L
+import torch
+import torch.distributed as dist
+from lightning.pytorch.strategies import DDPStrategy
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+from adasum.ddp import AdasumState, adasum_hook
+
+
+class AdasumCallback(L.Callback):
+    """Register adasum_hook (with `state`, default AdasumState()) on the strategy's DDP model."""
+
+    def __init__(self, state: AdasumState | None = None) -> None:
+        self.state = state
+
+    def on_fit_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        model = trainer.strategy.model
+        if isinstance(model, DDP):
+            self.state = self.state or AdasumState()
+            model.register_comm_hook(self.state, adasum_hook)
+
+
+class Regression(L.LightningModule):
+    def __init__(self, lr: float) -> None:
+        super().__init__()
+        self.lr = lr
+        self.net = torch.nn.Sequential(torch.nn.Linear(20, 64), torch.nn.ReLU(), torch.nn.Linear(64, 1))
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        loss = torch.nn.functional.mse_loss(self.net(x), y)
+        if self.global_rank == 0 and batch_idx % 20 == 0:
+            print(f"step {batch_idx}: loss {loss.item():.4f}")
+        return loss
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=self.lr)
+
+
+def synthetic_data(steps: int, batch: int = 32, features: int = 20) -> torch.utils.data.DataLoader:
+    """A regression task; the DistributedSampler Lightning adds gives each rank its own examples."""
+    g = torch.Generator().manual_seed(0)
+    teacher = torch.randn(features, 1, generator=g)
+    world = int(os.environ.get("WORLD_SIZE", 1))
+    x = torch.randn(steps * batch * world, features, generator=g)
+    y = x @ teacher + 0.1 * torch.randn(len(x), 1, generator=g)
+    return torch.utils.data.DataLoader(torch.utils.data.TensorDataset(x, y), batch_size=batch)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--steps", type=int, default=100)
+    parser.add_argument("--lr", type=float, default=0.05)
+    args = parser.parse_args()
+
+    L.seed_everything(0, verbose=False)
+    module = Regression(args.lr)
+    adasum_callback = AdasumCallback()
+    trainer = L.Trainer(
+        accelerator="auto",
+        devices=int(os.environ.get("LOCAL_WORLD_SIZE", 1)),
+        num_nodes=int(os.environ.get("WORLD_SIZE", 1)) // int(os.environ.get("LOCAL_WORLD_SIZE", 1)),
+        strategy=DDPStrategy(),
+        callbacks=[adasum_callback],
+        max_steps=args.steps,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+    )
+    trainer.fit(module, synthetic_data(args.steps))
+
+    mine = torch.cat([p.detach().reshape(-1) for p in module.parameters()])
+    first = mine.clone()
+    dist.broadcast(first, src=0)
+    same = torch.tensor([float(torch.equal(mine, first))], device=mine.device)
+    dist.all_reduce(same, op=dist.ReduceOp.MIN)
+    if trainer.global_rank == 0:
+        print(f"parameters identical on {trainer.world_size} ranks: {bool(same.item())}")
+        print(f"Adasum combined the gradients of {adasum_callback.state.iteration} iterations")
+
+
+if __name__ == "__main__":
+    main()

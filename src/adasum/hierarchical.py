@@ -1,0 +1,175 @@
+"""Hierarchical Adasum for multi-GPU nodes (Horovod's GPU mode, made exact and checked).
+
+The group's P ranks form N nodes of L = local_size consecutive ranks each (node n holds ranks
+nL .. nL+L-1). For a flat buffer holding tensors end to end:
+
+1. intra-node reduce-scatter (sum) into L shards, divided by L: local rank l holds shard l of its
+   node's mean;
+2. Adasum across nodes on the shards: the ranks with local rank l (one per node) run the VHDD tree
+   of `adasum.collectives` on shard l, while the per-tensor dot products are summed over the whole
+   group, so every tensor gets the coefficients of the whole tensor, not of a shard;
+3. intra-node all-gather of the shards.
+
+The result, on every rank, is exactly defined as ``adasum.reduce`` (per tensor) over the N node
+means: `reduce_hierarchical` is that definition in a single process. Each node's mean is computed
+once (by the reduce-scatter) and each element of the result by one rank, so all ranks end
+bitwise identical. Bytes per rank: a reduce-scatter and an all-gather within the node plus
+Adasum's ``2 (N/L)(N-1)/N``-sized exchanges between nodes.
+
+Horovod's version silently breaks when local sizes differ, L is not a power of two, or ranks are
+not placed node by node. Here any L works, and the other two raise ValueError on every rank
+(`build_hierarchy` checks LOCAL_WORLD_SIZE, LOCAL_RANK and GROUP_RANK as torchrun sets them).
+"""
+
+import os
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+from adasum import ops
+from adasum.collectives import Placement, _group_device, adasum_flat_
+
+
+@dataclass(frozen=True)
+class Hierarchy:
+    """The nodes of a process group and this rank's place in them.
+
+    `local_group` is the intra-node sub-group; `peers` are the group ranks that share this rank's
+    local rank, one per node, in node order.
+    """
+
+    group: dist.ProcessGroup | None
+    local_group: dist.ProcessGroup | None
+    local_size: int
+    nodes: int
+    node: int
+    local_rank: int
+
+    @property
+    def peers(self) -> tuple[int, ...]:
+        return tuple(n * self.local_size + self.local_rank for n in range(self.nodes))
+
+
+def _env_int(name: str) -> int:
+    value = os.environ.get(name)
+    return int(value) if value not in (None, "") else -1
+
+
+def local_size_from_env() -> int | None:
+    """LOCAL_WORLD_SIZE as torchrun sets it, or None."""
+    size = _env_int("LOCAL_WORLD_SIZE")
+    return size if size > 0 else None
+
+
+def check_placement(local_sizes: Sequence[int], local_ranks: Sequence[int], node_ids: Sequence[int]) -> int:
+    """The common local size, or ValueError naming the first problem; -1 marks an unknown value.
+
+    Rank r must be local rank ``r % L`` of node ``r // L``: the ranks of a node are consecutive
+    and every node has the same number L of ranks, which divides the world size.
+
+    >>> check_placement([2, 2, 2, 2], [0, 1, 0, 1], [0, 0, 1, 1])
+    2
+    """
+    world = len(local_sizes)
+    size = local_sizes[0]
+    for r, s in enumerate(local_sizes):
+        if s != size:
+            raise ValueError(
+                f"local sizes differ across ranks: rank 0 has {size}, rank {r} has {s} "
+                "(hierarchical mode needs the same number of ranks on every node)"
+            )
+    if size < 1 or world % size:
+        raise ValueError(f"local_size {size} does not divide the world size {world}")
+    for r in range(world):
+        if local_ranks[r] >= 0 and local_ranks[r] != r % size:
+            raise ValueError(
+                f"ranks are not placed node by node: rank {r} has local rank {local_ranks[r]}, expected "
+                f"{r % size} (hierarchical mode needs node n to hold ranks n*{size} .. n*{size}+{size - 1})"
+            )
+        first = r - r % size
+        if node_ids[r] >= 0 and node_ids[first] >= 0 and node_ids[r] != node_ids[first]:
+            raise ValueError(
+                f"ranks are not placed node by node: rank {r} is on node {node_ids[r]}, rank {first} on "
+                f"node {node_ids[first]} (hierarchical mode needs consecutive ranks on each node)"
+            )
+    leaders = [node_ids[n * size] for n in range(world // size) if node_ids[n * size] >= 0]
+    if len(set(leaders)) != len(leaders):
+        raise ValueError("ranks are not placed node by node: two blocks of local_size ranks report the same node")
+    return size
+
+
+def build_hierarchy(group: dist.ProcessGroup | None = None, local_size: int | None = None) -> Hierarchy:
+    """Check the placement and create the intra-node sub-groups; collective over `group`.
+
+    `local_size` defaults to LOCAL_WORLD_SIZE. Where it equals LOCAL_WORLD_SIZE, the ranks'
+    LOCAL_RANK and GROUP_RANK (the node), when set, are checked too. One small all-gather;
+    raises ValueError on every rank (see `check_placement`).
+
+    >>> hierarchy = build_hierarchy(local_size=8)
+    >>> adasum_hierarchical_flat_(buffer, sizes, hierarchy)
+    """
+    env_size = local_size_from_env()
+    size = env_size if local_size is None else int(local_size)
+    if size is None:
+        raise ValueError("hierarchical mode needs local_size or LOCAL_WORLD_SIZE (set by torchrun)")
+    from_env = size == env_size
+    mine = [size, _env_int("LOCAL_RANK") if from_env else -1, _env_int("GROUP_RANK") if from_env else -1]
+    world = dist.get_world_size(group)
+    device = _group_device(group)
+    everyone = torch.empty(world * 3, dtype=torch.int64, device=device)
+    dist.all_gather_into_tensor(everyone, torch.tensor(mine, dtype=torch.int64, device=device), group=group)
+    info = everyone.view(world, 3).tolist()
+    size = check_placement([i[0] for i in info], [i[1] for i in info], [i[2] for i in info])
+    rank = dist.get_rank(group)
+    node, local_rank = divmod(rank, size)
+    local_group = None
+    if size > 1:
+        members = [_global_rank(group, node * size + i) for i in range(size)]
+        # only the node's own ranks take part, so building it needs no global order of calls
+        local_group = dist.new_group(members, use_local_synchronization=True)
+    return Hierarchy(group, local_group, size, world // size, node, local_rank)
+
+
+def _global_rank(group: dist.ProcessGroup | None, group_rank: int) -> int:
+    return group_rank if group is None else dist.get_global_rank(group, group_rank)
+
+
+def adasum_hierarchical_flat_(buffer: torch.Tensor, sizes: Sequence[int], hierarchy: Hierarchy) -> None:
+    """Hierarchical Adasum of a flat buffer across the group, in place; `sizes` as in `adasum_flat_`.
+
+    Every rank ends with ``adasum.reduce`` over the node means, per tensor (module doc).
+    """
+    size, numel = hierarchy.local_size, buffer.numel()
+    if size == 1:
+        adasum_flat_(buffer, sizes, hierarchy.group)
+        return
+    if numel == 0:
+        return
+    shard_len = -(-numel // size)
+    padded = buffer if shard_len * size == numel else torch.cat([buffer, buffer.new_zeros(shard_len * size - numel)])
+    shard = buffer.new_empty(shard_len)
+    dist.reduce_scatter_tensor(shard, padded, group=hierarchy.local_group)
+    shard.div_(size)
+    start = min(hierarchy.local_rank * shard_len, numel)
+    owned = min(numel - start, shard_len)  # the last shards may be partly or wholly padding
+    adasum_flat_(shard[:owned], sizes, hierarchy.group, Placement(hierarchy.peers, start))
+    dist.all_gather_into_tensor(padded, shard, group=hierarchy.local_group)
+    if padded is not buffer:
+        buffer.copy_(padded[:numel])
+
+
+def reduce_hierarchical(tensors: Sequence[torch.Tensor], local_size: int) -> torch.Tensor:
+    """Single-process hierarchical Adasum: ``adasum.reduce`` over the means of consecutive blocks
+    of `local_size` workers (the nodes). The definition the collective computes.
+
+    >>> reduce_hierarchical([g0, g1, g2, g3], local_size=2)   # adasum.reduce([(g0+g1)/2, (g2+g3)/2])
+    """
+    if local_size < 1 or len(tensors) % local_size:
+        raise ValueError(f"local_size {local_size} does not divide the number of workers {len(tensors)}")
+    means = [
+        torch.stack(list(tensors[n : n + local_size])).sum(0).div_(local_size)
+        for n in range(0, len(tensors), local_size)
+    ]
+    return ops.reduce(means)

@@ -1,0 +1,331 @@
+"""A distributed optimizer wrapper: combine optimizer deltas (or gradients) across ranks with any
+reducer.
+
+>>> opt = adasum.DistributedOptimizer(torch.optim.Adam(model.parameters()), reduce="adasum")
+>>> loss.backward(); opt.step(); opt.zero_grad()
+
+Delta mode (the default, Horovod's ``DistributedOptimizer(op=Adasum)`` for Adam and LAMB): ``step()``
+keeps the starting weights x0, runs the wrapped optimizer locally, combines the weight changes
+``x - x0`` across ranks and sets every rank's weights to ``x0 + combined``. Optimizer state
+(momentum, Adam moments) stays local. Because the local step happens inside ``step()``,
+``clip_grad_norm_`` and ``torch.amp.GradScaler`` work the usual way. With ``local_steps=tau`` the
+ranks take tau local steps between combinations (local SGD with the reducer of model deltas).
+
+Gradient mode: ``step()`` combines the gradients, then runs the wrapped optimizer (for plain SGD,
+the slides' usage); parameters without a gradient get zeros, as in DDP.
+
+GradScaler: ``scaler.step(opt)`` hands this optimizer ``grad_scale`` and ``found_inf`` (the
+``_step_supports_amp_scaling`` contract) instead of deciding alone; ``step()`` all-reduces the
+inf flag, so when any rank sees inf/NaN every rank skips the step together. Pass
+``grad_scaler=scaler`` and the agreed flag also reaches the scaler, so every rank's loss scale
+backs off together (otherwise parameters still agree, loss scales may not).
+
+Memory: delta mode keeps one extra copy of the parameters (the starting weights). While combining,
+a transient flat buffer of at most `bucket_cap_mb` per bucket exists (reducers with
+whole-model coefficients, such as AdaCons or ``Adasum(per_tensor=False)``, need one bucket per
+dtype, so one flat copy). Gradient mode keeps no copy.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from adasum.collectives import _group_device
+from adasum.layout import check_same_layout, flatten, unflatten_into
+from adasum.reducers import Adasum, Mean, Reducer, Sum, get_reducer
+
+MODES = ("delta", "gradient")
+
+
+def _is_per_tensor(reducer: Reducer) -> bool:
+    """Whether the reducer treats tensors independently, so that buckets may split a list."""
+    return isinstance(reducer, (Sum, Mean)) or (isinstance(reducer, Adasum) and reducer.per_tensor)
+
+
+def buckets(tensors: list[torch.Tensor], cap_bytes: int | None) -> list[list[int]]:
+    """Indices of `tensors` in buckets of one device and dtype, in order; a bucket closes once it
+    holds `cap_bytes` (a larger tensor gets one of its own). ``cap_bytes=None``: one bucket per
+    device and dtype.
+
+    >>> buckets([torch.zeros(4), torch.zeros(4), torch.zeros(4, dtype=torch.float64)], 16)
+    [[0], [1], [2]]
+    """
+    by_kind: dict[tuple[str, str], list[int]] = {}
+    for i, t in enumerate(tensors):
+        by_kind.setdefault((str(t.device), str(t.dtype)), []).append(i)
+    out: list[list[int]] = []
+    for kind in sorted(by_kind):
+        current: list[int] = []
+        size = 0
+        for i in by_kind[kind]:
+            current.append(i)
+            size += tensors[i].numel() * tensors[i].element_size()
+            if cap_bytes is not None and size >= cap_bytes:
+                out.append(current)
+                current, size = [], 0
+        if current:
+            out.append(current)
+    return out
+
+
+def checksum(tensor: torch.Tensor) -> torch.Tensor:
+    """Two int64 sums of the tensor's bits (plain and position-weighted), exact in any order of
+    summation, masked to 62 bits so that their negation fits: equal tensors give equal checksums
+    on any device and thread count.
+
+    >>> checksum(torch.ones(3)).tolist()
+    [3196059648, 6392119296]
+    """
+    flat = tensor.detach().reshape(-1).contiguous()
+    as_int = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}[flat.element_size()]
+    bits = flat.view(as_int).to(torch.int64)
+    weights = torch.arange(1, bits.numel() + 1, dtype=torch.int64, device=bits.device)
+    return torch.stack([bits.sum(), (bits * weights).sum()]) & (2**62 - 1)
+
+
+class DistributedOptimizer(torch.optim.Optimizer):
+    """Wrap `optimizer` so that ``step()`` combines across ranks with `reduce` (module doc).
+
+    Args:
+        optimizer: any torch.optim optimizer (SGD, Adam, AdamW, LAMB, ...), on every rank with
+            the same parameters in the same order and with the same values.
+        reduce: a `Reducer` or its name: "adasum" (default), "mean", "sum", "adacons", ...
+        mode: "delta" (combine the weight changes of a local step) or "gradient".
+        group: the process group (default: the world).
+        backward_passes_per_step: ``step()`` and ``zero_grad()`` calls that make one real step;
+            gradients accumulate (sum) in between, as in plain PyTorch (scale the loss by
+            1/k for their mean).
+        local_steps: delta mode: local optimizer steps between combinations.
+        grad_scaler: the GradScaler in use, so that its found-inf flag agrees on every rank.
+        bucket_cap_mb: the largest transient buffer of a combination (per-tensor reducers).
+        check: at construction, check that every rank has the same parameter shapes and dtypes
+            and (by a checksum) values; ValueError on every rank names the first difference.
+
+    ``param_groups``, ``state``, ``defaults``, ``zero_grad()`` pass through to the wrapped
+    optimizer (LR schedulers work on it). ``state_dict()`` holds the wrapped optimizer's state,
+    which in delta mode is local to each rank: every rank saves its own.
+
+    >>> opt = DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), mode="gradient")
+    """
+
+    # GradScaler.step passes grad_scale and found_inf instead of skipping this step on its own
+    _step_supports_amp_scaling = True
+
+    def __init__(
+        self,
+        optimizer: torch.optim.Optimizer,
+        *,
+        reduce: str | Reducer = "adasum",
+        mode: str = "delta",
+        group: dist.ProcessGroup | None = None,
+        backward_passes_per_step: int = 1,
+        local_steps: int = 1,
+        grad_scaler: torch.amp.GradScaler | None = None,
+        bucket_cap_mb: float = 25.0,
+        check: bool = True,
+    ) -> None:
+        if not isinstance(optimizer, torch.optim.Optimizer):
+            raise TypeError(f"optimizer must be a torch.optim.Optimizer, got {type(optimizer).__name__}")
+        if mode not in MODES:
+            raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
+        if backward_passes_per_step < 1 or local_steps < 1:
+            raise ValueError("backward_passes_per_step and local_steps must be >= 1")
+        if mode == "gradient" and local_steps != 1:
+            raise ValueError("local_steps > 1 needs mode='delta'")
+        if not dist.is_initialized():
+            raise RuntimeError("DistributedOptimizer needs torch.distributed to be initialised")
+        self.optimizer = optimizer
+        self.reducer = get_reducer(reduce)
+        self.mode = mode
+        self.group = group
+        self.backward_passes_per_step = backward_passes_per_step
+        self.local_steps = local_steps
+        self.grad_scaler = grad_scaler
+        self.bucket_cap_bytes = int(bucket_cap_mb * 2**20) if _is_per_tensor(self.reducer) else None
+        self._device = _group_device(group)
+        self._anchor: list[torch.Tensor] | None = None  # delta mode: the round's starting weights
+        self._passes = 0  # backward passes accumulated since the last real step
+        self._round_step = 0  # local steps taken since the last combination
+        # what torch.optim.Optimizer's own methods expect to find
+        self._optimizer_step_pre_hooks: OrderedDict = OrderedDict()
+        self._optimizer_step_post_hooks: OrderedDict = OrderedDict()
+        self._optimizer_state_dict_pre_hooks: OrderedDict = OrderedDict()
+        self._optimizer_state_dict_post_hooks: OrderedDict = OrderedDict()
+        self._optimizer_load_state_dict_pre_hooks: OrderedDict = OrderedDict()
+        self._optimizer_load_state_dict_post_hooks: OrderedDict = OrderedDict()
+        if check:
+            self._check_parameters()
+        self.reducer.setup(group)
+
+    # -- pass-through -------------------------------------------------------------------------
+
+    @property
+    def param_groups(self) -> list[dict[str, Any]]:  # type: ignore[override]
+        return self.optimizer.param_groups
+
+    @property
+    def state(self) -> Any:  # type: ignore[override]
+        return self.optimizer.state
+
+    @property
+    def defaults(self) -> dict[str, Any]:  # type: ignore[override]
+        return self.optimizer.defaults
+
+    def add_param_group(self, param_group: dict[str, Any]) -> None:
+        if self._round_step:
+            raise RuntimeError("add_param_group in the middle of a round of local steps")
+        self.optimizer.add_param_group(param_group)
+        self._anchor = None
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        """The wrapped optimizer's zero_grad, except while gradients accumulate."""
+        if self._passes == 0:
+            self.optimizer.zero_grad(set_to_none=set_to_none)
+
+    def __repr__(self) -> str:
+        return f"DistributedOptimizer({self.optimizer!r}, reduce={self.reducer!r}, mode={self.mode!r})"
+
+    # -- the step -----------------------------------------------------------------------------
+
+    def _params(self) -> list[torch.Tensor]:
+        return [p for group in self.optimizer.param_groups for p in group["params"]]
+
+    @torch.no_grad()
+    def step(self, closure: Callable[[], Any] | None = None) -> Any:
+        """One step: local step and combination of the deltas (delta mode) or combination of the
+        gradients and step (gradient mode); nothing but counting on accumulation passes. Skipped
+        on every rank together when GradScaler found inf/NaN on any rank."""
+        scaled = hasattr(self, "found_inf")  # set by GradScaler.step for this call only
+        if scaled and self.backward_passes_per_step > 1:
+            raise ValueError(
+                "with GradScaler, accumulate by calling scaler.step(opt) once every k backward passes "
+                "(backward_passes_per_step=1): the scaler updates its scale at every call"
+            )
+        self._passes += 1
+        if self._passes < self.backward_passes_per_step:
+            return None
+        self._passes = 0
+        if scaled and self._agree_on_inf(self.found_inf):
+            return None
+        params = self._params()
+        if scaled and getattr(self, "grad_scale", None) is not None:
+            self._unscale(params, self.grad_scale)
+        if self.mode == "gradient":
+            self._combine_gradients(params)
+            with torch.enable_grad():
+                return self.optimizer.step(closure) if closure is not None else self.optimizer.step()
+        if self._round_step == 0:
+            self._save_anchor(params)
+        with torch.enable_grad():
+            loss = self.optimizer.step(closure) if closure is not None else self.optimizer.step()
+        self._round_step += 1
+        if self._round_step == self.local_steps:
+            self._combine_deltas(params)
+            self._round_step = 0
+        return loss
+
+    def _agree_on_inf(self, found_inf: torch.Tensor) -> bool:
+        """Whether any rank found inf/NaN; the agreed flag also goes to `grad_scaler`."""
+        flag = found_inf.detach().reshape(1).to(device=self._device, dtype=torch.float32, copy=True)
+        dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self.group)
+        if self.grad_scaler is not None:
+            # GradScaler.update reads these per-device flags; it keeps them in a private table
+            states = getattr(self.grad_scaler, "_per_optimizer_states", {})
+            for local in states.get(id(self), {}).get("found_inf_per_device", {}).values():
+                local.copy_(flag.reshape(()).to(local.device))
+        return bool(flag.item())
+
+    @staticmethod
+    def _unscale(params: list[torch.Tensor], scale: torch.Tensor) -> None:
+        inv = scale.double().reciprocal().float()  # as GradScaler computes it
+        grads = [p.grad for p in params if p.grad is not None]
+        for device in {g.device for g in grads}:
+            torch._foreach_mul_([g for g in grads if g.device == device], inv.to(device))
+
+    def _save_anchor(self, params: list[torch.Tensor]) -> None:
+        if self._anchor is None or len(self._anchor) != len(params):
+            self._anchor = [torch.empty_like(p, memory_format=torch.contiguous_format) for p in params]
+        if params:
+            torch._foreach_copy_(self._anchor, params)
+
+    def _combine_gradients(self, params: list[torch.Tensor]) -> None:
+        for p in params:
+            if p.grad is None:
+                p.grad = torch.zeros_like(p)
+        grads = [p.grad for p in params]
+        for bucket in buckets(grads, self.bucket_cap_bytes):
+            members = [grads[i] for i in bucket]
+            flat = flatten(members)
+            self.reducer.all_reduce_flat(flat, [g.numel() for g in members], self.group)
+            unflatten_into(flat, members)
+
+    def _combine_deltas(self, params: list[torch.Tensor]) -> None:
+        """x := x0 + combine(x - x0), bucket by bucket; x0 and the combination agree on every
+        rank, so the parameters come out bitwise identical."""
+        assert self._anchor is not None
+        for bucket in buckets(params, self.bucket_cap_bytes):
+            sizes = [params[i].numel() for i in bucket]
+            flat = torch.empty(sum(sizes), dtype=params[bucket[0]].dtype, device=params[bucket[0]].device)
+            views = flat.split(sizes)
+            for i, view in zip(bucket, views):
+                torch.sub(params[i].reshape(-1), self._anchor[i].reshape(-1), out=view)
+            self.reducer.all_reduce_flat(flat, sizes, self.group)
+            for i, view in zip(bucket, views):
+                params[i].copy_(self._anchor[i]).add_(view.view_as(params[i]))
+
+    # -- checks and checkpoints ---------------------------------------------------------------
+
+    def _check_parameters(self) -> None:
+        """Same shapes and dtypes (one 16-byte all-reduce) and the same values (an exact checksum
+        of each parameter's bits, one small all-reduce) on every rank."""
+        params = self._params()
+        check_same_layout(params, self.group, self._device, what="parameters")
+        if not params:
+            return
+        sums = torch.stack([checksum(p) for p in params]).to(self._device)
+        probe = torch.cat([sums, -sums])
+        dist.all_reduce(probe, op=dist.ReduceOp.MAX, group=self.group)
+        high, neg_low = probe.chunk(2)
+        differs = (high != -neg_low).any(dim=1).tolist()
+        if any(differs):
+            index = differs.index(True)
+            raise ValueError(
+                f"parameter {self._param_name(index)} (shape {list(params[index].shape)}) differs across ranks; "
+                "start every rank from the same weights (same seed, or broadcast rank 0's parameters; DDP does this)"
+            )
+
+    def _param_name(self, index: int) -> str:
+        position = 0
+        for group in self.optimizer.param_groups:
+            names = group.get("param_names")
+            if index < position + len(group["params"]):
+                return repr(names[index - position]) if names else str(index)
+            position += len(group["params"])
+        return str(index)
+
+    def state_dict(self) -> dict[str, Any]:
+        """The wrapped optimizer's state, the accumulation counters and, in the middle of a round
+        of local steps, the round's starting weights."""
+        anchor = [a.clone() for a in self._anchor] if (self._round_step and self._anchor is not None) else None
+        return {
+            "optimizer": self.optimizer.state_dict(),
+            "passes": self._passes,
+            "round_step": self._round_step,
+            "anchor": anchor,
+            "reducer": self.reducer.state_dict(),
+        }
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        self.optimizer.load_state_dict(state_dict["optimizer"])
+        self._passes = int(state_dict["passes"])
+        self._round_step = int(state_dict["round_step"])
+        self.reducer.load_state_dict(state_dict["reducer"])
+        if state_dict["anchor"] is not None:
+            params = self._params()
+            self._anchor = [torch.empty_like(p, memory_format=torch.contiguous_format) for p in params]
+            torch._foreach_copy_(self._anchor, [a.to(p.device) for a, p in zip(state_dict["anchor"], params)])

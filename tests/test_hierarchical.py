@@ -1,0 +1,143 @@
+"""Hierarchical Adasum on gloo, emulating nodes of consecutive ranks: against the definition
+(Adasum over the node means, NumPy reference) with bitwise agreement across ranks, and the
+placement errors."""
+
+import os
+
+import numpy as np
+import pytest
+import torch
+
+import adasum
+import distributed
+from adasum.hierarchical import check_placement, reduce_hierarchical
+from reference import tree as reference_tree
+
+# odd sizes so that shards cut through tensors, zero-size tensors, and a total not divisible by 2 or 4
+SIZES = [7, 0, 33, 5, 130, 1, 64, 0, 17, 3, 250, 9]
+
+
+def node_mean_reference(per_rank, index, local_size):
+    vectors = [per_rank[r][index].double().reshape(-1).numpy() for r in range(len(per_rank))]
+    means = [np.mean(vectors[n : n + local_size], axis=0) for n in range(0, len(vectors), local_size)]
+    return reference_tree(means)
+
+
+def rel_err(x, ref):
+    ref = torch.from_numpy(np.asarray(ref))
+    den = ref.norm()
+    return float((x.double().reshape(-1) - ref).norm() / den) if den > 0 else float(x.double().norm())
+
+
+def hierarchical_body(rank, world, local_sizes):
+    out = {}
+    for local_size in local_sizes:
+        reducer = adasum.Adasum(hierarchical=True, local_size=local_size)
+        reducer.setup()
+        for seed, sizes in [(1, SIZES), (2, [3]), (3, [1, 1])]:  # also buffers smaller than a node
+            g = torch.Generator().manual_seed(seed * 100 + world)
+            data = [[torch.randn(n, generator=g) for n in sizes] for _ in range(world)]
+            mine = [t.clone() for t in data[rank]]
+            reducer.all_reduce(mine)
+            for i, t in enumerate(mine):
+                if t.numel():
+                    err = rel_err(t, node_mean_reference(data, i, local_size))
+                    assert err < 1e-6, (local_size, seed, i, err)
+            # the single-process form is the same definition
+            single = reducer.reduce(data)
+            for t, s in zip(mine, single):
+                assert torch.allclose(t, s, rtol=1e-5, atol=1e-6)
+            out[(local_size, seed)] = torch.cat(mine).numpy().tobytes()
+
+        # parallel inputs give the mean; whole-model variant and the hook-style flat call agree
+        v = torch.randn(40, generator=torch.Generator().manual_seed(7), dtype=torch.float64)
+        t = v * (rank + 1)
+        reducer.all_reduce_flat(t, [40])
+        assert torch.allclose(t, v * (world + 1) / 2, rtol=1e-12)
+        whole = adasum.Adasum(per_tensor=False, hierarchical=True, local_size=local_size)
+        data = [[torch.randn(9, generator=torch.Generator().manual_seed(r)), torch.randn(4)] for r in range(world)]
+        data = [[d[0], torch.full((4,), float(r))] for r, d in enumerate(data)]
+        mine = [t.clone() for t in data[rank]]
+        whole.all_reduce(mine)
+        flat_ref = node_mean_reference([[torch.cat(d)] for d in data], 0, local_size)
+        assert rel_err(torch.cat(mine), flat_ref) < 1e-6
+
+    # gloo's pipelined exchanges (messages shrunk to 37 elements so that shards span several)
+    adasum.collectives._PIECE = (37, 37)
+    for local_size in local_sizes:
+        data = [[torch.randn(n, generator=torch.Generator().manual_seed(50 + r)) for n in SIZES] for r in range(world)]
+        mine = [t.clone() for t in data[rank]]
+        adasum.Adasum(hierarchical=True, local_size=local_size).all_reduce(mine)
+        for i, t in enumerate(mine):
+            if t.numel():
+                assert rel_err(t, node_mean_reference(data, i, local_size)) < 1e-6, ("pipelined", local_size, i)
+        out[(local_size, "pipelined")] = torch.cat(mine).numpy().tobytes()
+    return out
+
+
+@pytest.mark.parametrize("world, local_sizes", [(4, (2, 4, 1)), (6, (2, 3))])
+def test_hierarchical_matches_adasum_of_node_means(world, local_sizes):
+    # 4 = 2 nodes x 2 (and 1 x 4, 4 x 1); 6 = 3 nodes x 2 (a folded tree) and 2 x 3
+    results = distributed.run(world, hierarchical_body, local_sizes)
+    for key in results[0]:
+        for r in range(1, world):
+            assert results[r][key] == results[0][key], f"rank {r} differs from rank 0 on {key}"
+
+
+def test_reduce_hierarchical_is_adasum_of_node_means():
+    g = torch.Generator().manual_seed(0)
+    xs = [torch.randn(11, generator=g, dtype=torch.float64) for _ in range(6)]
+    got = reduce_hierarchical(xs, 3)
+    expected = reference_tree([(xs[0] + xs[1] + xs[2]).numpy() / 3, (xs[3] + xs[4] + xs[5]).numpy() / 3])
+    assert np.allclose(got.numpy(), expected, rtol=1e-12)
+    with pytest.raises(ValueError, match="does not divide"):
+        reduce_hierarchical(xs, 4)
+
+
+def test_check_placement_names_the_problem():
+    assert check_placement([2] * 4, [0, 1, 0, 1], [5, 5, 9, 9]) == 2
+    assert check_placement([2] * 4, [-1] * 4, [-1] * 4) == 2
+    with pytest.raises(ValueError, match="local sizes differ across ranks: rank 0 has 2, rank 3 has 4"):
+        check_placement([2, 2, 2, 4], [-1] * 4, [-1] * 4)
+    with pytest.raises(ValueError, match="local_size 3 does not divide the world size 4"):
+        check_placement([3] * 4, [-1] * 4, [-1] * 4)
+    with pytest.raises(ValueError, match="rank 1 has local rank 0, expected 1"):
+        check_placement([2] * 4, [0, 0, 1, 1], [-1] * 4)
+    with pytest.raises(ValueError, match="rank 1 is on node 1, rank 0 on node 0"):
+        check_placement([2] * 4, [-1] * 4, [0, 1, 0, 1])
+    with pytest.raises(ValueError, match="same node"):
+        check_placement([2] * 4, [-1] * 4, [0, 0, 0, 0])
+
+
+def errors_body(rank, world):
+    """Each bad configuration raises the same ValueError on every rank (no hang)."""
+    messages = {}
+    cases = {
+        "differ": dict(local_size=4 if rank == world - 1 else 2),
+        "divide": dict(local_size=3),
+    }
+    for name, kwargs in cases.items():
+        with pytest.raises(ValueError) as info:
+            adasum.Adasum(hierarchical=True, **kwargs).setup()
+        messages[name] = str(info.value)
+    # torchrun-style environment with ranks placed round robin over two nodes
+    os.environ.update(LOCAL_WORLD_SIZE="2", LOCAL_RANK=str(rank // 2), GROUP_RANK=str(rank % 2))
+    with pytest.raises(ValueError) as info:
+        adasum.Adasum(hierarchical=True).setup()
+    messages["placement"] = str(info.value)
+    # the same environment placed node by node works, local size from LOCAL_WORLD_SIZE
+    os.environ.update(LOCAL_RANK=str(rank % 2), GROUP_RANK=str(rank // 2))
+    t = torch.full((5,), float(rank))
+    adasum.Adasum(hierarchical=True).all_reduce([t])
+    messages["ok"] = t.tolist()
+    return messages
+
+
+def test_bad_placements_raise_on_every_rank():
+    results = distributed.run(4, errors_body)
+    for messages in results:
+        assert "local sizes differ across ranks: rank 0 has 2, rank 3 has 4" in messages["differ"]
+        assert "local_size 3 does not divide the world size 4" in messages["divide"]
+        assert "not placed node by node" in messages["placement"]
+        # node means 0.5 and 2.5 are parallel: their mean
+        assert messages["ok"] == [1.5] * 5

@@ -1,0 +1,283 @@
+"""adasum.DistributedOptimizer on real gloo process groups: against a manual single-process
+simulation of every rank (local step, delta, reduce, apply), with bitwise-identical parameters on
+every rank after every step; accumulation, local steps, clipping, GradScaler's found-inf agreement,
+checkpoints and the construction checks."""
+
+import copy
+
+import pytest
+import torch
+from pytorch_optimizer import Lamb
+
+import adasum
+import distributed
+from adasum.optim import buckets, checksum
+
+
+def make_model(seed=0):
+    torch.manual_seed(seed)
+    return torch.nn.Sequential(torch.nn.Linear(6, 10), torch.nn.Tanh(), torch.nn.Linear(10, 3))
+
+
+def batch(rank, step, micro=0):
+    g = torch.Generator().manual_seed(1000 * rank + 10 * step + micro)
+    return torch.randn(5, 6, generator=g), torch.randn(5, 3, generator=g)
+
+
+def loss_of(model, rank, step, micro=0):
+    x, y = batch(rank, step, micro)
+    return torch.nn.functional.mse_loss(model(x), y)
+
+
+def backward(model, rank, step, micro=0):
+    loss_of(model, rank, step, micro).backward()
+
+
+OPTIMIZERS = {
+    "sgd": lambda ps: torch.optim.SGD(ps, lr=0.1, momentum=0.9),
+    "adam": lambda ps: torch.optim.Adam(ps, lr=0.01),
+    "adamw": lambda ps: torch.optim.AdamW(ps, lr=0.01, weight_decay=0.1),
+    "lamb": lambda ps: Lamb(ps, lr=0.01),
+}
+
+
+def snapshot(model):
+    return [p.detach().clone() for p in model.parameters()]
+
+
+def to_bytes(params):
+    return b"".join(p.detach().numpy().tobytes() for p in params)
+
+
+class Simulation:
+    """Every rank's model and optimizer in one process: the reference."""
+
+    def __init__(self, world, make_opt, combine=adasum.reduce, mode="delta", micros=1, local_steps=1, clip=None):
+        self.world, self.combine, self.mode = world, combine, mode
+        self.micros, self.local_steps, self.clip = micros, local_steps, clip
+        self.models = [make_model() for _ in range(world)]
+        self.opts = [make_opt(m.parameters()) for m in self.models]
+        self.step_index = 0
+
+    def _local_grads(self, r):
+        model = self.models[r]
+        model.zero_grad()
+        for micro in range(self.micros):
+            backward(model, r, self.step_index, micro)
+        if self.clip is not None:
+            torch.nn.utils.clip_grad_norm_(model.parameters(), self.clip)
+
+    def round(self):
+        """One combination: local_steps local steps per rank (delta) or one step (gradient)."""
+        params = [list(m.parameters()) for m in self.models]
+        if self.mode == "gradient":
+            for r in range(self.world):
+                self._local_grads(r)
+            for i in range(len(params[0])):
+                combined = self.combine([params[r][i].grad for r in range(self.world)])
+                for r in range(self.world):
+                    params[r][i].grad = combined.clone()
+            for opt in self.opts:
+                opt.step()
+            self.step_index += 1
+            return snapshot(self.models[0])
+        start = snapshot(self.models[0])
+        first = self.step_index
+        for r in range(self.world):
+            self.step_index = first
+            for _ in range(self.local_steps):
+                self._local_grads(r)
+                self.opts[r].step()
+                self.step_index += 1
+        with torch.no_grad():
+            for i, x0 in enumerate(start):
+                combined = self.combine([params[r][i] - x0 for r in range(self.world)])
+                for r in range(self.world):
+                    params[r][i].copy_(x0 + combined)
+        return snapshot(self.models[0])
+
+
+def rel(a, b):
+    a, b = a.detach().double(), b.detach().double()
+    return float((a - b).norm() / b.norm().clamp_min(1e-30))
+
+
+def run_and_compare(rank, world, make_opt, rounds=3, combine=adasum.reduce, tol=1e-5, **kwargs):
+    """The distributed optimizer against the simulation, round by round; the parameters' bytes."""
+    reduce = kwargs.pop("reduce", "adasum")
+    mode = kwargs.get("mode", "delta")
+    micros, local_steps, clip = kwargs.pop("micros", 1), kwargs.get("local_steps", 1), kwargs.pop("clip", None)
+    sim = Simulation(world, make_opt, combine, mode, micros, local_steps, clip)
+    model = make_model()
+    opt = adasum.DistributedOptimizer(make_opt(model.parameters()), reduce=reduce, backward_passes_per_step=micros, **kwargs)
+    history = []
+    step = 0
+    for _ in range(rounds):
+        expected = sim.round()
+        for _ in range(local_steps):
+            for micro in range(micros):
+                opt.zero_grad()  # a no-op while gradients accumulate
+                backward(model, rank, step, micro)
+                if clip is not None and micro == micros - 1:
+                    torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
+                opt.step()
+            step += 1
+        for p, e in zip(model.parameters(), expected):
+            assert rel(p, e) < tol, (rel(p, e), kwargs)
+        history.append(to_bytes(model.parameters()))
+    return history
+
+
+def optim_body(rank, world):
+    out = {}
+    full = world < 4  # world 4 runs the main cases and hierarchical mode (keeps the file fast)
+    for name in ("sgd", "adam", "adamw", "lamb") if full else ("sgd", "adam"):
+        out[f"delta-{name}"] = run_and_compare(rank, world, OPTIMIZERS[name])
+    sgd = OPTIMIZERS["sgd"]
+    out["gradient-adasum"] = run_and_compare(rank, world, sgd, mode="gradient")
+    out["gradient-mean"] = run_and_compare(
+        rank, world, sgd, mode="gradient", reduce="mean", combine=lambda ts: torch.stack(ts).mean(0)
+    )
+    out["local-steps"] = run_and_compare(rank, world, sgd, local_steps=2)
+    if full:
+        out["delta-sum"] = run_and_compare(
+            rank, world, sgd, reduce=adasum.Sum(), combine=lambda ts: torch.stack(ts).sum(0)
+        )
+        out["accumulate"] = run_and_compare(rank, world, OPTIMIZERS["adam"], micros=2)
+        out["clip"] = run_and_compare(rank, world, OPTIMIZERS["adam"], clip=0.05)
+        out["tiny-buckets"] = run_and_compare(rank, world, sgd, bucket_cap_mb=1e-4)
+    # whole-model coefficients: one bucket per dtype, whatever the cap
+    model = make_model()
+    whole = adasum.DistributedOptimizer(sgd(model.parameters()), reduce=adasum.Adasum(per_tensor=False))
+    assert whole.bucket_cap_bytes is None
+    if world == 4:
+        from adasum.hierarchical import reduce_hierarchical
+
+        out["hierarchical"] = run_and_compare(
+            rank, world, OPTIMIZERS["adam"], reduce=adasum.Adasum(hierarchical=True, local_size=2),
+            combine=lambda ts: reduce_hierarchical(ts, 2),
+        )
+    out["scaler"] = grad_scaler_checks(rank, world)
+    out["checkpoint"] = checkpoint_checks(rank, world)
+    out["errors"] = error_checks(rank, world)
+    return out
+
+
+def grad_scaler_checks(rank, world):
+    """scaler.step(opt) with an inf injected on the last rank: every rank skips and backs off;
+    also after unscale_ and clipping, and under bf16 autocast on the CPU."""
+    history = []
+    for unscale_first, autocast in ((False, False), (True, False), (False, True)):
+        model = make_model()
+        scaler = torch.amp.GradScaler("cpu", init_scale=2.0**8, growth_interval=1)
+        opt = adasum.DistributedOptimizer(OPTIMIZERS["adam"](model.parameters()), grad_scaler=scaler)
+        sim = Simulation(world, OPTIMIZERS["adam"])
+        for step in range(4):
+            before = snapshot(model)
+            opt.zero_grad()
+            with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+                loss = loss_of(model, rank, sim.step_index)
+            scaler.scale(loss).backward()
+            inject = step == 1 and rank == world - 1
+            if inject:
+                next(model.parameters()).grad[0, 0] = float("inf")
+            if unscale_first:
+                scaler.unscale_(opt)
+                torch.nn.utils.clip_grad_norm_(model.parameters(), 10.0)
+            scale = scaler.get_scale()
+            scaler.step(opt)
+            scaler.update()
+            if step == 1:  # skipped everywhere, the scale halved everywhere
+                assert all(torch.equal(p, b) for p, b in zip(model.parameters(), before))
+                assert scaler.get_scale() == scale / 2, (scaler.get_scale(), scale)
+            else:  # a power-of-two scale unscales exactly: the plain simulation
+                expected = sim.round()
+                tol = 3e-2 if autocast else 1e-5  # bf16 autocast against the float32 simulation
+                assert all(rel(p, e) < tol for p, e in zip(model.parameters(), expected))
+                assert scaler.get_scale() == scale * 2
+            history.append(to_bytes(model.parameters()) + repr(scaler.get_scale()).encode())
+    return history
+
+
+def checkpoint_checks(rank, world):
+    """Save in the middle (also in the middle of a round of local steps), reload into fresh
+    objects, continue: bitwise the same as not stopping."""
+    out = []
+    for local_steps, save_after in ((1, 2), (2, 3)):
+
+        def train(model, opt, steps, first):
+            for step in range(first, first + steps):
+                opt.zero_grad()
+                backward(model, rank, step)
+                opt.step()
+
+        model = make_model()
+        opt = adasum.DistributedOptimizer(torch.optim.Adam(model.parameters(), lr=0.01), local_steps=local_steps)
+        train(model, opt, save_after, 0)
+        saved = copy.deepcopy((model.state_dict(), opt.state_dict()))  # as torch.save would
+        train(model, opt, 3, save_after)
+        straight = to_bytes(model.parameters())
+
+        # build, then load (mid-round the ranks' weights differ, which the construction check refuses)
+        resumed = make_model(seed=1)
+        opt2 = adasum.DistributedOptimizer(torch.optim.Adam(resumed.parameters(), lr=0.01), local_steps=local_steps)
+        resumed.load_state_dict(saved[0])
+        opt2.load_state_dict(saved[1])
+        train(resumed, opt2, 3, save_after)
+        assert to_bytes(resumed.parameters()) == straight, local_steps
+        out.append(straight)
+
+    # an LR scheduler drives the wrapped optimizer's learning rate
+    model = make_model()
+    opt = adasum.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=1.0))
+    sched = torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.5)
+    backward(model, rank, 0)
+    opt.step()
+    sched.step()
+    assert opt.optimizer.param_groups[0]["lr"] == 0.5
+    return out
+
+
+def error_checks(rank, world):
+    messages = {}
+    model = make_model(seed=rank if rank == world - 1 else 0)
+    with pytest.raises(ValueError) as info:
+        adasum.DistributedOptimizer(torch.optim.SGD(model.named_parameters(), lr=0.1))
+    messages["values"] = str(info.value)
+    model = torch.nn.Linear(6, 4 if rank == world - 1 else 3)
+    with pytest.raises(ValueError) as info:
+        adasum.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1))
+    messages["shapes"] = str(info.value)
+    return messages
+
+
+@pytest.mark.parametrize("world", [2, 3, 4])
+def test_distributed_optimizer_matches_simulation(world):
+    results = distributed.run(world, optim_body, timeout_s=240)
+    for key in results[0]:
+        if key == "errors":
+            continue
+        for r in range(1, world):
+            assert results[r][key] == results[0][key], f"rank {r} differs from rank 0 in {key}"
+    for r in range(world):
+        errors = results[r]["errors"]
+        assert "parameter '0.weight' (shape [10, 6]) differs across ranks" in errors["values"], errors["values"]
+        assert "parameters differ across ranks at index 0" in errors["shapes"]
+
+
+def test_buckets_and_checksum():
+    ts = [torch.zeros(4), torch.zeros(2), torch.zeros(4, dtype=torch.float64), torch.zeros(1)]
+    assert buckets(ts, 16) == [[0], [1, 3], [2]]
+    assert buckets(ts, None) == [[0, 1, 3], [2]]
+    assert torch.equal(checksum(torch.ones(3)), checksum(torch.ones(3)))
+    assert not torch.equal(checksum(torch.tensor([1.0, 2.0])), checksum(torch.tensor([2.0, 1.0])))
+
+
+def test_options_are_checked():
+    model = make_model()
+    with pytest.raises(TypeError, match="torch.optim.Optimizer"):
+        adasum.DistributedOptimizer(model)
+    with pytest.raises(ValueError, match="mode must be one of"):
+        adasum.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=1), mode="weights")
+    with pytest.raises(ValueError, match="local_steps > 1 needs mode='delta'"):
+        adasum.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=1), mode="gradient", local_steps=2)
