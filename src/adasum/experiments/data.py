@@ -150,15 +150,16 @@ def default_cache_dir() -> Path:
     return Path(os.environ.get("ADASUM_CACHE", Path.home() / ".cache" / "adasum"))
 
 
-def _mnist1d(cache_dir: str | os.PathLike | None) -> Dataset:
+def _mnist1d(cache_dir: str | os.PathLike | None, samples: int = 70000) -> Dataset:
+    """MNIST-1D: `samples` signals (6/7 for training), generated locally and cached as .npz."""
     cache = Path(cache_dir) if cache_dir is not None else default_cache_dir()
-    path = cache / "mnist1d-70000-seed42.npz"
+    path = cache / f"mnist1d-{samples}-seed42.npz"
     if not path.exists():
         # the package's local generator and templates; its get_dataset() would download a pickle
         from mnist1d.data import get_dataset_args, get_templates, make_dataset
 
         args = get_dataset_args()
-        args.num_samples = 70000
+        args.num_samples = samples
         args.train_split = 6 / 7
         d = make_dataset(args, get_templates())
         cache.mkdir(parents=True, exist_ok=True)

@@ -232,7 +232,7 @@ def _tensorboard_writer(path: Path):
 def _metrics_file(path: Path, keep_epochs: int | None) -> Iterator[Any]:
     """metrics.jsonl for appending; on resume, lines of epochs after the checkpoint are dropped."""
     if keep_epochs is not None and path.exists():
-        kept = [line for line in path.read_text().splitlines() if line and json.loads(line).get("epoch", 0) < keep_epochs]
+        kept = [line for line in path.read_text().splitlines() if line and json.loads(line)["epoch"] <= keep_epochs]
         path.write_text("".join(line + "\n" for line in kept))
     elif keep_epochs is None and path.exists():
         path.unlink()
@@ -376,7 +376,7 @@ def train(
                 if metrics is not None:
                     o_by_step = dict(ortho)
                     for s, value in enumerate(step_losses):
-                        line = {"epoch": epoch, "step": epoch * steps_per_epoch + s + 1, "loss": value}
+                        line = {"epoch": epoch + 1, "step": epoch * steps_per_epoch + s + 1, "loss": value}
                         if s in o_by_step:
                             line["orthogonality"] = o_by_step[s]
                         metrics.write(json.dumps(line) + "\n")
