@@ -7,7 +7,9 @@ to the test, one entry per rank, and an exception in any rank fails the test wit
 from __future__ import annotations
 
 import os
+import queue
 import tempfile
+import time
 import traceback
 from datetime import timedelta
 
@@ -16,6 +18,14 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 BACKEND = os.environ.get("ADASUM_TEST_BACKEND", "gloo")
+
+
+def world_sizes(*sizes: int) -> list[int]:
+    """The world sizes a test runs: all of them on gloo; on NCCL only those with a GPU per rank
+    (NCCL refuses two ranks on one GPU)."""
+    if BACKEND == "nccl":
+        return [w for w in sizes if w <= torch.cuda.device_count()]
+    return list(sizes)
 
 
 def device_for(rank: int) -> torch.device:
@@ -71,9 +81,24 @@ def run(world_size: int, body, *args, timeout_s: float = 120, backend: str | Non
                 os.environ["OMP_NUM_THREADS"] = old
         out: dict[int, object] = {}
         errors = []
+        deadline = time.monotonic() + timeout_s + 60
         try:
-            for _ in range(world_size):
-                rank, status, value = results.get(timeout=timeout_s + 60)
+            while len(out) + len(errors) < world_size:
+                try:
+                    rank, status, value = results.get(timeout=1.0)
+                except queue.Empty:
+                    # a rank that died without reporting (crash at start-up, os._exit) fails the run now
+                    reported = set(out) | {int(e.split()[1].rstrip(":")) for e in errors}
+                    dead = [r for r, p in enumerate(procs) if r not in reported and p.exitcode is not None]
+                    if dead and results.empty():
+                        time.sleep(0.5)
+                        if results.empty():
+                            errors += [f"rank {r}: exited with code {procs[r].exitcode} without a result" for r in dead]
+                            break
+                    if time.monotonic() > deadline:
+                        errors.append(f"timed out after {timeout_s + 60:.0f} s")
+                        break
+                    continue
                 if status == "ok":
                     out[rank] = value
                 else:

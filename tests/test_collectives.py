@@ -135,7 +135,7 @@ def checks(rank, world):
     return out
 
 
-@pytest.mark.parametrize("world", [1, 2, 3, 4, 5, 8])
+@pytest.mark.parametrize("world", distributed.world_sizes(1, 2, 3, 4, 5, 8))
 def test_all_reduce_matches_reference_and_is_bitwise_identical(world):
     results = distributed.run(world, checks)
     for key in results[0]:
@@ -163,3 +163,22 @@ def _identity_body(rank, world):
     before = t.clone()
     adasum.all_reduce(t)
     return bool(torch.equal(t, before))
+
+
+def large_buffers(rank, world):
+    """Tensors larger than one pipelined gloo message, crossing message boundaries (the message size
+    is shrunk from 2**20 to 1000 elements so the buffers stay small)."""
+    adasum.collectives._PIPELINE_CHUNK = 1000
+    sizes = [3001, 17, 1500, 5, 0, 2222]
+    data = worker_data(60, world, [(n,) for n in sizes])
+    mine = [t.clone().to(distributed.device_for(rank)) for t in data[rank]]
+    adasum.all_reduce(mine)
+    errs = [rel_err(mine[i], reference(data, i)) for i in range(len(sizes))]
+    return errs, b"".join(t.cpu().numpy().tobytes() for t in mine)
+
+
+@pytest.mark.parametrize("world", distributed.world_sizes(2, 3, 4))
+def test_large_buffers_agree_with_reference(world):
+    results = distributed.run(world, large_buffers)
+    assert max(results[0][0]) < 1e-6
+    assert all(r[1] == results[0][1] for r in results)

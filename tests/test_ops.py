@@ -145,3 +145,26 @@ def test_tree_counts():
     with pytest.raises(ValueError):
         Tree(0)
     assert math.isclose(adasum.ops.ZERO_NORM, 1.4916681462400413e-154)
+
+
+def test_batched_device_kernels_match_cpu_kernels():
+    # the GPU path's batched kernels run on the CPU too: both must compute the same per-segment math
+    from adasum import ops
+
+    g = torch.Generator().manual_seed(12)
+    lengths = [5, 0, 70000, 1, 0, 300, 131072 + 7]
+    for dtype in (torch.float32, torch.bfloat16, torch.float64):
+        a = torch.randn(sum(lengths), generator=g).to(dtype)
+        b = torch.randn(sum(lengths), generator=g).to(dtype)
+        blocked = ops.dot_and_norms(a, b, lengths)
+        batched = ops._dot_and_norms_batched(a, b, lengths)
+        assert batched.shape == blocked.shape == (3, len(lengths))
+        assert torch.allclose(blocked, batched, rtol=1e-12, atol=1e-9)
+        ca, cb = ops.coefficients(blocked, 0.5, 0.5)
+        out1, out2 = torch.empty_like(a), torch.empty_like(a)
+        ops.scale_add(a, b, ca, cb, lengths, out1)
+        ops._scale_add_batched(a, b, ca, cb, lengths, out2)
+        # a rounding or two apart at most (an FMA in the BLAS path), relative to the terms' size
+        eps = torch.finfo(dtype).eps
+        scale = (ca.abs().max() * a.double().abs() + cb.abs().max() * b.double().abs())
+        assert ((out1.double() - out2.double()).abs() <= 2 * eps * scale).all()

@@ -35,23 +35,78 @@ from adasum.layout import Layout, check_same_layout, flatten, group_by_dtype, un
 from adasum.tree import Tree
 
 
+class _Workspace:
+    """Reusable host buffers. Large fresh CPU allocations are returned to the OS on free and
+    page-fault anew on every call (about as slow as the data exchange itself), so the CPU path keeps
+    its fusion and receive buffers; CUDA's caching allocator already does this on GPUs."""
+
+    def __init__(self) -> None:
+        self._buffers: dict[tuple[str, torch.dtype], torch.Tensor] = {}
+
+    def get(self, name: str, numel: int, like: torch.Tensor) -> torch.Tensor:
+        if like.device.type != "cpu":
+            return torch.empty(numel, dtype=like.dtype, device=like.device)
+        key = (name, like.dtype)
+        buf = self._buffers.get(key)
+        if buf is None or buf.numel() < numel:
+            buf = torch.empty(numel, dtype=like.dtype)
+            self._buffers[key] = buf
+        return buf[:numel]
+
+    def clear(self) -> None:
+        self._buffers.clear()
+
+
+_workspace = _Workspace()
+
+
+def clear_workspace() -> None:
+    """Free the host buffers kept between calls (fusion and receive buffers of the CPU path)."""
+    _workspace.clear()
+
+
+_PIPELINE_CHUNK = 1 << 20  # elements per message in gloo's pipelined exchanges
+
+
 def _global(group: dist.ProcessGroup | None, group_rank: int) -> int:
     return group_rank if group is None else dist.get_global_rank(group, group_rank)
+
+
+def _post(
+    sends: Sequence[torch.Tensor], recvs: Sequence[torch.Tensor], peer: int, group: dist.ProcessGroup | None
+) -> tuple[list, list]:
+    """Start sending `sends` to and receiving `recvs` from `peer` (a group rank) as one batch, so
+    NCCL pairs them; empty tensors are skipped. Returns the send and the receive works (None for
+    a skipped receive)."""
+    peer = _global(group, peer)
+    p2p = [dist.P2POp(dist.isend, t, peer, group) for t in sends if t.numel() > 0]
+    p2p += [dist.P2POp(dist.irecv, t, peer, group) for t in recvs if t.numel() > 0]
+    works = list(dist.batch_isend_irecv(p2p)) if p2p else []
+    if len(works) != len(p2p):
+        # NCCL coalesces a batch into one work: every receive then waits for the whole batch
+        return works, [works[0] if t.numel() > 0 else None for t in recvs]
+    n_send = sum(1 for t in sends if t.numel() > 0)
+    send_works, recv_iter = works[:n_send], iter(works[n_send:])
+    recv_works = [next(recv_iter) if t.numel() > 0 else None for t in recvs]
+    return send_works, recv_works
+
+
+def _wait(works) -> None:
+    for work in works:
+        if work is not None:
+            work.wait()
 
 
 def _exchange(
     send: torch.Tensor | None, recv: torch.Tensor | None, peer: int, group: dist.ProcessGroup | None
 ) -> None:
-    """Send `send` to and receive `recv` from `peer` (a group rank), skipping empty tensors."""
-    peer = _global(group, peer)
-    p2p = []
-    if send is not None and send.numel() > 0:
-        p2p.append(dist.P2POp(dist.isend, send, peer, group))
-    if recv is not None and recv.numel() > 0:
-        p2p.append(dist.P2POp(dist.irecv, recv, peer, group))
-    if p2p:
-        for work in dist.batch_isend_irecv(p2p):
-            work.wait()
+    """Send `send` to and receive `recv` from `peer` (a group rank), and wait for both."""
+    send_works, recv_works = _post([] if send is None else [send], [] if recv is None else [recv], peer, group)
+    _wait(send_works + recv_works)
+
+
+def _chunks(lo: int, hi: int, size: int) -> list[tuple[int, int]]:
+    return [(start, min(start + size, hi)) for start in range(lo, hi, size)] or [(lo, hi)]
 
 
 def _halves(lo: int, hi: int, lower: bool) -> tuple[tuple[int, int], tuple[int, int]]:
@@ -63,9 +118,8 @@ def _halves(lo: int, hi: int, lower: bool) -> tuple[tuple[int, int], tuple[int, 
 def _combine_local(buffer: torch.Tensor, other: torch.Tensor, layout: Layout) -> None:
     """buffer := adasum(buffer, other) per tensor, both standing for one worker (the fold)."""
     lengths = list(layout.sizes)
-    a, b = buffer.to(torch.float64), other.to(torch.float64)
-    coeff_a, coeff_b = ops.coefficients(ops.dot_and_norms(a, b, lengths), 0.5, 0.5)
-    ops.scale_add(a, b, coeff_a, coeff_b, lengths, out=buffer)
+    coeff_a, coeff_b = ops.coefficients(ops.dot_and_norms(buffer, other, lengths), 0.5, 0.5)
+    ops.scale_add(buffer, other, coeff_a, coeff_b, lengths, out=buffer)
 
 
 def adasum_flat_(buffer: torch.Tensor, sizes: Sequence[int], group: dist.ProcessGroup | None = None) -> None:
@@ -96,38 +150,66 @@ def adasum_flat_(buffer: torch.Tensor, sizes: Sequence[int], group: dist.Process
 
     follower = tree.follower(me)
     if follower is not None:
-        received = torch.empty_like(buffer)
+        received = _workspace.get("recv", buffer.numel(), buffer)
         _exchange(None, received, follower, group)
         _combine_local(buffer, received, layout)
         del received
 
+    # On gloo the exchanges run on gloo's own threads: cutting them into chunks lets the math on one
+    # chunk overlap the transfer of the next. NCCL serialises a pair's sends and receives on one
+    # stream, so there a level stays one batched exchange.
+    chunk = _PIPELINE_CHUNK if dist.get_backend(group) == "gloo" else max(buffer.numel(), 1)
+    levels = tree.levels()
     segments = [(0, buffer.numel())]
-    for d in tree.levels():
+    for d in levels:
         lower = (me & d) == 0
         peer = tree.leader(me ^ d)
         (klo, khi), (glo, ghi) = _halves(*segments[-1], lower)
-        mine = buffer[klo:khi]
-        theirs = torch.empty_like(mine)
-        _exchange(buffer[glo:ghi], theirs, peer, group)
-        a, b = (mine, theirs) if lower else (theirs, mine)
-        a, b = a.to(torch.float64), b.to(torch.float64)
-        first, lengths = layout.overlap(klo, khi)
+        theirs = _workspace.get("recv", khi - klo, buffer)
+        kept_chunks = _chunks(klo, khi, chunk)
+        send_works, recv_works = _post(
+            [buffer[lo:hi] for lo, hi in _chunks(glo, ghi, chunk)],
+            [theirs[lo - klo : hi - klo] for lo, hi in kept_chunks],
+            peer,
+            group,
+        )
+
+        def pair(lo: int, hi: int) -> tuple[torch.Tensor, torch.Tensor]:
+            mine, other = buffer[lo:hi], theirs[lo - klo : hi - klo]
+            return (mine, other) if lower else (other, mine)
+
         block = me // (2 * d)
         sums = buffer.new_zeros((tree.groups // (2 * d), *partial_shape), dtype=torch.float64)
-        if lengths:
-            sums[block, :, first : first + len(lengths)] = ops.dot_and_norms(a, b, lengths)
+        for (lo, hi), work in zip(kept_chunks, recv_works):
+            _wait([work])
+            first, lengths = layout.overlap(lo, hi)
+            if lengths:
+                sums[block, :, first : first + len(lengths)] += ops.dot_and_norms(*pair(lo, hi), lengths)
+        _wait(send_works)
         dist.all_reduce(sums, group=group)
-        if lengths:
-            base = block * 2 * d
-            workers_a, workers_b = tree.count(base, d), tree.count(base + d, d)
-            total = workers_a + workers_b
-            coeff_a, coeff_b = ops.coefficients(
-                sums[block, :, first : first + len(lengths)], workers_a / total, workers_b / total
-            )
-            ops.scale_add(a, b, coeff_a, coeff_b, lengths, out=mine)
-        segments.append((klo, khi))
 
-    for d in reversed(tree.levels()):
+        base = block * 2 * d
+        workers_a, workers_b = tree.count(base, d), tree.count(base + d, d)
+        coeff_a, coeff_b = ops.coefficients(
+            sums[block], workers_a / (workers_a + workers_b), workers_b / (workers_a + workers_b)
+        )
+        # The last level's result goes straight to its partner: the first step of the gather.
+        gather_now = d == levels[-1] and chunk < buffer.numel()
+        gather_works = _post([], [buffer[lo:hi] for lo, hi in _chunks(glo, ghi, chunk)], peer, group)[1] if gather_now else []
+        for lo, hi in kept_chunks:
+            first, lengths = layout.overlap(lo, hi)
+            if lengths:
+                picked = slice(first, first + len(lengths))
+                ops.scale_add(*pair(lo, hi), coeff_a[picked], coeff_b[picked], lengths, out=buffer[lo:hi])
+            if gather_now:
+                gather_works += _post([buffer[lo:hi]], [], peer, group)[0]
+        _wait(gather_works)
+        segments.append((klo, khi))
+    if levels and chunk < buffer.numel():
+        segments.pop()
+        levels = levels[:-1]
+
+    for d in reversed(levels):
         lower = (me & d) == 0
         kept, given = _halves(*segments[-2], lower)
         assert kept == segments[-1]
@@ -182,7 +264,7 @@ def all_reduce(
         raise ValueError(f"the {dist.get_backend(group)} backend needs {device.type} tensors, got {tensors[0].device}")
     for indices in group_by_dtype(tensors).values():
         members = [tensors[i] for i in indices]
-        flat = flatten(members)
+        flat = flatten(members, _workspace.get("fusion", sum(t.numel() for t in members), members[0]))
         adasum_flat_(flat, [t.numel() for t in members], group)
         unflatten_into(flat, members)
 

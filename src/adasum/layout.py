@@ -59,11 +59,16 @@ def group_by_dtype(tensors: Sequence[torch.Tensor]) -> dict[torch.dtype, list[in
     return dict(sorted(out.items(), key=lambda kv: str(kv[0])))
 
 
-def flatten(tensors: Sequence[torch.Tensor]) -> torch.Tensor:
-    """One flat buffer holding `tensors` end to end (a view when that is possible without a copy)."""
+def flatten(tensors: Sequence[torch.Tensor], out: torch.Tensor | None = None) -> torch.Tensor:
+    """One flat buffer holding `tensors` end to end: a view when one contiguous tensor allows it,
+    else a copy (into `out` if given: a flat tensor of the right size and dtype)."""
     if len(tensors) == 1 and tensors[0].is_contiguous():
         return tensors[0].view(-1)
-    return torch.cat([t.reshape(-1) for t in tensors])
+    if out is None:
+        return torch.cat([t.reshape(-1) for t in tensors])
+    for t, piece in zip(tensors, out.split([t.numel() for t in tensors])):
+        piece.view(t.shape).copy_(t)
+    return out
 
 
 def unflatten_into(flat: torch.Tensor, tensors: Sequence[torch.Tensor]) -> None:

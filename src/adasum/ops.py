@@ -22,6 +22,7 @@ Non-finite inputs propagate: a tensor with a NaN or Inf in either input comes ou
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Sequence
 
@@ -39,26 +40,44 @@ def check_floating(dtype: torch.dtype) -> None:
         raise TypeError(f"Adasum needs floating-point tensors, got {dtype}")
 
 
+@functools.lru_cache(maxsize=512)
+def _device_lengths(lengths: tuple[int, ...], device: torch.device) -> torch.Tensor:
+    # a fresh host-to-device copy would synchronise the host on every call; layouts repeat
+    return torch.tensor(lengths, dtype=torch.int64, device=device)
+
+
+_CPU_CHUNK = 65536  # float64 pairs of this many elements stay in cache
+
+
+def _dot_and_norms_batched(a: torch.Tensor, b: torch.Tensor, lengths: Sequence[int]) -> torch.Tensor:
+    a64, b64 = a.to(torch.float64), b.to(torch.float64)
+    products = torch.stack([a64 * b64, a64 * a64, b64 * b64], dim=1)  # [n, 3]
+    seg = _device_lengths(tuple(lengths), a.device)
+    return torch.segment_reduce(products, "sum", lengths=seg, axis=0, unsafe=True).t()
+
+
 def dot_and_norms(a: torch.Tensor, b: torch.Tensor, lengths: Sequence[int]) -> torch.Tensor:
-    """Per-segment ``<a,b>``, ``|a|^2``, ``|b|^2`` of two flat float64 tensors, as a [3, T] tensor.
+    """Per-segment ``<a,b>``, ``|a|^2``, ``|b|^2`` of two flat tensors, in float64, as a [3, T] tensor.
 
     `lengths` splits the flat tensors into T consecutive segments (zero lengths allowed); their sum
-    is ``a.numel()``. On the CPU one BLAS dot per segment and quantity; elsewhere a few batched
-    kernels for all segments together, with no host synchronisation.
+    is ``a.numel()``. Everything is computed in float64. On the CPU, chunks of both inputs are cast
+    into a cached 2 x chunk float64 block whose Gram matrix (one BLAS call) gives all three sums;
+    on GPUs a few batched kernels serve all segments together, with no host synchronisation.
     """
-    if a.device.type == "cpu":
-        out = torch.empty(3, len(lengths), dtype=torch.float64)
-        start = 0
-        for i, n in enumerate(lengths):
-            sa, sb = a[start : start + n], b[start : start + n]
-            out[0, i] = torch.dot(sa, sb)
-            out[1, i] = torch.dot(sa, sa)
-            out[2, i] = torch.dot(sb, sb)
-            start += n
-        return out
-    products = torch.stack([a * b, a * a, b * b])
-    seg = torch.tensor(lengths, dtype=torch.int64, device=a.device)
-    return torch.segment_reduce(products, "sum", lengths=seg, axis=1, unsafe=True)
+    if a.device.type != "cpu":
+        return _dot_and_norms_batched(a, b, lengths)
+    gram = torch.zeros(len(lengths), 2, 2, dtype=torch.float64)
+    pair = torch.empty(2, min(_CPU_CHUNK, max(lengths, default=0)), dtype=torch.float64)
+    start = 0
+    for i, n in enumerate(lengths):
+        for lo in range(start, start + n, _CPU_CHUNK):
+            m = min(_CPU_CHUNK, start + n - lo)
+            block = pair[:, :m]
+            block[0].copy_(a[lo : lo + m])
+            block[1].copy_(b[lo : lo + m])
+            gram[i].addmm_(block, block.t())
+        start += n
+    return torch.stack([gram[:, 0, 1], gram[:, 0, 0], gram[:, 1, 1]])
 
 
 def coefficients(
@@ -72,6 +91,14 @@ def coefficients(
     return coeff_a, coeff_b
 
 
+def _scale_add_batched(a, b, coeff_a, coeff_b, lengths: Sequence[int], out: torch.Tensor) -> None:
+    seg = _device_lengths(tuple(lengths), a.device)
+    n = a.numel()
+    ca = torch.repeat_interleave(coeff_a, seg, output_size=n)
+    cb = torch.repeat_interleave(coeff_b, seg, output_size=n)
+    out.copy_(torch.addcmul(ca * a.to(torch.float64), cb, b.to(torch.float64)))
+
+
 def scale_add(
     a: torch.Tensor,
     b: torch.Tensor,
@@ -80,22 +107,24 @@ def scale_add(
     lengths: Sequence[int],
     out: torch.Tensor,
 ) -> None:
-    """``out = coeff_a * a + coeff_b * b`` segment by segment from float64 `a` and `b`, written in
-    out's dtype. `out` may alias `a` or `b`.
-    """
-    if a.device.type == "cpu":
-        start = 0
-        for n, ca, cb in zip(lengths, coeff_a.tolist(), coeff_b.tolist()):
-            if n:
-                # computed in float64 (the inputs' dtype), rounded once on store into out
-                torch.add(a[start : start + n] * ca, b[start : start + n], alpha=cb, out=out[start : start + n])
-            start += n
+    """``out = coeff_a * a + coeff_b * b`` segment by segment, computed in float64 and written in
+    out's dtype. `out` may alias `a` or `b`."""
+    if a.device.type != "cpu":
+        _scale_add_batched(a, b, coeff_a, coeff_b, lengths, out)
         return
-    seg = torch.tensor(lengths, dtype=torch.int64, device=a.device)
-    n = a.numel()
-    ca = torch.repeat_interleave(coeff_a, seg, output_size=n)
-    cb = torch.repeat_interleave(coeff_b, seg, output_size=n)
-    out.copy_(torch.addcmul(ca * a, cb, b))
+    coeffs = torch.stack([coeff_a, coeff_b], dim=1).unsqueeze(1)  # [T, 1, 2]
+    pair = torch.empty(2, min(_CPU_CHUNK, max(lengths, default=0)), dtype=torch.float64)
+    mixed = torch.empty(1, pair.shape[1], dtype=torch.float64)
+    start = 0
+    for i, n in enumerate(lengths):
+        for lo in range(start, start + n, _CPU_CHUNK):
+            m = min(_CPU_CHUNK, start + n - lo)
+            block = pair[:, :m]
+            block[0].copy_(a[lo : lo + m])
+            block[1].copy_(b[lo : lo + m])
+            torch.mm(coeffs[i], block, out=mixed[:, :m])
+            out[lo : lo + m].copy_(mixed[0, :m])
+        start += n
 
 
 def combine_weighted(a: torch.Tensor, b: torch.Tensor, workers_a: int, workers_b: int) -> torch.Tensor:
@@ -106,7 +135,7 @@ def combine_weighted(a: torch.Tensor, b: torch.Tensor, workers_a: int, workers_b
         raise TypeError(f"dtypes differ: {a.dtype} and {b.dtype}")
     check_floating(a.dtype)
     total = workers_a + workers_b
-    flat_a, flat_b = a.reshape(-1).to(torch.float64), b.reshape(-1).to(torch.float64)
+    flat_a, flat_b = a.reshape(-1), b.reshape(-1)
     lengths = [flat_a.numel()]
     coeff_a, coeff_b = coefficients(dot_and_norms(flat_a, flat_b, lengths), workers_a / total, workers_b / total)
     out = torch.empty(a.shape, dtype=a.dtype, device=a.device)

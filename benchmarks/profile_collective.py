@@ -1,0 +1,65 @@
+"""Profile adasum.all_reduce on 2 local ranks with torch.profiler; rank 0 prints the top kernels.
+
+    python benchmarks/profile_collective.py --backend nccl --numel 16777216 [--layout resnet50]
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import tempfile
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from layouts import LAYOUTS  # noqa: E402
+
+import adasum  # noqa: E402
+
+
+def worker(rank: int, world: int, store: str, args) -> None:
+    if args.backend == "nccl":
+        torch.cuda.set_device(rank)
+    device = torch.device("cuda", rank) if args.backend == "nccl" else torch.device("cpu")
+    dist.init_process_group(args.backend, store=dist.FileStore(store, world), rank=rank, world_size=world,
+                            timeout=timedelta(seconds=300))
+    shapes = LAYOUTS[args.layout]() if args.layout else [(args.numel,)]
+    tensors = [torch.randn(s, device=device) for s in shapes]
+    for _ in range(3):
+        adasum.all_reduce(tensors)
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+    activities = [torch.profiler.ProfilerActivity.CPU] + (
+        [torch.profiler.ProfilerActivity.CUDA] if device.type == "cuda" else [])
+    with torch.profiler.profile(activities=activities) as prof:
+        for _ in range(5):
+            adasum.all_reduce(tensors)
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+    if rank == 0:
+        key = "cuda_time_total" if device.type == "cuda" else "cpu_time_total"
+        print(prof.key_averages().table(sort_by=key, row_limit=args.rows))
+        if args.trace:
+            prof.export_chrome_trace(args.trace)
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+def main() -> None:
+    p = argparse.ArgumentParser()
+    p.add_argument("--backend", default="nccl")
+    p.add_argument("--numel", type=int, default=1 << 24)
+    p.add_argument("--layout", default="")
+    p.add_argument("--rows", type=int, default=25)
+    p.add_argument("--trace", default="")
+    args = p.parse_args()
+    with tempfile.TemporaryDirectory() as tmp:
+        mp.start_processes(worker, args=(2, os.path.join(tmp, "s"), args), nprocs=2, start_method="spawn")
+
+
+if __name__ == "__main__":
+    main()
