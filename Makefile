@@ -17,8 +17,9 @@ install: $(STAMP)
 test: $(STAMP)
 	OMP_NUM_THREADS=1 $(PY) -m pytest -q
 
+# sequential vs Horovod's linearly scaled mean vs Adasum, 16 simulated workers, the embedded digits
 demo: $(STAMP)
-	$(PY) -m adasum.demo --workers 4
+	$(PY) -m adasum compare --methods sequential,mean-scaled,adasum --workers 16 --lr 0.05 --epochs 10 --out runs/demo
 
 bench: $(STAMP)
 	$(PY) benchmarks/bench_collective.py

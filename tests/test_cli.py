@@ -131,3 +131,15 @@ def test_python_dash_m_entry_point_reports_bad_input_without_traceback(tmp_path)
         "adasum: error: unknown method 'nope'; choose from sequential, mean-scaled, mean, sum, adasum, "
         "adasum-delta, adacons, localsgd, adasum-localsgd, slowmo"
     ]
+
+
+def test_import_adasum_needs_only_torch():
+    code = (
+        "import sys, adasum, adasum.experiments.cli; "
+        "extras = {'matplotlib', 'rich', 'mlxtend', 'mnist1d', 'pytorch_optimizer', 'sklearn'}; "
+        "print(sorted(m for m in sys.modules if m.split('.')[0] in extras))"
+    )
+    env = {**os.environ, "PYTHONPATH": str(Path(__file__).parent.parent / "src")}
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.strip() == "[]"
