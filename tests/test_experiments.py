@@ -19,6 +19,11 @@ from adasum.experiments.runner import RunConfig, train, worker_batches
 from adasum.reducers import _REDUCERS
 
 
+@pytest.fixture(scope="module")
+def digits():
+    return load_task("digits")
+
+
 def write_idx(path, array: np.ndarray, compress: bool = False) -> None:
     header = bytes([0, 0, 0x08, array.ndim]) + struct.pack(f">{array.ndim}I", *array.shape)
     payload = header + array.astype(np.uint8).tobytes()
@@ -92,8 +97,8 @@ def test_missing_data_is_a_clear_error(tmp_path):
         load_task("imagenet")
 
 
-def test_embedded_digits():
-    data = load_task("digits")
+def test_embedded_digits(digits):
+    data = digits
     assert data.train_x.shape == (4000, 1, 28, 28) and data.test_x.shape == (1000, 1, 28, 28)
     assert sorted(set(data.train_y.tolist())) == list(range(10))
     assert abs(data.train_x.mean().item()) < 0.2  # normalised like Horovod's example
@@ -175,11 +180,6 @@ def test_worker_batches_partition_each_epoch():
     assert not torch.equal(batches, worker_batches(103, 4, 5, epoch=3, seed=1))
 
 
-@pytest.fixture(scope="module")
-def digits():
-    return load_task("digits")
-
-
 @pytest.mark.parametrize(
     "method,optimizer",
     [("adasum-delta", "adam"), ("slowmo", "sgd"), ("adasum-localsgd", "sgd"), ("adasum", "lamb"), ("sum", "sgd")],
@@ -202,3 +202,4 @@ def test_divergence_is_recorded_and_stops_the_run(digits):
     config = RunConfig(method="sum", workers=8, lr=1e6, epochs=3, batch_size=8, train_limit=256, momentum=0.0)
     result = train(config, dataset=digits)
     assert result["diverged"] and result["epochs_run"] < 3
+

@@ -79,6 +79,20 @@ def real_run(rank: int, world: int, case: tuple) -> list[torch.Tensor]:
     return [p.detach().clone() for p in params]
 
 
+def real_train(rank: int, world: int) -> dict:
+    """`adasum train`'s torchrun path (runner.train with distributed=True) on this rank."""
+    from adasum.experiments.data import load_task
+    from adasum.experiments.runner import train
+
+    return train(train_config(world), dataset=load_task("digits"), distributed=True)
+
+
+def train_config(world: int):
+    from adasum.experiments.runner import RunConfig
+
+    return RunConfig(method="adasum", workers=world, lr=0.05, epochs=2, batch_size=8, model="mlp", train_limit=240)
+
+
 def gloo_body(rank: int, world: int) -> dict:
     # numpy arrays, not tensors: tensors would travel through shared memory of exited processes
     out = {case[0]: [p.numpy() for p in real_run(rank, world, case)] for case in CASES}
@@ -87,6 +101,7 @@ def gloo_body(rank: int, world: int) -> dict:
     vectors = [[torch.randn(3, 2, generator=g), torch.randn(4, generator=g)] for _ in range(world)]
     diag = all_reduce_orthogonality(vectors[rank])
     out["orthogonality"] = (diag.per_tensor.numpy(), diag.model)
+    out["train"] = real_train(rank, world)
     return out
 
 
@@ -109,8 +124,14 @@ def simulated(case: tuple, workers: int, chunk_size: int | None = None) -> list[
     return [p.detach().clone() for p in model.parameters()]
 
 
-def test_simulated_equals_real_gloo_run():
-    results = distributed.run(WORLD, gloo_body)
+@pytest.fixture(scope="module")
+def gloo_results() -> list[dict]:
+    """One spawned gloo group of WORLD ranks runs every real-worker check of this file."""
+    return distributed.run(WORLD, gloo_body)
+
+
+def test_simulated_equals_real_gloo_run(gloo_results):
+    results = gloo_results
     for case in CASES:
         name = case[0]
         real = [torch.from_numpy(a) for a in results[0][name]]
@@ -127,6 +148,22 @@ def test_simulated_equals_real_gloo_run():
     per_tensor, model = results[0]["orthogonality"]
     torch.testing.assert_close(torch.from_numpy(per_tensor), expected.per_tensor)
     assert model == pytest.approx(expected.model)
+
+
+def test_torchrun_training_path_matches_the_simulator(gloo_results):
+    from adasum.experiments.data import load_task
+    from adasum.experiments.runner import train
+
+    real = [r["train"] for r in gloo_results]
+    sim = train(train_config(WORLD), dataset=load_task("digits"))
+    assert real[0]["distributed"] and real[0]["steps"] == sim["steps"] == 20
+    strip = lambda h: {k: v for k, v in h.items() if k != "wall_s"}  # noqa: E731
+    for other in real[1:]:  # every rank reports the same history
+        assert [strip(h) for h in other["history"]] == [strip(h) for h in real[0]["history"]]
+    for r, s in zip(real[0]["history"], sim["history"]):
+        assert r["test_loss"] == pytest.approx(s["test_loss"], rel=1e-4)
+        assert r["train_loss"] == pytest.approx(s["train_loss"], rel=1e-4)
+        assert abs(r["test_accuracy"] - s["test_accuracy"]) <= 0.2
 
 
 def test_methods_differ_so_the_comparison_means_something():
@@ -150,7 +187,7 @@ def test_one_worker_is_plain_training():
 
 
 def test_64_workers_chunked_equals_unchunked():
-    case = ("adasum-delta", "adasum", "deltas", 1, None, "adam")
+    case = ("mean-delta", "mean", "deltas", 1, None, "adam")
     whole = simulated(case, 64)
     chunked = simulated(case, 64, chunk_size=16)
     for a, b in zip(whole, chunked):
