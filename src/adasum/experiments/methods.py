@@ -1,0 +1,103 @@
+"""The training methods the experiments compare, by name.
+
+Every method is a row of three answers (see docs/STYLE: how, what, what after): which reducer
+combines across workers, what is combined (gradients, or model deltas after `local_steps` local
+steps), and whether SlowMo's outer step follows. Learning-rate scaling is part of the recipe.
+
+==================  ========  =========  ===========  ============  ===============================
+name                reducer   combines   local steps  slow moment.  learning rate
+==================  ========  =========  ===========  ============  ===============================
+sequential          (none)    gradients  1            no            lr, one worker
+mean-scaled         mean      gradients  1            no            lr x P (Horovod's recipe)
+mean                mean      gradients  1            no            lr
+sum                 sum       gradients  1            no            lr
+adasum              adasum    gradients  1            no            lr
+adasum-delta        adasum    deltas     1            no            lr (optimizer deltas)
+adacons             adacons   gradients  1            no            lr
+localsgd            mean      deltas     tau          no            lr
+adasum-localsgd     adasum    deltas     tau          no            lr
+slowmo              mean      deltas     tau          yes           lr
+==================  ========  =========  ===========  ============  ===============================
+"""
+
+from __future__ import annotations
+
+import importlib
+from dataclasses import dataclass
+
+from adasum.reducers import Reducer, get_reducer
+
+
+@dataclass(frozen=True)
+class Method:
+    """How one method trains: reducer name, what is combined, local steps, slow momentum, LR recipe."""
+
+    name: str
+    reducer: str
+    combine: str = "gradients"
+    local: bool = False
+    slow_momentum: bool = False
+    linear_lr_scaling: bool = False
+    single_worker: bool = False
+    description: str = ""
+
+    def workers(self, requested: int) -> int:
+        """The worker count this method runs with when `requested` are asked for."""
+        return 1 if self.single_worker else requested
+
+    def learning_rate(self, lr: float, workers: int) -> float:
+        """The learning rate the optimizer gets for base rate `lr` at `workers` workers."""
+        return lr * workers if self.linear_lr_scaling else lr
+
+
+METHODS: dict[str, Method] = {
+    m.name: m
+    for m in [
+        Method("sequential", "mean", single_worker=True, description="one worker, per-worker batch"),
+        Method("mean-scaled", "mean", linear_lr_scaling=True, description="gradient mean, lr x P"),
+        Method("mean", "mean", description="gradient mean, lr unscaled"),
+        Method("sum", "sum", description="gradient sum"),
+        Method("adasum", "adasum", description="Adasum of gradients"),
+        Method("adasum-delta", "adasum", combine="deltas", description="Adasum of optimizer deltas"),
+        Method("adacons", "adacons", description="AdaCons of gradients"),
+        Method("localsgd", "mean", combine="deltas", local=True, description="local SGD, model average"),
+        Method("adasum-localsgd", "adasum", combine="deltas", local=True, description="local SGD, Adasum of model deltas"),
+        Method("slowmo", "mean", combine="deltas", local=True, slow_momentum=True, description="SlowMo over local SGD"),
+    ]
+}
+
+
+def get_method(name: str) -> Method:
+    """A method by name (see the module table).
+
+    >>> get_method("mean-scaled").learning_rate(0.01, 16)
+    0.16
+    """
+    if name not in METHODS:
+        raise ValueError(f"unknown method {name!r}; choose from {', '.join(METHODS)}")
+    return METHODS[name]
+
+
+def parse_methods(text: str) -> list[Method]:
+    """Methods from a comma-separated list of names, in order, without repeats."""
+    names = [n.strip() for n in text.split(",") if n.strip()]
+    if not names:
+        raise ValueError("no method given")
+    return [get_method(n) for n in dict.fromkeys(names)]
+
+
+def method_reducer(method: Method) -> Reducer:
+    """The reducer object of `method`; a clear error where that reducer is not available."""
+    if method.reducer == "adacons":
+        try:  # registers "adacons" when the module exists
+            importlib.import_module("adasum.adacons")
+        except ModuleNotFoundError as error:
+            if error.name != "adasum.adacons":
+                raise
+    try:
+        return get_reducer(method.reducer)
+    except ValueError:
+        raise ValueError(
+            f"method {method.name!r} needs the {method.reducer!r} reducer, which this installation "
+            "of adasum does not provide yet"
+        ) from None

@@ -1,0 +1,236 @@
+"""P data-parallel workers simulated in one process on one device.
+
+Each step every worker computes the gradient of the same model on its own batch; all P gradients
+come from one batched computation (``torch.func``: ``functional_call`` + ``grad`` + ``vmap``).
+They are combined by the same reducer objects the distributed path uses
+(``adasum.reducers.get_reducer(name).reduce``), and SlowMo's outer step is
+``adasum.slowmo.slow_momentum_update``: no method has a second implementation here.
+
+What is combined:
+
+* ``combine="gradients"``: the workers' gradients are reduced and one optimizer steps the one
+  model (every real worker would hold the same model and optimizer state).
+* ``combine="deltas"``: every worker steps its own copy of the model with its own optimizer
+  state for ``local_steps`` steps; then the model deltas ``x_i - x_0`` are reduced and every
+  worker restarts from ``x_0 + reduce(deltas)`` (Horovod's ``DistributedOptimizer(op=Adasum)``
+  with ``local_steps=1``, local SGD with the mean). With ``slow_momentum`` set, the restart point
+  is SlowMo's outer step instead.
+
+Per-worker copies are stacked as ``[P, ...]`` tensors under one ordinary optimizer: for
+elementwise optimizers (SGD, Adam, ...) that is exactly P independent optimizers. Optimizers
+whose update couples the elements of a tensor (LAMB's per-tensor trust ratio) would mix the
+workers, so they are refused for ``combine="deltas"``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.func import functional_call, grad, vmap
+
+from adasum.diagnostics import Orthogonality, orthogonality_stacked
+from adasum.reducers import Reducer, get_reducer
+from adasum.slowmo import slow_momentum_update
+
+# Optimizers whose update of each element depends only on that element's history: over a
+# [P, ...] stack they are P independent optimizers.
+ELEMENTWISE_OPTIMIZERS: tuple[type[torch.optim.Optimizer], ...] = (
+    torch.optim.SGD,
+    torch.optim.Adam,
+    torch.optim.AdamW,
+    torch.optim.RMSprop,
+    torch.optim.Adagrad,
+)
+
+COMBINE = ("gradients", "deltas")
+
+
+def cross_entropy(output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+    """Mean cross-entropy over every position: [B, C] logits with [B] targets, or [B, T, C] with [B, T]."""
+    return F.cross_entropy(output.reshape(-1, output.shape[-1]), target.reshape(-1))
+
+
+@dataclass(frozen=True)
+class StepResult:
+    """What one simulated step reports: each worker's loss ([P]) and the gradients' orthogonality."""
+
+    losses: torch.Tensor
+    orthogonality: Orthogonality | None
+
+
+class SimulatedWorkers:
+    """`workers` data-parallel copies of `model`, trained in one process.
+
+    `optimizer` builds the optimizer from a list of tensors: the model's parameters for
+    ``combine="gradients"``, the stacked per-worker parameters for ``combine="deltas"``.
+    `module` always holds the model the workers agree on (for evaluation and checkpoints).
+    `chunk_size` bounds how many workers' backward passes run at once (memory).
+
+    >>> sim = SimulatedWorkers(net, 16, lambda ps: torch.optim.SGD(ps, lr=0.1), reducer="adasum")
+    >>> result = sim.step(inputs, targets)      # inputs [16, B, ...], targets [16, B]
+    """
+
+    def __init__(
+        self,
+        model: nn.Module,
+        workers: int,
+        optimizer: Callable[[list[torch.Tensor]], torch.optim.Optimizer],
+        *,
+        reducer: str | Reducer = "mean",
+        combine: str = "gradients",
+        local_steps: int = 1,
+        slow_momentum: float | None = None,
+        slow_lr: float = 1.0,
+        loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] = cross_entropy,
+        chunk_size: int | None = None,
+        diagnostics: bool = True,
+    ) -> None:
+        if not isinstance(workers, int) or workers < 1:
+            raise ValueError(f"workers must be an integer >= 1, got {workers!r}")
+        if combine not in COMBINE:
+            raise ValueError(f"combine must be one of {COMBINE}, got {combine!r}")
+        if local_steps < 1:
+            raise ValueError(f"local_steps must be >= 1, got {local_steps}")
+        if combine == "gradients" and (local_steps != 1 or slow_momentum is not None):
+            raise ValueError("local_steps and slow_momentum need combine='deltas'")
+        if chunk_size is not None and chunk_size < 1:
+            raise ValueError(f"chunk_size must be >= 1, got {chunk_size}")
+        for m in model.modules():
+            if isinstance(m, nn.modules.batchnorm._BatchNorm) and m.track_running_stats:
+                raise ValueError(
+                    "BatchNorm with running statistics cannot be simulated (its buffers would be "
+                    "updated by all workers at once); use GroupNorm or LayerNorm"
+                )
+        self.module = model
+        self.workers = workers
+        self.reducer = get_reducer(reducer)
+        self.combine = combine
+        self.local_steps = local_steps
+        self.slow_momentum = slow_momentum
+        self.slow_lr = slow_lr
+        self.loss_fn = loss_fn
+        self.chunk_size = chunk_size
+        self.diagnostics = diagnostics
+        self.steps = 0
+        self.names = [n for n, p in model.named_parameters() if p.requires_grad]
+        params = dict(model.named_parameters())
+        self._anchor = [params[n] for n in self.names]
+        if combine == "gradients":
+            self.stacked: list[torch.Tensor] | None = None
+            self.optimizer = optimizer(self._anchor)
+        else:
+            self.stacked = [
+                p.detach().unsqueeze(0).repeat(workers, *([1] * p.dim())).requires_grad_(True)
+                for p in self._anchor
+            ]
+            self.optimizer = optimizer(self.stacked)
+            if not isinstance(self.optimizer, ELEMENTWISE_OPTIMIZERS):
+                raise ValueError(
+                    f"{type(self.optimizer).__name__} is not elementwise (e.g. LAMB's per-tensor trust "
+                    "ratio): over stacked per-worker parameters it would mix the workers; use it with "
+                    "combine='gradients' or run real workers"
+                )
+        self.momentum_buffers = (
+            [torch.zeros_like(p, memory_format=torch.contiguous_format) for p in self._anchor]
+            if slow_momentum is not None
+            else []
+        )
+
+    def _per_worker_grads(
+        self, inputs: torch.Tensor, targets: torch.Tensor
+    ) -> tuple[list[torch.Tensor], torch.Tensor]:
+        buffers = dict(self.module.named_buffers())
+
+        def loss(params: dict[str, torch.Tensor], x: torch.Tensor, y: torch.Tensor):
+            value = self.loss_fn(functional_call(self.module, (params, buffers), (x,)), y)
+            return value, value.detach()
+
+        if self.stacked is None:
+            params = {n: p.detach() for n, p in zip(self.names, self._anchor)}
+            param_dims: Any = None
+        else:
+            params = {n: p.detach() for n, p in zip(self.names, self.stacked)}
+            param_dims = 0
+        batched = vmap(
+            grad(loss, has_aux=True),
+            in_dims=(param_dims, 0, 0),
+            randomness="different",
+            chunk_size=self.chunk_size,
+        )
+        grads, losses = batched(params, inputs, targets)
+        return [grads[n] for n in self.names], losses
+
+    def step(self, inputs: torch.Tensor, targets: torch.Tensor) -> StepResult:
+        """One training step of every worker; worker i trains on ``inputs[i]``, ``targets[i]``."""
+        if inputs.shape[0] != self.workers or targets.shape[0] != self.workers:
+            raise ValueError(
+                f"inputs and targets need the worker index first ({self.workers}), "
+                f"got {tuple(inputs.shape)} and {tuple(targets.shape)}"
+            )
+        self.module.train()
+        grads, losses = self._per_worker_grads(inputs, targets)
+        diag = orthogonality_stacked(grads) if self.diagnostics and self.workers > 1 else None
+        if self.stacked is None:
+            combined = self.reducer.reduce(_unstack(grads, self.workers))
+            for p, g in zip(self._anchor, combined):
+                p.grad = g
+            self.optimizer.step()
+        else:
+            for p, g in zip(self.stacked, grads):
+                p.grad = g
+            self.optimizer.step()
+        self.steps += 1
+        if self.stacked is not None and self.steps % self.local_steps == 0:
+            self.synchronize()
+        return StepResult(losses, diag)
+
+    @torch.no_grad()
+    def synchronize(self) -> None:
+        """Combine the workers' model deltas and restart every worker from the result."""
+        assert self.stacked is not None
+        deltas = [w - a for w, a in zip(self.stacked, self._anchor)]
+        combined = self.reducer.reduce(_unstack(deltas, self.workers))
+        lr = self.optimizer.param_groups[0]["lr"]
+        for i, (anchor, delta) in enumerate(zip(self._anchor, combined)):
+            target = anchor + delta
+            if self.slow_momentum is None:
+                anchor.copy_(target)
+            else:
+                slow_momentum_update(
+                    anchor.data, target, self.momentum_buffers[i], lr, self.slow_lr, self.slow_momentum
+                )
+            self.stacked[i].copy_(anchor.unsqueeze(0).expand_as(self.stacked[i]))
+
+    def state_dict(self) -> dict[str, Any]:
+        """Everything needed to continue: the model, the optimizer, per-worker copies, SlowMo's
+        buffers and the step counter (tensors and plain values only: loadable with weights_only)."""
+        return {
+            "model": self.module.state_dict(),
+            "optimizer": self.optimizer.state_dict(),
+            "stacked": [p.detach().clone() for p in self.stacked] if self.stacked is not None else None,
+            "momentum_buffers": [b.clone() for b in self.momentum_buffers],
+            "reducer": self.reducer.state_dict(),
+            "steps": self.steps,
+        }
+
+    @torch.no_grad()
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.module.load_state_dict(state["model"])
+        self.optimizer.load_state_dict(state["optimizer"])
+        if self.stacked is not None:
+            for p, saved in zip(self.stacked, state["stacked"]):
+                p.copy_(saved)
+        for b, saved in zip(self.momentum_buffers, state["momentum_buffers"]):
+            b.copy_(saved)
+        self.reducer.load_state_dict(state["reducer"])
+        self.steps = int(state["steps"])
+
+
+def _unstack(stacked: Sequence[torch.Tensor], workers: int) -> list[list[torch.Tensor]]:
+    """[P, ...] tensors to the reducers' layout: one list of tensors per worker (views)."""
+    return [[t[i] for t in stacked] for i in range(workers)]

@@ -1,0 +1,145 @@
+"""The ``adasum`` command line: compare end to end, --resume, and bad input."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from adasum.experiments.cli import main
+
+QUICK = ["--no-progress", "--quiet", "--train-limit", "256", "--batch-size", "8"]
+
+
+def read_jsonl(path: Path) -> list[dict]:
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+
+def test_compare_end_to_end(tmp_path, capsys):
+    out = tmp_path / "sweep"
+    status = main(["compare", "--methods", "sequential,adasum", "--workers", "2,4", "--lr", "0.01,0.02",
+                   "--epochs", "2", "--out", str(out), *QUICK])
+    assert status == 0
+    results = read_jsonl(out / "results.jsonl")
+    cells = sorted((r["method"], r["workers"], r["lr"]) for r in results)
+    expected = sorted([("sequential", 1, lr) for lr in (0.01, 0.02)]
+                      + [("adasum", w, lr) for w in (2, 4) for lr in (0.01, 0.02)])
+    assert cells == expected
+    for r in results:
+        assert {"method", "workers", "lr", "epochs", "test_accuracy", "history"} <= set(r)
+        assert r["epochs"] == 2 and len(r["history"]) == 2
+        assert [h["epoch"] for h in r["history"]] == [1, 2]
+    report = (out / "report.md").read_text()
+    assert "| adasum | 4 |" in report and "| sequential | 1 |" in report
+    for name in ("accuracy.png", "loss.png", "orthogonality.png"):
+        assert (out / name).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    printed = capsys.readouterr().out
+    assert "| adasum | 2 |" in printed  # the table goes to stdout
+
+
+def test_pinned_compare_command_on_default_data(tmp_path):
+    out = tmp_path / "pinned"
+    assert main(["compare", "--methods", "mean,adasum", "--workers", "16", "--epochs", "1", "--out", str(out), "--no-progress", "--quiet"]) == 0
+    results = read_jsonl(out / "results.jsonl")
+    assert [(r["method"], r["workers"], r["epochs"]) for r in results] == [("mean", 16, 1), ("adasum", 16, 1)]
+    assert all(r["task"] == "digits" and 0 <= r["test_accuracy"] <= 100 for r in results)
+
+
+def _train(out: Path, epochs: int, *extra: str) -> dict:
+    args = ["train", "--method", "adasum-delta", "--simulate", "3", "--optimizer", "adam", "--lr", "0.003",
+            "--epochs", str(epochs), "--out", str(out), *QUICK, *extra]
+    assert main(args) == 0
+    return json.loads((out / "result.json").read_text())
+
+
+def test_resume_continues_exactly(tmp_path):
+    straight = _train(tmp_path / "straight", 3)
+    _train(tmp_path / "resumed", 2)
+    resumed = _train(tmp_path / "resumed", 3, "--resume")
+    strip = lambda h: {k: v for k, v in h.items() if k != "wall_s"}  # noqa: E731
+    assert [strip(h) for h in resumed["history"]] == [strip(h) for h in straight["history"]]
+    a = torch.load(tmp_path / "straight" / "checkpoint.pt", weights_only=True)
+    b = torch.load(tmp_path / "resumed" / "checkpoint.pt", weights_only=True)
+    assert a["epoch"] == b["epoch"] == 3
+    for key, value in a["engine"]["model"].items():
+        assert torch.equal(value, b["engine"]["model"][key]), key
+    epochs = [line["epoch"] for line in read_jsonl(tmp_path / "resumed" / "metrics.jsonl") if line.get("kind") == "epoch"]
+    assert epochs == [1, 2, 3]
+    # no temporary files are left next to the checkpoint
+    assert sorted(p.name for p in (tmp_path / "resumed").iterdir()) == ["checkpoint.pt", "metrics.jsonl", "result.json"]
+
+
+def test_resume_of_another_run_is_refused(tmp_path, capsys):
+    _train(tmp_path / "run", 1)
+    capsys.readouterr()
+    status = main(["train", "--method", "adasum-delta", "--simulate", "3", "--optimizer", "adam", "--lr", "0.01",
+                   "--epochs", "2", "--out", str(tmp_path / "run"), "--resume", *QUICK])
+    err = capsys.readouterr().err
+    assert status == 2 and "another run (lr" in err
+
+
+def _blocked_dir(tmp_path: Path) -> str:
+    blocker = tmp_path / "a-file"
+    blocker.write_text("")
+    return str(blocker / "out")  # below a regular file: unwritable for anyone, root included
+
+
+@pytest.mark.parametrize(
+    "args,message",
+    [
+        (["compare", "--methods", "mean,median"], "unknown method 'median'"),
+        (["train", "--method", "median"], "unknown method 'median'"),
+        (["compare", "--workers", "0"], "must be >= 1"),
+        (["compare", "--workers", "4,-2"], "must be >= 1"),
+        (["train", "--simulate", "0"], "must be >= 1"),
+        (["compare", "--lr", "0"], "must be > 0"),
+        (["train", "--lr", "-0.1"], "must be > 0"),
+        (["compare", "--lr", "fast"], "not a number"),
+        (["compare", "--task", "mnist", "--data-dir", "/nonexistent/mnist"], "does not exist"),
+        (["compare", "--task", "mnist"], "--data-dir"),
+        (["compare", "--out", "BLOCKED"], "cannot write to output directory"),
+        (["train", "--out", "BLOCKED"], "cannot write to output directory"),
+        (["compare", "--model", "vgg"], "invalid choice"),
+        ([], "required"),
+    ],
+)
+def test_bad_input_is_one_line_and_nonzero(tmp_path, capsys, args, message):
+    args = [_blocked_dir(tmp_path) if a == "BLOCKED" else a for a in args]
+    if args and "--out" not in args:
+        args += ["--out", str(tmp_path / "out")]
+    status = main(args)
+    captured = capsys.readouterr()
+    assert status == 2
+    lines = captured.err.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("adasum: error:") and message in lines[0], captured.err
+    assert "Traceback" not in captured.err + captured.out
+
+
+def test_python_dash_m_entry_point_reports_bad_input_without_traceback(tmp_path):
+    env = {**os.environ, "PYTHONPATH": str(Path(__file__).parent.parent / "src")}
+    proc = subprocess.run(
+        [sys.executable, "-m", "adasum", "compare", "--methods", "nope", "--out", str(tmp_path)],
+        capture_output=True, text=True, env=env, timeout=120,
+    )
+    assert proc.returncode == 2
+    assert proc.stderr.strip().splitlines() == [
+        "adasum: error: unknown method 'nope'; choose from sequential, mean-scaled, mean, sum, adasum, "
+        "adasum-delta, adacons, localsgd, adasum-localsgd, slowmo"
+    ]
+
+
+def test_import_adasum_needs_only_torch():
+    code = (
+        "import sys, adasum, adasum.experiments.cli; "
+        "extras = {'matplotlib', 'rich', 'mlxtend', 'mnist1d', 'pytorch_optimizer', 'sklearn'}; "
+        "print(sorted(m for m in sys.modules if m.split('.')[0] in extras))"
+    )
+    env = {**os.environ, "PYTHONPATH": str(Path(__file__).parent.parent / "src")}
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.strip() == "[]"

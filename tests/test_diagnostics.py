@@ -1,0 +1,45 @@
+"""The orthogonality diagnostic against hand computations (its gloo form is in test_sim.py)."""
+
+import math
+
+import pytest
+import torch
+
+from adasum.diagnostics import from_norms, orthogonality, orthogonality_stacked
+
+
+def test_hand_computed_values():
+    # worker 0: w = [3, 4], b = [1];  worker 1: w = [1, 0], b = [-1]
+    # w: sum |g_i|^2 = 25 + 1 = 26, |sum g_i|^2 = |[4, 4]|^2 = 32  -> 26/32
+    # b: sum |g_i|^2 = 1 + 1 = 2,   |sum g_i|^2 = 0               -> inf (exact cancellation)
+    # model: (26 + 2) / (32 + 0) = 28/32
+    result = orthogonality([[torch.tensor([3.0, 4.0]), torch.tensor([1.0])], [torch.tensor([1.0, 0.0]), torch.tensor([-1.0])]])
+    assert result.per_tensor[0].item() == pytest.approx(26 / 32)
+    assert math.isinf(result.per_tensor[1].item())
+    assert result.model == pytest.approx(28 / 32)
+
+
+def test_orthogonal_gives_one_and_parallel_gives_one_over_p():
+    eye = torch.eye(5)
+    assert orthogonality_stacked([eye]).model == pytest.approx(1.0)
+    same = torch.randn(1, 7).repeat(4, 1)
+    assert orthogonality_stacked([same]).model == pytest.approx(1 / 4)
+
+
+def test_all_zero_is_nan_and_layouts_agree():
+    assert math.isnan(orthogonality([[torch.zeros(3)], [torch.zeros(3)]]).model)
+    g = torch.randn(6, 3, 2, dtype=torch.float16)
+    listed = orthogonality([[g[i]] for i in range(6)])
+    stacked = orthogonality_stacked([g])
+    assert listed.model == stacked.model
+    assert listed.per_tensor.dtype == torch.float64
+    expected = (g.double() ** 2).sum() / (g.double().sum(0) ** 2).sum()
+    assert stacked.model == pytest.approx(expected.item())
+
+
+def test_from_norms_and_bad_input():
+    assert from_norms(torch.tensor([2.0, 1.0]), torch.tensor([4.0, 4.0])).model == pytest.approx(3 / 8)
+    with pytest.raises(ValueError, match="at least one worker"):
+        orthogonality([])
+    with pytest.raises(ValueError, match="same number"):
+        orthogonality([[torch.ones(2)], [torch.ones(2), torch.ones(1)]])
