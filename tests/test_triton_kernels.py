@@ -37,6 +37,15 @@ for lengths in cases:
         ulp = torch.finfo(dtype).eps * want.double().abs().clamp_min(torch.finfo(dtype).tiny)
         assert torch.isfinite(out).all() or n == 0
         assert ((out.double() - want.double()).abs() <= 2 * ulp).all(), (lengths, dtype)
+        # per-segment worker counts (the batched single-process tree)
+        counts_a = torch.arange(1, len(lengths) + 1, dtype=torch.int64)
+        counts_b = torch.full((len(lengths),), 3, dtype=torch.int64)
+        total = (counts_a + counts_b).double()
+        ca, cb = ops.coefficients(ref, counts_a / total, counts_b / total)
+        ops.scale_add(a, b, ca, cb, lengths, want)
+        tk.combine(a, b, ref, counts_a, counts_b, lengths, out)
+        ulp = torch.finfo(dtype).eps * want.double().abs().clamp_min(torch.finfo(dtype).tiny)
+        assert ((out.double() - want.double()).abs() <= 2 * ulp).all(), (lengths, dtype, "per segment")
 print("ok")
 """
 

@@ -22,6 +22,7 @@ Non-finite inputs propagate: a tensor with a NaN or Inf in either input comes ou
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Sequence
 
@@ -89,7 +90,7 @@ def _dot_and_norms_blocked(a: torch.Tensor, b: torch.Tensor, lengths: Sequence[i
 
 
 def coefficients(
-    partials: torch.Tensor, weight_a: float, weight_b: float
+    partials: torch.Tensor, weight_a: float | torch.Tensor, weight_b: float | torch.Tensor
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Float64 coefficients (c_a, c_b) per segment from ``dot_and_norms`` output, zero guard included."""
     dot, norm_a, norm_b = partials[0], partials[1], partials[2]
@@ -140,19 +141,24 @@ def combine_from_sums(
     a: torch.Tensor,
     b: torch.Tensor,
     sums: torch.Tensor,
-    workers_a: int,
-    workers_b: int,
+    workers_a: int | torch.Tensor,
+    workers_b: int | torch.Tensor,
     lengths: Sequence[int],
     out: torch.Tensor,
 ) -> None:
     """``out = c_a a + c_b b`` per segment, `a` standing for `workers_a` workers and `b` for
-    `workers_b`, with (c_a, c_b) = ``coefficients(sums, w_a, w_b)``. One fused kernel on GPUs with
-    Triton; `out` may alias `a` or `b`."""
+    `workers_b` (ints, or int64 tensors with one count per segment), with (c_a, c_b) =
+    ``coefficients(sums, w_a, w_b)``. One fused kernel on GPUs with Triton; `out` may alias `a`
+    or `b`."""
     if triton_kernels.available(a.device):
         triton_kernels.combine(a, b, sums, workers_a, workers_b, lengths, out)
         return
-    total = workers_a + workers_b
-    coeff_a, coeff_b = coefficients(sums, workers_a / total, workers_b / total)
+    if isinstance(workers_a, torch.Tensor):
+        total = (workers_a + workers_b).to(torch.float64)
+        coeff_a, coeff_b = coefficients(sums, workers_a / total, workers_b / total)
+    else:
+        total = workers_a + workers_b
+        coeff_a, coeff_b = coefficients(sums, workers_a / total, workers_b / total)
     scale_add(a, b, coeff_a, coeff_b, lengths, out)
 
 
@@ -200,15 +206,56 @@ def reduce(tensors: Sequence[torch.Tensor]) -> torch.Tensor:
                 f"all tensors need one shape and dtype: {tuple(first.shape)} {first.dtype} "
                 f"vs {tuple(t.shape)} {t.dtype}"
             )
-    tree = Tree(len(tensors))
-    values = []
-    for group in range(tree.groups):
-        follower = tree.follower(group)
-        lead = tensors[tree.leader(group)]
-        values.append(lead.clone() if follower is None else combine_weighted(lead, tensors[follower], 1, 1))
-    for d in tree.levels():
-        for base in range(0, tree.groups, 2 * d):
-            values[base] = combine_weighted(
-                values[base], values[base + d], tree.count(base, d), tree.count(base + d, d)
-            )
+    stacked = torch.stack([t.reshape(-1) for t in tensors])
+    return reduce_stacked(stacked, [first.numel()]).view(first.shape)
+
+
+def _bit_reverse(value: int, bits: int) -> int:
+    return int(format(value, f"0{bits}b")[::-1], 2) if bits else 0
+
+
+@functools.lru_cache(maxsize=256)
+def _segment_counts(counts: tuple[int, ...], tensors: int, device: torch.device) -> torch.Tensor:
+    return torch.tensor(counts, dtype=torch.int64, device=device).repeat_interleave(tensors)
+
+
+def reduce_stacked(stacked: torch.Tensor, sizes: Sequence[int]) -> torch.Tensor:
+    """Adasum over the rows of `stacked` ([P, N]: P workers' flat buffers, each holding tensors of
+    `sizes` elements end to end), per tensor, on the collective's tree. Returns the [N] result.
+
+    All pairs of a level are combined at once (one reduction and one combine over the whole level),
+    so P = 64 workers of a large model take 2 log2(P) batched kernels, not 63 per tensor. The
+    groups are stored in bit-reversed order: the pairs of every level are then the two contiguous
+    halves of the stored rows, and each level's results land in the order the next level needs.
+    """
+    workers, n = stacked.shape
+    if sum(sizes) != n:
+        raise ValueError(f"sizes add up to {sum(sizes)} elements, the rows have {n}")
+    tree = Tree(workers)
+    sizes = tuple(int(x) for x in sizes)
+    rows: list[torch.Tensor] = []
+    if tree.folded:
+        pairs = stacked[: 2 * tree.folded].view(tree.folded, 2, n)
+        a, b = pairs[:, 0].contiguous().view(-1), pairs[:, 1].contiguous().view(-1)
+        lengths = sizes * tree.folded
+        combine_from_sums(a, b, dot_and_norms(a, b, lengths), 1, 1, lengths, out=a)
+        rows += list(a.view(tree.folded, n))
+    rows += list(stacked[2 * tree.folded :])
+    bits = tree.groups.bit_length() - 1
+    order = [_bit_reverse(p, bits) for p in range(tree.groups)]
+    values = torch.stack([rows[g] for g in order]) if tree.groups > 1 else rows[0].clone().unsqueeze(0)
+    counts = [tree.count(g, 1) for g in order]
+    groups = tree.groups
+    while groups > 1:
+        half = groups // 2
+        a, b = values[:half].view(-1), values[half:groups].view(-1)
+        lengths = sizes * half
+        if counts[:half] == counts[half:groups] and len(set(counts[:half])) == 1:
+            workers_a = workers_b = counts[0]
+        else:
+            workers_a = _segment_counts(tuple(counts[:half]), len(sizes), stacked.device)
+            workers_b = _segment_counts(tuple(counts[half:groups]), len(sizes), stacked.device)
+        combine_from_sums(a, b, dot_and_norms(a, b, lengths), workers_a, workers_b, lengths, out=a)
+        counts = [x + y for x, y in zip(counts[:half], counts[half:groups])]
+        groups = half
     return values[0]

@@ -105,6 +105,16 @@ class Mean(Reducer):
         buffer.div_(dist.get_world_size(group))
 
 
+def _per_dtype_whole(whole: Reducer, per_worker, count: int) -> list[torch.Tensor]:
+    """`whole` applied to each dtype group of tensors fused into one (whole-model coefficients)."""
+    out: list[torch.Tensor] = [torch.empty(0)] * count
+    for indices in group_by_dtype(list(per_worker[0])).values():
+        flat = whole.reduce([[torch.cat([w[i].reshape(-1) for i in indices])] for w in per_worker])[0]
+        for i, piece in zip(indices, flat.split([per_worker[0][i].numel() for i in indices])):
+            out[i] = piece.view(per_worker[0][i].shape)
+    return out
+
+
 class Adasum(Reducer):
     """Adasum (see `adasum.ops`): per tensor by default; ``per_tensor=False`` uses one pair of
     coefficients for all tensors of one dtype together (the whole-model variant; per dtype
@@ -124,18 +134,23 @@ class Adasum(Reducer):
 
     def reduce(self, per_worker):
         count = _check_workers(per_worker)
-        if self.per_tensor:
-            if self.hierarchical:
-                size = self.local_size or hierarchical.local_size_from_env() or 1
+        if self.hierarchical:
+            size = self.local_size or hierarchical.local_size_from_env() or 1
+            if self.per_tensor:
                 return [hierarchical.reduce_hierarchical([w[i] for w in per_worker], size) for i in range(count)]
-            return [ops.reduce([w[i] for w in per_worker]) for i in range(count)]
-        # one pair of coefficients per dtype group, as `all_reduce` (one flat buffer per dtype) does
-        whole = Adasum(per_tensor=True, hierarchical=self.hierarchical, local_size=self.local_size)
+            whole = Adasum(per_tensor=True, hierarchical=True, local_size=self.local_size)
+            return _per_dtype_whole(whole, per_worker, count)
+        # one batched tree per dtype over the workers' flat buffers, as the collective fuses them
         out: list[torch.Tensor] = [torch.empty(0)] * count
         for indices in group_by_dtype(list(per_worker[0])).values():
-            flat = whole.reduce([[torch.cat([w[i].reshape(-1) for i in indices])] for w in per_worker])[0]
-            for i, piece in zip(indices, flat.split([per_worker[0][i].numel() for i in indices])):
-                out[i] = piece.view(per_worker[0][i].shape)
+            first = per_worker[0]
+            sizes = [first[i].numel() for i in indices]
+            for t in (w[i] for w in per_worker for i in indices):
+                ops.check_floating(t.dtype)
+            stacked = torch.stack([torch.cat([w[i].reshape(-1) for i in indices]) for w in per_worker])
+            flat = ops.reduce_stacked(stacked, sizes if self.per_tensor else [sum(sizes)])
+            for i, piece in zip(indices, flat.split(sizes)):
+                out[i] = piece.view(first[i].shape)
         return out
 
     def setup(self, group=None):

@@ -79,21 +79,28 @@ if triton is not None:
         tl.store(out_ptr + row_stride + seg, aa_sum)
         tl.store(out_ptr + 2 * row_stride + seg, bb_sum)
 
-    @triton.jit(do_not_specialize=["workers_a", "workers_b"])  # a count of 1 would become a Python int
+    @triton.jit(do_not_specialize=["workers_a", "workers_b", "segments"])  # a 1 would become a Python int
     def _combine_kernel(
-        a_ptr, b_ptr, sums_ptr, row_stride, workers_a, workers_b, out_ptr, starts_ptr, sizes_ptr, segs_ptr,
-        BLOCK: tl.constexpr, ITERS: tl.constexpr,
+        a_ptr, b_ptr, sums_ptr, row_stride, workers_a, workers_b, counts_ptr, segments, out_ptr, starts_ptr,
+        sizes_ptr, segs_ptr, BLOCK: tl.constexpr, ITERS: tl.constexpr, PER_SEGMENT: tl.constexpr,
     ):
         # The coefficients of ops.coefficients, computed per tile from the segment's three sums.
         # Python floats would arrive as float32 (1/3 inexact, the zero guard 2**-511 flushed to 0),
         # so the weights come as worker counts and the guard is built from its float64 bits.
-        weight_a = workers_a.to(tl.float64) / (workers_a + workers_b).to(tl.float64)
-        weight_b = workers_b.to(tl.float64) / (workers_a + workers_b).to(tl.float64)
+        # With PER_SEGMENT the counts come per segment from counts_ptr ([2, segments] int64).
         zero_norm = tl.full([], 0x2000000000000000, tl.int64).to(tl.float64, bitcast=True)  # 2**-511
         tile = tl.program_id(0)
         start = tl.load(starts_ptr + tile)
         size = tl.load(sizes_ptr + tile)
         seg = tl.load(segs_ptr + tile)
+        if PER_SEGMENT:
+            count_a = tl.load(counts_ptr + seg).to(tl.float64)
+            count_b = tl.load(counts_ptr + segments + seg).to(tl.float64)
+        else:
+            count_a = workers_a.to(tl.float64)
+            count_b = workers_b.to(tl.float64)
+        weight_a = count_a / (count_a + count_b)
+        weight_b = count_b / (count_a + count_b)
         dot = tl.load(sums_ptr + seg)
         norm_a = tl.load(sums_ptr + row_stride + seg)
         norm_b = tl.load(sums_ptr + 2 * row_stride + seg)
@@ -137,15 +144,19 @@ def dot_and_norms(
 
 
 def combine(
-    a: torch.Tensor, b: torch.Tensor, sums: torch.Tensor, workers_a: int, workers_b: int,
-    lengths: Sequence[int], out: torch.Tensor,
+    a: torch.Tensor, b: torch.Tensor, sums: torch.Tensor, workers_a: int | torch.Tensor,
+    workers_b: int | torch.Tensor, lengths: Sequence[int], out: torch.Tensor,
 ) -> None:
     """``out = c_a * a + c_b * b`` per segment with the coefficients of the segment's `sums`
-    (``ops.coefficients``), in float64, stored in out's dtype: one kernel."""
+    (``ops.coefficients``), in float64, stored in out's dtype: one kernel. The worker counts are
+    ints, or int64 tensors with one count per segment."""
     table = tiles(tuple(lengths), a.device)
     if table.n_tiles:
         assert sums.stride(1) == 1 and sums.dtype == torch.float64
+        per_segment = isinstance(workers_a, torch.Tensor)
+        counts = torch.stack([workers_a, workers_b]) if per_segment else sums  # any pointer when unused
         _combine_kernel[(table.n_tiles,)](
-            a, b, sums, sums.stride(0), workers_a, workers_b, out,
-            table.starts, table.sizes, table.segments, BLOCK=BLOCK, ITERS=ITERS,
+            a, b, sums, sums.stride(0), 0 if per_segment else workers_a, 0 if per_segment else workers_b,
+            counts, len(lengths), out, table.starts, table.sizes, table.segments,
+            BLOCK=BLOCK, ITERS=ITERS, PER_SEGMENT=per_segment,
         )
