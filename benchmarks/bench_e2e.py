@@ -87,12 +87,13 @@ class TinyCNN(nn.Module):
         return self.net(x)
 
 
-def resnet50() -> nn.Module:
+def resnet50_builder():
+    """torchvision's resnet50 constructor, or a clear exit without torchvision."""
     try:
-        from torchvision.models import resnet50 as build
+        from torchvision.models import resnet50
     except ImportError:
         raise SystemExit("bench_e2e: ResNet-50 needs torchvision (pip install torchvision), or pass --models bert") from None
-    return build()
+    return resnet50
 
 
 def build(name: str, dry_run: bool, device: torch.device, rank: int):
@@ -100,7 +101,7 @@ def build(name: str, dry_run: bool, device: torch.device, rank: int):
     g = torch.Generator(device=device).manual_seed(1000 + rank)
     torch.manual_seed(0)  # the same initial model on every rank
     if name == "resnet50":
-        model, batch, size, classes = (TinyCNN(), 4, 16, 10) if dry_run else (resnet50(), 64, 224, 1000)
+        model, batch, size, classes = (TinyCNN(), 4, 16, 10) if dry_run else (resnet50_builder()(), 64, 224, 1000)
         inputs = torch.randn(batch, 3, size, size, generator=g, device=device)
         targets = torch.randint(0, classes, (batch,), generator=g, device=device)
         make_optimizer = lambda ps: torch.optim.SGD(ps, lr=0.01, momentum=0.9)  # noqa: E731
@@ -277,7 +278,7 @@ def main(argv: list[str] | None = None) -> None:
         if world > torch.cuda.device_count():
             raise SystemExit(f"bench_e2e: --world {world} but only {torch.cuda.device_count()} GPUs")
         if "resnet50" in args.models:
-            resnet50()  # a clear error before any process starts
+            resnet50_builder()  # a clear error before any process starts
     if args.steps < 1 or args.warmup < 0 or world < 1:
         raise SystemExit("bench_e2e: --steps must be >= 1, --warmup >= 0, --world >= 1")
     os.environ.setdefault("NCCL_NVLS_ENABLE", "0")  # inherited by the spawned processes
