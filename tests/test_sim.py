@@ -114,6 +114,10 @@ def real_train(rank: int, world: int, out: str) -> dict:
             state = torch.load(Path(out) / method / "checkpoint.pt", weights_only=True)
             result["final_model"] = {k: v.numpy() for k, v in state["engine"]["model"].items()}
         results[method] = result
+    try:  # one worker's method on several processes is refused on every rank
+        train(train_config(world, "sequential"), dataset=data, distributed=True)
+    except ValueError as error:
+        results["sequential"] = str(error)
     return results
 
 
@@ -172,6 +176,11 @@ def test_simulated_equals_real_gloo_run(gloo_results):
     per_tensor, model = results[0]["orthogonality"]
     torch.testing.assert_close(torch.from_numpy(per_tensor), expected.per_tensor)
     assert model == pytest.approx(expected.model)
+
+
+def test_torchrun_refuses_sequential_on_several_processes(gloo_results):
+    for r in gloo_results:
+        assert r["train"]["sequential"] == "method 'sequential' is one worker: launch it with torchrun --nproc-per-node 1"
 
 
 @pytest.fixture(scope="module")
