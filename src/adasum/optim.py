@@ -229,6 +229,16 @@ class DistributedOptimizer(torch.optim.Optimizer):
             self._round_step = 0
         return loss
 
+    def last_combined(self) -> list[torch.Tensor] | None:
+        """The parameters as of the last combination (the round's starting weights, in the order of
+        ``param_groups``) while a round of local steps is under way; None when the parameters are
+        the combined ones (gradient mode, or between rounds). For evaluating the model the ranks
+        agree on.
+
+        >>> agreed = opt.last_combined() or [p for g in opt.param_groups for p in g["params"]]
+        """
+        return list(self._anchor) if self._round_step and self._anchor is not None else None
+
     def _agree_on_inf(self, found_inf: torch.Tensor) -> bool:
         """Whether any rank found inf/NaN; the agreed flag also goes to `grad_scaler`."""
         flag = found_inf.detach().reshape(1).to(device=self._device, dtype=torch.float32, copy=True)

@@ -186,6 +186,14 @@ class SlowMo:
         if self.module is not None and world > 1:
             Mean().all_reduce([b for b in self.module.buffers() if b.is_floating_point()], self.group)
 
+    def last_combined(self) -> list[torch.Tensor] | None:
+        """The anchor x_{t,0} (the last slow step's result, the model every worker agrees on) while
+        a round of base steps is under way; None right after a sync (the parameters are the anchor).
+
+        >>> agreed = opt.last_combined() or [p for g in opt.param_groups for p in g["params"]]
+        """
+        return list(self._anchor) if self._step % self.sync_every else None
+
     def _optimizer_state_tensors(self) -> list[torch.Tensor]:
         """The base optimizer's floating-point state tensors except step counters, in a fixed order."""
         out = []

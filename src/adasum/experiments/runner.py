@@ -8,6 +8,7 @@ same examples in the same order, and one worker (sequential) walks the same perm
 
 from __future__ import annotations
 
+import copy
 import json
 import logging
 import math
@@ -27,8 +28,10 @@ from adasum.diagnostics import Orthogonality, all_reduce_orthogonality
 from adasum.experiments.data import Dataset, load_task
 from adasum.experiments.methods import Method, get_method, method_reducer
 from adasum.experiments.models import build_model
+from adasum.optim import DistributedOptimizer
 from adasum.reducers import Reducer
 from adasum.sim import SimulatedWorkers, StepResult, cross_entropy
+from adasum.slowmo import SlowMo
 
 log = logging.getLogger("adasum")
 
@@ -126,9 +129,17 @@ def evaluate(model: nn.Module, x: torch.Tensor, y: torch.Tensor, batch: int = 50
 
 
 class DistributedWorker:
-    """One real data-parallel worker of a torchrun job: gradients combined by the reducer's
-    ``all_reduce`` (the gradient-mode path), then an ordinary optimizer step. It has the
-    simulator's interface (`step`, `module`, `state_dict`) for one worker's rows.
+    """One real data-parallel worker of a torchrun job, with the simulator's interface (`step`,
+    `module`, `state_dict`) for one worker's rows and the same method options as
+    `SimulatedWorkers`, run by the library's distributed classes:
+
+    * ``combine="gradients"``: ``adasum.DistributedOptimizer(mode="gradient")``;
+    * ``combine="deltas"``: ``adasum.DistributedOptimizer(mode="delta", local_steps=tau)``
+      (each rank keeps its own optimizer state);
+    * with `slow_momentum`: ``adasum.SlowMo(sync_every=tau, slow_lr, slow_momentum, reducer)``.
+
+    `module` is the model the ranks agree on (in the middle of a round of local steps, the last
+    combined one, as the simulator's `module`), for evaluation.
 
     >>> worker = DistributedWorker(net, make_optimizer(config, lr), get_reducer("adasum"))
     """
@@ -138,28 +149,58 @@ class DistributedWorker:
         model: nn.Module,
         optimizer: Callable[[list[torch.Tensor]], torch.optim.Optimizer],
         reducer: Reducer,
+        *,
+        combine: str = "gradients",
+        local_steps: int = 1,
+        slow_momentum: float | None = None,
+        slow_lr: float = 1.0,
         diagnostics_every: int = 10,
     ) -> None:
-        self.module = model
+        if combine == "gradients" and (local_steps != 1 or slow_momentum is not None):
+            raise ValueError("local_steps and slow_momentum need combine='deltas'")
+        self.model = model
         self.params = [p for p in model.parameters() if p.requires_grad]
-        self.optimizer = optimizer(self.params)
-        self.reducer = reducer
-        self.diagnostics_every = diagnostics_every
-        self.steps = 0
-        with torch.no_grad():  # every rank starts from rank 0's model
+        with torch.no_grad():  # every rank starts from rank 0's model (before the wrappers copy it)
             for p in model.state_dict().values():
                 dist.broadcast(p, 0)
+        base = optimizer(self.params)
+        self.optimizer: DistributedOptimizer | SlowMo
+        if slow_momentum is not None:
+            self.optimizer = SlowMo(
+                base, sync_every=local_steps, slow_lr=slow_lr, slow_momentum=slow_momentum, reducer=reducer
+            )
+        else:
+            mode = "delta" if combine == "deltas" else "gradient"
+            self.optimizer = DistributedOptimizer(base, reduce=reducer, mode=mode, local_steps=local_steps)
+        self.diagnostics_every = diagnostics_every
+        self.steps = 0
+        self._agreed: nn.Module | None = None  # a copy for evaluation in the middle of a round
+
+    @property
+    def module(self) -> nn.Module:
+        """The model every rank agrees on: the training model, or in the middle of a round of local
+        steps a copy holding the last combined parameters."""
+        combined = self.optimizer.last_combined()
+        if combined is None:
+            return self.model
+        if self._agreed is None:
+            self._agreed = copy.deepcopy(self.model)
+        self._agreed.load_state_dict(self.model.state_dict())
+        agreed = [p for p in self._agreed.parameters() if p.requires_grad]
+        with torch.no_grad():
+            for p, value in zip(agreed, combined):
+                p.copy_(value)
+        return self._agreed
 
     def step(self, inputs: torch.Tensor, targets: torch.Tensor) -> StepResult:
-        self.module.train()
+        self.model.train()
         self.optimizer.zero_grad(set_to_none=False)
-        loss = cross_entropy(self.module(inputs[0]), targets[0])
+        loss = cross_entropy(self.model(inputs[0]), targets[0])
         loss.backward()
         grads = [p.grad for p in self.params]
         diag: Orthogonality | None = None
         if self.diagnostics_every and self.steps % self.diagnostics_every == 0 and dist.get_world_size() > 1:
             diag = all_reduce_orthogonality(grads)
-        self.reducer.all_reduce(grads)
         self.optimizer.step()
         self.steps += 1
         mean_loss = loss.detach().reshape(1)
@@ -167,10 +208,10 @@ class DistributedWorker:
         return StepResult(mean_loss / dist.get_world_size(), diag)
 
     def state_dict(self) -> dict[str, Any]:
-        return {"model": self.module.state_dict(), "optimizer": self.optimizer.state_dict(), "steps": self.steps}
+        return {"model": self.model.state_dict(), "optimizer": self.optimizer.state_dict(), "steps": self.steps}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        self.module.load_state_dict(state["model"])
+        self.model.load_state_dict(state["model"])
         self.optimizer.load_state_dict(state["optimizer"])
         self.steps = int(state["steps"])
 
@@ -252,8 +293,7 @@ def train(
 ) -> dict[str, Any]:
     """Train one run and return its result (also written to ``OUT/result.json``).
 
-    Simulated unless `distributed` (then one process per worker under torchrun, gradient-mode
-    methods). `out_dir` receives ``metrics.jsonl`` (one line per step and per epoch),
+    Simulated unless `distributed` (then one process per worker under torchrun, every method). `out_dir` receives ``metrics.jsonl`` (one line per step and per epoch),
     ``checkpoint.pt`` after every epoch, and ``result.json``; `resume` continues from the checkpoint.
 
     >>> result = train(RunConfig(method="adasum", workers=16, lr=0.01, epochs=2), "runs/one")
@@ -264,11 +304,8 @@ def train(
     device = torch.device(config.device)
     rank = dist.get_rank() if distributed else 0
     workers = dist.get_world_size() if distributed else method.workers(config.workers)
-    if distributed and method.combine != "gradients":
-        raise ValueError(
-            f"method {method.name!r} combines model deltas; under torchrun only gradient-mode methods run "
-            "for now (use --simulate P)"
-        )
+    if distributed and method.single_worker and workers > 1:
+        raise ValueError(f"method {method.name!r} is one worker: launch it with torchrun --nproc-per-node 1")
     reducer = method_reducer(method)
     out = Path(out_dir) if out_dir is not None else None
     if out is not None and rank == 0:
@@ -290,21 +327,17 @@ def train(
     torch.manual_seed(config.seed)  # the same initial model for every method and worker count
     model = build_model(model_name, data.input_shape, data.classes).to(device)
     optimizer = make_optimizer(config, lr)
+    options = dict(  # the method, the same for simulated and real workers
+        combine=method.combine,
+        local_steps=config.local_steps if method.local else 1,
+        slow_momentum=config.slow_momentum if method.slow_momentum else None,
+        slow_lr=config.slow_lr,
+    )
     if distributed:
         torch.manual_seed(config.seed * 1000 + rank + 1)  # each rank its own dropout
-        engine: SimulatedWorkers | DistributedWorker = DistributedWorker(model, optimizer, reducer)
+        engine: SimulatedWorkers | DistributedWorker = DistributedWorker(model, optimizer, reducer, **options)
     else:
-        engine = SimulatedWorkers(
-            model,
-            workers,
-            optimizer,
-            reducer=reducer,
-            combine=method.combine,
-            local_steps=config.local_steps if method.local else 1,
-            slow_momentum=config.slow_momentum if method.slow_momentum else None,
-            slow_lr=config.slow_lr,
-            chunk_size=config.chunk_size,
-        )
+        engine = SimulatedWorkers(model, workers, optimizer, reducer=reducer, chunk_size=config.chunk_size, **options)
     names = [n for n, p in model.named_parameters() if p.requires_grad]
 
     history: list[dict[str, Any]] = []

@@ -1,0 +1,50 @@
+"""The GPU benchmark scripts run end to end in their CPU dry-run settings (smoke tests: no timings
+are checked, only that every row is produced and well formed)."""
+
+from __future__ import annotations
+
+import json
+import os
+import statistics
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def run_script(*args: str) -> str:
+    env = {**os.environ, "PYTHONPATH": str(ROOT / "src"), "OMP_NUM_THREADS": "1"}
+    proc = subprocess.run([sys.executable, *args], capture_output=True, text=True, env=env, cwd=ROOT, timeout=240)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return proc.stdout
+
+
+def test_bench_e2e_dry_run(tmp_path):
+    out = tmp_path / "e2e.jsonl"
+    printed = run_script("benchmarks/bench_e2e.py", "--dry-run", "--out", str(out))
+    rows = [json.loads(line) for line in out.read_text().splitlines()]
+    cells = [(r["model"], r["variant"]) for r in rows]
+    assert cells == [(m, v) for m in ("resnet50", "bert") for v in ("ddp", "ddp-adasum", "delta")]
+    for r in rows:
+        assert r["world"] == 2 and r["backend"] == "gloo" and r["dry_run"]
+        assert len(r["step_times_s"]) == 2 and all(t > 0 for t in r["step_times_s"])
+        assert r["step_s"] == statistics.median(r["step_times_s"])
+        assert {"device", "torch", "nccl", "ratio_to_ddp"} <= set(r)
+    assert [r["ratio_to_ddp"] for r in rows if r["variant"] == "ddp"] == [1.0, 1.0]
+    table = [line.split() for line in printed.splitlines()]
+    assert ["bert", "delta"] == [row[:2] for row in table if row[:2] == ["bert", "delta"]][0]
+
+
+def test_bench_e2e_bad_input_is_refused_before_spawning():
+    env = {**os.environ, "PYTHONPATH": str(ROOT / "src")}
+    proc = subprocess.run([sys.executable, "benchmarks/bench_e2e.py", "--dry-run", "--variants", "ddp,fast"],
+                          capture_output=True, text=True, env=env, cwd=ROOT, timeout=120)
+    assert proc.returncode == 2 and "choose from ddp, ddp-adasum, delta" in proc.stderr
+
+
+def test_bench_sim_dry_run_at_64_workers():
+    printed = run_script("benchmarks/bench_sim.py", "--dry-run", "--methods", "adasum")
+    line = printed.strip().splitlines()[-1]
+    assert line.startswith("adasum: P=64 x B=32 on ") and line.endswith("examples/s)")
+    assert float(line.split(": ")[-1].split()[0]) > 0  # steps/s
