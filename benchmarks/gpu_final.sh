@@ -12,6 +12,6 @@ timeout 150 python3 benchmarks/bench_collective.py --backend nccl --world 4 --dt
   --layouts resnet50,bert-large --repeats 7 --label "v3: 4 ranks" --out "$OUT/collective.jsonl" 2>&1 | quiet | tee -a "$OUT/bench.log"
 timeout 100 python3 benchmarks/bench_collective.py --backend nccl --world 2 --dtypes fp32 --min-exp 24 --max-exp 28 --step-exp 2 \
   --layouts resnet50,bert-large --repeats 7 --label "v3: 2 ranks" --out "$OUT/collective.jsonl" 2>&1 | quiet | tee -a "$OUT/bench.log"
-timeout 200 python3 benchmarks/bench_e2e.py --steps 15 --warmup 5 --out "$OUT/e2e.jsonl" 2>&1 | quiet | tee "$OUT/e2e.log"
+timeout 200 python3 benchmarks/bench_e2e.py --world 2 --steps 15 --warmup 5 --out "$OUT/e2e.jsonl" 2>&1 | quiet | tee "$OUT/e2e.log"
 timeout 60 python3 benchmarks/bench_sim.py --device cuda --out "$OUT/sim.jsonl" 2>&1 | quiet | tee "$OUT/sim.log"
 timeout 60 python3 benchmarks/bench_tree.py --device cuda --workers 64 --layout resnet50 --out "$OUT/tree.jsonl" 2>&1 | quiet | tee -a "$OUT/sim.log"
