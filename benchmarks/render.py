@@ -84,6 +84,14 @@ def main() -> None:
     lines += generic_table(load("tree.jsonl"), ["device", "workers", "layout", "numel", "tree_s",
                                                 "copy_bandwidth_Bps", "moved_fraction_of_copy",
                                                 "effective_fraction_of_copy"])
+    lines += ["## Hierarchical (emulated nodes on one host) against flat Adasum", ""]
+    lines += generic_table(load("hierarchical.jsonl"), ["device", "world_size", "local_size", "layout", "numel",
+                                                        "flat_adasum_s", "hierarchical_adasum_s", "allreduce_s",
+                                                        "hierarchical_vs_definition_rel_err"])
+    lines += ["## Real multi-GPU training against the simulator (same seeds and data split)", ""]
+    lines += ["Per epoch: (test accuracy %, train loss).", ""]
+    lines += generic_table(load("convergence-4gpu.jsonl"), ["device", "gpus", "method", "task", "model", "lr",
+                                                            "real", "simulated"])
     with open(os.path.join(ROOT, "docs", "benchmarks.md"), "w") as f:
         f.write("\n".join(lines))
 
