@@ -18,6 +18,8 @@ from dataclasses import fields
 from pathlib import Path
 
 from adasum.experiments.data import TASKS
+from adasum.groups import CollectiveError
+from adasum.nonfinite import NonFiniteError
 from adasum.experiments.methods import METHODS
 from adasum.experiments.models import MODELS
 
@@ -81,6 +83,13 @@ def _common(p: argparse.ArgumentParser) -> None:
     p.add_argument("--chunk-size", type=_positive_int, default=None, help="simulated workers per batched backward (memory)")
     p.add_argument("--threads", type=_positive_int, default=1, help="CPU threads per process (default 1: small models are latency bound)")
     p.add_argument("--resume", action="store_true", help="continue from the checkpoints in --out")
+    p.add_argument("--nonfinite", default="propagate", choices=["propagate", "raise", "skip"],
+                   help="a NaN/Inf gradient on any worker: propagate (default: the run is marked diverged), "
+                        "raise (stop with an error naming the tensor and worker) or skip the step on every worker")
+    p.add_argument("--checkpoint-every", type=_positive_int, default=None, metavar="N",
+                   help="also checkpoint every N steps inside an epoch (exact mid-epoch --resume, torchrun restarts)")
+    p.add_argument("--deterministic", action="store_true",
+                   help="deterministic kernels: a resumed run ends bitwise equal to an uninterrupted one")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
     p.add_argument("--quiet", action="store_true", help="log warnings only")
 
@@ -220,6 +229,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     except (UsageError, ValueError, OSError) as error:
         print(f"adasum: error: {error}", file=sys.stderr)
         return 2
+    except (NonFiniteError, CollectiveError) as error:  # a failed run, not bad input: torchrun may restart it
+        print(f"adasum: error: {error}", file=sys.stderr)
+        return 1
     except ImportError as error:
         print(f"adasum: error: missing package {error.name!r}: pip install 'adasum[experiments]'", file=sys.stderr)
         return 2
