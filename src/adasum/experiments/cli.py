@@ -88,6 +88,9 @@ def _common(p: argparse.ArgumentParser) -> None:
                         "raise (stop with an error naming the tensor and worker) or skip the step on every worker")
     p.add_argument("--checkpoint-every", type=_positive_int, default=None, metavar="N",
                    help="also checkpoint every N steps inside an epoch (exact mid-epoch --resume, torchrun restarts)")
+    p.add_argument("--timeout", type=_positive_float, default=None, metavar="SECONDS",
+                   help="torchrun: the process group's timeout (a dead or stalled peer, or a stuck connection at "
+                        "start, ends in an error after this long, and torchrun --max-restarts restarts)")
     p.add_argument("--deterministic", action="store_true",
                    help="deterministic kernels: a resumed run ends bitwise equal to an uninterrupted one")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
@@ -184,7 +187,10 @@ def cmd_train(args: argparse.Namespace) -> int:
     device = _device(args.device, local_rank)
     if device.startswith("cuda"):
         torch.cuda.set_device(torch.device(device))
-    dist.init_process_group("nccl" if device.startswith("cuda") else "gloo")
+    from datetime import timedelta
+
+    timeout = timedelta(seconds=args.timeout) if args.timeout is not None else None
+    dist.init_process_group("nccl" if device.startswith("cuda") else "gloo", timeout=timeout)
     try:
         rank = dist.get_rank()
         _setup_logging(args.quiet, rank)
