@@ -20,9 +20,7 @@ SRC = str(Path(__file__).parent.parent / "src")
 # 256 examples / (2 ranks x 8) = 16 steps per epoch, 32 in all; checkpoints every 5 steps
 TRAIN = ["--epochs", "2", "--train-limit", "256", "--batch-size", "8", "--checkpoint-every", "5",
          "--deterministic", "--resume", "--no-progress", "--quiet", "--seed", "3",
-         # a restarted attempt's gloo connection set-up can get stuck (seen once in a few runs): the
-         # group timeout turns that into an error and torchrun restarts again
-         "--timeout", "20"]
+         "--timeout", "30"]
 
 
 def _same(a, b) -> bool:
@@ -46,8 +44,7 @@ def _torchrun(out: Path, method: str, env_extra: dict[str, str], max_restarts: i
 
 @pytest.mark.parametrize("method", ["adacons"])  # gradient mode with reducer state (AdaCons momentum)
 def test_torchrun_restart_after_sigkill_resumes_bitwise(tmp_path, method):
-    # restarts for the uninterrupted run too: see --timeout above (a restart resumes bitwise anyway)
-    straight = _torchrun(tmp_path / "straight", method, {}, max_restarts=3)
+    straight = _torchrun(tmp_path / "straight", method, {}, max_restarts=0)
     assert straight.returncode == 0, straight.stderr[-3000:]
     marker = tmp_path / "killed"
     # rank 1 kills itself after global step 23 (mid epoch 2; the last checkpoint is at step 20)

@@ -190,7 +190,14 @@ def cmd_train(args: argparse.Namespace) -> int:
     from datetime import timedelta
 
     timeout = timedelta(seconds=args.timeout) if args.timeout is not None else None
-    dist.init_process_group("nccl" if device.startswith("cuda") else "gloo", timeout=timeout)
+    # torchrun keeps one store across restarts: a restarted attempt could read the previous attempt's
+    # gloo addresses and wait on them; keys of each attempt go under a prefix of their own
+    store, rank, world = next(dist.rendezvous("env://", timeout=timeout or dist.constants.default_pg_timeout))
+    attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+    dist.init_process_group(
+        "nccl" if device.startswith("cuda") else "gloo", store=dist.PrefixStore(f"adasum/attempt-{attempt}", store),
+        rank=rank, world_size=world, timeout=timeout,
+    )
     try:
         rank = dist.get_rank()
         _setup_logging(args.quiet, rank)
