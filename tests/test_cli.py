@@ -105,6 +105,8 @@ def _blocked_dir(tmp_path: Path) -> str:
         (["compare", "--out", "BLOCKED"], "cannot write to output directory"),
         (["train", "--out", "BLOCKED"], "cannot write to output directory"),
         (["compare", "--model", "vgg"], "invalid choice"),
+        (["train", "--nonfinite", "ignore"], "invalid choice"),
+        (["train", "--checkpoint-every", "0"], "must be >= 1"),
         ([], "required"),
     ],
 )
@@ -118,6 +120,15 @@ def test_bad_input_is_one_line_and_nonzero(tmp_path, capsys, args, message):
     lines = captured.err.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("adasum: error:") and message in lines[0], captured.err
     assert "Traceback" not in captured.err + captured.out
+
+
+def test_nonfinite_raise_stops_a_diverging_run_with_one_line(tmp_path, capsys):
+    status = main(["train", "--method", "sum", "--simulate", "2", "--lr", "1e6", "--momentum", "0", "--epochs", "3",
+                   "--nonfinite", "raise", "--out", str(tmp_path / "run"), *QUICK])
+    err = capsys.readouterr().err
+    lines = err.strip().splitlines()
+    assert status == 1 and len(lines) == 1, err
+    assert lines[0].startswith("adasum: error: simulated step ") and "on worker" in lines[0], err
 
 
 def test_python_dash_m_entry_point_reports_bad_input_without_traceback(tmp_path):

@@ -21,12 +21,16 @@ This module deliberately has no ``from __future__ import annotations``: DDP comp
 annotations with ``dist.GradBucket`` and ``torch.futures.Future[torch.Tensor]`` as objects.
 """
 
+from collections.abc import Iterable
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
+from adasum.nonfinite import NonFiniteError, check_policy, find_nonfinite
 from adasum.reducers import Adasum, Reducer, get_reducer
+
+HOOK_POLICIES = ("propagate", "raise")
 
 
 class AdasumState:
@@ -37,6 +41,15 @@ class AdasumState:
     means (`adasum.hierarchical`). When torch.distributed is initialised, construction runs the
     reducer's collective set-up (on every rank), so that placement errors surface here.
     The state pickles without its process group (the default group is used after unpickling).
+
+    ``nonfinite``: "propagate" (default: a NaN/Inf gradient comes out non-finite on every rank,
+    bitwise identical, as with DDP's own averaging) or "raise": every bucket's gradients are
+    checked across ranks first (one 8-byte all-reduce per bucket; on NCCL a host sync per bucket)
+    and backward raises on every rank, naming the parameter (its name when `named_parameters` is
+    given) and the rank. A hook cannot skip a step (the optimizer step comes after backward and
+    DDP expects every bucket to complete): to skip, use "raise" and catch, or check the
+    gradients before ``optimizer.step()`` with `adasum.find_nonfinite`. After the error the DDP
+    reducer is mid-iteration: rebuild the DDP model (or restart) before training on.
 
     >>> state = AdasumState(hierarchical=True)         # e.g. 8 GPUs per node under torchrun
     >>> ddp_model.register_comm_hook(state, adasum_hook)
@@ -49,7 +62,15 @@ class AdasumState:
         *,
         hierarchical: bool = False,
         local_size: int | None = None,
+        nonfinite: str = "propagate",
+        named_parameters: Iterable[tuple[str, torch.Tensor]] | None = None,
     ) -> None:
+        if nonfinite == "skip":
+            raise ValueError(
+                "nonfinite='skip' is not available in a DDP hook (it cannot skip the optimizer step); "
+                "use 'raise' and catch adasum.NonFiniteError, or check the gradients before optimizer.step()"
+            )
+        check_policy(nonfinite, HOOK_POLICIES)
         if hierarchical:
             if isinstance(reducer, Reducer) or reducer != "adasum":
                 raise ValueError(
@@ -62,6 +83,8 @@ class AdasumState:
         self.process_group = process_group
         self.reducer = get_reducer(reducer)
         self.iteration = 0
+        self.nonfinite = nonfinite
+        self.names = {id(p): n for n, p in named_parameters} if named_parameters is not None else {}
         if dist.is_initialized():
             self.reducer.setup(process_group)
 
@@ -111,6 +134,19 @@ def completed_future(tensor: torch.Tensor) -> torch.futures.Future:
     return future
 
 
+def _check_bucket(state: AdasumState, bucket: dist.GradBucket) -> None:
+    """Raise NonFiniteError on every rank if a gradient of the bucket is non-finite on any rank."""
+    params = bucket.parameters()
+    names = [state.names.get(id(p), f"parameter {bucket.index()}.{i}") for i, p in enumerate(params)]
+    found = find_nonfinite(bucket.gradients(), state.process_group, names)
+    if found is not None:
+        raise NonFiniteError(
+            f"adasum_hook: the gradient of {found.name!r} (bucket {bucket.index()}) has {found.kind} on rank "
+            f"{found.rank} (nonfinite='raise')",
+            found,
+        )
+
+
 def adasum_hook(state: AdasumState, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
     """Combine one DDP bucket across the group with ``state.reducer``, per parameter, in place.
 
@@ -120,6 +156,8 @@ def adasum_hook(state: AdasumState, bucket: dist.GradBucket) -> torch.futures.Fu
     >>> ddp_model.register_comm_hook(AdasumState(), fp16_compress_wrapper(adasum_hook))
     """
     buffer = bucket.buffer()
+    if getattr(state, "nonfinite", "propagate") == "raise":
+        _check_bucket(state, bucket)
     state.reducer.all_reduce_flat(buffer, bucket_sizes(bucket), state.process_group)
     if bucket.is_last():
         state.iteration += 1

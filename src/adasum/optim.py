@@ -37,6 +37,7 @@ import torch.distributed as dist
 
 from adasum.collectives import _group_device
 from adasum.layout import check_same_layout, flatten, unflatten_into
+from adasum.nonfinite import NonFinite, NonFiniteError, check_policy, find_nonfinite
 from adasum.reducers import Adasum, Mean, Reducer, Sum, get_reducer
 
 MODES = ("delta", "gradient")
@@ -88,6 +89,58 @@ def checksum(tensor: torch.Tensor) -> torch.Tensor:
     return torch.stack([bits.sum(), (bits * weights).sum()]) & (2**62 - 1)
 
 
+def check_same_parameters(
+    params: list[torch.Tensor],
+    group: dist.ProcessGroup | None = None,
+    names: list[str] | None = None,
+    *,
+    operation: str = "adasum",
+) -> None:
+    """Raise ValueError on every rank of `group` unless every rank holds parameters of the same
+    shapes, dtypes and values (bits): one 16-byte all-reduce for the layout, one small all-reduce
+    of exact checksums for the values. The message names the first differing parameter.
+
+    >>> check_same_parameters(list(model.parameters()), names=[n for n, _ in model.named_parameters()])
+    """
+    device = _group_device(group)
+    check_same_layout(params, group, device, what="parameters")
+    if not params:
+        return
+    sums = torch.stack([checksum(p) for p in params]).to(device)
+    probe = torch.cat([sums, -sums])
+    dist.all_reduce(probe, op=dist.ReduceOp.MAX, group=group)
+    high, neg_low = probe.chunk(2)
+    differs = (high != -neg_low).any(dim=1).tolist()
+    if any(differs):
+        index = differs.index(True)
+        label = repr(names[index]) if names is not None else str(index)
+        raise ValueError(
+            f"{operation}: parameter {label} (shape {list(params[index].shape)}) differs across ranks; "
+            "start every rank from the same weights (same seed, or broadcast rank 0's parameters; DDP does this)"
+        )
+
+
+def optimizer_param_names(optimizer: torch.optim.Optimizer) -> list[str] | None:
+    """The parameter names the optimizer was given (``torch.optim.SGD(model.named_parameters())``),
+    in param-group order, or None when any group has none."""
+    names: list[str] = []
+    for group in optimizer.param_groups:
+        group_names = group.get("param_names")
+        if not group_names:
+            return None
+        names.extend(group_names)
+    return names
+
+
+def nonfinite_message(operation: str, what: str, found: NonFinite, policy: str = "raise") -> str:
+    """One line: ``op: the gradient of parameter 3 ('fc.weight') has NaN on rank 1; ...``."""
+    label = f"{what} {found.index}" + (f" ({found.name!r})" if found.name is not None else "")
+    return (
+        f"{operation}: {label} has {found.kind} on rank {found.rank} (the first such tensor, lowest such "
+        f"rank); nothing was changed on any rank (nonfinite={policy!r}; 'skip' skips such steps)"
+    )
+
+
 class DistributedOptimizer(torch.optim.Optimizer):
     """Wrap `optimizer` so that ``step()`` combines across ranks with `reduce` (module doc).
 
@@ -105,6 +158,12 @@ class DistributedOptimizer(torch.optim.Optimizer):
         bucket_cap_mb: the largest transient buffer of a combination (per-tensor reducers).
         check: at construction, check that every rank has the same parameter shapes and dtypes
             and (by a checksum) values; ValueError on every rank names the first difference.
+        nonfinite: what a NaN or Inf in any rank's local gradients does, decided identically on
+            every rank before anything is combined or stepped (one 8-byte all-reduce per step):
+            "raise" (default) raises `adasum.NonFiniteError` on every rank naming the parameter
+            (its name when the optimizer was given ``model.named_parameters()``) and the rank;
+            "skip" skips the step on every rank (parameters, optimizer state and the round of
+            local steps untouched) and counts it in ``skipped_steps``; "propagate" checks nothing.
 
     ``param_groups``, ``state``, ``defaults``, ``zero_grad()`` pass through to the wrapped
     optimizer (LR schedulers work on it). ``state_dict()`` holds the wrapped optimizer's state,
@@ -128,7 +187,9 @@ class DistributedOptimizer(torch.optim.Optimizer):
         grad_scaler: torch.amp.GradScaler | None = None,
         bucket_cap_mb: float = 25.0,
         check: bool = True,
+        nonfinite: str = "raise",
     ) -> None:
+        check_policy(nonfinite)
         if not isinstance(optimizer, torch.optim.Optimizer):
             raise TypeError(f"optimizer must be a torch.optim.Optimizer, got {type(optimizer).__name__}")
         if mode not in MODES:
@@ -146,6 +207,8 @@ class DistributedOptimizer(torch.optim.Optimizer):
         self.backward_passes_per_step = backward_passes_per_step
         self.local_steps = local_steps
         self.grad_scaler = grad_scaler
+        self.nonfinite = nonfinite
+        self.skipped_steps = 0  # steps skipped on every rank under nonfinite="skip"
         self.bucket_cap_bytes = int(bucket_cap_mb * 2**20) if _is_per_tensor(self.reducer) else None
         self._device = _group_device(group)
         self._anchor: list[torch.Tensor] | None = None  # delta mode: the round's starting weights
@@ -215,6 +278,8 @@ class DistributedOptimizer(torch.optim.Optimizer):
         params = self._params()
         if scaled and getattr(self, "grad_scale", None) is not None:
             self._unscale(params, self.grad_scale)
+        if self.nonfinite != "propagate" and self._nonfinite_gradients(params):
+            return None
         if self.mode == "gradient":
             self._combine_gradients(params)
             with torch.enable_grad():
@@ -238,6 +303,20 @@ class DistributedOptimizer(torch.optim.Optimizer):
         >>> agreed = opt.last_combined() or [p for g in opt.param_groups for p in g["params"]]
         """
         return list(self._anchor) if self._round_step and self._anchor is not None else None
+
+    def _nonfinite_gradients(self, params: list[torch.Tensor]) -> bool:
+        """Whether to skip this step: the local gradients, checked across ranks before any state
+        changes (delta mode: before the local step, so the wrapped optimizer's state is untouched)."""
+        grads = [p.grad if p.grad is not None else p.new_empty(0) for p in params]
+        found = find_nonfinite(grads, self.group, optimizer_param_names(self.optimizer))
+        if found is None:
+            return False
+        if self.nonfinite == "raise":
+            raise NonFiniteError(
+                nonfinite_message("adasum.DistributedOptimizer.step", "the gradient of parameter", found), found
+            )
+        self.skipped_steps += 1
+        return True
 
     def _agree_on_inf(self, found_inf: torch.Tensor) -> bool:
         """Whether any rank found inf/NaN; the agreed flag also goes to `grad_scaler`."""
@@ -291,32 +370,10 @@ class DistributedOptimizer(torch.optim.Optimizer):
     # -- checks and checkpoints ---------------------------------------------------------------
 
     def _check_parameters(self) -> None:
-        """Same shapes and dtypes (one 16-byte all-reduce) and the same values (an exact checksum
-        of each parameter's bits, one small all-reduce) on every rank."""
+        """Same shapes, dtypes and values on every rank (`check_same_parameters`)."""
         params = self._params()
-        check_same_layout(params, self.group, self._device, what="parameters")
-        if not params:
-            return
-        sums = torch.stack([checksum(p) for p in params]).to(self._device)
-        probe = torch.cat([sums, -sums])
-        dist.all_reduce(probe, op=dist.ReduceOp.MAX, group=self.group)
-        high, neg_low = probe.chunk(2)
-        differs = (high != -neg_low).any(dim=1).tolist()
-        if any(differs):
-            index = differs.index(True)
-            raise ValueError(
-                f"parameter {self._param_name(index)} (shape {list(params[index].shape)}) differs across ranks; "
-                "start every rank from the same weights (same seed, or broadcast rank 0's parameters; DDP does this)"
-            )
-
-    def _param_name(self, index: int) -> str:
-        position = 0
-        for group in self.optimizer.param_groups:
-            names = group.get("param_names")
-            if index < position + len(group["params"]):
-                return repr(names[index - position]) if names else str(index)
-            position += len(group["params"])
-        return str(index)
+        names = optimizer_param_names(self.optimizer)
+        check_same_parameters(params, self.group, names, operation="adasum.DistributedOptimizer")
 
     def state_dict(self) -> dict[str, Any]:
         """The wrapped optimizer's state, the accumulation counters and, in the middle of a round
@@ -328,10 +385,12 @@ class DistributedOptimizer(torch.optim.Optimizer):
             "round_step": self._round_step,
             "anchor": anchor,
             "reducer": self.reducer.state_dict(),
+            "skipped_steps": self.skipped_steps,
         }
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         self.optimizer.load_state_dict(state_dict["optimizer"])
+        self.skipped_steps = int(state_dict.get("skipped_steps", 0))
         self._passes = int(state_dict["passes"])
         self._round_step = int(state_dict["round_step"])
         self.reducer.load_state_dict(state_dict["reducer"])

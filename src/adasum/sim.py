@@ -34,6 +34,7 @@ from torch import nn
 from torch.func import functional_call, grad, vmap
 
 from adasum.diagnostics import Orthogonality, orthogonality_stacked
+from adasum.nonfinite import NonFinite, NonFiniteError, check_policy
 from adasum.reducers import Reducer, get_reducer
 from adasum.slowmo import slow_momentum_update
 
@@ -70,6 +71,8 @@ class SimulatedWorkers:
     ``combine="gradients"``, the stacked per-worker parameters for ``combine="deltas"``.
     `module` always holds the model the workers agree on (for evaluation and checkpoints).
     `chunk_size` bounds how many workers' backward passes run at once (memory).
+    `nonfinite` ("propagate" by default, "raise", "skip"): what a NaN/Inf in any worker's gradients
+    does, decided before any worker steps; skipped steps are counted in ``skipped_steps``.
 
     >>> sim = SimulatedWorkers(net, 16, lambda ps: torch.optim.SGD(ps, lr=0.1), reducer="adasum")
     >>> result = sim.step(inputs, targets)      # inputs [16, B, ...], targets [16, B]
@@ -89,7 +92,9 @@ class SimulatedWorkers:
         loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] = cross_entropy,
         chunk_size: int | None = None,
         diagnostics: bool = True,
+        nonfinite: str = "propagate",
     ) -> None:
+        check_policy(nonfinite)
         if not isinstance(workers, int) or workers < 1:
             raise ValueError(f"workers must be an integer >= 1, got {workers!r}")
         if combine not in COMBINE:
@@ -116,6 +121,8 @@ class SimulatedWorkers:
         self.loss_fn = loss_fn
         self.chunk_size = chunk_size
         self.diagnostics = diagnostics
+        self.nonfinite = nonfinite
+        self.skipped_steps = 0
         self.steps = 0
         self.names = [n for n, p in model.named_parameters() if p.requires_grad]
         params = dict(model.named_parameters())
@@ -175,6 +182,17 @@ class SimulatedWorkers:
         self.module.train()
         grads, losses = self._per_worker_grads(inputs, targets)
         diag = orthogonality_stacked(grads) if self.diagnostics and self.workers > 1 else None
+        if self.nonfinite != "propagate":
+            found = _first_nonfinite_stacked(grads, self.names)
+            if found is not None and self.nonfinite == "raise":
+                raise NonFiniteError(
+                    f"simulated step {self.steps + 1}: the gradient of {found.name!r} has {found.kind} on worker "
+                    f"{found.rank} (nonfinite='raise')",
+                    found,
+                )
+            if found is not None:  # skip: no worker steps, nothing is combined
+                self.skipped_steps += 1
+                return StepResult(losses, diag)
         if self.stacked is None:
             combined = self.reducer.reduce(_unstack(grads, self.workers))
             for p, g in zip(self._anchor, combined):
@@ -216,6 +234,7 @@ class SimulatedWorkers:
             "momentum_buffers": [b.clone() for b in self.momentum_buffers],
             "reducer": self.reducer.state_dict(),
             "steps": self.steps,
+            "skipped_steps": self.skipped_steps,
         }
 
     @torch.no_grad()
@@ -229,6 +248,20 @@ class SimulatedWorkers:
             b.copy_(saved)
         self.reducer.load_state_dict(state["reducer"])
         self.steps = int(state["steps"])
+        self.skipped_steps = int(state.get("skipped_steps", 0))
+
+
+def _first_nonfinite_stacked(grads: Sequence[torch.Tensor], names: Sequence[str]) -> NonFinite | None:
+    """The first tensor (lowest index) whose [P, ...] stack is non-finite for some worker, and the
+    lowest such worker (the simulated counterpart of `adasum.find_nonfinite`)."""
+    if not grads:
+        return None
+    finite = torch.stack([torch.isfinite(g.reshape(g.shape[0], -1)).all(1) for g in grads])  # [T, P]
+    if bool(finite.all()):  # one host sync in the common case
+        return None
+    index, worker = (int(i) for i in (~finite).nonzero()[0])
+    kind = "NaN" if bool(torch.isnan(grads[index][worker]).any()) else "Inf"
+    return NonFinite(index, worker, kind, names[index])
 
 
 def _unstack(stacked: Sequence[torch.Tensor], workers: int) -> list[list[torch.Tensor]]:

@@ -20,6 +20,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from adasum.nonfinite import NonFiniteError, check_policy, find_nonfinite
+from adasum.optim import check_same_parameters, nonfinite_message, optimizer_param_names
 from adasum.reducers import Mean, Reducer, get_reducer
 
 
@@ -79,9 +81,20 @@ class SlowMo:
     dtype (one more parameter-sized copy while it runs; AdaCons two).
 
     The workers' models must be identical when SlowMo is constructed (DDP ensures this; otherwise
-    broadcast them first); the anchor is taken then. Learning-rate schedulers take the base
-    optimizer (``param_groups`` is shared). ``state_dict()`` carries the base optimizer's state,
-    the anchor, the slow momentum, the step counter and the reducer's state; together with the
+    broadcast them first); the anchor is taken then. With ``check=True`` (default) construction
+    checks it (shapes, dtypes and exact values, two small all-reduces) and raises ValueError on
+    every rank naming the first differing parameter.
+
+    ``nonfinite``: at each sync, before anything is combined, every rank's local model is checked
+    for NaN/Inf (one 8-byte all-reduce per sync, decided identically on every rank). "raise"
+    (default): `adasum.NonFiniteError` on every rank naming the parameter (its name when the base
+    optimizer was given ``model.named_parameters()``) and the rank. "skip": the round is discarded
+    on every rank (every worker restarts from the anchor; slow momentum, anchor and the other
+    ranks' state untouched; base-optimizer state holding a NaN/Inf is dropped on the rank that has
+    it) and counted in ``skipped_syncs``. "propagate": nothing is checked.
+
+    Learning-rate schedulers take the base optimizer (``param_groups`` is shared).
+    ``state_dict()`` carries the base optimizer's state, the anchor, the slow momentum, the step counter and the reducer's state; together with the
     model's own state dict, a run resumed from any step continues exactly as if never stopped.
 
     >>> opt = adasum.SlowMo(torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9),
@@ -100,7 +113,10 @@ class SlowMo:
         buffers: str = "local",
         group: dist.ProcessGroup | None = None,
         module: torch.nn.Module | None = None,
+        nonfinite: str = "raise",
+        check: bool = True,
     ) -> None:
+        check_policy(nonfinite)
         if not isinstance(optimizer, torch.optim.Optimizer):
             raise TypeError(f"SlowMo wraps a torch.optim.Optimizer, got {type(optimizer).__name__}")
         if isinstance(sync_every, bool) or not isinstance(sync_every, int) or sync_every < 1:
@@ -121,9 +137,14 @@ class SlowMo:
         self.buffers = buffers
         self.group = group
         self.module = module
+        self.nonfinite = nonfinite
+        self.skipped_syncs = 0  # rounds discarded on every rank under nonfinite="skip"
         self._params = [p for g in optimizer.param_groups for p in g["params"]]
         if len({id(p) for p in self._params}) != len(self._params):
             raise ValueError("a parameter appears more than once in the optimizer's param_groups")
+        if check and _world_size(group) > 1:
+            with torch.no_grad():
+                check_same_parameters(self._params, group, optimizer_param_names(optimizer), operation="adasum.SlowMo")
         with torch.no_grad():
             self._anchor = [p.detach().clone() for p in self._params]
             self._momentum = [torch.zeros_like(p) for p in self._params]
@@ -161,6 +182,8 @@ class SlowMo:
         if len(params) != len(self._params) or any(p is not q for p, q in zip(params, self._params)):
             raise ValueError("the optimizer's parameters changed since SlowMo was constructed")
         world = _world_size(self.group)
+        if self.nonfinite != "propagate" and self._nonfinite_round():
+            return
         if world > 1:
             tensors = [p.detach() for p in self._params]  # views: the reducer works in place
             if isinstance(self.reducer, Mean):
@@ -194,6 +217,25 @@ class SlowMo:
         """
         return list(self._anchor) if self._step % self.sync_every else None
 
+    def _nonfinite_round(self) -> bool:
+        """Whether this round is discarded: a NaN/Inf in any rank's local model (checked across ranks)."""
+        found = find_nonfinite([p.detach() for p in self._params], self.group, optimizer_param_names(self.optimizer))
+        if found is None:
+            return False
+        if self.nonfinite == "raise":
+            raise NonFiniteError(nonfinite_message("adasum.SlowMo.sync", "parameter", found), found)
+        self.skipped_syncs += 1
+        for p, anchor in zip(self._params, self._anchor):
+            p.detach().copy_(anchor)
+        for p in self._params:
+            state = self.optimizer.state.get(p)
+            if state and any(
+                isinstance(v, torch.Tensor) and v.is_floating_point() and not bool(torch.isfinite(v).all())
+                for v in state.values()
+            ):
+                del self.optimizer.state[p]
+        return True
+
     def _optimizer_state_tensors(self) -> list[torch.Tensor]:
         """The base optimizer's floating-point state tensors except step counters, in a fixed order."""
         out = []
@@ -216,6 +258,7 @@ class SlowMo:
             "anchor": list(self._anchor),
             "momentum": list(self._momentum),
             "reducer": self.reducer.state_dict(),
+            "skipped_syncs": self.skipped_syncs,
             "settings": {
                 "sync_every": self.sync_every,
                 "slow_lr": self.slow_lr,
@@ -241,6 +284,7 @@ class SlowMo:
             for mine, theirs in zip(self._momentum, state["momentum"]):
                 mine.copy_(theirs)
         self._step = int(state["step"])
+        self.skipped_syncs = int(state.get("skipped_syncs", 0))
         self.reducer.load_state_dict(state.get("reducer", {}))
 
     def __repr__(self) -> str:

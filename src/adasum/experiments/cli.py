@@ -18,6 +18,8 @@ from dataclasses import fields
 from pathlib import Path
 
 from adasum.experiments.data import TASKS
+from adasum.groups import CollectiveError
+from adasum.nonfinite import NonFiniteError
 from adasum.experiments.methods import METHODS
 from adasum.experiments.models import MODELS
 
@@ -81,6 +83,16 @@ def _common(p: argparse.ArgumentParser) -> None:
     p.add_argument("--chunk-size", type=_positive_int, default=None, help="simulated workers per batched backward (memory)")
     p.add_argument("--threads", type=_positive_int, default=1, help="CPU threads per process (default 1: small models are latency bound)")
     p.add_argument("--resume", action="store_true", help="continue from the checkpoints in --out")
+    p.add_argument("--nonfinite", default="propagate", choices=["propagate", "raise", "skip"],
+                   help="a NaN/Inf gradient on any worker: propagate (default: the run is marked diverged), "
+                        "raise (stop with an error naming the tensor and worker) or skip the step on every worker")
+    p.add_argument("--checkpoint-every", type=_positive_int, default=None, metavar="N",
+                   help="also checkpoint every N steps inside an epoch (exact mid-epoch --resume, torchrun restarts)")
+    p.add_argument("--timeout", type=_positive_float, default=None, metavar="SECONDS",
+                   help="torchrun: the process group's timeout (a dead or stalled peer, or a stuck connection at "
+                        "start, ends in an error after this long, and torchrun --max-restarts restarts)")
+    p.add_argument("--deterministic", action="store_true",
+                   help="deterministic kernels: a resumed run ends bitwise equal to an uninterrupted one")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
     p.add_argument("--quiet", action="store_true", help="log warnings only")
 
@@ -175,7 +187,17 @@ def cmd_train(args: argparse.Namespace) -> int:
     device = _device(args.device, local_rank)
     if device.startswith("cuda"):
         torch.cuda.set_device(torch.device(device))
-    dist.init_process_group("nccl" if device.startswith("cuda") else "gloo")
+    from datetime import timedelta
+
+    timeout = timedelta(seconds=args.timeout) if args.timeout is not None else None
+    # torchrun keeps one store across restarts: a restarted attempt could read the previous attempt's
+    # gloo addresses and wait on them; keys of each attempt go under a prefix of their own
+    store, rank, world = next(dist.rendezvous("env://", timeout=timeout or dist.constants.default_pg_timeout))
+    attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+    dist.init_process_group(
+        "nccl" if device.startswith("cuda") else "gloo", store=dist.PrefixStore(f"adasum/attempt-{attempt}", store),
+        rank=rank, world_size=world, timeout=timeout,
+    )
     try:
         rank = dist.get_rank()
         _setup_logging(args.quiet, rank)
@@ -220,6 +242,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     except (UsageError, ValueError, OSError) as error:
         print(f"adasum: error: {error}", file=sys.stderr)
         return 2
+    except (NonFiniteError, CollectiveError) as error:  # a failed run, not bad input: torchrun may restart it
+        print(f"adasum: error: {error}", file=sys.stderr)
+        return 1
     except ImportError as error:
         print(f"adasum: error: missing package {error.name!r}: pip install 'adasum[experiments]'", file=sys.stderr)
         return 2

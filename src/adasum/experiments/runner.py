@@ -25,9 +25,11 @@ import torch.distributed as dist
 from torch import nn
 
 from adasum.diagnostics import Orthogonality, all_reduce_orthogonality
+from adasum.experiments.checkpoint import kill_point, load_checkpoint, save_checkpoint
 from adasum.experiments.data import Dataset, load_task
 from adasum.experiments.methods import Method, get_method, method_reducer
 from adasum.experiments.models import build_model
+from adasum.nonfinite import POLICIES, NonFiniteError, find_nonfinite
 from adasum.optim import DistributedOptimizer
 from adasum.reducers import Reducer
 from adasum.sim import SimulatedWorkers, StepResult, cross_entropy
@@ -60,6 +62,9 @@ class RunConfig:
     data_dir: str | None = None
     device: str = "cpu"
     chunk_size: int | None = None
+    nonfinite: str = "propagate"
+    checkpoint_every: int | None = None
+    deterministic: bool = False
 
     def validate(self) -> None:
         """Raise ValueError naming the first bad field."""
@@ -76,6 +81,9 @@ class RunConfig:
             (self.slow_lr > 0, f"slow learning rate must be > 0, got {self.slow_lr}"),
             (self.train_limit is None or self.train_limit >= 1, f"train limit must be >= 1, got {self.train_limit}"),
             (self.chunk_size is None or self.chunk_size >= 1, f"chunk size must be >= 1, got {self.chunk_size}"),
+            (self.nonfinite in POLICIES, f"nonfinite must be one of {', '.join(POLICIES)}, got {self.nonfinite!r}"),
+            (self.checkpoint_every is None or self.checkpoint_every >= 1,
+             f"checkpoint every must be >= 1, got {self.checkpoint_every}"),
         ]
         for ok, message in checks:
             if not ok:
@@ -83,7 +91,7 @@ class RunConfig:
 
 
 # keys that may change when a run is resumed
-RESUMABLE = {"epochs", "device", "chunk_size", "data_dir"}
+RESUMABLE = {"epochs", "device", "chunk_size", "data_dir", "nonfinite", "checkpoint_every", "deterministic"}
 
 
 def make_optimizer(config: RunConfig, lr: float) -> Callable[[list[torch.Tensor]], torch.optim.Optimizer]:
@@ -155,10 +163,15 @@ class DistributedWorker:
         slow_momentum: float | None = None,
         slow_lr: float = 1.0,
         diagnostics_every: int = 10,
+        nonfinite: str = "propagate",
     ) -> None:
         if combine == "gradients" and (local_steps != 1 or slow_momentum is not None):
             raise ValueError("local_steps and slow_momentum need combine='deltas'")
         self.model = model
+        self.nonfinite = nonfinite
+        self.skipped_steps = 0
+        self.names = [n for n, p in model.named_parameters() if p.requires_grad]
+        self.reducer = reducer
         self.params = [p for p in model.parameters() if p.requires_grad]
         with torch.no_grad():  # every rank starts from rank 0's model (before the wrappers copy it)
             for p in model.state_dict().values():
@@ -167,11 +180,14 @@ class DistributedWorker:
         self.optimizer: DistributedOptimizer | SlowMo
         if slow_momentum is not None:
             self.optimizer = SlowMo(
-                base, sync_every=local_steps, slow_lr=slow_lr, slow_momentum=slow_momentum, reducer=reducer
+                base, sync_every=local_steps, slow_lr=slow_lr, slow_momentum=slow_momentum, reducer=reducer,
+                nonfinite="propagate",  # the policy is applied per step in `step`, as the simulator does
             )
         else:
             mode = "delta" if combine == "deltas" else "gradient"
-            self.optimizer = DistributedOptimizer(base, reduce=reducer, mode=mode, local_steps=local_steps)
+            self.optimizer = DistributedOptimizer(
+                base, reduce=reducer, mode=mode, local_steps=local_steps, nonfinite="propagate"
+            )
         self.diagnostics_every = diagnostics_every
         self.steps = 0
         self._agreed: nn.Module | None = None  # a copy for evaluation in the middle of a round
@@ -201,26 +217,39 @@ class DistributedWorker:
         diag: Orthogonality | None = None
         if self.diagnostics_every and self.steps % self.diagnostics_every == 0 and dist.get_world_size() > 1:
             diag = all_reduce_orthogonality(grads)
-        self.optimizer.step()
+        # the policy is applied here, on the local gradients of every step, as the simulator does;
+        # the wrappers then never see a non-finite value
+        found = find_nonfinite(grads, names=self.names) if self.nonfinite != "propagate" else None
+        if found is not None and self.nonfinite == "raise":
+            raise NonFiniteError(
+                f"step {self.steps + 1}: the gradient of {found.name!r} has {found.kind} on rank {found.rank} "
+                "(nonfinite='raise')",
+                found,
+            )
+        if found is not None:  # skip on every rank: nothing combined, no optimizer step
+            self.skipped_steps += 1
+        else:
+            self.optimizer.step()
         self.steps += 1
         mean_loss = loss.detach().reshape(1)
         dist.all_reduce(mean_loss)
         return StepResult(mean_loss / dist.get_world_size(), diag)
 
     def state_dict(self) -> dict[str, Any]:
-        return {"model": self.model.state_dict(), "optimizer": self.optimizer.state_dict(), "steps": self.steps}
+        return {
+            "model": self.model.state_dict(),
+            "optimizer": self.optimizer.state_dict(),
+            "reducer": self.reducer.state_dict(),
+            "steps": self.steps,
+            "skipped_steps": self.skipped_steps,
+        }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.model.load_state_dict(state["model"])
         self.optimizer.load_state_dict(state["optimizer"])
+        self.reducer.load_state_dict(state.get("reducer", {}))
         self.steps = int(state["steps"])
-
-
-def save_atomic(obj: Any, path: Path) -> None:
-    """torch.save to a temporary file in the same folder, then os.replace: never a torn file."""
-    tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
-    torch.save(obj, tmp)
-    os.replace(tmp, path)
+        self.skipped_steps = int(state.get("skipped_steps", 0))
 
 
 def write_json_atomic(obj: Any, path: Path) -> None:
@@ -293,13 +322,20 @@ def train(
 ) -> dict[str, Any]:
     """Train one run and return its result (also written to ``OUT/result.json``).
 
-    Simulated unless `distributed` (then one process per worker under torchrun, every method). `out_dir` receives ``metrics.jsonl`` (one line per step and per epoch),
-    ``checkpoint.pt`` after every epoch, and ``result.json``; `resume` continues from the checkpoint.
+    Simulated unless `distributed` (then one process per worker under torchrun, every method).
+    `out_dir` receives ``metrics.jsonl`` (one line per step and per epoch),
+    ``checkpoint.pt`` after every epoch (and every ``config.checkpoint_every`` steps), and
+    ``result.json``; `resume` continues from the checkpoint, mid-epoch included, exactly where the
+    uninterrupted run would be (`adasum.experiments.checkpoint`).
 
     >>> result = train(RunConfig(method="adasum", workers=16, lr=0.01, epochs=2), "runs/one")
     >>> result["test_accuracy"]
     """
     config.validate()
+    if config.deterministic:  # bitwise-repeatable kernels (CPU runs with fixed threads already are)
+        os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+        torch.use_deterministic_algorithms(True)
+        torch.backends.cudnn.benchmark = False
     method = get_method(config.method)
     device = torch.device(config.device)
     rank = dist.get_rank() if distributed else 0
@@ -335,29 +371,47 @@ def train(
     )
     if distributed:
         torch.manual_seed(config.seed * 1000 + rank + 1)  # each rank its own dropout
-        engine: SimulatedWorkers | DistributedWorker = DistributedWorker(model, optimizer, reducer, **options)
+        engine: SimulatedWorkers | DistributedWorker = DistributedWorker(
+            model, optimizer, reducer, nonfinite=config.nonfinite, **options
+        )
     else:
-        engine = SimulatedWorkers(model, workers, optimizer, reducer=reducer, chunk_size=config.chunk_size, **options)
+        engine = SimulatedWorkers(
+            model, workers, optimizer, reducer=reducer, chunk_size=config.chunk_size, nonfinite=config.nonfinite,
+            **options,
+        )
     names = [n for n, p in model.named_parameters() if p.requires_grad]
 
     history: list[dict[str, Any]] = []
     trace: list[list[float]] = []
-    start_epoch = 0
+    start_epoch = start_step = 0
+    partial: dict[str, Any] = {"losses": [], "ortho": [], "per_tensor": []}  # the epoch so far
     checkpoint = out / "checkpoint.pt" if out is not None else None
     if resume and checkpoint is not None and checkpoint.exists():
-        state = torch.load(checkpoint, map_location=device, weights_only=True)
+        state, local = load_checkpoint(checkpoint, device, distributed=distributed)
         _check_same_run(state["config"], asdict(config), checkpoint)
-        engine.load_state_dict(state["engine"])
+        engine.load_state_dict(local["engine"])
         history, trace, start_epoch = state["history"], state["trace"], int(state["epoch"])
-        torch.set_rng_state(state["rng"])
-        if device.type == "cuda" and state.get("cuda_rng") is not None:
-            torch.cuda.set_rng_state(state["cuda_rng"], device)
-        log.info("resumed %s from epoch %d", out, start_epoch)
+        start_step = int(state.get("step_in_epoch", 0))
+        partial = state.get("partial") or partial
+        torch.set_rng_state(local["rng"])
+        if device.type == "cuda" and local.get("cuda_rng") is not None:
+            torch.cuda.set_rng_state(local["cuda_rng"], device)
+        log.info("resumed %s from epoch %d, step %d", out, start_epoch, start_step)
+
+    def save(epoch: int, step_in_epoch: int) -> None:
+        """Checkpoint after `epoch` whole epochs and `step_in_epoch` more steps (every rank calls)."""
+        if checkpoint is None:
+            return
+        common = {"config": asdict(config), "epoch": epoch, "step_in_epoch": step_in_epoch,
+                  "partial": partial if step_in_epoch else None, "history": history, "trace": trace}
+        local = {"engine": engine.state_dict(), "rng": torch.get_rng_state(),
+                 "cuda_rng": torch.cuda.get_rng_state(device) if device.type == "cuda" else None}
+        save_checkpoint(checkpoint, common, local, distributed=distributed)
 
     total_steps = steps_per_epoch * config.epochs
     trace_every = max(1, total_steps // 400)
     label = f"{method.name} P={workers} lr={config.lr:g}"
-    advance = (progress or ProgressBar(False)).task(label, total_steps, start_epoch * steps_per_epoch)
+    advance = (progress or ProgressBar(False)).task(label, total_steps, start_epoch * steps_per_epoch + start_step)
     writer = _tensorboard_writer(out / "tensorboard") if tensorboard and out is not None and rank == 0 else None
     diverged = bool(history and history[-1].get("diverged"))
     metrics_path = out / "metrics.jsonl" if out is not None and rank == 0 else None
@@ -368,8 +422,11 @@ def train(
                 break
             started = time.perf_counter()
             order = worker_batches(len(train_x), workers, config.batch_size, epoch, config.seed).to(device)
-            losses, ortho, per_tensor = [], [], []
-            for s in range(steps_per_epoch):
+            first = start_step if epoch == start_epoch else 0
+            if first == 0:
+                partial = {"losses": [], "ortho": [], "per_tensor": []}
+            losses, ortho, per_tensor = partial["losses"], partial["ortho"], partial["per_tensor"]
+            for s in range(first, steps_per_epoch):
                 idx = order[s, rank : rank + 1] if distributed else order[s]
                 result = engine.step(train_x[idx], train_y[idx])
                 losses.append(result.losses.mean().detach())
@@ -377,8 +434,16 @@ def train(
                     ortho.append((s, result.orthogonality.model))
                     per_tensor.append(result.orthogonality.per_tensor)
                 advance(1)
+                global_step = epoch * steps_per_epoch + s + 1
+                if config.checkpoint_every and global_step % config.checkpoint_every == 0 and s + 1 < steps_per_epoch:
+                    save(epoch, s + 1)
+                kill_point(rank, global_step)
             step_losses = torch.stack(losses).tolist()
-            train_loss = sum(step_losses) / len(step_losses)
+            if config.nonfinite == "skip":  # a skipped step's loss may be NaN: not a divergence
+                finite_mean = _finite_mean(step_losses)
+                train_loss = finite_mean if finite_mean is not None else float("nan")
+            else:
+                train_loss = sum(step_losses) / len(step_losses)
             test_loss, test_acc = evaluate(engine.module, data.test_x, data.test_y)
             diverged = not (math.isfinite(train_loss) and math.isfinite(test_loss))
             mean_o = _finite_mean([o for _, o in ortho])
@@ -393,6 +458,7 @@ def train(
                 "steps": (epoch + 1) * steps_per_epoch,
                 "wall_s": time.perf_counter() - started,
                 "diverged": diverged,
+                "skipped_steps": engine.skipped_steps,
             }
             history.append(record)
             for s, o in ortho:
@@ -419,17 +485,7 @@ def train(
                     for key in ("train_loss", "test_loss", "test_accuracy", "orthogonality"):
                         if record[key] is not None:
                             writer.add_scalar(key, record[key], epoch + 1)
-                if checkpoint is not None:
-                    state = {
-                        "config": asdict(config),
-                        "epoch": epoch + 1,
-                        "engine": engine.state_dict(),
-                        "history": history,
-                        "trace": trace,
-                        "rng": torch.get_rng_state(),
-                        "cuda_rng": torch.cuda.get_rng_state(device) if device.type == "cuda" else None,
-                    }
-                    save_atomic(state, checkpoint)
+            save(epoch + 1, 0)
     if writer is not None:
         writer.close()
 
@@ -454,6 +510,7 @@ def train(
         "train_loss": last["train_loss"],
         "best_test_accuracy": max(h["test_accuracy"] for h in history),
         "diverged": last["diverged"],
+        "skipped_steps": engine.skipped_steps,
         "steps": len(history) * steps_per_epoch,
         "wall_s": sum(h["wall_s"] for h in history),
         "distributed": distributed,

@@ -1,0 +1,101 @@
+"""Checkpoints of a training run that survive kills and restarts.
+
+* Written atomically: `torch.save` to a temporary file in the same folder, then `os.replace`, so a
+  kill in the middle of a save leaves the previous checkpoint intact and usable.
+* Under torchrun every rank's own state (its RNG state; in delta mode its optimizer state) is
+  gathered to rank 0, which writes one file; on resume every rank takes its own part back.
+* Read with ``weights_only=True``; a damaged, truncated or foreign file gives a one-line
+  ValueError naming the file, never an unpickling traceback.
+* `kill_point`: a test-only fault injection (``ADASUM_TEST_KILL=RANK:STEP:MARKER``): rank RANK
+  SIGKILLs itself after global step STEP unless the file MARKER exists (it creates MARKER first,
+  so only the first attempt dies and a restarted run goes on).
+
+>>> save_checkpoint(path, common, local, distributed=True)     # on every rank
+>>> common, local = load_checkpoint(path, device, distributed=True)
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+REQUIRED = ("config", "epoch", "engine")
+KILL_ENV = "ADASUM_TEST_KILL"
+
+
+def save_atomic(obj: Any, path: Path) -> None:
+    """torch.save to a temporary file in the same folder, then os.replace: never a torn file."""
+    tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
+    try:
+        torch.save(obj, tmp)
+        os.replace(tmp, path)
+    finally:
+        if tmp.exists():
+            tmp.unlink()
+
+
+def save_checkpoint(path: Path, common: dict[str, Any], local: dict[str, Any], *, distributed: bool) -> None:
+    """Write ``{**common, **local_of_rank_0, "ranks": [local of every rank]}`` to `path` atomically.
+
+    `local` holds what differs between ranks ("engine", "rng", ...). Under torchrun every rank must
+    call this (the local parts are gathered to rank 0, which writes); otherwise the one process writes.
+    """
+    if not distributed:
+        save_atomic({**common, **local}, path)
+        return
+    rank, world = dist.get_rank(), dist.get_world_size()
+    gathered: list[Any] | None = [None] * world if rank == 0 else None
+    dist.gather_object(local, gathered, dst=0)
+    if rank == 0:
+        assert gathered is not None
+        save_atomic({**common, **gathered[0], "ranks": gathered, "world_size": world}, path)
+
+
+def read_checkpoint(path: Path, device: torch.device | str = "cpu") -> dict[str, Any]:
+    """Load `path` with ``weights_only=True``; ValueError (one line) if it is damaged or not ours."""
+    try:
+        state = torch.load(path, map_location=device, weights_only=True)
+    except Exception as error:  # zip, unpickling and EOF errors all mean "not a usable checkpoint"
+        lines = str(error).strip().splitlines()
+        reason = lines[0] if lines else type(error).__name__
+        raise ValueError(
+            f"{path} is not a readable checkpoint ({type(error).__name__}: {reason}); "
+            "delete it or use another --out"
+        ) from None
+    if not isinstance(state, dict) or any(key not in state for key in REQUIRED):
+        raise ValueError(f"{path} is not an adasum training checkpoint; delete it or use another --out")
+    return state
+
+
+def load_checkpoint(
+    path: Path, device: torch.device | str = "cpu", *, distributed: bool
+) -> tuple[dict[str, Any], dict[str, Any]]:
+    """(state, this rank's local part) from `path`; the local part is the top level when not
+    distributed, else ``state["ranks"][rank]`` (ValueError if the world size changed)."""
+    state = read_checkpoint(path, device)
+    if not distributed:
+        return state, state
+    rank, world = dist.get_rank(), dist.get_world_size()
+    ranks = state.get("ranks")
+    if ranks is None or len(ranks) != world:
+        saved = len(ranks) if ranks is not None else "no per-rank state (a simulated run)"
+        raise ValueError(f"{path} was written by {saved} ranks, this run has {world}; resume with the same world size")
+    return state, ranks[rank]
+
+
+def kill_point(rank: int, global_step: int) -> None:
+    """Test-only: SIGKILL this process after `global_step` if ``ADASUM_TEST_KILL=RANK:STEP:MARKER``
+    names this rank and step and MARKER does not exist yet (it is created first)."""
+    spec = os.environ.get(KILL_ENV)
+    if not spec:
+        return
+    want_rank, want_step, marker = spec.split(":", 2)
+    if int(want_rank) != rank or int(want_step) != global_step or os.path.exists(marker):
+        return
+    Path(marker).write_text(f"killed rank {rank} after step {global_step}\n")
+    os.kill(os.getpid(), signal.SIGKILL)

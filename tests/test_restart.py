@@ -1,0 +1,141 @@
+"""Restart without loss: ``adasum train`` under ``torchrun --max-restarts`` with a rank SIGKILLed in
+the middle of an epoch resumes from the last (mid-epoch) checkpoint and ends bitwise equal to an
+uninterrupted run; checkpoints are written atomically and a damaged or foreign file gives one line."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from adasum.experiments import checkpoint as ckpt
+from adasum.experiments.cli import main
+
+SRC = str(Path(__file__).parent.parent / "src")
+# 256 examples / (2 ranks x 8) = 16 steps per epoch, 32 in all; checkpoints every 5 steps
+TRAIN = ["--epochs", "2", "--train-limit", "256", "--batch-size", "8", "--checkpoint-every", "5",
+         "--deterministic", "--resume", "--no-progress", "--quiet", "--seed", "3",
+         "--timeout", "30"]
+
+
+def _same(a, b) -> bool:
+    """Bitwise equality of nested dicts/lists of tensors and plain values."""
+    if isinstance(a, torch.Tensor):
+        return isinstance(b, torch.Tensor) and a.dtype == b.dtype and torch.equal(a, b)
+    if isinstance(a, dict):
+        return isinstance(b, dict) and a.keys() == b.keys() and all(_same(a[k], b[k]) for k in a)
+    if isinstance(a, (list, tuple)):
+        return isinstance(b, (list, tuple)) and len(a) == len(b) and all(_same(x, y) for x, y in zip(a, b))
+    return a == b
+
+
+def _torchrun(out: Path, method: str, env_extra: dict[str, str], max_restarts: int) -> subprocess.CompletedProcess:
+    env = {**os.environ, "PYTHONPATH": SRC, "OMP_NUM_THREADS": "1", **env_extra}
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+           f"--max-restarts={max_restarts}", "--monitor-interval", "0.2",
+           "-m", "adasum", "train", "--method", method, "--out", str(out), *TRAIN]
+    return subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=300)
+
+
+@pytest.mark.parametrize("method", ["adacons"])  # gradient mode with reducer state (AdaCons momentum)
+def test_torchrun_restart_after_sigkill_resumes_bitwise(tmp_path, method):
+    straight = _torchrun(tmp_path / "straight", method, {}, max_restarts=0)
+    assert straight.returncode == 0, straight.stderr[-3000:]
+    marker = tmp_path / "killed"
+    # rank 1 kills itself after global step 23 (mid epoch 2; the last checkpoint is at step 20)
+    killed = _torchrun(tmp_path / "killed-run", method, {ckpt.KILL_ENV: f"1:23:{marker}"}, max_restarts=3)
+    assert killed.returncode == 0, killed.stderr[-3000:]
+    assert marker.read_text() == "killed rank 1 after step 23\n"  # the first attempt did die there
+    a = torch.load(tmp_path / "straight" / "checkpoint.pt", weights_only=True)
+    b = torch.load(tmp_path / "killed-run" / "checkpoint.pt", weights_only=True)
+    assert a["epoch"] == b["epoch"] == 2 and len(b["ranks"]) == 2
+    for rank in range(2):  # model, optimizer state, reducer state, step counter, RNG: every rank's
+        sa, sb = a["ranks"][rank], b["ranks"][rank]
+        for key, value in sa["engine"]["model"].items():
+            assert torch.equal(value, sb["engine"]["model"][key]), (rank, key)
+        for p, state in sa["engine"]["optimizer"]["state"].items():
+            for name, value in state.items():
+                assert torch.equal(value, sb["engine"]["optimizer"]["state"][p][name]), (rank, p, name)
+        reducer_a, reducer_b = sa["engine"]["reducer"], sb["engine"]["reducer"]
+        assert reducer_a.keys() == reducer_b.keys() and reducer_a, reducer_a
+        assert _same(reducer_a, reducer_b)
+        assert sa["engine"]["steps"] == sb["engine"]["steps"] == 32
+        assert torch.equal(sa["rng"], sb["rng"])
+    ra = json.loads((tmp_path / "straight" / "result.json").read_text())
+    rb = json.loads((tmp_path / "killed-run" / "result.json").read_text())
+    strip = lambda h: {k: v for k, v in h.items() if k != "wall_s"}  # noqa: E731
+    assert [strip(h) for h in ra["history"]] == [strip(h) for h in rb["history"]]
+    epochs = [json.loads(line)["epoch"] for line in (tmp_path / "killed-run" / "metrics.jsonl").read_text().splitlines()
+              if json.loads(line).get("kind") == "epoch"]
+    assert epochs == [1, 2]
+
+
+def test_kill_during_save_leaves_the_previous_checkpoint(tmp_path, monkeypatch):
+    path = tmp_path / "checkpoint.pt"
+    ckpt.save_atomic({"config": {}, "epoch": 1, "engine": {"w": torch.ones(3)}}, path)
+    real_save = torch.save
+
+    def torn_save(obj, f, *args, **kwargs):  # half a file, then the process "dies"
+        Path(f).write_bytes(b"PK\x03\x04 half written")
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(torch, "save", torn_save)
+    with pytest.raises(KeyboardInterrupt):
+        ckpt.save_atomic({"config": {}, "epoch": 2, "engine": {"w": torch.zeros(3)}}, path)
+    monkeypatch.setattr(torch, "save", real_save)
+    state = ckpt.read_checkpoint(path)
+    assert state["epoch"] == 1 and torch.equal(state["engine"]["w"], torch.ones(3))
+    assert [p.name for p in tmp_path.iterdir()] == ["checkpoint.pt"]  # no temporary file left
+
+
+@pytest.mark.parametrize("content,message", [
+    (b"PK\x03\x04 truncated zip", "is not a readable checkpoint"),
+    (None, "is not an adasum training checkpoint"),  # a valid torch file, not ours
+])
+def test_damaged_or_foreign_checkpoint_is_one_line(tmp_path, capsys, content, message):
+    out = tmp_path / "run"
+    out.mkdir()
+    if content is None:
+        torch.save({"weights": torch.ones(2)}, out / "checkpoint.pt")
+    else:
+        (out / "checkpoint.pt").write_bytes(content)
+    status = main(["train", "--method", "adasum", "--simulate", "2", "--epochs", "1", "--train-limit", "64",
+                   "--batch-size", "8", "--out", str(out), "--resume", "--no-progress", "--quiet"])
+    err = capsys.readouterr().err
+    assert status == 2
+    lines = err.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("adasum: error:") and message in lines[0], err
+    assert "checkpoint.pt" in lines[0] and "Traceback" not in err
+
+
+def test_simulated_mid_epoch_resume_is_exact(tmp_path):
+    """--checkpoint-every: a run stopped mid-epoch (the kill point, in-process) resumes exactly."""
+    args = ["train", "--method", "adasum", "--simulate", "2", "--epochs", "1", "--train-limit", "128",
+            "--batch-size", "8", "--checkpoint-every", "3", "--resume", "--no-progress", "--quiet",
+            "--nonfinite", "skip"]
+    assert main([*args, "--out", str(tmp_path / "a")]) == 0
+    # stop after step 5 (checkpoint at 3): the resumed run replays steps 4 and 5
+    os.environ[ckpt.KILL_ENV] = f"0:5:{tmp_path / 'marker'}"
+    try:
+        real_kill = os.kill
+        os.kill = lambda pid, sig: (_ for _ in ()).throw(SystemExit(9))  # die without killing pytest
+        with pytest.raises(SystemExit):
+            main([*args, "--out", str(tmp_path / "b")])
+    finally:
+        os.kill = real_kill
+        del os.environ[ckpt.KILL_ENV]
+    assert torch.load(tmp_path / "b" / "checkpoint.pt", weights_only=True)["step_in_epoch"] == 3
+    assert main([*args, "--out", str(tmp_path / "b")]) == 0
+    a = torch.load(tmp_path / "a" / "checkpoint.pt", weights_only=True)
+    b = torch.load(tmp_path / "b" / "checkpoint.pt", weights_only=True)
+    for key, value in a["engine"]["model"].items():
+        assert torch.equal(value, b["engine"]["model"][key]), key
+    ra = json.loads((tmp_path / "a" / "result.json").read_text())
+    rb = json.loads((tmp_path / "b" / "result.json").read_text())
+    assert ra["skipped_steps"] == rb["skipped_steps"] == 0 and ra["history"][0]["skipped_steps"] == 0
+    assert ra["test_accuracy"] == rb["test_accuracy"] and ra["train_loss"] == rb["train_loss"]
