@@ -58,9 +58,10 @@ def test_torchrun_restart_after_sigkill_resumes_bitwise(tmp_path, method):
         sa, sb = a["ranks"][rank], b["ranks"][rank]
         for key, value in sa["engine"]["model"].items():
             assert torch.equal(value, sb["engine"]["model"][key]), (rank, key)
-        for p, state in sa["engine"]["optimizer"]["state"].items():
-            for name, value in state.items():
-                assert torch.equal(value, sb["engine"]["optimizer"]["state"][p][name]), (rank, p, name)
+        # the DistributedOptimizer's state: the wrapped optimizer's, counters, the reducer's
+        optimizer_a, optimizer_b = sa["engine"]["optimizer"], sb["engine"]["optimizer"]
+        assert optimizer_a["optimizer"]["state"], "the wrapped optimizer has momentum state"
+        assert _same(optimizer_a, optimizer_b), rank
         reducer_a, reducer_b = sa["engine"]["reducer"], sb["engine"]["reducer"]
         assert reducer_a.keys() == reducer_b.keys() and reducer_a, reducer_a
         assert _same(reducer_a, reducer_b)
