@@ -321,7 +321,6 @@ def adasum_flat_(
             _exchange(buffer, None, follower, group, wait)
 
 
-_group_device = group_device  # the name other modules imported before it moved to adasum.groups
 
 
 def all_reduce(

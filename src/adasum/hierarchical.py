@@ -29,7 +29,8 @@ import torch
 import torch.distributed as dist
 
 from adasum import ops
-from adasum.collectives import Placement, _group_device, adasum_flat_
+from adasum.collectives import Placement, adasum_flat_
+from adasum.groups import group_device
 
 
 @dataclass(frozen=True)
@@ -117,7 +118,7 @@ def build_hierarchy(group: dist.ProcessGroup | None = None, local_size: int | No
     from_env = size == env_size
     mine = [size, _env_int("LOCAL_RANK") if from_env else -1, _env_int("GROUP_RANK") if from_env else -1]
     world = dist.get_world_size(group)
-    device = _group_device(group)
+    device = group_device(group)
     everyone = torch.empty(world * 3, dtype=torch.int64, device=device)
     dist.all_gather_into_tensor(everyone, torch.tensor(mine, dtype=torch.int64, device=device), group=group)
     info = everyone.view(world, 3).tolist()

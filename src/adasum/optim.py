@@ -35,7 +35,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from adasum.collectives import _group_device
+from adasum.groups import group_device
 from adasum.layout import check_same_layout, flatten, unflatten_into
 from adasum.nonfinite import NonFinite, NonFiniteError, check_policy, find_nonfinite
 from adasum.reducers import Adasum, Mean, Reducer, Sum, get_reducer
@@ -102,7 +102,7 @@ def check_same_parameters(
 
     >>> check_same_parameters(list(model.parameters()), names=[n for n, _ in model.named_parameters()])
     """
-    device = _group_device(group)
+    device = group_device(group)
     check_same_layout(params, group, device, what="parameters")
     if not params:
         return
@@ -210,7 +210,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
         self.nonfinite = nonfinite
         self.skipped_steps = 0  # steps skipped on every rank under nonfinite="skip"
         self.bucket_cap_bytes = int(bucket_cap_mb * 2**20) if _is_per_tensor(self.reducer) else None
-        self._device = _group_device(group)
+        self._device = group_device(group)
         self._anchor: list[torch.Tensor] | None = None  # delta mode: the round's starting weights
         self._passes = 0  # backward passes accumulated since the last real step
         self._round_step = 0  # local steps taken since the last combination
