@@ -91,6 +91,10 @@ def main() -> None:
     if trainer.global_rank == 0:
         print(f"parameters identical on {trainer.world_size} ranks: {bool(same.item())}")
         print(f"Adasum combined the gradients of {adasum_callback.state.iteration} iterations")
+    # shut the process group down before exit: a gloo group torn down by the interpreter's exit can
+    # abort the process ("terminate called without an active exception") after a good run
+    dist.barrier()
+    dist.destroy_process_group()
 
 
 if __name__ == "__main__":
