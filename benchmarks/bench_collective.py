@@ -15,7 +15,6 @@ import datetime
 import json
 import math
 import os
-import platform
 import statistics
 import sys
 import tempfile
@@ -28,27 +27,11 @@ import torch.multiprocessing as mp
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from layouts import LAYOUTS  # noqa: E402
+from machine import device_name  # noqa: E402
 
 import adasum  # noqa: E402
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16, "fp64": torch.float64}
-
-
-def cpu_name() -> str:
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("model name"):
-                    return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine()
-
-
-def device_name(device: torch.device) -> str:
-    if device.type == "cuda":
-        return torch.cuda.get_device_name(device)
-    return f"{cpu_name()} ({os.cpu_count()} cores)"
 
 
 def _sync(device: torch.device) -> None:

@@ -28,7 +28,6 @@ import argparse
 import datetime
 import json
 import os
-import platform
 import statistics
 import sys
 import tempfile
@@ -42,6 +41,9 @@ import torch.multiprocessing as mp
 from torch import nn
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "src"))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from machine import device_name  # noqa: E402
 
 import adasum  # noqa: E402
 from adasum.ddp import AdasumState, adasum_hook  # noqa: E402
@@ -173,18 +175,6 @@ def time_variant(name: str, variant: str, args, device: torch.device, rank: int)
 
 
 # -- processes and report -----------------------------------------------------------------------
-
-
-def device_name(device: torch.device) -> str:
-    if device.type == "cuda":
-        return torch.cuda.get_device_name(device)
-    name = platform.processor() or platform.machine()
-    try:
-        with open("/proc/cpuinfo") as f:
-            name = next(line.split(":", 1)[1].strip() for line in f if line.startswith("model name"))
-    except (OSError, StopIteration):
-        pass
-    return f"{name} ({os.cpu_count()} cores)"
 
 
 def worker(rank: int, world: int, store_path: str, args) -> None:

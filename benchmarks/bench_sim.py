@@ -16,7 +16,6 @@ import argparse
 import datetime
 import json
 import os
-import platform
 import statistics
 import sys
 import time
@@ -25,22 +24,13 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "src"))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from machine import device_name  # noqa: E402
 
 from adasum.experiments.methods import get_method, method_reducer  # noqa: E402
 from adasum.experiments.models import HorovodCNN  # noqa: E402
 from adasum.sim import SimulatedWorkers  # noqa: E402
-
-
-def device_name(device: torch.device) -> str:
-    if device.type == "cuda":
-        return torch.cuda.get_device_name(device)
-    model = platform.processor() or platform.machine()
-    try:
-        with open("/proc/cpuinfo") as f:
-            model = next(line.split(":", 1)[1].strip() for line in f if line.startswith("model name"))
-    except (OSError, StopIteration):
-        pass
-    return f"{model} ({torch.get_num_threads()} threads)"
 
 
 def sync(device: torch.device) -> None:
