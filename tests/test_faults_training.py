@@ -183,7 +183,9 @@ def fault_body(rank, world, victim, action, where):
     dist.barrier(group=group)
     model = _model()
     if where == "optimizer":
-        opt = adasum.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), group=group, mode="delta")
+        opt = adasum.DistributedOptimizer(
+            torch.optim.SGD(model.parameters(), lr=0.1), group=group, mode="delta", nonfinite="raise"
+        )
         _backward(model, rank, 0)
     else:
         ddp = DDP(model, process_group=group)
