@@ -58,6 +58,7 @@ def generic_table(rows: list[dict], columns: list[str]) -> list[str]:
         cells = []
         for c in columns:
             v = r.get(c, "")
+            v = "" if v is None else v
             if isinstance(v, float):
                 v = f"{v:.4g}"
             cells.append(str(v))
@@ -77,7 +78,15 @@ def main() -> None:
               "bucket). Medians over the repeats; each repeat is the slowest rank's time.", ""]
     lines += collective_tables(load("collective.jsonl"))
     lines += ["## End-to-end training steps", ""]
-    lines += generic_table(load("e2e.jsonl"), ["device", "model", "variant", "step_s", "ratio", "torch", "nccl"])
+    lines += ["Median step time over the timed steps (slowest rank), 2 GPUs; `ratio` is against the DDP",
+              "row of the same run. The second run was taken while `DistributedOptimizer` checked for",
+              "non-finite gradients by default (a host synchronisation per step); the others without.", ""]
+    e2e = load("e2e.jsonl")
+    ddp = {(r["date"], r["model"]): r["step_s"] for r in e2e if r["variant"] == "ddp"}
+    for r in e2e:
+        r["ratio"] = r["step_s"] / ddp[(r["date"], r["model"])] if (r["date"], r["model"]) in ddp else None
+        r["step_ms"] = r["step_s"] * 1e3
+    lines += generic_table(e2e, ["date", "device", "model", "variant", "step_ms", "ratio", "torch", "nccl"])
     lines += ["## The simulator", ""]
     lines += generic_table(load("sim.jsonl"), ["device", "method", "workers", "batch", "steps_per_s", "torch"])
     lines += ["### The single-process tree (`ops.reduce_stacked`)", ""]
