@@ -31,7 +31,7 @@ docs/faults.md).
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from datetime import timedelta
 
@@ -375,10 +375,18 @@ def all_reduce(
         raise ValueError(f"the {dist.get_backend(group)} backend needs {device.type} tensors, got {tensors[0].device}")
     if nonfinite == "raise":
         check_finite(tensors, group, operation="adasum.all_reduce")
+    fused_per_dtype(tensors, lambda flat, sizes: adasum_flat_(flat, sizes, group))
+
+
+def fused_per_dtype(
+    tensors: Sequence[torch.Tensor], combine: Callable[[torch.Tensor, list[int]], None]
+) -> None:
+    """Fuse `tensors` into one flat buffer per dtype (reused between calls on the CPU), run
+    ``combine(flat, sizes)`` on each in place, and copy the results back into `tensors`."""
     for indices in group_by_dtype(tensors).values():
         members = [tensors[i] for i in indices]
         flat = flatten(members, _workspace.get("fusion", sum(t.numel() for t in members), members[0]))
-        adasum_flat_(flat, [t.numel() for t in members], group)
+        combine(flat, [t.numel() for t in members])
         unflatten_into(flat, members)
 
 

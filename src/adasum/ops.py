@@ -108,11 +108,10 @@ def coefficients(
 
 
 def _scale_add_batched(a, b, coeff_a, coeff_b, lengths: Sequence[int], out: torch.Tensor) -> None:
-    seg = tiles(tuple(lengths), a.device).segments
-    sizes = tiles(tuple(lengths), a.device).sizes
+    table = tiles(tuple(lengths), a.device)
     n = a.numel()
-    ca = torch.repeat_interleave(coeff_a[seg], sizes, output_size=n)
-    cb = torch.repeat_interleave(coeff_b[seg], sizes, output_size=n)
+    ca = torch.repeat_interleave(coeff_a[table.segments], table.sizes, output_size=n)
+    cb = torch.repeat_interleave(coeff_b[table.segments], table.sizes, output_size=n)
     out.copy_(torch.addcmul(ca * a.to(torch.float64), cb, b.to(torch.float64)))
 
 

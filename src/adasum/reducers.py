@@ -23,8 +23,8 @@ import torch
 import torch.distributed as dist
 
 from adasum import hierarchical, ops
-from adasum.collectives import adasum_flat_
-from adasum.layout import flatten, group_by_dtype, unflatten_into
+from adasum.collectives import adasum_flat_, fused_per_dtype
+from adasum.layout import group_by_dtype
 
 
 class Reducer:
@@ -45,11 +45,7 @@ class Reducer:
         tensors = list(tensors)
         for t in tensors:
             ops.check_floating(t.dtype)
-        for indices in group_by_dtype(tensors).values():
-            members = [tensors[i] for i in indices]
-            flat = flatten(members)
-            self.all_reduce_flat(flat, [t.numel() for t in members], group)
-            unflatten_into(flat, members)
+        fused_per_dtype(tensors, lambda flat, sizes: self.all_reduce_flat(flat, sizes, group))
 
     def setup(self, group: dist.ProcessGroup | None = None) -> None:
         """Collective set-up for `group` (sub-groups, checks), before the first `all_reduce_flat`.
