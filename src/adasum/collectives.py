@@ -31,6 +31,7 @@ docs/faults.md).
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from datetime import timedelta
@@ -77,6 +78,12 @@ def clear_workspace() -> None:
 
 # Largest piece, in elements, of a level's exchange: (gloo, NCCL)
 _PIECE = (1 << 20, 1 << 23)
+
+
+@functools.lru_cache(maxsize=256)
+def _layout(sizes: tuple[int, ...]) -> Layout:
+    # layouts repeat call after call (a model's buckets): keep their offsets, not rebuild them
+    return Layout(sizes)
 
 
 def _global(group: dist.ProcessGroup | None, group_rank: int) -> int:
@@ -187,7 +194,7 @@ def adasum_flat_(
     With a `placement`, the buffer is a slice of the layout and the tree runs over
     ``placement.peers`` only (see `Placement`).
     """
-    layout = Layout(tuple(int(n) for n in sizes))
+    layout = _layout(tuple(int(n) for n in sizes))
     if placement is None:
         peers: Sequence[int] = range(dist.get_world_size(group))
         offset, rank = 0, dist.get_rank(group)
