@@ -26,10 +26,10 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import adasum  # noqa: E402
+
 from layouts import LAYOUTS  # noqa: E402
 from machine import device_name  # noqa: E402
-
-import adasum  # noqa: E402
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16, "fp64": torch.float64}
 
@@ -129,7 +129,7 @@ def worker(rank: int, world: int, store_path: str, args) -> None:
                 extra = "" if flat_s is None else f"  flat buffer {flat_s * 1e3:9.3f} ms ({flat_s / r_s:5.2f})"
                 print(f"{dtype_name:5s} {layout:14s} {numel:>11d}  adasum {a_s * 1e3:9.3f} ms  "
                       f"all_reduce {r_s * 1e3:9.3f} ms  ratio {a_s / r_s:5.2f}{extra}", flush=True)
-            del tensors, flat
+            tensors = flat = None  # free before the next case
     if rank == 0:
         os.makedirs(os.path.dirname(args.out), exist_ok=True)
         with open(args.out, "a") as f:

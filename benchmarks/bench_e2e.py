@@ -43,10 +43,10 @@ from torch import nn
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "src"))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from machine import device_name  # noqa: E402
-
 import adasum  # noqa: E402
 from adasum.ddp import AdasumState, adasum_hook  # noqa: E402
+
+from machine import device_name  # noqa: E402
 
 MODELS = ("resnet50", "bert")
 VARIANTS = ("ddp", "ddp-adasum", "delta")
@@ -94,7 +94,9 @@ def resnet50_builder():
     try:
         from torchvision.models import resnet50
     except ImportError:
-        raise SystemExit("bench_e2e: ResNet-50 needs torchvision (pip install torchvision), or pass --models bert") from None
+        raise SystemExit(
+            "bench_e2e: ResNet-50 needs torchvision (pip install torchvision), or pass --models bert"
+        ) from None
     return resnet50
 
 
@@ -168,7 +170,7 @@ def time_variant(name: str, variant: str, args, device: torch.device, rank: int)
             times.append(time.perf_counter() - start)
     slowest = torch.tensor(times, dtype=torch.float64, device=device)
     dist.all_reduce(slowest, op=dist.ReduceOp.MAX)
-    del net, optimizer, model
+    net = optimizer = model = None  # free before the next variant
     if device.type == "cuda":
         torch.cuda.empty_cache()
     return slowest.tolist()
@@ -185,15 +187,21 @@ def worker(rank: int, world: int, store_path: str, args) -> None:
         device, backend = torch.device("cuda", rank), "nccl"
         torch.cuda.set_device(device)
     dist.init_process_group(
-        backend, store=dist.FileStore(store_path, world), rank=rank, world_size=world,
-        timeout=timedelta(seconds=900), device_id=device if backend == "nccl" else None,
+        backend,
+        store=dist.FileStore(store_path, world),
+        rank=rank,
+        world_size=world,
+        timeout=timedelta(seconds=900),
+        device_id=device if backend == "nccl" else None,
     )
     try:
         rows = []
         for name in args.models:
             for variant in args.variants:
                 times = time_variant(name, variant, args, device, rank)
-                rows.append({"model": name, "variant": variant, "step_s": statistics.median(times), "step_times_s": times})
+                rows.append(
+                    {"model": name, "variant": variant, "step_s": statistics.median(times), "step_times_s": times}
+                )
         if rank == 0:
             report(rows, args, world, device)
     finally:
@@ -219,8 +227,10 @@ def report(rows: list[dict], args, world: int, device: torch.device) -> None:
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
     }
     base = {r["model"]: r["step_s"] for r in rows if r["variant"] == "ddp"}
-    print(f"{common['device']} x {world}, torch {common['torch']}, NCCL {nccl}, bf16 {args.bf16}, "
-          f"median of {args.steps} steps after {args.warmup}")
+    print(
+        f"{common['device']} x {world}, torch {common['torch']}, NCCL {nccl}, bf16 {args.bf16}, "
+        f"median of {args.steps} steps after {args.warmup}"
+    )
     print(f"{'model':<10} {'variant':<12} {'step ms':>10} {'vs ddp':>8}")
     for r in rows:
         ratio = r["step_s"] / base[r["model"]] if r["model"] in base else None
@@ -250,12 +260,16 @@ def _list(allowed: tuple[str, ...]):
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--models", type=_list(MODELS), default=list(MODELS), help="comma-separated: resnet50,bert")
-    p.add_argument("--variants", type=_list(VARIANTS), default=list(VARIANTS), help="comma-separated: ddp,ddp-adasum,delta")
+    p.add_argument(
+        "--variants", type=_list(VARIANTS), default=list(VARIANTS), help="comma-separated: ddp,ddp-adasum,delta"
+    )
     p.add_argument("--steps", type=int, default=20, help="timed steps per variant")
     p.add_argument("--warmup", type=int, default=5, help="untimed steps first")
     p.add_argument("--bf16", action="store_true", help="forward pass under bf16 autocast")
     p.add_argument("--world", type=int, default=None, help="processes (default: every GPU; 2 in a dry run)")
-    p.add_argument("--dry-run", action="store_true", help="tiny models, 2 CPU processes on gloo, 2 steps (a smoke test)")
+    p.add_argument(
+        "--dry-run", action="store_true", help="tiny models, 2 CPU processes on gloo, 2 steps (a smoke test)"
+    )
     p.add_argument("--out", default=None, help=f"JSON lines to append to (default {DEFAULT_OUT}; none in a dry run)")
     args = p.parse_args(argv)
     if args.dry_run:

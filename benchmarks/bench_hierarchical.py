@@ -25,10 +25,10 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from layouts import LAYOUTS  # noqa: E402
-
 import adasum  # noqa: E402
-from adasum.hierarchical import reduce_hierarchical  # noqa: E402
+from adasum.collectives.hierarchical import reduce_hierarchical  # noqa: E402
+
+from layouts import LAYOUTS  # noqa: E402
 
 
 def worker(rank: int, world: int, store: str, args) -> None:

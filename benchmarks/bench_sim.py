@@ -26,11 +26,11 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "src"))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from machine import device_name  # noqa: E402
-
 from adasum.experiments.methods import get_method, method_reducer  # noqa: E402
 from adasum.experiments.models import HorovodCNN  # noqa: E402
 from adasum.sim import SimulatedWorkers  # noqa: E402
+
+from machine import device_name  # noqa: E402
 
 
 def sync(device: torch.device) -> None:
@@ -96,11 +96,15 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--steps", type=int, default=10)
     p.add_argument("--repeats", type=int, default=5)
     p.add_argument("--warmup", type=int, default=3, help="untimed steps first")
-    p.add_argument("--dry-run", action="store_true", help="CPU, 1 warm-up step, 1 timed step, no results file unless --out")
+    p.add_argument(
+        "--dry-run", action="store_true", help="CPU, 1 warm-up step, 1 timed step, no results file unless --out"
+    )
     p.add_argument("--chunk-size", type=int, default=None)
     p.add_argument("--no-diagnostics", action="store_true", help="skip the per-step orthogonality diagnostic")
     p.add_argument("--threads", type=int, default=None, help="CPU threads (default: torch's)")
-    p.add_argument("--out", default=None, help="JSON lines to append to (default benchmarks/results/sim.jsonl; none in a dry run)")
+    p.add_argument(
+        "--out", default=None, help="JSON lines to append to (default benchmarks/results/sim.jsonl; none in a dry run)"
+    )
     args = p.parse_args(argv)
     if args.dry_run:
         args.device, args.steps, args.repeats, args.warmup = "cpu", 1, 1, 1
@@ -114,11 +118,21 @@ def main(argv: list[str] | None = None) -> None:
         out.parent.mkdir(parents=True, exist_ok=True)
     for name in args.methods.split(","):
         row = bench(
-            name, args.workers, args.batch, device, args.steps, args.repeats, args.chunk_size,
-            not args.no_diagnostics, args.warmup,
+            name,
+            args.workers,
+            args.batch,
+            device,
+            args.steps,
+            args.repeats,
+            args.chunk_size,
+            not args.no_diagnostics,
+            args.warmup,
         )
-        print(f"{name}: P={row['workers']} x B={row['batch_per_worker']} on {row['device']}: "
-              f"{row['steps_per_s']:.2f} steps/s ({row['examples_per_s']:.0f} examples/s)", flush=True)
+        print(
+            f"{name}: P={row['workers']} x B={row['batch_per_worker']} on {row['device']}: "
+            f"{row['steps_per_s']:.2f} steps/s ({row['examples_per_s']:.0f} examples/s)",
+            flush=True,
+        )
         if out is not None:
             with open(out, "a") as f:
                 f.write(json.dumps(row) + "\n")

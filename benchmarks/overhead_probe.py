@@ -14,7 +14,11 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 import adasum
-from adasum import collectives, ops
+from adasum import kernels as ops
+from adasum.collectives import vhdd as collectives
+from adasum.collectives.agreement import check_same_layout
+from adasum.core.operator import coefficients
+from adasum.transport.c10d import exchange
 
 
 def worker(rank: int, store: str) -> None:
@@ -27,14 +31,14 @@ def worker(rank: int, store: str) -> None:
     recv = torch.empty(512, device=dev)
     small64 = torch.zeros(3, 2, dtype=torch.float64, device=dev)
     parts = ops.dot_and_norms(half, recv, [512])
-    ca, cb = ops.coefficients(parts, 0.5, 0.5)
+    ca, cb = coefficients(parts, 0.5, 0.5)
     probes = {
         "dist.all_reduce fp32 1024": lambda: dist.all_reduce(x),
         "dist.all_reduce f64 x6": lambda: dist.all_reduce(small64),
-        "int64 all_reduce + tolist (layout check)": lambda: collectives.check_same_layout([x], None, dev),
-        "batch_isend_irecv 512 + wait": lambda: collectives._exchange(half, recv, 1 - rank, None),
+        "int64 all_reduce + tolist (layout check)": lambda: check_same_layout([x], None, dev),
+        "batch_isend_irecv 512 + wait": lambda: exchange(half, recv, 1 - rank, None),
         "dot_and_norms (Triton) 512": lambda: ops.dot_and_norms(half, recv, [512]),
-        "coefficients": lambda: ops.coefficients(parts, 0.5, 0.5),
+        "coefficients": lambda: coefficients(parts, 0.5, 0.5),
         "scale_add (Triton) 512": lambda: ops.scale_add(half, recv, ca, cb, [512], half),
         "adasum_flat_ 1024": lambda: collectives.adasum_flat_(x, [1024]),
         "adasum.all_reduce 1024": lambda: adasum.all_reduce(x),

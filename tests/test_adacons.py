@@ -1,16 +1,17 @@
 """AdaCons's coefficient math and single-process form, against the independent NumPy reference of
 `reference_adacons.py`. The distributed form is checked against this one in test_reducers.py."""
 
+import os
 import subprocess
 import sys
-import os
 
 import numpy as np
 import pytest
 import torch
 
 import adasum
-from adasum import adacons
+from adasum.reducers import adacons
+
 from reference_adacons import AdaConsReference, smooth_sorted
 
 

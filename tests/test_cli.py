@@ -44,15 +44,47 @@ def test_compare_end_to_end(tmp_path, capsys):
 
 def test_pinned_compare_command_on_default_data(tmp_path):
     out = tmp_path / "pinned"
-    assert main(["compare", "--methods", "mean,adasum", "--workers", "16", "--epochs", "1", "--out", str(out), "--no-progress", "--quiet"]) == 0
+    assert (
+        main(
+            [
+                "compare",
+                "--methods",
+                "mean,adasum",
+                "--workers",
+                "16",
+                "--epochs",
+                "1",
+                "--out",
+                str(out),
+                "--no-progress",
+                "--quiet",
+            ]
+        )
+        == 0
+    )
     results = read_jsonl(out / "results.jsonl")
     assert [(r["method"], r["workers"], r["epochs"]) for r in results] == [("mean", 16, 1), ("adasum", 16, 1)]
     assert all(r["task"] == "digits" and 0 <= r["test_accuracy"] <= 100 for r in results)
 
 
 def _train(out: Path, epochs: int, *extra: str) -> dict:
-    args = ["train", "--method", "adasum-delta", "--simulate", "3", "--optimizer", "adam", "--lr", "0.003",
-            "--epochs", str(epochs), "--out", str(out), *QUICK, *extra]
+    args = [
+        "train",
+        "--method",
+        "adasum-delta",
+        "--simulate",
+        "3",
+        "--optimizer",
+        "adam",
+        "--lr",
+        "0.003",
+        "--epochs",
+        str(epochs),
+        "--out",
+        str(out),
+        *QUICK,
+        *extra,
+    ]
     assert main(args) == 0
     return json.loads((out / "result.json").read_text())
 
@@ -68,7 +100,9 @@ def test_resume_continues_exactly(tmp_path):
     assert a["epoch"] == b["epoch"] == 3
     for key, value in a["engine"]["model"].items():
         assert torch.equal(value, b["engine"]["model"][key]), key
-    epochs = [line["epoch"] for line in read_jsonl(tmp_path / "resumed" / "metrics.jsonl") if line.get("kind") == "epoch"]
+    epochs = [
+        line["epoch"] for line in read_jsonl(tmp_path / "resumed" / "metrics.jsonl") if line.get("kind") == "epoch"
+    ]
     assert epochs == [1, 2, 3]
     # no temporary files are left next to the checkpoint
     assert sorted(p.name for p in (tmp_path / "resumed").iterdir()) == ["checkpoint.pt", "metrics.jsonl", "result.json"]
@@ -77,8 +111,25 @@ def test_resume_continues_exactly(tmp_path):
 def test_resume_of_another_run_is_refused(tmp_path, capsys):
     _train(tmp_path / "run", 1)
     capsys.readouterr()
-    status = main(["train", "--method", "adasum-delta", "--simulate", "3", "--optimizer", "adam", "--lr", "0.01",
-                   "--epochs", "2", "--out", str(tmp_path / "run"), "--resume", *QUICK])
+    status = main(
+        [
+            "train",
+            "--method",
+            "adasum-delta",
+            "--simulate",
+            "3",
+            "--optimizer",
+            "adam",
+            "--lr",
+            "0.01",
+            "--epochs",
+            "2",
+            "--out",
+            str(tmp_path / "run"),
+            "--resume",
+            *QUICK,
+        ]
+    )
     err = capsys.readouterr().err
     assert status == 2 and "another run (lr" in err
 
@@ -123,8 +174,26 @@ def test_bad_input_is_one_line_and_nonzero(tmp_path, capsys, args, message):
 
 
 def test_nonfinite_raise_stops_a_diverging_run_with_one_line(tmp_path, capsys):
-    status = main(["train", "--method", "sum", "--simulate", "2", "--lr", "1e6", "--momentum", "0", "--epochs", "3",
-                   "--nonfinite", "raise", "--out", str(tmp_path / "run"), *QUICK])
+    status = main(
+        [
+            "train",
+            "--method",
+            "sum",
+            "--simulate",
+            "2",
+            "--lr",
+            "1e6",
+            "--momentum",
+            "0",
+            "--epochs",
+            "3",
+            "--nonfinite",
+            "raise",
+            "--out",
+            str(tmp_path / "run"),
+            *QUICK,
+        ]
+    )
     err = capsys.readouterr().err
     lines = err.strip().splitlines()
     assert status == 1 and len(lines) == 1, err
@@ -135,7 +204,10 @@ def test_python_dash_m_entry_point_reports_bad_input_without_traceback(tmp_path)
     env = {**os.environ, "PYTHONPATH": str(Path(__file__).parent.parent / "src")}
     proc = subprocess.run(
         [sys.executable, "-m", "adasum", "compare", "--methods", "nope", "--out", str(tmp_path)],
-        capture_output=True, text=True, env=env, timeout=120,
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=120,
     )
     assert proc.returncode == 2
     assert proc.stderr.strip().splitlines() == [

@@ -6,6 +6,7 @@ import pytest
 import torch
 
 import adasum
+
 import distributed
 from reference import tree as reference_tree
 
@@ -168,7 +169,7 @@ def _identity_body(rank, world):
 def large_buffers(rank, world):
     """Tensors larger than one pipelined gloo message, crossing message boundaries (the message size
     is shrunk from 2**20 to 1000 elements so the buffers stay small)."""
-    adasum.collectives._PIECE = (1000, 1000)
+    adasum.collectives.vhdd._PIECE = (1000, 1000)
     sizes = [3001, 17, 1500, 5, 0, 2222]
     data = worker_data(60, world, [(n,) for n in sizes])
     mine = [t.clone().to(distributed.device_for(rank)) for t in data[rank]]

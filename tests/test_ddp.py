@@ -13,9 +13,10 @@ from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import bf16_compr
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 import adasum
-import distributed
+from adasum.collectives.hierarchical import reduce_hierarchical
 from adasum.ddp import AdasumState, adasum_hook
-from adasum.hierarchical import reduce_hierarchical
+
+import distributed
 
 BUCKET_CAP_MB = 0.001  # about 1 KB: after the rebuild, buckets of several parameters each
 

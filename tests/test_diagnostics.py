@@ -13,7 +13,9 @@ def test_hand_computed_values():
     # w: sum |g_i|^2 = 25 + 1 = 26, |sum g_i|^2 = |[4, 4]|^2 = 32  -> 26/32
     # b: sum |g_i|^2 = 1 + 1 = 2,   |sum g_i|^2 = 0               -> inf (exact cancellation)
     # model: (26 + 2) / (32 + 0) = 28/32
-    result = orthogonality([[torch.tensor([3.0, 4.0]), torch.tensor([1.0])], [torch.tensor([1.0, 0.0]), torch.tensor([-1.0])]])
+    result = orthogonality(
+        [[torch.tensor([3.0, 4.0]), torch.tensor([1.0])], [torch.tensor([1.0, 0.0]), torch.tensor([-1.0])]]
+    )
     assert result.per_tensor[0].item() == pytest.approx(26 / 32)
     assert math.isinf(result.per_tensor[1].item())
     assert result.model == pytest.approx(28 / 32)

@@ -16,7 +16,7 @@ from adasum.experiments.data import load_task, read_cifar10_dir, read_idx, read_
 from adasum.experiments.methods import METHODS, get_method, method_reducer, parse_methods
 from adasum.experiments.models import MODELS, build_model
 from adasum.experiments.runner import RunConfig, train, worker_batches
-from adasum.reducers import _REDUCERS
+from adasum.reducers.base import _REDUCERS
 
 
 @pytest.fixture(scope="module")
@@ -185,7 +185,9 @@ def test_worker_batches_partition_each_epoch():
     [("adasum-delta", "adam"), ("slowmo", "sgd"), ("adasum-localsgd", "sgd"), ("adasum", "lamb"), ("sum", "sgd")],
 )
 def test_train_runs_every_placement(digits, method, optimizer):
-    config = RunConfig(method=method, workers=4, lr=0.01, epochs=1, batch_size=8, optimizer=optimizer, train_limit=128, local_steps=2)
+    config = RunConfig(
+        method=method, workers=4, lr=0.01, epochs=1, batch_size=8, optimizer=optimizer, train_limit=128, local_steps=2
+    )
     result = train(config, dataset=digits)
     assert result["method"] == method and result["workers"] == 4 and result["steps"] == 4
     assert len(result["history"]) == 1 and result["history"][0]["orthogonality"] is not None
@@ -202,4 +204,3 @@ def test_divergence_is_recorded_and_stops_the_run(digits):
     config = RunConfig(method="sum", workers=8, lr=1e6, epochs=3, batch_size=8, train_limit=256, momentum=0.0)
     result = train(config, dataset=digits)
     assert result["diverged"] and result["epochs_run"] < 3
-

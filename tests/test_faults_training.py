@@ -14,8 +14,9 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 import adasum
-import distributed
 from adasum.ddp import AdasumState, adasum_hook
+
+import distributed
 
 TIMEOUT_S = 3
 NO_HANG_S = TIMEOUT_S + 20  # a bound on hanging, not a speed check
@@ -71,13 +72,20 @@ def nonfinite_body(rank, world, victim, bad):
             _backward(model, rank, 2)  # a clean step afterwards goes through
             opt.step()
             # delta mode: the optimizer state is local to each rank; the parameters agree
-            out[key]["after"] = _snapshot(model, opt) if mode == "gradient" else _snapshot(model, torch.optim.SGD([torch.zeros(1)]))
+            out[key]["after"] = (
+                _snapshot(model, opt) if mode == "gradient" else _snapshot(model, torch.optim.SGD([torch.zeros(1)]))
+            )
             out[key]["state_step"] = float(base.state[next(model.parameters())]["step"])
     # SlowMo: a rank's local model turns non-finite during a round
     for policy in ("raise", "skip"):
         model = _model()
-        slow = adasum.SlowMo(torch.optim.SGD(model.named_parameters(), lr=0.1, momentum=0.9), sync_every=2,
-                             slow_momentum=0.5, reducer="adasum", nonfinite=policy)
+        slow = adasum.SlowMo(
+            torch.optim.SGD(model.named_parameters(), lr=0.1, momentum=0.9),
+            sync_every=2,
+            slow_momentum=0.5,
+            reducer="adasum",
+            nonfinite=policy,
+        )
         for step in range(2):  # one clean round
             _backward(model, rank, step)
             slow.step()
@@ -111,7 +119,7 @@ def nonfinite_body(rank, world, victim, bad):
     try:
         _backward(ddp, rank, 0)
         out["ddp"] = None
-    except Exception as error:  # noqa: BLE001: what the user sees from backward
+    except Exception as error:  # any error: what the user sees from backward
         out["ddp"] = f"{type(error).__name__}: {error}"
     return out
 
@@ -201,8 +209,12 @@ def fault_body(rank, world, victim, action, where):
         else:
             _backward(ddp, rank, 0)
     except Exception as error:  # noqa: BLE001
-        return {"error": type(error).__name__, "message": str(error), "seconds": time.monotonic() - start,
-                "collective": isinstance(error, adasum.CollectiveError)}
+        return {
+            "error": type(error).__name__,
+            "message": str(error),
+            "seconds": time.monotonic() - start,
+            "collective": isinstance(error, adasum.CollectiveError),
+        }
     return {"error": None, "seconds": time.monotonic() - start}
 
 

@@ -9,8 +9,9 @@ import pytest
 import torch
 
 import adasum
+from adasum.collectives.hierarchical import check_placement, reduce_hierarchical
+
 import distributed
-from adasum.hierarchical import check_placement, reduce_hierarchical
 from reference import tree as reference_tree
 
 # odd sizes so that shards cut through tensors, zero-size tensors, and a total not divisible by 2 or 4
@@ -63,7 +64,7 @@ def hierarchical_body(rank, world, local_sizes):
         assert rel_err(torch.cat(mine), flat_ref) < 1e-6
 
     # gloo's pipelined exchanges (messages shrunk to 37 elements so that shards span several)
-    adasum.collectives._PIECE = (37, 37)
+    adasum.collectives.vhdd._PIECE = (37, 37)
     for local_size in local_sizes:
         data = [[torch.randn(n, generator=torch.Generator().manual_seed(50 + r)) for n in SIZES] for r in range(world)]
         mine = [t.clone() for t in data[rank]]

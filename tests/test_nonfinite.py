@@ -8,8 +8,9 @@ import pytest
 import torch
 
 import adasum
+from adasum.collectives.nonfinite import NonFinite, check_policy
+
 import distributed
-from adasum.nonfinite import NonFinite, check_policy
 
 NAN, INF = float("nan"), float("inf")
 DTYPES = [torch.float32, torch.float64, torch.float32, torch.bfloat16, torch.float16, torch.float32]

@@ -5,7 +5,8 @@ import pytest
 import torch
 
 import adasum
-from adasum.tree import Tree
+from adasum.core.tree import Tree
+
 from reference import tree as reference_tree
 
 
@@ -45,7 +46,9 @@ def test_combine_matches_formula_and_keeps_shape_dtype():
     out = adasum.combine(a, b)
     assert out.shape == a.shape and out.dtype == a.dtype
     dot = (a.double() * b.double()).sum()
-    ref = (1 - dot / (2 * a.double().square().sum())) * a.double() + (1 - dot / (2 * b.double().square().sum())) * b.double()
+    ref = (1 - dot / (2 * a.double().square().sum())) * a.double() + (
+        1 - dot / (2 * b.double().square().sum())
+    ) * b.double()
     assert rel_err(out, ref) < 1e-7
 
 
@@ -144,12 +147,14 @@ def test_tree_counts():
     assert Tree(8).levels() == [1, 2, 4] and Tree(1).levels() == []
     with pytest.raises(ValueError):
         Tree(0)
-    assert math.isclose(adasum.ops.ZERO_NORM, 1.4916681462400413e-154)
+    assert math.isclose(adasum.core.operator.ZERO_NORM, 1.4916681462400413e-154)
 
 
 def test_batched_device_kernels_match_cpu_kernels():
     # the GPU path's batched kernels run on the CPU too: both must compute the same per-segment math
-    from adasum import ops
+    from adasum import kernels as ops
+    from adasum.core.operator import coefficients
+    from adasum.kernels import torch_ops
 
     g = torch.Generator().manual_seed(12)
     lengths = [5, 0, 70000, 1, 0, 300, 131072 + 7]
@@ -157,14 +162,14 @@ def test_batched_device_kernels_match_cpu_kernels():
         a = torch.randn(sum(lengths), generator=g).to(dtype)
         b = torch.randn(sum(lengths), generator=g).to(dtype)
         blocked = ops.dot_and_norms(a, b, lengths)
-        batched = ops._dot_and_norms_batched(a, b, lengths)
+        batched = torch_ops.dot_and_norms(a, b, lengths)
         assert batched.shape == blocked.shape == (3, len(lengths))
         assert torch.allclose(blocked, batched, rtol=1e-12, atol=1e-9)
-        ca, cb = ops.coefficients(blocked, 0.5, 0.5)
+        ca, cb = coefficients(blocked, 0.5, 0.5)
         out1, out2 = torch.empty_like(a), torch.empty_like(a)
         ops.scale_add(a, b, ca, cb, lengths, out1)
-        ops._scale_add_batched(a, b, ca, cb, lengths, out2)
+        torch_ops.scale_add(a, b, ca, cb, lengths, out2)
         # a rounding or two apart at most (an FMA in the BLAS path), relative to the terms' size
         eps = torch.finfo(dtype).eps
-        scale = (ca.abs().max() * a.double().abs() + cb.abs().max() * b.double().abs())
+        scale = ca.abs().max() * a.double().abs() + cb.abs().max() * b.double().abs()
         assert ((out1.double() - out2.double()).abs() <= 2 * eps * scale).all()

@@ -10,8 +10,9 @@ import torch
 from pytorch_optimizer import Lamb
 
 import adasum
+from adasum.integrations.optim import buckets, checksum
+
 import distributed
-from adasum.optim import buckets, checksum
 
 
 def make_model(seed=0):
@@ -109,7 +110,9 @@ def run_and_compare(rank, world, make_opt, rounds=3, combine=adasum.reduce, tol=
     micros, local_steps, clip = kwargs.pop("micros", 1), kwargs.get("local_steps", 1), kwargs.pop("clip", None)
     sim = Simulation(world, make_opt, combine, mode, micros, local_steps, clip)
     model = make_model()
-    opt = adasum.DistributedOptimizer(make_opt(model.parameters()), reduce=reduce, backward_passes_per_step=micros, **kwargs)
+    opt = adasum.DistributedOptimizer(
+        make_opt(model.parameters()), reduce=reduce, backward_passes_per_step=micros, **kwargs
+    )
     history = []
     step = 0
     for _ in range(rounds):
@@ -151,10 +154,13 @@ def optim_body(rank, world):
     whole = adasum.DistributedOptimizer(sgd(model.parameters()), reduce=adasum.Adasum(per_tensor=False))
     assert whole.bucket_cap_bytes is None
     if world == 4:
-        from adasum.hierarchical import reduce_hierarchical
+        from adasum.collectives.hierarchical import reduce_hierarchical
 
         out["hierarchical"] = run_and_compare(
-            rank, world, OPTIMIZERS["adam"], reduce=adasum.Adasum(hierarchical=True, local_size=2),
+            rank,
+            world,
+            OPTIMIZERS["adam"],
+            reduce=adasum.Adasum(hierarchical=True, local_size=2),
             combine=lambda ts: reduce_hierarchical(ts, 2),
         )
     out["scaler"] = grad_scaler_checks(rank, world)

@@ -7,8 +7,9 @@ import pytest
 import torch
 
 import adasum
-import distributed
 from adasum.reducers import get_reducer
+
+import distributed
 from reference_adacons import AdaConsReference
 
 pytestmark = pytest.mark.nccl
@@ -34,7 +35,9 @@ def consensus_data(step: int, world: int) -> list[list[torch.Tensor]]:
     a_i = <g_i, m>/|g_i| decreases with t_i while t_i < sqrt(N - 2), so the sort order is chosen:
     at step 0 it is [1, 2, .., N-1, 0], a permutation that is not its own inverse for N >= 3."""
     n = sum(int(np.prod(s)) for s in SHAPES)
-    q, _ = torch.linalg.qr(torch.randn(n, world + 1, generator=torch.Generator().manual_seed(step), dtype=torch.float64))
+    q, _ = torch.linalg.qr(
+        torch.randn(n, world + 1, generator=torch.Generator().manual_seed(step), dtype=torch.float64)
+    )
     t = [0.05] + [0.9 - 0.2 * (j - 1) for j in range(1, world)]
     t = t[-step % world :] + t[: -step % world] if step else t
     flats = [3 * q[:, 0] + t[i] * q[:, i + 1] for i in range(world)]
@@ -55,7 +58,9 @@ def checks(rank, world):
     out = {}
     for name, make in REDUCERS.items():
         ours, single = make(), make()
-        reference = AdaConsReference(single.momentum, single.per_tensor, single.scale) if name.startswith("adacons") else None
+        reference = (
+            AdaConsReference(single.momentum, single.per_tensor, single.scale) if name.startswith("adacons") else None
+        )
         for step in range(STEPS):
             data = consensus_data(step, world)
             mine = [t.clone() for t in data[rank]]

@@ -6,15 +6,16 @@ The real runs are written out here with plain autograd, `Reducer.all_reduce` and
 
 from __future__ import annotations
 
-import distributed
 import pytest
 import torch
 from torch import nn
 
 from adasum.diagnostics import all_reduce_orthogonality, orthogonality
+from adasum.integrations.slowmo import slow_momentum_update
 from adasum.reducers import get_reducer
 from adasum.sim import SimulatedWorkers, cross_entropy
-from adasum.slowmo import slow_momentum_update
+
+import distributed
 
 WORLD = 3  # not a power of two: Adasum's folded tree is exercised too
 BATCH = 8
@@ -180,7 +181,8 @@ def test_simulated_equals_real_gloo_run(gloo_results):
 
 def test_torchrun_refuses_sequential_on_several_processes(gloo_results):
     for r in gloo_results:
-        assert r["train"]["sequential"] == "method 'sequential' is one worker: launch it with torchrun --nproc-per-node 1"
+        expected = "method 'sequential' is one worker: launch it with torchrun --nproc-per-node 1"
+        assert r["train"]["sequential"] == expected
 
 
 @pytest.fixture(scope="module")
@@ -219,7 +221,9 @@ def test_torchrun_training_path_matches_the_simulator(gloo_results, method, tmp_
     initial = build_model("mlp", digits.input_shape, digits.classes).state_dict()
     assert sim_model.keys() == real[0]["final_model"].keys()
     for name, value in sim_model.items():
-        torch.testing.assert_close(torch.from_numpy(real[0]["final_model"][name]), value, rtol=1e-5, atol=1e-6, msg=name)
+        torch.testing.assert_close(
+            torch.from_numpy(real[0]["final_model"][name]), value, rtol=1e-5, atol=1e-6, msg=name
+        )
         assert not torch.equal(value, initial[name]), f"{method}: {name} did not move"
 
 
@@ -269,7 +273,9 @@ def test_state_dict_round_trip_continues_identically():
     x, y = make_data(3)
 
     def fresh():
-        return SimulatedWorkers(make_model(), 3, make_optimizer("sgd"), reducer="mean", combine="deltas", local_steps=2, slow_momentum=0.5)
+        return SimulatedWorkers(
+            make_model(), 3, make_optimizer("sgd"), reducer="mean", combine="deltas", local_steps=2, slow_momentum=0.5
+        )
 
     straight = fresh()
     for step in range(STEPS):

@@ -10,6 +10,7 @@ import torch
 import torch.distributed as dist
 
 import adasum
+
 import distributed
 
 pytestmark = pytest.mark.nccl

@@ -6,17 +6,16 @@ aggregation) and SlowMo (slow momentum over periodically combined models) on the
 interface.
 """
 
-from adasum import ddp, hierarchical
-from adasum.collectives import all_reduce, all_reduce_async
+from adasum import ddp
+from adasum.collectives import all_reduce, all_reduce_async, hierarchical
+from adasum.collectives.nonfinite import NonFinite, NonFiniteError, check_finite, find_nonfinite
+from adasum.core.reduce import combine, reduce
 from adasum.diagnostics import Orthogonality, all_reduce_orthogonality, orthogonality, orthogonality_stacked
-from adasum.groups import CollectiveError, group_timeout
-from adasum.nonfinite import NonFinite, NonFiniteError, check_finite, find_nonfinite
-from adasum.ops import combine, reduce
-from adasum.optim import DistributedOptimizer
-from adasum.reducers import Adasum, Mean, Reducer, Sum, get_reducer
-from adasum.adacons import AdaCons  # also registers "adacons" with get_reducer
+from adasum.integrations.optim import DistributedOptimizer
+from adasum.integrations.slowmo import SlowMo
+from adasum.reducers import AdaCons, Adasum, Mean, Reducer, Sum, get_reducer
 from adasum.sim import SimulatedWorkers
-from adasum.slowmo import SlowMo
+from adasum.transport.groups import CollectiveError, group_timeout
 
 __all__ = [
     "AdaCons",
@@ -36,9 +35,11 @@ __all__ = [
     "all_reduce_orthogonality",
     "check_finite",
     "combine",
+    "ddp",
     "find_nonfinite",
     "get_reducer",
     "group_timeout",
+    "hierarchical",
     "orthogonality",
     "orthogonality_stacked",
     "reduce",

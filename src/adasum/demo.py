@@ -43,12 +43,20 @@ def _worker(rank: int, workers: int, store_path: str) -> None:
     if rank == 0:
         print(f"{workers} gloo workers, one adasum.all_reduce of 3 tensors (64, 6 and 5x5 values):")
         ortho_sum = sum(everyone[0])
-        print(f"  orthogonal gradients -> their sum:     max |adasum - sum|  = {float((grads[0] - ortho_sum).abs().max()):.1e}")
-        print(f"  identical gradients  -> that gradient: max |adasum - grad| = {float((grads[1] - 2.0 * same).abs().max()):.1e}")
+        print(
+            "  orthogonal gradients -> their sum:     max |adasum - sum|  = "
+            f"{float((grads[0] - ortho_sum).abs().max()):.1e}"
+        )
+        print(
+            "  identical gradients  -> that gradient: max |adasum - grad| = "
+            f"{float((grads[1] - 2.0 * same).abs().max()):.1e}"
+        )
         ref = adasum.reduce(everyone[2])
-        print(f"  independent 5x5      -> adasum.reduce:  max |difference|    = {float((grads[2] - ref).abs().max()):.1e}"
-              f"  (norm: mean {float(sum(everyone[2]).norm() / workers):.2f}, adasum {float(grads[2].norm()):.2f},"
-              f" sum {float(sum(everyone[2]).norm()):.2f})")
+        print(
+            f"  independent 5x5      -> adasum.reduce:  max |difference|    = {float((grads[2] - ref).abs().max()):.1e}"
+            f"  (norm: mean {float(sum(everyone[2]).norm() / workers):.2f}, adasum {float(grads[2].norm()):.2f},"
+            f" sum {float(sum(everyone[2]).norm()):.2f})"
+        )
         print(f"  bitwise identical on every rank: {all(torch.equal(r, results[0]) for r in results)}")
     dist.destroy_process_group()
 
@@ -61,7 +69,9 @@ def main(argv: list[str] | None = None) -> None:
         parser.error("--workers must be at least 2")
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     with tempfile.TemporaryDirectory() as tmp:
-        mp.start_processes(_worker, args=(args.workers, os.path.join(tmp, "store")), nprocs=args.workers, start_method="spawn")
+        mp.start_processes(
+            _worker, args=(args.workers, os.path.join(tmp, "store")), nprocs=args.workers, start_method="spawn"
+        )
 
 
 if __name__ == "__main__":

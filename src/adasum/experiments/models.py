@@ -99,7 +99,9 @@ class SmallResNet(nn.Module):
         super().__init__()
         if len(input_shape) != 3:
             raise ValueError(f"the ResNet needs [C, H, W] inputs, got {input_shape}")
-        self.stem = nn.Sequential(nn.Conv2d(input_shape[0], width, 3, 1, 1, bias=False), nn.GroupNorm(8, width), nn.ReLU())
+        self.stem = nn.Sequential(
+            nn.Conv2d(input_shape[0], width, 3, 1, 1, bias=False), nn.GroupNorm(8, width), nn.ReLU()
+        )
         layers, cin = [], width
         for stage in range(3):
             cout = width * 2**stage

@@ -46,7 +46,8 @@ def table(results: Sequence[Result]) -> str:
     """A markdown table of all runs, sorted by workers, method and learning rate."""
     ref = sequential_reference(results)
     rows = [
-        "| method | workers | lr | lr used | test acc. (%) | vs sequential | test loss | best acc. (%) | orthogonality | steps | time (s) |",
+        "| method | workers | lr | lr used | test acc. (%) | vs sequential | test loss | best acc. (%) "
+        "| orthogonality | steps | time (s) |",
         "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
     ]
     for r in sorted(results, key=lambda r: (r["workers"], _method_order(r["method"]), r["lr"])):
@@ -55,7 +56,8 @@ def table(results: Sequence[Result]) -> str:
         acc = _fmt(r["test_accuracy"]) + (" (diverged)" if r["diverged"] else "")
         rows.append(
             f"| {r['method']} | {r['workers']} | {r['lr']:g} | {r['effective_lr']:g} | {acc} | {delta} | "
-            f"{_fmt(r['test_loss'], 4)} | {_fmt(r['best_test_accuracy'])} | {_fmt(last_o, 3)} | {r['steps']} | {r['wall_s']:.1f} |"
+            f"{_fmt(r['test_loss'], 4)} | {_fmt(r['best_test_accuracy'])} | {_fmt(last_o, 3)} | {r['steps']} "
+            f"| {r['wall_s']:.1f} |"
         )
     return "\n".join(rows)
 
@@ -82,7 +84,20 @@ def write_report(results: Sequence[Result], out: Path, title: str = "Comparison"
         "learning rate, 'lr used' what the optimizer got (x P for mean-scaled); orthogonality is the "
         "mean over the last epoch's steps of sum_i |g_i|^2 / |sum_i g_i|^2 (1/P parallel, 1 orthogonal)."
     )
-    text = [f"# {title}", "", setting, "", "## Best learning rate per method", "", best_table(results), "", "## All runs", "", table(results), ""]
+    text = [
+        f"# {title}",
+        "",
+        setting,
+        "",
+        "## Best learning rate per method",
+        "",
+        best_table(results),
+        "",
+        "## All runs",
+        "",
+        table(results),
+        "",
+    ]
     plots = [p for p in ("accuracy.png", "loss.png", "orthogonality.png") if (out / p).exists()]
     if plots:
         text += ["## Plots", ""] + [f"![{p[:-4]}]({p})" for p in plots] + [""]
@@ -129,7 +144,14 @@ def plot(results: Sequence[Result], out: Path) -> list[Path]:
                 r = best.get((m, workers))
                 if r is not None:
                     h = r["history"]
-                    ax.plot([e["epoch"] for e in h], [e[key] for e in h], marker=".", color=colors[m], label=f"{m} (lr {r['lr']:g})")
+                    ax.plot(
+                        [e["epoch"] for e in h],
+                        [e[key] for e in h],
+                        marker=".",
+                        color=colors[m],
+                        label=f"{m} (lr {r['lr']:g})",
+                    )
+
         return draw
 
     panels("test accuracy (%)", "accuracy.png", history_lines("test_accuracy"))

@@ -24,16 +24,16 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from adasum.collectives.nonfinite import POLICIES, NonFiniteError, find_nonfinite
 from adasum.diagnostics import Orthogonality, all_reduce_orthogonality
 from adasum.experiments.checkpoint import kill_point, load_checkpoint, save_checkpoint
 from adasum.experiments.data import Dataset, load_task
-from adasum.experiments.methods import Method, get_method, method_reducer
+from adasum.experiments.methods import get_method, method_reducer
 from adasum.experiments.models import build_model
-from adasum.nonfinite import POLICIES, NonFiniteError, find_nonfinite
-from adasum.optim import DistributedOptimizer
+from adasum.integrations.optim import DistributedOptimizer
+from adasum.integrations.slowmo import SlowMo
 from adasum.reducers import Reducer
 from adasum.sim import SimulatedWorkers, StepResult, cross_entropy
-from adasum.slowmo import SlowMo
 
 log = logging.getLogger("adasum")
 
@@ -74,7 +74,10 @@ class RunConfig:
             (self.lr > 0 and math.isfinite(self.lr), f"learning rate must be > 0, got {self.lr}"),
             (self.epochs >= 1, f"epochs must be >= 1, got {self.epochs}"),
             (self.batch_size >= 1, f"batch size must be >= 1, got {self.batch_size}"),
-            (self.optimizer in OPTIMIZERS, f"unknown optimizer {self.optimizer!r}; choose from {', '.join(OPTIMIZERS)}"),
+            (
+                self.optimizer in OPTIMIZERS,
+                f"unknown optimizer {self.optimizer!r}; choose from {', '.join(OPTIMIZERS)}",
+            ),
             (0 <= self.momentum < 1, f"momentum must be in [0, 1), got {self.momentum}"),
             (self.local_steps >= 1, f"local steps must be >= 1, got {self.local_steps}"),
             (0 <= self.slow_momentum < 1, f"slow momentum must be in [0, 1), got {self.slow_momentum}"),
@@ -82,8 +85,10 @@ class RunConfig:
             (self.train_limit is None or self.train_limit >= 1, f"train limit must be >= 1, got {self.train_limit}"),
             (self.chunk_size is None or self.chunk_size >= 1, f"chunk size must be >= 1, got {self.chunk_size}"),
             (self.nonfinite in POLICIES, f"nonfinite must be one of {', '.join(POLICIES)}, got {self.nonfinite!r}"),
-            (self.checkpoint_every is None or self.checkpoint_every >= 1,
-             f"checkpoint every must be >= 1, got {self.checkpoint_every}"),
+            (
+                self.checkpoint_every is None or self.checkpoint_every >= 1,
+                f"checkpoint every must be >= 1, got {self.checkpoint_every}",
+            ),
         ]
         for ok, message in checks:
             if not ok:
@@ -180,7 +185,11 @@ class DistributedWorker:
         self.optimizer: DistributedOptimizer | SlowMo
         if slow_momentum is not None:
             self.optimizer = SlowMo(
-                base, sync_every=local_steps, slow_lr=slow_lr, slow_momentum=slow_momentum, reducer=reducer,
+                base,
+                sync_every=local_steps,
+                slow_lr=slow_lr,
+                slow_momentum=slow_momentum,
+                reducer=reducer,
                 nonfinite="propagate",  # the policy is applied per step in `step`, as the simulator does
             )
         else:
@@ -269,7 +278,11 @@ class ProgressBar:
             except ImportError:
                 return
             self._progress = Progress(
-                TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeRemainingColumn(), transient=True
+                TextColumn("{task.description}"),
+                BarColumn(),
+                MofNCompleteColumn(),
+                TimeRemainingColumn(),
+                transient=True,
             )
 
     def __enter__(self) -> ProgressBar:
@@ -376,7 +389,12 @@ def train(
         )
     else:
         engine = SimulatedWorkers(
-            model, workers, optimizer, reducer=reducer, chunk_size=config.chunk_size, nonfinite=config.nonfinite,
+            model,
+            workers,
+            optimizer,
+            reducer=reducer,
+            chunk_size=config.chunk_size,
+            nonfinite=config.nonfinite,
             **options,
         )
     names = [n for n, p in model.named_parameters() if p.requires_grad]
@@ -402,10 +420,19 @@ def train(
         """Checkpoint after `epoch` whole epochs and `step_in_epoch` more steps (every rank calls)."""
         if checkpoint is None:
             return
-        common = {"config": asdict(config), "epoch": epoch, "step_in_epoch": step_in_epoch,
-                  "partial": partial if step_in_epoch else None, "history": history, "trace": trace}
-        local = {"engine": engine.state_dict(), "rng": torch.get_rng_state(),
-                 "cuda_rng": torch.cuda.get_rng_state(device) if device.type == "cuda" else None}
+        common = {
+            "config": asdict(config),
+            "epoch": epoch,
+            "step_in_epoch": step_in_epoch,
+            "partial": partial if step_in_epoch else None,
+            "history": history,
+            "trace": trace,
+        }
+        local = {
+            "engine": engine.state_dict(),
+            "rng": torch.get_rng_state(),
+            "cuda_rng": torch.cuda.get_rng_state(device) if device.type == "cuda" else None,
+        }
         save_checkpoint(checkpoint, common, local, distributed=distributed)
 
     total_steps = steps_per_epoch * config.epochs
@@ -468,7 +495,12 @@ def train(
             if rank == 0:
                 log.info(
                     "%s epoch %d/%d: train loss %.4f, test loss %.4f, test accuracy %.2f%%%s%s",
-                    label, epoch + 1, config.epochs, train_loss, test_loss, test_acc,
+                    label,
+                    epoch + 1,
+                    config.epochs,
+                    train_loss,
+                    test_loss,
+                    test_acc,
                     f", orthogonality {mean_o:.3f}" if mean_o is not None else "",
                     " (diverged)" if diverged else "",
                 )

@@ -24,7 +24,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from adasum.groups import failures_named, group_device
+from adasum.transport.groups import failures_named, group_device
 
 POLICIES = ("propagate", "raise", "skip")
 """What to do about a NaN or Inf: let it through, raise on every rank, or skip the step on every rank."""

@@ -21,7 +21,7 @@ Rules chosen here (the paper leaves them open):
 * **Non-positive sum**: if no coefficient is positive (the mean is zero, or every gradient is
   orthogonal to or opposed to it), every worker gets ``1/N``. With the default scale the result
   is then ``|m| * d``, which is 0 whenever ``m = 0``.
-* **Zero gradients**: a worker with ``|g_i|^2`` below `adasum.ops.ZERO_NORM` has ``a_i = 0`` and
+* **Zero gradients**: a worker with ``|g_i|^2`` below `adasum.ZERO_NORM` has ``a_i = 0`` and
   contributes nothing (its direction is undefined); never NaN.
 * **Scale**: ``scale="mean_norm"`` (the default) multiplies by ``|m|``, so identical worker
   gradients aggregate to that very gradient and plain SGD works unchanged; ``scale="unit"`` is the
@@ -55,9 +55,10 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from adasum import ops
-from adasum.layout import flatten, group_by_dtype, unflatten_into
-from adasum.reducers import Reducer, _check_workers, register
+from adasum.core.layout import flatten, group_by_dtype, unflatten_into
+from adasum.core.operator import ZERO_NORM, check_floating
+from adasum.kernels import dot_and_norms
+from adasum.reducers.base import Reducer, _check_workers
 
 SCALES = ("mean_norm", "unit")
 
@@ -72,8 +73,8 @@ def projections(dots: torch.Tensor, sq_norms: torch.Tensor) -> torch.Tensor:
     >>> projections(torch.tensor([[2.0, 0.0]]), torch.tensor([[4.0, 0.0]]))
     tensor([[1., 0.]])
     """
-    nonzero = sq_norms >= ops.ZERO_NORM
-    return torch.where(nonzero, dots / sq_norms.clamp_min(ops.ZERO_NORM).sqrt(), torch.zeros_like(dots))
+    nonzero = sq_norms >= ZERO_NORM
+    return torch.where(nonzero, dots / sq_norms.clamp_min(ZERO_NORM).sqrt(), torch.zeros_like(dots))
 
 
 def sort_momentum(
@@ -119,8 +120,8 @@ def worker_weights(
     """
     if scale not in SCALES:
         raise ValueError(f"scale must be one of {SCALES}, got {scale!r}")
-    nonzero = sq_norms >= ops.ZERO_NORM
-    w = c / sq_norms.clamp_min(ops.ZERO_NORM).sqrt()
+    nonzero = sq_norms >= ZERO_NORM
+    w = c / sq_norms.clamp_min(ZERO_NORM).sqrt()
     if scale == "mean_norm":
         w = w * mean_sq_norm.sqrt().unsqueeze(-1)
     return torch.where(nonzero, w, torch.zeros_like(w))
@@ -199,7 +200,7 @@ class AdaCons(Reducer):
         """Weights [S, N] from per-tensor (or already summed) partials ([T, N], [T, N], [T]); updates
         the key's state."""
         if not self.per_tensor:
-            dots, sq_norms, mean_sq = dots.sum(0, keepdim=True), sq_norms.sum(0, keepdim=True), mean_sq.sum(0, keepdim=True)
+            dots, sq_norms, mean_sq = (x.sum(0, keepdim=True) for x in (dots, sq_norms, mean_sq))
         state = self._states.get(key)
         if state is not None:
             if state.shape != dots.shape:
@@ -224,7 +225,7 @@ class AdaCons(Reducer):
         workers = len(per_worker)
         first = per_worker[0]
         for i in range(count):
-            ops.check_floating(first[i].dtype)
+            check_floating(first[i].dtype)
             for w, tensors in enumerate(per_worker):
                 if tensors[i].shape != first[i].shape or tensors[i].dtype != first[i].dtype:
                     raise ValueError(
@@ -238,7 +239,7 @@ class AdaCons(Reducer):
         for i in range(count):
             m = means[i].reshape(-1)
             for j in range(workers):
-                part = ops.dot_and_norms(per_worker[j][i].reshape(-1), m, [m.numel()])[:, 0].cpu()
+                part = dot_and_norms(per_worker[j][i].reshape(-1), m, [m.numel()])[:, 0].cpu()
                 dots[i, j], sq_norms[i, j], mean_sq[i] = part
         weights = self._weights(self._key([(t.dtype, t.numel()) for t in first], key), dots, sq_norms, mean_sq)
         out = []
@@ -263,12 +264,18 @@ class AdaCons(Reducer):
         key: str | None = None,
     ) -> None:
         """In place on one flat buffer holding tensors of `sizes` elements (a DDP bucket)."""
-        ops.check_floating(buffer.dtype)
+        check_floating(buffer.dtype)
         sizes = [int(n) for n in sizes]
         if sum(sizes) != buffer.numel():
             raise ValueError(f"sizes add up to {sum(sizes)} elements, the buffer has {buffer.numel()}")
-        self._all_reduce_buffers([buffer], [sizes], [list(range(len(sizes)))], len(sizes), group,
-                                 self._key([(buffer.dtype, n) for n in sizes], key))
+        self._all_reduce_buffers(
+            [buffer],
+            [sizes],
+            [list(range(len(sizes)))],
+            len(sizes),
+            group,
+            self._key([(buffer.dtype, n) for n in sizes], key),
+        )
 
     def all_reduce(
         self, tensors: Sequence[torch.Tensor], group: dist.ProcessGroup | None = None, *, key: str | None = None
@@ -276,7 +283,7 @@ class AdaCons(Reducer):
         """In place across `group`; one flat buffer per dtype, coefficients over all of them."""
         tensors = list(tensors)
         for t in tensors:
-            ops.check_floating(t.dtype)
+            check_floating(t.dtype)
         groups = list(group_by_dtype(tensors).values())
         flats = [flatten([tensors[i] for i in indices]) for indices in groups]
         self._all_reduce_buffers(
@@ -311,7 +318,7 @@ class AdaCons(Reducer):
             dist.all_reduce(mean, group=group)
             mean.div_(world)
             # rows: <g_i, m>, |g_i|^2, |m|^2 for each tensor of this buffer
-            part = ops.dot_and_norms(flat, mean, lengths)  # float64 sums, no float64 copies
+            part = dot_and_norms(flat, mean, lengths)  # float64 sums, no float64 copies
             partials[:, torch.tensor(where, dtype=torch.int64, device=device)] = part.to(device)
             del mean
         if not self.per_tensor:  # whole model: gather 3 numbers per rank, not 3 per tensor
@@ -353,6 +360,3 @@ class AdaCons(Reducer):
 
     def __repr__(self) -> str:
         return f"AdaCons(momentum={self.momentum}, per_tensor={self.per_tensor}, scale={self.scale!r})"
-
-
-register("adacons", AdaCons)

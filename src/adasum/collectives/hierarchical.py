@@ -28,9 +28,10 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from adasum import ops
-from adasum.collectives import Placement, adasum_flat_
-from adasum.groups import group_device
+from adasum.collectives.vhdd import Placement, adasum_flat_
+from adasum.core.reduce import reduce
+from adasum.transport.c10d import global_rank
+from adasum.transport.groups import group_device
 
 
 @dataclass(frozen=True)
@@ -127,14 +128,10 @@ def build_hierarchy(group: dist.ProcessGroup | None = None, local_size: int | No
     node, local_rank = divmod(rank, size)
     local_group = None
     if size > 1:
-        members = [_global_rank(group, node * size + i) for i in range(size)]
+        members = [global_rank(group, node * size + i) for i in range(size)]
         # only the node's own ranks take part, so building it needs no global order of calls
         local_group = dist.new_group(members, use_local_synchronization=True)
     return Hierarchy(group, local_group, size, world // size, node, local_rank)
-
-
-def _global_rank(group: dist.ProcessGroup | None, group_rank: int) -> int:
-    return group_rank if group is None else dist.get_global_rank(group, group_rank)
 
 
 def adasum_hierarchical_flat_(buffer: torch.Tensor, sizes: Sequence[int], hierarchy: Hierarchy) -> None:
@@ -173,4 +170,4 @@ def reduce_hierarchical(tensors: Sequence[torch.Tensor], local_size: int) -> tor
         torch.stack(list(tensors[n : n + local_size])).sum(0).div_(local_size)
         for n in range(0, len(tensors), local_size)
     ]
-    return ops.reduce(means)
+    return reduce(means)

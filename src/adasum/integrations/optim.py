@@ -35,10 +35,11 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from adasum.groups import group_device
-from adasum.layout import check_same_layout, flatten, unflatten_into
-from adasum.nonfinite import NonFinite, NonFiniteError, check_policy, find_nonfinite
+from adasum.collectives.agreement import check_same_layout
+from adasum.collectives.nonfinite import NonFinite, NonFiniteError, check_policy, find_nonfinite
+from adasum.core.layout import flatten, unflatten_into
 from adasum.reducers import Adasum, Mean, Reducer, Sum, get_reducer
+from adasum.transport.groups import group_device
 
 MODES = ("delta", "gradient")
 

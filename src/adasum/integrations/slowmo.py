@@ -20,8 +20,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from adasum.nonfinite import NonFiniteError, check_policy, find_nonfinite
-from adasum.optim import check_same_parameters, nonfinite_message, optimizer_param_names
+from adasum.collectives.nonfinite import NonFiniteError, check_policy, find_nonfinite
+from adasum.integrations.optim import check_same_parameters, nonfinite_message, optimizer_param_names
 from adasum.reducers import Mean, Reducer, get_reducer
 
 
@@ -94,8 +94,9 @@ class SlowMo:
     it) and counted in ``skipped_syncs``. "propagate": nothing is checked.
 
     Learning-rate schedulers take the base optimizer (``param_groups`` is shared).
-    ``state_dict()`` carries the base optimizer's state, the anchor, the slow momentum, the step counter and the reducer's state; together with the
-    model's own state dict, a run resumed from any step continues exactly as if never stopped.
+    ``state_dict()`` carries the base optimizer's state, the anchor, the slow momentum, the step
+    counter and the reducer's state; together with the model's own state dict, a run resumed from
+    any step continues exactly as if never stopped.
 
     >>> opt = adasum.SlowMo(torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9),
     ...                     sync_every=12, slow_lr=1.0, slow_momentum=0.5)
@@ -273,10 +274,14 @@ class SlowMo:
         for name in ("anchor", "momentum"):
             saved = state[name]
             if len(saved) != len(self._params):
-                raise ValueError(f"state has {len(saved)} {name} tensors, the optimizer has {len(self._params)} parameters")
+                raise ValueError(
+                    f"state has {len(saved)} {name} tensors, the optimizer has {len(self._params)} parameters"
+                )
             for i, (mine, theirs) in enumerate(zip(getattr(self, f"_{name}"), saved)):
                 if mine.shape != theirs.shape:
-                    raise ValueError(f"{name} {i}: state has shape {list(theirs.shape)}, parameter has {list(mine.shape)}")
+                    raise ValueError(
+                        f"{name} {i}: state has shape {list(theirs.shape)}, parameter has {list(mine.shape)}"
+                    )
         self.optimizer.load_state_dict(state["optimizer"])
         with torch.no_grad():
             for mine, theirs in zip(self._anchor, state["anchor"]):

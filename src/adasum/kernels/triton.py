@@ -19,7 +19,7 @@ try:
 except ImportError:  # pragma: no cover - exercised where Triton is missing
     triton = None
 
-from adasum.tiles import TILE, tiles
+from adasum.core.tiles import TILE, tiles
 
 BLOCK = 1024
 ITERS = TILE // BLOCK
@@ -84,7 +84,7 @@ if triton is not None:
         a_ptr, b_ptr, sums_ptr, row_stride, workers_a, workers_b, counts_ptr, segments, out_ptr, starts_ptr,
         sizes_ptr, segs_ptr, BLOCK: tl.constexpr, ITERS: tl.constexpr, PER_SEGMENT: tl.constexpr,
     ):
-        # The coefficients of ops.coefficients, computed per tile from the segment's three sums.
+        # The coefficients of `adasum.core.operator.coefficients`, computed per tile from the segment's three sums.
         # Python floats would arrive as float32 (1/3 inexact, the zero guard 2**-511 flushed to 0),
         # so the weights come as worker counts and the guard is built from its float64 bits.
         # With PER_SEGMENT the counts come per segment from counts_ptr ([2, segments] int64).
@@ -148,7 +148,7 @@ def combine(
     workers_b: int | torch.Tensor, lengths: Sequence[int], out: torch.Tensor,
 ) -> None:
     """``out = c_a * a + c_b * b`` per segment with the coefficients of the segment's `sums`
-    (``ops.coefficients``), in float64, stored in out's dtype: one kernel. The worker counts are
+    (``adasum.core.operator.coefficients``), in float64, stored in out's dtype: one kernel. The worker counts are
     ints, or int64 tensors with one count per segment."""
     table = tiles(tuple(lengths), a.device)
     if table.n_tiles:

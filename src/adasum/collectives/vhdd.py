@@ -29,21 +29,23 @@ and the timeout. On NCCL nothing waits on the host here: its watchdog enforces t
 docs/faults.md).
 """
 
+
 from __future__ import annotations
 
 import functools
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
-from datetime import timedelta
 
 import torch
 import torch.distributed as dist
 
-from adasum import ops
-from adasum.groups import failures_named, group_device, group_timeout
-from adasum.layout import Layout, check_same_layout, flatten, group_by_dtype, unflatten_into
-from adasum.nonfinite import check_finite, check_policy
-from adasum.tree import Tree
+from adasum.core.layout import Layout
+from adasum.core.tree import Tree
+from adasum.kernels import combine_from_sums, dot_and_norms
+from adasum.transport.c10d import exchange as _exchange
+from adasum.transport.c10d import post as _post
+from adasum.transport.c10d import wait as _wait
+from adasum.transport.groups import failures_named, group_timeout
 
 
 class _Workspace:
@@ -86,49 +88,6 @@ def _layout(sizes: tuple[int, ...]) -> Layout:
     return Layout(sizes)
 
 
-def _global(group: dist.ProcessGroup | None, group_rank: int) -> int:
-    return group_rank if group is None else dist.get_global_rank(group, group_rank)
-
-
-def _post(
-    sends: Sequence[torch.Tensor], recvs: Sequence[torch.Tensor], peer: int, group: dist.ProcessGroup | None
-) -> tuple[list, list]:
-    """Start sending `sends` to and receiving `recvs` from `peer` (a group rank) as one batch, so
-    NCCL pairs them; empty tensors are skipped. Returns the send and the receive works (None for
-    a skipped receive)."""
-    peer = _global(group, peer)
-    p2p = [dist.P2POp(dist.isend, t, peer, group) for t in sends if t.numel() > 0]
-    p2p += [dist.P2POp(dist.irecv, t, peer, group) for t in recvs if t.numel() > 0]
-    works = list(dist.batch_isend_irecv(p2p)) if p2p else []
-    if len(works) != len(p2p):
-        # NCCL coalesces a batch into one work: every receive then waits for the whole batch
-        return works, [works[0] if t.numel() > 0 else None for t in recvs]
-    n_send = sum(1 for t in sends if t.numel() > 0)
-    send_works, recv_iter = works[:n_send], iter(works[n_send:])
-    recv_works = [next(recv_iter) if t.numel() > 0 else None for t in recvs]
-    return send_works, recv_works
-
-
-def _wait(works, timeout: timedelta | None = None) -> None:
-    """Wait for `works`; with a `timeout` (gloo) each wait gives up after it, None (NCCL) leaves the
-    waiting to the stream: an explicit timeout there would block the host until the kernels finish."""
-    for work in works:
-        if work is not None:
-            work.wait() if timeout is None else work.wait(timeout)
-
-
-def _exchange(
-    send: torch.Tensor | None,
-    recv: torch.Tensor | None,
-    peer: int,
-    group: dist.ProcessGroup | None,
-    timeout: timedelta | None = None,
-) -> None:
-    """Send `send` to and receive `recv` from `peer` (a group rank), and wait for both."""
-    send_works, recv_works = _post([] if send is None else [send], [] if recv is None else [recv], peer, group)
-    _wait(send_works + recv_works, timeout)
-
-
 def _split(lo: int, hi: int, count: int) -> list[tuple[int, int]]:
     """[lo, hi) cut into `count` consecutive pieces of near-equal size."""
     bounds = [lo + (hi - lo) * i // count for i in range(count + 1)]
@@ -157,12 +116,12 @@ def _fold_(
     `row`, so that slices of one tensor held by other ranks count too.
     """
     first, lengths = layout.overlap(offset, offset + buffer.numel())
-    sums = ops.dot_and_norms(buffer, other, lengths)
+    sums = dot_and_norms(buffer, other, lengths)
     if partial_sums is not None:
         partial_sums[row, :, first : first + len(lengths)] = sums
         dist.all_reduce(partial_sums, group=group)
         sums = partial_sums[row, :, first : first + len(lengths)]
-    ops.combine_from_sums(buffer, other, sums, 1, 1, lengths, out=buffer)
+    combine_from_sums(buffer, other, sums, 1, 1, lengths, out=buffer)
 
 
 @dataclass(frozen=True)
@@ -267,7 +226,9 @@ def adasum_flat_(
         count = max(1, -(-(parent[1] - parent[0]) // (2 * piece)))
         kept, given = _split(klo, khi, count), _split(glo, ghi, count)
         theirs = _workspace.get("recv", khi - klo, buffer)
-        exchange, gather = (f"the {phase} exchange at {level(i)} with rank {peer}" for phase in ("reduce-scatter", "gather"))
+        exchange, gather = (
+            f"the {phase} exchange at {level(i)} with rank {peer}" for phase in ("reduce-scatter", "gather")
+        )
         with step(exchange):
             posted = [
                 _post([buffer[g0:g1]], [theirs[k0 - klo : k1 - klo]], peer, group)
@@ -285,7 +246,7 @@ def adasum_flat_(
                 _wait(recv_works, wait)
             first, lengths = layout.overlap(offset + lo, offset + hi)
             if lengths:
-                ops.dot_and_norms(*pair(lo, hi), lengths, out=sums[block, :, first : first + len(lengths)])
+                dot_and_norms(*pair(lo, hi), lengths, out=sums[block, :, first : first + len(lengths)])
         with step(exchange):
             _wait([w for send_works, _ in posted for w in send_works], wait)
         with step(f"the dot-product all-reduce at {level(i)}"):
@@ -300,8 +261,12 @@ def adasum_flat_(
         for (lo, hi), (g0, g1) in zip(kept, given):
             first, lengths = layout.overlap(offset + lo, offset + hi)
             if lengths:
-                ops.combine_from_sums(
-                    *pair(lo, hi), sums[block, :, first : first + len(lengths)], workers_a, workers_b, lengths,
+                combine_from_sums(
+                    *pair(lo, hi),
+                    sums[block, :, first : first + len(lengths)],
+                    workers_a,
+                    workers_b,
+                    lengths,
                     out=buffer[lo:hi],
                 )
             if last:
@@ -326,93 +291,3 @@ def adasum_flat_(
     if follower is not None:
         with step(f"the fold (sending the result to rank {follower})"):
             _exchange(buffer, None, follower, group, wait)
-
-
-
-
-def all_reduce(
-    tensors: torch.Tensor | Sequence[torch.Tensor],
-    group: dist.ProcessGroup | None = None,
-    *,
-    check_layout: bool = True,
-    nonfinite: str = "propagate",
-) -> None:
-    """Replace each tensor, on every rank, by the Adasum of the ranks' copies; in place.
-
-    Each tensor gets its own coefficients ("per layer"). Any world size; gloo and NCCL; all ranks
-    end with bitwise-identical tensors, equal to ``adasum.reduce`` of the ranks' copies up to
-    float64 rounding of the coefficients. Tensors are fused into one flat buffer per dtype.
-
-    With `check_layout` (the default) one 16-byte all-reduce first checks that every rank passed
-    the same number of tensors with the same shapes and dtypes; a mismatch raises ValueError on
-    every rank, naming the first difference. Non-floating dtypes raise TypeError. World size 1
-    leaves the tensors unchanged.
-
-    Non-finite inputs: ``nonfinite="propagate"`` (the default) lets them through; a tensor with a
-    NaN or Inf on any rank comes out non-finite, identically on every rank. ``"raise"`` first
-    checks with one small all-reduce and raises `adasum.NonFiniteError` on every rank, naming the
-    first such tensor (its index in `tensors`) and the lowest rank that has it; nothing is changed.
-
-    A dead or stalled peer raises `adasum.CollectiveError` naming the step within the group's
-    timeout (gloo; on NCCL the watchdog enforces it).
-
-    >>> grads = [p.grad for p in model.parameters()]
-    >>> adasum.all_reduce(grads)
-    >>> adasum.all_reduce(grads, nonfinite="raise")
-    """
-    check_policy(nonfinite, ("propagate", "raise"))
-    tensors = [tensors] if isinstance(tensors, torch.Tensor) else list(tensors)
-    if not dist.is_initialized():
-        raise RuntimeError("adasum.all_reduce needs torch.distributed to be initialised")
-    if dist.get_world_size(group) == 1:
-        for t in tensors:
-            ops.check_floating(t.dtype)
-        if nonfinite == "raise":
-            check_finite(tensors, group, operation="adasum.all_reduce")
-        return
-    device = group_device(group)
-    if check_layout:
-        with failures_named("adasum.all_reduce", "the layout check", group):
-            check_same_layout(tensors, group, device)
-    for t in tensors:
-        ops.check_floating(t.dtype)
-        if t.device != tensors[0].device:
-            raise ValueError(f"all tensors must be on one device, got {tensors[0].device} and {t.device}")
-    if tensors and tensors[0].device.type != device.type:
-        raise ValueError(f"the {dist.get_backend(group)} backend needs {device.type} tensors, got {tensors[0].device}")
-    if nonfinite == "raise":
-        check_finite(tensors, group, operation="adasum.all_reduce")
-    fused_per_dtype(tensors, lambda flat, sizes: adasum_flat_(flat, sizes, group))
-
-
-def fused_per_dtype(
-    tensors: Sequence[torch.Tensor], combine: Callable[[torch.Tensor, list[int]], None]
-) -> None:
-    """Fuse `tensors` into one flat buffer per dtype (reused between calls on the CPU), run
-    ``combine(flat, sizes)`` on each in place, and copy the results back into `tensors`."""
-    for indices in group_by_dtype(tensors).values():
-        members = [tensors[i] for i in indices]
-        flat = flatten(members, _workspace.get("fusion", sum(t.numel() for t in members), members[0]))
-        combine(flat, [t.numel() for t in members])
-        unflatten_into(flat, members)
-
-
-def all_reduce_async(
-    tensors: torch.Tensor | Sequence[torch.Tensor],
-    group: dist.ProcessGroup | None = None,
-    *,
-    check_layout: bool = True,
-    nonfinite: str = "propagate",
-) -> torch.futures.Future:
-    """`all_reduce`, returning a Future of the list of tensors.
-
-    On NCCL the work is enqueued on the current CUDA stream and the host does not wait for it
-    (except for the layout check's one small read, which ``check_layout=False`` removes, and the
-    non-finite check's, which ``nonfinite="raise"`` adds); consumers on the same stream see the
-    result. On gloo the exchanges complete before it returns.
-    """
-    tensor_list = [tensors] if isinstance(tensors, torch.Tensor) else list(tensors)
-    all_reduce(tensor_list, group, check_layout=check_layout, nonfinite=nonfinite)
-    future: torch.futures.Future = torch.futures.Future()
-    future.set_result(tensor_list)
-    return future

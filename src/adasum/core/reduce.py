@@ -1,0 +1,112 @@
+"""Adasum in one process: the operator on two tensors (`combine`) and over P workers' copies on
+the collective's tree (`reduce`, `reduce_stacked`), through the same kernels as the collective."""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Sequence
+
+import torch
+
+from adasum.core.operator import check_floating
+from adasum.core.tree import Tree
+from adasum.kernels import combine_from_sums, dot_and_norms
+
+
+def combine_weighted(a: torch.Tensor, b: torch.Tensor, workers_a: int, workers_b: int) -> torch.Tensor:
+    """The operator for `a` standing for `workers_a` workers and `b` for `workers_b` (module doc)."""
+    if a.shape != b.shape:
+        raise ValueError(f"shapes differ: {tuple(a.shape)} and {tuple(b.shape)}")
+    if a.dtype != b.dtype:
+        raise TypeError(f"dtypes differ: {a.dtype} and {b.dtype}")
+    check_floating(a.dtype)
+    flat_a, flat_b = a.reshape(-1), b.reshape(-1)
+    lengths = [flat_a.numel()]
+    out = torch.empty(a.shape, dtype=a.dtype, device=a.device)
+    sums = dot_and_norms(flat_a, flat_b, lengths)
+    combine_from_sums(flat_a, flat_b, sums, workers_a, workers_b, lengths, out.view(-1))
+    return out
+
+
+def combine(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """Adasum of two tensors of the same shape and floating dtype (equal worker counts).
+
+    >>> a, b = torch.tensor([1.0, 0.0]), torch.tensor([0.0, 2.0])
+    >>> adasum.combine(a, b)        # orthogonal: the sum
+    tensor([1., 2.])
+    """
+    return combine_weighted(a, b, 1, 1)
+
+
+def reduce(tensors: Sequence[torch.Tensor]) -> torch.Tensor:
+    """Adasum of P workers' copies of one tensor, in worker order, on the collective's tree.
+
+    For a power of two this is Horovod's binary tree; for any P, parallel inputs give the mean and
+    orthogonal inputs the sum (see `adasum.tree`). Each level's result is rounded to the dtype,
+    as the collective does.
+
+    >>> adasum.reduce([g0, g1, g2])     # what adasum.all_reduce gives on 3 ranks
+    """
+    if len(tensors) == 0:
+        raise ValueError("reduce needs at least one tensor")
+    first = tensors[0]
+    check_floating(first.dtype)
+    for t in tensors[1:]:
+        if t.shape != first.shape or t.dtype != first.dtype:
+            raise ValueError(
+                f"all tensors need one shape and dtype: {tuple(first.shape)} {first.dtype} "
+                f"vs {tuple(t.shape)} {t.dtype}"
+            )
+    stacked = torch.stack([t.reshape(-1) for t in tensors])
+    return reduce_stacked(stacked, [first.numel()]).view(first.shape)
+
+
+def _bit_reverse(value: int, bits: int) -> int:
+    return int(format(value, f"0{bits}b")[::-1], 2) if bits else 0
+
+
+@functools.lru_cache(maxsize=256)
+def _segment_counts(counts: tuple[int, ...], tensors: int, device: torch.device) -> torch.Tensor:
+    return torch.tensor(counts, dtype=torch.int64, device=device).repeat_interleave(tensors)
+
+
+def reduce_stacked(stacked: torch.Tensor, sizes: Sequence[int]) -> torch.Tensor:
+    """Adasum over the rows of `stacked` ([P, N]: P workers' flat buffers, each holding tensors of
+    `sizes` elements end to end), per tensor, on the collective's tree. Returns the [N] result.
+
+    All pairs of a level are combined at once (one reduction and one combine over the whole level),
+    so P = 64 workers of a large model take 2 log2(P) batched kernels, not 63 per tensor. The
+    groups are stored in bit-reversed order: the pairs of every level are then the two contiguous
+    halves of the stored rows, and each level's results land in the order the next level needs.
+    """
+    workers, n = stacked.shape
+    if sum(sizes) != n:
+        raise ValueError(f"sizes add up to {sum(sizes)} elements, the rows have {n}")
+    tree = Tree(workers)
+    sizes = tuple(int(x) for x in sizes)
+    rows: list[torch.Tensor] = []
+    if tree.folded:
+        pairs = stacked[: 2 * tree.folded].view(tree.folded, 2, n)
+        a, b = pairs[:, 0].contiguous().view(-1), pairs[:, 1].contiguous().view(-1)
+        lengths = sizes * tree.folded
+        combine_from_sums(a, b, dot_and_norms(a, b, lengths), 1, 1, lengths, out=a)
+        rows += list(a.view(tree.folded, n))
+    rows += list(stacked[2 * tree.folded :])
+    bits = tree.groups.bit_length() - 1
+    order = [_bit_reverse(p, bits) for p in range(tree.groups)]
+    values = torch.stack([rows[g] for g in order]) if tree.groups > 1 else rows[0].clone().unsqueeze(0)
+    counts = [tree.count(g, 1) for g in order]
+    groups = tree.groups
+    while groups > 1:
+        half = groups // 2
+        a, b = values[:half].view(-1), values[half:groups].view(-1)
+        lengths = sizes * half
+        if counts[:half] == counts[half:groups] and len(set(counts[:half])) == 1:
+            workers_a = workers_b = counts[0]
+        else:
+            workers_a = _segment_counts(tuple(counts[:half]), len(sizes), stacked.device)
+            workers_b = _segment_counts(tuple(counts[half:groups]), len(sizes), stacked.device)
+        combine_from_sums(a, b, dot_and_norms(a, b, lengths), workers_a, workers_b, lengths, out=a)
+        counts = [x + y for x, y in zip(counts[:half], counts[half:groups])]
+        groups = half
+    return values[0]

@@ -1,0 +1,76 @@
+"""The per-tensor math on flat buffers, behind one dispatch: Triton kernels on GPUs when Triton
+imports (`adasum.kernels.triton`), batched torch ops on other devices (`adasum.kernels.torch_ops`),
+cache-blocked float64 BLAS on the CPU (`adasum.kernels.cpu`). All three compute the same sums and
+combinations in float64; callers never pick one.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+from adasum.core.operator import coefficients
+from adasum.kernels import cpu, torch_ops
+from adasum.kernels import triton as triton_kernels
+
+
+def dot_and_norms(
+    a: torch.Tensor, b: torch.Tensor, lengths: Sequence[int], out: torch.Tensor | None = None
+) -> torch.Tensor:
+    """Per-segment ``<a,b>``, ``|a|^2``, ``|b|^2`` of two flat tensors, in float64, as a [3, T] tensor.
+
+    `lengths` splits the flat tensors into T consecutive segments (zero lengths allowed); their sum
+    is ``a.numel()``. Everything is computed in float64. On the CPU, chunks of both inputs are cast
+    into a cached 2 x chunk float64 block whose Gram matrix (one BLAS call) gives all three sums;
+    on GPUs Triton kernels (or, without Triton, a few batched torch kernels) serve all segments
+    together, with no host synchronisation. With `out` ([3, T] float64), the sums are added into it.
+    """
+    if triton_kernels.available(a.device):
+        return triton_kernels.dot_and_norms(a, b, lengths, out)
+    sums = torch_ops.dot_and_norms(a, b, lengths) if a.device.type != "cpu" else cpu.dot_and_norms(a, b, lengths)
+    if out is None:
+        return sums
+    return out.add_(sums)
+
+
+def scale_add(
+    a: torch.Tensor,
+    b: torch.Tensor,
+    coeff_a: torch.Tensor,
+    coeff_b: torch.Tensor,
+    lengths: Sequence[int],
+    out: torch.Tensor,
+) -> None:
+    """``out = coeff_a * a + coeff_b * b`` segment by segment, computed in float64 and written in
+    out's dtype. `out` may alias `a` or `b`."""
+    if a.device.type != "cpu":
+        torch_ops.scale_add(a, b, coeff_a, coeff_b, lengths, out)
+        return
+    cpu.scale_add(a, b, coeff_a, coeff_b, lengths, out)
+
+
+def combine_from_sums(
+    a: torch.Tensor,
+    b: torch.Tensor,
+    sums: torch.Tensor,
+    workers_a: int | torch.Tensor,
+    workers_b: int | torch.Tensor,
+    lengths: Sequence[int],
+    out: torch.Tensor,
+) -> None:
+    """``out = c_a a + c_b b`` per segment, `a` standing for `workers_a` workers and `b` for
+    `workers_b` (ints, or int64 tensors with one count per segment), with (c_a, c_b) =
+    ``coefficients(sums, w_a, w_b)``. One fused kernel on GPUs with Triton; `out` may alias `a`
+    or `b`."""
+    if triton_kernels.available(a.device):
+        triton_kernels.combine(a, b, sums, workers_a, workers_b, lengths, out)
+        return
+    if isinstance(workers_a, torch.Tensor):
+        total = (workers_a + workers_b).to(torch.float64)
+        coeff_a, coeff_b = coefficients(sums, workers_a / total, workers_b / total)
+    else:
+        total = workers_a + workers_b
+        coeff_a, coeff_b = coefficients(sums, workers_a / total, workers_b / total)
+    scale_add(a, b, coeff_a, coeff_b, lengths, out)
+

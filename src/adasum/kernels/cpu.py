@@ -1,0 +1,43 @@
+"""CPU kernels: chunks of both inputs cast into a cached float64 block; one BLAS call per block
+gives the three sums (a Gram matrix) or the combination."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+_CPU_CHUNK = 65536  # float64 pairs of this many elements stay in cache
+
+
+def _float64_blocks(a: torch.Tensor, b: torch.Tensor, lengths: Sequence[int]):
+    """Yield (segment, start, block) over the CPU inputs: `block` is a reused float64 [2, m] array
+    holding a[start:start+m] and b[start:start+m], at most `_CPU_CHUNK` wide (it stays in cache)."""
+    pair = torch.empty(2, min(_CPU_CHUNK, max(lengths, default=0)), dtype=torch.float64)
+    start = 0
+    for i, n in enumerate(lengths):
+        for lo in range(start, start + n, _CPU_CHUNK):
+            m = min(_CPU_CHUNK, start + n - lo)
+            block = pair[:, :m]
+            block[0].copy_(a[lo : lo + m])
+            block[1].copy_(b[lo : lo + m])
+            yield i, lo, block
+        start += n
+
+
+def dot_and_norms(a: torch.Tensor, b: torch.Tensor, lengths: Sequence[int]) -> torch.Tensor:
+    gram = torch.zeros(len(lengths), 2, 2, dtype=torch.float64)
+    for i, _, block in _float64_blocks(a, b, lengths):
+        gram[i].addmm_(block, block.t())  # [[|a|^2, <a,b>], [<a,b>, |b|^2]] of the block
+    return torch.stack([gram[:, 0, 1], gram[:, 0, 0], gram[:, 1, 1]])
+
+
+def scale_add(a, b, coeff_a, coeff_b, lengths: Sequence[int], out: torch.Tensor) -> None:
+    """``out = coeff_a * a + coeff_b * b`` per segment, in float64 blocks, written in out's dtype."""
+    coeffs = torch.stack([coeff_a, coeff_b], dim=1).unsqueeze(1)  # [T, 1, 2]
+    mixed = torch.empty(1, min(_CPU_CHUNK, max(lengths, default=0)), dtype=torch.float64)
+    for i, lo, block in _float64_blocks(a, b, lengths):
+        m = block.shape[1]
+        torch.mm(coeffs[i], block, out=mixed[:, :m])
+        out[lo : lo + m].copy_(mixed[0, :m])
+

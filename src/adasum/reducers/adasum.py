@@ -1,0 +1,87 @@
+"""Adasum as a reducer: per tensor or whole-model, flat or hierarchical."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from adasum.collectives import hierarchical
+from adasum.collectives.vhdd import adasum_flat_
+from adasum.core.layout import group_by_dtype
+from adasum.core.operator import check_floating
+from adasum.core.reduce import reduce_stacked
+from adasum.reducers.base import Reducer, _check_workers
+
+
+def _per_dtype_whole(whole: Reducer, per_worker, count: int) -> list[torch.Tensor]:
+    """`whole` applied to each dtype group of tensors fused into one (whole-model coefficients)."""
+    out: list[torch.Tensor] = [torch.empty(0)] * count
+    for indices in group_by_dtype(list(per_worker[0])).values():
+        flat = whole.reduce([[torch.cat([w[i].reshape(-1) for i in indices])] for w in per_worker])[0]
+        for i, piece in zip(indices, flat.split([per_worker[0][i].numel() for i in indices])):
+            out[i] = piece.view(per_worker[0][i].shape)
+    return out
+
+
+class Adasum(Reducer):
+    """Adasum (see `adasum.core.operator`): per tensor by default; ``per_tensor=False`` uses one pair of
+    coefficients for all tensors of one dtype together (the whole-model variant; per dtype
+    because the collective runs on one flat buffer per dtype).
+
+    ``hierarchical=True`` (multi-GPU nodes): mean within each node of `local_size` consecutive
+    ranks (default LOCAL_WORLD_SIZE), Adasum across the node means (see `adasum.hierarchical`).
+    """
+
+    name = "adasum"
+
+    def __init__(self, per_tensor: bool = True, hierarchical: bool = False, local_size: int | None = None) -> None:
+        self.per_tensor = per_tensor
+        self.hierarchical = hierarchical
+        self.local_size = local_size
+        self._hierarchies: dict[Any, Any] = {}  # per group, built on first use (collective)
+
+    def reduce(self, per_worker):
+        count = _check_workers(per_worker)
+        if self.hierarchical:
+            size = self.local_size or hierarchical.local_size_from_env() or 1
+            if self.per_tensor:
+                return [hierarchical.reduce_hierarchical([w[i] for w in per_worker], size) for i in range(count)]
+            whole = Adasum(per_tensor=True, hierarchical=True, local_size=self.local_size)
+            return _per_dtype_whole(whole, per_worker, count)
+        # one batched tree per dtype over the workers' flat buffers, as the collective fuses them
+        out: list[torch.Tensor] = [torch.empty(0)] * count
+        for indices in group_by_dtype(list(per_worker[0])).values():
+            first = per_worker[0]
+            sizes = [first[i].numel() for i in indices]
+            for t in (w[i] for w in per_worker for i in indices):
+                check_floating(t.dtype)
+            stacked = torch.stack([torch.cat([w[i].reshape(-1) for i in indices]) for w in per_worker])
+            flat = reduce_stacked(stacked, sizes if self.per_tensor else [sum(sizes)])
+            for i, piece in zip(indices, flat.split(sizes)):
+                out[i] = piece.view(first[i].shape)
+        return out
+
+    def setup(self, group=None):
+        if self.hierarchical:
+            self._hierarchy(group)
+
+    def _hierarchy(self, group):
+        if group not in self._hierarchies:
+            self._hierarchies[group] = hierarchical.build_hierarchy(group, self.local_size)
+        return self._hierarchies[group]
+
+    def all_reduce_flat(self, buffer, sizes, group=None):
+        sizes = sizes if self.per_tensor else [buffer.numel()]
+        if self.hierarchical:
+            hierarchical.adasum_hierarchical_flat_(buffer, sizes, self._hierarchy(group))
+        else:
+            adasum_flat_(buffer, sizes, group)
+
+    def __getstate__(self) -> dict[str, Any]:
+        # process groups do not pickle; they are rebuilt on first use
+        return {**self.__dict__, "_hierarchies": {}}
+
+    def __repr__(self) -> str:
+        extra = f", hierarchical=True, local_size={self.local_size}" if self.hierarchical else ""
+        return f"Adasum(per_tensor={self.per_tensor}{extra})"

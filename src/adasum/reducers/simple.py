@@ -1,0 +1,36 @@
+"""The plain reducers: sum and mean (what DDP does)."""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+from adasum.reducers.base import Reducer, _check_workers
+
+
+class Sum(Reducer):
+    """The plain sum over workers."""
+
+    name = "sum"
+
+    def reduce(self, per_worker):
+        count = _check_workers(per_worker)
+        return [torch.stack([w[i] for w in per_worker]).sum(0) for i in range(count)]
+
+    def all_reduce_flat(self, buffer, sizes, group=None):
+        dist.all_reduce(buffer, group=group)
+
+
+class Mean(Reducer):
+    """The average over workers (Horovod's and DDP's default)."""
+
+    name = "mean"
+
+    def reduce(self, per_worker):
+        count = _check_workers(per_worker)
+        return [torch.stack([w[i] for w in per_worker]).sum(0) / len(per_worker) for i in range(count)]
+
+    def all_reduce_flat(self, buffer, sizes, group=None):
+        dist.all_reduce(buffer, group=group)
+        buffer.div_(dist.get_world_size(group))
+
