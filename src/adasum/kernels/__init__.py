@@ -12,7 +12,18 @@ import torch
 
 from adasum.core.operator import coefficients
 from adasum.kernels import cpu, torch_ops
-from adasum.kernels import triton as triton_kernels
+
+
+def _triton(device: torch.device):
+    """The Triton kernels module for `device`, or None. Imported on first use on a GPU only: a
+    process that loaded Triton's native library and exits while gloo's threads still run (no
+    ``destroy_process_group``) aborts at exit now and then ("terminate called without an active
+    exception"), so CPU processes must never load it."""
+    if device.type != "cuda":
+        return None
+    from adasum.kernels import triton as triton_kernels
+
+    return triton_kernels if triton_kernels.available(device) else None
 
 
 def dot_and_norms(
@@ -26,7 +37,8 @@ def dot_and_norms(
     on GPUs Triton kernels (or, without Triton, a few batched torch kernels) serve all segments
     together, with no host synchronisation. With `out` ([3, T] float64), the sums are added into it.
     """
-    if triton_kernels.available(a.device):
+    triton_kernels = _triton(a.device)
+    if triton_kernels is not None:
         return triton_kernels.dot_and_norms(a, b, lengths, out)
     sums = torch_ops.dot_and_norms(a, b, lengths) if a.device.type != "cpu" else cpu.dot_and_norms(a, b, lengths)
     if out is None:
@@ -63,7 +75,8 @@ def combine_from_sums(
     `workers_b` (ints, or int64 tensors with one count per segment), with (c_a, c_b) =
     ``coefficients(sums, w_a, w_b)``. One fused kernel on GPUs with Triton; `out` may alias `a`
     or `b`."""
-    if triton_kernels.available(a.device):
+    triton_kernels = _triton(a.device)
+    if triton_kernels is not None:
         triton_kernels.combine(a, b, sums, workers_a, workers_b, lengths, out)
         return
     if isinstance(workers_a, torch.Tensor):

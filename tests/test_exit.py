@@ -1,0 +1,54 @@
+"""Processes that use adasum exit cleanly.
+
+Two gloo ranks that called `adasum.all_reduce` and exited without ``destroy_process_group`` used
+to abort at exit now and then ("terminate called without an active exception", SIGABRT; 10 of 56
+runs), which torchrun reports as a failed job. The cause: importing adasum imported Triton, whose
+native library, loaded in a process that exits while gloo's threads still run, aborts at exit
+(measured without adasum too: ``import triton`` then ``dist.all_reduce`` aborted 2 of 27 times).
+adasum now loads Triton only for CUDA tensors.
+"""
+
+import os
+import subprocess
+import sys
+import tempfile
+
+RANK = r"""
+import sys
+import torch
+import torch.distributed as dist
+import adasum
+
+rank, store_path = int(sys.argv[1]), sys.argv[2]
+torch.set_num_threads(1)
+dist.init_process_group("gloo", store=dist.FileStore(store_path, 2), rank=rank, world_size=2)
+g = torch.Generator().manual_seed(rank)
+tensors = [torch.randn(3000, generator=g), torch.randn(40, 5, generator=g)]
+adasum.all_reduce(tensors)
+adasum.get_reducer("mean").all_reduce(tensors)
+assert "triton" not in sys.modules, "a CPU process loaded Triton"
+print("done", flush=True)
+# no destroy_process_group: users forget it, and torchrun must still see exit code 0
+"""
+
+TRIALS = 20
+
+
+def test_two_ranks_exit_cleanly_without_destroying_the_group():
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    failures = []
+    with tempfile.TemporaryDirectory() as tmp:
+        for trial in range(TRIALS):
+            store = os.path.join(tmp, f"store{trial}")
+            ranks = [
+                subprocess.Popen(
+                    [sys.executable, "-c", RANK, str(rank), store],
+                    env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                )
+                for rank in range(2)
+            ]
+            for rank, proc in enumerate(ranks):
+                out, err = proc.communicate(timeout=120)
+                if proc.returncode != 0 or out.strip() != "done":
+                    failures.append(f"trial {trial} rank {rank}: exit {proc.returncode}: {err.strip()[-300:]}")
+    assert not failures, f"{len(failures)} of {2 * TRIALS} ranks failed:\n" + "\n".join(failures)
