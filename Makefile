@@ -14,6 +14,7 @@ $(STAMP): pyproject.toml
 install: $(STAMP)
 
 test: $(STAMP)
+	$(PY) -m ruff check .
 	OMP_NUM_THREADS=1 $(PY) -m pytest -q
 
 # sequential vs Horovod's linearly scaled mean vs Adasum, 16 simulated workers, the embedded digits
