@@ -62,7 +62,10 @@ def orthogonality(per_worker: Sequence[Sequence[torch.Tensor]]) -> Orthogonality
     """O for P workers' copies of a list of tensors, given as one list of tensors per worker
     (the layout of `Reducer.reduce`).
 
-    >>> orthogonality([[g0_w, g0_b], [g1_w, g1_b]]).per_tensor    # one value per tensor
+    >>> w0, w1 = torch.tensor([1.0, 0.0]), torch.tensor([0.0, 1.0])   # orthogonal weights
+    >>> b = torch.tensor([2.0])                                         # equal biases
+    >>> orthogonality([[w0, b], [w1, b]]).per_tensor                    # one value per tensor
+    tensor([1.0000, 0.5000], dtype=torch.float64)
     """
     if len(per_worker) == 0:
         raise ValueError("orthogonality needs at least one worker")
@@ -80,7 +83,7 @@ def all_reduce_orthogonality(
     Costs one all-reduce of a copy of the tensors (float64) plus one of T float64 values; call it
     every few steps, not every step, in production runs.
 
-    >>> o = all_reduce_orthogonality([p.grad for p in model.parameters()])   # on every rank
+    >>> o = all_reduce_orthogonality([p.grad for p in model.parameters()])  # doctest: +SKIP
     """
     tensors = list(tensors)
     if not tensors:

@@ -42,10 +42,14 @@ def reduce(tensors: Sequence[torch.Tensor]) -> torch.Tensor:
     """Adasum of P workers' copies of one tensor, in worker order, on the collective's tree.
 
     For a power of two this is Horovod's binary tree; for any P, parallel inputs give the mean and
-    orthogonal inputs the sum (see `adasum.tree`). Each level's result is rounded to the dtype,
-    as the collective does.
+    orthogonal inputs the sum (see `adasum.core.tree`). Each level's result is rounded to the
+    dtype, as the collective does. ``adasum.all_reduce`` on P ranks gives the same result.
 
-    >>> adasum.reduce([g0, g1, g2])     # what adasum.all_reduce gives on 3 ranks
+    >>> g = torch.tensor([1.0, 2.0])
+    >>> adasum.reduce([g, g, g])                                      # parallel: the mean
+    tensor([1., 2.])
+    >>> adasum.reduce([torch.tensor([1.0, 0.0]), torch.tensor([0.0, 3.0])])   # orthogonal: the sum
+    tensor([1., 3.])
     """
     if len(tensors) == 0:
         raise ValueError("reduce needs at least one tensor")
