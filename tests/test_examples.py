@@ -38,3 +38,9 @@ def test_delta_adam_example():
     assert "parameters identical on 2 ranks: True" in out
     first, last = [float(line.split("loss")[1]) for line in out.splitlines() if line.startswith("step")]
     assert last < first / 5
+
+
+def test_fsdp_example():
+    out = torchrun("fsdp_transformer.py", "--shards", "1", "--steps", "20")  # 2 replicas x 1 shard
+    assert "parameters identical on 2 ranks: True" in out
+    assert "Adasum combined 60 unit gradients across 2 replicas" in out  # 3 units x 20 steps

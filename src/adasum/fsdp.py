@@ -1,0 +1,6 @@
+"""Public path of the FSDP2 integration: ``adasum.fsdp.enable(model, mesh)`` (implemented in
+`adasum.integrations.fsdp`)."""
+
+from adasum.integrations.fsdp import FSDPState, check_not_sharded, enable
+
+__all__ = ["FSDPState", "check_not_sharded", "enable"]

@@ -1,0 +1,322 @@
+"""adasum.fsdp on gloo: FSDP2 sharded on mesh['shard'], gradients combined across mesh['replicate'].
+
+Each rank also computes, with a plain unsharded copy of the model, the full gradient of every rank's
+batch; the expected gradient of a parameter is the NumPy reference (tests/reference*.py) over the
+replicas' shard means, per parameter (Adasum) or per unit (AdaCons). Ranks of a replica group
+(same shard, other replica) must hold bitwise-identical shards.
+"""
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+import torch.nn as nn
+
+import adasum
+import adasum.fsdp
+from adasum.integrations.fsdp import unit_view
+
+import distributed
+from reference import tree as reference_tree
+from reference_adacons import AdaConsReference
+
+ROOT = Path(__file__).resolve().parent.parent
+U32, U16 = 2.0**-24, 2.0**-8  # unit roundoff of float32 and bfloat16
+
+
+class Block(nn.Module):
+    def __init__(self, d, h):
+        super().__init__()
+        self.up, self.down = nn.Linear(d, h), nn.Linear(h, d)
+
+    def forward(self, x):
+        return x + self.down(torch.tanh(self.up(x)))
+
+
+class Net(nn.Module):
+    """Odd first dims, so that shards are padded; `extra` is used on rank 0 only (an unused parameter)."""
+
+    def __init__(self):
+        super().__init__()
+        self.inp = nn.Linear(6, 5)
+        self.blocks = nn.ModuleList([Block(5, 7), Block(5, 3)])
+        self.extra = nn.Linear(5, 5)
+        self.out = nn.Linear(5, 3)
+
+    def forward(self, x, use_extra=False):
+        x = self.inp(x)
+        for b in self.blocks:
+            x = b(x)
+        if use_extra:
+            x = x + self.extra(x)
+        return self.out(x)
+
+
+def unit_of(name):
+    return ".".join(name.split(".")[:2]) if name.startswith("blocks.") else "<root>"
+
+
+def batch(step, rank, micro=0):
+    g = torch.Generator().manual_seed(1000 * step + 10 * rank + micro)
+    return torch.randn(8, 6, generator=g), torch.randn(8, 3, generator=g)
+
+
+def loss_of(model, x, y, rank, dtype):
+    out = model(x.to(dtype), use_extra=rank == 0)
+    return ((out.float() - y) ** 2).mean()
+
+
+def sharded(mesh, dtype=torch.float32, reduce_dtype=None, reducer="adasum", seed=0):
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+    torch.manual_seed(seed)
+    model = Net()
+    policy = MixedPrecisionPolicy(param_dtype=dtype, reduce_dtype=reduce_dtype)
+    for block in model.blocks:
+        fully_shard(block, mesh=mesh["shard"], mp_policy=policy)
+    fully_shard(model, mesh=mesh["shard"], mp_policy=policy)
+    return model, adasum.fsdp.enable(model, mesh, reducer)
+
+
+def full_params(model):
+    return {n: p.full_tensor().detach().clone() for n, p in model.named_parameters()}
+
+
+def worker_grads(model, world, step, dtype, micros=1):
+    """Every rank's full gradients from a plain copy of `model`'s current parameters."""
+    plain = Net()
+    plain.load_state_dict(full_params(model))
+    plain = plain.to(dtype)
+    out = []
+    for r in range(world):
+        plain.zero_grad()
+        for m in range(micros):
+            loss_of(plain, *batch(step, r, m), r, dtype).backward()
+        # an unused parameter reduces as zeros (set_reduce_scatter_unused_params)
+        out.append({n: (torch.zeros_like(p) if p.grad is None else p.grad).double().numpy().copy()
+                    for n, p in plain.named_parameters()})
+    return out
+
+
+def replica_means(per_rank, replicas, shards):
+    return [{n: np.mean([per_rank[k * shards + s][n] for s in range(shards)], axis=0) for n in per_rank[0]}
+            for k in range(replicas)]
+
+
+def adasum_bound(a, b, u):
+    """First-order bound on |result - adasum(a, b)| when a and b carry two roundings each (the shard mean),
+    the coefficients come from float64 sums of those, and the result is computed and rounded in a
+    format of unit roundoff u: 4u(|ca a| + |cb b|) + 4u(|a| + |b|) (coefficient error) + u |result|."""
+    na, nb = np.linalg.norm(a), np.linalg.norm(b)
+    dot = float(a.reshape(-1) @ b.reshape(-1))
+    ca = 1.0 if na == 0 else 1 - dot / (2 * na * na)
+    cb = 1.0 if nb == 0 else 1 - dot / (2 * nb * nb)
+    out = ca * a + cb * b
+    return u * (4 * (abs(ca) * na + abs(cb) * nb) + 4 * (na + nb) + np.linalg.norm(out))
+
+
+def backward(model, rank, step, dtype, micros=1):
+    for m in range(micros):
+        model.set_requires_gradient_sync(m == micros - 1)
+        loss_of(model, *batch(step, rank, m), rank, dtype).backward()
+
+
+def check_adasum_step(model, rank, world, shards, step, dtype=torch.float32, u=U32, micros=1):
+    expected_by = replica_means(worker_grads(model, world, step, dtype, micros), world // shards, shards)
+    got = {n: p.grad.full_tensor().double().numpy() for n, p in model.named_parameters()}
+    for n in got:
+        vectors = [m[n].reshape(-1) for m in expected_by]
+        expected = reference_tree(vectors).reshape(got[n].shape)
+        err = np.linalg.norm(got[n] - expected)
+        assert err <= adasum_bound(*vectors, u), (step, n, err, adasum_bound(*vectors, u))
+    return b"".join(p.grad.to_local().detach().float().numpy().tobytes() for _, p in model.named_parameters())
+
+
+def sgd(model, lr=0.1):
+    with torch.no_grad():
+        for p in model.parameters():
+            p -= lr * p.grad
+            p.grad = None
+
+
+def hsdp_body(rank, world, shards, tmp):
+    from torch.distributed.device_mesh import init_device_mesh
+
+    replicas = world // shards
+    mesh = init_device_mesh("cpu", (replicas, shards), mesh_dim_names=("replicate", "shard"))
+    out = {}
+
+    # Adasum, several units, an unused parameter, two steps
+    model, state = sharded(mesh)
+    for step in range(2):
+        backward(model, rank, step, torch.float32)
+        out[("adasum", step)] = check_adasum_step(model, rank, world, shards, step)
+        sgd(model)
+    assert state.reductions == 6  # 3 units x 2 steps
+
+    # gradient accumulation: 2 micro-batches, synchronised on the last
+    model, _ = sharded(mesh, seed=1)
+    backward(model, rank, 5, torch.float32, micros=2)
+    out["accumulate"] = check_adasum_step(model, rank, world, shards, 5, micros=2)
+
+    # mixed precision: bf16 parameters, float32 or bf16 reduction
+    for reduce_dtype, u in [(torch.float32, U32), (torch.bfloat16, U16)]:
+        model, _ = sharded(mesh, torch.bfloat16, reduce_dtype, seed=2)
+        backward(model, rank, 7, torch.bfloat16)
+        out[("mixed", str(reduce_dtype))] = check_adasum_step(model, rank, world, shards, 7, torch.bfloat16, u)
+
+    # AdaCons with momentum, whole-unit coefficients over the shards, two steps
+    model, _ = sharded(mesh, reducer=adasum.AdaCons(momentum=0.5), seed=3)
+    reference = {}
+    for step in range(2):
+        backward(model, rank, step, torch.float32)
+        means = replica_means(worker_grads(model, world, step, torch.float32), replicas, shards)
+        got = {n: p.grad.full_tensor().double().numpy() for n, p in model.named_parameters()}
+        for unit in sorted({unit_of(n) for n in got}):
+            names = [n for n in got if unit_of(n) == unit]
+            ref = reference.setdefault(unit, AdaConsReference(beta=0.5))([[m[n] for n in names] for m in means])
+            err = np.sqrt(sum(np.sum((got[n] - r) ** 2) for n, r in zip(names, ref)))
+            mean_norm = np.sqrt(sum(np.sum(np.mean([m[n] for m in means], axis=0) ** 2) for n in names))
+            # |d| terms sum to |m| (weights c_i >= 0 summing to 1): a few float32 roundings of |m| each
+            assert err <= 16 * U32 * mean_norm, (step, unit, err, mean_norm)
+        out[("adacons", step)] = b"".join(p.grad.to_local().numpy().tobytes() for p in model.parameters())
+        sgd(model)
+
+    if shards == 2:
+        out["resume"] = resume_check(mesh, rank, tmp)
+    return out
+
+
+def train(model, opt, rank, steps):
+    for step in steps:
+        backward(model, rank, step, torch.float32)
+        opt.step()
+        opt.zero_grad()
+
+
+def resume_check(mesh, rank, tmp):
+    """Adam + AdaCons momentum: 2 steps, DCP save, 2 more == fresh model loaded from DCP, 2 steps."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+
+    model, state = sharded(mesh, reducer=adasum.AdaCons(momentum=0.5), seed=4)
+    opt = torch.optim.Adam(model.parameters(), lr=0.01)
+    train(model, opt, rank, [0, 1])
+    msd, osd = get_state_dict(model, opt)
+    dcp.save({"model": msd, "optim": osd, "adasum": state}, checkpoint_id=tmp)
+    train(model, opt, rank, [2, 3])
+    straight = full_params(model)
+
+    model, state = sharded(mesh, reducer=adasum.AdaCons(momentum=0.5), seed=5)  # other initial values
+    opt = torch.optim.Adam(model.parameters(), lr=0.01)
+    msd, osd = get_state_dict(model, opt)
+    loaded = {"model": msd, "optim": osd, "adasum": state}
+    dcp.load(loaded, checkpoint_id=tmp)
+    set_state_dict(model, opt, model_state_dict=loaded["model"], optim_state_dict=loaded["optim"])
+    assert state.reductions == 6 and state.reducer.state_dict()["states"], state
+    train(model, opt, rank, [2, 3])
+    resumed = full_params(model)
+    for n in straight:
+        assert torch.equal(straight[n], resumed[n]), n
+    return True
+
+
+def check_replica_groups(results, world, shards):
+    """Ranks r and r' with the same shard (r % shards) hold bitwise-identical shards of every result."""
+    for key in results[0]:
+        for r in range(world):
+            assert results[r][key] == results[r % shards][key], (key, r)
+
+
+def test_hsdp_2_replicas_x_2_shards(tmp_path):
+    results = distributed.run(4, hsdp_body, 2, str(tmp_path / "ckpt"), timeout_s=150)
+    check_replica_groups(results, 4, 2)
+    assert all(r["resume"] for r in results)
+
+
+def setup_body(rank, world):
+    """2 x 1: the reducers, the private-state accessor, and the refusals."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    out = hsdp_body(rank, world, 1, None)
+    mesh = init_device_mesh("cpu", (2, 1), mesh_dim_names=("replicate", "shard"))
+
+    # the accessor reads the layout FSDP really uses: padded dim-0 shard sizes, trainable parameters only
+    torch.manual_seed(0)
+    model = Net()
+    model.inp.bias.requires_grad_(False)
+    fully_shard(model, mesh=mesh["shard"])
+    model(torch.zeros(1, 6))  # FSDP names its parameters at the first forward
+    view = unit_view(model)
+    expected = [(n, p.numel()) for n, p in Net().named_parameters() if n != "inp.bias"]
+    assert list(view.names) == [n for n, _ in expected]
+    assert list(view.segments) == [n for _, n in expected]  # one shard: padded size = size
+    assert view.all_reduce and not view.post_divides
+
+    errors = {}
+    fresh = Net()
+    fully_shard(fresh, mesh=mesh["shard"])  # parameters are DTensors until the first forward
+    flat = init_device_mesh("cpu", (2,))
+    for what, call in [
+        ("1-D mesh", lambda: adasum.fsdp.enable(model, flat)),
+        ("hierarchical", lambda: adasum.fsdp.enable(model, mesh, adasum.Adasum(hierarchical=True, local_size=1))),
+        ("not sharded", lambda: adasum.fsdp.enable(Net(), mesh)),
+        ("native HSDP", lambda: native_hsdp(mesh)),
+        ("optimizer", lambda: adasum.fsdp.check_not_sharded(fresh.parameters(), "adasum.DistributedOptimizer")),
+    ]:
+        try:
+            call()
+        except (ValueError, TypeError) as e:
+            errors[what] = str(e)
+        else:
+            raise AssertionError(f"{what}: not refused")
+    assert "later step" in errors["1-D mesh"] and "replicate" in errors["1-D mesh"]
+    assert "native HSDP" in errors["native HSDP"]
+    assert "adasum.fsdp.enable" in errors["optimizer"]
+
+    # a parameter without gradient on one replica, unused parameters left out: the same error everywhere
+    model, _ = sharded(mesh, seed=6)
+    model.set_reduce_scatter_unused_params(False)
+    with pytest.raises(ValueError) as e:
+        loss_of(model, *batch(0, rank), rank, torch.float32).backward()
+    errors["unused"] = str(e.value)
+    return out, errors
+
+
+def native_hsdp(mesh):
+    from torch.distributed.fsdp import fully_shard
+
+    model = Net()
+    fully_shard(model, mesh=mesh)
+    adasum.fsdp.enable(model, mesh)
+
+
+def test_hsdp_2_replicas_x_1_shard():
+    results = distributed.run(2, setup_body, timeout_s=120)
+    check_replica_groups([r[0] for r in results], 2, 1)
+    errors = [r[1] for r in results]
+    assert errors[0] == errors[1]
+    assert "differ across ranks" in errors[0]["unused"]
+
+
+def test_unit_view_fails_loudly_on_changed_torch():
+    class Unit:  # an FSDP unit whose state lacks what unit_view reads
+        def _get_fsdp_state(self):
+            return object()
+
+    with pytest.raises(RuntimeError, match="private state"):
+        unit_view(Unit())
+
+
+def test_benchmark_dry_run():
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT / "src")}
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2"]
+    done = subprocess.run([*command, str(ROOT / "benchmarks" / "bench_fsdp.py"), "--dry-run"],
+                          env=env, capture_output=True, text=True, timeout=240)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    assert "adasum/mean" in done.stdout
