@@ -246,11 +246,11 @@ def all_reduce(tree: Any, axis_name: Any, *, per_leaf: bool = True, accumulate: 
     """
     leaves, treedef = jax.tree.flatten(tree)
     check_leaves(leaves, "adasum.jax.all_reduce")
+    acc = accumulation_dtype(accumulate)
     workers = axis_size(axis_name, "adasum.jax.all_reduce")
     if workers == 1 or not leaves:
         return tree
     leaves = [jnp.asarray(x) for x in leaves]
-    acc = accumulation_dtype(accumulate)
     schedule = Tree(workers)
     count = len(leaves)
     buckets = layout(tuple((tuple(x.shape), jnp.dtype(x.dtype).name) for x in leaves), schedule.groups)

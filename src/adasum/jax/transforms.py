@@ -115,8 +115,9 @@ def adacons(
 ) -> optax.GradientTransformation:
     """Combine the updates across `axis_name` with AdaCons (module docstring for the math).
 
-    Communication per update: two all-reduces of the tree (``psum``, one collective each) and one
-    ``all_gather`` of ``2 x S`` scalars per device (S = 1, or the number of leaves with `per_leaf`).
+    Communication per update: two all-reduces of the tree (``psum``, one collective each) and the
+    gather of ``2 x S`` scalars per device (S = 1, or the number of leaves with `per_leaf`), done as a
+    psum of an ``[N, 2, S]`` array in which each device fills its own row.
 
     Args:
       axis_name: the mesh axis to combine over.
@@ -170,9 +171,13 @@ def adacons(
         ])  # [3, leaves]
         if not per_leaf:
             partials = partials.sum(1, keepdims=True)
-        gathered = jax.lax.all_gather(partials[:2], axis_name)  # [N, 2, S]
+        # gather every device's (<g_i, m>, |g_i|^2) as rows of a psum: unlike all_gather, JAX knows
+        # its result is the same on every device, so the new state can leave shard_map replicated
+        me = jax.lax.axis_index(axis_name)
+        rows = jax.lax.dynamic_update_index_in_dim(jnp.zeros((n, 2, partials.shape[1]), acc), partials[:2], me, 0)
+        gathered = jax.lax.psum(rows, axis_name)  # [N, 2, S]
         weights, state = adacons_weights(gathered[:, 0].T, gathered[:, 1].T, partials[2], state, momentum, scale)
-        mine = weights[:, jax.lax.axis_index(axis_name)]  # [S]
+        mine = weights[:, me]  # [S]
         scaled = []
         for i, g in enumerate(leaves):
             compute = jnp.promote_types(g.dtype, jnp.float32)
