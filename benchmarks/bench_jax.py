@@ -4,11 +4,12 @@
     python benchmarks/bench_jax.py --dry-run        # 2 fake CPU devices, small layouts (the tests run this)
 
 Layouts: one flat 2^26 fp32 array, ResNet-50's and BERT-Large's parameter shapes (benchmarks/layouts.py).
-Per layout, three jitted shard_map programs over one mesh axis run alternately `--reps` times after
-`--warmup` calls, each call timed to `block_until_ready`: Adasum, psum, and the Adasum schedule's
+Per layout, jitted shard_map programs over one mesh axis run alternately `--reps` times after
+`--warmup` calls, each call timed to `block_until_ready`: Adasum (once per `--pieces` value; the
+first is the row's ``adasum_s``), psum, and the Adasum schedule's
 communication alone (ppermute of half the elements and all_gather of half, the same bytes: the
 floor of this schedule with no arithmetic). Medians go to benchmarks/results/jax.jsonl, one JSON line
-per layout, with the device, driver and JAX version. Devices 0's result is also checked against the
+per layout, with the device, driver and JAX version. Device 0's result is also checked against the
 NumPy reference (tests/reference.py) with a relative error.
 """
 
@@ -36,6 +37,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--reps", type=int, default=None, help="timed calls of each program (default 30, dry run 5)")
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--no-check", action="store_true", help="skip the comparison with the NumPy reference")
+    p.add_argument("--pieces", default="1", help="comma-separated values of all_reduce(pieces=...) to time")
+    p.add_argument("--dump-hlo", default=None, help="folder for the compiled HLO of each layout's first Adasum program")
     p.add_argument("--label", default="")
     p.add_argument("--out", default=str(HERE / "results" / "jax.jsonl"))
     return p.parse_args(argv)
@@ -89,7 +92,12 @@ def main(argv: list[str] | None = None) -> None:
     def mapped(fn):
         return jax.jit(jax.shard_map(fn, mesh=mesh, in_specs=P("data"), out_specs=P("data")))
 
-    adasum_fn = mapped(lambda leaves: [x[None] for x in aj.all_reduce([x[0] for x in leaves], "data")])
+    pieces = [int(v) for v in args.pieces.split(",")]
+
+    def adasum_program(k: int):
+        return mapped(lambda leaves: [x[None] for x in aj.all_reduce([x[0] for x in leaves], "data", pieces=k)])
+
+    adasum_fns = {k: adasum_program(k) for k in pieces}
     psum_fn = mapped(lambda leaves: [x[None] for x in jax.lax.psum([x[0] for x in leaves], "data")])
 
     def comm(flat):  # the schedule's bytes with no arithmetic: send half, gather half
@@ -110,8 +118,13 @@ def main(argv: list[str] | None = None) -> None:
                     for k, s in zip(keys, shapes)]
 
         leaves = make(jax.random.key(0))
+        if args.dump_hlo:
+            Path(args.dump_hlo).mkdir(parents=True, exist_ok=True)
+            text = adasum_fns[pieces[0]].lower(leaves).compile().as_text()
+            (Path(args.dump_hlo) / f"hlo_{name.replace('^', '')}.txt").write_text(text)
         flat = jax.device_put(jnp.zeros((workers, numel + numel % 2), dtype), sharded)
-        programs = {"adasum": lambda: adasum_fn(leaves), "psum": lambda: psum_fn(leaves), "comm": lambda: comm_fn(flat)}
+        programs = {f"adasum{k}": (lambda f=f: f(leaves)) for k, f in adasum_fns.items()}
+        programs.update(psum=lambda: psum_fn(leaves), comm=lambda: comm_fn(flat))
         for _ in range(args.warmup):
             for run in programs.values():
                 jax.block_until_ready(run())
@@ -133,18 +146,20 @@ def main(argv: list[str] | None = None) -> None:
             "dtype": args.dtype,
             "tensors": len(shapes),
             "numel": numel,
-            "adasum_s": statistics.median(times["adasum"]),
+            "adasum_s": statistics.median(times[f"adasum{pieces[0]}"]),
+            "pieces": pieces[0],
+            "adasum_by_pieces_s": {k: statistics.median(times[f"adasum{k}"]) for k in pieces},
             "psum_s": statistics.median(times["psum"]),
             "comm_floor_s": statistics.median(times["comm"]),
             "reps": reps,
             "warmup": args.warmup,
             "dry_run": args.dry_run,
             "label": args.label,
-            "adasum_all_s": times["adasum"],
+            "adasum_all_s": times[f"adasum{pieces[0]}"],
             "psum_all_s": times["psum"],
         }
         row["ratio"] = row["adasum_s"] / row["psum_s"]
-        out = adasum_fn(leaves)
+        out = adasum_fns[pieces[0]](leaves)
         row["identical_on_devices"] = all(
             bool(jnp.all(o[w] == o[0])) for o in out for w in range(1, workers))
         if not args.no_check:
@@ -158,7 +173,8 @@ def main(argv: list[str] | None = None) -> None:
         programs = out = leaves = flat = None  # free the device memory before the next layout
         print(f"{name:>14} {args.dtype} {numel:>11,} values: adasum {row['adasum_s'] * 1e3:8.3f} ms  "
               f"psum {row['psum_s'] * 1e3:8.3f} ms  ratio {row['ratio']:.2f}  "
-              f"comm floor {row['comm_floor_s'] * 1e3:8.3f} ms", flush=True)
+              f"comm floor {row['comm_floor_s'] * 1e3:8.3f} ms  by pieces (ms) "
+              + " ".join(f"{k}:{t * 1e3:.3f}" for k, t in row["adasum_by_pieces_s"].items()), flush=True)
         Path(args.out).parent.mkdir(parents=True, exist_ok=True)
         with open(args.out, "a") as f:
             f.write(json.dumps(row) + "\n")

@@ -201,6 +201,16 @@ else:
             ref, bound = tree_with_bound([x[w].astype(np.float64).reshape(-1) for w in range(p)], U32, store)
             assert np.linalg.norm(o.astype(np.float64).reshape(-1) - ref) <= bound
 
+    @pytest.mark.parametrize("p", (3, 8))
+    def test_pieces(p: int) -> None:
+        """Buffers cut into pieces (leaves split across pieces, two dtypes) give the same tree."""
+        leaves = random_leaves(p, seed=550 + p, dtypes=[np.float32, np.float32, jnp.bfloat16, np.float32])
+        out = run(p, leaves, pieces=3)
+        for x, o in zip(leaves, out):
+            store = UBF16 if x.dtype == jnp.bfloat16 else U32
+            ref, bound = tree_with_bound([x[w].astype(np.float64).reshape(-1) for w in range(p)], U32, store)
+            assert np.linalg.norm(o.astype(np.float64).reshape(-1) - ref) <= bound
+
     def test_whole_tree_coefficients() -> None:
         p = 4
         leaves = random_leaves(p, seed=600)

@@ -11,9 +11,10 @@ weighted by its device count. So parallel inputs give their mean and orthogonal 
 for every P, as on the PyTorch side.
 
 Communication (vector halving, distance doubling): all leaves of one dtype travel in one flat
-buffer of ``Q = 2**k`` rows. At level ``d = 1, 2, 4, ...`` group ``g`` keeps the rows whose bit
-``log2 d`` equals its own and ``ppermute``-s the other half to group ``g ^ d``; each device then holds
-the two subtrees' vectors on its rows only, so the per-leaf ``<a,b>``, ``|a|^2``, ``|b|^2`` are
+buffer of ``Q = 2**k`` rows (or in `pieces` buffers over contiguous ranges of it, never one per
+leaf). At level ``d = 1, 2, 4, ...`` group ``g`` keeps the rows whose bit ``log2 d`` equals its own
+and ``ppermute``-s the other half to group ``g ^ d``; each device then holds the two subtrees'
+vectors on its rows only, so the per-leaf ``<a,b>``, ``|a|^2``, ``|b|^2`` are
 partial sums. One sub-group sum would finish them, but collectives over sub-groups of one axis do
 not exist (jax-ml/jax#19709): each device writes its partials into its block's row of a small
 ``[blocks, 3, leaves]`` array that one ``psum`` adds over the whole axis. After the last level group
@@ -92,22 +93,22 @@ def check_leaves(leaves: list[Any], caller: str) -> None:
             )
 
 
-# --- the fused layout: one [rows, chunks, chunk] buffer per dtype
+# --- the fused layout: each dtype's leaves in one padded flat space, cut into `pieces` buffers
 
 
 @dataclass(frozen=True)
-class Bucket:
-    """Leaves of one dtype fused in one buffer of shape ``[rows, per_row, chunk]``.
+class Piece:
+    """One buffer of shape ``[rows, per_row, chunk]`` holding a contiguous range of a dtype's leaves.
 
-    Leaf ``j`` of the bucket occupies ``chunks[j]`` whole chunks (zero-padded); ``ids[row, c]`` is
-    the tree-wide leaf index of each chunk, ``leaves`` (one past the last) for padding chunks.
+    Every leaf is zero-padded to whole chunks; the padded leaves of one dtype, in order, form one flat
+    space that is cut into pieces at chunk boundaries. `segments` lists, in buffer order, the leaf
+    elements ``[start, stop)`` of leaf ``leaf`` followed by ``padded - (stop - start)`` zeros;
+    ``ids[row, c]`` is each chunk's tree-wide leaf index (``leaves`` for the tail padding).
     """
 
     dtype: np.dtype
-    members: tuple[int, ...]
-    shapes: tuple[tuple[int, ...], ...]
+    segments: tuple[tuple[int, int, int, int], ...]
     chunk: int
-    chunks: tuple[int, ...]
     rows: int
     per_row: int
     ids: np.ndarray
@@ -120,48 +121,62 @@ def _chunk_size(sizes: list[int]) -> int:
 
 
 @lru_cache(maxsize=64)
-def layout(signature: tuple[tuple[tuple[int, ...], str], ...], rows: int) -> tuple[Bucket, ...]:
-    """Buckets (one per dtype, in order of first appearance) for leaves of the given shapes/dtypes."""
+def layout(signature: tuple[tuple[tuple[int, ...], str], ...], rows: int, pieces: int = 1) -> tuple[Piece, ...]:
+    """The pieces (per dtype in order of first appearance, then in flat order) for leaves of the given
+    shapes and dtype names, with `rows` rows each."""
     count = len(signature)
     by_dtype: dict[str, list[int]] = {}
     for i, (_, dtype) in enumerate(signature):
         by_dtype.setdefault(dtype, []).append(i)
-    buckets = []
+    out = []
     for dtype, members in by_dtype.items():
-        shapes = tuple(signature[i][0] for i in members)
-        sizes = [int(np.prod(s, dtype=np.int64)) for s in shapes]
+        sizes = [int(np.prod(signature[i][0], dtype=np.int64)) for i in members]
         chunk = _chunk_size(sizes)
-        chunks = tuple(max(1, -(-n // chunk)) for n in sizes)
-        per_row = -(-sum(chunks) // rows)
-        ids = np.full(rows * per_row, count, dtype=np.int32)
-        ids[: sum(chunks)] = np.repeat(np.asarray(members, dtype=np.int32), chunks)
-        buckets.append(Bucket(np.dtype(dtype), tuple(members), shapes, chunk, chunks, rows, per_row,
-                              ids.reshape(rows, per_row)))
-    return tuple(buckets)
+        chunks = [max(1, -(-n // chunk)) for n in sizes]
+        offsets = np.concatenate([[0], np.cumsum(chunks)])
+        total = int(offsets[-1])
+        cuts = [total * j // pieces for j in range(pieces + 1)]
+        for a, b in zip(cuts[:-1], cuts[1:]):
+            if a == b:
+                continue
+            segments, ids = [], []
+            for i, n, lo, hi in zip(members, sizes, offsets[:-1], offsets[1:]):
+                first, last = max(a, lo) - lo, min(b, hi) - lo
+                if first < last:
+                    segments.append((i, int(first * chunk), int(min(last * chunk, n)), int((last - first) * chunk)))
+                    ids += [i] * int(last - first)
+            per_row = -(-(b - a) // rows)
+            table = np.full(rows * per_row, count, dtype=np.int32)
+            table[: len(ids)] = ids
+            out.append(Piece(np.dtype(dtype), tuple(segments), chunk, rows, per_row, table.reshape(rows, per_row)))
+    return tuple(out)
 
 
-def pack(leaves: list[jax.Array], bucket: Bucket) -> jax.Array:
-    """The bucket's leaves as one zero-padded ``[rows, per_row, chunk]`` buffer."""
-    pieces = []
-    for i, chunks in zip(bucket.members, bucket.chunks):
+def pack(leaves: list[jax.Array], piece: Piece) -> jax.Array:
+    """The piece's range of the leaves as one zero-padded ``[rows, per_row, chunk]`` buffer."""
+    parts = []
+    for i, start, stop, padded in piece.segments:
         flat = leaves[i].reshape(-1)
-        pad = chunks * bucket.chunk - flat.size
-        pieces.append(jnp.pad(flat, (0, pad)) if pad else flat)
-    tail = (bucket.rows * bucket.per_row - sum(bucket.chunks)) * bucket.chunk
+        if (start, stop) != (0, flat.size):
+            flat = flat[start:stop]
+        parts.append(jnp.pad(flat, (0, padded - (stop - start))) if padded > stop - start else flat)
+    tail = piece.rows * piece.per_row * piece.chunk - sum(seg[3] for seg in piece.segments)
     if tail:
-        pieces.append(jnp.zeros((tail,), bucket.dtype))
-    flat = pieces[0] if len(pieces) == 1 else jnp.concatenate(pieces)
-    return flat.reshape(bucket.rows, bucket.per_row, bucket.chunk)
+        parts.append(jnp.zeros((tail,), piece.dtype))
+    flat = parts[0] if len(parts) == 1 else jnp.concatenate(parts)
+    return flat.reshape(piece.rows, piece.per_row, piece.chunk)
 
 
-def unpack(buffer: jax.Array, bucket: Bucket, out: list[Any]) -> None:
-    """Write the bucket's leaves from a ``[rows, per_row, chunk]`` buffer into `out`."""
-    flat = buffer.reshape(-1)
-    start = 0
-    for i, shape, chunks in zip(bucket.members, bucket.shapes, bucket.chunks):
-        size = int(np.prod(shape, dtype=np.int64))
-        out[i] = flat[start : start + size].reshape(shape)
-        start += chunks * bucket.chunk
+def unpack(buffers: list[jax.Array], pieces: tuple[Piece, ...], shapes: list[tuple[int, ...]]) -> list[jax.Array]:
+    """The leaves (of `shapes`) from the pieces' ``[rows, per_row, chunk]`` buffers."""
+    parts: list[list[jax.Array]] = [[] for _ in shapes]
+    for buffer, piece in zip(buffers, pieces):
+        flat = buffer.reshape(-1)
+        offset = 0
+        for i, start, stop, padded in piece.segments:
+            parts[i].append(flat[offset : offset + stop - start])
+            offset += padded
+    return [(p[0] if len(p) == 1 else jnp.concatenate(p)).reshape(s) for p, s in zip(parts, shapes)]
 
 
 # --- the math on local slices
@@ -226,7 +241,7 @@ def _device_tables(workers: int) -> dict[str, np.ndarray]:
     return {"group": group, "leader": leader, "lo": lo, "hi": hi}
 
 
-def all_reduce(tree: Any, axis_name: Any, *, per_leaf: bool = True, accumulate: Any = None) -> Any:
+def all_reduce(tree: Any, axis_name: Any, *, per_leaf: bool = True, accumulate: Any = None, pieces: int = 1) -> Any:
     """Adasum of `tree` across the devices of mesh axis `axis_name` (module docstring for the math).
 
     Call inside ``jax.shard_map`` or ``jax.pmap`` over `axis_name`; every device passes its own copy
@@ -238,6 +253,8 @@ def all_reduce(tree: Any, axis_name: Any, *, per_leaf: bool = True, accumulate: 
       per_leaf: one pair of coefficients per leaf (SPEC 1.2, the default) or one for the whole tree.
       accumulate: dtype of the dot products: None (float64 with x64 enabled, else float32),
         ``jnp.float32`` or ``jnp.float64``.
+      pieces: cut each dtype's fused buffer into this many contiguous pieces, each with its own
+        collectives, so that XLA can overlap one piece's arithmetic with another's transfers.
 
     Returns:
       A pytree like `tree`, identical (bitwise) on every device of the axis.
@@ -253,9 +270,11 @@ def all_reduce(tree: Any, axis_name: Any, *, per_leaf: bool = True, accumulate: 
     leaves = [jnp.asarray(x) for x in leaves]
     schedule = Tree(workers)
     count = len(leaves)
-    buckets = layout(tuple((tuple(x.shape), jnp.dtype(x.dtype).name) for x in leaves), schedule.groups)
-    buffers = [pack(leaves, b) for b in buckets]
-    ids = [jnp.asarray(b.ids) for b in buckets]
+    if pieces < 1:
+        raise ValueError(f"pieces must be >= 1, got {pieces}")
+    cut = layout(tuple((tuple(x.shape), jnp.dtype(x.dtype).name) for x in leaves), schedule.groups, pieces)
+    buffers = [pack(leaves, piece) for piece in cut]
+    ids = [jnp.asarray(piece.ids) for piece in cut]
     tables = _device_tables(workers)
     me = jax.lax.axis_index(axis_name)
 
@@ -291,11 +310,9 @@ def all_reduce(tree: Any, axis_name: Any, *, per_leaf: bool = True, accumulate: 
         c_mine, c_other = jnp.where(upper, c_hi, c_lo), jnp.where(upper, c_lo, c_hi)
         buffers = [combine(x, y, c_mine, c_other, i) for x, y, i in zip(buffers, received, ids)]
 
-    out: list[Any] = [None] * count
     leaders = np.array([schedule.leader(g) for g in range(schedule.groups)])
-    for buffer, bucket in zip(buffers, buckets):
+    gathered = []
+    for buffer in buffers:
         rows = jax.lax.all_gather(buffer, axis_name, tiled=True)  # [workers, per_row, chunk]
-        if schedule.folded:
-            rows = rows[leaders]  # row g lives on group g's leader
-        unpack(rows, bucket, out)
-    return jax.tree.unflatten(treedef, out)
+        gathered.append(rows[leaders] if schedule.folded else rows)  # row g lives on group g's leader
+    return jax.tree.unflatten(treedef, unpack(gathered, cut, [x.shape for x in leaves]))
