@@ -6,11 +6,11 @@
 Layouts: one flat 2^26 fp32 array, ResNet-50's and BERT-Large's parameter shapes (benchmarks/layouts.py).
 Per layout, jitted shard_map programs over one mesh axis run alternately `--reps` times after
 `--warmup` calls, each call timed to `block_until_ready`: Adasum (once per `--pieces` value; the
-first is the row's ``adasum_s``), psum, and the Adasum schedule's
-communication alone (ppermute of half the elements and all_gather of half, the same bytes: the
-floor of this schedule with no arithmetic). Medians go to benchmarks/results/jax.jsonl, one JSON line
-per layout, with the device, driver and JAX version. Device 0's result is also checked against the
-NumPy reference (tests/reference.py) with a relative error.
+first is the row's ``adasum_s``), psum of the same tree, the Adasum schedule's communication alone
+(ppermute of half the elements and all_gather of half, the same bytes: the floor of this schedule
+with no arithmetic) and a psum of one flat array of the same size. Medians go to
+benchmarks/results/jax.jsonl, one JSON line per layout, with the device, driver and JAX version.
+Device 0's result is also checked against the NumPy reference (tests/reference.py), relative error.
 """
 
 from __future__ import annotations
@@ -37,6 +37,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--reps", type=int, default=None, help="timed calls of each program (default 30, dry run 5)")
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--no-check", action="store_true", help="skip the comparison with the NumPy reference")
+    p.add_argument("--check-leaves", type=int, default=12, help="compare at most this many leaves (evenly spaced, "
+                   "the largest always) with the reference")
     p.add_argument("--pieces", default="1", help="comma-separated values of all_reduce(pieces=...) to time")
     p.add_argument("--dump-hlo", default=None, help="folder for the compiled HLO of each layout's first Adasum program")
     p.add_argument("--label", default="")
@@ -106,6 +108,7 @@ def main(argv: list[str] | None = None) -> None:
         return jax.lax.all_gather(got, "data", tiled=True)[None]
 
     comm_fn = mapped(comm)
+    psum_flat_fn = mapped(lambda flat: jax.lax.psum(flat, "data"))  # the same bytes as one flat array
 
     for name in layouts:
         shapes = shapes_of(name)
@@ -124,8 +127,14 @@ def main(argv: list[str] | None = None) -> None:
             (Path(args.dump_hlo) / f"hlo_{name.replace('^', '')}.txt").write_text(text)
         flat = jax.device_put(jnp.zeros((workers, numel + numel % 2), dtype), sharded)
         programs = {f"adasum{k}": (lambda f=f: f(leaves)) for k, f in adasum_fns.items()}
-        programs.update(psum=lambda: psum_fn(leaves), comm=lambda: comm_fn(flat))
-        for _ in range(args.warmup):
+        programs.update(psum=lambda: psum_fn(leaves), comm=lambda: comm_fn(flat), psum_flat=lambda: psum_flat_fn(flat))
+        first_call: dict[str, float] = {}
+        for key, run in programs.items():  # the first call compiles
+            start = time.perf_counter()
+            jax.block_until_ready(run())
+            first_call[key] = time.perf_counter() - start
+        print(f"{name}: first calls (compile) " + " ".join(f"{k} {t:.1f} s" for k, t in first_call.items()), flush=True)
+        for _ in range(args.warmup - 1):
             for run in programs.values():
                 jax.block_until_ready(run())
         times: dict[str, list[float]] = {k: [] for k in programs}
@@ -151,6 +160,8 @@ def main(argv: list[str] | None = None) -> None:
             "adasum_by_pieces_s": {k: statistics.median(times[f"adasum{k}"]) for k in pieces},
             "psum_s": statistics.median(times["psum"]),
             "comm_floor_s": statistics.median(times["comm"]),
+            "psum_flat_s": statistics.median(times["psum_flat"]),
+            "first_call_s": first_call,
             "reps": reps,
             "warmup": args.warmup,
             "dry_run": args.dry_run,
@@ -164,16 +175,21 @@ def main(argv: list[str] | None = None) -> None:
             bool(jnp.all(o[w] == o[0])) for o in out for w in range(1, workers))
         if not args.no_check:
             err = 0.0
-            for x, o in zip(leaves, out):
+            sizes = [math.prod(sh) for sh in shapes]
+            picked = set(np.linspace(0, len(shapes) - 1, min(args.check_leaves, len(shapes))).astype(int).tolist())
+            picked.add(int(np.argmax(sizes)))
+            for x, o in (pair for i, pair in enumerate(zip(leaves, out)) if i in picked):
                 host = np.asarray(x.astype(jnp.float32))
                 ref = reference_tree([host[w].reshape(-1) for w in range(workers)])
                 got = np.asarray(o[0].astype(jnp.float32), dtype=np.float64).reshape(-1)
                 err = max(err, float(np.abs(got - ref).max() / max(np.abs(ref).max(), 1e-30)))
             row["max_abs_err_vs_reference"] = err  # relative to the largest reference value
+            row["checked_leaves"] = len(picked)
         programs = out = leaves = flat = None  # free the device memory before the next layout
         print(f"{name:>14} {args.dtype} {numel:>11,} values: adasum {row['adasum_s'] * 1e3:8.3f} ms  "
               f"psum {row['psum_s'] * 1e3:8.3f} ms  ratio {row['ratio']:.2f}  "
-              f"comm floor {row['comm_floor_s'] * 1e3:8.3f} ms  by pieces (ms) "
+              f"comm floor {row['comm_floor_s'] * 1e3:8.3f} ms  flat psum {row['psum_flat_s'] * 1e3:8.3f} ms  "
+              f"rel err {row.get('max_abs_err_vs_reference', float('nan')):.2g}  by pieces (ms) "
               + " ".join(f"{k}:{t * 1e3:.3f}" for k, t in row["adasum_by_pieces_s"].items()), flush=True)
         Path(args.out).parent.mkdir(parents=True, exist_ok=True)
         with open(args.out, "a") as f:
