@@ -345,6 +345,15 @@ else:
         out = np.asarray(f(opt.init(jnp.zeros(40)), same))
         np.testing.assert_allclose(out[0], same[0], rtol=4 * 40 * U32, atol=0)
 
+    @pytest.mark.parametrize("p", (3, 4))
+    def test_result_leaves_shard_map_replicated(p: int) -> None:
+        """The result is typed as the same on every device, so out_specs=P() (replicated) is accepted."""
+        leaves = random_leaves(p, seed=950 + p)
+        f = jax.jit(jax.shard_map(lambda *t: aj.all_reduce([x[0] for x in t], "data"), mesh=mesh(p),
+                                  in_specs=P("data"), out_specs=P()))
+        for a, b in zip(f(*leaves), run(p, leaves)):
+            np.testing.assert_array_equal(np.asarray(a), b)
+
     def test_adasum_transform_is_all_reduce() -> None:
         p = 3
         leaves = random_leaves(p, seed=900)

@@ -224,6 +224,15 @@ def _split(x: jax.Array, bit: jax.Array) -> tuple[jax.Array, jax.Array]:
     return keep, give
 
 
+def _gather(buffer: jax.Array, axis_name: Any) -> jax.Array:
+    """all_gather typed as the same on every device (it is: each row has one owner), so that the
+    result can leave ``shard_map`` with a replicated out_spec; plain all_gather on older JAX."""
+    try:
+        return jax.lax.all_gather(buffer, axis_name, tiled=True, to="invarying")
+    except TypeError:  # no `to=` before JAX 0.8
+        return jax.lax.all_gather(buffer, axis_name, tiled=True)
+
+
 @lru_cache(maxsize=64)
 def _device_tables(workers: int) -> dict[str, np.ndarray]:
     """Per device position: its group, whether it leads it, and per level its block and the
@@ -313,6 +322,6 @@ def all_reduce(tree: Any, axis_name: Any, *, per_leaf: bool = True, accumulate: 
     leaders = np.array([schedule.leader(g) for g in range(schedule.groups)])
     gathered = []
     for buffer in buffers:
-        rows = jax.lax.all_gather(buffer, axis_name, tiled=True)  # [workers, per_row, chunk]
+        rows = _gather(buffer, axis_name)  # [workers, per_row, chunk]
         gathered.append(rows[leaders] if schedule.folded else rows)  # row g lives on group g's leader
     return jax.tree.unflatten(treedef, unpack(gathered, cut, [x.shape for x in leaves]))
