@@ -267,6 +267,34 @@ else:
         g = np.asarray(f(jnp.asarray(x.reshape(p, -1))))
         assert g.shape == (p, 24) and np.isfinite(g).all() and np.abs(g).max() > 0
 
+    def test_shard_map_gradients_of_replicated_parameters() -> None:
+        """jax.grad w.r.t. replicated params inside shard_map sums over the axis: refused, and `vary`
+        gives each device its own gradient, which Adasum then combines like the reference."""
+        p = 4
+        x = np.random.default_rng(3).standard_normal((p, 8, 3)).astype(np.float32)
+        params = {"w": jnp.arange(3.0), "b": jnp.ones(())}
+
+        def loss(params, x):
+            return jnp.sum(jnp.tanh(x @ params["w"] + params["b"]))
+
+        def combined(params, x, local):
+            grads = jax.grad(loss)(aj.vary(params, "data") if local else params, x)
+            return aj.all_reduce(grads, "data"), jax.tree.map(lambda g: g[None], grads)
+
+        def mapped(local):
+            return jax.jit(jax.shard_map(lambda params, x: combined(params, x, local), mesh=mesh(p),
+                                         in_specs=(P(), P("data")), out_specs=(P(), P("data"))))
+
+        with pytest.raises(ValueError, match="already summed it over the axis.*adasum.jax.vary"):
+            mapped(False)(params, x.reshape(p * 8, 3))
+        got, per_device = mapped(True)(params, x.reshape(p * 8, 3))
+        for name in ("w", "b"):
+            mine = np.asarray(per_device[name]).reshape(p, -1)
+            own = np.asarray(jax.grad(loss)(params, x[1])[name]).reshape(-1)  # device 1's batch, eagerly
+            np.testing.assert_allclose(mine[1], own, rtol=1e-5, atol=1e-5)  # its own gradient, not a sum
+            ref, bound = tree_with_bound([mine[w] for w in range(p)], U32, U32)
+            assert np.linalg.norm(np.asarray(got[name], np.float64).reshape(-1) - ref) <= bound
+
     def test_bad_inputs_give_clear_errors() -> None:
         body = jax.shard_map(lambda x: aj.all_reduce({"steps": x}, "data")["steps"], mesh=mesh(2),
                              in_specs=P("data"), out_specs=P("data"))

@@ -7,7 +7,7 @@ Needs ``pip install 'adasum[jax]'`` (jax and optax); ``import adasum`` alone nev
 >>> grads = adasum.jax.all_reduce(grads, "data")                   # the bare collective
 """
 
-from adasum.jax.collective import all_reduce
+from adasum.jax.collective import all_reduce, vary
 from adasum.jax.transforms import AdaConsState, AdasumState, adacons, adacons_weights, adasum
 
-__all__ = ["AdaConsState", "AdasumState", "adacons", "adacons_weights", "adasum", "all_reduce"]
+__all__ = ["AdaConsState", "AdasumState", "adacons", "adacons_weights", "adasum", "all_reduce", "vary"]

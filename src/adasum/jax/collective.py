@@ -93,6 +93,66 @@ def check_leaves(leaves: list[Any], caller: str) -> None:
             )
 
 
+def _varying_axes(x: Any) -> frozenset | None:
+    """The mesh axes over which JAX types `x` as differing between devices (None: not tracked)."""
+    typeof = getattr(jax, "typeof", None)
+    if typeof is None:
+        return None
+    aval = typeof(x)
+    mat = getattr(aval, "mat", None)
+    if mat is not None and hasattr(mat, "varying"):  # JAX >= 0.9
+        return frozenset(mat.varying)
+    vma = getattr(aval, "vma", None)  # JAX 0.6 to 0.8
+    return None if vma is None else frozenset(vma)
+
+
+def check_per_device(leaves: list[Any], axis_name: Any, caller: str) -> None:
+    """Refuse leaves that JAX knows to be the same on every device of `axis_name`.
+
+    Inside ``shard_map`` (with its default ``check_vma=True``), ``jax.grad`` with respect to replicated
+    parameters already sums the gradient over the axis; combining such sums is a silent no-op.
+    """
+    tracked = _varying_axes(jax.lax.axis_index(axis_name))
+    if not tracked or axis_name not in tracked:  # pmap, or shard_map(check_vma=False): not typed
+        return
+    for i, leaf in enumerate(leaves):
+        if axis_name not in (_varying_axes(leaf) or frozenset()):
+            raise ValueError(
+                f"{caller}: leaf {i} is the same on every device of axis {axis_name!r} (replicated), so "
+                f"there is nothing to combine. If it is a gradient with respect to replicated parameters, "
+                f"jax.grad inside shard_map has already summed it over the axis: differentiate with "
+                f"respect to adasum.jax.vary(params, {axis_name!r}) to get each device's own gradient"
+            )
+
+
+def vary(tree: Any, axis_name: Any) -> Any:
+    """`tree` typed as differing between the devices of `axis_name`, so that ``jax.grad`` with respect
+    to it gives each device its own gradient instead of the sum over the axis.
+
+    Args:
+      tree: a pytree of arrays, typically the replicated parameters inside ``shard_map``.
+      axis_name: the mesh axis.
+
+    Returns:
+      The same values (``jax.lax.pcast(..., to="varying")``, ``pvary`` on older JAX; unchanged under
+      ``pmap`` or ``shard_map(check_vma=False)``, where gradients are per device anyway).
+
+    >>> grads = jax.grad(loss)(adasum.jax.vary(params, "data"), batch)
+    """
+    tracked = _varying_axes(jax.lax.axis_index(axis_name))
+    if not tracked or axis_name not in tracked:
+        return tree
+
+    def one(x: Any) -> Any:
+        if axis_name in (_varying_axes(x) or frozenset()):
+            return x
+        if hasattr(jax.lax, "pcast"):
+            return jax.lax.pcast(x, axis_name, to="varying")
+        return jax.lax.pvary(x, axis_name)
+
+    return jax.tree.map(one, tree)
+
+
 # --- the fused layout: each dtype's leaves in one padded flat space, cut into `pieces` buffers
 
 
@@ -254,7 +314,9 @@ def all_reduce(tree: Any, axis_name: Any, *, per_leaf: bool = True, accumulate: 
     """Adasum of `tree` across the devices of mesh axis `axis_name` (module docstring for the math).
 
     Call inside ``jax.shard_map`` or ``jax.pmap`` over `axis_name`; every device passes its own copy
-    of the tree (same structure, shapes and dtypes) and gets the same combined tree back.
+    of the tree (same structure, shapes and dtypes) and gets the same combined tree back. Inside
+    ``shard_map``, take gradients with respect to `vary` (params): ``jax.grad`` with respect to
+    replicated parameters returns the sum over the axis, which is refused here.
 
     Args:
       tree: a pytree of floating-point arrays (float32, bfloat16, float16, float64).
@@ -276,6 +338,7 @@ def all_reduce(tree: Any, axis_name: Any, *, per_leaf: bool = True, accumulate: 
     workers = axis_size(axis_name, "adasum.jax.all_reduce")
     if workers == 1 or not leaves:
         return tree
+    check_per_device(leaves, axis_name, "adasum.jax.all_reduce")
     leaves = [jnp.asarray(x) for x in leaves]
     schedule = Tree(workers)
     count = len(leaves)

@@ -8,7 +8,9 @@ Both combine whatever reaches them across the devices of `axis_name`, so where t
 * ``optax.chain(optax.adam(lr), adasum.jax.adasum("data"))`` combines the optimizer's updates (weight
   deltas), each device keeping its own Adam moments: Horovod's ``DistributedOptimizer(op=Adasum)``.
 
-Call ``update`` inside ``jax.shard_map`` (or ``jax.pmap``) over `axis_name`.
+Call ``update`` inside ``jax.shard_map`` (or ``jax.pmap``) over `axis_name`, with each device's own
+updates: in ``shard_map`` take gradients with respect to ``adasum.jax.vary(params, axis_name)``
+(``jax.grad`` with respect to replicated parameters returns their sum over the axis).
 
 AdaCons (Choukroun, Azoulay, Kisilev, arXiv 2411.03742), with the rules of the PyTorch
 `adasum.reducers.adacons` (``m`` the mean, ``N`` devices)::
@@ -27,7 +29,7 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from adasum.jax.collective import accumulation_dtype, all_reduce, axis_size, check_leaves, zero_norm
+from adasum.jax.collective import accumulation_dtype, all_reduce, axis_size, check_leaves, check_per_device, zero_norm
 
 SCALES = ("mean_norm", "unit")
 
@@ -162,6 +164,7 @@ def adacons(
                              f"{axis_name!r} has {n}")
         if not leaves:
             return updates, state
+        check_per_device(leaves, axis_name, "adasum.jax.adacons")
         acc = accumulation_dtype(accumulate)
         mean = [m / n for m in jax.lax.psum(leaves, axis_name)]
         partials = jnp.stack([
