@@ -4,7 +4,7 @@ XLA reads the number of fake CPU devices once per process, when JAX's backend st
 test modules may start it first. So under a plain ``pytest`` this module runs itself in a fresh
 interpreter with ``XLA_FLAGS=--xla_force_host_platform_device_count=8`` (one subprocess for the
 whole file, which compiles each shape once); `test_jax_suite` reports that run. The checks that
-need no devices (import isolation, the benchmark's dry run) run here directly.
+set their own devices (import isolation, the benchmark's dry run, the example) run here directly.
 
 Error bounds (float32 unless a test says otherwise; ``u`` the unit roundoff, ``g_n = n u/(1 - n u)``):
 for one pairwise step on a leaf of ``n`` elements with inputs of norms A, B, the computed dot
@@ -18,6 +18,7 @@ walks the reference tree adding these up (first order); its value must equal `re
 from __future__ import annotations
 
 import json
+import math
 import os
 import subprocess
 import sys
@@ -58,13 +59,23 @@ def test_benchmark_dry_run(tmp_path: Path) -> None:
         assert r["ratio"] == r["adasum_s"] / r["psum_s"] and r["max_abs_err_vs_reference"] < 1e-4
 
 
+def test_jax_digits_example_runs(tmp_path: Path) -> None:
+    """Two Adasum steps of examples/jax_digits.py on 8 fake devices (the full run is in docs/integrations.md)."""
+    out = tmp_path / "digits.jsonl"
+    subprocess.run([sys.executable, str(ROOT / "examples" / "jax_digits.py"), "--methods", "adasum", "--epochs", "1",
+                    "--train-limit", "512", "--out", str(out)], check=True, env=_env(), timeout=240)
+    (row,) = [json.loads(line) for line in out.read_text().splitlines()]
+    assert row["method"] == "adasum" and row["devices"] == 8 and row["steps_per_epoch"] == 2
+    assert math.isfinite(row["history"][0]["loss"]) and 0 <= row["test_accuracy"] <= 100
+
+
 if not WORKER:
 
     def test_jax_suite() -> None:
         """Runs the checks below in a fresh interpreter with 8 fake CPU devices."""
         proc = subprocess.run(
             [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", str(Path(__file__)),
-             "-k", "not test_import_adasum and not test_benchmark_dry_run"],
+             "-k", "not test_import_adasum and not test_benchmark_dry_run and not test_jax_digits_example"],
             env=_env(ADASUM_JAX_TESTS="worker"), capture_output=True, text=True, timeout=280, cwd=ROOT,
         )
         assert proc.returncode == 0, proc.stdout[-6000:] + proc.stderr[-3000:]
