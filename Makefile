@@ -7,7 +7,7 @@ STAMP := $(VENV)/.installed
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q torch==2.13.0
-	$(PY) -m pip install -q -e '.[test,experiments,lightning,accelerate]'
+	$(PY) -m pip install -q -e '.[test,experiments,lightning,accelerate,jax]'
 	touch $(STAMP)
 
 .PHONY: install test demo bench

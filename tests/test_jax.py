@@ -1,0 +1,403 @@
+"""adasum.jax on 1 to 8 fake CPU devices, against the independent NumPy references.
+
+XLA reads the number of fake CPU devices once per process, when JAX's backend starts, and other
+test modules may start it first. So under a plain ``pytest`` this module runs itself in a fresh
+interpreter with ``XLA_FLAGS=--xla_force_host_platform_device_count=8`` (one subprocess for the
+whole file, which compiles each shape once); `test_jax_suite` reports that run. The checks that
+set their own devices (import isolation, the benchmark's dry run, the example) run here directly.
+
+Error bounds (float32 unless a test says otherwise; ``u`` the unit roundoff, ``g_n = n u/(1 - n u)``):
+for one pairwise step on a leaf of ``n`` elements with inputs of norms A, B, the computed dot
+products are off by at most ``g_n A B`` (any summation order), so ``|delta c_a| A <= w_a (2 g_n + 3u) B``;
+the combination adds ``g_2 (|c_a| A + |c_b| B) <= g_2 (A + B + w_a B + w_b A)`` and storing in the
+leaf's dtype ``u_store |out|``. An input error ``e_a`` reaches the output at most multiplied by the
+operator's Lipschitz bound ``1 + w_b + 4 w_a B/A`` (differentiate the formula). `tree_with_bound`
+walks the reference tree adding these up (first order); its value must equal `reference.tree`.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+
+ROOT = Path(__file__).resolve().parents[1]
+WORKER = os.environ.get("ADASUM_JAX_TESTS") == "worker"
+DEVICES = 8
+COUNTS = (1, 2, 3, 4, 5, 8)
+
+
+def _env(**extra: str) -> dict[str, str]:
+    env = dict(os.environ)
+    env.update(
+        XLA_FLAGS=f"--xla_force_host_platform_device_count={DEVICES}",
+        JAX_PLATFORMS="cpu",
+        PYTHONPATH=os.pathsep.join([str(ROOT / "src"), str(ROOT / "tests"), env.get("PYTHONPATH", "")]),
+        **extra,
+    )
+    return env
+
+
+def test_import_adasum_does_not_import_jax() -> None:
+    code = "import sys, adasum; assert 'jax' not in sys.modules, 'import adasum imported jax'"
+    subprocess.run([sys.executable, "-c", code], check=True, env=_env(), timeout=120)
+
+
+def test_benchmark_dry_run(tmp_path: Path) -> None:
+    out = tmp_path / "jax.jsonl"
+    subprocess.run([sys.executable, str(ROOT / "benchmarks" / "bench_jax.py"), "--dry-run", "--out", str(out)],
+                   check=True, env=_env(), timeout=240)
+    rows = [json.loads(line) for line in out.read_text().splitlines()]
+    assert {r["layout"] for r in rows} == {"flat-2^12", "small-resnet"}
+    for r in rows:
+        assert r["dry_run"] and r["devices"] == 2 and r["adasum_s"] > 0 and r["psum_s"] > 0
+        assert r["ratio"] == r["adasum_s"] / r["psum_s"] and r["max_abs_err_vs_reference"] < 1e-4
+
+
+def test_jax_digits_example_runs(tmp_path: Path) -> None:
+    """Two Adasum steps of examples/jax_digits.py on 8 fake devices (the full run is in docs/integrations.md)."""
+    out = tmp_path / "digits.jsonl"
+    subprocess.run([sys.executable, str(ROOT / "examples" / "jax_digits.py"), "--methods", "adasum", "--epochs", "1",
+                    "--train-limit", "512", "--out", str(out)], check=True, env=_env(), timeout=240)
+    (row,) = [json.loads(line) for line in out.read_text().splitlines()]
+    assert row["method"] == "adasum" and row["devices"] == 8 and row["steps_per_epoch"] == 2
+    assert math.isfinite(row["history"][0]["loss"]) and 0 <= row["test_accuracy"] <= 100
+
+
+if not WORKER:
+
+    def test_jax_suite() -> None:
+        """Runs the checks below in a fresh interpreter with 8 fake CPU devices."""
+        proc = subprocess.run(
+            [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", str(Path(__file__)),
+             "-k", "not test_import_adasum and not test_benchmark_dry_run and not test_jax_digits_example"],
+            env=_env(ADASUM_JAX_TESTS="worker"), capture_output=True, text=True, timeout=280, cwd=ROOT,
+        )
+        assert proc.returncode == 0, proc.stdout[-6000:] + proc.stderr[-3000:]
+        print(proc.stdout.strip().splitlines()[-1])
+
+else:
+    from functools import lru_cache
+
+    import jax
+    import jax.numpy as jnp
+    import optax
+    import pytest
+    from jax.sharding import Mesh
+    from jax.sharding import PartitionSpec as P
+
+    import adasum.jax as aj
+
+    from reference import pair, tree
+    from reference_adacons import AdaConsReference
+
+    U32, U64, UBF16 = 2.0**-24, 2.0**-53, 2.0**-8
+    SHAPES = [(3, 5), (7,), (2, 2, 2), (64,)]
+
+    def gamma(n: int, u: float) -> float:
+        return n * u / (1 - n * u)
+
+    def tree_with_bound(vectors: list[np.ndarray], u: float, store_u: float) -> tuple[np.ndarray, float]:
+        """The reference tree's value and a first-order bound on a computed result's 2-norm error."""
+        p = len(vectors)
+        q = 1 << (p.bit_length() - 1)
+        r = p - q
+        n = vectors[0].size
+
+        def node(a: tuple, b: tuple) -> tuple:
+            (va, na, ea), (vb, nb, eb) = a, b
+            big_a, big_b = np.linalg.norm(va), np.linalg.norm(vb)
+            wa, wb = na / (na + nb), nb / (na + nb)
+            out = pair(va, vb, na, nb)
+            local = ((2 * gamma(n, u) + 3 * u) * (wa * big_b + wb * big_a)
+                     + gamma(2, u) * (big_a + big_b + wa * big_b + wb * big_a) + store_u * np.linalg.norm(out))
+            lip_a = 1 + wb + 4 * wa * big_b / big_a
+            lip_b = 1 + wa + 4 * wb * big_a / big_b
+            return out, na + nb, lip_a * ea + lip_b * eb + local
+
+        leaves = [(v.astype(np.float64), 1, 0.0) for v in vectors]
+        groups = [node(leaves[2 * i], leaves[2 * i + 1]) for i in range(r)] + leaves[2 * r:]
+
+        def combine(lo: int, hi: int) -> tuple:
+            if hi - lo == 1:
+                return groups[lo]
+            mid = (lo + hi) // 2
+            return node(combine(lo, mid), combine(mid, hi))
+
+        value, _, bound = combine(0, q)
+        np.testing.assert_array_equal(value, tree(vectors))  # the bound follows the reference's tree
+        return value, bound
+
+    def mesh(p: int) -> Mesh:
+        return Mesh(np.array(jax.devices()[:p]), ("data",))
+
+    @lru_cache(maxsize=None)
+    def mapped_all_reduce(p: int, **kwargs):
+        """all_reduce over `p` devices: each leaf has a leading device axis, out the same."""
+
+        def body(*leaves):
+            return [x[None] for x in aj.all_reduce([x[0] for x in leaves], "data", **kwargs)]
+
+        return jax.jit(jax.shard_map(body, mesh=mesh(p), in_specs=P("data"), out_specs=P("data")))
+
+    def run(p: int, per_device: list[np.ndarray], **kwargs) -> list[np.ndarray]:
+        """Per-leaf results of every device, checking they agree bitwise; returns device 0's."""
+        out = [np.asarray(o) for o in mapped_all_reduce(p, **kwargs)(*per_device)]
+        for o in out:
+            for w in range(1, p):
+                np.testing.assert_array_equal(o[w], o[0], err_msg=f"device {w} differs from device 0")
+        return [o[0] for o in out]
+
+    def random_leaves(p: int, seed: int, dtypes=None) -> list[np.ndarray]:
+        rng = np.random.default_rng(seed)
+        dtypes = dtypes or [np.float32] * len(SHAPES)
+        return [rng.standard_normal((p, *s)).astype(d) for s, d in zip(SHAPES, dtypes)]
+
+    def check_against_reference(p, per_device, out, u, store_u):
+        for x, o in zip(per_device, out):
+            ref, bound = tree_with_bound([x[w].reshape(-1) for w in range(p)], u, store_u)
+            err = np.linalg.norm(o.astype(np.float64).reshape(-1) - ref)
+            assert err <= bound, f"P={p} leaf {x.shape[1:]}: |error| {err:.3g} > bound {bound:.3g}"
+
+    @pytest.mark.parametrize("p", COUNTS)
+    def test_matches_reference_float32(p: int) -> None:
+        leaves = random_leaves(p, seed=p)
+        check_against_reference(p, leaves, run(p, leaves), U32, U32)
+
+    @pytest.mark.parametrize("p", COUNTS)
+    def test_parallel_gives_mean_orthogonal_gives_sum(p: int) -> None:
+        rng = np.random.default_rng(100 + p)
+        scales = rng.uniform(-2, 2, size=p).astype(np.float32)  # both signs
+        base = random_leaves(1, seed=200 + p)
+        parallel = [(scales.reshape(-1, *[1] * (b.ndim - 1)) * b).astype(np.float32) for b in base]
+        for x, o in zip(parallel, run(p, parallel)):
+            mean = x.astype(np.float64).mean(0)
+            _, bound = tree_with_bound([x[w].reshape(-1) for w in range(p)], U32, U32)
+            assert np.linalg.norm(o.astype(np.float64) - mean) <= bound
+        # disjoint supports: every dot product is exactly 0, so the result is exactly the sum
+        orthogonal = []
+        for x in random_leaves(p, seed=300 + p):
+            owner = np.arange(x[0].size).reshape(x.shape[1:]) % p
+            orthogonal.append(np.where(owner[None] == np.arange(p).reshape(-1, *[1] * (x.ndim - 1)), x, 0))
+        for x, o in zip(orthogonal, run(p, orthogonal)):
+            np.testing.assert_array_equal(o, x.sum(0))
+
+    @pytest.mark.parametrize("p", (5, 8))
+    def test_float64_with_x64(p: int) -> None:
+        with jax.enable_x64(True):
+            leaves = [x.astype(np.float64) for x in random_leaves(p, seed=400 + p)]
+            out = run(p, leaves)
+            assert all(o.dtype == np.float64 for o in out)
+            check_against_reference(p, leaves, out, U64, U64)
+            # float32 leaves accumulate in float64 too: the dot-product term of the bound uses U64
+            leaves32 = random_leaves(p, seed=450 + p)
+            out32 = run(p, leaves32)
+            for x, o in zip(leaves32, out32):
+                ref, bound = tree_with_bound([x[w].reshape(-1) for w in range(p)], U32, U32)
+                assert np.linalg.norm(o.astype(np.float64).reshape(-1) - ref) <= bound
+
+    @pytest.mark.parametrize("p", (3, 8))
+    def test_bfloat16_leaves_beside_float32(p: int) -> None:
+        bf16 = jnp.bfloat16
+        leaves = random_leaves(p, seed=500 + p, dtypes=[bf16, np.float32, bf16, np.float32])
+        out = run(p, leaves)
+        assert [o.dtype for o in out] == [x.dtype for x in leaves]
+        for x, o in zip(leaves, out):
+            store = UBF16 if x.dtype == bf16 else U32
+            ref, bound = tree_with_bound([x[w].astype(np.float64).reshape(-1) for w in range(p)], U32, store)
+            assert np.linalg.norm(o.astype(np.float64).reshape(-1) - ref) <= bound
+
+    @pytest.mark.parametrize("p", (3, 8))
+    def test_pieces(p: int) -> None:
+        """Buffers cut into pieces (leaves split across pieces, two dtypes) give the same tree."""
+        leaves = random_leaves(p, seed=550 + p, dtypes=[np.float32, np.float32, jnp.bfloat16, np.float32])
+        out = run(p, leaves, pieces=3)
+        for x, o in zip(leaves, out):
+            store = UBF16 if x.dtype == jnp.bfloat16 else U32
+            ref, bound = tree_with_bound([x[w].astype(np.float64).reshape(-1) for w in range(p)], U32, store)
+            assert np.linalg.norm(o.astype(np.float64).reshape(-1) - ref) <= bound
+
+    def test_whole_tree_coefficients() -> None:
+        p = 4
+        leaves = random_leaves(p, seed=600)
+        out = run(p, leaves, per_leaf=False)
+        sizes = [int(np.prod(s)) for s in SHAPES]
+        flat = np.concatenate([x.reshape(p, -1) for x in leaves], axis=1)
+        ref, bound = tree_with_bound([flat[w] for w in range(p)], U32, U32)
+        got = np.concatenate([o.reshape(-1) for o in out])
+        assert np.linalg.norm(got - ref) <= bound
+        assert got.size == sum(sizes)
+
+    @pytest.mark.parametrize("p", (2, 5))
+    def test_zero_vectors_never_nan(p: int) -> None:
+        leaves = random_leaves(p, seed=700 + p)
+        leaves[0][:] = 0  # zero on every device: the result is 0
+        leaves[1][1:] = 0  # only device 0 nonzero: adasum(b, 0) = b at every level
+        out = run(p, leaves)
+        np.testing.assert_array_equal(out[0], 0)
+        np.testing.assert_array_equal(out[1], leaves[1][0])
+        assert all(np.isfinite(o).all() for o in out)
+
+    def test_pmap_and_training_step_compile_and_differentiate() -> None:
+        p = 4
+        x = np.random.default_rng(1).standard_normal((p, 8, 3)).astype(np.float32)
+        y = np.random.default_rng(2).standard_normal((p, 8)).astype(np.float32)
+        params = {"w": jnp.ones((3,)), "b": jnp.zeros(())}
+        opt = optax.chain(aj.adasum("data"), optax.sgd(0.1))
+
+        def loss(params, x, y):
+            return jnp.mean((x @ params["w"] + params["b"] - y) ** 2)
+
+        def step(params, state, x, y):
+            grads = jax.grad(loss)(params, x, y)
+            updates, state = opt.update(grads, state, params)
+            return optax.apply_updates(params, updates), state
+
+        state = opt.init(params)
+        pstep = jax.pmap(step, axis_name="data", in_axes=(None, None, 0, 0))
+        new, _ = pstep(params, state, x, y)
+        for leaf in jax.tree.leaves(new):
+            assert all((leaf[w] == leaf[0]).all() for w in range(p))
+        grads = [jax.grad(loss)(params, x[w], y[w]) for w in range(p)]
+        for name in ("w", "b"):
+            combined = tree([np.asarray(g[name]).reshape(-1) for g in grads])
+            np.testing.assert_allclose(new[name][0], np.asarray(params[name]) - 0.1 * combined.reshape(
+                params[name].shape), rtol=1e-5, atol=1e-6)
+
+        # grad of a function of the collective's result (reverse mode through ppermute/psum/all_gather)
+        def objective(v):
+            return jnp.sum(aj.all_reduce({"v": v[0]}, "data")["v"] ** 2)[None]
+
+        f = jax.jit(jax.shard_map(jax.grad(lambda v: objective(v).sum()), mesh=mesh(p),
+                                  in_specs=P("data"), out_specs=P("data")))
+        g = np.asarray(f(jnp.asarray(x.reshape(p, -1))))
+        assert g.shape == (p, 24) and np.isfinite(g).all() and np.abs(g).max() > 0
+
+    def test_shard_map_gradients_of_replicated_parameters() -> None:
+        """jax.grad w.r.t. replicated params inside shard_map sums over the axis: refused, and `vary`
+        gives each device its own gradient, which Adasum then combines like the reference."""
+        p = 4
+        x = np.random.default_rng(3).standard_normal((p, 8, 3)).astype(np.float32)
+        params = {"w": jnp.arange(3.0), "b": jnp.ones(())}
+
+        def loss(params, x):
+            return jnp.sum(jnp.tanh(x @ params["w"] + params["b"]))
+
+        def combined(params, x, local):
+            grads = jax.grad(loss)(aj.vary(params, "data") if local else params, x)
+            return aj.all_reduce(grads, "data"), jax.tree.map(lambda g: g[None], grads)
+
+        def mapped(local):
+            return jax.jit(jax.shard_map(lambda params, x: combined(params, x, local), mesh=mesh(p),
+                                         in_specs=(P(), P("data")), out_specs=(P(), P("data"))))
+
+        with pytest.raises(ValueError, match="already summed it over the axis.*adasum.jax.vary"):
+            mapped(False)(params, x.reshape(p * 8, 3))
+        got, per_device = mapped(True)(params, x.reshape(p * 8, 3))
+        for name in ("w", "b"):
+            mine = np.asarray(per_device[name]).reshape(p, -1)
+            own = np.asarray(jax.grad(loss)(params, x[1])[name]).reshape(-1)  # device 1's batch, eagerly
+            np.testing.assert_allclose(mine[1], own, rtol=1e-5, atol=1e-5)  # its own gradient, not a sum
+            ref, bound = tree_with_bound([mine[w] for w in range(p)], U32, U32)
+            assert np.linalg.norm(np.asarray(got[name], np.float64).reshape(-1) - ref) <= bound
+
+    def test_bad_inputs_give_clear_errors() -> None:
+        body = jax.shard_map(lambda x: aj.all_reduce({"steps": x}, "data")["steps"], mesh=mesh(2),
+                             in_specs=P("data"), out_specs=P("data"))
+        with pytest.raises(TypeError, match="leaf 0 has dtype int32.*floating-point"):
+            body(jnp.arange(4, dtype=jnp.int32))
+        wrong = jax.shard_map(lambda x: aj.all_reduce(x, "batch"), mesh=mesh(2), in_specs=P("data"),
+                              out_specs=P("data"))
+        with pytest.raises(ValueError, match="axis name 'batch' is not bound"):
+            wrong(jnp.ones(4))
+        with pytest.raises(ValueError, match="axis name 'data' is not bound"):
+            aj.all_reduce(jnp.ones(4), "data")  # outside any mapped function
+        with pytest.raises(ValueError, match="devices=N"):
+            aj.adacons("data").init(jnp.ones(3))
+        with pytest.raises(ValueError, match="momentum"):
+            aj.adacons("data", momentum=1.0)
+        with pytest.raises(ValueError, match="accumulate=float64 needs"):
+            aj.all_reduce(jnp.ones(2), "data", accumulate=jnp.float64)
+
+    def adacons_bound(per_worker: list[np.ndarray], state_total: float, u: float) -> float:
+        """First-order bound on |d_computed - d| for AdaCons of one segment in precision u.
+
+        The mean is off by at most ``g_N mean_j |g_j|`` elementwise (in norm: ``dm``); each ``a_i`` by
+        ``da = 2 g_n |m| + dm`` (dot and norm, then m's error); sorting and momentum (convex
+        combinations) keep that; normalising by ``T = sum max(s, 0)`` gives ``sum |dc_i| <= 2 N da / T``;
+        then ``|d| = |m| |sum c_i g_i/|g_i||`` adds ``|m| (2 g_n + g_N + 2u)`` and ``dm``.
+        """
+        n_workers, n = len(per_worker), per_worker[0].size
+        g = [x.astype(np.float64).reshape(-1) for x in per_worker]
+        m = sum(g) / n_workers
+        dm = gamma(n_workers, u) * np.linalg.norm(sum(np.abs(x) for x in g) / n_workers)
+        big_m = np.linalg.norm(m)
+        da = 2 * gamma(n, u) * big_m + dm
+        return big_m * (2 * n_workers * da / state_total + 2 * gamma(n, u) + gamma(n_workers, u) + 2 * u) + dm
+
+    @pytest.mark.parametrize("p,per_leaf,scale", [(3, False, "mean_norm"), (4, True, "mean_norm"), (8, False, "unit")])
+    def test_adacons_matches_reference(p: int, per_leaf: bool, scale: str) -> None:
+        beta = 0.9
+        opt = aj.adacons("data", momentum=beta, per_leaf=per_leaf, scale=scale, devices=p)
+        reference = AdaConsReference(beta=beta, per_tensor=per_leaf, scale=scale)
+
+        def body(state, *leaves):
+            out, state = opt.update([x[0] for x in leaves], state)
+            return state, *[x[None] for x in out]
+
+        state = opt.init([jnp.zeros(s) for s in SHAPES])
+        f = jax.jit(jax.shard_map(body, mesh=mesh(p), in_specs=(P(), *[P("data")] * len(SHAPES)),
+                                  out_specs=(P(), *[P("data")] * len(SHAPES))))
+        rng = np.random.default_rng(800 + p)
+        common = [rng.standard_normal(s) for s in SHAPES]  # a shared direction keeps the a_i positive
+        for _ in range(3):
+            leaves = [(c + 0.7 * rng.standard_normal((p, *c.shape))).astype(np.float32) for c in common]
+            state, *out = f(state, *leaves)
+            expected = reference([[x[w] for x in leaves] for w in range(p)])
+            segments = [[i] for i in range(len(SHAPES))] if per_leaf else [list(range(len(SHAPES)))]
+            for members in segments:
+                got = np.concatenate([np.asarray(out[i])[0].reshape(-1) for i in members])
+                exp = np.concatenate([expected[i].reshape(-1) for i in members])
+                workers = [np.concatenate([leaves[i][w].reshape(-1) for i in members]) for w in range(p)]
+                total = sum(max(v, 0.0) for v in reference.states[tuple(int(np.prod(s)) for s in SHAPES)][
+                    segments.index(members)])
+                bound = adacons_bound(workers, total, U32)
+                if scale == "unit":
+                    bound /= np.linalg.norm(sum(x.astype(np.float64) for x in workers) / p)
+                assert np.linalg.norm(got - exp) <= bound, (np.linalg.norm(got - exp), bound)
+                for i in members:
+                    o = np.asarray(out[i])
+                    assert all((o[w] == o[0]).all() for w in range(p))
+        assert int(state.count) == 3
+
+    def test_adacons_identical_gradients_are_kept() -> None:
+        p = 5
+        opt = aj.adacons("data", devices=p)
+        same = np.random.default_rng(9).standard_normal((1, 40)).astype(np.float32).repeat(p, 0)
+        f = jax.jit(jax.shard_map(lambda s, x: opt.update(x[0], s)[0][None], mesh=mesh(p),
+                                  in_specs=(P(), P("data")), out_specs=P("data")))
+        out = np.asarray(f(opt.init(jnp.zeros(40)), same))
+        np.testing.assert_allclose(out[0], same[0], rtol=4 * 40 * U32, atol=0)
+
+    @pytest.mark.parametrize("p", (3, 4))
+    def test_result_leaves_shard_map_replicated(p: int) -> None:
+        """The result is typed as the same on every device, so out_specs=P() (replicated) is accepted."""
+        leaves = random_leaves(p, seed=950 + p)
+        f = jax.jit(jax.shard_map(lambda *t: aj.all_reduce([x[0] for x in t], "data"), mesh=mesh(p),
+                                  in_specs=P("data"), out_specs=P()))
+        for a, b in zip(f(*leaves), run(p, leaves)):
+            np.testing.assert_array_equal(np.asarray(a), b)
+
+    def test_adasum_transform_is_all_reduce() -> None:
+        p = 3
+        leaves = random_leaves(p, seed=900)
+        opt = aj.adasum("data")
+        f = jax.jit(jax.shard_map(lambda *t: [x[None] for x in opt.update([x[0] for x in t], aj.AdasumState())[0]],
+                                  mesh=mesh(p), in_specs=P("data"), out_specs=P("data")))
+        for a, b in zip(f(*leaves), run(p, leaves)):
+            np.testing.assert_array_equal(np.asarray(a)[0], b)
