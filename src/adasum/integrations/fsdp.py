@@ -1,10 +1,10 @@
 """Adasum (or any reducer) across the replicas of FSDP2 sharded training (HSDP), in one call.
 
->>> mesh = init_device_mesh("cuda", (replicas, shards), mesh_dim_names=("replicate", "shard"))
->>> for block in model.blocks:
+>>> mesh = init_device_mesh("cuda", (replicas, shards), mesh_dim_names=("replicate", "shard"))  # doctest: +SKIP
+>>> for block in model.blocks:  # doctest: +SKIP
 ...     fully_shard(block, mesh=mesh["shard"])
->>> fully_shard(model, mesh=mesh["shard"])
->>> adasum.fsdp.enable(model, mesh)                  # Adasum across the replicas, per parameter
+>>> fully_shard(model, mesh=mesh["shard"])  # doctest: +SKIP
+>>> adasum.fsdp.enable(model, mesh)                  # Adasum across the replicas, per parameter  # doctest: +SKIP
 
 Each `fully_shard` unit reduce-scatters its gradients over the shard group (FSDP averages them
 there), then calls the all-reduce hook that `enable` installs ("custom HSDP", the route torchtitan
@@ -375,8 +375,8 @@ def enable(
     ``include_unused`` sets FSDP's ``set_reduce_scatter_unused_params`` on every unit. Returns the
     `FSDPState`; checkpoint it with the model and optimizer to keep AdaCons' momentum.
 
-    >>> state = adasum.fsdp.enable(model, mesh)                      # Adasum
-    >>> state = adasum.fsdp.enable(model, mesh, adasum.AdaCons(momentum=0.9))
+    >>> state = adasum.fsdp.enable(model, mesh)                      # Adasum  # doctest: +SKIP
+    >>> state = adasum.fsdp.enable(model, mesh, adasum.AdaCons(momentum=0.9))  # doctest: +SKIP
     """
     from torch.distributed.fsdp import FSDPModule
 

@@ -2,9 +2,9 @@
 
 Needs ``pip install 'adasum[jax]'`` (jax and optax); ``import adasum`` alone never imports JAX.
 
->>> import adasum.jax
+>>> import adasum.jax, optax
 >>> opt = optax.chain(adasum.jax.adasum("data"), optax.sgd(0.1))   # update inside jax.shard_map
->>> grads = adasum.jax.all_reduce(grads, "data")                   # the bare collective
+>>> grads = adasum.jax.all_reduce(grads, "data")                   # the bare collective  # doctest: +SKIP
 """
 
 from adasum.jax.collective import all_reduce, vary

@@ -132,7 +132,7 @@ def vary(tree: Any, axis_name: Any) -> Any:
       The same values (``jax.lax.pcast(..., to="varying")``, ``pvary`` on older JAX; unchanged under
       ``pmap`` or ``shard_map(check_vma=False)``, where gradients are per device anyway).
 
-    >>> grads = jax.grad(loss)(adasum.jax.vary(params, "data"), batch)
+    >>> grads = jax.grad(loss)(adasum.jax.vary(params, "data"), batch)  # doctest: +SKIP
     """
     tracked = _varying_axes(jax.lax.axis_index(axis_name))
     if not tracked or axis_name not in tracked:
@@ -325,7 +325,7 @@ def all_reduce(tree: Any, axis_name: Any, *, per_leaf: bool = True, accumulate: 
     Returns:
       A pytree like `tree`, identical (bitwise) on every device of the axis.
 
-    >>> grads = adasum.jax.all_reduce(grads, "data")   # inside jax.shard_map over "data"
+    >>> grads = adasum.jax.all_reduce(grads, "data")   # inside jax.shard_map over "data"  # doctest: +SKIP
     """
     leaves, treedef = jax.tree.flatten(tree)
     check_leaves(leaves, "adasum.jax.all_reduce")

@@ -49,8 +49,9 @@ def adasum(axis_name: Any, *, per_leaf: bool = True, accumulate: Any = None) -> 
     Returns:
       An ``optax.GradientTransformation`` with an empty `AdasumState`.
 
+    >>> import adasum.jax, optax
     >>> opt = optax.chain(adasum.jax.adasum("data"), optax.sgd(0.1))
-    >>> updates, state = opt.update(grads, state)          # inside jax.shard_map over "data"
+    >>> updates, state = opt.update(grads, state)          # inside jax.shard_map over "data"  # doctest: +SKIP
     """
 
     def init(params: Any) -> AdasumState:
@@ -133,6 +134,7 @@ def adacons(
     Returns:
       An ``optax.GradientTransformation`` whose state is an `AdaConsState`.
 
+    >>> import adasum.jax, optax
     >>> opt = optax.chain(adasum.jax.adacons("data", momentum=0.99), optax.sgd(0.1))
     """
     if not 0.0 <= momentum < 1.0:
