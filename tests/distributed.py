@@ -156,3 +156,17 @@ def run(
         if errors:
             raise AssertionError("\n".join(errors))
         return [out[r] for r in range(world_size)]
+
+
+def assert_ranks_agree(results: list, skip: tuple = ()) -> None:
+    """Every rank's result equals rank 0's; for dict results key by key (keys in `skip` left out),
+    naming the first rank and key that differ."""
+    first = results[0]
+    for r, result in enumerate(results[1:], start=1):
+        if isinstance(first, dict) and isinstance(result, dict):
+            assert result.keys() == first.keys(), f"rank {r} has keys {sorted(result)}, rank 0 {sorted(first)}"
+            for key in first:
+                if key not in skip:
+                    assert result[key] == first[key], f"rank {r} differs from rank 0 on {key!r}"
+        else:
+            assert result == first, f"rank {r} differs from rank 0"

@@ -139,11 +139,7 @@ def checks(rank, world):
 @pytest.mark.parametrize("world", distributed.world_sizes(1, 2, 3, 4, 5, 8))
 def test_all_reduce_matches_reference_and_is_bitwise_identical(world):
     results = distributed.run(world, checks)
-    for key in results[0]:
-        if key == "errors":
-            continue
-        for r in range(1, world):
-            assert results[r][key] == results[0][key], f"rank {r} differs from rank 0 on {key}"
+    distributed.assert_ranks_agree(results, skip=("errors",))
     for r in range(world):
         errors = results[r]["errors"]
         if world == 1:

@@ -162,9 +162,7 @@ def ddp_body(rank, world):
 @pytest.mark.parametrize("world", [3, 4])
 def test_hook_matches_per_parameter_adasum(world):
     results = distributed.run(world, ddp_body)
-    for key in results[0]:
-        for r in range(1, world):
-            assert results[r][key] == results[0][key], f"rank {r} differs from rank 0 after {key}"
+    distributed.assert_ranks_agree(results)
 
 
 def test_state_options():

@@ -51,7 +51,7 @@ def nonfinite_body(rank, world, victim, bad):
         for policy in ("raise", "skip"):
             model = _model()
             base = torch.optim.Adam(model.named_parameters(), lr=0.01)  # names reach the message
-            opt = adasum.DistributedOptimizer(base, reduce="adasum", mode=mode, nonfinite=policy)
+            opt = adasum.DistributedOptimizer(base, reducer="adasum", mode=mode, nonfinite=policy)
             _backward(model, rank, 0)
             opt.step()
             opt.zero_grad()
@@ -81,7 +81,7 @@ def nonfinite_body(rank, world, victim, bad):
         model = _model()
         slow = adasum.SlowMo(
             torch.optim.SGD(model.named_parameters(), lr=0.1, momentum=0.9),
-            sync_every=2,
+            local_steps=2,
             slow_momentum=0.5,
             reducer="adasum",
             nonfinite=policy,
@@ -105,7 +105,7 @@ def nonfinite_body(rank, world, victim, bad):
             out[key] = {"raised": None}
         except adasum.NonFiniteError as error:
             out[key] = {"raised": str(error)}
-        out[key]["skipped"] = slow.skipped_syncs
+        out[key]["skipped"] = slow.skipped_steps
         if policy == "skip":
             out[key]["at_anchor"] = all(torch.equal(p, a) for p, a in zip(model.parameters(), anchor))
             out[key]["momentum_kept"] = all(torch.equal(m, n) for m, n in zip(slow._momentum, momentum))
@@ -148,7 +148,8 @@ def test_nonfinite_policies_in_training_steps(world, bad):
         assert f"has {kind} on rank {victim}" in r["slowmo-raise"]["raised"]
         skip = r["slowmo-skip"]
         assert skip["raised"] is None and skip["skipped"] == 1 and skip["at_anchor"] and skip["momentum_kept"]
-        assert "adasum_hook: the gradient of 'module.2.weight'" in r["ddp"], r["ddp"]
+        assert "adasum_hook: the gradient (bucket 0) of parameter" in r["ddp"], r["ddp"]
+        assert "('module.2.weight')" in r["ddp"], r["ddp"]
         assert f"has NaN on rank {victim}" in r["ddp"] or f"has {kind} on rank {victim}" in r["ddp"]
     assert len({r["slowmo-skip"]["params"] for r in results}) == 1
 
@@ -157,7 +158,7 @@ def bad_input_body(rank, world):
     out = {}
     model = _model(seed=rank if rank == 1 else 0)  # rank 1 differs
     try:
-        adasum.SlowMo(torch.optim.SGD(model.named_parameters(), lr=0.1), sync_every=2)
+        adasum.SlowMo(torch.optim.SGD(model.named_parameters(), lr=0.1), local_steps=2)
         out["slowmo"] = None
     except ValueError as error:
         out["slowmo"] = str(error)

@@ -80,9 +80,7 @@ def hierarchical_body(rank, world, local_sizes):
 def test_hierarchical_matches_adasum_of_node_means(world, local_sizes):
     # 4 = 2 nodes x 2 (and 1 x 4, 4 x 1); 6 = 3 nodes x 2 (a folded tree) and 2 x 3
     results = distributed.run(world, hierarchical_body, local_sizes)
-    for key in results[0]:
-        for r in range(1, world):
-            assert results[r][key] == results[0][key], f"rank {r} differs from rank 0 on {key}"
+    distributed.assert_ranks_agree(results)
 
 
 def test_reduce_hierarchical_is_adasum_of_node_means():

@@ -105,13 +105,13 @@ def rel(a, b):
 
 def run_and_compare(rank, world, make_opt, rounds=3, combine=adasum.reduce, tol=1e-5, **kwargs):
     """The distributed optimizer against the simulation, round by round; the parameters' bytes."""
-    reduce = kwargs.pop("reduce", "adasum")
+    reducer = kwargs.pop("reducer", "adasum")
     mode = kwargs.get("mode", "delta")
     micros, local_steps, clip = kwargs.pop("micros", 1), kwargs.get("local_steps", 1), kwargs.pop("clip", None)
     sim = Simulation(world, make_opt, combine, mode, micros, local_steps, clip)
     model = make_model()
     opt = adasum.DistributedOptimizer(
-        make_opt(model.parameters()), reduce=reduce, backward_passes_per_step=micros, **kwargs
+        make_opt(model.parameters()), reducer=reducer, backward_passes_per_step=micros, **kwargs
     )
     history = []
     step = 0
@@ -139,19 +139,19 @@ def optim_body(rank, world):
     sgd = OPTIMIZERS["sgd"]
     out["gradient-adasum"] = run_and_compare(rank, world, sgd, mode="gradient")
     out["gradient-mean"] = run_and_compare(
-        rank, world, sgd, mode="gradient", reduce="mean", combine=lambda ts: torch.stack(ts).mean(0)
+        rank, world, sgd, mode="gradient", reducer="mean", combine=lambda ts: torch.stack(ts).mean(0)
     )
     out["local-steps"] = run_and_compare(rank, world, sgd, local_steps=2)
     if full:
         out["delta-sum"] = run_and_compare(
-            rank, world, sgd, reduce=adasum.Sum(), combine=lambda ts: torch.stack(ts).sum(0)
+            rank, world, sgd, reducer=adasum.Sum(), combine=lambda ts: torch.stack(ts).sum(0)
         )
         out["accumulate"] = run_and_compare(rank, world, OPTIMIZERS["adam"], micros=2)
         out["clip"] = run_and_compare(rank, world, OPTIMIZERS["adam"], clip=0.05)
         out["tiny-buckets"] = run_and_compare(rank, world, sgd, bucket_cap_mb=1e-4)
     # whole-model coefficients: one bucket per dtype, whatever the cap
     model = make_model()
-    whole = adasum.DistributedOptimizer(sgd(model.parameters()), reduce=adasum.Adasum(per_tensor=False))
+    whole = adasum.DistributedOptimizer(sgd(model.parameters()), reducer=adasum.Adasum(per_tensor=False))
     assert whole.bucket_cap_bytes is None
     if world == 4:
         from adasum.collectives.hierarchical import reduce_hierarchical
@@ -160,7 +160,7 @@ def optim_body(rank, world):
             rank,
             world,
             OPTIMIZERS["adam"],
-            reduce=adasum.Adasum(hierarchical=True, local_size=2),
+            reducer=adasum.Adasum(hierarchical=True, local_size=2),
             combine=lambda ts: reduce_hierarchical(ts, 2),
         )
     out["scaler"] = grad_scaler_checks(rank, world)
@@ -260,11 +260,7 @@ def error_checks(rank, world):
 @pytest.mark.parametrize("world", [2, 3, 4])
 def test_distributed_optimizer_matches_simulation(world):
     results = distributed.run(world, optim_body, timeout_s=240)
-    for key in results[0]:
-        if key == "errors":
-            continue
-        for r in range(1, world):
-            assert results[r][key] == results[0][key], f"rank {r} differs from rank 0 in {key}"
+    distributed.assert_ranks_agree(results, skip=("errors",))
     for r in range(world):
         errors = results[r]["errors"]
         assert "parameter '0.weight' (shape [10, 6]) differs across ranks" in errors["values"], errors["values"]

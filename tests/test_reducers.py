@@ -158,6 +158,4 @@ def test_distributed_and_single_process_forms_agree(world):
         assert list(idx) == [*range(1, world), 0]
         assert not np.array_equal(np.argsort(idx), idx)
     results = distributed.run(world, checks)
-    for key in results[0]:
-        for r in range(1, world):
-            assert results[r][key] == results[0][key], f"rank {r} differs from rank 0 on {key}"
+    distributed.assert_ranks_agree(results)

@@ -23,11 +23,11 @@ STEPS = 4
 
 # (name, reducer, combine, local_steps, slow_momentum, optimizer)
 CASES = [
-    ("adasum-grad-sgd", "adasum", "gradients", 1, None, "sgd"),
-    ("mean-grad-adam", "mean", "gradients", 1, None, "adam"),
-    ("adasum-delta-adam", "adasum", "deltas", 1, None, "adam"),
-    ("sum-local-sgd", "sum", "deltas", 2, None, "sgd"),
-    ("slowmo-mean", "mean", "deltas", 2, 0.5, "sgd"),
+    ("adasum-grad-sgd", "adasum", "gradient", 1, None, "sgd"),
+    ("mean-grad-adam", "mean", "gradient", 1, None, "adam"),
+    ("adasum-delta-adam", "adasum", "delta", 1, None, "adam"),
+    ("sum-local-sgd", "sum", "delta", 2, None, "sgd"),
+    ("slowmo-mean", "mean", "delta", 2, 0.5, "sgd"),
 ]
 
 
@@ -62,7 +62,7 @@ def real_run(rank: int, world: int, case: tuple) -> list[torch.Tensor]:
     for step in range(STEPS):
         optimizer.zero_grad()
         cross_entropy(model(x[step, rank]), y[step, rank]).backward()
-        if combine == "gradients":
+        if combine == "gradient":
             reducer.all_reduce([p.grad for p in params])
             optimizer.step()
             continue
@@ -229,7 +229,7 @@ def test_torchrun_training_path_matches_the_simulator(gloo_results, method, tmp_
 
 def test_methods_differ_so_the_comparison_means_something():
     adasum = simulated(CASES[0], WORLD)
-    mean = simulated(("mean-grad-sgd", "mean", "gradients", 1, None, "sgd"), WORLD)
+    mean = simulated(("mean-grad-sgd", "mean", "gradient", 1, None, "sgd"), WORLD)
     assert not torch.allclose(adasum[0], mean[0])
 
 
@@ -242,13 +242,13 @@ def test_one_worker_is_plain_training():
         cross_entropy(model(x[step, 0]), y[step, 0]).backward()
         optimizer.step()
     for reducer in ("mean", "adasum"):
-        sim = simulated(("one", reducer, "gradients", 1, None, "sgd"), 1)
+        sim = simulated(("one", reducer, "gradient", 1, None, "sgd"), 1)
         for s, p in zip(sim, model.parameters()):
             torch.testing.assert_close(s, p.detach(), rtol=1e-5, atol=1e-6)
 
 
 def test_64_workers_chunked_equals_unchunked():
-    case = ("mean-delta", "mean", "deltas", 1, None, "adam")
+    case = ("mean-delta", "mean", "delta", 1, None, "adam")
     whole = simulated(case, 64)
     chunked = simulated(case, 64, chunk_size=16)
     for a, b in zip(whole, chunked):
@@ -274,7 +274,7 @@ def test_state_dict_round_trip_continues_identically():
 
     def fresh():
         return SimulatedWorkers(
-            make_model(), 3, make_optimizer("sgd"), reducer="mean", combine="deltas", local_steps=2, slow_momentum=0.5
+            make_model(), 3, make_optimizer("sgd"), reducer="mean", combine="delta", local_steps=2, slow_momentum=0.5
         )
 
     straight = fresh()
@@ -297,7 +297,7 @@ def test_bad_input_is_refused_clearly():
         SimulatedWorkers(model, 0, sgd)
     with pytest.raises(ValueError, match="combine must be"):
         SimulatedWorkers(model, 2, sgd, combine="weights")
-    with pytest.raises(ValueError, match="need combine='deltas'"):
+    with pytest.raises(ValueError, match="need combine=.delta."):
         SimulatedWorkers(model, 2, sgd, local_steps=3)
     with pytest.raises(ValueError, match="unknown reducer"):
         SimulatedWorkers(model, 2, sgd, reducer="median")
@@ -306,7 +306,7 @@ def test_bad_input_is_refused_clearly():
     from pytorch_optimizer import Lamb
 
     with pytest.raises(ValueError, match="not elementwise"):
-        SimulatedWorkers(model, 2, lambda ps: Lamb(ps), combine="deltas")
+        SimulatedWorkers(model, 2, lambda ps: Lamb(ps), combine="delta")
     SimulatedWorkers(model, 2, lambda ps: Lamb(ps))  # fine on the one combined model
     sim = SimulatedWorkers(model, 2, sgd)
     x, y = make_data(3)

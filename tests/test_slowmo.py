@@ -45,8 +45,8 @@ def grads_at(params, worker, step):
     return [p.grad.clone() for p in model.parameters()]
 
 
-def hand_slowmo(world, steps, sync_every, lr, momentum, slow_lr, slow_momentum, combine):
-    """SlowMo written out: every worker's momentum SGD (buffers local), then every `sync_every`
+def hand_slowmo(world, steps, local_steps, lr, momentum, slow_lr, slow_momentum, combine):
+    """SlowMo written out: every worker's momentum SGD (buffers local), then every `local_steps`
     steps x_bar = combine(models, anchor), u = beta u + (anchor - x_bar)/lr, anchor -= alpha lr u."""
     init = [p.detach().clone() for p in make_model().parameters()]
     xs = [[p.clone() for p in init] for _ in range(world)]
@@ -57,7 +57,7 @@ def hand_slowmo(world, steps, sync_every, lr, momentum, slow_lr, slow_momentum, 
             g = grads_at(xs[j], j, step)
             bufs[j] = g if bufs[j] is None else [momentum * b + gi for b, gi in zip(bufs[j], g)]
             xs[j] = [x - lr * b for x, b in zip(xs[j], bufs[j])]
-        if (step + 1) % sync_every == 0:
+        if (step + 1) % local_steps == 0:
             x_bar = combine(xs, anchor)
             u = [slow_momentum * uk + (a - xb) / lr for uk, a, xb in zip(u, anchor, x_bar)]
             anchor = [a - slow_lr * lr * uk for a, uk in zip(anchor, u)]
@@ -73,9 +73,10 @@ def adasum_deltas(xs, anchor):
     return [a + adasum.reduce([x[k] - a for x in xs]) for k, a in enumerate(anchor)]
 
 
-def run_slowmo(rank, steps, sync_every, lr, momentum, **kwargs):
+def run_slowmo(rank, steps, local_steps, lr, momentum, **kwargs):
     model = make_model()
-    opt = adasum.SlowMo(torch.optim.SGD(model.parameters(), lr=lr, momentum=momentum), sync_every=sync_every, **kwargs)
+    base = torch.optim.SGD(model.parameters(), lr=lr, momentum=momentum)
+    opt = adasum.SlowMo(base, local_steps=local_steps, **kwargs)
     for step in range(steps):
         opt.zero_grad()
         backward(model, rank, step)
@@ -132,7 +133,7 @@ def checks(rank, world):
 
     # buffers: "average" averages the base optimizer's state, module= averages BatchNorm buffers
     model = make_model(batchnorm=True)
-    opt = adasum.SlowMo(torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9), sync_every=100,
+    opt = adasum.SlowMo(torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9), local_steps=100,
                         buffers="average", module=model)
     for step in range(3):
         opt.zero_grad()
@@ -163,7 +164,7 @@ def checks(rank, world):
     # lr = 0 at the sync (per group): no division, the group's anchor moves to the average
     model = make_model()
     groups = [{"params": list(model[0].parameters()), "lr": 0.1}, {"params": list(model[2].parameters()), "lr": 0.2}]
-    opt = adasum.SlowMo(torch.optim.SGD(groups, momentum=0.5), sync_every=2, slow_momentum=0.5, slow_lr=0.7)
+    opt = adasum.SlowMo(torch.optim.SGD(groups, momentum=0.5), local_steps=2, slow_momentum=0.5, slow_lr=0.7)
     for step in range(2):
         opt.zero_grad()
         backward(model, rank, step)
@@ -183,7 +184,7 @@ def checks(rank, world):
 
     # the base algorithm DDP-synchronised: Lookahead-like slow steps on mean-gradient SGD
     ddp = torch.nn.parallel.DistributedDataParallel(make_model())
-    opt = adasum.SlowMo(torch.optim.SGD(ddp.parameters(), lr=0.1, momentum=0.9), sync_every=2,
+    opt = adasum.SlowMo(torch.optim.SGD(ddp.parameters(), lr=0.1, momentum=0.9), local_steps=2,
                         slow_lr=0.6, slow_momentum=0.5, module=ddp)
     for step in range(5):
         opt.zero_grad()
@@ -216,7 +217,7 @@ def train(model, opt, rank, steps, start=0):
 def make_run(seed=0):
     model = make_model(seed, torch.float32, batchnorm=True)
     base = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9, weight_decay=1e-3)
-    opt = adasum.SlowMo(base, sync_every=3, slow_lr=0.9, slow_momentum=0.5,
+    opt = adasum.SlowMo(base, local_steps=3, slow_lr=0.9, slow_momentum=0.5,
                         reducer=adasum.AdaCons(momentum=0.9), module=model)
     return model, opt
 
@@ -247,9 +248,7 @@ def resume_check(rank, world):
 @pytest.mark.parametrize("world", [2, 3])
 def test_slowmo_against_hand_references(world):
     results = distributed.run(world, checks)
-    for key in results[0]:
-        for r in range(1, world):
-            assert results[r][key] == results[0][key], f"rank {r} differs from rank 0 on {key}"
+    distributed.assert_ranks_agree(results)
 
 
 def lookahead_steps(slow_momentum, steps=7):
@@ -293,26 +292,26 @@ def test_one_worker_in_a_process_group_equals_no_group():
 def test_pass_through_and_bad_input():
     model = make_model()
     base = torch.optim.SGD(model.parameters(), lr=0.1)
-    opt = adasum.SlowMo(base, sync_every=2)
+    opt = adasum.SlowMo(base, local_steps=2)
     assert opt.param_groups is base.param_groups
     backward(model, 0, 0)
     opt.zero_grad()
     assert all(p.grad is None for p in model.parameters())
     assert opt.step(lambda: torch.tensor(3.0)) == torch.tensor(3.0)
     for kwargs, error in [
-        ({"sync_every": 0}, ValueError),
-        ({"sync_every": 1.5}, ValueError),
-        ({"sync_every": 1, "slow_momentum": 1.0}, ValueError),
-        ({"sync_every": 1, "slow_lr": -1.0}, ValueError),
-        ({"sync_every": 1, "buffers": "keep"}, ValueError),
-        ({"sync_every": 1, "reducer": "median"}, ValueError),
-        ({"sync_every": 1, "module": 3}, TypeError),
+        ({"local_steps": 0}, ValueError),
+        ({"local_steps": 1.5}, ValueError),
+        ({"local_steps": 1, "slow_momentum": 1.0}, ValueError),
+        ({"local_steps": 1, "slow_lr": -1.0}, ValueError),
+        ({"local_steps": 1, "buffers": "keep"}, ValueError),
+        ({"local_steps": 1, "reducer": "median"}, ValueError),
+        ({"local_steps": 1, "module": 3}, TypeError),
     ]:
         with pytest.raises(error):
             adasum.SlowMo(base, **kwargs)
     with pytest.raises(TypeError):
-        adasum.SlowMo(model, sync_every=1)
+        adasum.SlowMo(model, local_steps=1)
     with pytest.raises(ValueError, match="anchor"):
-        adasum.SlowMo(torch.optim.SGD(make_model().parameters(), lr=0.1), sync_every=1).load_state_dict(
+        adasum.SlowMo(torch.optim.SGD(make_model().parameters(), lr=0.1), local_steps=1).load_state_dict(
             {**opt.state_dict(), "anchor": opt.state_dict()["anchor"][:2]}
         )

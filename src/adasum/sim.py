@@ -6,11 +6,12 @@ They are combined by the same reducer objects the distributed path uses
 (``adasum.reducers.get_reducer(name).reduce``), and SlowMo's outer step is
 ``adasum.slowmo.slow_momentum_update``: no method has a second implementation here.
 
-What is combined:
+What is combined (the names of `adasum.DistributedOptimizer`'s ``mode``; the plural spellings
+"gradients" and "deltas" are deprecated aliases):
 
-* ``combine="gradients"``: the workers' gradients are reduced and one optimizer steps the one
+* ``combine="gradient"``: the workers' gradients are reduced and one optimizer steps the one
   model (every real worker would hold the same model and optimizer state).
-* ``combine="deltas"``: every worker steps its own copy of the model with its own optimizer
+* ``combine="delta"``: every worker steps its own copy of the model with its own optimizer
   state for ``local_steps`` steps; then the model deltas ``x_i - x_0`` are reduced and every
   worker restarts from ``x_0 + reduce(deltas)`` (Horovod's ``DistributedOptimizer(op=Adasum)``
   with ``local_steps=1``, local SGD with the mean). With ``slow_momentum`` set, the restart point
@@ -19,7 +20,7 @@ What is combined:
 Per-worker copies are stacked as ``[P, ...]`` tensors under one ordinary optimizer: for
 elementwise optimizers (SGD, Adam, ...) that is exactly P independent optimizers. Optimizers
 whose update couples the elements of a tensor (LAMB's per-tensor trust ratio) would mix the
-workers, so they are refused for ``combine="deltas"``.
+workers, so they are refused for ``combine="delta"``.
 """
 
 from __future__ import annotations
@@ -33,7 +34,8 @@ import torch.nn.functional as F
 from torch import nn
 from torch.func import functional_call, grad, vmap
 
-from adasum.collectives.nonfinite import NonFinite, NonFiniteError, check_policy
+from adasum.collectives.nonfinite import NonFinite, check_policy, decide_nonfinite
+from adasum.deprecated import warn
 from adasum.diagnostics import Orthogonality, orthogonality_stacked
 from adasum.integrations.slowmo import slow_momentum_update
 from adasum.reducers import Reducer, get_reducer
@@ -48,7 +50,8 @@ ELEMENTWISE_OPTIMIZERS: tuple[type[torch.optim.Optimizer], ...] = (
     torch.optim.Adagrad,
 )
 
-COMBINE = ("gradients", "deltas")
+COMBINE = ("gradient", "delta")
+_OLD_COMBINE = {"gradients": "gradient", "deltas": "delta"}
 
 
 def cross_entropy(output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
@@ -68,11 +71,12 @@ class SimulatedWorkers:
     """`workers` data-parallel copies of `model`, trained in one process.
 
     `optimizer` builds the optimizer from a list of tensors: the model's parameters for
-    ``combine="gradients"``, the stacked per-worker parameters for ``combine="deltas"``.
+    ``combine="gradient"``, the stacked per-worker parameters for ``combine="delta"``.
     `module` always holds the model the workers agree on (for evaluation and checkpoints).
     `chunk_size` bounds how many workers' backward passes run at once (memory).
     `nonfinite` ("propagate" by default, "raise", "skip"): what a NaN/Inf in any worker's gradients
-    does, decided before any worker steps; skipped steps are counted in ``skipped_steps``.
+    does, decided before any worker steps (`adasum.collectives.nonfinite.decide_nonfinite`, with
+    workers in place of ranks); skipped steps are counted in ``skipped_steps``.
 
     >>> sim = SimulatedWorkers(net, 16, lambda ps: torch.optim.SGD(ps, lr=0.1), reducer="adasum")
     >>> result = sim.step(inputs, targets)      # inputs [16, B, ...], targets [16, B]
@@ -85,7 +89,7 @@ class SimulatedWorkers:
         optimizer: Callable[[list[torch.Tensor]], torch.optim.Optimizer],
         *,
         reducer: str | Reducer = "mean",
-        combine: str = "gradients",
+        combine: str = "gradient",
         local_steps: int = 1,
         slow_momentum: float | None = None,
         slow_lr: float = 1.0,
@@ -95,14 +99,17 @@ class SimulatedWorkers:
         nonfinite: str = "propagate",
     ) -> None:
         check_policy(nonfinite)
+        if combine in _OLD_COMBINE:
+            warn(f"SimulatedWorkers: combine={combine!r} is deprecated, use {_OLD_COMBINE[combine]!r}")
+            combine = _OLD_COMBINE[combine]
         if not isinstance(workers, int) or workers < 1:
             raise ValueError(f"workers must be an integer >= 1, got {workers!r}")
         if combine not in COMBINE:
             raise ValueError(f"combine must be one of {COMBINE}, got {combine!r}")
         if local_steps < 1:
             raise ValueError(f"local_steps must be >= 1, got {local_steps}")
-        if combine == "gradients" and (local_steps != 1 or slow_momentum is not None):
-            raise ValueError("local_steps and slow_momentum need combine='deltas'")
+        if combine == "gradient" and (local_steps != 1 or slow_momentum is not None):
+            raise ValueError("local_steps and slow_momentum need combine='delta'")
         if chunk_size is not None and chunk_size < 1:
             raise ValueError(f"chunk_size must be >= 1, got {chunk_size}")
         for m in model.modules():
@@ -127,7 +134,7 @@ class SimulatedWorkers:
         self.names = [n for n, p in model.named_parameters() if p.requires_grad]
         params = dict(model.named_parameters())
         self._anchor = [params[n] for n in self.names]
-        if combine == "gradients":
+        if combine == "gradient":
             self.stacked: list[torch.Tensor] | None = None
             self.optimizer = optimizer(self._anchor)
         else:
@@ -140,7 +147,7 @@ class SimulatedWorkers:
                 raise ValueError(
                     f"{type(self.optimizer).__name__} is not elementwise (e.g. LAMB's per-tensor trust "
                     "ratio): over stacked per-worker parameters it would mix the workers; use it with "
-                    "combine='gradients' or run real workers"
+                    "combine='gradient' or run real workers"
                 )
         self.momentum_buffers = (
             [torch.zeros_like(p, memory_format=torch.contiguous_format) for p in self._anchor]
@@ -182,17 +189,15 @@ class SimulatedWorkers:
         self.module.train()
         grads, losses = self._per_worker_grads(inputs, targets)
         diag = orthogonality_stacked(grads) if self.diagnostics and self.workers > 1 else None
-        if self.nonfinite != "propagate":
-            found = _first_nonfinite_stacked(grads, self.names)
-            if found is not None and self.nonfinite == "raise":
-                raise NonFiniteError(
-                    f"simulated step {self.steps + 1}: the gradient of {found.name!r} has {found.kind} on worker "
-                    f"{found.rank} (nonfinite='raise')",
-                    found,
-                )
-            if found is not None:  # skip: no worker steps, nothing is combined
-                self.skipped_steps += 1
-                return StepResult(losses, diag)
+        if self.nonfinite != "propagate" and decide_nonfinite(
+            self.nonfinite,
+            _first_nonfinite_stacked(grads, self.names),
+            operation=f"simulated step {self.steps + 1}",
+            what="the gradient of parameter",
+            where="worker",
+        ):  # skip: no worker steps, nothing is combined
+            self.skipped_steps += 1
+            return StepResult(losses, diag)
         if self.stacked is None:
             combined = self.reducer.reduce(_unstack(grads, self.workers))
             for p, g in zip(self._anchor, combined):

@@ -72,11 +72,23 @@ def all_reduce(
 
 
 def fused_per_dtype(
-    tensors: Sequence[torch.Tensor], combine: Callable[[torch.Tensor, list[int]], None]
+    tensors: Sequence[torch.Tensor], combine: Callable[..., None], *, together: bool = False
 ) -> None:
     """Fuse `tensors` into one flat buffer per dtype (reused between calls on the CPU), run
-    ``combine(flat, sizes)`` on each in place, and copy the results back into `tensors`."""
-    for indices in group_by_dtype(tensors).values():
+    ``combine(flat, sizes)`` on each in place, and copy the results back into `tensors`.
+
+    ``together=True`` calls ``combine(flats, sizes, indices)`` once with every dtype's buffer (in
+    `group_by_dtype` order), its tensors' sizes and their indices in `tensors`: for coefficients
+    computed across dtypes (AdaCons' whole-model form)."""
+    groups = list(group_by_dtype(tensors).values())
+    if together:
+        members = [[tensors[i] for i in indices] for indices in groups]
+        flats = [flatten(m, _workspace.get("fusion", sum(t.numel() for t in m), m[0])) for m in members]
+        combine(flats, [[t.numel() for t in m] for m in members], groups)
+        for flat, m in zip(flats, members):
+            unflatten_into(flat, m)
+        return
+    for indices in groups:
         members = [tensors[i] for i in indices]
         flat = flatten(members, _workspace.get("fusion", sum(t.numel() for t in members), members[0]))
         combine(flat, [t.numel() for t in members])

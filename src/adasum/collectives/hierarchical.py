@@ -31,7 +31,7 @@ import torch.distributed as dist
 from adasum.collectives.vhdd import Placement, adasum_flat_
 from adasum.core.reduce import reduce
 from adasum.transport.c10d import global_rank
-from adasum.transport.groups import group_device
+from adasum.transport.groups import failures_named, group_device
 
 
 @dataclass(frozen=True)
@@ -121,7 +121,8 @@ def build_hierarchy(group: dist.ProcessGroup | None = None, local_size: int | No
     world = dist.get_world_size(group)
     device = group_device(group)
     everyone = torch.empty(world * 3, dtype=torch.int64, device=device)
-    dist.all_gather_into_tensor(everyone, torch.tensor(mine, dtype=torch.int64, device=device), group=group)
+    with failures_named("adasum.hierarchical.build_hierarchy", "the placement all-gather", group):
+        dist.all_gather_into_tensor(everyone, torch.tensor(mine, dtype=torch.int64, device=device), group=group)
     info = everyone.view(world, 3).tolist()
     size = check_placement([i[0] for i in info], [i[1] for i in info], [i[2] for i in info])
     rank = dist.get_rank(group)
@@ -148,12 +149,14 @@ def adasum_hierarchical_flat_(buffer: torch.Tensor, sizes: Sequence[int], hierar
     shard_len = -(-numel // size)
     padded = buffer if shard_len * size == numel else torch.cat([buffer, buffer.new_zeros(shard_len * size - numel)])
     shard = buffer.new_empty(shard_len)
-    dist.reduce_scatter_tensor(shard, padded, group=hierarchy.local_group)
+    with failures_named("adasum.hierarchical", "the intra-node reduce-scatter", hierarchy.local_group):
+        dist.reduce_scatter_tensor(shard, padded, group=hierarchy.local_group)
     shard.div_(size)
     start = min(hierarchy.local_rank * shard_len, numel)
     owned = min(numel - start, shard_len)  # the last shards may be partly or wholly padding
     adasum_flat_(shard[:owned], sizes, hierarchy.group, Placement(hierarchy.peers, start))
-    dist.all_gather_into_tensor(padded, shard, group=hierarchy.local_group)
+    with failures_named("adasum.hierarchical", "the intra-node all-gather", hierarchy.local_group):
+        dist.all_gather_into_tensor(padded, shard, group=hierarchy.local_group)
     if padded is not buffer:
         buffer.copy_(padded[:numel])
 

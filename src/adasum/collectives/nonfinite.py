@@ -9,6 +9,11 @@ Policies, chosen by an argument wherever tensors are combined:
   non-finite on some rank and the lowest rank where it is.
 * ``"skip"`` (training steps only): skip the step on every rank and count it.
 
+Every caller applies a policy through one helper: `apply_nonfinite_policy` (find across ranks,
+then decide) or, where the finding is done another way (simulated workers),
+`decide_nonfinite`; both raise the one-line `NonFiniteError` of `nonfinite_message` under
+``"raise"`` and return True ("skip this step, count it") under ``"skip"``.
+
 How: each rank takes every tensor's largest magnitude (``torch._foreach_norm`` with ``ord=inf``,
 a few batched kernels: NaN if the tensor holds a NaN, Inf if an Inf, else finite), encodes the
 first non-finite tensor as ``(index * world + rank) * 2 + (1 if Inf else 0)`` (int64 max when
@@ -128,6 +133,66 @@ def find_nonfinite(
     return NonFinite(index, bad_rank, "Inf" if is_inf else "NaN", None if names is None else names[index])
 
 
+def nonfinite_message(
+    operation: str, what: str, found: NonFinite, policy: str = "raise", where: str = "rank"
+) -> str:
+    """One line: ``op: the gradient of parameter 3 ('fc.weight') has NaN on rank 1 (...)``.
+
+    `what` names the tensors (``"tensor"``, ``"the gradient of parameter"``); `where` is what
+    ``found.rank`` counts (``"rank"``, or ``"worker"`` for simulated workers).
+    """
+    label = f"{what} {found.index}" + (f" ({found.name!r})" if found.name is not None else "")
+    return (
+        f"{operation}: {label} has {found.kind} on {where} {found.rank} (the first such tensor, lowest such "
+        f"{where}); nothing was changed on any {where} (nonfinite={policy!r})"
+    )
+
+
+def decide_nonfinite(
+    policy: str, found: NonFinite | None, *, operation: str, what: str = "tensor", where: str = "rank"
+) -> bool:
+    """Act on a finding under `policy`: True means skip the step (``"skip"`` and a non-finite value
+    found; the caller counts it); ``"raise"`` raises `NonFiniteError` (`nonfinite_message`); False
+    otherwise. The finding must be the same on every rank (`find_nonfinite` gives that).
+
+    >>> if decide_nonfinite("skip", find_nonfinite(grads), operation="my_step"):
+    ...     skipped += 1
+    """
+    check_policy(policy)
+    if found is None or policy == "propagate":
+        return False
+    if policy == "raise":
+        raise NonFiniteError(nonfinite_message(operation, what, found, policy, where), found)
+    return True
+
+
+def apply_nonfinite_policy(
+    policy: str,
+    tensors: torch.Tensor | Sequence[torch.Tensor],
+    group: dist.ProcessGroup | None = None,
+    names: Sequence[str] | None = None,
+    *,
+    operation: str,
+    what: str = "tensor",
+) -> bool:
+    """The one non-finite policy of a training step, the same decision on every rank of `group`:
+    ``"propagate"`` looks at nothing and returns False; otherwise `find_nonfinite` (one 8-byte
+    all-reduce) and `decide_nonfinite`: ``"raise"`` raises `NonFiniteError` on every rank naming
+    the first such tensor (its name from `names`) and the lowest rank; ``"skip"`` returns True on
+    every rank (skip the step and count it). Sparse tensors are checked by their stored values.
+
+    >>> if apply_nonfinite_policy(self.nonfinite, grads, group, names, operation="MyOptimizer.step"):
+    ...     self.skipped_steps += 1
+    ...     return
+    """
+    check_policy(policy)
+    if policy == "propagate":
+        return False
+    tensors = [tensors] if isinstance(tensors, torch.Tensor) else list(tensors)
+    tensors = [t.coalesce().values() if t.is_sparse else t for t in tensors]
+    return decide_nonfinite(policy, find_nonfinite(tensors, group, names), operation=operation, what=what)
+
+
 def check_finite(
     tensors: torch.Tensor | Sequence[torch.Tensor],
     group: dist.ProcessGroup | None = None,
@@ -143,10 +208,4 @@ def check_finite(
     >>> adasum.check_finite(grads, names=[n for n, _ in model.named_parameters()])
     NonFiniteError: adasum.check_finite: tensor 3 ('fc.weight') has NaN on rank 1 ...
     """
-    found = find_nonfinite(tensors, group, names)
-    if found is not None:
-        raise NonFiniteError(
-            f"{operation}: {found.describe()} (the first non-finite tensor, lowest such rank; "
-            f"nonfinite='raise')",
-            found,
-        )
+    decide_nonfinite("raise", find_nonfinite(tensors, group, names), operation=operation)

@@ -27,7 +27,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from adasum.collectives.nonfinite import NonFiniteError, check_policy, find_nonfinite
+from adasum.collectives.nonfinite import apply_nonfinite_policy, check_policy
+from adasum.deprecated import _UNSET, renamed
 from adasum.reducers import Adasum, Reducer, get_reducer
 
 HOOK_POLICIES = ("propagate", "raise")
@@ -41,6 +42,9 @@ class AdasumState:
     means (`adasum.hierarchical`). When torch.distributed is initialised, construction runs the
     reducer's collective set-up (on every rank), so that placement errors surface here.
     The state pickles without its process group (the default group is used after unpickling).
+    ``group`` is the process group (``process_group=`` is its deprecated alias). The hook skips the
+    reducer's per-call layout check: DDP verifies the parameters across ranks at construction and
+    keeps the buckets identical on every rank.
 
     ``nonfinite``: "propagate" (default: a NaN/Inf gradient comes out non-finite on every rank,
     bitwise identical, as with DDP's own averaging) or "raise": every bucket's gradients are
@@ -57,14 +61,16 @@ class AdasumState:
 
     def __init__(
         self,
-        process_group: dist.ProcessGroup | None = None,
+        group: dist.ProcessGroup | None = _UNSET,
         reducer: str | Reducer = "adasum",
         *,
         hierarchical: bool = False,
         local_size: int | None = None,
         nonfinite: str = "propagate",
         named_parameters: Iterable[tuple[str, torch.Tensor]] | None = None,
+        process_group: dist.ProcessGroup | None = _UNSET,
     ) -> None:
+        group = renamed("AdasumState", "process_group", "group", process_group, group, default=None)
         if nonfinite == "skip":
             raise ValueError(
                 "nonfinite='skip' is not available in a DDP hook (it cannot skip the optimizer step); "
@@ -80,20 +86,25 @@ class AdasumState:
             reducer = Adasum(hierarchical=True, local_size=local_size)
         elif local_size is not None:
             raise ValueError("local_size needs hierarchical=True")
-        self.process_group = process_group
+        self.group = group
         self.reducer = get_reducer(reducer)
         self.iteration = 0
         self.nonfinite = nonfinite
         self.names = {id(p): n for n, p in named_parameters} if named_parameters is not None else {}
         if dist.is_initialized():
-            self.reducer.setup(process_group)
+            self.reducer.setup(group)
+
+    @property
+    def process_group(self) -> dist.ProcessGroup | None:
+        """The process group (``group``; this name is kept for code that reads it)."""
+        return self.group
 
     def __getstate__(self) -> dict[str, Any]:
-        return {k: v for k, v in self.__dict__.items() if k != "process_group"}
+        return {k: v for k, v in self.__dict__.items() if k != "group"}
 
     def __setstate__(self, state: dict[str, Any]) -> None:
         self.__dict__.update(state)
-        self.process_group = None
+        self.group = None
 
     def __repr__(self) -> str:
         return f"AdasumState(reducer={self.reducer!r}, iteration={self.iteration})"
@@ -138,13 +149,8 @@ def _check_bucket(state: AdasumState, bucket: dist.GradBucket) -> None:
     """Raise NonFiniteError on every rank if a gradient of the bucket is non-finite on any rank."""
     params = bucket.parameters()
     names = [state.names.get(id(p), f"parameter {bucket.index()}.{i}") for i, p in enumerate(params)]
-    found = find_nonfinite(bucket.gradients(), state.process_group, names)
-    if found is not None:
-        raise NonFiniteError(
-            f"adasum_hook: the gradient of {found.name!r} (bucket {bucket.index()}) has {found.kind} on rank "
-            f"{found.rank} (nonfinite='raise')",
-            found,
-        )
+    what = f"the gradient (bucket {bucket.index()}) of parameter"
+    apply_nonfinite_policy("raise", bucket.gradients(), state.group, names, operation="adasum_hook", what=what)
 
 
 def adasum_hook(state: AdasumState, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
@@ -158,7 +164,7 @@ def adasum_hook(state: AdasumState, bucket: dist.GradBucket) -> torch.futures.Fu
     buffer = bucket.buffer()
     if getattr(state, "nonfinite", "propagate") == "raise":
         _check_bucket(state, bucket)
-    state.reducer.all_reduce_flat(buffer, bucket_sizes(bucket), state.process_group)
+    state.reducer.all_reduce_flat(buffer, bucket_sizes(bucket), state.group, check_layout=False)
     if bucket.is_last():
         state.iteration += 1
     return completed_future(buffer)

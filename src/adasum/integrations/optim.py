@@ -1,7 +1,7 @@
 """A distributed optimizer wrapper: combine optimizer deltas (or gradients) across ranks with any
 reducer.
 
->>> opt = adasum.DistributedOptimizer(torch.optim.Adam(model.parameters()), reduce="adasum")
+>>> opt = adasum.DistributedOptimizer(torch.optim.Adam(model.parameters()), reducer="adasum")
 >>> loss.backward(); opt.step(); opt.zero_grad()
 
 Delta mode (the default, Horovod's ``DistributedOptimizer(op=Adasum)`` for Adam and LAMB): ``step()``
@@ -36,17 +36,15 @@ import torch
 import torch.distributed as dist
 
 from adasum.collectives.agreement import check_same_layout
-from adasum.collectives.nonfinite import NonFinite, NonFiniteError, check_policy, find_nonfinite
+from adasum.collectives.nonfinite import apply_nonfinite_policy, check_policy, nonfinite_message
 from adasum.core.layout import flatten, unflatten_into
-from adasum.reducers import Adasum, Mean, Reducer, Sum, get_reducer
-from adasum.transport.groups import group_device
+from adasum.deprecated import _UNSET, renamed
+from adasum.reducers import Reducer, get_reducer
+from adasum.transport.groups import failures_named, group_device
 
 MODES = ("delta", "gradient")
 
-
-def _is_per_tensor(reducer: Reducer) -> bool:
-    """Whether the reducer treats tensors independently, so that buckets may split a list."""
-    return isinstance(reducer, (Sum, Mean)) or (isinstance(reducer, Adasum) and reducer.per_tensor)
+__all__ = ["DistributedOptimizer", "buckets", "check_same_parameters", "checksum", "nonfinite_message"]
 
 
 def buckets(tensors: list[torch.Tensor], cap_bytes: int | None) -> list[list[int]]:
@@ -98,18 +96,21 @@ def check_same_parameters(
     operation: str = "adasum",
 ) -> None:
     """Raise ValueError on every rank of `group` unless every rank holds parameters of the same
-    shapes, dtypes and values (bits): one 16-byte all-reduce for the layout, one small all-reduce
-    of exact checksums for the values. The message names the first differing parameter.
+    shapes, dtypes, device type and values (bits): one 24-byte all-reduce for the layout (and local
+    problems: sparse or non-floating parameters, a device the backend does not serve), one small
+    all-reduce of exact checksums for the values. The message names the first differing parameter.
 
     >>> check_same_parameters(list(model.parameters()), names=[n for n, _ in model.named_parameters()])
     """
     device = group_device(group)
-    check_same_layout(params, group, device, what="parameters")
+    with failures_named(operation, "the parameter layout check", group):
+        check_same_layout(params, group, device, what="parameters", in_place=False, operation=operation)
     if not params:
         return
     sums = torch.stack([checksum(p) for p in params]).to(device)
     probe = torch.cat([sums, -sums])
-    dist.all_reduce(probe, op=dist.ReduceOp.MAX, group=group)
+    with failures_named(operation, "the parameter value check", group):
+        dist.all_reduce(probe, op=dist.ReduceOp.MAX, group=group)
     high, neg_low = probe.chunk(2)
     differs = (high != -neg_low).any(dim=1).tolist()
     if any(differs):
@@ -133,22 +134,14 @@ def optimizer_param_names(optimizer: torch.optim.Optimizer) -> list[str] | None:
     return names
 
 
-def nonfinite_message(operation: str, what: str, found: NonFinite, policy: str = "raise") -> str:
-    """One line: ``op: the gradient of parameter 3 ('fc.weight') has NaN on rank 1; ...``."""
-    label = f"{what} {found.index}" + (f" ({found.name!r})" if found.name is not None else "")
-    return (
-        f"{operation}: {label} has {found.kind} on rank {found.rank} (the first such tensor, lowest such "
-        f"rank); nothing was changed on any rank (nonfinite={policy!r}; 'skip' skips such steps)"
-    )
-
-
 class DistributedOptimizer(torch.optim.Optimizer):
-    """Wrap `optimizer` so that ``step()`` combines across ranks with `reduce` (module doc).
+    """Wrap `optimizer` so that ``step()`` combines across ranks with `reducer` (module doc).
 
     Args:
         optimizer: any torch.optim optimizer (SGD, Adam, AdamW, LAMB, ...), on every rank with
             the same parameters in the same order and with the same values.
-        reduce: a `Reducer` or its name: "adasum" (default), "mean", "sum", "adacons", ...
+        reducer: a `Reducer` or its name: "adasum" (default), "mean", "sum", "adacons", ...
+            (``reduce=`` is its deprecated alias).
         mode: "delta" (combine the weight changes of a local step) or "gradient".
         group: the process group (default: the world).
         backward_passes_per_step: ``step()`` and ``zero_grad()`` calls that make one real step;
@@ -157,15 +150,19 @@ class DistributedOptimizer(torch.optim.Optimizer):
         local_steps: delta mode: local optimizer steps between combinations.
         grad_scaler: the GradScaler in use, so that its found-inf flag agrees on every rank.
         bucket_cap_mb: the largest transient buffer of a combination (per-tensor reducers).
-        check: at construction, check that every rank has the same parameter shapes and dtypes
-            and (by a checksum) values; ValueError on every rank names the first difference.
+        check: at construction and in `add_param_group`, check that every rank has the same
+            parameter shapes, dtypes, device type and (by a checksum) values; ValueError on every
+            rank names the first difference. The layout is then fixed: steps combine without a
+            per-step layout check (gradient mode checks the gradients' layout once, on the first
+            step: sparse gradients raise TypeError on every rank).
         nonfinite: what a NaN or Inf in any rank's local gradients does, decided identically on
             every rank before anything is combined or stepped: "propagate" (default, as DDP does)
             checks nothing, and a non-finite gradient makes the parameters non-finite identically
             on every rank; "raise" raises `adasum.NonFiniteError` on every rank naming the parameter
             (its name when the optimizer was given ``model.named_parameters()``) and the rank;
             "skip" skips the step on every rank (parameters, optimizer state and the round of
-            local steps untouched) and counts it in ``skipped_steps``. "raise" and "skip" cost one
+            local steps untouched) and counts it in ``skipped_steps``
+            (`adasum.collectives.nonfinite.apply_nonfinite_policy`). "raise" and "skip" cost one
             8-byte all-reduce and a host synchronisation per step: measured at 6 ms of a 36 ms
             ResNet-50 step on 2 x H200 (docs/benchmarks.md), hence not the default.
 
@@ -183,7 +180,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
         self,
         optimizer: torch.optim.Optimizer,
         *,
-        reduce: str | Reducer = "adasum",
+        reducer: str | Reducer = _UNSET,
         mode: str = "delta",
         group: dist.ProcessGroup | None = None,
         backward_passes_per_step: int = 1,
@@ -192,7 +189,9 @@ class DistributedOptimizer(torch.optim.Optimizer):
         bucket_cap_mb: float = 25.0,
         check: bool = True,
         nonfinite: str = "propagate",
+        reduce: str | Reducer = _UNSET,
     ) -> None:
+        reducer = renamed("DistributedOptimizer", "reduce", "reducer", reduce, reducer, default="adasum")
         check_policy(nonfinite)
         if not isinstance(optimizer, torch.optim.Optimizer):
             raise TypeError(f"optimizer must be a torch.optim.Optimizer, got {type(optimizer).__name__}")
@@ -205,7 +204,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
         if not dist.is_initialized():
             raise RuntimeError("DistributedOptimizer needs torch.distributed to be initialised")
         self.optimizer = optimizer
-        self.reducer = get_reducer(reduce)
+        self.reducer = get_reducer(reducer)
         self.mode = mode
         self.group = group
         self.backward_passes_per_step = backward_passes_per_step
@@ -213,7 +212,9 @@ class DistributedOptimizer(torch.optim.Optimizer):
         self.grad_scaler = grad_scaler
         self.nonfinite = nonfinite
         self.skipped_steps = 0  # steps skipped on every rank under nonfinite="skip"
-        self.bucket_cap_bytes = int(bucket_cap_mb * 2**20) if _is_per_tensor(self.reducer) else None
+        self.check = check
+        self.bucket_cap_bytes = int(bucket_cap_mb * 2**20) if self.reducer.per_tensor else None
+        self._gradients_checked = False  # gradient mode: the gradients' layout, checked on the first step
         self._device = group_device(group)
         self._anchor: list[torch.Tensor] | None = None  # delta mode: the round's starting weights
         self._passes = 0  # backward passes accumulated since the last real step
@@ -244,10 +245,24 @@ class DistributedOptimizer(torch.optim.Optimizer):
         return self.optimizer.defaults
 
     def add_param_group(self, param_group: dict[str, Any]) -> None:
+        """The wrapped optimizer's add_param_group, collective: every rank must add the same
+        parameters (shapes, dtypes, values), checked as at construction (with ``check=True``); on
+        a difference every rank raises ValueError naming it and the group is not added."""
         if self._round_step:
             raise RuntimeError("add_param_group in the middle of a round of local steps")
         self.optimizer.add_param_group(param_group)
+        if self.check:
+            added = self.optimizer.param_groups[-1]
+            names = added.get("param_names") or None
+            try:
+                check_same_parameters(
+                    list(added["params"]), self.group, names, operation="adasum.DistributedOptimizer.add_param_group"
+                )
+            except BaseException:
+                self.optimizer.param_groups.pop()
+                raise
         self._anchor = None
+        self._gradients_checked = False
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         """The wrapped optimizer's zero_grad, except while gradients accumulate."""
@@ -255,7 +270,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
             self.optimizer.zero_grad(set_to_none=set_to_none)
 
     def __repr__(self) -> str:
-        return f"DistributedOptimizer({self.optimizer!r}, reduce={self.reducer!r}, mode={self.mode!r})"
+        return f"DistributedOptimizer({self.optimizer!r}, reducer={self.reducer!r}, mode={self.mode!r})"
 
     # -- the step -----------------------------------------------------------------------------
 
@@ -312,15 +327,16 @@ class DistributedOptimizer(torch.optim.Optimizer):
         """Whether to skip this step: the local gradients, checked across ranks before any state
         changes (delta mode: before the local step, so the wrapped optimizer's state is untouched)."""
         grads = [p.grad if p.grad is not None else p.new_empty(0) for p in params]
-        found = find_nonfinite(grads, self.group, optimizer_param_names(self.optimizer))
-        if found is None:
-            return False
-        if self.nonfinite == "raise":
-            raise NonFiniteError(
-                nonfinite_message("adasum.DistributedOptimizer.step", "the gradient of parameter", found), found
-            )
-        self.skipped_steps += 1
-        return True
+        skip = apply_nonfinite_policy(
+            self.nonfinite,
+            grads,
+            self.group,
+            optimizer_param_names(self.optimizer),
+            operation="adasum.DistributedOptimizer.step",
+            what="the gradient of parameter",
+        )
+        self.skipped_steps += int(skip)
+        return skip
 
     def _agree_on_inf(self, found_inf: torch.Tensor) -> bool:
         """Whether any rank found inf/NaN; the agreed flag also goes to `grad_scaler`."""
@@ -351,10 +367,17 @@ class DistributedOptimizer(torch.optim.Optimizer):
             if p.grad is None:
                 p.grad = torch.zeros_like(p)
         grads = [p.grad for p in params]
+        operation = "adasum.DistributedOptimizer.step"
+        if not self._gradients_checked:  # once: sparse or misplaced gradients raise on every rank
+            with failures_named(operation, "the gradient layout check", self.group):
+                check_same_layout(grads, self.group, self._device, "gradients", in_place=False, operation=operation)
+            self._gradients_checked = True
+        elif any(g.is_sparse for g in grads):
+            raise TypeError(f"{operation}: sparse gradients cannot be combined in gradient mode (use mode='delta')")
         for bucket in buckets(grads, self.bucket_cap_bytes):
             members = [grads[i] for i in bucket]
             flat = flatten(members)
-            self.reducer.all_reduce_flat(flat, [g.numel() for g in members], self.group)
+            self.reducer.all_reduce_flat(flat, [g.numel() for g in members], self.group, check_layout=False)
             unflatten_into(flat, members)
 
     def _combine_deltas(self, params: list[torch.Tensor]) -> None:
@@ -367,7 +390,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
             views = flat.split(sizes)
             for i, view in zip(bucket, views):
                 torch.sub(params[i].reshape(-1), self._anchor[i].reshape(-1), out=view)
-            self.reducer.all_reduce_flat(flat, sizes, self.group)
+            self.reducer.all_reduce_flat(flat, sizes, self.group, check_layout=False)
             for i, view in zip(bucket, views):
                 params[i].copy_(self._anchor[i]).add_(view.view_as(params[i]))
 

@@ -20,9 +20,12 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from adasum.collectives.nonfinite import NonFiniteError, check_policy, find_nonfinite
-from adasum.integrations.optim import check_same_parameters, nonfinite_message, optimizer_param_names
+from adasum.collectives.agreement import agree, local_problem
+from adasum.collectives.nonfinite import apply_nonfinite_policy, check_policy
+from adasum.deprecated import _UNSET, renamed, warn
+from adasum.integrations.optim import check_same_parameters, optimizer_param_names
 from adasum.reducers import Mean, Reducer, get_reducer
+from adasum.transport.groups import failures_named, group_device
 
 
 def slow_momentum_update(
@@ -58,20 +61,28 @@ def _world_size(group: dist.ProcessGroup | None) -> int:
 
 
 class SlowMo:
-    """Wrap any torch optimizer (the base algorithm) with SlowMo: `sync_every` base steps, then the
+    """Wrap any torch optimizer (the base algorithm) with SlowMo: `local_steps` base steps, then the
     workers' models are combined and the slow momentum step is taken (module docstring).
+    (``sync_every=`` is the deprecated alias of ``local_steps=``, the name `DistributedOptimizer`
+    and `SimulatedWorkers` use for the same count.)
 
-    * ``reducer="mean"`` (default) averages the models exactly; any other reducer ("adasum",
-      "adacons", "sum" or a `Reducer` object) combines the model deltas ``x_i - x_{t,0}`` and
-      ``x_bar = x_{t,0} + combined delta``.
+    * ``reducer="mean"`` (default) averages the models exactly; any other reducer (one whose
+      ``exact_average`` trait is False: "adasum", "adacons", "sum" or a `Reducer` object) combines
+      the model deltas ``x_i - x_{t,0}`` and ``x_bar = x_{t,0} + combined delta``.
     * gamma_t is each param group's current ``lr`` at the sync; ``lr == 0`` does not divide
       (see `slow_momentum_update`).
     * ``buffers``: the base optimizer's state (momentum, Adam moments) is kept per worker
       ("local", the default, as public implementations do), cleared at each sync ("reset"), or
       averaged across workers at each sync ("average": every floating-point state tensor except
-      ``step``).
+      ``step``, matched by parameter and state key, not by position). "average" needs every rank
+      to hold the same state: state for the same parameters, with the same keys, shapes and
+      dtypes; otherwise (say rank 0 trained branch ``a`` in the round and rank 1 branch ``b``)
+      every rank raises ValueError naming the first parameter whose state differs, before
+      anything is averaged (use "local" or "reset" for such models). One small all-reduce per
+      sync checks this.
     * ``module``: its floating-point buffers (BatchNorm running statistics) are averaged at each
-      sync; integer buffers (``num_batches_tracked``) are left alone.
+      sync; integer buffers (``num_batches_tracked``) are left alone. Their layout is checked
+      across ranks at construction.
     * The base algorithm may be plain local steps or DDP-synchronised steps (a DDP-wrapped model).
     * One worker (no process group, or world size 1): nothing is communicated (every reducer is the
       identity on one worker); this is Lookahead.
@@ -91,7 +102,11 @@ class SlowMo:
     optimizer was given ``model.named_parameters()``) and the rank. "skip": the round is discarded
     on every rank (every worker restarts from the anchor; slow momentum, anchor and the other
     ranks' state untouched; base-optimizer state holding a NaN/Inf is dropped on the rank that has
-    it) and counted in ``skipped_syncs``. "propagate": nothing is checked.
+    it) and counted in ``skipped_steps`` (the steps whose sync was skipped; ``skipped_syncs`` is
+    its deprecated alias). "propagate": nothing is checked. The default differs from
+    `DistributedOptimizer`'s "propagate" on purpose: there the check costs a host
+    synchronisation on every step; here one per sync, amortised over `local_steps` steps, and a
+    non-finite model averaged into every rank would poison the anchor and the slow momentum.
 
     Learning-rate schedulers take the base optimizer (``param_groups`` is shared).
     ``state_dict()`` carries the base optimizer's state, the anchor, the slow momentum, the step
@@ -99,7 +114,7 @@ class SlowMo:
     any step continues exactly as if never stopped.
 
     >>> opt = adasum.SlowMo(torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9),
-    ...                     sync_every=12, slow_lr=1.0, slow_momentum=0.5)
+    ...                     local_steps=12, slow_lr=1.0, slow_momentum=0.5)
     >>> loss.backward(); opt.step(); opt.zero_grad()
     """
 
@@ -107,7 +122,7 @@ class SlowMo:
         self,
         optimizer: torch.optim.Optimizer,
         *,
-        sync_every: int,
+        local_steps: int = _UNSET,
         slow_lr: float = 1.0,
         slow_momentum: float = 0.0,
         reducer: str | Reducer = "mean",
@@ -116,12 +131,16 @@ class SlowMo:
         module: torch.nn.Module | None = None,
         nonfinite: str = "raise",
         check: bool = True,
+        sync_every: int = _UNSET,
     ) -> None:
+        local_steps = renamed("SlowMo", "sync_every", "local_steps", sync_every, local_steps)
+        if local_steps is _UNSET:
+            raise TypeError("SlowMo needs local_steps= (the base steps between syncs)")
         check_policy(nonfinite)
         if not isinstance(optimizer, torch.optim.Optimizer):
             raise TypeError(f"SlowMo wraps a torch.optim.Optimizer, got {type(optimizer).__name__}")
-        if isinstance(sync_every, bool) or not isinstance(sync_every, int) or sync_every < 1:
-            raise ValueError(f"sync_every must be an integer >= 1, got {sync_every!r}")
+        if isinstance(local_steps, bool) or not isinstance(local_steps, int) or local_steps < 1:
+            raise ValueError(f"local_steps must be an integer >= 1, got {local_steps!r}")
         if slow_lr < 0:
             raise ValueError(f"slow_lr must be >= 0, got {slow_lr}")
         if not 0.0 <= slow_momentum < 1.0:
@@ -131,7 +150,7 @@ class SlowMo:
         if module is not None and not isinstance(module, torch.nn.Module):
             raise TypeError(f"module must be a torch.nn.Module, got {type(module).__name__}")
         self.optimizer = optimizer
-        self.sync_every = sync_every
+        self.local_steps = local_steps
         self.slow_lr = float(slow_lr)
         self.slow_momentum = float(slow_momentum)
         self.reducer = get_reducer(reducer)
@@ -139,13 +158,15 @@ class SlowMo:
         self.group = group
         self.module = module
         self.nonfinite = nonfinite
-        self.skipped_syncs = 0  # rounds discarded on every rank under nonfinite="skip"
+        self.skipped_steps = 0  # steps whose sync was skipped (the round discarded) under nonfinite="skip"
         self._params = [p for g in optimizer.param_groups for p in g["params"]]
         if len({id(p) for p in self._params}) != len(self._params):
             raise ValueError("a parameter appears more than once in the optimizer's param_groups")
         if check and _world_size(group) > 1:
             with torch.no_grad():
                 check_same_parameters(self._params, group, optimizer_param_names(optimizer), operation="adasum.SlowMo")
+                if module is not None:  # the buffers averaged at each sync: a fixed layout, checked once
+                    self._agree("module buffers", self._buffer_layout(), None)
         with torch.no_grad():
             self._anchor = [p.detach().clone() for p in self._params]
             self._momentum = [torch.zeros_like(p) for p in self._params]
@@ -167,32 +188,38 @@ class SlowMo:
     # -- the algorithm
 
     def step(self, closure: Callable[[], Any] | None = None) -> Any:
-        """One base-optimizer step; every `sync_every`-th step also combines the workers and takes
+        """One base-optimizer step; every `local_steps`-th step also combines the workers and takes
         the slow momentum step. Returns what the base step returns."""
         loss = self.optimizer.step() if closure is None else self.optimizer.step(closure)
         self._step += 1
-        if self._step % self.sync_every == 0:
+        if self._step % self.local_steps == 0:
             self.sync()
         return loss
 
     @torch.no_grad()
     def sync(self) -> None:
         """Combine the workers' models and take the slow momentum step now (`step` calls this
-        every `sync_every` steps)."""
+        every `local_steps` steps)."""
         params = [p for g in self.optimizer.param_groups for p in g["params"]]
         if len(params) != len(self._params) or any(p is not q for p, q in zip(params, self._params)):
             raise ValueError("the optimizer's parameters changed since SlowMo was constructed")
         world = _world_size(self.group)
-        if self.nonfinite != "propagate" and self._nonfinite_round():
+        if self._nonfinite_round():
             return
+        state_tensors: list[torch.Tensor] = []
+        if self.buffers == "average" and world > 1:  # before anything moves: the same state everywhere
+            description, state_tensors = self._state_layout()
+            problem = local_problem(state_tensors, group_device(self.group), in_place=False)
+            self._agree("optimizer state entries", description, problem)
         if world > 1:
+            # the layouts were checked at construction (parameters) and just now (state)
             tensors = [p.detach() for p in self._params]  # views: the reducer works in place
-            if isinstance(self.reducer, Mean):
-                self.reducer.all_reduce(tensors, self.group)  # the exact average of the models
+            if self.reducer.exact_average:
+                self.reducer.all_reduce(tensors, self.group, check_layout=False)  # the average of the models
             else:
                 for x, anchor in zip(tensors, self._anchor):
                     x.sub_(anchor)
-                self.reducer.all_reduce(tensors, self.group)
+                self.reducer.all_reduce(tensors, self.group, check_layout=False)
                 for x, anchor in zip(tensors, self._anchor):
                     x.add_(anchor)
         index = 0
@@ -206,9 +233,9 @@ class SlowMo:
         if self.buffers == "reset":
             self.optimizer.state.clear()
         elif self.buffers == "average" and world > 1:
-            Mean().all_reduce(self._optimizer_state_tensors(), self.group)
+            Mean().all_reduce(state_tensors, self.group, check_layout=False)
         if self.module is not None and world > 1:
-            Mean().all_reduce([b for b in self.module.buffers() if b.is_floating_point()], self.group)
+            Mean().all_reduce(self._floating_buffers(), self.group, check_layout=False)
 
     def last_combined(self) -> list[torch.Tensor] | None:
         """The anchor x_{t,0} (the last slow step's result, the model every worker agrees on) while
@@ -216,16 +243,32 @@ class SlowMo:
 
         >>> agreed = opt.last_combined() or [p for g in opt.param_groups for p in g["params"]]
         """
-        return list(self._anchor) if self._step % self.sync_every else None
+        return list(self._anchor) if self._step % self.local_steps else None
+
+    @property
+    def sync_every(self) -> int:
+        """Deprecated alias of `local_steps`."""
+        warn("SlowMo.sync_every is deprecated, use local_steps")
+        return self.local_steps
+
+    @property
+    def skipped_syncs(self) -> int:
+        """Deprecated alias of `skipped_steps`."""
+        warn("SlowMo.skipped_syncs is deprecated, use skipped_steps")
+        return self.skipped_steps
 
     def _nonfinite_round(self) -> bool:
         """Whether this round is discarded: a NaN/Inf in any rank's local model (checked across ranks)."""
-        found = find_nonfinite([p.detach() for p in self._params], self.group, optimizer_param_names(self.optimizer))
-        if found is None:
+        if not apply_nonfinite_policy(
+            self.nonfinite,
+            [p.detach() for p in self._params],
+            self.group,
+            optimizer_param_names(self.optimizer),
+            operation="adasum.SlowMo.sync",
+            what="parameter",
+        ):
             return False
-        if self.nonfinite == "raise":
-            raise NonFiniteError(nonfinite_message("adasum.SlowMo.sync", "parameter", found), found)
-        self.skipped_syncs += 1
+        self.skipped_steps += 1
         for p, anchor in zip(self._params, self._anchor):
             p.detach().copy_(anchor)
         for p in self._params:
@@ -237,16 +280,33 @@ class SlowMo:
                 del self.optimizer.state[p]
         return True
 
-    def _optimizer_state_tensors(self) -> list[torch.Tensor]:
-        """The base optimizer's floating-point state tensors except step counters, in a fixed order."""
-        out = []
-        for p in self._params:
+    def _agree(self, what: str, description: list[tuple], problem: Any) -> None:
+        """Raise the same error on every rank unless every rank has the same `description`."""
+        with failures_named("adasum.SlowMo", f"the {what} check", self.group):
+            agree(description, problem, self.group, group_device(self.group), what, "adasum.SlowMo")
+
+    def _floating_buffers(self) -> list[torch.Tensor]:
+        assert self.module is not None
+        return [b for b in self.module.buffers() if b.is_floating_point()]
+
+    def _buffer_layout(self) -> list[tuple]:
+        return [(name, str(b.dtype).removeprefix("torch."), tuple(b.shape), b.device.type)
+                for name, b in self.module.named_buffers() if b.is_floating_point()]  # type: ignore[union-attr]
+
+    def _state_layout(self) -> tuple[list[tuple], list[tuple]]:
+        """The base optimizer's floating-point state tensors except step counters, matched by
+        parameter (its index and name) and state key: ``(description, tensors)``."""
+        names = optimizer_param_names(self.optimizer)
+        description, tensors = [], []
+        for i, p in enumerate(self._params):
             state = self.optimizer.state.get(p, {})
-            for name in sorted(state):
-                value = state[name]
-                if name != "step" and isinstance(value, torch.Tensor) and value.is_floating_point():
-                    out.append(value)
-        return out
+            label = f"parameter {i}" + (f" ({names[i]!r})" if names is not None else "")
+            for key in sorted(state):
+                value = state[key]
+                if key != "step" and isinstance(value, torch.Tensor) and value.is_floating_point():
+                    description.append((label, key, str(value.dtype).removeprefix("torch."), tuple(value.shape)))
+                    tensors.append(value)
+        return description, tensors
 
     # -- checkpoints
 
@@ -259,9 +319,9 @@ class SlowMo:
             "anchor": list(self._anchor),
             "momentum": list(self._momentum),
             "reducer": self.reducer.state_dict(),
-            "skipped_syncs": self.skipped_syncs,
+            "skipped_steps": self.skipped_steps,
             "settings": {
-                "sync_every": self.sync_every,
+                "local_steps": self.local_steps,
                 "slow_lr": self.slow_lr,
                 "slow_momentum": self.slow_momentum,
                 "buffers": self.buffers,
@@ -289,11 +349,11 @@ class SlowMo:
             for mine, theirs in zip(self._momentum, state["momentum"]):
                 mine.copy_(theirs)
         self._step = int(state["step"])
-        self.skipped_syncs = int(state.get("skipped_syncs", 0))
+        self.skipped_steps = int(state.get("skipped_steps", state.get("skipped_syncs", 0)))
         self.reducer.load_state_dict(state.get("reducer", {}))
 
     def __repr__(self) -> str:
         return (
-            f"SlowMo({type(self.optimizer).__name__}, sync_every={self.sync_every}, slow_lr={self.slow_lr}, "
+            f"SlowMo({type(self.optimizer).__name__}, local_steps={self.local_steps}, slow_lr={self.slow_lr}, "
             f"slow_momentum={self.slow_momentum}, reducer={self.reducer!r}, buffers={self.buffers!r})"
         )

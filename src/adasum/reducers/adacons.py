@@ -55,10 +55,11 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from adasum.core.layout import flatten, group_by_dtype, unflatten_into
+from adasum.collectives.api import fused_per_dtype
 from adasum.core.operator import ZERO_NORM, check_floating
 from adasum.kernels import dot_and_norms
-from adasum.reducers.base import Reducer, _check_workers
+from adasum.reducers.base import Reducer, check_workers
+from adasum.transport.groups import failures_named
 
 SCALES = ("mean_norm", "unit")
 
@@ -175,6 +176,8 @@ class AdaCons(Reducer):
     gives each tensor its own coefficients; `scale` is "mean_norm" (identical gradients aggregate to
     themselves) or "unit" (the paper's ``|d| <= 1``).
 
+    The distributed forms take ``key=`` (the momentum state's name; default: the call's layout).
+
     >>> reducer = adasum.AdaCons(momentum=0.9)
     >>> reducer.all_reduce([p.grad for p in model.parameters()])   # across the process group
     >>> reducer.reduce([[g0a, g0b], [g1a, g1b]])                    # single process, per worker
@@ -219,7 +222,7 @@ class AdaCons(Reducer):
 
     def reduce(self, per_worker: Sequence[Sequence[torch.Tensor]], *, key: str | None = None) -> list[torch.Tensor]:
         """AdaCons of the workers' copies, one list of tensors per worker, in worker order."""
-        count = _check_workers(per_worker)
+        count = check_workers(per_worker)
         if count == 0:
             return []
         workers = len(per_worker)
@@ -253,21 +256,11 @@ class AdaCons(Reducer):
             out.append(torch.stack(scaled).sum(0).view(first[i].shape))
         return out
 
-    # -- distributed
+    # -- distributed: `Reducer.all_reduce(tensors, group, *, check_layout=True, key=None)` and
+    # -- `Reducer.all_reduce_flat(buffer, sizes, group, *, check_layout=True, key=None)` check the
+    # -- layout, then call these; `key` names the momentum state (module doc)
 
-    def all_reduce_flat(
-        self,
-        buffer: torch.Tensor,
-        sizes: Sequence[int],
-        group: dist.ProcessGroup | None = None,
-        *,
-        key: str | None = None,
-    ) -> None:
-        """In place on one flat buffer holding tensors of `sizes` elements (a DDP bucket)."""
-        check_floating(buffer.dtype)
-        sizes = [int(n) for n in sizes]
-        if sum(sizes) != buffer.numel():
-            raise ValueError(f"sizes add up to {sum(sizes)} elements, the buffer has {buffer.numel()}")
+    def _all_reduce_flat(self, buffer, sizes, group=None, key=None):
         self._all_reduce_buffers(
             [buffer],
             [sizes],
@@ -277,25 +270,15 @@ class AdaCons(Reducer):
             self._key([(buffer.dtype, n) for n in sizes], key),
         )
 
-    def all_reduce(
-        self, tensors: Sequence[torch.Tensor], group: dist.ProcessGroup | None = None, *, key: str | None = None
-    ) -> None:
-        """In place across `group`; one flat buffer per dtype, coefficients over all of them."""
-        tensors = list(tensors)
-        for t in tensors:
-            check_floating(t.dtype)
-        groups = list(group_by_dtype(tensors).values())
-        flats = [flatten([tensors[i] for i in indices]) for indices in groups]
-        self._all_reduce_buffers(
-            flats,
-            [[tensors[i].numel() for i in indices] for indices in groups],
-            groups,
-            len(tensors),
-            group,
-            self._key([(t.dtype, t.numel()) for t in tensors], key),
+    def _all_reduce(self, tensors, group=None, key=None):
+        description = [(t.dtype, t.numel()) for t in tensors]
+        fused_per_dtype(
+            tensors,
+            lambda flats, sizes, indices: self._all_reduce_buffers(
+                flats, sizes, indices, len(tensors), group, self._key(description, key)
+            ),
+            together=True,
         )
-        for flat, indices in zip(flats, groups):
-            unflatten_into(flat, [tensors[i] for i in indices])
 
     def _all_reduce_buffers(
         self,
@@ -313,28 +296,31 @@ class AdaCons(Reducer):
         rank = dist.get_rank(group)
         device = flats[0].device if flats else torch.device("cpu")
         partials = torch.zeros(3, count, dtype=torch.float64, device=device)
-        for flat, lengths, where in zip(flats, sizes, indices):
+        for flat, segment_sizes, where in zip(flats, sizes, indices):
             mean = flat.clone()
-            dist.all_reduce(mean, group=group)
+            with failures_named("adasum.AdaCons.all_reduce", "the mean all-reduce", group):
+                dist.all_reduce(mean, group=group)
             mean.div_(world)
             # rows: <g_i, m>, |g_i|^2, |m|^2 for each tensor of this buffer
-            part = dot_and_norms(flat, mean, lengths)  # float64 sums, no float64 copies
+            part = dot_and_norms(flat, mean, segment_sizes)  # float64 sums, no float64 copies
             partials[:, torch.tensor(where, dtype=torch.int64, device=device)] = part.to(device)
             del mean
         if not self.per_tensor:  # whole model: gather 3 numbers per rank, not 3 per tensor
             partials = partials.sum(1, keepdim=True)
         gathered = [torch.empty_like(partials) for _ in range(world)]
-        dist.all_gather(gathered, partials, group=group)
+        with failures_named("adasum.AdaCons.all_reduce", "the all-gather of dot products", group):
+            dist.all_gather(gathered, partials, group=group)
         stacked = torch.stack(gathered)  # [N, 3, T]
         # |m|^2 from rank 0 so that every rank uses the very same value
         weights = self._weights(key, stacked[:, 0].T, stacked[:, 1].T, stacked[0, 2])
         mine = weights[:, rank]
-        for flat, lengths, where in zip(flats, sizes, indices):
+        for flat, segment_sizes, where in zip(flats, sizes, indices):
             if self.per_tensor:
-                scale_segments_(flat, mine[torch.tensor(where, dtype=torch.int64, device=mine.device)], lengths)
+                scale_segments_(flat, mine[torch.tensor(where, dtype=torch.int64, device=mine.device)], segment_sizes)
             else:
-                scale_segments_(flat, mine, lengths)
-            dist.all_reduce(flat, group=group)
+                scale_segments_(flat, mine, segment_sizes)
+            with failures_named("adasum.AdaCons.all_reduce", "the weighted-sum all-reduce", group):
+                dist.all_reduce(flat, group=group)
 
     # -- state
 
@@ -353,10 +339,6 @@ class AdaCons(Reducer):
             if name in state and state[name] != getattr(self, name):
                 raise ValueError(f"AdaCons state has {name}={state[name]!r}, this reducer has {getattr(self, name)!r}")
         self._states = {k: v.detach().clone().to(torch.float64) for k, v in state.get("states", {}).items()}
-
-    def reset(self) -> None:
-        """Forget all momentum states."""
-        self._states.clear()
 
     def __repr__(self) -> str:
         return f"AdaCons(momentum={self.momentum}, per_tensor={self.per_tensor}, scale={self.scale!r})"

@@ -11,7 +11,7 @@ from adasum.collectives.vhdd import adasum_flat_
 from adasum.core.layout import group_by_dtype
 from adasum.core.operator import check_floating
 from adasum.core.reduce import reduce_stacked
-from adasum.reducers.base import Reducer, _check_workers
+from adasum.reducers.base import Reducer, check_workers
 
 
 def _per_dtype_whole(whole: Reducer, per_worker, count: int) -> list[torch.Tensor]:
@@ -34,6 +34,7 @@ class Adasum(Reducer):
     """
 
     name = "adasum"
+    exact_average = False
 
     def __init__(self, per_tensor: bool = True, hierarchical: bool = False, local_size: int | None = None) -> None:
         self.per_tensor = per_tensor
@@ -42,7 +43,7 @@ class Adasum(Reducer):
         self._hierarchies: dict[Any, Any] = {}  # per group, built on first use (collective)
 
     def reduce(self, per_worker):
-        count = _check_workers(per_worker)
+        count = check_workers(per_worker)
         if self.hierarchical:
             size = self.local_size or hierarchical.local_size_from_env() or 1
             if self.per_tensor:
@@ -71,7 +72,7 @@ class Adasum(Reducer):
             self._hierarchies[group] = hierarchical.build_hierarchy(group, self.local_size)
         return self._hierarchies[group]
 
-    def all_reduce_flat(self, buffer, sizes, group=None):
+    def _all_reduce_flat(self, buffer, sizes, group=None):
         sizes = sizes if self.per_tensor else [buffer.numel()]
         if self.hierarchical:
             hierarchical.adasum_hierarchical_flat_(buffer, sizes, self._hierarchy(group))

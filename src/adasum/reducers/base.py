@@ -9,6 +9,20 @@ list do they agree on? Each reducer has two forms that compute the same thing:
   ``all_reduce_flat(buffer, sizes, group)`` is the same on one flat buffer holding tensors of
   `sizes` elements end to end (what a DDP bucket is).
 
+Both distributed forms first check, with one small all-reduce, that every rank passed the same
+layout (count, shapes or sizes, dtypes, device type) and that no rank's input has a local problem
+(sparse, non-floating, wrong device, a leaf that requires grad, overlapping views): the same
+ValueError or TypeError on every rank, before any data moves (`adasum.collectives.agreement`).
+``check_layout=False`` skips it, for callers that verified a fixed layout once (the optimizer
+wrappers at construction, the DDP hook, whose buckets DDP keeps identical). A failure of the
+communication itself (a dead or stalled peer) raises `adasum.CollectiveError` on every reducer.
+
+Traits, on the class: ``per_tensor`` (each tensor combined on its own, so a list may be split
+into buckets; whole-model reducers need every tensor of a dtype in one call) and
+``exact_average`` (the result is the plain mean, so a model can be averaged directly instead of
+its delta). A subclass implements `reduce` and `_all_reduce_flat` (and `_all_reduce` to combine
+across dtypes, as AdaCons does); the public methods add the checks.
+
 What is combined (gradients, optimizer deltas, model deltas) and what happens afterwards (an
 optimizer step, slow momentum) is the caller's business. Places that combine take a reducer
 object or its name: ``"sum"``, ``"mean"``, ``"adasum"``, ``"adacons"``.
@@ -23,29 +37,93 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from adasum.collectives.agreement import local_problem, verify_layout
 from adasum.collectives.api import fused_per_dtype
-from adasum.core.operator import check_floating
+from adasum.transport.groups import group_device
 
 
 class Reducer:
-    """Base class: subclasses implement `reduce` and `all_reduce_flat`."""
+    """Base class: subclasses implement `reduce` and `_all_reduce_flat` (module doc)."""
 
     name = "reducer"
+    per_tensor: bool = True
+    """Each tensor is combined on its own (a list may be split into buckets without changing the result)."""
+    exact_average: bool = False
+    """The result is the exact mean of the ranks' copies (a model may be averaged directly)."""
 
     def reduce(self, per_worker: Sequence[Sequence[torch.Tensor]]) -> list[torch.Tensor]:
         raise NotImplementedError
 
-    def all_reduce_flat(
-        self, buffer: torch.Tensor, sizes: Sequence[int], group: dist.ProcessGroup | None = None
-    ) -> None:
-        raise NotImplementedError
+    # -- distributed: the public forms check, the protected ones combine
 
-    def all_reduce(self, tensors: Sequence[torch.Tensor], group: dist.ProcessGroup | None = None) -> None:
-        """In place across `group`; tensors are fused into one flat buffer per dtype."""
+    def all_reduce(
+        self,
+        tensors: Sequence[torch.Tensor],
+        group: dist.ProcessGroup | None = None,
+        *,
+        check_layout: bool = True,
+        **options: Any,
+    ) -> None:
+        """In place across `group`; tensors are fused into one flat buffer per dtype.
+
+        With `check_layout` (default) one small all-reduce first checks that every rank passed the
+        same count, shapes, dtypes and device type, and that no rank's input has a local problem;
+        the same ValueError/TypeError on every rank names the first difference or problem. Local
+        problems are looked for even with ``check_layout=False`` (then raised on this rank only).
+        """
         tensors = list(tensors)
-        for t in tensors:
-            check_floating(t.dtype)
-        fused_per_dtype(tensors, lambda flat, sizes: self.all_reduce_flat(flat, sizes, group))
+        operation = f"adasum.{type(self).__name__}.all_reduce"
+        self._check(tensors, None, group, check_layout, operation, "tensors")
+        if tensors:
+            self._all_reduce(tensors, group, **options)
+
+    def all_reduce_flat(
+        self,
+        buffer: torch.Tensor,
+        sizes: Sequence[int],
+        group: dist.ProcessGroup | None = None,
+        *,
+        check_layout: bool = True,
+        **options: Any,
+    ) -> None:
+        """In place on one flat buffer holding tensors of `sizes` elements end to end (a DDP bucket);
+        checked as `all_reduce` (the sizes, the dtype and the device type must agree)."""
+        sizes = [int(n) for n in sizes]
+        operation = f"adasum.{type(self).__name__}.all_reduce_flat"
+        self._check([buffer], sizes, group, check_layout, operation, "bucket segments")
+        self._all_reduce_flat(buffer, sizes, group, **options)
+
+    def _check(
+        self,
+        tensors: list[torch.Tensor],
+        sizes: list[int] | None,
+        group: dist.ProcessGroup | None,
+        check_layout: bool,
+        operation: str,
+        what: str,
+    ) -> None:
+        device = group_device(group)
+        if check_layout and _world_size(group) > 1:
+            if sizes is None:
+                verify_layout(tensors, group, device, what, cache=False, operation=operation)
+            else:
+                verify_layout(sizes, group, device, what, buffer=tensors[0], cache=False, operation=operation)
+            return
+        problem = local_problem(tensors, device)
+        if problem is None and sizes is not None and sum(sizes) != tensors[0].numel():
+            raise ValueError(f"{operation}: sizes add up to {sum(sizes)} elements, the buffer has {tensors[0].numel()}")
+        if problem is not None:
+            raise problem.exception(operation)
+
+    def _all_reduce(self, tensors: list[torch.Tensor], group: dist.ProcessGroup | None, **options: Any) -> None:
+        """Combine checked `tensors` in place (default: one flat buffer per dtype, `_all_reduce_flat`)."""
+        fused_per_dtype(tensors, lambda flat, sizes: self._all_reduce_flat(flat, sizes, group, **options))
+
+    def _all_reduce_flat(
+        self, buffer: torch.Tensor, sizes: list[int], group: dist.ProcessGroup | None, **options: Any
+    ) -> None:
+        """Combine a checked flat buffer in place across `group`."""
+        raise NotImplementedError(f"{type(self).__name__} implements no distributed form (_all_reduce_flat)")
 
     def setup(self, group: dist.ProcessGroup | None = None) -> None:
         """Collective set-up for `group` (sub-groups, checks), before the first `all_reduce_flat`.
@@ -64,7 +142,17 @@ class Reducer:
         return f"{type(self).__name__}()"
 
 
-def _check_workers(per_worker: Sequence[Sequence[torch.Tensor]]) -> int:
+def _world_size(group: dist.ProcessGroup | None) -> int:
+    return dist.get_world_size(group)
+
+
+def check_workers(per_worker: Sequence[Sequence[torch.Tensor]]) -> int:
+    """The number of tensors per worker of a single-process `reduce` input; ValueError unless there
+    is at least one worker and every worker has the same number.
+
+    >>> check_workers([[a0, b0], [a1, b1]])
+    2
+    """
     if len(per_worker) == 0:
         raise ValueError("reduce needs at least one worker")
     count = len(per_worker[0])
@@ -72,8 +160,6 @@ def _check_workers(per_worker: Sequence[Sequence[torch.Tensor]]) -> int:
         if len(tensors) != count:
             raise ValueError(f"worker 0 has {count} tensors, worker {w} has {len(tensors)}")
     return count
-
-
 
 
 _REDUCERS: dict[str, type[Reducer]] = {}

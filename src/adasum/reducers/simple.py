@@ -5,32 +5,37 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from adasum.reducers.base import Reducer, _check_workers
+from adasum.reducers.base import Reducer, check_workers
+from adasum.transport.groups import failures_named
 
 
 class Sum(Reducer):
     """The plain sum over workers."""
 
     name = "sum"
+    per_tensor = True
 
     def reduce(self, per_worker):
-        count = _check_workers(per_worker)
+        count = check_workers(per_worker)
         return [torch.stack([w[i] for w in per_worker]).sum(0) for i in range(count)]
 
-    def all_reduce_flat(self, buffer, sizes, group=None):
-        dist.all_reduce(buffer, group=group)
+    def _all_reduce_flat(self, buffer, sizes, group=None):
+        with failures_named("adasum.Sum.all_reduce", "the sum all-reduce", group):
+            dist.all_reduce(buffer, group=group)
 
 
 class Mean(Reducer):
     """The average over workers (Horovod's and DDP's default)."""
 
     name = "mean"
+    per_tensor = True
+    exact_average = True
 
     def reduce(self, per_worker):
-        count = _check_workers(per_worker)
+        count = check_workers(per_worker)
         return [torch.stack([w[i] for w in per_worker]).sum(0) / len(per_worker) for i in range(count)]
 
-    def all_reduce_flat(self, buffer, sizes, group=None):
-        dist.all_reduce(buffer, group=group)
+    def _all_reduce_flat(self, buffer, sizes, group=None):
+        with failures_named("adasum.Mean.all_reduce", "the sum all-reduce", group):
+            dist.all_reduce(buffer, group=group)
         buffer.div_(dist.get_world_size(group))
-

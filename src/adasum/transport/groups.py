@@ -4,7 +4,8 @@ backend works on, the timeout it was created with, and clear errors when one of 
 On gloo a wait on a dead peer fails at once ("Connection closed by peer") and a wait on a stalled
 peer fails when the group's timeout runs out; both point-to-point ``work.wait()`` and collectives
 use the group's timeout. `failures_named` turns those transport errors into a `CollectiveError`
-that says which step, level and peer failed, and after how long.
+that says which step, level and peer failed, and after how long; any other error (a local one:
+autograd, out of memory, a bad argument) passes through as itself (`is_transport_error`).
 """
 
 from __future__ import annotations
@@ -49,11 +50,38 @@ def group_timeout(group: dist.ProcessGroup | None = None) -> timedelta:
     return timeout if isinstance(timeout, timedelta) else dist.constants.default_pg_timeout
 
 
+_TRANSPORT_PATTERNS = re.compile(
+    r"gloo|nccl|timed out|timeout|connection (closed|reset|refused)|broken pipe|read error|write error|"
+    r"socket|peer|watchdog|communicator|aborted",
+    re.IGNORECASE,
+)
+
+
+def is_transport_error(error: BaseException) -> bool:
+    """Whether `error` is a failure of the transport (a peer died or stalled, a link broke) rather
+    than a local error. torch raises `torch.distributed.DistError` subclasses on NCCL and for store
+    and network errors; gloo raises plain RuntimeError whose text names gloo's source file
+    (``[.../gloo/transport/tcp/pair.cc:553] Connection closed by peer``) or a timeout.
+
+    >>> is_transport_error(RuntimeError("[../gloo/transport/tcp/pair.cc:553] Connection closed by peer"))
+    True
+    >>> is_transport_error(RuntimeError("a leaf Variable that requires grad is being used in an in-place operation."))
+    False
+    """
+    if isinstance(error, dist.DistError):
+        return True
+    if not isinstance(error, RuntimeError):
+        return False
+    first = str(error).strip().splitlines()[0] if str(error).strip() else ""
+    return bool(_TRANSPORT_PATTERNS.search(first))
+
+
 @contextmanager
 def failures_named(
     operation: str, step: str, group: dist.ProcessGroup | None, timeout: timedelta | None = None
 ) -> Iterator[None]:
-    """Re-raise a transport failure inside the block as a `CollectiveError` naming `step`.
+    """Re-raise a transport failure inside the block as a `CollectiveError` naming `step`; any other
+    error (`is_transport_error` false) is raised as itself. Keep only communication in the block.
 
     >>> with failures_named("adasum.all_reduce", "the exchange at level 1 of 2 with rank 3", group):
     ...     work.wait()
@@ -63,6 +91,8 @@ def failures_named(
     except CollectiveError:
         raise
     except RuntimeError as error:  # gloo raises RuntimeError (DistBackendError is one)
+        if not is_transport_error(error):
+            raise
         timeout = timeout if timeout is not None else group_timeout(group)
         lines = str(error).strip().splitlines()
         # gloo prefixes its source location: "[/path/gloo/transport/tcp/pair.cc:553] Connection closed ..."

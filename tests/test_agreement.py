@@ -1,0 +1,259 @@
+"""Issue 12, items 1, 7, 10, 11: every reducer checks before data moves that the ranks agree on
+the layout (count, shapes or sizes, dtypes, device type) and that no rank's input has a local
+problem (non-floating, sparse, wrong device, a leaf that requires grad, overlapping views); every
+rank raises the same error at once, never a silent result, a signal death or a wait for the
+timeout. A dead peer gives CollectiveError on every reducer; local errors stay themselves."""
+
+from __future__ import annotations
+
+import os
+import time
+from datetime import timedelta
+
+import pytest
+import torch
+import torch.distributed as dist
+
+import adasum
+from adasum.collectives import agreement
+from adasum.reducers import AdaCons, Adasum, Mean, Sum
+from adasum.transport.groups import CollectiveError, failures_named, is_transport_error
+
+import distributed
+
+FAST_S = 3.0  # every error must come well before the test group's timeout
+
+
+def _reducers():
+    return {
+        "sum": Sum(),
+        "mean": Mean(),
+        "adasum": Adasum(),
+        "adasum-whole": Adasum(per_tensor=False),
+        "adacons": AdaCons(),
+        "adasum-hierarchical": Adasum(hierarchical=True, local_size=2),
+    }
+
+
+def _bad_inputs(rank: int) -> dict:
+    """Per case: a callable (reducer -> None) that passes this rank's bad input."""
+    last = rank == 1
+    x = torch.zeros(10)
+    leaf = torch.zeros(3, requires_grad=True)
+    sparse = torch.zeros(4).to_sparse()
+    return {
+        # item 1: the issue's cases (shapes [3],[1] against [1],[3]; counts; sizes; dtypes)
+        "shapes": lambda r: r.all_reduce([torch.ones(1), torch.ones(3)] if last else [torch.ones(3), torch.ones(1)]),
+        "count": lambda r: r.all_reduce([torch.ones(3) for _ in range(2 if last else 1)]),
+        "dtype": lambda r: r.all_reduce([torch.ones(3, dtype=torch.float64 if last else torch.float32)]),
+        "flat-sizes": lambda r: r.all_reduce_flat(torch.ones(4), [1, 3] if last else [3, 1]),
+        "flat-numel": lambda r: r.all_reduce_flat(torch.ones(5 if last else 4), [5] if last else [4]),
+        "flat-sum": lambda r: r.all_reduce_flat(torch.ones(5 if last else 4), [1, 3]),
+        # item 7: a device the gloo backend does not serve, on one rank
+        "meta": lambda r: r.all_reduce([torch.ones(3, device="meta" if last else "cpu")]),
+        # item 11: local problems, on one rank, raised on every rank before data moves
+        "requires-grad": lambda r: r.all_reduce([leaf if last else torch.zeros(3)]),
+        "sparse": lambda r: r.all_reduce([sparse if last else torch.zeros(4)]),
+        "overlap": lambda r: r.all_reduce([x[:6], x[4:]] if last else [torch.zeros(6), torch.zeros(6)]),
+        "integer": lambda r: r.all_reduce([torch.ones(3, dtype=torch.int64 if last else torch.float32)]),
+        "integer-everywhere": lambda r: r.all_reduce([torch.ones(3, dtype=torch.int64)]),
+    }
+
+
+def bad_input_body(rank, world, names):
+    group = dist.new_group(list(range(world)), timeout=timedelta(seconds=20))
+    out = {}
+    for name, reducer in _reducers().items():
+        if name not in names:
+            continue
+        for case, call in _bad_inputs(rank).items():
+            start = time.monotonic()
+            try:
+                call(_bound(reducer, group))
+                out[(name, case)] = None
+            except (ValueError, TypeError) as error:
+                out[(name, case)] = (type(error).__name__, str(error))
+            assert time.monotonic() - start < FAST_S, (name, case, time.monotonic() - start)
+        # the group is still usable after every refusal: a good call agrees bitwise
+        t = [torch.full((3,), float(rank + 1)), torch.full((2,), float(2 * rank - 1))]
+        reducer.all_reduce(t, group)
+        out[(name, "after")] = torch.cat(t).numpy().tobytes()
+    return out
+
+
+class _bound:
+    """A reducer with the group filled in."""
+
+    def __init__(self, reducer, group):
+        self.reducer, self.group = reducer, group
+
+    def all_reduce(self, tensors):
+        self.reducer.all_reduce(tensors, self.group)
+
+    def all_reduce_flat(self, buffer, sizes):
+        self.reducer.all_reduce_flat(buffer, sizes, self.group)
+
+
+EXPECTED = {
+    "shapes": ("ValueError", "tensors differ across ranks at index 0: "
+        "rank 0 has float32 [3] on cpu, rank 1 has float32 [1]"),
+    "count": ("ValueError", "tensors differ across ranks: rank 0 passed 1, rank 1 passed 2"),
+    "dtype": ("ValueError", "rank 0 has float32 [3] on cpu, rank 1 has float64 [3] on cpu"),
+    "flat-sizes": ("ValueError", "bucket segments differ across ranks at index 0: rank 0 has float32 [3] on cpu"),
+    "flat-numel": ("ValueError", "rank 0 has float32 [4] on cpu, rank 1 has float32 [5] on cpu"),
+    "flat-sum": ("ValueError", "sizes add up to 4 elements, the buffer has 5 on rank 1"),
+    "meta": ("ValueError", "rank 0 has float32 [3] on cpu, rank 1 has float32 [3] on meta"),
+    "requires-grad": ("ValueError", "tensor 0 is a leaf that requires grad"),
+    "sparse": ("TypeError", "tensor 0 is sparse_coo; only dense (strided) tensors can be combined"),
+    "overlap": ("ValueError", "tensors 0 and 1 share memory (overlapping views of one storage)"),
+    "integer": ("ValueError", "rank 0 has float32 [3] on cpu, rank 1 has int64 [3] on cpu"),
+    "integer-everywhere": ("TypeError", "tensor 0 has dtype torch.int64; only floating-point tensors can be combined"),
+}
+
+
+@pytest.mark.parametrize("names", [("sum", "mean", "adasum"), ("adasum-whole", "adacons", "adasum-hierarchical")])
+def test_every_reducer_refuses_bad_input_on_every_rank_at_once(names):
+    results = distributed.run(2, bad_input_body, names, timeout_s=60)
+    distributed.assert_ranks_agree(results)
+    for (name, case), got in results[0].items():
+        if case == "after":
+            continue
+        kind, text = EXPECTED[case]
+        assert got is not None, (name, case, "no error")
+        assert got[0] == kind and text in got[1], (name, case, got)
+        assert got[1].startswith(f"adasum.{type(_reducers()[name]).__name__}.all_reduce"), (name, case, got)
+
+
+def overlap_body(rank, world):
+    """Interleaved views of one storage are not overlapping; they are combined like separate tensors."""
+    x = torch.arange(10, dtype=torch.float32) * (rank + 1)
+    y = x.clone()
+    Adasum().all_reduce([x[::2], x[1::2]])
+    separate = [y[::2].clone(), y[1::2].clone()]
+    Adasum().all_reduce(separate)
+    return bool(torch.equal(x[::2], separate[0]) and torch.equal(x[1::2], separate[1]))
+
+
+def test_interleaved_views_are_allowed():
+    assert distributed.run(2, overlap_body) == [True, True]
+    x = torch.zeros(10)
+    assert agreement.overlapping([x[::2], x[1::2]]) is None
+    assert agreement.overlapping([x[:6], x[4:]]) == (0, 1)
+    assert agreement.overlapping([x, torch.zeros(3), x]) == (0, 2)
+    w = torch.zeros(4, 6)
+    assert agreement.overlapping([w[:, :3], w[:, 3:]]) is None
+
+
+def world3_body(rank, world):
+    """World 3: rank 1 alone has a problem; ranks 0 and 2 name it too (the lowest such rank)."""
+    out = {}
+    leaf = torch.zeros(3, requires_grad=True)
+    for name, reducer in (("mean", Mean()), ("adasum", Adasum())):
+        try:
+            reducer.all_reduce([leaf if rank in (1, 2) else torch.zeros(3)])
+            out[name] = None
+        except ValueError as error:
+            out[name] = str(error)
+    # adasum.all_reduce takes the same collective check
+    try:
+        adasum.all_reduce([torch.zeros(3, requires_grad=rank == 2)])
+        out["api"] = None
+    except ValueError as error:
+        out["api"] = str(error)
+    return out
+
+
+def test_world_three_names_the_lowest_rank_with_a_problem():
+    results = distributed.run(3, world3_body)
+    distributed.assert_ranks_agree(results)
+    assert "tensor 0 is a leaf that requires grad" in results[0]["mean"] and "on rank 1" in results[0]["mean"]
+    assert results[0]["api"] is not None and "requires grad" in results[0]["api"] and "on rank 2" in results[0]["api"]
+
+
+def dead_peer_body(rank, world, name):
+    dist.barrier()
+    group = dist.new_group(list(range(world)), timeout=timedelta(seconds=3))
+    dist.barrier(group=group)
+    reducer = {"sum": Sum(), "mean": Mean(), "adacons": AdaCons()}[name]
+    if rank == 1:
+        os._exit(17)
+    time.sleep(0.5)
+    start = time.monotonic()
+    try:
+        reducer.all_reduce([torch.ones(5)], group, check_layout=False)
+    except CollectiveError as error:
+        return (str(error), time.monotonic() - start)
+    return None
+
+
+@pytest.mark.parametrize("name", ["sum", "mean", "adacons"])
+def test_dead_peer_is_a_collective_error_on_every_reducer(name):
+    results = distributed.run(2, dead_peer_body, name, allow_exit=True, timeout_s=30)
+    message, elapsed = results[0]
+    assert isinstance(results[1], distributed.Exited)
+    assert f"adasum.{type(_reducers()[name]).__name__}.all_reduce on rank 0 of 2" in message, message
+    assert "a peer died, stalled past the timeout" in message and elapsed < 3 + 2
+
+
+def test_local_errors_are_not_blamed_on_peers():
+    assert is_transport_error(RuntimeError("[../third_party/gloo/gloo/transport/tcp/pair.cc:553] Connection closed"))
+    assert is_transport_error(RuntimeError("Timed out waiting 3000ms for recv operation to complete"))
+    local = RuntimeError("a leaf Variable that requires grad is being used in an in-place operation.")
+    assert not is_transport_error(local)
+    with pytest.raises(RuntimeError) as info:
+        with failures_named("adasum.all_reduce", "the exchange", None):
+            raise local
+    assert info.value is local and not isinstance(info.value, CollectiveError)
+    with pytest.raises(ValueError):
+        with failures_named("adasum.all_reduce", "the exchange", None):
+            raise ValueError("local")
+
+
+def cache_body(rank, world):
+    """verify_layout asks once per (group, layout); a new layout is asked again; a mismatch is named."""
+    calls = [0]
+    real = dist.all_reduce
+
+    def counting(*args, **kwargs):
+        calls[0] += 1
+        return real(*args, **kwargs)
+
+    dist.all_reduce = counting
+    try:
+        t = [torch.zeros(3), torch.zeros(2, 2)]
+        for _ in range(3):
+            agreement.verify_layout(t, None, torch.device("cpu"), "gradients")
+        first = calls[0]
+        agreement.verify_layout([torch.zeros(5)], None, torch.device("cpu"), "gradients")
+        second = calls[0]
+        agreement.verify_layout([4, 1], None, torch.device("cpu"), "bucket segments", buffer=torch.zeros(5))
+        third = calls[0]
+        try:
+            agreement.verify_layout([torch.zeros(7 + rank)], None, torch.device("cpu"), "gradients")
+            message = None
+        except ValueError as error:
+            message = str(error)
+        # the uncached form asks every time
+        agreement.verify_layout(t, None, torch.device("cpu"), "gradients", cache=False)
+        return first, second, third, calls[0], message
+    finally:
+        dist.all_reduce = real
+
+
+def test_verify_layout_caches_agreed_layouts():
+    results = distributed.run(2, cache_body)
+    distributed.assert_ranks_agree(results)
+    first, second, third, last, message = results[0]
+    assert (first, second, third, last) == (1, 2, 3, 5)
+    assert "gradients differ across ranks at index 0: rank 0 has float32 [7] on cpu, rank 1 has float32 [8]" in message
+
+
+def test_single_process_checks():
+    """Without peers the local problems are still found (a world of one)."""
+    problem = agreement.local_problem([torch.zeros(3, requires_grad=True)], torch.device("cpu"))
+    assert problem is not None and problem.error == "ValueError"
+    with torch.no_grad():
+        assert agreement.local_problem([torch.zeros(3, requires_grad=True)], torch.device("cpu")) is None
+    assert agreement.local_problem([torch.zeros(3).to_sparse()], None).error == "TypeError"
+    assert agreement.local_problem([torch.zeros(3, dtype=torch.int32)], None).error == "TypeError"
+    assert agreement.local_problem([torch.zeros(3, dtype=torch.int32)], None, floating=False) is None
