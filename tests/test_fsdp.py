@@ -267,7 +267,8 @@ def setup_body(rank, world):
         ("hierarchical", lambda: adasum.fsdp.enable(model, mesh, adasum.Adasum(hierarchical=True, local_size=1))),
         ("not sharded", lambda: adasum.fsdp.enable(Net(), mesh)),
         ("native HSDP", lambda: native_hsdp(mesh)),
-        ("optimizer", lambda: adasum.fsdp.check_not_sharded(fresh.parameters(), "adasum.DistributedOptimizer")),
+        ("optimizer", lambda: adasum.DistributedOptimizer(torch.optim.SGD(fresh.parameters(), lr=0.1))),
+        ("slowmo", lambda: adasum.SlowMo(torch.optim.SGD(fresh.parameters(), lr=0.1), local_steps=2)),
     ]:
         try:
             call()
@@ -277,7 +278,8 @@ def setup_body(rank, world):
             raise AssertionError(f"{what}: not refused")
     assert "later step" in errors["1-D mesh"] and "replicate" in errors["1-D mesh"]
     assert "native HSDP" in errors["native HSDP"]
-    assert "adasum.fsdp.enable" in errors["optimizer"]
+    assert "adasum.DistributedOptimizer" in errors["optimizer"] and "adasum.fsdp.enable" in errors["optimizer"]
+    assert "adasum.SlowMo" in errors["slowmo"] and "adasum.fsdp.enable" in errors["slowmo"]
 
     # a parameter without gradient on one replica, unused parameters left out: the same error everywhere
     model, _ = sharded(mesh, seed=6)

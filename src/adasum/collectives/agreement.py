@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import hashlib
 import weakref
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -299,3 +299,16 @@ def verify_layout(
         return
     agree(description, problem, group, device, what, operation)
     known.add(sig)
+
+
+def check_not_sharded(params: Iterable[torch.Tensor], where: str) -> None:
+    """Raise TypeError if a parameter is a DTensor (FSDP2 or tensor parallel): `where` works on whole
+    local tensors and would combine shards with per-shard coefficients."""
+    from torch.distributed.tensor import DTensor
+
+    if any(isinstance(p, DTensor) for p in params):
+        raise TypeError(
+            f"{where} does not support sharded (DTensor) parameters such as FSDP2's: it would combine each "
+            "shard with its own coefficients. For FSDP2 use adasum.fsdp.enable(model, mesh) (gradients "
+            "combined across the replicas, per parameter)"
+        )

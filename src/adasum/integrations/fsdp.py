@@ -44,7 +44,7 @@ FSDP's private state is read in one place, `unit_view`; a test fails when torch 
 from __future__ import annotations
 
 import io
-from collections.abc import Iterable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -228,19 +228,6 @@ def check_reducer(reducer: Reducer, shards: int) -> None:
         raise ValueError(
             f"{reducer!r} would see parameter shards, not whole parameters: adasum.fsdp runs Adasum, AdaCons, Sum "
             "and Mean per parameter over shards; other reducers need one shard per replica"
-        )
-
-
-def check_not_sharded(params: Iterable[torch.Tensor], where: str) -> None:
-    """Raise TypeError if a parameter is a DTensor (FSDP2 or tensor parallel): `where` works on whole
-    local tensors and would combine shards with per-shard coefficients."""
-    from torch.distributed.tensor import DTensor
-
-    if any(isinstance(p, DTensor) for p in params):
-        raise TypeError(
-            f"{where} does not support sharded (DTensor) parameters such as FSDP2's: it would combine each "
-            "shard with its own coefficients. For FSDP2 use adasum.fsdp.enable(model, mesh) (gradients "
-            "combined across the replicas, per parameter)"
         )
 
 

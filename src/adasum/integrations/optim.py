@@ -35,7 +35,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from adasum.collectives.agreement import check_same_layout
+from adasum.collectives.agreement import check_not_sharded, check_same_layout
 from adasum.collectives.nonfinite import apply_nonfinite_policy, check_policy, nonfinite_message
 from adasum.core.layout import flatten, unflatten_into
 from adasum.deprecated import _UNSET, renamed
@@ -195,6 +195,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
         check_policy(nonfinite)
         if not isinstance(optimizer, torch.optim.Optimizer):
             raise TypeError(f"optimizer must be a torch.optim.Optimizer, got {type(optimizer).__name__}")
+        check_not_sharded((p for g in optimizer.param_groups for p in g["params"]), "adasum.DistributedOptimizer")
         if mode not in MODES:
             raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
         if backward_passes_per_step < 1 or local_steps < 1:

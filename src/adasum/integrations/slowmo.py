@@ -20,7 +20,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from adasum.collectives.agreement import agree, local_problem
+from adasum.collectives.agreement import agree, check_not_sharded, local_problem
 from adasum.collectives.nonfinite import apply_nonfinite_policy, check_policy
 from adasum.deprecated import _UNSET, renamed, warn
 from adasum.integrations.optim import check_same_parameters, optimizer_param_names
@@ -139,6 +139,7 @@ class SlowMo:
         check_policy(nonfinite)
         if not isinstance(optimizer, torch.optim.Optimizer):
             raise TypeError(f"SlowMo wraps a torch.optim.Optimizer, got {type(optimizer).__name__}")
+        check_not_sharded((p for g in optimizer.param_groups for p in g["params"]), "adasum.SlowMo")
         if isinstance(local_steps, bool) or not isinstance(local_steps, int) or local_steps < 1:
             raise ValueError(f"local_steps must be an integer >= 1, got {local_steps!r}")
         if slow_lr < 0:
