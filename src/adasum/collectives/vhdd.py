@@ -39,6 +39,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
+from adasum.collectives import graphs
 from adasum.core.layout import Layout
 from adasum.core.tree import Tree
 from adasum.kernels import combine_from_sums, dot_and_norms
@@ -137,6 +138,11 @@ class Placement:
     offset: int
 
 
+def transport_for(group: dist.ProcessGroup | None, name: str | None, whole_group: bool) -> Transport:
+    """`adasum.transport.select` with this module's piece sizes and post function (tests shrink or wrap them)."""
+    return select(group, name, whole_group=whole_group, post_fn=_post, piece_elements=_PIECE)
+
+
 def final_slices(numel: int, world: int, levels: Sequence[int]) -> list[tuple[int, int]]:
     """The slice each of `world` leaders holds after the reduce-scatter (no fold)."""
     out = []
@@ -180,9 +186,16 @@ def adasum_flat_(
         return
     tree = Tree(world)
     if not isinstance(transport, Transport):
-        transport = select(group, transport, whole_group=placement is None and tree.folded == 0, post_fn=_post,
-                           piece_elements=_PIECE)
-    run_schedule(buffer, layout, group, peers, offset, rank, tree, transport, sliced=placement is not None)
+        transport = transport_for(group, transport, placement is None and tree.folded == 0)
+
+    def run() -> None:
+        run_schedule(buffer, layout, group, peers, offset, rank, tree, transport, sliced=placement is not None)
+
+    if buffer.device.type != "cuda":
+        run()
+        return
+    key = (id(group), transport.name, buffer.data_ptr(), buffer.dtype, buffer.numel(), layout.sizes, placement)
+    graphs.run(key, run, buffer.device)
 
 
 def run_schedule(
