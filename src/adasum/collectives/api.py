@@ -61,8 +61,10 @@ def all_reduce(
     >>> adasum.all_reduce(grads)
     >>> adasum.all_reduce(grads, nonfinite="raise")
     """
-    check_policy(nonfinite, ("propagate", "raise"))
     tensors = [tensors] if isinstance(tensors, torch.Tensor) else list(tensors)
+    if nonfinite == "propagate" and _replayed(group, transport, tensors):
+        return
+    check_policy(nonfinite, ("propagate", "raise"))
     if not dist.is_initialized():
         raise RuntimeError("adasum.all_reduce needs torch.distributed to be initialised")
     if dist.get_world_size(group) == 1:
@@ -92,7 +94,27 @@ def all_reduce(
     def run() -> None:
         fused_per_dtype(tensors, lambda flat, sizes: adasum_flat_(flat, sizes, group, transport=chosen), chosen)
 
-    graphs.run((id(group), chosen.name, graphs.tensor_key(tensors)), run, device)
+    key = (id(group), chosen.name, graphs.tensor_key(tensors))
+    graphs.run(key, run, device)
+    if graphs.captured(key):
+        _last[(id(group), transport)] = (tensors, [(t.data_ptr(), t.shape) for t in tensors], key)
+
+
+# The last captured call per (group, transport keyword): a repeat with the very same tensor objects,
+# addresses and shapes replays its graph without re-validating (the checks passed for this key at capture).
+_last: dict = {}
+
+
+def _replayed(group, transport, tensors) -> bool:
+    entry = _last.get((id(group), transport))
+    if entry is None:
+        return False
+    previous, where, key = entry
+    if len(previous) != len(tensors) or any(a is not b for a, b in zip(previous, tensors)):
+        return False
+    if any(t.data_ptr() != ptr or t.shape != shape for t, (ptr, shape) in zip(tensors, where)):
+        return False
+    return graphs.replay(key)
 
 
 def fused_per_dtype(

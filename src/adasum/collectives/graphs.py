@@ -79,6 +79,20 @@ def run(key: Hashable, fn: Callable[[], None], device: torch.device) -> None:
     graph.replay()
 
 
+def captured(key: Hashable) -> bool:
+    graph = _graphs.get(key)
+    return graph is not None and graph is not _FAILED
+
+
+def replay(key: Hashable) -> bool:
+    """Replay the graph of `key` if there is one (True), else do nothing (False)."""
+    graph = _graphs.get(key)
+    if graph is None or graph is _FAILED or torch.cuda.is_current_stream_capturing():
+        return False
+    graph.replay()
+    return True
+
+
 def count() -> int:
     """How many graphs are alive."""
     return sum(g is not _FAILED for g in _graphs.values())
@@ -90,6 +104,9 @@ def release() -> None:
         torch.cuda.synchronize()
     _graphs.clear()
     _seen.clear()
+    from adasum.collectives import api
+
+    api._last.clear()
     from adasum.transport import symmetric
 
     symmetric.release()
