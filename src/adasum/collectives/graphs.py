@@ -25,7 +25,7 @@ from collections.abc import Callable, Hashable
 import torch
 import torch.distributed as dist
 
-MAX_GRAPHS = 16
+MAX_GRAPHS = 128  # a BERT-Large DDP model has about 50 buckets; an evicted key is not captured again
 _FAILED = object()
 _graphs: OrderedDict[Hashable, object] = OrderedDict()
 _seen: OrderedDict[Hashable, int] = OrderedDict()
@@ -64,9 +64,15 @@ def run(key: Hashable, fn: Callable[[], None], device: torch.device) -> None:
     graph = torch.cuda.CUDAGraph()
     stream = torch.cuda.Stream(device)
     stream.wait_stream(torch.cuda.current_stream(device))
+    # capture_begin/end rather than torch.cuda.graph(), which synchronises the device and runs the
+    # garbage collector on entry (tens of ms with a large model alive)
     try:
-        with torch.cuda.graph(graph, stream=stream, capture_error_mode="thread_local"):
-            fn()
+        with torch.cuda.stream(stream):
+            graph.capture_begin(capture_error_mode="thread_local")
+            try:
+                fn()
+            finally:
+                graph.capture_end()
     except Exception:  # capture is impossible for this key (an op that cannot be captured): run eagerly
         _graphs[key] = _FAILED
         torch.cuda.current_stream(device).wait_stream(stream)
@@ -74,8 +80,9 @@ def run(key: Hashable, fn: Callable[[], None], device: torch.device) -> None:
         return
     torch.cuda.current_stream(device).wait_stream(stream)
     _graphs[key] = graph
-    while sum(g is not _FAILED for g in _graphs.values()) > MAX_GRAPHS:
-        _graphs.popitem(last=False)
+    while count() > MAX_GRAPHS:  # the oldest goes; its key runs eagerly from then on (no capture thrash)
+        oldest = next(k for k, g in _graphs.items() if g is not _FAILED)
+        _graphs[oldest] = _FAILED
     graph.replay()
 
 
