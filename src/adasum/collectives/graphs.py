@@ -53,11 +53,11 @@ def run(key: Hashable, fn: Callable[[], None], device: torch.device) -> None:
         _graphs.move_to_end(key)
         graph.replay()
         return
-    count = _seen.pop(key, 0) + 1
-    _seen[key] = count
+    sightings = _seen.pop(key, 0) + 1
+    _seen[key] = sightings
     while len(_seen) > 4 * MAX_GRAPHS:
         _seen.popitem(last=False)
-    if count < 2:
+    if sightings < 2:
         fn()
         return
     _install_release_hook()
