@@ -1,11 +1,24 @@
-"""Time adasum.all_reduce against one dist.all_reduce of the same bytes, in the same run.
+"""Time adasum.all_reduce as a user calls it against one dist.all_reduce of the same bytes, in the same run.
 
     python benchmarks/bench_collective.py                       # gloo, 2 local CPU processes
     python benchmarks/bench_collective.py --backend nccl        # NCCL, one process per GPU
+    python benchmarks/bench_collective.py --backend nccl --transports default,p2p,collectives,symmetric \\
+        --check --probe
 
-For each case both operations run alternately (after warm-up) `--repeats` times, each timed
-between barriers (and CUDA synchronisation on GPUs); the medians are written as JSON lines to
-benchmarks/results/collective.jsonl. `python benchmarks/render.py` turns them into docs/benchmarks.md.
+For each case and transport, ``adasum.all_reduce(list_of_tensors)`` (default arguments, or
+``transport=``) and NCCL's ``all_reduce`` of a buffer of the same bytes run alternately (after
+warm-up) `--repeats` times. The inputs are restored before each call (outside the timed region);
+each call is timed between barriers, with CUDA events on GPUs (host clock on CPU); a repeat's time
+is the slowest rank's; medians are written as JSON lines to benchmarks/results/collective.jsonl
+with the card, driver, torch and NCCL versions, and the host launches of one call (a profiled call
+after the timed ones: kernel, memcpy and graph launches through the CUDA runtime and driver).
+
+``--check`` first checks every transport against ``adasum.reduce`` of the ranks' inputs (float64
+rounding bound) with ranks bitwise equal, over repeated calls (so replayed graphs are checked too).
+``--probe`` times what each transport's bytes cost alone for the same sizes (the physical bound):
+NCCL all_reduce, one ``batch_isend_irecv`` of half the buffer each way, ``all_gather_into_tensor``
+of half, and a copy of half from the peer's symmetric memory; rows go to
+benchmarks/results/bounds.jsonl. `python benchmarks/render.py` turns the rows into docs/benchmarks.md.
 """
 
 from __future__ import annotations
@@ -34,39 +47,165 @@ from machine import device_name  # noqa: E402
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16, "fp64": torch.float64}
 
 
-def _sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
+class Timer:
+    """Wall time of one call: CUDA events on GPUs (the device's time between two points of the
+    stream, host launch gaps included), the host clock on the CPU."""
 
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
 
-def time_pair(fn_a, fn_b, device, repeats: int, warmup: int) -> tuple[float, float, list[float], list[float]]:
-    for _ in range(warmup):
-        fn_a()
-        fn_b()
-    times_a, times_b = [], []
-    for _ in range(repeats):
-        for fn, out in ((fn_a, times_a), (fn_b, times_b)):
-            _sync(device)
-            dist.barrier()
-            start = time.perf_counter()
+    def __call__(self, fn) -> float:
+        if self.device.type == "cuda":
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
             fn()
-            _sync(device)
-            out.append(time.perf_counter() - start)
-    # every rank reports the slowest rank's time for each repeat
-    t = torch.tensor([times_a, times_b], dtype=torch.float64, device=device)
+            end.record()
+            end.synchronize()
+            return start.elapsed_time(end) / 1e3
+        t0 = time.perf_counter()
+        fn()
+        return time.perf_counter() - t0
+
+
+def time_pair(fns, restore, device, repeats: int, warmup: int) -> tuple[list[float], list[list[float]]]:
+    """Each of `fns` alternately, `repeats` times after `warmup`; `restore()` before each call.
+    Returns the medians and all times, each repeat the slowest rank's."""
+    timer = Timer(device)
+    for _ in range(warmup):
+        for fn in fns:
+            restore()
+            fn()
+    times: list[list[float]] = [[] for _ in fns]
+    for _ in range(repeats):
+        for fn, out in zip(fns, times):
+            restore()
+            if device.type == "cuda":
+                torch.cuda.synchronize(device)
+            dist.barrier()
+            out.append(timer(fn))
+    t = torch.tensor(times, dtype=torch.float64, device=device)
     dist.all_reduce(t, op=dist.ReduceOp.MAX)
-    ta, tb = t.tolist()
-    return statistics.median(ta), statistics.median(tb), ta, tb
+    rows = t.tolist()
+    return [statistics.median(r) for r in rows], rows
+
+
+def host_launches(fn, device: torch.device) -> int | None:
+    """Launches through the CUDA runtime/driver during one call of `fn` (kernels, copies, graphs)."""
+    if device.type != "cuda":
+        return None
+    from torch.profiler import ProfilerActivity, profile
+
+    torch.cuda.synchronize(device)
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        fn()
+        torch.cuda.synchronize(device)
+    names = [e.name for e in prof.events()]
+    return sum(1 for n in names if ("Launch" in n or "Memcpy" in n or "Memset" in n) and n.startswith("cu"))
 
 
 def cases(args) -> list[tuple[str, list[tuple[int, ...]]]]:
     out = []
-    for e in range(args.min_exp, args.max_exp + 1, args.step_exp):
+    for e in args.exps:
         out.append((f"flat-2^{e}", [(1 << e,)]))
     for name in args.layouts:
         if name:
             out.append((name, LAYOUTS[name]()))
     return out
+
+
+def versions(backend: str) -> dict:
+    return {
+        "torch": torch.__version__,
+        "nccl": ".".join(map(str, torch.cuda.nccl.version())) if backend == "nccl" else None,
+        "driver": _driver() if backend == "nccl" else None,
+        "triton": _triton_version(),
+    }
+
+
+def _triton_version() -> str | None:
+    try:
+        import triton
+
+        return triton.__version__
+    except ImportError:
+        return None
+
+
+def check_transports(rank, world, device, transports, log) -> list[dict]:
+    """Every transport against adasum.reduce of the ranks' inputs, ranks bitwise equal, 4 calls each."""
+    rows = []
+    shapes = [(1,), (0,), (7,), (33, 5), (1000,), (3,), (70000,), (129, 17), (40000,), (5,), (300000,)]
+    for dtype, bound in ((torch.float32, 1e-5), (torch.bfloat16, 2e-2), (torch.float64, 1e-12)):
+        for name in transports:
+            worst, equal = 0.0, True
+            mine = None
+            for call in range(4):
+                g = torch.Generator().manual_seed(1000 * call + 7)
+                every = [[torch.randn(s, generator=g, dtype=torch.float64).to(dtype) for s in shapes]
+                         for _ in range(world)]
+                if mine is None:
+                    mine = [t.clone().to(device) for t in every[rank]]
+                else:  # the same tensors again (graph replay), new values
+                    for t, src in zip(mine, every[rank]):
+                        t.copy_(src)
+                adasum.all_reduce(mine, transport=None if name == "default" else name)
+                for i, got in enumerate(mine):
+                    ref = adasum.reduce([every[r][i] for r in range(world)])
+                    if ref.numel():
+                        err = float((got.double().cpu() - ref.double()).norm() / ref.double().norm().clamp_min(1e-300))
+                        worst = max(worst, err)
+                flat = torch.cat([t.reshape(-1).double() for t in mine])
+                gathered = [torch.empty_like(flat) for _ in range(world)]
+                dist.all_gather(gathered, flat)
+                equal = equal and all(torch.equal(gathered[0], x) for x in gathered[1:])
+            ok = worst < bound and equal
+            rows.append({"transport": name, "dtype": str(dtype), "rel_err": worst, "ranks_equal": equal, "ok": ok})
+            log(f"check {name:12s} {str(dtype):15s} rel_err {worst:.2e} ranks_equal {equal} {'ok' if ok else 'FAIL'}")
+    return rows
+
+
+def probe(rank, world, device, exps, dtypes, log) -> list[dict]:
+    """Each transport's own time for the bytes of a 2-rank Adasum (half the buffer each way)."""
+    rows = []
+    peer = 1 - rank
+    for dtype_name in dtypes:
+        dtype = DTYPES[dtype_name]
+        for e in exps:
+            n = 1 << e
+            x = torch.randn(n, device=device).to(dtype)
+            half = n // 2
+            recv = torch.empty(half, device=device, dtype=dtype)
+            out = torch.empty(n, device=device, dtype=dtype)
+
+            def p2p():
+                ops = [dist.P2POp(dist.isend, x[half * peer : half * peer + half], peer),
+                       dist.P2POp(dist.irecv, recv, peer)]
+                for w in dist.batch_isend_irecv(ops):
+                    w.wait()
+
+            fns = {"nccl_all_reduce": lambda: dist.all_reduce(x), "p2p_half": p2p,
+                   "all_gather_half": lambda: dist.all_gather_into_tensor(out, x[:half] if rank == 0 else x[half:])}
+            try:
+                from adasum.transport import symmetric
+
+                if symmetric.supported(None):
+                    shared, handle = symmetric.staging(None, n, x)
+                    remote = handle.get_buffer(peer, (n,), dtype, 0)
+
+                    def pull():
+                        handle.barrier(channel=0)
+                        recv.copy_(remote[half * rank : half * rank + half])
+                        handle.barrier(channel=0)
+
+                    fns["symm_pull_half"] = pull
+            except Exception as error:  # noqa: BLE001 - recorded, not fatal
+                log(f"probe: symmetric memory unavailable: {error!r}")
+            medians, _ = time_pair(list(fns.values()), lambda: None, device, 9, 2)
+            row = {"dtype": dtype_name, "numel": n, **{k: v for k, v in zip(fns, medians)}}
+            rows.append(row)
+            log("probe " + " ".join(f"{k}={v * 1e3:.3f}ms" if isinstance(v, float) else f"{k}={v}"
+                                    for k, v in row.items()))
+    return rows
 
 
 def worker(rank: int, world: int, store_path: str, args) -> None:
@@ -80,6 +219,31 @@ def worker(rank: int, world: int, store_path: str, args) -> None:
         args.backend, store=dist.FileStore(store_path, world), rank=rank, world_size=world,
         timeout=timedelta(seconds=600), device_id=device if device.type == "cuda" else None,
     )
+
+    def log(text: str) -> None:
+        if rank == 0:
+            print(text, flush=True)
+
+    common = {
+        "date": datetime.date.today().isoformat(), "device": device_name(device), "backend": args.backend,
+        "world_size": world, **versions(args.backend), "label": args.label,
+    }
+    default = None
+    if args.backend == "nccl":
+        from adasum.collectives.vhdd import transport_for
+
+        default = transport_for(None, None, world & (world - 1) == 0).name
+    else:
+        default = "p2p"
+    log(f"{common['device']} x {world}: torch {common['torch']}, NCCL {common['nccl']}, driver {common['driver']}, "
+        f"triton {common['triton']}; default transport {default}")
+    transports = [t for t in args.transports if args.backend == "nccl" or t in ("default", "p2p")]
+    if args.check:
+        rows = check_transports(rank, world, device, transports, log)
+        _write(rank, args.check_out, [{**common, **r} for r in rows])
+    if args.probe and args.backend == "nccl" and world == 2:
+        rows = probe(rank, world, device, args.exps, args.dtypes, log)
+        _write(rank, args.probe_out, [{**common, **r} for r in rows])
     rows = []
     for dtype_name in args.dtypes:
         dtype = DTYPES[dtype_name]
@@ -87,56 +251,51 @@ def worker(rank: int, world: int, store_path: str, args) -> None:
             numel = sum(math.prod(s) for s in shapes)
             g = torch.Generator(device=device).manual_seed(rank)
             tensors = [torch.randn(s, generator=g, device=device, dtype=torch.float32).to(dtype) for s in shapes]
+            saved = [t.clone() for t in tensors]
             flat = torch.randn(numel, generator=g, device=device, dtype=torch.float32).to(dtype)
-            repeats = args.repeats if numel < (1 << 24) else max(3, args.repeats // 2)
+            repeats = args.repeats if numel < (1 << 24) else max(5, args.repeats // 2)
 
-            def run_adasum():
-                adasum.all_reduce(tensors)
+            def restore():
+                torch._foreach_copy_(tensors, saved)
 
-            def run_allreduce():
-                dist.all_reduce(flat)
+            for name in transports:
+                chosen = None if name == "default" else name
 
-            a_s, r_s, a_all, r_all = time_pair(run_adasum, run_allreduce, device, repeats, args.warmup)
-            flat_s = None
-            if len(shapes) > 1:
-                # the same layout already in one flat buffer (a DDP bucket): no fusion copies
-                sizes = [math.prod(s) for s in shapes]
-                flat_s, _, _, _ = time_pair(lambda: adasum.collectives.adasum_flat_(flat, sizes), lambda: None,
-                                            device, repeats, args.warmup)
-            row = {
-                "date": datetime.date.today().isoformat(),
-                "device": device_name(device),
-                "backend": args.backend,
-                "world_size": world,
-                "layout": layout,
-                "tensors": len(shapes),
-                "dtype": dtype_name,
-                "numel": numel,
-                "adasum_s": a_s,
-                "allreduce_s": r_s,
-                "ratio": a_s / r_s,
-                "adasum_flat_s": flat_s,
-                "repeats": repeats,
-                "adasum_all_s": a_all,
-                "allreduce_all_s": r_all,
-                "torch": torch.__version__,
-                "nccl": ".".join(map(str, torch.cuda.nccl.version())) if args.backend == "nccl" else None,
-                "driver": _driver() if args.backend == "nccl" else None,
-                "label": args.label,
-            }
-            rows.append(row)
-            if rank == 0:
-                extra = "" if flat_s is None else f"  flat buffer {flat_s * 1e3:9.3f} ms ({flat_s / r_s:5.2f})"
-                print(f"{dtype_name:5s} {layout:14s} {numel:>11d}  adasum {a_s * 1e3:9.3f} ms  "
-                      f"all_reduce {r_s * 1e3:9.3f} ms  ratio {a_s / r_s:5.2f}{extra}", flush=True)
-            tensors = flat = None  # free before the next case
-    if rank == 0:
-        os.makedirs(os.path.dirname(args.out), exist_ok=True)
-        with open(args.out, "a") as f:
-            for row in rows:
-                f.write(json.dumps(row) + "\n")
+                def run_adasum():
+                    adasum.all_reduce(tensors, transport=chosen)
+
+                (a_s, r_s), (a_all, r_all) = time_pair(
+                    [run_adasum, lambda: dist.all_reduce(flat)], restore, device, repeats, args.warmup
+                )
+                restore()
+                launches = host_launches(run_adasum, device)
+                row = {
+                    **common, "layout": layout, "tensors": len(shapes), "dtype": dtype_name, "numel": numel,
+                    "transport": default if name == "default" else name, "default": name == "default",
+                    "adasum_s": a_s, "allreduce_s": r_s, "ratio": a_s / r_s, "host_launches": launches,
+                    "timer": "cuda-events" if device.type == "cuda" else "host", "repeats": repeats,
+                    "adasum_all_s": a_all, "allreduce_all_s": r_all,
+                }
+                rows.append(row)
+                star = "*" if name == "default" else " "
+                log(f"{dtype_name:5s} {layout:14s} {numel:>11d} {row['transport']:12s}{star} "
+                    f"adasum {a_s * 1e3:8.3f} ms  all_reduce {r_s * 1e3:8.3f} ms  ratio {a_s / r_s:5.2f}  "
+                    f"launches {launches}")
+            tensors = saved = flat = None  # free before the next case
+            if device.type == "cuda":
+                adasum.collectives.graphs.release()
+                torch.cuda.empty_cache()
+    _write(rank, args.out, rows)
     dist.barrier()
     dist.destroy_process_group()
+
+
+def _write(rank: int, path: str, rows: list[dict]) -> None:
+    if rank == 0 and rows:
+        os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+        with open(path, "a") as f:
+            for row in rows:
+                f.write(json.dumps(row) + "\n")
 
 
 def _driver() -> str | None:
@@ -156,16 +315,22 @@ def main() -> None:
     p.add_argument("--backend", choices=["gloo", "nccl"], default="gloo")
     p.add_argument("--world", type=int, default=2)
     p.add_argument("--dtypes", type=lambda s: s.split(","), default=["fp32"])
-    p.add_argument("--min-exp", type=int, default=10)
-    p.add_argument("--max-exp", type=int, default=26)
-    p.add_argument("--step-exp", type=int, default=2)
+    p.add_argument("--exps", type=lambda s: [int(x) for x in s.split(",") if x], default=[10, 14, 18, 20, 22, 24, 26])
     p.add_argument("--layouts", type=lambda s: [x for x in s.split(",") if x], default=["resnet50"])
+    p.add_argument("--transports", type=lambda s: [x for x in s.split(",") if x], default=["default"],
+                   help="default (what adasum.all_reduce picks), p2p, collectives, symmetric")
     p.add_argument("--repeats", type=int, default=9)
-    p.add_argument("--warmup", type=int, default=2)
+    p.add_argument("--warmup", type=int, default=3)
+    p.add_argument("--check", action="store_true", help="check every transport against adasum.reduce first")
+    p.add_argument("--probe", action="store_true", help="time each transport's bytes alone (2 ranks, NCCL)")
     p.add_argument("--label", default="")
     p.add_argument("--out", default=os.path.join(here, "results", "collective.jsonl"))
+    p.add_argument("--probe-out", default=os.path.join(here, "results", "bounds.jsonl"))
+    p.add_argument("--check-out", default=os.path.join(here, "results", "checks.jsonl"))
     args = p.parse_args()
     os.environ.setdefault("OMP_NUM_THREADS", "1")
+    for name in ("NCCL_NVLS_ENABLE", "TORCH_SYMM_MEM_DISABLE_MULTICAST", "NVSHMEM_DISABLE_NVLS"):
+        os.environ.setdefault(name, "0" if name == "NCCL_NVLS_ENABLE" else "1")
     with tempfile.TemporaryDirectory() as tmp:
         mp.start_processes(worker, args=(args.world, os.path.join(tmp, "store"), args), nprocs=args.world,
                            start_method="spawn")

@@ -36,6 +36,19 @@ def collective_tables(rows: list[dict]) -> list[str]:
         versions = f"torch {torch_v}" + (f", NCCL {nccl}" if nccl else "") + (f", driver {driver}" if driver else "")
         out.append(f"### {device}: {backend}, {world} ranks ({date})\n")
         out.append(f"{versions}. {label}\n")
+        if any("transport" in r for r in rs):  # issue 13 rows: per transport, CUDA events, host launches
+            out.append(
+                "| layout | dtype | tensors | values | transport | adasum ms | all_reduce ms | ratio | launches |"
+            )
+            out.append("| --- | --- | ---: | ---: | --- | ---: | ---: | ---: | ---: |")
+            for r in rs:
+                name = r["transport"] + (" (default)" if r.get("default") else "")
+                out.append(
+                    f"| {r['layout']} | {r['dtype']} | {r['tensors']} | {r['numel']:,} | {name} | {ms(r['adasum_s'])} "
+                    f"| {ms(r['allreduce_s'])} | {r['ratio']:.2f} | {r.get('host_launches') or ''} |"
+                )
+            out.append("")
+            continue
         out.append(
             "| layout | dtype | tensors | values | adasum ms | all_reduce ms | ratio "
             "| flat-buffer adasum ms | flat ratio |"
@@ -83,6 +96,17 @@ def main() -> None:
         "",
     ]
     lines += collective_tables(load("collective.jsonl"))
+    lines += ["### The bound: each transport's own time for the bytes of a 2-rank Adasum", ""]
+    lines += [
+        "Seconds, medians of 9 (CUDA events, slowest rank): NCCL's all_reduce of the whole buffer; one",
+        "`batch_isend_irecv` of half the buffer each way; `all_gather_into_tensor` of half; a copy of half",
+        "read from the peer's symmetric memory between two signal-pad barriers.",
+        "",
+    ]
+    lines += generic_table(load("bounds.jsonl"), ["device", "dtype", "numel", "nccl_all_reduce", "p2p_half",
+                                                  "all_gather_half", "symm_pull_half", "torch", "nccl", "driver"])
+    lines += ["### Correctness per transport (`--check`: 4 calls on the same tensors, graphs replayed)", ""]
+    lines += generic_table(load("checks.jsonl"), ["device", "transport", "dtype", "rel_err", "ranks_equal", "ok"])
     lines += ["## End-to-end training steps", ""]
     lines += [
         "Median step time over the timed steps (slowest rank), 2 GPUs; `ratio` is against the DDP",

@@ -78,6 +78,23 @@ for number, lengths in enumerate(cases):
         tk.combine(a, b, ref, counts_a, counts_b, lengths, out)
         bound = combine_bound(a, b, ca, cb, lengths, want, dtype)
         assert ((out.double() - want.double()).abs() <= bound).all(), (lengths, dtype, "per segment")
+        # the symmetric-memory kernels: the partner's copy read in the same pass as the sums, in its own
+        # dtype; the combination stored into several outputs at once (a local and a peer's buffer)
+        for lower in (True, False) if number in (1, 3) else ():
+            theirs = torch.full_like(b, float("nan"))
+            acc = torch.zeros(3, len(lengths), dtype=torch.float64)
+            mine, other = (a, b) if lower else (b, a)
+            tk.pull_dot_and_norms(mine, other, theirs, lengths, acc, lower)
+            assert torch.equal(theirs, other), (lengths, dtype, "pulled copy")
+            assert ((acc - ref).abs() <= sum_bound(a, b, lengths)).all(), (lengths, dtype, lower)
+        if number in (1, 3):
+            outs = [torch.full_like(a, float("nan")) for _ in range(3)]
+            tk.combine(a, b, ref, 2, 3, lengths, *outs)
+            ca, cb = coefficients(ref, 2 / 5, 3 / 5)
+            ops.scale_add(a, b, ca, cb, lengths, want)
+            bound = combine_bound(a, b, ca, cb, lengths, want, dtype)
+            assert ((outs[0].double() - want.double()).abs() <= bound).all(), (lengths, dtype, "several outputs")
+            assert torch.equal(outs[0], outs[1]) and torch.equal(outs[0], outs[2]), (lengths, dtype)
 print("ok")
 """
 

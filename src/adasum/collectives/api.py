@@ -8,12 +8,20 @@ from collections.abc import Callable, Sequence
 import torch
 import torch.distributed as dist
 
+from adasum.collectives import graphs
 from adasum.collectives.agreement import check_same_layout
 from adasum.collectives.nonfinite import check_finite, check_policy
-from adasum.collectives.vhdd import _workspace, adasum_flat_
+from adasum.collectives.vhdd import _workspace, adasum_flat_, transport_for
 from adasum.core.layout import flatten, group_by_dtype, unflatten_into
 from adasum.core.operator import check_floating
+from adasum.transport.base import Transport
 from adasum.transport.groups import failures_named, group_device
+
+_verified: set = set()  # (group, layout) pairs whose layout check passed on every rank
+
+
+def _layout_key(group: dist.ProcessGroup | None, tensors: Sequence[torch.Tensor]) -> tuple:
+    return (id(group), tuple((t.dtype, t.shape) for t in tensors))
 
 
 def all_reduce(
@@ -22,6 +30,7 @@ def all_reduce(
     *,
     check_layout: bool = True,
     nonfinite: str = "propagate",
+    transport: str | None = None,
 ) -> None:
     """Replace each tensor, on every rank, by the Adasum of the ranks' copies; in place.
 
@@ -31,8 +40,14 @@ def all_reduce(
 
     With `check_layout` (the default) one 16-byte all-reduce first checks that every rank passed
     the same number of tensors with the same shapes and dtypes; a mismatch raises ValueError on
-    every rank, naming the first difference. Non-floating dtypes raise TypeError. World size 1
-    leaves the tensors unchanged.
+    every rank, naming the first difference. The verdict is kept per group and layout: a layout
+    checked once is not checked again (no host synchronisation on repeated calls). Non-floating
+    dtypes raise TypeError. World size 1 leaves the tensors unchanged.
+
+    `transport` names how bytes move: "p2p" (c10d point-to-point), "collectives" (NCCL, the gather
+    as one all-gather), "symmetric" (NVLink symmetric memory); None picks the fastest the group
+    supports (`adasum.transport.select`). On GPUs, repeated calls on the same tensors replay a
+    captured CUDA graph of the whole call (`adasum.collectives.graphs`).
 
     Non-finite inputs: ``nonfinite="propagate"`` (the default) lets them through; a tensor with a
     NaN or Inf on any rank comes out non-finite, identically on every rank. ``"raise"`` first
@@ -46,8 +61,10 @@ def all_reduce(
     >>> adasum.all_reduce(grads)
     >>> adasum.all_reduce(grads, nonfinite="raise")
     """
-    check_policy(nonfinite, ("propagate", "raise"))
     tensors = [tensors] if isinstance(tensors, torch.Tensor) else list(tensors)
+    if nonfinite == "propagate" and _replayed(group, transport, tensors):
+        return
+    check_policy(nonfinite, ("propagate", "raise"))
     if not dist.is_initialized():
         raise RuntimeError("adasum.all_reduce needs torch.distributed to be initialised")
     if dist.get_world_size(group) == 1:
@@ -58,8 +75,11 @@ def all_reduce(
         return
     device = group_device(group)
     if check_layout:
-        with failures_named("adasum.all_reduce", "the layout check", group):
-            check_same_layout(tensors, group, device)
+        key = _layout_key(group, tensors)
+        if key not in _verified:
+            with failures_named("adasum.all_reduce", "the layout check", group):
+                check_same_layout(tensors, group, device)
+            _verified.add(key)
     for t in tensors:
         check_floating(t.dtype)
         if t.device != tensors[0].device:
@@ -68,14 +88,45 @@ def all_reduce(
         raise ValueError(f"the {dist.get_backend(group)} backend needs {device.type} tensors, got {tensors[0].device}")
     if nonfinite == "raise":
         check_finite(tensors, group, operation="adasum.all_reduce")
-    fused_per_dtype(tensors, lambda flat, sizes: adasum_flat_(flat, sizes, group))
+    world = dist.get_world_size(group)
+    chosen = transport_for(group, transport, world & (world - 1) == 0)
+
+    def run() -> None:
+        fused_per_dtype(tensors, lambda flat, sizes: adasum_flat_(flat, sizes, group, transport=chosen), chosen)
+
+    key = (id(group), chosen.name, graphs.tensor_key(tensors))
+    graphs.run(key, run, device)
+    if graphs.captured(key):
+        _last[(id(group), transport)] = (tensors, [(t.data_ptr(), t.shape) for t in tensors], key)
+
+
+# The last captured call per (group, transport keyword): a repeat with the very same tensor objects,
+# addresses and shapes replays its graph without re-validating (the checks passed for this key at capture).
+_last: dict = {}
+
+
+def _replayed(group, transport, tensors) -> bool:
+    entry = _last.get((id(group), transport))
+    if entry is None:
+        return False
+    previous, where, key = entry
+    if len(previous) != len(tensors) or any(a is not b for a, b in zip(previous, tensors)):
+        return False
+    if any(t.data_ptr() != ptr or t.shape != shape for t, (ptr, shape) in zip(tensors, where)):
+        return False
+    return graphs.replay(key)
 
 
 def fused_per_dtype(
-    tensors: Sequence[torch.Tensor], combine: Callable[..., None], *, together: bool = False
+    tensors: Sequence[torch.Tensor],
+    combine: Callable[..., None],
+    transport: Transport | None = None,
+    *,
+    together: bool = False,
 ) -> None:
-    """Fuse `tensors` into one flat buffer per dtype (reused between calls on the CPU), run
-    ``combine(flat, sizes)`` on each in place, and copy the results back into `tensors`.
+    """Fuse `tensors` into one flat buffer per dtype (reused between calls on the CPU; the
+    transport's own buffer where it has one, e.g. symmetric memory), run ``combine(flat, sizes)`` on
+    each in place, and copy the results back into `tensors`.
 
     ``together=True`` calls ``combine(flats, sizes, indices)`` once with every dtype's buffer (in
     `group_by_dtype` order), its tensors' sizes and their indices in `tensors`: for coefficients
@@ -90,7 +141,11 @@ def fused_per_dtype(
         return
     for indices in groups:
         members = [tensors[i] for i in indices]
-        flat = flatten(members, _workspace.get("fusion", sum(t.numel() for t in members), members[0]))
+        numel = sum(t.numel() for t in members)
+        fusion = None
+        if transport is not None and not (len(members) == 1 and members[0].is_contiguous()):
+            fusion = transport.fusion_buffer(numel, members[0])
+        flat = flatten(members, fusion if fusion is not None else _workspace.get("fusion", numel, members[0]))
         combine(flat, [t.numel() for t in members])
         unflatten_into(flat, members)
 
@@ -101,16 +156,17 @@ def all_reduce_async(
     *,
     check_layout: bool = True,
     nonfinite: str = "propagate",
+    transport: str | None = None,
 ) -> torch.futures.Future:
     """`all_reduce`, returning a Future of the list of tensors.
 
     On NCCL the work is enqueued on the current CUDA stream and the host does not wait for it
-    (except for the layout check's one small read, which ``check_layout=False`` removes, and the
-    non-finite check's, which ``nonfinite="raise"`` adds); consumers on the same stream see the
-    result. On gloo the exchanges complete before it returns.
+    (except for the layout check's one small read on a layout's first call, which
+    ``check_layout=False`` removes, and the non-finite check's, which ``nonfinite="raise"`` adds);
+    consumers on the same stream see the result. On gloo the exchanges complete before it returns.
     """
     tensor_list = [tensors] if isinstance(tensors, torch.Tensor) else list(tensors)
-    all_reduce(tensor_list, group, check_layout=check_layout, nonfinite=nonfinite)
+    all_reduce(tensor_list, group, check_layout=check_layout, nonfinite=nonfinite, transport=transport)
     future: torch.futures.Future = torch.futures.Future()
     future.set_result(tensor_list)
     return future

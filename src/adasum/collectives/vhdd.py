@@ -39,13 +39,14 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
+from adasum.collectives import graphs
 from adasum.core.layout import Layout
 from adasum.core.tree import Tree
 from adasum.kernels import combine_from_sums, dot_and_norms
-from adasum.transport.c10d import exchange as _exchange
+from adasum.transport import select
+from adasum.transport.base import GatherStep, Level, Transport
 from adasum.transport.c10d import post as _post
-from adasum.transport.c10d import wait as _wait
-from adasum.transport.groups import failures_named, group_timeout
+from adasum.transport.groups import failures_named
 
 
 class _Workspace:
@@ -78,20 +79,17 @@ def clear_workspace() -> None:
     _workspace.clear()
 
 
-# Largest piece, in elements, of a level's exchange: (gloo, NCCL)
-_PIECE = (1 << 20, 1 << 23)
+# Largest piece of a level's point-to-point exchange, in 4-byte elements (bytes / 4, whatever the
+# dtype: a bf16 piece holds twice the elements): (gloo, NCCL). NCCL's point-to-point ran at 210 GB/s
+# on 32 MB pieces and 331 GB/s on whole 512 MB halves (2 x H100); 128 MB pieces keep most of that
+# and still overlap the math of one piece with the transfer of the next.
+_PIECE = (1 << 20, 1 << 25)
 
 
 @functools.lru_cache(maxsize=256)
 def _layout(sizes: tuple[int, ...]) -> Layout:
     # layouts repeat call after call (a model's buckets): keep their offsets, not rebuild them
     return Layout(sizes)
-
-
-def _split(lo: int, hi: int, count: int) -> list[tuple[int, int]]:
-    """[lo, hi) cut into `count` consecutive pieces of near-equal size."""
-    bounds = [lo + (hi - lo) * i // count for i in range(count + 1)]
-    return list(zip(bounds[:-1], bounds[1:]))
 
 
 def _halves(lo: int, hi: int, lower: bool) -> tuple[tuple[int, int], tuple[int, int]]:
@@ -140,18 +138,37 @@ class Placement:
     offset: int
 
 
+def transport_for(group: dist.ProcessGroup | None, name: str | None, whole_group: bool) -> Transport:
+    """`adasum.transport.select` with this module's piece sizes and post function (tests shrink or wrap them)."""
+    return select(group, name, whole_group=whole_group, post_fn=_post, piece_elements=_PIECE)
+
+
+def final_slices(numel: int, world: int, levels: Sequence[int]) -> list[tuple[int, int]]:
+    """The slice each of `world` leaders holds after the reduce-scatter (no fold)."""
+    out = []
+    for me in range(world):
+        segment = (0, numel)
+        for d in levels:
+            segment = _halves(*segment, (me & d) == 0)[0]
+        out.append(segment)
+    return out
+
+
 def adasum_flat_(
     buffer: torch.Tensor,
     sizes: Sequence[int],
     group: dist.ProcessGroup | None = None,
     placement: Placement | None = None,
+    *,
+    transport: str | Transport | None = None,
 ) -> None:
     """Adasum of a flat buffer across the group, in place, each of `sizes` a tensor of its own.
 
     Every rank must pass the same sizes and dtype; nothing is checked here (see `all_reduce`).
     A dead or stalled peer raises `adasum.CollectiveError` within the group's timeout (gloo).
     With a `placement`, the buffer is a slice of the layout and the tree runs over
-    ``placement.peers`` only (see `Placement`).
+    ``placement.peers`` only (see `Placement`). `transport` names how bytes move ("p2p",
+    "collectives", "symmetric"; None: the fastest the group supports, see `adasum.transport.select`).
     """
     layout = _layout(tuple(int(n) for n in sizes))
     if placement is None:
@@ -168,20 +185,43 @@ def adasum_flat_(
     if world == 1:
         return
     tree = Tree(world)
+    if not isinstance(transport, Transport):
+        transport = transport_for(group, transport, placement is None and tree.folded == 0)
+
+    def run() -> None:
+        run_schedule(buffer, layout, group, peers, offset, rank, tree, transport, sliced=placement is not None)
+
+    if buffer.device.type != "cuda":
+        run()
+        return
+    key = (id(group), transport.name, buffer.data_ptr(), buffer.dtype, buffer.numel(), layout.sizes, placement)
+    graphs.run(key, run, buffer.device)
+
+
+def run_schedule(
+    buffer: torch.Tensor,
+    layout: Layout,
+    group: dist.ProcessGroup | None,
+    peers: Sequence[int],
+    offset: int,
+    rank: int,
+    tree: Tree,
+    transport: Transport,
+    sliced: bool,
+) -> None:
+    """The VHDD schedule (module doc) on `transport`: fold, levels, gather."""
     me = tree.group_of(rank)
-    tensors = len(layout.sizes)
-    partial_shape = (3, tensors)
-    timeout = group_timeout(group)
-    wait = None if dist.get_backend(group) == "nccl" else timeout
+    partial_shape = (3, len(layout.sizes))
+    timeout = getattr(transport, "timeout", None)
     levels = tree.levels()
     # a sliced placement sums the fold's partials over the group as well (one extra small all-reduce)
-    sliced_fold = placement is not None and tree.folded > 0
+    sliced_fold = sliced and tree.folded > 0
 
     def step(what: str):
         """Name the communication inside the block if it fails (CollectiveError)."""
         return failures_named("adasum.all_reduce", what, group, timeout)
 
-    def level(i: int) -> str:
+    def level_name(i: int) -> str:
         return f"level {i + 1} of {len(levels)}"
 
     def fold_sums() -> torch.Tensor:
@@ -190,104 +230,60 @@ def adasum_flat_(
     if not tree.is_leader(rank):
         leader = peers[tree.leader(me)]
         with step(f"the fold (sending to rank {leader})"):
-            _exchange(buffer, None, leader, group, wait)
+            transport.exchange(buffer, None, leader)
             if sliced_fold:
-                dist.all_reduce(fold_sums(), group=group)
+                transport.all_reduce_sums(fold_sums())
         for i, d in enumerate(levels):
             blocks = tree.groups // (2 * d)
-            with step(f"the dot-product all-reduce at {level(i)}"):
-                dist.all_reduce(buffer.new_zeros((blocks, *partial_shape), dtype=torch.float64), group=group)
+            with step(f"the dot-product all-reduce at {level_name(i)}"):
+                transport.all_reduce_sums(buffer.new_zeros((blocks, *partial_shape), dtype=torch.float64))
         with step(f"the fold (receiving the result from rank {leader})"):
-            _exchange(None, buffer, leader, group, wait)
+            transport.exchange(None, buffer, leader)
         return
 
     follower = None if tree.follower(me) is None else peers[tree.follower(me)]
     if follower is not None:
         received = _workspace.get("recv", buffer.numel(), buffer)
         with step(f"the fold (receiving from rank {follower})"):
-            _exchange(None, received, follower, group, wait)
+            transport.exchange(None, received, follower)
         with step("the fold's dot-product all-reduce"):
             _fold_(buffer, received, layout, offset, fold_sums() if sliced_fold else None, me, group)
         del received
     elif sliced_fold:
-        dist.all_reduce(fold_sums(), group=group)
+        transport.all_reduce_sums(fold_sums())
 
-    # Each level's exchange is cut into pieces, each its own send/receive batch, so the math on one
-    # piece overlaps the transfer of the next (gloo moves data on its own threads; NCCL on its
-    # stream, which the current stream waits on per piece). Both partners cut the same parent
-    # segment into the same number of pieces, so their batches pair up.
-    piece = _PIECE[dist.get_backend(group) == "nccl"]
+    def overlap(lo: int, hi: int) -> tuple[int, list[int]]:
+        return layout.overlap(offset + lo, offset + hi)
+
     segments = [(0, buffer.numel())]
+    gather_steps = []
     for i, d in enumerate(levels):
         lower = (me & d) == 0
         peer = peers[tree.leader(me ^ d)]
-        parent = segments[-1]
-        (klo, khi), (glo, ghi) = _halves(*parent, lower)
-        count = max(1, -(-(parent[1] - parent[0]) // (2 * piece)))
-        kept, given = _split(klo, khi, count), _split(glo, ghi, count)
-        theirs = _workspace.get("recv", khi - klo, buffer)
-        exchange, gather = (
-            f"the {phase} exchange at {level(i)} with rank {peer}" for phase in ("reduce-scatter", "gather")
-        )
-        with step(exchange):
-            posted = [
-                _post([buffer[g0:g1]], [theirs[k0 - klo : k1 - klo]], peer, group)
-                for (k0, k1), (g0, g1) in zip(kept, given)
-            ]
-
-        def pair(lo: int, hi: int) -> tuple[torch.Tensor, torch.Tensor]:
-            mine, other = buffer[lo:hi], theirs[lo - klo : hi - klo]
-            return (mine, other) if lower else (other, mine)
-
+        kept, given = _halves(*segments[-1], lower)
         block = me // (2 * d)
         sums = buffer.new_zeros((tree.groups // (2 * d), *partial_shape), dtype=torch.float64)
-        for (lo, hi), (_, recv_works) in zip(kept, posted):
-            with step(exchange):
-                _wait(recv_works, wait)
-            first, lengths = layout.overlap(offset + lo, offset + hi)
-            if lengths:
-                dot_and_norms(*pair(lo, hi), lengths, out=sums[block, :, first : first + len(lengths)])
-        with step(exchange):
-            _wait([w for send_works, _ in posted for w in send_works], wait)
-        with step(f"the dot-product all-reduce at {level(i)}"):
-            dist.all_reduce(sums, group=group)
-
         base = block * 2 * d
-        workers_a, workers_b = tree.count(base, d), tree.count(base + d, d)
-        # The last level's pieces go to the partner as soon as they are computed: the gather's
-        # first step, overlapped with the math of the next piece.
-        last = d == levels[-1]
-        gathers = []
-        for (lo, hi), (g0, g1) in zip(kept, given):
-            first, lengths = layout.overlap(offset + lo, offset + hi)
-            if lengths:
-                combine_from_sums(
-                    *pair(lo, hi),
-                    sums[block, :, first : first + len(lengths)],
-                    workers_a,
-                    workers_b,
-                    lengths,
-                    out=buffer[lo:hi],
-                )
-            if last:
-                with step(gather):
-                    gathers.append(_post([buffer[lo:hi]], [buffer[g0:g1]], peer, group))
-        with step(gather):
-            _wait([w for sends, recvs in gathers for w in sends + recvs], wait)
-        segments.append((klo, khi))
-    # the last level's gather is done; the reverse levels below complete the rest
-    segments = segments[:-1]
+        level = Level(
+            buffer=buffer, kept=kept, given=given, peer=peer, lower=lower,
+            theirs=_workspace.get("recv", kept[1] - kept[0], buffer), sums=sums[block], overlap=overlap,
+            workers_a=tree.count(base, d), workers_b=tree.count(base + d, d), last=d == levels[-1],
+        )
+        with step(f"the reduce-scatter exchange at {level_name(i)} with rank {peer}"):
+            transport.exchange_and_dot(level)
+        with step(f"the dot-product all-reduce at {level_name(i)}"):
+            transport.all_reduce_sums(sums)
+        with step(f"the gather exchange at {level_name(i)} with rank {peer}" if level.last else "the combination"):
+            transport.combine(level)
+        gather_steps.append(GatherStep(kept, given, peer))
+        segments.append(kept)
 
-    for i in reversed(range(len(levels) - 1)):
-        d = levels[i]
-        lower = (me & d) == 0
-        kept, given = _halves(*segments[-2], lower)
-        assert kept == segments[-1]
-        peer = peers[tree.leader(me ^ d)]
-        with step(f"the gather exchange at {level(i)} with rank {peer}"):
-            _exchange(buffer[kept[0] : kept[1]], buffer[given[0] : given[1]], peer, group, wait)
-        segments.pop()
+    steps = gather_steps[::-1]
+    where = f"at {level_name(0)}" if len(levels) == 1 else f"from {level_name(len(levels) - 1)} to level 1"
+    with step(f"the gather exchange {where}"):
+        finals = final_slices(buffer.numel(), tree.groups, levels) if tree.folded == 0 else None
+        transport.gather(buffer, steps, finals)
 
     if follower is not None:
         with step(f"the fold (sending the result to rank {follower})"):
-            _exchange(buffer, None, follower, group, wait)
+            transport.exchange(buffer, None, follower)

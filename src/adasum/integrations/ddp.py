@@ -7,7 +7,9 @@ DDP hands the hook one bucket at a time: a flat buffer holding several parameter
 to end (``bucket.gradients()`` are views of ``bucket.buffer()`` at their offsets). The hook gives
 every parameter its own Adasum coefficients, with one VHDD collective per bucket (one small
 float64 all-reduce of dot products per tree level), and returns a completed Future of the buffer.
-On NCCL all the work is enqueued on the current stream and the host never waits for the GPU; on
+On NCCL all the work is enqueued on a side stream that waits for the gradients by an event, so
+the backward pass keeps computing while a bucket is combined; the Future completes on that
+stream, and the host never waits for the GPU (repeated buckets replay a captured CUDA graph); on
 gloo, whose point-to-point operations have no futures, the work completes before the hook
 returns (a correct synchronous fallback).
 
@@ -164,7 +166,26 @@ def adasum_hook(state: AdasumState, bucket: dist.GradBucket) -> torch.futures.Fu
     buffer = bucket.buffer()
     if getattr(state, "nonfinite", "propagate") == "raise":
         _check_bucket(state, bucket)
-    state.reducer.all_reduce_flat(buffer, bucket_sizes(bucket), state.group, check_layout=False)
+    sizes = bucket_sizes(bucket)
     if bucket.is_last():
         state.iteration += 1
-    return completed_future(buffer)
+    if buffer.device.type != "cuda":
+        state.reducer.all_reduce_flat(buffer, sizes, state.group, check_layout=False)
+        return completed_future(buffer)
+    # On a side stream, ordered after the gradients by an event: backward keeps computing while the
+    # bucket is combined; the Future completes on the side stream (DDP's consumers wait for it).
+    side = _side_stream(buffer.device)
+    side.wait_stream(torch.cuda.current_stream(buffer.device))
+    with torch.cuda.stream(side):
+        state.reducer.all_reduce_flat(buffer, sizes, state.group, check_layout=False)
+        return completed_future(buffer)
+
+
+_side_streams: dict = {}
+
+
+def _side_stream(device: torch.device) -> torch.cuda.Stream:
+    stream = _side_streams.get(device)
+    if stream is None:
+        stream = _side_streams[device] = torch.cuda.Stream(device)
+    return stream

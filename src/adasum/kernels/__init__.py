@@ -70,15 +70,22 @@ def combine_from_sums(
     workers_b: int | torch.Tensor,
     lengths: Sequence[int],
     out: torch.Tensor,
+    *more_outs: torch.Tensor,
 ) -> None:
     """``out = c_a a + c_b b`` per segment, `a` standing for `workers_a` workers and `b` for
     `workers_b` (ints, or int64 tensors with one count per segment), with (c_a, c_b) =
     ``coefficients(sums, w_a, w_b)``. One fused kernel on GPUs with Triton; `out` may alias `a`
-    or `b`."""
+    or `b`. `more_outs` (at most two) receive the same values (in the same pass with Triton)."""
     triton_kernels = _triton(a.device)
     if triton_kernels is not None:
-        triton_kernels.combine(a, b, sums, workers_a, workers_b, lengths, out)
+        triton_kernels.combine(a, b, sums, workers_a, workers_b, lengths, out, *more_outs)
         return
+    _combine_unfused(a, b, sums, workers_a, workers_b, lengths, out)
+    for extra in more_outs:
+        extra.copy_(out)
+
+
+def _combine_unfused(a, b, sums, workers_a, workers_b, lengths, out) -> None:
     if isinstance(workers_a, torch.Tensor):
         total = (workers_a + workers_b).to(torch.float64)
         coeff_a, coeff_b = coefficients(sums, workers_a / total, workers_b / total)

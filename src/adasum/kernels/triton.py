@@ -82,7 +82,8 @@ if triton is not None:
     @triton.jit(do_not_specialize=["workers_a", "workers_b", "segments"])  # a 1 would become a Python int
     def _combine_kernel(
         a_ptr, b_ptr, sums_ptr, row_stride, workers_a, workers_b, counts_ptr, segments, out_ptr, starts_ptr,
-        sizes_ptr, segs_ptr, BLOCK: tl.constexpr, ITERS: tl.constexpr, PER_SEGMENT: tl.constexpr,
+        sizes_ptr, segs_ptr, out2_ptr, out3_ptr, BLOCK: tl.constexpr, ITERS: tl.constexpr,
+        PER_SEGMENT: tl.constexpr, OUTS: tl.constexpr,
     ):
         # The coefficients of `adasum.core.operator.coefficients`, computed per tile from the segment's three sums.
         # Python floats would arrive as float32 (1/3 inexact, the zero guard 2**-511 flushed to 0),
@@ -113,7 +114,43 @@ if triton is not None:
             b = tl.load(b_ptr + start + offs, mask=mask, other=0.0).to(tl.float64)
             mixed = ca * a + cb * b
             out = mixed if out_ptr.dtype.element_ty == tl.float64 else mixed.to(tl.float32)
-            tl.store(out_ptr + start + offs, out.to(out_ptr.dtype.element_ty), mask=mask)
+            out = out.to(out_ptr.dtype.element_ty)
+            tl.store(out_ptr + start + offs, out, mask=mask)
+            if OUTS > 1:  # the same values into more buffers (symmetric memory: a local and a peer's)
+                tl.store(out2_ptr + start + offs, out, mask=mask)
+            if OUTS > 2:
+                tl.store(out3_ptr + start + offs, out, mask=mask)
+
+    @triton.jit
+    def _pull_tile_sums_kernel(
+        mine_ptr, peer_ptr, theirs_ptr, starts_ptr, sizes_ptr, out_ptr, BLOCK: tl.constexpr, ITERS: tl.constexpr,
+        LOWER: tl.constexpr,
+    ):
+        # One pass: load this rank's slice and the partner's copy (a peer's memory: NVLink loads), keep the
+        # partner's copy in `theirs`, and reduce the three sums of the tile in float64 ("a" = the lower side).
+        tile = tl.program_id(0)
+        start = tl.load(starts_ptr + tile)
+        size = tl.load(sizes_ptr + tile)
+        ab = tl.zeros([BLOCK], dtype=tl.float64)
+        mm = tl.zeros([BLOCK], dtype=tl.float64)
+        tt = tl.zeros([BLOCK], dtype=tl.float64)
+        for i in range(ITERS):
+            offs = i * BLOCK + tl.arange(0, BLOCK)
+            mask = offs < size
+            other = tl.load(peer_ptr + start + offs, mask=mask, other=0.0)
+            tl.store(theirs_ptr + start + offs, other, mask=mask)
+            m = tl.load(mine_ptr + start + offs, mask=mask, other=0.0).to(tl.float64)
+            t = other.to(tl.float64)
+            ab += m * t
+            mm += m * m
+            tt += t * t
+        if LOWER:
+            aa, bb = tl.sum(mm, axis=0), tl.sum(tt, axis=0)
+        else:
+            aa, bb = tl.sum(tt, axis=0), tl.sum(mm, axis=0)
+        tl.store(out_ptr + tile * 3 + 0, tl.sum(ab, axis=0))
+        tl.store(out_ptr + tile * 3 + 1, aa)
+        tl.store(out_ptr + tile * 3 + 2, bb)
 
 
 def _rounds(longest: int, block: int) -> int:
@@ -145,18 +182,43 @@ def dot_and_norms(
 
 def combine(
     a: torch.Tensor, b: torch.Tensor, sums: torch.Tensor, workers_a: int | torch.Tensor,
-    workers_b: int | torch.Tensor, lengths: Sequence[int], out: torch.Tensor,
+    workers_b: int | torch.Tensor, lengths: Sequence[int], out: torch.Tensor, *more_outs: torch.Tensor,
 ) -> None:
     """``out = c_a * a + c_b * b`` per segment with the coefficients of the segment's `sums`
     (``adasum.core.operator.coefficients``), in float64, stored in out's dtype: one kernel. The worker counts are
-    ints, or int64 tensors with one count per segment."""
+    ints, or int64 tensors with one count per segment. `more_outs` (at most two, of out's dtype and
+    size) receive the same values in the same pass."""
     table = tiles(tuple(lengths), a.device)
     if table.n_tiles:
-        assert sums.stride(1) == 1 and sums.dtype == torch.float64
+        assert sums.stride(1) == 1 and sums.dtype == torch.float64 and len(more_outs) <= 2
         per_segment = isinstance(workers_a, torch.Tensor)
         counts = torch.stack([workers_a, workers_b]) if per_segment else sums  # any pointer when unused
+        extra = list(more_outs) + [out] * (2 - len(more_outs))  # unused pointers when fewer
         _combine_kernel[(table.n_tiles,)](
             a, b, sums, sums.stride(0), 0 if per_segment else workers_a, 0 if per_segment else workers_b,
-            counts, len(lengths), out, table.starts, table.sizes, table.segments,
-            BLOCK=BLOCK, ITERS=ITERS, PER_SEGMENT=per_segment,
+            counts, len(lengths), out, table.starts, table.sizes, table.segments, extra[0], extra[1],
+            BLOCK=BLOCK, ITERS=ITERS, PER_SEGMENT=per_segment, OUTS=1 + len(more_outs),
         )
+
+
+def pull_dot_and_norms(
+    mine: torch.Tensor, peer: torch.Tensor, theirs: torch.Tensor, lengths: Sequence[int], out: torch.Tensor,
+    lower: bool,
+) -> None:
+    """One pass over a slice: ``theirs := peer`` (the partner's copy, typically in its symmetric
+    memory) and the per-segment sums of the pair added into `out` ([3, T] float64, rows contiguous),
+    with "a" this rank's copy `mine` if `lower`, else the partner's."""
+    table = tiles(tuple(lengths), mine.device)
+    segments = len(lengths)
+    if segments == 0:
+        return
+    assert out.stride(1) == 1 and out.dtype == torch.float64
+    tile_sums = torch.empty(max(table.n_tiles, 1), 3, dtype=torch.float64, device=mine.device)
+    if table.n_tiles:
+        _pull_tile_sums_kernel[(table.n_tiles,)](
+            mine, peer, theirs, table.starts, table.sizes, tile_sums, BLOCK=BLOCK, ITERS=ITERS, LOWER=lower
+        )
+    _segment_sums_kernel[(segments,)](
+        tile_sums, table.first, table.count, out, out.stride(0),
+        BLOCK=256, ROUNDS=_rounds(table.longest, 256), ACCUMULATE=True,
+    )

@@ -1,2 +1,58 @@
-"""How bytes move between ranks: process-group facts and named failures (`groups`), and the
-transports the collectives' schedules run on (`c10d`: point-to-point through torch.distributed)."""
+"""How bytes move between ranks: process-group facts and named failures (`groups`), the protocol
+the collectives' schedules call (`base`), and its implementations: c10d point-to-point and NCCL
+collectives (`c10d`), torch symmetric memory on NVLink (`symmetric`). `select` picks one."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch.distributed as dist
+
+from adasum.transport.base import Transport
+from adasum.transport.c10d import Collectives, PointToPointC10d, post
+from adasum.transport.groups import group_timeout
+
+TRANSPORTS = ("p2p", "collectives", "symmetric")
+"""The transports a caller may name (``transport=``)."""
+
+NCCL_PREFERENCE = ("symmetric", "p2p")
+"""The default on NCCL: the first of these the group supports (order from benchmarks/results)."""
+
+
+def select(
+    group: dist.ProcessGroup | None,
+    name: str | None = None,
+    *,
+    whole_group: bool = True,
+    post_fn: Callable = post,
+    piece_elements: tuple[int, int] = (1 << 20, 1 << 25),
+) -> Transport:
+    """The transport for a schedule over `group`: `name` if given, else the fastest the group
+    supports (gloo: "p2p"; NCCL: `NCCL_PREFERENCE`). `whole_group`: every rank of the group is a
+    leader of the tree (a power-of-two group, no placement), which "collectives" and "symmetric"
+    need. Asking for one the group cannot run raises ValueError on every rank."""
+    nccl = dist.get_backend(group) == "nccl"
+    if name is None:
+        name = "p2p"
+        if nccl and whole_group:
+            from adasum.transport import symmetric
+
+            for candidate in NCCL_PREFERENCE:
+                if candidate != "symmetric" or symmetric.supported(group):
+                    name = candidate
+                    break
+    if name not in TRANSPORTS:
+        raise ValueError(f"transport must be one of {list(TRANSPORTS)} or None, got {name!r}")
+    timeout = None if nccl else group_timeout(group)
+    if name == "p2p":
+        return PointToPointC10d(group, 4 * piece_elements[nccl], timeout, post_fn)
+    if not nccl or not whole_group:
+        raise ValueError(f"transport={name!r} needs NCCL and a power-of-two group (no hierarchical placement)")
+    if name == "collectives":
+        return Collectives(group, 1 << 62, timeout, post_fn)
+    from adasum.transport import symmetric
+
+    if not symmetric.supported(group):
+        raise ValueError("transport='symmetric' needs every rank on one host with NVLink, Triton and torch's "
+                         "symmetric memory")
+    return symmetric.SymmetricMemory(group)

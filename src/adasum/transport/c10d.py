@@ -1,14 +1,17 @@
-"""The c10d point-to-point transport: paired sends and receives through ``batch_isend_irecv``
-(NCCL pairs a send with its receive only inside one batch), waits bounded by the group's timeout
-on gloo and left to the stream on NCCL."""
+"""The c10d transports: paired sends and receives through ``batch_isend_irecv`` (NCCL pairs a send
+with its receive only inside one batch), waits bounded by the group's timeout on gloo and left to
+the stream on NCCL (`PointToPointC10d`); and the same with the gather as one NCCL
+``all_gather_into_tensor`` (`Collectives`)."""
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from datetime import timedelta
 
 import torch
 import torch.distributed as dist
+
+from adasum.transport.base import GatherStep, Level, PointToPoint
 
 
 def global_rank(group: dist.ProcessGroup | None, group_rank: int) -> int:
@@ -53,3 +56,64 @@ def exchange(
     """Send `send` to and receive `recv` from `peer` (a group rank), and wait for both."""
     send_works, recv_works = post([] if send is None else [send], [] if recv is None else [recv], peer, group)
     wait(send_works + recv_works, timeout)
+
+
+class PointToPointC10d(PointToPoint):
+    """`PointToPoint` over torch.distributed: gloo and NCCL. `post_fn` is `post` unless a caller
+    (a fault test) wraps it."""
+
+    name = "p2p"
+
+    def __init__(
+        self,
+        group: dist.ProcessGroup | None,
+        piece_bytes: int,
+        timeout: timedelta | None,
+        post_fn: Callable = post,
+    ) -> None:
+        super().__init__(group, piece_bytes, timeout)
+        self._post = post_fn
+
+    def post(self, sends, recvs, peer):
+        return self._post(sends, recvs, peer, self.group)
+
+    def wait(self, works):
+        wait(works, self.timeout)
+
+    def gather(self, buffer: torch.Tensor, steps: Sequence[GatherStep], finals=None) -> None:
+        # the last level's swap (steps[0]) went out piece by piece during `combine`
+        super().gather(buffer, steps[1:], finals)
+
+
+class Collectives(PointToPointC10d):
+    """NCCL: each level's exchange as whole-half batches (few pieces: NCCL's point-to-point runs
+    at full speed on large messages), and the whole gather as one ``all_gather_into_tensor``. Every
+    rank of the group must be a leader of the tree (a power-of-two world, no placement)."""
+
+    name = "collectives"
+
+    def combine(self, level: Level) -> None:
+        kept, _ = self.pieces(level)
+        for lo, hi in kept:
+            level.combine(lo, hi)
+
+    def gather(self, buffer: torch.Tensor, steps: Sequence[GatherStep], finals=None) -> None:
+        """`finals[j]`: the slice that group rank j holds at the end of the reduce-scatter."""
+        assert finals is not None
+        world = len(finals)
+        rank = dist.get_rank(self.group)
+        width = max(hi - lo for lo, hi in finals)
+        lo, hi = finals[rank]
+        in_place = all(f == (j * width, (j + 1) * width) for j, f in enumerate(finals)) and buffer.numel() == (
+            world * width
+        )
+        if in_place:  # each slice already sits at its rank's position (2 ranks, an even count)
+            dist.all_gather_into_tensor(buffer, buffer[lo:hi], group=self.group)
+            return
+        staged = buffer.new_empty(world * width)
+        mine = staged[rank * width : rank * width + width]
+        mine[: hi - lo].copy_(buffer[lo:hi])
+        dist.all_gather_into_tensor(staged, mine, group=self.group)
+        for j, (flo, fhi) in enumerate(finals):
+            if j != rank and fhi > flo:
+                buffer[flo:fhi].copy_(staged[j * width : j * width + fhi - flo])

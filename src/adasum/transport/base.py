@@ -1,0 +1,163 @@
+"""The transport protocol: what the VHDD schedule (`adasum.collectives.vhdd`) asks of whatever
+moves bytes between ranks. The schedule decides *what* goes where (fold, levels, gather); a
+transport decides *how*: point-to-point batches, NCCL collectives, or direct loads and stores
+into peers' symmetric memory.
+
+A transport answers five calls:
+
+* ``exchange(send, recv, peer)``: a paired send and receive with one peer, completed (the fold).
+* ``exchange_and_dot(level)``: one reduce-scatter level's exchange: the partner's copy of the
+  kept slice lands in ``level.theirs`` and the per-tensor partial sums of the kept pair are added
+  into ``level.sums`` (a transport may compute them while the bytes arrive).
+* ``all_reduce_sums(sums)``: the small float64 SUM all-reduce of the partial sums.
+* ``combine(level)``: the kept slice := the Adasum of both copies, with the level's sums; on the
+  last level the partner's combined slice also lands in the given slice (the gather's first step).
+* ``gather(buffer, steps)``: the rest of the gather, in reverse level order.
+
+`PointToPoint` builds every step from two primitives, ``post`` (start a paired batch) and
+``wait``; subclasses replace single steps (`adasum.transport.c10d.Collectives` the gather,
+`adasum.transport.symmetric.SymmetricMemory` every data step).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+
+from adasum.kernels import combine_from_sums, dot_and_norms
+
+
+@dataclass
+class Level:
+    """One reduce-scatter level as a transport sees it (positions are indices into `buffer`)."""
+
+    buffer: torch.Tensor
+    kept: tuple[int, int]  # the slice this rank keeps and combines
+    given: tuple[int, int]  # the slice the partner keeps; this rank sends it
+    peer: int  # the partner's group rank
+    lower: bool  # this rank's copy is the "a" side (the lower subtree)
+    theirs: torch.Tensor  # receive space for the partner's copy of `kept` (kept[1] - kept[0] elements)
+    sums: torch.Tensor  # the [3, T] float64 row of this rank's block (zero on entry)
+    overlap: Callable[[int, int], tuple[int, list[int]]]  # buffer slice -> (first tensor, lengths inside)
+    workers_a: int
+    workers_b: int
+    last: bool  # the last level: the partner's combined slice must land in `given` too
+
+    def pair(self, lo: int, hi: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """(a, b) over buffer positions [lo, hi) of `kept`: this rank's copy and the partner's."""
+        mine, other = self.buffer[lo:hi], self.theirs[lo - self.kept[0] : hi - self.kept[0]]
+        return (mine, other) if self.lower else (other, mine)
+
+    def dot(self, lo: int, hi: int) -> None:
+        first, lengths = self.overlap(lo, hi)
+        if lengths:
+            dot_and_norms(*self.pair(lo, hi), lengths, out=self.sums[:, first : first + len(lengths)])
+
+    def combine(self, lo: int, hi: int) -> None:
+        first, lengths = self.overlap(lo, hi)
+        if lengths:
+            sums = self.sums[:, first : first + len(lengths)]
+            combine_from_sums(*self.pair(lo, hi), sums, self.workers_a, self.workers_b, lengths, out=self.buffer[lo:hi])
+
+
+@dataclass(frozen=True)
+class GatherStep:
+    """One reverse level of the gather: swap `kept` (sent) for `given` (received) with `peer`."""
+
+    kept: tuple[int, int]
+    given: tuple[int, int]
+    peer: int
+
+
+def split(lo: int, hi: int, count: int) -> list[tuple[int, int]]:
+    """[lo, hi) cut into `count` consecutive pieces of near-equal size."""
+    bounds = [lo + (hi - lo) * i // count for i in range(count + 1)]
+    return list(zip(bounds[:-1], bounds[1:]))
+
+
+class Transport:
+    """The protocol (see the module doc). `group` is the process group the schedule runs over."""
+
+    name = "transport"
+
+    def __init__(self, group: dist.ProcessGroup | None) -> None:
+        self.group = group
+
+    def exchange(self, send: torch.Tensor | None, recv: torch.Tensor | None, peer: int) -> None:
+        raise NotImplementedError
+
+    def exchange_and_dot(self, level: Level) -> None:
+        raise NotImplementedError
+
+    def all_reduce_sums(self, sums: torch.Tensor) -> None:
+        dist.all_reduce(sums, group=self.group)
+
+    def combine(self, level: Level) -> None:
+        raise NotImplementedError
+
+    def gather(
+        self, buffer: torch.Tensor, steps: Sequence[GatherStep], finals: Sequence[tuple[int, int]] | None
+    ) -> None:
+        """`steps`: every level in reverse (the last level first); `finals`: the slice each group rank
+        holds after the reduce-scatter, when every rank is a leader (else None)."""
+        for step in steps:
+            self.exchange(buffer[step.kept[0] : step.kept[1]], buffer[step.given[0] : step.given[1]], step.peer)
+
+    def fusion_buffer(self, numel: int, like: torch.Tensor) -> torch.Tensor | None:
+        """Where `adasum.all_reduce` should fuse a list of `numel` elements like `like` (None: anywhere)."""
+        return None
+
+
+class PointToPoint(Transport):
+    """Every step from paired point-to-point batches (`post`, `wait`), each level's exchange cut
+    into pieces of at most `piece_bytes` so the math on one piece overlaps the transfer of the
+    next. Subclasses provide `post` and `wait`."""
+
+    name = "p2p"
+
+    def __init__(self, group: dist.ProcessGroup | None, piece_bytes: int, timeout: timedelta | None) -> None:
+        super().__init__(group)
+        self.piece_bytes = piece_bytes
+        self.timeout = timeout
+
+    def post(self, sends: Sequence[torch.Tensor], recvs: Sequence[torch.Tensor], peer: int) -> tuple[list, list]:
+        raise NotImplementedError
+
+    def wait(self, works: Sequence) -> None:
+        raise NotImplementedError
+
+    def exchange(self, send, recv, peer):
+        sends, recvs = self.post([] if send is None else [send], [] if recv is None else [recv], peer)
+        self.wait(sends + recvs)
+
+    def pieces(self, level: Level) -> tuple[list[tuple[int, int]], list[tuple[int, int]]]:
+        # Both partners cut the same parent segment into the same number of pieces, so their batches pair up.
+        (klo, khi), (glo, ghi) = level.kept, level.given
+        size = level.buffer.element_size() * max(khi - klo, ghi - glo)
+        count = max(1, -(-size // self.piece_bytes))
+        return split(klo, khi, count), split(glo, ghi, count)
+
+    def exchange_and_dot(self, level):
+        kept, given = self.pieces(level)
+        klo = level.kept[0]
+        posted = [
+            self.post([level.buffer[g0:g1]], [level.theirs[k0 - klo : k1 - klo]], level.peer)
+            for (k0, k1), (g0, g1) in zip(kept, given)
+        ]
+        for (lo, hi), (_, recv_works) in zip(kept, posted):
+            self.wait(recv_works)
+            level.dot(lo, hi)
+        self.wait([w for send_works, _ in posted for w in send_works])
+
+    def combine(self, level):
+        kept, given = self.pieces(level)
+        gathers = []
+        for (lo, hi), (g0, g1) in zip(kept, given):
+            level.combine(lo, hi)
+            if level.last:  # the gather's first step, overlapped with the math of the next piece
+                gathers.append(self.post([level.buffer[lo:hi]], [level.buffer[g0:g1]], level.peer))
+        self.wait([w for sends, recvs in gathers for w in sends + recvs])

@@ -1,0 +1,168 @@
+"""The symmetric-memory transport (NVLink inside one host): torch's
+``torch.distributed._symmetric_memory`` maps every rank's staging buffer `S` into every other
+rank's address space, and Triton kernels move the bytes with ordinary loads and stores.
+
+For a level with kept slice K and given slice G (positions in the flat buffer B):
+
+1. ``barrier``: the partner's ``S[K]`` (its copy of the slice this rank keeps) is current;
+2. one kernel reads ``B[K]`` and the partner's ``S[K]`` (NVLink loads), keeps the partner's copy
+   in ``theirs`` and reduces the three float64 sums in the same pass;
+3. the float64 partial sums are all-reduced (NCCL);
+4. one kernel writes the combination into ``B[K]`` and, in the same pass, into ``S[K]`` (what the
+   next level's partner reads) or, on the last level, into the partner's ``S[K]`` as well (the
+   gather's first step is a store into the peer's memory);
+5. the gather's remaining levels copy from the partner's ``S``; the result is copied from ``S``
+   into ``B`` outside this rank's final slice.
+
+The first level's given slice is staged into ``S`` first (one local copy of half the buffer),
+unless `B` *is* ``S``: `adasum.all_reduce` fuses lists of tensors straight into ``S``
+(`fusion_buffer`), so no staging copy is made there. Every rank must be a leader of the tree (a
+power-of-two group); NVLink multicast is never used (no multimem operations, no multicast
+objects). Only signal-pad barriers order the ranks; nothing synchronises the host.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import warnings
+from collections.abc import Sequence
+
+import torch
+import torch.distributed as dist
+
+from adasum.kernels import combine_from_sums
+from adasum.kernels import triton as triton_kernels
+from adasum.transport.base import GatherStep, Level, Transport
+
+try:  # pragma: no cover - CUDA builds only
+    import torch.distributed._symmetric_memory as symm_mem
+except ImportError:  # pragma: no cover
+    symm_mem = None
+
+_supported: dict[str, bool] = {}
+_buffers: dict[tuple[str, torch.dtype], tuple[torch.Tensor, object]] = {}
+_remote: dict[tuple[int, int, int, torch.dtype], torch.Tensor] = {}
+
+
+def _group_name(group: dist.ProcessGroup | None) -> str:
+    return (group if group is not None else dist.group.WORLD).group_name
+
+
+def supported(group: dist.ProcessGroup | None) -> bool:
+    """Whether the group can run this transport: NCCL, Triton, torch's symmetric memory, every
+    rank on one host, and ``ADASUM_SYMMETRIC`` not ``0``. The first call per group is collective
+    (one exchange of host names); the answer is the same on every rank."""
+    name = _group_name(group)
+    if name not in _supported:
+        local = (
+            symm_mem is not None
+            and dist.get_backend(group) == "nccl"
+            and triton_kernels.triton is not None
+            and os.environ.get("ADASUM_SYMMETRIC", "1") != "0"
+        )
+        hosts: list = [None] * dist.get_world_size(group)
+        dist.all_gather_object(hosts, (socket.gethostname(), local), group=group)
+        _supported[name] = all(ok for _, ok in hosts) and len({h for h, _ in hosts}) == 1
+    return _supported[name]
+
+
+def release() -> None:
+    """Forget the staging buffers (before the process group goes away)."""
+    _buffers.clear()
+    _remote.clear()
+
+
+def staging(group: dist.ProcessGroup | None, numel: int, like: torch.Tensor):
+    """(S, handle): this group's symmetric buffer for `like`'s dtype, at least `numel` elements.
+    Growing it is collective (a rendezvous): every rank asks for the same sizes in the same order."""
+    key = (_group_name(group), like.dtype)
+    entry = _buffers.get(key)
+    if entry is None or entry[0].numel() < numel:
+        if torch.cuda.is_current_stream_capturing():
+            raise RuntimeError("adasum: the symmetric buffer cannot grow during CUDA graph capture")
+        capacity = max(numel, 1 << 20)
+        if entry is not None:
+            capacity = max(capacity, 2 * entry[0].numel())
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            if hasattr(symm_mem, "enable_symm_mem_for_group"):
+                symm_mem.enable_symm_mem_for_group(key[0])
+        buffer = symm_mem.empty(capacity, dtype=like.dtype, device=like.device)
+        handle = symm_mem.rendezvous(buffer, key[0])
+        entry = (buffer, handle)
+        _buffers[key] = entry
+    return entry
+
+
+def _peer_view(handle, peer: int, numel: int, dtype: torch.dtype) -> torch.Tensor:
+    key = (id(handle), peer, numel, dtype)
+    view = _remote.get(key)
+    if view is None:
+        view = handle.get_buffer(peer, (numel,), dtype, 0)
+        _remote[key] = view
+    return view
+
+
+class SymmetricMemory(Transport):
+    """See the module doc."""
+
+    name = "symmetric"
+    timeout = None
+
+    def __init__(self, group: dist.ProcessGroup | None) -> None:
+        super().__init__(group)
+        self.world = dist.get_world_size(group)
+
+    def fusion_buffer(self, numel: int, like: torch.Tensor) -> torch.Tensor:
+        return staging(self.group, numel, like)[0][:numel]
+
+    def exchange(self, send, recv, peer):
+        raise RuntimeError("the symmetric-memory transport runs power-of-two groups only (no fold)")
+
+    def _setup(self, buffer: torch.Tensor):
+        shared, handle = staging(self.group, buffer.numel(), buffer)
+        return shared, handle, shared.data_ptr() == buffer.data_ptr()
+
+    def exchange_and_dot(self, level: Level) -> None:
+        buffer = level.buffer
+        shared, handle, staged = self._setup(buffer)
+        (klo, khi), (glo, ghi) = level.kept, level.given
+        if not staged and min(klo, glo) == 0 and max(khi, ghi) == buffer.numel():  # the first level
+            shared[glo:ghi].copy_(buffer[glo:ghi])
+        handle.barrier(channel=0)
+        peer = _peer_view(handle, level.peer, shared.numel(), shared.dtype)
+        first, lengths = level.overlap(klo, khi)
+        if lengths:
+            triton_kernels.pull_dot_and_norms(
+                buffer[klo:khi], peer[klo:khi], level.theirs, lengths, level.sums[:, first : first + len(lengths)],
+                level.lower,
+            )
+
+    def combine(self, level: Level) -> None:
+        buffer = level.buffer
+        shared, handle, staged = self._setup(buffer)
+        klo, khi = level.kept
+        first, lengths = level.overlap(klo, khi)
+        if not lengths:
+            return
+        outs = []
+        if not staged and (not level.last or self.world > 2):
+            outs.append(shared[klo:khi])  # what the next level's (or the gather's) partner reads
+        if level.last:
+            outs.append(_peer_view(handle, level.peer, shared.numel(), shared.dtype)[klo:khi])
+        sums = level.sums[:, first : first + len(lengths)]
+        combine_from_sums(*level.pair(klo, khi), sums, level.workers_a, level.workers_b, lengths,
+                          buffer[klo:khi], *outs)
+
+    def gather(self, buffer: torch.Tensor, steps: Sequence[GatherStep], finals=None) -> None:
+        shared, handle, staged = self._setup(buffer)
+        handle.barrier(channel=0)  # the partners' stores of the last level have landed
+        for step in steps[1:]:
+            peer = _peer_view(handle, step.peer, shared.numel(), shared.dtype)
+            shared[step.given[0] : step.given[1]].copy_(peer[step.given[0] : step.given[1]])
+            handle.barrier(channel=0)
+        if not staged:
+            lo, hi = steps[0].kept
+            buffer[:lo].copy_(shared[:lo])
+            buffer[hi:].copy_(shared[hi : buffer.numel()])

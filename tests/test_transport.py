@@ -1,0 +1,68 @@
+"""The transport protocol on gloo: the VHDD schedule through each transport a CPU group can run
+(point-to-point; the NCCL-collectives transport's all-gather, which gloo also has) against the
+independent NumPy tree of `reference.py`, ranks bitwise identical; and what `select` accepts."""
+
+import pytest
+import torch
+
+from adasum.collectives.vhdd import _halves, adasum_flat_, final_slices
+from adasum.transport import select
+from adasum.transport.c10d import Collectives, post
+from adasum.transport.groups import group_timeout
+
+import distributed
+from reference import tree as reference_tree
+
+SIZES = [5, 0, 130, 1, 77, 3001, 2, 0, 64]
+
+
+def body(rank, world, transport):
+    g = torch.Generator().manual_seed(world)
+    every = [torch.randn(sum(SIZES), generator=g, dtype=torch.float64) for _ in range(world)]
+    errors, results = [], []
+    for piece in (1 << 20, 100):  # whole halves, and pieces that cut tensors
+        mine = every[rank].clone()
+        if transport == "collectives":
+            chosen = Collectives(None, piece * 8, group_timeout(), post)
+        else:
+            chosen = select(None, "p2p", piece_elements=(piece * 2, piece * 2))
+        adasum_flat_(mine, SIZES, transport=chosen)
+        start = 0
+        for n in SIZES:
+            if n:
+                ref = torch.from_numpy(reference_tree([v[start : start + n].numpy() for v in every]))
+                errors.append(float((mine[start : start + n] - ref).norm() / ref.norm()))
+            start += n
+        results.append(mine.numpy().tobytes())
+    with pytest.raises(ValueError, match="needs NCCL"):
+        select(None, "symmetric")
+    with pytest.raises(ValueError, match="transport must be one of"):
+        select(None, "carrier-pigeon")
+    return max(errors, default=0.0), results
+
+
+@pytest.mark.parametrize("world", [1, 2, 3, 4, 5, 8])
+def test_point_to_point_transport_matches_reference(world):
+    results = distributed.run(world, body, "p2p")
+    assert all(err < 1e-12 for err, _ in results), [err for err, _ in results]
+    assert all(r[1] == results[0][1] for r in results)
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_collectives_transport_gathers_every_slice_in_place(world):
+    results = distributed.run(world, body, "collectives")
+    assert all(err < 1e-12 for err, _ in results), [err for err, _ in results]
+    assert all(r[1] == results[0][1] for r in results)
+
+
+def test_final_slices_tile_the_buffer_in_halving_order():
+    for world, levels in [(2, [1]), (4, [1, 2]), (8, [1, 2, 4])]:
+        for numel in (0, 1, 7, 64, 1001):
+            finals = final_slices(numel, world, levels)
+            assert sorted(finals) == sorted(set(finals)) or numel < world
+            covered = sorted((lo, hi) for lo, hi in finals if hi > lo)
+            assert sum(hi - lo for lo, hi in covered) == numel
+            segment = (0, numel)
+            for d in levels:  # rank 0 always keeps the lower half
+                segment = _halves(*segment, True)[0]
+            assert finals[0] == segment
