@@ -9,19 +9,13 @@ import torch
 import torch.distributed as dist
 
 from adasum.collectives import graphs
-from adasum.collectives.agreement import check_same_layout
+from adasum.collectives.agreement import verify_layout
 from adasum.collectives.nonfinite import check_finite, check_policy
 from adasum.collectives.vhdd import _workspace, adasum_flat_, transport_for
 from adasum.core.layout import flatten, group_by_dtype, unflatten_into
 from adasum.core.operator import check_floating
 from adasum.transport.base import Transport
 from adasum.transport.groups import failures_named, group_device
-
-_verified: set = set()  # (group, layout) pairs whose layout check passed on every rank
-
-
-def _layout_key(group: dist.ProcessGroup | None, tensors: Sequence[torch.Tensor]) -> tuple:
-    return (id(group), tuple((t.dtype, t.shape) for t in tensors))
 
 
 def all_reduce(
@@ -74,12 +68,9 @@ def all_reduce(
             check_finite(tensors, group, operation="adasum.all_reduce")
         return
     device = group_device(group)
-    if check_layout:
-        key = _layout_key(group, tensors)
-        if key not in _verified:
-            with failures_named("adasum.all_reduce", "the layout check", group):
-                check_same_layout(tensors, group, device)
-            _verified.add(key)
+    if check_layout:  # once per group and layout (`verify_layout` keeps the verdicts)
+        with failures_named("adasum.all_reduce", "the layout check", group):
+            verify_layout(tensors, group, device, operation="adasum.all_reduce")
     for t in tensors:
         check_floating(t.dtype)
         if t.device != tensors[0].device:
