@@ -156,6 +156,34 @@ def main() -> None:
     lines += generic_table(
         load("convergence-4gpu.jsonl"), ["device", "gpus", "method", "task", "model", "lr", "real", "simulated"]
     )
+    lines += ["## FSDP2 across replicas (`adasum.fsdp.enable`) against FSDP's own replica averaging", ""]
+    lines += [
+        "Median step time (slowest rank) of a transformer under FSDP2, 2 replicas x 1 shard, bf16",
+        "parameters; `native` is FSDP's 2-D HSDP averaging, `mean` the same all-reduce hook route as",
+        "Adasum doing a mean; `ratio` is against the `native` row of the same run.",
+        "",
+    ]
+    fsdp = [r for r in load("fsdp.jsonl") if not r.get("dry_run")]
+    native = {(r["date"], r.get("reduce_dtype")): r["step_s"] for r in fsdp if r["variant"] == "native"}
+    for r in fsdp:
+        base = native.get((r["date"], r.get("reduce_dtype")))
+        r["ratio"] = r["step_s"] / base if base else None
+        r["step_ms"] = r["step_s"] * 1e3
+    lines += generic_table(
+        fsdp, ["date", "device", "params", "reduce_dtype", "variant", "step_ms", "ratio", "torch", "nccl", "note"]
+    )
+    lines += ["## JAX: `adasum.jax.all_reduce` against `jax.lax.psum` of the same tree", ""]
+    lines += [
+        "Seconds, medians of alternating calls after warm-up; `psum_s` is `jax.lax.psum` of the same pytree,",
+        "`comm_floor_s` the schedule's communication alone (no math).",
+        "",
+    ]
+    jax_rows = [r for r in load("jax.jsonl") if not r.get("dry_run")]
+    for r in jax_rows:
+        r["ratio"] = r["adasum_s"] / r["psum_s"] if r.get("psum_s") else None
+    lines += generic_table(
+        jax_rows, ["date", "device", "layout", "dtype", "adasum_s", "psum_s", "ratio", "comm_floor_s", "jax", "driver"]
+    )
     with open(os.path.join(ROOT, "docs", "benchmarks.md"), "w") as f:
         f.write("\n".join(lines))
 
