@@ -19,6 +19,8 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
+from adasum.transport.groups import accepts
+
 Entry = tuple[str, tuple[int, ...], str]
 """One tensor as the check sees it: dtype name, shape, device type."""
 
@@ -111,12 +113,14 @@ def local_problem(
     *,
     in_place: bool = True,
     floating: bool = True,
+    group: dist.ProcessGroup | None = None,
 ) -> Problem | None:
     """The first problem with this rank's `tensors`, or None; checks nothing across ranks.
 
     In order: a sparse (non-strided) tensor (TypeError); a non-floating dtype when `floating`
     (TypeError); tensors on several devices, or on a device type other than `backend_device`'s
-    (ValueError); when `in_place` and autograd is recording, a leaf that requires grad (ValueError:
+    (ValueError; with `group`, any type the group's backends take, `adasum.transport.groups.accepts`);
+    when `in_place` and autograd is recording, a leaf that requires grad (ValueError:
     an in-place write into it would fail after data moved); when `in_place`, two tensors sharing a
     memory location (ValueError: the results would depend on the order of the writes).
     """
@@ -138,7 +142,7 @@ def local_problem(
         for t in tensors:
             if t.device != first:
                 return Problem("ValueError", f"all tensors must be on one device, got {first} and {t.device}")
-        if backend_device is not None and first.type != backend_device.type:
+        if backend_device is not None and first.type != backend_device.type and not accepts(group, first):
             return Problem(
                 "ValueError", f"the process group's backend needs {backend_device.type} tensors, got {first}"
             )
@@ -237,7 +241,7 @@ def check_same_layout(
     >>> check_same_layout(grads, None, torch.device("cpu"))
     """
     tensors = list(tensors)
-    problem = local_problem(tensors, device, in_place=in_place, floating=floating)
+    problem = local_problem(tensors, device, in_place=in_place, floating=floating, group=group)
     agree(describe(tensors), problem, group, device, what, operation)
 
 
@@ -281,13 +285,13 @@ def verify_layout(
         sizes = [int(n) for n in tensors_or_sizes]  # type: ignore[arg-type]
         tensors = [buffer]
         description = describe_flat(buffer, sizes)
-        problem = local_problem(tensors, device, in_place=in_place, floating=floating)
+        problem = local_problem(tensors, device, in_place=in_place, floating=floating, group=group)
         if problem is None and sum(sizes) != buffer.numel():
             problem = Problem("ValueError", f"sizes add up to {sum(sizes)} elements, the buffer has {buffer.numel()}")
     else:
         tensors = list(tensors_or_sizes)  # type: ignore[arg-type]
         description = describe(tensors)
-        problem = local_problem(tensors, device, in_place=in_place, floating=floating)
+        problem = local_problem(tensors, device, in_place=in_place, floating=floating, group=group)
     if not cache:
         agree(description, problem, group, device, what, operation)
         return

@@ -210,7 +210,7 @@ class SlowMo:
         state_tensors: list[torch.Tensor] = []
         if self.buffers == "average" and world > 1:  # before anything moves: the same state everywhere
             description, state_tensors = self._state_layout()
-            problem = local_problem(state_tensors, group_device(self.group), in_place=False)
+            problem = local_problem(state_tensors, group_device(self.group), in_place=False, group=self.group)
             self._agree("optimizer state entries", description, problem)
         if world > 1:
             # the layouts were checked at construction (parameters) and just now (state)

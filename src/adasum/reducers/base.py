@@ -109,7 +109,7 @@ class Reducer:
             else:
                 verify_layout(sizes, group, device, what, buffer=tensors[0], cache=False, operation=operation)
             return
-        problem = local_problem(tensors, device)
+        problem = local_problem(tensors, device, group=group)
         if problem is None and sizes is not None and sum(sizes) != tensors[0].numel():
             raise ValueError(f"{operation}: sizes add up to {sum(sizes)} elements, the buffer has {tensors[0].numel()}")
         if problem is not None:

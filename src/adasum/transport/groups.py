@@ -65,6 +65,18 @@ def group_device(group: dist.ProcessGroup | None = None) -> torch.device:
     return torch.device("cpu")
 
 
+def accepts(group: dist.ProcessGroup | None, device: torch.device) -> bool:
+    """Whether `group`'s collectives take tensors on `device`'s type: the CPU on gloo; the current
+    GPU's type on NCCL, and the CPU too where torch gave the NCCL group a CPU backend."""
+    home = group_device(group)
+    if device.type == home.type:
+        return True
+    if home.type == "cuda" and device.type == "cpu":
+        pg = group if group is not None else dist.distributed_c10d._get_default_group()
+        return torch.device("cpu") in getattr(pg, "_device_types", ())
+    return False
+
+
 def group_timeout(group: dist.ProcessGroup | None = None) -> timedelta:
     """The timeout `group` was created with (``init_process_group``/``new_group``), or torch's default.
 
