@@ -5,8 +5,8 @@ requires grad given to an in-place collective, views that overlap in memory), wi
 all-reduce. Either raises the same error on every rank, naming the first difference (first) or
 the lowest rank with a problem and what it is; so no rank enters an exchange that its peers will not join.
 
->>> verify_layout(tensors, group, group_device(group), "tensors", operation="adasum.Mean.all_reduce")
->>> verify_layout([4096, 64], group, device, "bucket segments", buffer=flat)     # a flat buffer
+>>> verify_layout(tensors, group, group_device(group), "tensors", operation="adasum.Mean.all_reduce")  # doctest: +SKIP
+>>> verify_layout([4096, 64], group, device, "bucket segments", buffer=flat)     # a flat buffer  # doctest: +SKIP
 """
 
 from __future__ import annotations
@@ -238,7 +238,7 @@ def check_same_layout(
     no rank has a `local_problem` (checked with `in_place` and `floating`); one small all-reduce
     (`agree`). `device` is the group's device (`adasum.transport.groups.group_device`).
 
-    >>> check_same_layout(grads, None, torch.device("cpu"))
+    >>> check_same_layout(grads, None, torch.device("cpu"))  # doctest: +SKIP
     """
     tensors = list(tensors)
     problem = local_problem(tensors, device, in_place=in_place, floating=floating, group=group)
@@ -279,7 +279,7 @@ def verify_layout(
     while another passes B (both remembered) is not caught. Use ``cache=False`` (check every
     call) where layouts vary from call to call; the reducers do for direct calls.
 
-    >>> verify_layout(grads, None, torch.device("cpu"), "gradients")   # all-reduce on first call only
+    >>> verify_layout(grads, None, torch.device("cpu"), "gradients")   # all-reduce on first call only  # doctest: +SKIP
     """
     if buffer is not None:
         sizes = [int(n) for n in tensors_or_sizes]  # type: ignore[arg-type]

@@ -109,8 +109,8 @@ def build_hierarchy(group: dist.ProcessGroup | None = None, local_size: int | No
     LOCAL_RANK and GROUP_RANK (the node), when set, are checked too. One small all-gather;
     raises ValueError on every rank (see `check_placement`).
 
-    >>> hierarchy = build_hierarchy(local_size=8)
-    >>> adasum_hierarchical_flat_(buffer, sizes, hierarchy)
+    >>> hierarchy = build_hierarchy(local_size=8)  # doctest: +SKIP
+    >>> adasum_hierarchical_flat_(buffer, sizes, hierarchy)  # doctest: +SKIP
     """
     env_size = local_size_from_env()
     size = env_size if local_size is None else int(local_size)
@@ -165,7 +165,11 @@ def reduce_hierarchical(tensors: Sequence[torch.Tensor], local_size: int) -> tor
     """Single-process hierarchical Adasum: ``adasum.reduce`` over the means of consecutive blocks
     of `local_size` workers (the nodes). The definition the collective computes.
 
-    >>> reduce_hierarchical([g0, g1, g2, g3], local_size=2)   # adasum.reduce([(g0+g1)/2, (g2+g3)/2])
+    >>> a, b = torch.tensor([1.0, 0.0]), torch.tensor([0.0, 2.0])
+    >>> reduce_hierarchical([a, a, b, b], local_size=2)   # adasum.reduce([a, b]): orthogonal, the sum
+    tensor([1., 2.])
+    >>> reduce_hierarchical([a, b, a, b], local_size=2)   # both node means are (a + b) / 2
+    tensor([0.5000, 1.0000])
     """
     if local_size < 1 or len(tensors) % local_size:
         raise ValueError(f"local_size {local_size} does not divide the number of workers {len(tensors)}")

@@ -110,9 +110,11 @@ def find_nonfinite(
     must pass the same number of tensors. Without torch.distributed initialised (and no group), it
     looks at the local tensors only (as rank 0).
 
-    >>> found = adasum.find_nonfinite([p.grad for p in model.parameters()])
-    >>> if found is not None:       # the same on every rank: skip the step everywhere
-    ...     skipped += 1
+    >>> grads = [torch.ones(3), torch.tensor([1.0, float("nan")])]
+    >>> adasum.find_nonfinite(grads, names=["fc.weight", "fc.bias"])   # no process group: rank 0
+    NonFinite(index=1, rank=0, kind='NaN', name='fc.bias')
+    >>> adasum.find_nonfinite([torch.ones(3)]) is None
+    True
     """
     tensors = [tensors] if isinstance(tensors, torch.Tensor) else list(tensors)
     if names is not None and len(names) != len(tensors):
@@ -155,8 +157,11 @@ def decide_nonfinite(
     found; the caller counts it); ``"raise"`` raises `NonFiniteError` (`nonfinite_message`); False
     otherwise. The finding must be the same on every rank (`find_nonfinite` gives that).
 
-    >>> if decide_nonfinite("skip", find_nonfinite(grads), operation="my_step"):
-    ...     skipped += 1
+    >>> found = find_nonfinite([torch.tensor([1.0, float("inf")])])
+    >>> decide_nonfinite("skip", found, operation="my_step")      # skip the step and count it
+    True
+    >>> decide_nonfinite("skip", None, operation="my_step")
+    False
     """
     check_policy(policy)
     if found is None or policy == "propagate":
@@ -181,9 +186,11 @@ def apply_nonfinite_policy(
     the first such tensor (its name from `names`) and the lowest rank; ``"skip"`` returns True on
     every rank (skip the step and count it). Sparse tensors are checked by their stored values.
 
-    >>> if apply_nonfinite_policy(self.nonfinite, grads, group, names, operation="MyOptimizer.step"):
-    ...     self.skipped_steps += 1
-    ...     return
+    >>> grads = [torch.ones(3), torch.tensor([float("nan")])]
+    >>> apply_nonfinite_policy("skip", grads, operation="MyOptimizer.step")   # skip this step
+    True
+    >>> apply_nonfinite_policy("propagate", grads, operation="MyOptimizer.step")
+    False
     """
     check_policy(policy)
     if policy == "propagate":
@@ -205,7 +212,9 @@ def check_finite(
     The one-line message names the operation, the first such tensor (index, and name if given) and
     the lowest rank that has it; ``error.found`` holds the `NonFinite`. See `find_nonfinite`.
 
-    >>> adasum.check_finite(grads, names=[n for n, _ in model.named_parameters()])
-    NonFiniteError: adasum.check_finite: tensor 3 ('fc.weight') has NaN on rank 1 ...
+    >>> grads = [torch.ones(3), torch.tensor([0.0, float("nan")])]
+    >>> adasum.check_finite(grads, names=["fc.weight", "fc.bias"])  # doctest: +ELLIPSIS
+    Traceback (most recent call last):
+    adasum.collectives.nonfinite.NonFiniteError: adasum.check_finite: tensor 1 ('fc.bias') has NaN on rank 0 (...)...
     """
     decide_nonfinite("raise", find_nonfinite(tensors, group, names), operation=operation)

@@ -1,7 +1,7 @@
 """Adasum as a DistributedDataParallel communication hook.
 
 >>> state = adasum.ddp.AdasumState()                 # Adasum over the default group
->>> ddp_model.register_comm_hook(state, adasum.ddp.adasum_hook)
+>>> ddp_model.register_comm_hook(state, adasum.ddp.adasum_hook)  # doctest: +SKIP
 
 DDP hands the hook one bucket at a time: a flat buffer holding several parameters' gradients end
 to end (``bucket.gradients()`` are views of ``bucket.buffer()`` at their offsets). The hook gives
@@ -58,7 +58,7 @@ class AdasumState:
     reducer is mid-iteration: rebuild the DDP model (or restart) before training on.
 
     >>> state = AdasumState(hierarchical=True)         # e.g. 8 GPUs per node under torchrun
-    >>> ddp_model.register_comm_hook(state, adasum_hook)
+    >>> ddp_model.register_comm_hook(state, adasum_hook)  # doctest: +SKIP
     """
 
     def __init__(
@@ -116,7 +116,7 @@ def bucket_sizes(bucket: dist.GradBucket) -> list[int]:
     """Element counts of the segments of ``bucket.buffer()``: one per parameter, in buffer order,
     plus a segment of its own for any gap between parameters (so coefficients never mix them).
 
-    >>> bucket_sizes(bucket)        # e.g. [4096, 64, 64] for a weight, its bias and a norm's bias
+    >>> bucket_sizes(bucket)        # e.g. [4096, 64, 64] for a weight, its bias and a norm's bias  # doctest: +SKIP
     """
     buffer = bucket.buffer()
     if buffer.is_sparse:
@@ -160,8 +160,8 @@ def adasum_hook(state: AdasumState, bucket: dist.GradBucket) -> torch.futures.Fu
 
     Returns a completed Future of the bucket's buffer (see the module doc for NCCL and gloo).
 
-    >>> ddp_model.register_comm_hook(AdasumState(), adasum_hook)
-    >>> ddp_model.register_comm_hook(AdasumState(), fp16_compress_wrapper(adasum_hook))
+    >>> ddp_model.register_comm_hook(AdasumState(), adasum_hook)  # doctest: +SKIP
+    >>> ddp_model.register_comm_hook(AdasumState(), fp16_compress_wrapper(adasum_hook))  # doctest: +SKIP
     """
     buffer = bucket.buffer()
     if getattr(state, "nonfinite", "propagate") == "raise":

@@ -41,7 +41,13 @@ def slow_momentum_update(
     `combined` is x_bar. With ``lr == 0`` (warm-up from zero) there is no division: the momentum
     only decays (u = beta u) and the anchor moves to x_bar, so nothing becomes NaN.
 
-    >>> slow_momentum_update(anchor, averaged, buffer, lr=0.1, slow_lr=1.0, slow_momentum=0.5)
+    >>> anchor, momentum = torch.tensor([1.0]), torch.zeros(1)
+    >>> slow_momentum_update(anchor, torch.tensor([0.8]), momentum, lr=0.1, slow_lr=1.0, slow_momentum=0.5)
+    >>> anchor, momentum      # u = (1 - 0.8) / lr = 2; x = 1 - slow_lr * lr * u: x_bar
+    (tensor([0.8000]), tensor([2.0000]))
+    >>> slow_momentum_update(anchor, torch.tensor([0.7]), momentum, lr=0.1, slow_lr=1.0, slow_momentum=0.5)
+    >>> anchor, momentum      # u = 0.5 * 2 + (0.8 - 0.7) / lr = 2: one step past x_bar
+    (tensor([0.6000]), tensor([2.0000]))
     """
     if lr == 0:
         momentum.mul_(slow_momentum)
@@ -113,9 +119,11 @@ class SlowMo:
     counter and the reducer's state; together with the model's own state dict, a run resumed from
     any step continues exactly as if never stopped.
 
+    >>> model = torch.nn.Linear(4, 1)
     >>> opt = adasum.SlowMo(torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9),
     ...                     local_steps=12, slow_lr=1.0, slow_momentum=0.5)
-    >>> loss.backward(); opt.step(); opt.zero_grad()
+    >>> loss = model(torch.randn(8, 4)).pow(2).mean()
+    >>> loss.backward(); opt.step(); opt.zero_grad()     # (one process, as here: no process group needed)
     """
 
     def __init__(
@@ -242,7 +250,13 @@ class SlowMo:
         """The anchor x_{t,0} (the last slow step's result, the model every worker agrees on) while
         a round of base steps is under way; None right after a sync (the parameters are the anchor).
 
-        >>> agreed = opt.last_combined() or [p for g in opt.param_groups for p in g["params"]]
+        >>> model = torch.nn.Linear(2, 1)
+        >>> opt = adasum.SlowMo(torch.optim.SGD(model.parameters(), lr=0.1), local_steps=2)
+        >>> model(torch.ones(2)).sum().backward(); opt.step()    # step 1 of 2: the anchor is kept
+        >>> [p.shape for p in opt.last_combined()]
+        [torch.Size([1, 2]), torch.Size([1])]
+        >>> model(torch.ones(2)).sum().backward(); opt.step()    # step 2: the sync
+        >>> agreed = opt.last_combined() or [p for g in opt.param_groups for p in g["params"]]   # the parameters
         """
         return list(self._anchor) if self._step % self.local_steps else None
 

@@ -71,8 +71,8 @@ SCALES = ("mean_norm", "unit")
 def projections(dots: torch.Tensor, sq_norms: torch.Tensor) -> torch.Tensor:
     """``a_i = <g_i, m> / |g_i|`` per segment and worker; 0 where ``|g_i|^2 < ZERO_NORM``.
 
-    >>> projections(torch.tensor([[2.0, 0.0]]), torch.tensor([[4.0, 0.0]]))
-    tensor([[1., 0.]])
+    >>> projections(torch.tensor([[2.0, 0.0]]).double(), torch.tensor([[4.0, 0.0]]).double())
+    tensor([[1., 0.]], dtype=torch.float64)
     """
     nonzero = sq_norms >= ZERO_NORM
     return torch.where(nonzero, dots / sq_norms.clamp_min(ZERO_NORM).sqrt(), torch.zeros_like(dots))
@@ -100,7 +100,8 @@ def normalize(a: torch.Tensor) -> torch.Tensor:
     that sum is not positive.
 
     >>> normalize(torch.tensor([[3.0, -1.0, 1.0], [-1.0, 0.0, -2.0]]))
-    tensor([[0.7500, 0.0000, 0.2500], [0.3333, 0.3333, 0.3333]])
+    tensor([[0.7500, 0.0000, 0.2500],
+            [0.3333, 0.3333, 0.3333]])
     """
     clipped = a.clamp_min(0)
     total = clipped.sum(dim=-1, keepdim=True)
@@ -139,7 +140,12 @@ def coefficients(
     """AdaCons from the per-worker ``<g_i, m>`` and ``|g_i|^2`` ([S, N]) and ``|m|^2`` ([S]):
     ``(weights [S, N], new momentum state [S, N])``; the aggregate is ``sum_i weights_i g_i``.
 
-    >>> w, state = coefficients(dots, sq_norms, mean_sq, None, beta=0.0)
+    Two workers with the same gradient [3, 4] (``<g_i, m> = |g_i|^2 = |m|^2 = 25``) get 1/2 each:
+
+    >>> dots = sq_norms = torch.tensor([[25.0, 25.0]], dtype=torch.float64)
+    >>> w, state = coefficients(dots, sq_norms, torch.tensor([25.0], dtype=torch.float64), None, beta=0.0)
+    >>> w
+    tensor([[0.5000, 0.5000]], dtype=torch.float64)
     """
     smoothed, state = sort_momentum(projections(dots, sq_norms), state, beta)
     return worker_weights(normalize(smoothed), sq_norms, mean_sq_norm, scale), state
@@ -179,8 +185,10 @@ class AdaCons(Reducer):
     The distributed forms take ``key=`` (the momentum state's name; default: the call's layout).
 
     >>> reducer = adasum.AdaCons(momentum=0.9)
-    >>> reducer.all_reduce([p.grad for p in model.parameters()])   # across the process group
-    >>> reducer.reduce([[g0a, g0b], [g1a, g1b]])                    # single process, per worker
+    >>> reducer.all_reduce([p.grad for p in model.parameters()])   # across the process group  # doctest: +SKIP
+    >>> w0, w1, b = torch.tensor([1.0, 0.0]), torch.tensor([0.0, 1.0]), torch.tensor([2.0])
+    >>> reducer.reduce([[w0, b], [w1, b]])          # single process: one list of tensors per worker
+    [tensor([0.4743, 0.4743]), tensor([1.8974])]
     """
 
     name = "adacons"

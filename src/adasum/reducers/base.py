@@ -150,7 +150,7 @@ def check_workers(per_worker: Sequence[Sequence[torch.Tensor]]) -> int:
     """The number of tensors per worker of a single-process `reduce` input; ValueError unless there
     is at least one worker and every worker has the same number.
 
-    >>> check_workers([[a0, b0], [a1, b1]])
+    >>> check_workers([[torch.zeros(3), torch.zeros(1)], [torch.ones(3), torch.ones(1)]])   # 2 workers, 2 tensors
     2
     """
     if len(per_worker) == 0:
