@@ -56,6 +56,7 @@ def rel_err(x: torch.Tensor, ref) -> float:
 
 def checks(rank, world):
     out = {}
+    device = distributed.device_for(rank)  # the CPU on gloo, this rank's GPU on NCCL
     for name, make in REDUCERS.items():
         ours, single = make(), make()
         reference = (
@@ -63,8 +64,9 @@ def checks(rank, world):
         )
         for step in range(STEPS):
             data = consensus_data(step, world)
-            mine = [t.clone() for t in data[rank]]
+            mine = [t.to(device, copy=True) for t in data[rank]]
             ours.all_reduce(mine)
+            mine = [t.cpu() for t in mine]
             expected = single.reduce(data)
             ref = reference([[t.numpy() for t in w] for w in data]) if reference else None
             # whole-model AdaCons shares coefficients across dtypes: float32 precision throughout
@@ -88,8 +90,9 @@ def checks(rank, world):
         sizes = [5, 0, 17, 3]
         g = torch.Generator().manual_seed(77)
         per_worker = [torch.randn(sum(sizes), generator=g) for _ in range(world)]
-        buffer = per_worker[rank].clone()
+        buffer = per_worker[rank].to(device, copy=True)
         flat_reducer.all_reduce_flat(buffer, sizes)
+        buffer = buffer.cpu()
         expected = torch.cat([t.reshape(-1) for t in flat_single.reduce([list(w.split(sizes)) for w in per_worker])])
         assert rel_err(buffer, expected) < TOL[torch.float32], (name, rel_err(buffer, expected))
         out[f"{name}-flat"] = buffer.numpy().tobytes()
