@@ -136,6 +136,16 @@ def test_resume_of_another_run_is_refused(tmp_path, capsys):
     assert status == 2 and "another run (lr" in err
 
 
+def test_resume_with_fewer_epochs_than_the_checkpoint_is_refused(tmp_path, capsys):
+    _train(tmp_path / "run", 2)
+    capsys.readouterr()
+    args = ["train", "--method", "adasum-delta", "--simulate", "3", "--optimizer", "adam", "--lr", "0.003",
+            "--epochs", "1", "--out", str(tmp_path / "run"), "--resume", *QUICK]
+    assert main(args) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "is at epoch 2, past --epochs 1" in err[0], err
+
+
 def _blocked_dir(tmp_path: Path) -> str:
     blocker = tmp_path / "a-file"
     blocker.write_text("")
