@@ -12,10 +12,16 @@
 # 0.001 to 1): MNIST-1D at P = 16, 32, 64, 128 (32 examples per worker, 20 epochs); digits at
 # P = 16, 32 (32 per worker) and 64, 128 (8 per worker: 3,600 training digits hold less than one
 # global batch of 64 x 32); the byte-level LM on the standard library's sources with Adam (mean vs
-# adasum-delta) and LAMB (mean vs adasum), P = 16 and 64, 3 epochs. Runtime estimate from the
-# simulator's measured 132 steps/s at P = 64 on an H200 (docs/benchmarks.md): about 3 hours on one
-# GPU (MNIST-1D 1.4 h, of which sequential 0.4 h; digits 0.7 h; LM about 0.5 h, the least known);
-# with PARALLEL=8 about 25 minutes. Each job is one `adasum compare` folder under $OUT; the device
+# adasum-delta) and LAMB (mean vs adasum), P = 16 and 64, 3 epochs.
+# Runtime estimate from the simulator's measured 132 steps/s at P = 64 on an H200
+# (docs/benchmarks.md), i.e. 7.6 ms a step, taken as proportional to P plus 2 ms of overhead a step
+# (sequential: 2 ms a step):
+#   MNIST-1D: 0.35 s an epoch at any P, 7 s a run, 210 runs per P job: 25 min x 4; sequential
+#             1,687 steps an epoch, 67 s a run, 11 min per seed job x 3            -> 2.2 h
+#   digits:   about 1.5 s a run, 5 min per P job x 4; sequential 2 + 9 min          -> 0.5 h
+#   text LM:  the least known (transformer steps guessed at 20 ms at P = 16)      -> 0.5 h
+# About 3.2 hours on one GPU; with PARALLEL=8 on an 8-GPU host about 30 minutes (the longest job,
+# MNIST-1D at P = 16). Each job is one `adasum compare` folder under $OUT; the device
 # tool's 10-minute calls simply rerun the script until `LIST=1` reports every job done.
 set -u
 MODE=${1:-gpu}

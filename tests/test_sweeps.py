@@ -163,3 +163,21 @@ def test_intervals_and_wins():
     assert separation(a, Stat.of([88.0, 89.0, 90.0])) == "within spread"
     assert separation(a, Stat.of([1.0])) == "one seed: no call"
     assert t95(2) == 4.303 and t95(11) == 2.228 and t95(1000) == pytest.approx(1.96, abs=0.01)
+
+
+def test_report_merges_sweeps_and_counts_a_run_once(tmp_path, capsys):
+    def row(method, workers, seed, acc):
+        r = _fake(RunConfig(method=method, workers=workers, lr=0.05, seed=seed), val=acc, test=acc)
+        r["history"] = [{"epoch": 1, "test_accuracy": acc, "test_loss": 1.0, "orthogonality": None}]
+        return json.dumps(r) + "\n"
+
+    a, b = tmp_path / "seq", tmp_path / "P8"
+    a.mkdir()
+    b.mkdir()
+    (a / "results.jsonl").write_text("".join(row("sequential", 1, s, 90 + s) for s in range(3)))
+    (b / "results.jsonl").write_text("".join(row("adasum", 8, s, 80 + s) for s in range(3)) + row("adasum", 8, 0, 80))
+    assert main(["report", str(a), str(b / "results.jsonl"), "--out", str(tmp_path / "merged"), "--quiet"]) == 0
+    text = (tmp_path / "merged" / "report.md").read_text()
+    assert "| adasum | 8 | 0.05 | 3 | 81.00 |" in text and "-10.00: worse" in text
+    assert (tmp_path / "merged" / "lr.png").exists()
+    assert main(["report", str(tmp_path / "nothing"), "--out", str(tmp_path / "x")]) == 2

@@ -306,7 +306,8 @@ def plot(results: Sequence[Result], out: Path) -> list[Path]:
                 ax.set_xscale("log")
             ax.grid(alpha=0.3)
         axes[0][0].set_ylabel(ylabel)
-        axes[0][-1].legend(fontsize=7, loc="best")
+        if axes[0][-1].get_legend_handles_labels()[0]:
+            axes[0][-1].legend(fontsize=7, loc="best")
         fig.tight_layout()
         path = out / filename
         fig.savefig(path, dpi=80)
