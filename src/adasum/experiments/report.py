@@ -359,6 +359,6 @@ def plot(results: Sequence[Result], out: Path) -> list[Path]:
         for m in names:
             lr_line(ax, m, workers, color=colors[m], label=m)
 
-    panels("validation accuracy (%): mean, min-max over seeds", "lr.png", draw_lr, xlabel="base learning rate",
+    panels("val. accuracy (%), min-max", "lr.png", draw_lr, xlabel="base learning rate",
            logx=True)
     return written
