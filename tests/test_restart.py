@@ -197,3 +197,11 @@ def test_a_checkpoint_of_the_other_kind_is_refused_in_one_line_on_every_rank(tmp
     assert main(_sim_args(torchrun, 2)) == 2
     lines = capsys.readouterr().err.strip().splitlines()
     assert len(lines) == 1 and "was written by a torchrun job, this is a simulated run" in lines[0], lines
+    # damage that rank 0 alone finds (its metrics.jsonl) ends every rank, with rank 0's line
+    metrics = torchrun / "metrics.jsonl"
+    first, *rest = metrics.read_text().splitlines()
+    metrics.write_text("\n".join([first, "garbage", *rest]) + "\n")
+    more = [a if a != "1" else "2" for a in real]  # --epochs 2
+    for status, err in _ranks([*more, "--out", str(torchrun)]):
+        lines = err.strip().splitlines()
+        assert status == 2 and len(lines) == 1 and f"{metrics}: line 2 is not JSON" in lines[0], err

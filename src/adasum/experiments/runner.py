@@ -317,17 +317,25 @@ def _tensorboard_writer(path: Path):
     return SummaryWriter(str(path))
 
 
-@contextmanager
-def _metrics_file(path: Path, keep_epochs: int | None) -> Iterator[Any]:
-    """metrics.jsonl for appending; on resume, lines of epochs after the checkpoint are dropped (a
-    torn last line too, with a warning naming the file)."""
+def _trim_metrics(path: Path, keep_epochs: int | None) -> None:
+    """Before appending to metrics.jsonl: on resume drop the lines of epochs after the checkpoint
+    (a torn last line too, with a warning naming the file); on a fresh start remove the file."""
     if keep_epochs is not None and path.exists():
         kept = [row for row in read_jsonl(path) if row.get("epoch", 0) <= keep_epochs]
         write_text_atomic(path, "".join(json.dumps(row) + "\n" for row in kept))
     elif keep_epochs is None and path.exists():
         path.unlink()
-    with open(path, "a") as f:
-        yield f
+
+
+def _agree(error: str | None, distributed: bool) -> None:
+    """Raise rank 0's ValueError `error` on every rank (rank 0 alone writes the output files)."""
+    if distributed:
+        box = [error]
+        with failures_named("adasum train", "the check of the output files across ranks", None):
+            dist.broadcast_object_list(box, src=0)
+        error = box[0]
+    if error is not None:
+        raise ValueError(error)
 
 
 @dataclass
@@ -646,10 +654,17 @@ def train(
     advance = (progress or ProgressBar(False)).task(
         run.label, run.steps_per_epoch * config.epochs, state.epoch * run.steps_per_epoch + state.step
     )
-    writer = _tensorboard_writer(out / "tensorboard") if tensorboard and out is not None and run.rank == 0 else None
     metrics_path = out / "metrics.jsonl" if out is not None and run.rank == 0 else None
-    metrics_cm = _metrics_file(metrics_path, state.epoch if resume else None) if metrics_path else _null()
-    with metrics_cm as metrics:
+    writer, error = None, None
+    try:  # what only rank 0 does, and every rank must hear about
+        if metrics_path is not None:
+            _trim_metrics(metrics_path, state.epoch if resume else None)
+        if tensorboard and out is not None and run.rank == 0:
+            writer = _tensorboard_writer(out / "tensorboard")
+    except ValueError as e:
+        error = str(e)
+    _agree(error, distributed)
+    with open(metrics_path, "a") if metrics_path is not None else _null() as metrics:
         for epoch in range(state.epoch, config.epochs):
             if state.history and state.history[-1]["diverged"]:
                 break
