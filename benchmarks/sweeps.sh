@@ -12,7 +12,8 @@
 # 0.001 to 1): MNIST-1D at P = 16, 32, 64, 128 (32 examples per worker, 20 epochs); digits at
 # P = 16, 32 (32 per worker) and 64, 128 (8 per worker: 3,600 training digits hold less than one
 # global batch of 64 x 32); the byte-level LM on the standard library's sources with Adam (mean vs
-# adasum-delta) and LAMB (mean vs adasum), P = 16 and 64, 3 epochs.
+# adasum-delta) and LAMB (mean vs adasum), P = 16 and 64, 3 epochs; word2vec (skip-gram on the same
+# sources) at P = 32 against sequential.
 # Runtime estimate from the simulator's measured 132 steps/s at P = 64 on an H200
 # (docs/benchmarks.md), i.e. 7.6 ms a step, taken as proportional to P plus 2 ms of overhead a step
 # (sequential: 2 ms a step):
@@ -20,7 +21,8 @@
 #             1,687 steps an epoch, 67 s a run, 11 min per seed job x 3            -> 2.2 h
 #   digits:   about 1.5 s a run, 5 min per P job x 4; sequential 2 + 9 min          -> 0.5 h
 #   text LM:  the least known (transformer steps guessed at 20 ms at P = 16)      -> 0.5 h
-# About 3.2 hours on one GPU; with PARALLEL=8 on an 8-GPU host about 30 minutes (the longest job,
+#   word2vec: 270,000 pairs, sequential 8,400 steps an epoch at ~1 ms; P = 32 cheap   -> 0.3 h
+# About 3.5 hours on one GPU; with PARALLEL=8 on an 8-GPU host about 30 minutes (the longest job,
 # MNIST-1D at P = 16). Each job is one `adasum compare` folder under $OUT; the device
 # tool's 10-minute calls simply rerun the script until `LIST=1` reports every job done.
 set -u
@@ -52,6 +54,10 @@ jobs_gpu() {  # name|arguments; sequential training once per task (split by seed
     echo "digits-b8-P$P|--task digits --methods $PARALLEL_METHODS --workers $P --lr $GRID --epochs 20 --batch-size 8 \
 --seeds $SEEDS"
   done
+  echo "word2vec-seq|--task word2vec --methods sequential --lr 0.01,0.02,0.05,0.1,0.2,0.5,1 --epochs 3 \
+--batch-size 32 --seeds $SEEDS"
+  echo "word2vec-P32|--task word2vec --methods mean-scaled,adasum --workers 32 --lr 0.01,0.02,0.05,0.1,0.2,0.5,1 \
+--epochs 3 --batch-size 32 --seeds $SEEDS"
   for opt in adam lamb; do
     if [ $opt = adam ]; then lrs=0.0001,0.0003,0.001,0.003,0.01; combine=adasum-delta
     else lrs=0.001,0.003,0.01,0.03,0.1; combine=adasum; fi
