@@ -23,7 +23,7 @@ def read_jsonl(path: Path) -> list[dict]:
 def test_compare_end_to_end(tmp_path, capsys):
     out = tmp_path / "sweep"
     status = main(["compare", "--methods", "sequential,adasum", "--workers", "2,4", "--lr", "0.01,0.02",
-                   "--epochs", "2", "--out", str(out), *QUICK])
+                   "--epochs", "2", "--seeds", "0", "--out", str(out), *QUICK])
     assert status == 0
     results = read_jsonl(out / "results.jsonl")
     cells = sorted((r["method"], r["workers"], r["lr"]) for r in results)
@@ -36,7 +36,7 @@ def test_compare_end_to_end(tmp_path, capsys):
         assert [h["epoch"] for h in r["history"]] == [1, 2]
     report = (out / "report.md").read_text()
     assert "| adasum | 4 |" in report and "| sequential | 1 |" in report
-    for name in ("accuracy.png", "loss.png", "orthogonality.png"):
+    for name in ("accuracy.png", "loss.png", "orthogonality.png", "lr.png"):
         assert (out / name).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     printed = capsys.readouterr().out
     assert "| adasum | 2 |" in printed  # the table goes to stdout
@@ -63,7 +63,9 @@ def test_pinned_compare_command_on_default_data(tmp_path):
         == 0
     )
     results = read_jsonl(out / "results.jsonl")
-    assert [(r["method"], r["workers"], r["epochs"]) for r in results] == [("mean", 16, 1), ("adasum", 16, 1)]
+    assert [(r["method"], r["workers"], r["epochs"], r["seed"]) for r in results] == [
+        (m, 16, 1, seed) for m in ("mean", "adasum") for seed in (0, 1, 2)  # the default seeds
+    ]
     assert all(r["task"] == "digits" and 0 <= r["test_accuracy"] <= 100 for r in results)
 
 
@@ -134,6 +136,16 @@ def test_resume_of_another_run_is_refused(tmp_path, capsys):
     assert status == 2 and "another run (lr" in err
 
 
+def test_resume_with_fewer_epochs_than_the_checkpoint_is_refused(tmp_path, capsys):
+    _train(tmp_path / "run", 2)
+    capsys.readouterr()
+    args = ["train", "--method", "adasum-delta", "--simulate", "3", "--optimizer", "adam", "--lr", "0.003",
+            "--epochs", "1", "--out", str(tmp_path / "run"), "--resume", *QUICK]
+    assert main(args) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "is at epoch 2, past --epochs 1" in err[0], err
+
+
 def _blocked_dir(tmp_path: Path) -> str:
     blocker = tmp_path / "a-file"
     blocker.write_text("")
@@ -158,6 +170,15 @@ def _blocked_dir(tmp_path: Path) -> str:
         (["compare", "--model", "vgg"], "invalid choice"),
         (["train", "--nonfinite", "ignore"], "invalid choice"),
         (["train", "--checkpoint-every", "0"], "must be >= 1"),
+        (["train", "--device", "foo"], "unknown device 'foo'"),
+        (["train", "--device", "meta"], "cannot train on device 'meta'"),
+        (["compare", "--device", "cuda:7"], "device 'cuda:7'"),
+        (["train", "--method", "mean-scaled", "--simulate", "4", "--lr", "1e308"], "more than float32 holds"),
+        (["compare", "--lr", "1e39"], "more than float32 holds"),
+        (["train", "--timeout", "1e14"], "at most 2592000 seconds"),
+        (["compare", "--seeds", "0,x"], "not an integer: 'x'"),
+        (["compare", "--seeds", "-1"], "seed must be in"),
+        (["train", "--val-fraction", "0.9"], "validation fraction must be in (0, 0.5]"),
         ([], "required"),
     ],
 )
@@ -226,3 +247,91 @@ def test_import_adasum_needs_only_torch():
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=120)
     assert proc.returncode == 0, proc.stderr
     assert proc.stdout.strip() == "[]"
+
+
+# ---- every rank of a torchrun job: the same one line and exit status ------------------------
+
+SRC = str(Path(__file__).parent.parent / "src")
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _ranks(args: list[str], world: int = 2, env_extra: dict | None = None, timeout: float = 120) -> list:
+    """Run ``python -m adasum ARGS`` as `world` ranks of one job (torchrun's environment, without
+    torchrun's own reporting): [(exit status, stderr)] per rank."""
+    port = str(_free_port())
+    procs = []
+    for rank in range(world):
+        env = {**os.environ, "PYTHONPATH": SRC, "OMP_NUM_THREADS": "1", "MASTER_ADDR": "127.0.0.1",
+               "MASTER_PORT": port, "RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": str(world),
+               "LOCAL_WORLD_SIZE": str(world), **(env_extra or {})}
+        procs.append(subprocess.Popen([sys.executable, "-m", "adasum", *args], env=env, stdout=subprocess.PIPE,
+                                      stderr=subprocess.PIPE, text=True))
+    out = []
+    for p in procs:
+        _, err = p.communicate(timeout=timeout)
+        out.append((p.returncode, err))
+    return out
+
+
+@pytest.mark.parametrize("case", ["out-is-a-file", "timeout", "device"])
+def test_bad_flags_under_torchrun_are_one_line_and_exit_2_on_every_rank(tmp_path, case):
+    blocker = tmp_path / "a-file"
+    blocker.write_text("")
+    args = ["train", "--method", "adasum", "--epochs", "1", "--train-limit", "64", "--batch-size", "8",
+            "--no-progress", "--quiet", "--timeout", "20", "--out", str(tmp_path / "run")]
+    expected = {
+        "out-is-a-file": (["--out", str(blocker)], "cannot write to output directory"),
+        "timeout": (["--timeout", "1e14"], "at most 2592000 seconds"),
+        "device": (["--device", "meta"], "cannot train on device 'meta'"),
+    }[case]
+    for status, err in _ranks([*args, *expected[0]]):
+        lines = err.strip().splitlines()
+        assert status == 2 and len(lines) == 1, err
+        assert lines[0].startswith("adasum: error:") and expected[1] in lines[0], err
+
+
+def test_a_dead_peer_is_one_line_and_exit_1(tmp_path):
+    """Rank 1 dies (SIGKILL, the test's kill point) after step 3: rank 0 ends with one line naming
+    the failed collective, exit status 1 (a failed run: torchrun --max-restarts would restart it)."""
+    from adasum.experiments import checkpoint as ckpt
+
+    args = ["train", "--method", "adasum", "--epochs", "1", "--train-limit", "256", "--batch-size", "8",
+            "--no-progress", "--quiet", "--timeout", "20", "--out", str(tmp_path / "run")]
+    (status0, err0), (status1, _) = _ranks(args, env_extra={ckpt.KILL_ENV: f"1:3:{tmp_path / 'marker'}"})
+    assert status1 == -9
+    lines = err0.strip().splitlines()
+    assert status0 == 1 and len(lines) == 1, err0
+    assert lines[0].startswith("adasum: error:") and "rank 0 of 2" in lines[0] and "failed" in lines[0], err0
+
+
+def test_the_runners_own_all_reduce_names_a_failure(monkeypatch):
+    """A transport failure in the runner's all-reduce of the step's loss is a CollectiveError."""
+    import torch.distributed as dist
+
+    from adasum.experiments import runner
+    from adasum.reducers import get_reducer
+    from adasum.transport.groups import CollectiveError
+
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        model = torch.nn.Linear(3, 2)
+        worker = runner.DistributedWorker(model, lambda ps: torch.optim.SGD(ps, lr=0.1), get_reducer("mean"))
+        real = dist.all_reduce
+
+        def broken(tensor, *args, **kwargs):  # only the runner's one-element all-reduce of the loss
+            if tensor.numel() != 1:
+                return real(tensor, *args, **kwargs)
+            raise RuntimeError("[gloo/pair.cc:1] Timed out waiting 5000ms for recv operation to complete")
+
+        monkeypatch.setattr(runner.dist, "all_reduce", broken)
+        with pytest.raises(CollectiveError, match="the all-reduce of step 1's loss failed.*Timed out waiting"):
+            worker.step(torch.randn(1, 4, 3), torch.randint(0, 2, (1, 4)))
+    finally:
+        dist.destroy_process_group()

@@ -76,12 +76,52 @@ def test_cifar10_pickles(tmp_path):
     for name, n in [("data_batch_1", 4), ("data_batch_2", 3), ("test_batch", 2)]:
         batch = {b"data": rng.integers(0, 256, (n, 3072)).astype(np.uint8), b"labels": list(range(n))}
         batches[name] = batch
-        (folder / name).write_bytes(pickle.dumps(batch))
-    data = read_cifar10_dir(tmp_path)
+        (folder / name).write_bytes(pickle.dumps(batch, protocol=2 if name == "test_batch" else 5))
+    data = read_cifar10_dir(tmp_path)  # protocol 2 as the real files, 5 as a re-pickled copy
     assert data.train_x.shape == (7, 3, 32, 32) and data.test_x.shape == (2, 3, 32, 32)
     assert data.train_y.tolist() == [0, 1, 2, 3, 0, 1, 2]
     red = batches["data_batch_2"][b"data"][1, :1024].reshape(32, 32)
     torch.testing.assert_close(data.train_x[5, 0], (torch.tensor(red, dtype=torch.float32) / 255 - 0.4914) / 0.2470)
+
+
+class _Payload:
+    """Unpickling this runs its payload: it writes a marker file."""
+
+    def __init__(self, marker):
+        self.marker = str(marker)
+
+    def __reduce__(self):
+        return (exec, (f"open({self.marker!r}, 'w').write('ran')",))
+
+
+@pytest.mark.parametrize("where", ["data_batch_1", "test_batch"])
+def test_a_crafted_cifar10_pickle_is_refused_and_its_payload_does_not_run(tmp_path, where):
+    folder = tmp_path / "cifar-10-batches-py"
+    folder.mkdir()
+    marker = tmp_path / "payload-ran"
+    good = {b"data": np.zeros((2, 3072), dtype=np.uint8), b"labels": [0, 1]}
+    for name in ("data_batch_1", "test_batch"):
+        batch = {**good, b"extra": _Payload(marker)} if name == where else good
+        (folder / name).write_bytes(pickle.dumps(batch, protocol=2))
+    refused = f"{where}: not a CIFAR-10 python batch .*refused global (__builtin__|builtins).exec"
+    with pytest.raises(ValueError, match=refused):
+        read_cifar10_dir(tmp_path)
+    assert not marker.exists()
+
+
+@pytest.mark.parametrize(
+    "batch,message",
+    [
+        ({b"data": np.zeros((2, 3072), dtype=np.float32), b"labels": [0, 1]}, "uint8"),
+        ({b"data": np.zeros((2, 3072), dtype=np.uint8), b"labels": [0]}, "list of 2 ints"),
+        ([1, 2, 3], "uint8"),
+    ],
+)
+def test_a_pickle_that_is_not_a_cifar10_batch_is_refused(tmp_path, batch, message):
+    (tmp_path / "test_batch").write_bytes(pickle.dumps(batch, protocol=2))
+    (tmp_path / "data_batch_1").write_bytes(pickle.dumps(batch, protocol=2))
+    with pytest.raises(ValueError, match=message):
+        read_cifar10_dir(tmp_path)
 
 
 def test_missing_data_is_a_clear_error(tmp_path):

@@ -82,7 +82,7 @@ def test_kill_during_save_leaves_the_previous_checkpoint(tmp_path, monkeypatch):
     real_save = torch.save
 
     def torn_save(obj, f, *args, **kwargs):  # half a file, then the process "dies"
-        Path(f).write_bytes(b"PK\x03\x04 half written")
+        f.write(b"PK\x03\x04 half written")  # into the temporary file of the one atomic writer
         raise KeyboardInterrupt
 
     monkeypatch.setattr(torch, "save", torn_save)
@@ -140,3 +140,68 @@ def test_simulated_mid_epoch_resume_is_exact(tmp_path):
     rb = json.loads((tmp_path / "b" / "result.json").read_text())
     assert ra["skipped_steps"] == rb["skipped_steps"] == 0 and ra["history"][0]["skipped_steps"] == 0
     assert ra["test_accuracy"] == rb["test_accuracy"] and ra["train_loss"] == rb["train_loss"]
+
+
+def test_an_interrupted_saves_temporary_file_is_removed_at_the_next_save(tmp_path):
+    dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
+    stale = tmp_path / f".checkpoint.pt.tmp{int(dead.stdout)}"  # a kill during torch.save left it
+    stale.write_bytes(b"PK\x03\x04 half written")
+    other = tmp_path / ".result.json.tmp1"  # another file's temporary: not this writer's to remove
+    other.write_text("{")
+    ckpt.save_atomic({"config": {}, "epoch": 1, "engine": {}}, tmp_path / "checkpoint.pt")
+    assert sorted(p.name for p in tmp_path.iterdir()) == [".result.json.tmp1", "checkpoint.pt"]
+
+
+def _sim_args(out: Path, epochs: int) -> list[str]:
+    return ["train", "--method", "adasum", "--simulate", "2", "--epochs", str(epochs), "--train-limit", "64",
+            "--batch-size", "8", "--out", str(out), "--resume", "--no-progress", "--quiet"]
+
+
+def test_a_torn_last_line_of_metrics_is_dropped_on_resume(tmp_path, capsys):
+    out = tmp_path / "run"
+    assert main(_sim_args(out, 1)) == 0
+    metrics = out / "metrics.jsonl"
+    complete = metrics.read_text()
+    with open(metrics, "a") as f:  # the process died in the middle of an append
+        f.write('{"epoch": 2, "step": 5, "lo')
+    capsys.readouterr()
+    assert main(_sim_args(out, 2)) == 0
+    warned = [line for line in capsys.readouterr().err.splitlines() if "torn last line" in line]
+    assert len(warned) == 1 and warned[0].startswith(f"{metrics}: dropped its torn last line 6"), warned
+    text = metrics.read_text()
+    assert text.startswith(complete) and '"lo\n' not in text
+    assert [json.loads(line)["epoch"] for line in text.splitlines() if '"kind": "epoch"' in line] == [1, 2]
+    # damage anywhere but the last line is not an interrupted append: one line naming file and line
+    lines = text.splitlines()
+    metrics.write_text("\n".join([lines[0], "garbage", *lines[1:]]) + "\n")
+    assert main(_sim_args(out, 3)) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and f"{metrics}: line 2 is not JSON" in err[0], err
+
+
+def test_a_checkpoint_of_the_other_kind_is_refused_in_one_line_on_every_rank(tmp_path, capsys):
+    """A simulated run's checkpoint resumed under torchrun, and a torchrun job's resumed simulated."""
+    from test_cli import _ranks
+
+    simulated = tmp_path / "simulated"
+    assert main(_sim_args(simulated, 1)) == 0
+    capsys.readouterr()
+    real = ["train", "--method", "adasum", "--epochs", "1", "--train-limit", "64", "--batch-size", "8",
+            "--resume", "--no-progress", "--quiet", "--timeout", "30"]
+    for status, err in _ranks([*real, "--out", str(simulated)]):
+        lines = err.strip().splitlines()
+        assert status == 2 and len(lines) == 1, err
+        assert "was written by a simulated run, this is a torchrun job" in lines[0], err
+    torchrun = tmp_path / "torchrun"
+    assert [s for s, _ in _ranks([*real, "--out", str(torchrun)])] == [0, 0]
+    assert main(_sim_args(torchrun, 2)) == 2
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert len(lines) == 1 and "was written by a torchrun job, this is a simulated run" in lines[0], lines
+    # damage that rank 0 alone finds (its metrics.jsonl) ends every rank, with rank 0's line
+    metrics = torchrun / "metrics.jsonl"
+    first, *rest = metrics.read_text().splitlines()
+    metrics.write_text("\n".join([first, "garbage", *rest]) + "\n")
+    more = [a if a != "1" else "2" for a in real]  # --epochs 2
+    for status, err in _ranks([*more, "--out", str(torchrun)]):
+        lines = err.strip().splitlines()
+        assert status == 2 and len(lines) == 1 and f"{metrics}: line 2 is not JSON" in lines[0], err

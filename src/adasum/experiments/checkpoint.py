@@ -1,7 +1,10 @@
 """Checkpoints of a training run that survive kills and restarts.
 
-* Written atomically: `torch.save` to a temporary file in the same folder, then `os.replace`, so a
-  kill in the middle of a save leaves the previous checkpoint intact and usable.
+* Written atomically (`adasum.experiments.io.write_atomic`): `torch.save` to a temporary file in
+  the same folder, then `os.replace`, so a kill in the middle of a save leaves the previous
+  checkpoint intact and usable; the temporary file of such a kill is removed at the next save.
+* Of one kind: a checkpoint records whether a simulated run or a torchrun job wrote it, and the
+  other kind refuses it in one line (their engines' states differ).
 * Under torchrun every rank's own state (its RNG state; in delta mode its optimizer state) is
   gathered to rank 0, which writes one file; on resume every rank takes its own part back.
 * Read with ``weights_only=True``; a damaged, truncated or foreign file gives a one-line
@@ -24,19 +27,15 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from adasum.experiments.io import write_atomic
+
 REQUIRED = ("config", "epoch", "engine")
 KILL_ENV = "ADASUM_TEST_KILL"
 
 
 def save_atomic(obj: Any, path: Path) -> None:
     """torch.save to a temporary file in the same folder, then os.replace: never a torn file."""
-    tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
-    try:
-        torch.save(obj, tmp)
-        os.replace(tmp, path)
-    finally:
-        if tmp.exists():
-            tmp.unlink()
+    write_atomic(path, lambda f: torch.save(obj, f))
 
 
 def save_checkpoint(path: Path, common: dict[str, Any], local: dict[str, Any], *, distributed: bool) -> None:
@@ -46,14 +45,14 @@ def save_checkpoint(path: Path, common: dict[str, Any], local: dict[str, Any], *
     call this (the local parts are gathered to rank 0, which writes); otherwise the one process writes.
     """
     if not distributed:
-        save_atomic({**common, **local}, path)
+        save_atomic({**common, **local, "kind": "simulated"}, path)
         return
     rank, world = dist.get_rank(), dist.get_world_size()
     gathered: list[Any] | None = [None] * world if rank == 0 else None
     dist.gather_object(local, gathered, dst=0)
     if rank == 0:
         assert gathered is not None
-        save_atomic({**common, **gathered[0], "ranks": gathered, "world_size": world}, path)
+        save_atomic({**common, **gathered[0], "ranks": gathered, "world_size": world, "kind": "torchrun"}, path)
 
 
 def read_checkpoint(path: Path, device: torch.device | str = "cpu") -> dict[str, Any]:
@@ -78,12 +77,20 @@ def load_checkpoint(
     """(state, this rank's local part) from `path`; the local part is the top level when not
     distributed, else ``state["ranks"][rank]`` (ValueError if the world size changed)."""
     state = read_checkpoint(path, device)
+    kind = state.get("kind", "torchrun" if "ranks" in state else "simulated")
+    wanted = "torchrun" if distributed else "simulated"
+    if kind != wanted:
+        names = {"torchrun": "a torchrun job", "simulated": "a simulated run"}
+        raise ValueError(
+            f"{path} was written by {names.get(kind, kind)}, this is {names[wanted]}; "
+            "resume it the way it was started or use another --out"
+        )
     if not distributed:
         return state, state
     rank, world = dist.get_rank(), dist.get_world_size()
     ranks = state.get("ranks")
     if ranks is None or len(ranks) != world:
-        saved = len(ranks) if ranks is not None else "no per-rank state (a simulated run)"
+        saved = len(ranks) if ranks is not None else 0
         raise ValueError(f"{path} was written by {saved} ranks, this run has {world}; resume with the same world size")
     return state, ranks[rank]
 

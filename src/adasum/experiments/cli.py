@@ -1,15 +1,18 @@
 """The ``adasum`` command line: ``adasum train`` (one run) and ``adasum compare`` (a sweep).
 
-    adasum compare --methods sequential,mean-scaled,adasum --workers 16 --epochs 3 --out runs/demo
+    adasum compare --methods sequential,mean-scaled,adasum --workers 16 --lr 0.02,0.05 --seeds 0,1,2 --out runs/x
     adasum train --method adasum --simulate 16 --lr 0.01 --epochs 2 --out runs/one
     torchrun --nproc-per-node 4 -m adasum train --method adasum --epochs 2 --out runs/real
 
-Bad input ends with one line on stderr and exit status 2, never a traceback.
+Bad input ends with one line on stderr and exit status 2, never a traceback; under torchrun every
+rank ends so, with the same line. A failed run (a dead or stalled peer, a non-finite value with
+``--nonfinite raise``) ends with one line and exit status 1.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import logging
 import os
 import sys
@@ -55,6 +58,26 @@ def _positive_float(text: str) -> float:
     return value
 
 
+MAX_TIMEOUT_S = 30 * 24 * 3600  # c10d keeps timeouts in milliseconds; a month is plenty
+
+
+def _timeout(text: str) -> float:
+    value = _positive_float(text)
+    if value > MAX_TIMEOUT_S:
+        raise argparse.ArgumentTypeError(f"must be at most {MAX_TIMEOUT_S} seconds (30 days), got {text}")
+    return value
+
+
+def _seed(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not an integer: {text!r}") from None
+    if not 0 <= value < 2**31:
+        raise argparse.ArgumentTypeError(f"seed must be in [0, 2**31), got {value}")
+    return value
+
+
 def _list_of(kind):
     def parse(text: str) -> list:
         items = [t for t in text.split(",") if t.strip()]
@@ -78,8 +101,13 @@ def _common(p: argparse.ArgumentParser) -> None:
     p.add_argument("--local-steps", type=_positive_int, default=4, help="tau for localsgd / slowmo / adasum-localsgd")
     p.add_argument("--slow-momentum", type=float, default=0.5, help="SlowMo's beta")
     p.add_argument("--slow-lr", type=_positive_float, default=1.0, help="SlowMo's alpha")
-    p.add_argument("--seed", type=int, default=0)
     p.add_argument("--train-limit", type=_positive_int, default=None, help="use only the first N training examples")
+    p.add_argument(
+        "--val-fraction",
+        type=_positive_float,
+        default=0.1,
+        help="fraction of the training data held out (fixed split) for validation (default 0.1)",
+    )
     p.add_argument("--data-dir", default=None, help="folder with mnist / fashion-mnist / cifar10 files")
     p.add_argument("--device", default="auto", help="cpu, cuda, cuda:1, ... (default: cuda when available)")
     p.add_argument(
@@ -108,7 +136,7 @@ def _common(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument(
         "--timeout",
-        type=_positive_float,
+        type=_timeout,
         default=None,
         metavar="SECONDS",
         help="torchrun: the process group's timeout (a dead or stalled peer, or a stuck connection at "
@@ -121,6 +149,9 @@ def _common(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
     p.add_argument("--quiet", action="store_true", help="log warnings only")
+
+
+DEFAULT_SEEDS = [0, 1, 2]
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -136,6 +167,7 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--lr", type=_positive_float, default=0.01, help="base learning rate")
     t.add_argument("--out", default="runs/train", help="output folder (metrics.jsonl, checkpoint.pt, result.json)")
     t.add_argument("--tensorboard", action="store_true", help="also write TensorBoard logs (needs tensorboard)")
+    t.add_argument("--seed", type=_seed, default=0)
     _common(t)
 
     c = sub.add_parser("compare", help="a sweep over methods x worker counts x learning rates (simulated)")
@@ -150,19 +182,44 @@ def build_parser() -> argparse.ArgumentParser:
         help="comma-separated base learning rates",
     )
     c.add_argument("--out", default="runs/compare", help="output folder")
+    c.add_argument(
+        "--seeds",
+        "--seed",
+        dest="seeds",
+        type=_list_of(_seed),
+        default=DEFAULT_SEEDS,
+        help="comma-separated seeds, each a run of every cell (default: 0,1,2)",
+    )
     _common(c)
+
+    r = sub.add_parser("report", help="one report (tables, plots) from the results.jsonl of several sweeps")
+    r.add_argument("results", nargs="+", help="results.jsonl files or the sweep folders holding them")
+    r.add_argument("--out", required=True, help="folder for report.md and the plots")
+    r.add_argument("--title", default=None, help="the report's title (default: the task)")
+    r.add_argument("--quiet", action="store_true", help="log warnings only")
+    r.add_argument("--threads", type=_positive_int, default=1, help=argparse.SUPPRESS)
     return parser
 
 
 def _device(name: str, local_rank: int | None = None) -> str:
+    """The device to train on: cpu, cuda or cuda:N (auto: cuda, this rank's GPU under torchrun)."""
     import torch
 
     if name == "auto":
         if torch.cuda.is_available():
             return f"cuda:{local_rank}" if local_rank is not None else "cuda"
         return "cpu"
-    if name.startswith("cuda") and not torch.cuda.is_available():
-        raise ValueError(f"device {name!r} asked for, but CUDA is not available")
+    try:
+        device = torch.device(name)
+    except (RuntimeError, ValueError):
+        raise ValueError(f"unknown device {name!r}; use cpu, cuda or cuda:N") from None
+    if device.type not in ("cpu", "cuda"):
+        raise ValueError(f"cannot train on device {name!r}; use cpu, cuda or cuda:N")
+    if device.type == "cuda":
+        if not torch.cuda.is_available():
+            raise ValueError(f"device {name!r} asked for, but CUDA is not available")
+        if device.index is not None and device.index >= torch.cuda.device_count():
+            raise ValueError(f"device {name!r} asked for, but there are {torch.cuda.device_count()} GPUs")
     return name
 
 
@@ -195,6 +252,10 @@ def _setup_logging(quiet: bool, rank: int) -> None:
     log.propagate = False
 
 
+def _flag(result: dict) -> str:
+    return " (diverged)" if result["diverged"] else " (collapsed to chance)" if result["collapsed"] else ""
+
+
 def cmd_train(args: argparse.Namespace) -> int:
     from adasum.experiments.methods import get_method
     from adasum.experiments.runner import ProgressBar, train
@@ -212,8 +273,9 @@ def cmd_train(args: argparse.Namespace) -> int:
         with ProgressBar(not args.no_progress) as bar:
             result = train(config, out, resume=args.resume, progress=bar, tensorboard=args.tensorboard)
         print(
-            f"{result['method']} P={result['workers']}: test accuracy {result['test_accuracy']:.2f}% "
-            f"after {result['epochs_run']} epochs ({out / 'result.json'})"
+            f"{result['method']} P={result['workers']}: validation accuracy {result['val_accuracy']:.2f}%, "
+            f"test accuracy {result['test_accuracy']:.2f}% after {result['epochs_run']} epochs"
+            f"{_flag(result)} ({out / 'result.json'})"
         )
         return 0
 
@@ -241,24 +303,46 @@ def cmd_train(args: argparse.Namespace) -> int:
     try:
         rank = dist.get_rank()
         _setup_logging(args.quiet, rank)
-        out = _writable_dir(args.out) if rank == 0 else Path(args.out)
-        dist.barrier()
+        out = _agreed_output_dir(args.out, rank)
         config = _config(args, workers=dist.get_world_size(), device=device)
         with ProgressBar(not args.no_progress and rank == 0) as bar:
             result = train(
                 config, out, resume=args.resume, progress=bar, tensorboard=args.tensorboard, distributed=True
             )
         if rank == 0:
-            print(f"{result['method']} P={result['workers']} (torchrun): test accuracy {result['test_accuracy']:.2f}%")
+            print(
+                f"{result['method']} P={result['workers']} (torchrun): validation accuracy "
+                f"{result['val_accuracy']:.2f}%, test accuracy {result['test_accuracy']:.2f}%{_flag(result)}"
+            )
     finally:
         dist.destroy_process_group()
     return 0
 
 
+def _agreed_output_dir(path: str, rank: int) -> Path:
+    """Rank 0 checks that it can write `path` (it writes every file) and tells every rank, so that
+    each raises the same one-line error (not rank 0 alone, with the others waiting in a barrier)."""
+    import torch.distributed as dist
+
+    from adasum.transport.groups import failures_named
+
+    verdict: list[str | None] = [None]
+    if rank == 0:
+        try:
+            _writable_dir(path)
+        except ValueError as error:
+            verdict[0] = str(error)
+    with failures_named("adasum train", "the check of --out across ranks", None):
+        dist.broadcast_object_list(verdict, src=0)
+    if verdict[0] is not None:
+        raise ValueError(verdict[0])
+    return Path(path)
+
+
 def cmd_compare(args: argparse.Namespace) -> int:
     from adasum.experiments.compare import compare
     from adasum.experiments.methods import parse_methods
-    from adasum.experiments.report import best_table
+    from adasum.experiments.report import summary_table
 
     methods = parse_methods(args.methods)
     if args.data_dir is not None and not Path(args.data_dir).is_dir():
@@ -266,9 +350,35 @@ def cmd_compare(args: argparse.Namespace) -> int:
     _setup_logging(args.quiet, 0)
     out = _writable_dir(args.out)
     base = _config(args, method=methods[0].name, workers=1, lr=args.lr[0], device=_device(args.device))
-    results = compare(methods, args.workers, args.lr, base, out, resume=args.resume, progress=not args.no_progress)
-    print(best_table(results))
+    results = compare(
+        methods, args.workers, args.lr, base, out, seeds=args.seeds, resume=args.resume, progress=not args.no_progress
+    )
+    print(summary_table(results))
     print(f"\nwrote {out / 'results.jsonl'}, {out / 'report.md'} and plots in {out}")
+    return 0
+
+
+def cmd_report(args: argparse.Namespace) -> int:
+    from adasum.experiments.io import read_jsonl
+    from adasum.experiments.report import plot, summary_table, write_report
+
+    _setup_logging(args.quiet, 0)
+    results = []
+    for name in args.results:
+        path = Path(name) / "results.jsonl" if Path(name).is_dir() else Path(name)
+        if not path.is_file():
+            raise ValueError(f"no results file {str(path)!r}")
+        results += read_jsonl(path)
+    if not results:
+        raise ValueError("the results files hold no runs")
+    unique = {json.dumps([r["method"], r["workers"], r["lr"], r["seed"], r.get("config")]): r for r in results}
+    results = list(unique.values())  # a run found in two files counts once
+    tasks = sorted({str(r.get("task")) for r in results})
+    out = _writable_dir(args.out)
+    plot(results, out)
+    write_report(results, out, title=args.title or f"Comparison on {', '.join(tasks)}")
+    print(summary_table(results))
+    print(f"\nwrote {out / 'report.md'} and plots in {out}")
     return 0
 
 
@@ -280,7 +390,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         import torch
 
         torch.set_num_threads(args.threads)
-        return cmd_train(args) if args.command == "train" else cmd_compare(args)
+        commands = {"train": cmd_train, "compare": cmd_compare, "report": cmd_report}
+        return commands[args.command](args)
     except (UsageError, ValueError, OSError) as error:
         print(f"adasum: error: {error}", file=sys.stderr)
         return 2

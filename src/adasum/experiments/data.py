@@ -11,7 +11,8 @@ task                      source                                          train 
                           first run)
 ``mnist``,                idx files (``train-images-idx3-ubyte[.gz]``     60,000 / 10,000
 ``fashion-mnist``         ...) in ``--data-dir``
-``cifar10``               the CIFAR-10 python pickles in ``--data-dir``   50,000 / 10,000
+``cifar10``               the CIFAR-10 python batches in ``--data-dir``   50,000 / 10,000
+                          (read by a restricted unpickler)
 ``text``                  the Python standard library's own source        byte-level LM
                           files (bytes, next-byte prediction)
 ``word2vec``              skip-gram (center word -> context word) pairs
@@ -21,6 +22,15 @@ task                      source                                          train 
 For ``mnist``, ``fashion-mnist`` and ``cifar10`` the directory may be the one torchvision
 downloads into (``DIR/MNIST/raw``, ``DIR/FashionMNIST/raw``, ``DIR/cifar-10-batches-py``): the
 small readers here read those standard formats, so torchvision itself is not needed.
+
+**Validation.** Every run holds out a validation split from the task's training data
+(`with_validation`: a fixed fraction, by a fixed seed, the same for every run and method): choices
+such as the learning rate are made on validation accuracy, and the test set is only reported.
+
+**Untrusted files.** CIFAR-10's python batches are pickles, and unpickling runs whatever a crafted
+file asks for. They are read by `SafeUnpickler`, which admits only what the format holds (a dict
+of bytes keys, lists of ints and bytes, and numpy uint8 arrays); anything else, a function or a
+class of another module, is refused with a ValueError before it is created.
 """
 
 from __future__ import annotations
@@ -38,6 +48,9 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from adasum.experiments.io import write_atomic
+
+VALIDATION_SEED = 1234  # the validation split is the same for every run, method and seed
 TASKS = ("digits", "sklearn-digits", "mnist1d", "mnist", "fashion-mnist", "cifar10", "text", "word2vec")
 
 
@@ -52,6 +65,8 @@ class Dataset:
     test_y: torch.Tensor
     classes: int
     default_model: str
+    val_x: torch.Tensor | None = None
+    val_y: torch.Tensor | None = None
 
     @property
     def input_shape(self) -> tuple[int, ...]:
@@ -67,6 +82,37 @@ class Dataset:
             self.test_y.to(device),
             self.classes,
             self.default_model,
+            self.val_x.to(device) if self.val_x is not None else None,
+            self.val_y.to(device) if self.val_y is not None else None,
+        )
+
+    def with_validation(self, fraction: float, seed: int = VALIDATION_SEED) -> Dataset:
+        """This data set with ``round(fraction x training examples)`` (at least one) of its training
+        examples moved, by a fixed seeded permutation, into a validation split.
+
+        >>> load_task("digits").with_validation(0.1).val_x.shape
+        torch.Size([400, 1, 28, 28])
+        """
+        if not 0 < fraction < 1:
+            raise ValueError(f"validation fraction must be in (0, 1), got {fraction}")
+        if self.val_x is not None:
+            raise ValueError(f"{self.name} already has a validation split")
+        n = len(self.train_y)
+        held = max(1, round(fraction * n))
+        if held >= n:
+            raise ValueError(f"{n} training examples leave none for training after a validation split of {held}")
+        order = torch.randperm(n, generator=torch.Generator().manual_seed(seed)).to(self.train_x.device)
+        val, train = order[:held], order[held:]
+        return Dataset(
+            self.name,
+            self.train_x[train],
+            self.train_y[train],
+            self.test_x,
+            self.test_y,
+            self.classes,
+            self.default_model,
+            self.train_x[val],
+            self.train_y[val],
         )
 
 
@@ -165,9 +211,7 @@ def _mnist1d(cache_dir: str | os.PathLike | None, samples: int = 70000) -> Datas
         args.train_split = 6 / 7
         d = make_dataset(args, get_templates())
         cache.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_suffix(f".tmp{os.getpid()}.npz")
-        np.savez(tmp, x=d["x"], y=d["y"], x_test=d["x_test"], y_test=d["y_test"])
-        os.replace(tmp, path)
+        write_atomic(path, lambda f: np.savez(f, x=d["x"], y=d["y"], x_test=d["x_test"], y_test=d["y_test"]))
     d = np.load(path)
     return Dataset(
         "mnist1d",
@@ -244,14 +288,50 @@ def read_mnist_dir(directory: str | os.PathLike, name: str = "mnist") -> Dataset
     )
 
 
+class SafeUnpickler(pickle.Unpickler):
+    """An unpickler for CIFAR-10's python batches that creates nothing but numpy arrays (besides
+    pickle's own dicts, lists, bytes, strings and numbers, and ``_codecs.encode``, with which Python
+    3 writes bytes at protocol 2): every other global is refused.
+
+    >>> SafeUnpickler(open("data_batch_1", "rb"), encoding="bytes").load()
+    """
+
+    ALLOWED = {
+        ("numpy", "ndarray"),
+        ("numpy", "dtype"),
+        ("numpy.core.multiarray", "_reconstruct"),  # arrays pickled by numpy 1, protocol 2 (the files)
+        ("numpy._core.multiarray", "_reconstruct"),  # the same under numpy 2
+        ("numpy.core.numeric", "_frombuffer"),  # protocol 5
+        ("numpy._core.numeric", "_frombuffer"),
+        ("_codecs", "encode"),  # bytes in a protocol-2 pickle written by Python 3 (text -> bytes only)
+    }
+
+    def find_class(self, module: str, name: str):
+        if (module, name) not in self.ALLOWED:
+            raise pickle.UnpicklingError(f"refused global {module}.{name} (only numpy arrays are admitted)")
+        return super().find_class(module, name)
+
+
 def _unpickle(path: Path) -> dict:
-    with open(path, "rb") as f:
-        return pickle.load(f, encoding="bytes")
+    """One CIFAR-10 batch: {b"data": uint8 [N, 3072], b"labels": N ints, ...}, refused unless it is one."""
+    try:
+        with open(path, "rb") as f:
+            batch = SafeUnpickler(f, encoding="bytes").load()
+    except (pickle.UnpicklingError, EOFError, ValueError, TypeError, AttributeError, IndexError) as error:
+        raise ValueError(f"{path}: not a CIFAR-10 python batch ({error})") from None
+    data = batch.get(b"data") if isinstance(batch, dict) else None
+    labels = batch.get(b"labels") if isinstance(batch, dict) else None
+    if not (isinstance(data, np.ndarray) and data.dtype == np.uint8 and data.ndim == 2 and data.shape[1] == 3072):
+        raise ValueError(f"{path}: not a CIFAR-10 python batch (b'data' is not a uint8 [N, 3072] array)")
+    if not (isinstance(labels, list) and len(labels) == len(data) and all(type(v) is int for v in labels)):
+        raise ValueError(f"{path}: not a CIFAR-10 python batch (b'labels' is not a list of {len(data)} ints)")
+    return batch
 
 
 def read_cifar10_dir(directory: str | os.PathLike) -> Dataset:
     """CIFAR-10 from its python pickles (``data_batch_1`` ... ``data_batch_5``, ``test_batch``)
-    in `directory` or its ``cifar-10-batches-py`` folder.
+    in `directory` or its ``cifar-10-batches-py`` folder, read by `SafeUnpickler` (a crafted file
+    is refused; its payload never runs).
 
     >>> data = read_cifar10_dir("~/data/cifar10")
     """

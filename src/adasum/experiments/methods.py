@@ -4,6 +4,13 @@ Every method is a row of three answers (see docs/STYLE: how, what, what after): 
 combines across workers, what is combined (gradients, or model deltas after `local_steps` local
 steps), and whether SlowMo's outer step follows. Learning-rate scaling is part of the recipe.
 
+AdaCons's learning rate: the library's AdaCons (``scale="mean_norm"``) is a weighted mean of the
+workers' gradients whose weights sum to 1, rescaled to the mean's length: ``|m| sum_i c_i g_i/|g_i|``
+(the paper's unit-length direction times ``|m|``). When the workers' gradients agree it *is* the
+mean, so it gets the mean's recipe, Horovod's linear scaling (lr x P), and then takes the very step
+of ``mean-scaled``; when their gradients are orthogonal (noise-dominated) its step is up to sqrt(P)
+times shorter than the mean's (tests/test_adacons_lr.py shows both on toy gradients).
+
 ==================  ========  =========  ===========  ============  ===============================
 name                reducer   combines   local steps  slow moment.  learning rate
 ==================  ========  =========  ===========  ============  ===============================
@@ -13,7 +20,7 @@ mean                mean      gradients  1            no            lr
 sum                 sum       gradients  1            no            lr
 adasum              adasum    gradients  1            no            lr
 adasum-delta        adasum    deltas     1            no            lr (optimizer deltas)
-adacons             adacons   gradients  1            no            lr
+adacons             adacons   gradients  1            no            lr x P (a weighted mean)
 localsgd            mean      deltas     tau          no            lr
 adasum-localsgd     adasum    deltas     tau          no            lr
 slowmo              mean      deltas     tau          yes           lr
@@ -59,7 +66,7 @@ METHODS: dict[str, Method] = {
         Method("sum", "sum", description="gradient sum"),
         Method("adasum", "adasum", description="Adasum of gradients"),
         Method("adasum-delta", "adasum", combine="deltas", description="Adasum of optimizer deltas"),
-        Method("adacons", "adacons", description="AdaCons of gradients"),
+        Method("adacons", "adacons", linear_lr_scaling=True, description="AdaCons of gradients, lr x P"),
         Method("localsgd", "mean", combine="deltas", local=True, description="local SGD, model average"),
         Method(
             "adasum-localsgd", "adasum", combine="deltas", local=True, description="local SGD, Adasum of model deltas"

@@ -28,16 +28,19 @@ from adasum.collectives.nonfinite import POLICIES, NonFiniteError, find_nonfinit
 from adasum.diagnostics import Orthogonality, all_reduce_orthogonality
 from adasum.experiments.checkpoint import kill_point, load_checkpoint, save_checkpoint
 from adasum.experiments.data import Dataset, load_task
+from adasum.experiments.io import read_jsonl, write_json_atomic, write_text_atomic
 from adasum.experiments.methods import get_method, method_reducer
 from adasum.experiments.models import build_model
 from adasum.integrations.optim import DistributedOptimizer
 from adasum.integrations.slowmo import SlowMo
 from adasum.reducers import Reducer
 from adasum.sim import SimulatedWorkers, StepResult, cross_entropy
+from adasum.transport.groups import failures_named
 
 log = logging.getLogger("adasum")
 
 OPTIMIZERS = ("sgd", "adam", "lamb")
+FLOAT32_MAX = float(torch.finfo(torch.float32).max)
 
 
 @dataclass
@@ -65,13 +68,20 @@ class RunConfig:
     nonfinite: str = "propagate"
     checkpoint_every: int | None = None
     deterministic: bool = False
+    val_fraction: float = 0.1
 
     def validate(self) -> None:
         """Raise ValueError naming the first bad field."""
-        get_method(self.method)
+        method = get_method(self.method)
+        used_lr = method.learning_rate(self.lr, method.workers(self.workers)) if self.lr > 0 else self.lr
         checks = [
             (self.workers >= 1, f"workers must be >= 1, got {self.workers}"),
             (self.lr > 0 and math.isfinite(self.lr), f"learning rate must be > 0, got {self.lr}"),
+            (
+                used_lr <= FLOAT32_MAX,
+                f"learning rate {self.lr:g} gives the optimizer {used_lr:g}, more than float32 holds "
+                f"({FLOAT32_MAX:.3g})",
+            ),
             (self.epochs >= 1, f"epochs must be >= 1, got {self.epochs}"),
             (self.batch_size >= 1, f"batch size must be >= 1, got {self.batch_size}"),
             (
@@ -89,6 +99,7 @@ class RunConfig:
                 self.checkpoint_every is None or self.checkpoint_every >= 1,
                 f"checkpoint every must be >= 1, got {self.checkpoint_every}",
             ),
+            (0 < self.val_fraction <= 0.5, f"validation fraction must be in (0, 0.5], got {self.val_fraction}"),
         ]
         for ok, message in checks:
             if not ok:
@@ -241,7 +252,8 @@ class DistributedWorker:
             self.optimizer.step()
         self.steps += 1
         mean_loss = loss.detach().reshape(1)
-        dist.all_reduce(mean_loss)
+        with failures_named("adasum train", f"the all-reduce of step {self.steps}'s loss", None):
+            dist.all_reduce(mean_loss)
         return StepResult(mean_loss / dist.get_world_size(), diag)
 
     def state_dict(self) -> dict[str, Any]:
@@ -259,12 +271,6 @@ class DistributedWorker:
         self.reducer.load_state_dict(state.get("reducer", {}))
         self.steps = int(state["steps"])
         self.skipped_steps = int(state.get("skipped_steps", 0))
-
-
-def write_json_atomic(obj: Any, path: Path) -> None:
-    tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
-    tmp.write_text(json.dumps(obj, indent=1) + "\n")
-    os.replace(tmp, path)
 
 
 class ProgressBar:
@@ -311,16 +317,310 @@ def _tensorboard_writer(path: Path):
     return SummaryWriter(str(path))
 
 
-@contextmanager
-def _metrics_file(path: Path, keep_epochs: int | None) -> Iterator[Any]:
-    """metrics.jsonl for appending; on resume, lines of epochs after the checkpoint are dropped."""
+def _trim_metrics(path: Path, keep_epochs: int | None) -> None:
+    """Before appending to metrics.jsonl: on resume drop the lines of epochs after the checkpoint
+    (a torn last line too, with a warning naming the file); on a fresh start remove the file."""
     if keep_epochs is not None and path.exists():
-        kept = [line for line in path.read_text().splitlines() if line and json.loads(line)["epoch"] <= keep_epochs]
-        path.write_text("".join(line + "\n" for line in kept))
+        kept = [row for row in read_jsonl(path) if row.get("epoch", 0) <= keep_epochs]
+        write_text_atomic(path, "".join(json.dumps(row) + "\n" for row in kept))
     elif keep_epochs is None and path.exists():
         path.unlink()
-    with open(path, "a") as f:
-        yield f
+
+
+def _agree(error: str | None, distributed: bool) -> None:
+    """Raise rank 0's ValueError `error` on every rank (rank 0 alone writes the output files)."""
+    if distributed:
+        box = [error]
+        with failures_named("adasum train", "the check of the output files across ranks", None):
+            dist.broadcast_object_list(box, src=0)
+        error = box[0]
+    if error is not None:
+        raise ValueError(error)
+
+
+@dataclass
+class Chance:
+    """What a model that learned nothing scores: the accuracy of always predicting the most
+    frequent validation label, and the loss of predicting the training label frequencies."""
+
+    accuracy: float  # percent
+    noise: float  # 3 binomial standard deviations of that accuracy over the validation set, percent
+    loss: float  # entropy of the training labels (nats)
+
+    @classmethod
+    def of(cls, train_y: torch.Tensor, val_y: torch.Tensor, classes: int) -> Chance:
+        val = torch.bincount(val_y.reshape(-1).cpu(), minlength=classes).double()
+        majority = float(val.max() / val.sum())
+        p = torch.bincount(train_y.reshape(-1).cpu(), minlength=classes).double()
+        p = p[p > 0] / p.sum()
+        entropy = float(-(p * p.log()).sum())
+        noise = 3 * math.sqrt(majority * (1 - majority) / float(val.sum()))
+        return cls(100 * majority, 100 * noise, entropy)
+
+    def collapsed(self, history: list[dict[str, Any]]) -> bool:
+        """At chance: the last validation accuracy within noise of the majority rate, or a training
+        loss that never left the chance level (every epoch's mean at least 99% of it)."""
+        if not history:
+            return False
+        at_chance_accuracy = history[-1]["val_accuracy"] <= self.accuracy + self.noise
+        loss_stayed = all(h["train_loss"] >= 0.99 * self.loss for h in history)
+        return at_chance_accuracy or loss_stayed
+
+
+@dataclass
+class _Progress:
+    """Where a run stands: finished epochs, the epoch in progress, the orthogonality trace."""
+
+    history: list[dict[str, Any]]
+    trace: list[list[float]]
+    epoch: int = 0
+    step: int = 0  # steps done in `epoch`
+    partial: dict[str, Any] | None = None  # that epoch's losses and diagnostics so far
+
+    def start_epoch(self, epoch: int) -> dict[str, Any]:
+        if epoch != self.epoch or self.step == 0 or self.partial is None:
+            self.epoch, self.step = epoch, 0
+            self.partial = {"losses": [], "ortho": [], "per_tensor": []}
+        return self.partial
+
+
+class _Run:
+    """One training run's parts: data, model, engine, output paths; `train` drives it."""
+
+    def __init__(self, config: RunConfig, out: Path | None, dataset: Dataset | None, distributed: bool) -> None:
+        self.config, self.out, self.distributed = config, out, distributed
+        self.method = get_method(config.method)
+        self.device = torch.device(config.device)
+        self.rank = dist.get_rank() if distributed else 0
+        self.workers = dist.get_world_size() if distributed else self.method.workers(config.workers)
+        if distributed and self.method.single_worker and self.workers > 1:
+            raise ValueError(f"method {self.method.name!r} is one worker: launch it with torchrun --nproc-per-node 1")
+        self.reducer = method_reducer(self.method)
+        if out is not None and self.rank == 0:
+            out.mkdir(parents=True, exist_ok=True)
+        self._load_data(dataset)
+        self.lr = self.method.learning_rate(config.lr, self.workers)
+        self._build_engine()
+        self.checkpoint = out / "checkpoint.pt" if out is not None else None
+        self.label = f"{self.method.name} P={self.workers} lr={config.lr:g} seed={config.seed}"
+
+    def _load_data(self, dataset: Dataset | None) -> None:
+        config = self.config
+        base = dataset if dataset is not None else load_task(config.task, config.data_dir)
+        self.data = base.with_validation(config.val_fraction).to(self.device)
+        self.train_x, self.train_y = self.data.train_x, self.data.train_y
+        if config.train_limit is not None:
+            self.train_x, self.train_y = self.train_x[: config.train_limit], self.train_y[: config.train_limit]
+        self.steps_per_epoch = len(self.train_x) // (self.workers * config.batch_size)
+        if self.steps_per_epoch == 0:
+            raise ValueError(
+                f"{len(self.train_x)} training examples are fewer than one global batch of "
+                f"{self.workers} workers x {config.batch_size}"
+            )
+        self.chance = Chance.of(self.train_y, self.data.val_y, self.data.classes)
+
+    def _build_engine(self) -> None:
+        config = self.config
+        self.model_name = config.model or self.data.default_model
+        torch.manual_seed(config.seed)  # the same initial model for every method and worker count
+        model = build_model(self.model_name, self.data.input_shape, self.data.classes).to(self.device)
+        optimizer = make_optimizer(config, self.lr)
+        options = dict(  # the method, the same for simulated and real workers
+            combine=self.method.combine,
+            local_steps=config.local_steps if self.method.local else 1,
+            slow_momentum=config.slow_momentum if self.method.slow_momentum else None,
+            slow_lr=config.slow_lr,
+        )
+        self.engine: SimulatedWorkers | DistributedWorker
+        if self.distributed:
+            torch.manual_seed(config.seed * 1000 + self.rank + 1)  # each rank its own dropout
+            self.engine = DistributedWorker(model, optimizer, self.reducer, nonfinite=config.nonfinite, **options)
+        else:
+            self.engine = SimulatedWorkers(
+                model,
+                self.workers,
+                optimizer,
+                reducer=self.reducer,
+                chunk_size=config.chunk_size,
+                nonfinite=config.nonfinite,
+                **options,
+            )
+        self.names = [n for n, p in model.named_parameters() if p.requires_grad]
+
+    def restore(self, resume: bool) -> _Progress:
+        """The progress to start from: the checkpoint's with `resume` (if there is one), else none."""
+        progress = _Progress(history=[], trace=[])
+        if not (resume and self.checkpoint is not None and self.checkpoint.exists()):
+            return progress
+        state, local = load_checkpoint(self.checkpoint, self.device, distributed=self.distributed)
+        check_same_run(state["config"], asdict(self.config), self.checkpoint)
+        if int(state["epoch"]) > self.config.epochs:
+            raise ValueError(
+                f"{self.checkpoint} is at epoch {int(state['epoch'])}, past --epochs {self.config.epochs}; "
+                "drop --resume or use another --out"
+            )
+        self.engine.load_state_dict(local["engine"])
+        progress = _Progress(
+            history=state["history"],
+            trace=state["trace"],
+            epoch=int(state["epoch"]),
+            step=int(state.get("step_in_epoch", 0)),
+            partial=state.get("partial"),
+        )
+        torch.set_rng_state(local["rng"])
+        if self.device.type == "cuda" and local.get("cuda_rng") is not None:
+            torch.cuda.set_rng_state(local["cuda_rng"], self.device)
+        log.info("resumed %s from epoch %d, step %d", self.out, progress.epoch, progress.step)
+        return progress
+
+    def save(self, progress: _Progress, epoch: int, step_in_epoch: int) -> None:
+        """Checkpoint after `epoch` whole epochs and `step_in_epoch` more steps (every rank calls)."""
+        if self.checkpoint is None:
+            return
+        common = {
+            "config": asdict(self.config),
+            "epoch": epoch,
+            "step_in_epoch": step_in_epoch,
+            "partial": progress.partial if step_in_epoch else None,
+            "history": progress.history,
+            "trace": progress.trace,
+        }
+        local = {
+            "engine": self.engine.state_dict(),
+            "rng": torch.get_rng_state(),
+            "cuda_rng": torch.cuda.get_rng_state(self.device) if self.device.type == "cuda" else None,
+        }
+        save_checkpoint(self.checkpoint, common, local, distributed=self.distributed)
+
+    def train_epoch(self, progress: _Progress, epoch: int, advance: Callable[[int], None]) -> dict[str, Any]:
+        """Run the rest of `epoch`; its losses and diagnostics (also in ``progress.partial``)."""
+        config = self.config
+        partial = progress.start_epoch(epoch)
+        order = worker_batches(len(self.train_x), self.workers, config.batch_size, epoch, config.seed).to(self.device)
+        for s in range(progress.step, self.steps_per_epoch):
+            idx = order[s, self.rank : self.rank + 1] if self.distributed else order[s]
+            result = self.engine.step(self.train_x[idx], self.train_y[idx])
+            partial["losses"].append(result.losses.mean().detach())
+            if result.orthogonality is not None:
+                partial["ortho"].append((s, result.orthogonality.model))
+                partial["per_tensor"].append(result.orthogonality.per_tensor)
+            advance(1)
+            progress.step = s + 1
+            global_step = epoch * self.steps_per_epoch + s + 1
+            if config.checkpoint_every and global_step % config.checkpoint_every == 0 and s + 1 < self.steps_per_epoch:
+                self.save(progress, epoch, s + 1)
+            kill_point(self.rank, global_step)
+        return partial
+
+    def epoch_record(self, progress: _Progress, epoch: int, partial: dict[str, Any], wall_s: float) -> dict[str, Any]:
+        """Evaluate the agreed model after `epoch` and append the epoch's record to the history."""
+        step_losses = torch.stack(partial["losses"]).tolist()
+        if self.config.nonfinite == "skip":  # a skipped step's loss may be NaN: not a divergence
+            finite_mean = _finite_mean(step_losses)
+            train_loss = finite_mean if finite_mean is not None else float("nan")
+        else:
+            train_loss = sum(step_losses) / len(step_losses)
+        val_loss, val_acc = evaluate(self.engine.module, self.data.val_x, self.data.val_y)
+        test_loss, test_acc = evaluate(self.engine.module, self.data.test_x, self.data.test_y)
+        diverged = not all(math.isfinite(v) for v in (train_loss, val_loss, test_loss))
+        tensor_o = torch.stack(partial["per_tensor"]).mean(0).tolist() if partial["per_tensor"] else []
+        record = {
+            "epoch": epoch + 1,
+            "train_loss": train_loss,
+            "val_loss": val_loss,
+            "val_accuracy": val_acc,
+            "test_loss": test_loss,
+            "test_accuracy": test_acc,
+            "orthogonality": _finite_mean([o for _, o in partial["ortho"]]),
+            "orthogonality_per_tensor": dict(zip(self.names, tensor_o)),
+            "steps": (epoch + 1) * self.steps_per_epoch,
+            "wall_s": wall_s,
+            "diverged": diverged,
+            "skipped_steps": self.engine.skipped_steps,
+        }
+        record["collapsed"] = not diverged and self.chance.collapsed([*progress.history, record])
+        progress.history.append(record)
+        trace_every = max(1, self.steps_per_epoch * self.config.epochs // 400)
+        for s, o in partial["ortho"]:
+            if (epoch * self.steps_per_epoch + s) % trace_every == 0:
+                progress.trace.append([epoch + s / self.steps_per_epoch, o])
+        record["_step_losses"] = step_losses  # for metrics.jsonl, removed there
+        return record
+
+    def report_epoch(self, record: dict[str, Any], partial: dict[str, Any], metrics: Any, writer: Any) -> None:
+        """Log the epoch (rank 0) and append it to metrics.jsonl and TensorBoard."""
+        step_losses = record.pop("_step_losses")
+        if self.rank != 0:
+            return
+        mean_o = record["orthogonality"]
+        log.info(
+            "%s epoch %d/%d: train loss %.4f, val accuracy %.2f%%, test accuracy %.2f%%%s%s",
+            self.label,
+            record["epoch"],
+            self.config.epochs,
+            record["train_loss"],
+            record["val_accuracy"],
+            record["test_accuracy"],
+            f", orthogonality {mean_o:.3f}" if mean_o is not None else "",
+            " (diverged)" if record["diverged"] else " (at chance)" if record["collapsed"] else "",
+        )
+        if metrics is not None:
+            epoch = record["epoch"] - 1
+            o_by_step = dict(partial["ortho"])
+            for s, value in enumerate(step_losses):
+                line = {"epoch": epoch + 1, "step": epoch * self.steps_per_epoch + s + 1, "loss": value}
+                if s in o_by_step:
+                    line["orthogonality"] = o_by_step[s]
+                metrics.write(json.dumps(line) + "\n")
+            metrics.write(json.dumps({"epoch": epoch + 1, "kind": "epoch", **record}) + "\n")
+            metrics.flush()
+        if writer is not None:
+            for key in ("train_loss", "val_accuracy", "test_loss", "test_accuracy", "orthogonality"):
+                if record[key] is not None:
+                    writer.add_scalar(key, record[key], record["epoch"])
+
+    def result(self, progress: _Progress) -> dict[str, Any]:
+        config, method, history = self.config, self.method, progress.history
+        last = history[-1]
+        return {
+            "method": method.name,
+            "workers": self.workers,
+            "lr": config.lr,
+            "effective_lr": self.lr,
+            "epochs": config.epochs,
+            "seed": config.seed,
+            "val_accuracy": last["val_accuracy"],
+            "test_accuracy": last["test_accuracy"],
+            "diverged": last["diverged"],
+            "collapsed": last["collapsed"],
+            "epochs_run": len(history),
+            "batch_size": config.batch_size,
+            "optimizer": config.optimizer,
+            "momentum": config.momentum,
+            "task": self.data.name,
+            "model": self.model_name,
+            "local_steps": config.local_steps if method.local else None,
+            "slow_momentum": config.slow_momentum if method.slow_momentum else None,
+            "val_loss": last["val_loss"],
+            "test_loss": last["test_loss"],
+            "train_loss": last["train_loss"],
+            "best_val_accuracy": max(h["val_accuracy"] for h in history),
+            "chance_accuracy": self.chance.accuracy,
+            "skipped_steps": self.engine.skipped_steps,
+            "steps": len(history) * self.steps_per_epoch,
+            "wall_s": sum(h["wall_s"] for h in history),
+            "distributed": self.distributed,
+            "config": identity(asdict(config)),
+            "history": history,
+            "orthogonality_trace": progress.trace,
+        }
+
+
+def _set_deterministic(config: RunConfig) -> None:
+    if config.deterministic:  # bitwise-repeatable kernels (CPU runs with fixed threads already are)
+        os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+        torch.use_deterministic_algorithms(True)
+        torch.backends.cudnn.benchmark = False
 
 
 def train(
@@ -336,221 +636,49 @@ def train(
     """Train one run and return its result (also written to ``OUT/result.json``).
 
     Simulated unless `distributed` (then one process per worker under torchrun, every method).
+    The task's training data loses ``config.val_fraction`` to a fixed validation split
+    (`Dataset.with_validation`); every epoch evaluates the agreed model on it and on the test set.
     `out_dir` receives ``metrics.jsonl`` (one line per step and per epoch),
     ``checkpoint.pt`` after every epoch (and every ``config.checkpoint_every`` steps), and
     ``result.json``; `resume` continues from the checkpoint, mid-epoch included, exactly where the
     uninterrupted run would be (`adasum.experiments.checkpoint`).
 
     >>> result = train(RunConfig(method="adasum", workers=16, lr=0.01, epochs=2), "runs/one")
-    >>> result["test_accuracy"]
+    >>> result["val_accuracy"], result["test_accuracy"], result["collapsed"]
     """
     config.validate()
-    if config.deterministic:  # bitwise-repeatable kernels (CPU runs with fixed threads already are)
-        os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
-        torch.use_deterministic_algorithms(True)
-        torch.backends.cudnn.benchmark = False
-    method = get_method(config.method)
-    device = torch.device(config.device)
-    rank = dist.get_rank() if distributed else 0
-    workers = dist.get_world_size() if distributed else method.workers(config.workers)
-    if distributed and method.single_worker and workers > 1:
-        raise ValueError(f"method {method.name!r} is one worker: launch it with torchrun --nproc-per-node 1")
-    reducer = method_reducer(method)
+    _set_deterministic(config)
     out = Path(out_dir) if out_dir is not None else None
-    if out is not None and rank == 0:
-        out.mkdir(parents=True, exist_ok=True)
-
-    data = (dataset if dataset is not None else load_task(config.task, config.data_dir)).to(device)
-    train_x, train_y = data.train_x, data.train_y
-    if config.train_limit is not None:
-        train_x, train_y = train_x[: config.train_limit], train_y[: config.train_limit]
-    steps_per_epoch = len(train_x) // (workers * config.batch_size)
-    if steps_per_epoch == 0:
-        raise ValueError(
-            f"{len(train_x)} training examples are fewer than one global batch of "
-            f"{workers} workers x {config.batch_size}"
-        )
-    model_name = config.model or data.default_model
-    lr = method.learning_rate(config.lr, workers)
-
-    torch.manual_seed(config.seed)  # the same initial model for every method and worker count
-    model = build_model(model_name, data.input_shape, data.classes).to(device)
-    optimizer = make_optimizer(config, lr)
-    options = dict(  # the method, the same for simulated and real workers
-        combine=method.combine,
-        local_steps=config.local_steps if method.local else 1,
-        slow_momentum=config.slow_momentum if method.slow_momentum else None,
-        slow_lr=config.slow_lr,
+    run = _Run(config, out, dataset, distributed)
+    state = run.restore(resume)
+    advance = (progress or ProgressBar(False)).task(
+        run.label, run.steps_per_epoch * config.epochs, state.epoch * run.steps_per_epoch + state.step
     )
-    if distributed:
-        torch.manual_seed(config.seed * 1000 + rank + 1)  # each rank its own dropout
-        engine: SimulatedWorkers | DistributedWorker = DistributedWorker(
-            model, optimizer, reducer, nonfinite=config.nonfinite, **options
-        )
-    else:
-        engine = SimulatedWorkers(
-            model,
-            workers,
-            optimizer,
-            reducer=reducer,
-            chunk_size=config.chunk_size,
-            nonfinite=config.nonfinite,
-            **options,
-        )
-    names = [n for n, p in model.named_parameters() if p.requires_grad]
-
-    history: list[dict[str, Any]] = []
-    trace: list[list[float]] = []
-    start_epoch = start_step = 0
-    partial: dict[str, Any] = {"losses": [], "ortho": [], "per_tensor": []}  # the epoch so far
-    checkpoint = out / "checkpoint.pt" if out is not None else None
-    if resume and checkpoint is not None and checkpoint.exists():
-        state, local = load_checkpoint(checkpoint, device, distributed=distributed)
-        _check_same_run(state["config"], asdict(config), checkpoint)
-        engine.load_state_dict(local["engine"])
-        history, trace, start_epoch = state["history"], state["trace"], int(state["epoch"])
-        start_step = int(state.get("step_in_epoch", 0))
-        partial = state.get("partial") or partial
-        torch.set_rng_state(local["rng"])
-        if device.type == "cuda" and local.get("cuda_rng") is not None:
-            torch.cuda.set_rng_state(local["cuda_rng"], device)
-        log.info("resumed %s from epoch %d, step %d", out, start_epoch, start_step)
-
-    def save(epoch: int, step_in_epoch: int) -> None:
-        """Checkpoint after `epoch` whole epochs and `step_in_epoch` more steps (every rank calls)."""
-        if checkpoint is None:
-            return
-        common = {
-            "config": asdict(config),
-            "epoch": epoch,
-            "step_in_epoch": step_in_epoch,
-            "partial": partial if step_in_epoch else None,
-            "history": history,
-            "trace": trace,
-        }
-        local = {
-            "engine": engine.state_dict(),
-            "rng": torch.get_rng_state(),
-            "cuda_rng": torch.cuda.get_rng_state(device) if device.type == "cuda" else None,
-        }
-        save_checkpoint(checkpoint, common, local, distributed=distributed)
-
-    total_steps = steps_per_epoch * config.epochs
-    trace_every = max(1, total_steps // 400)
-    label = f"{method.name} P={workers} lr={config.lr:g}"
-    advance = (progress or ProgressBar(False)).task(label, total_steps, start_epoch * steps_per_epoch + start_step)
-    writer = _tensorboard_writer(out / "tensorboard") if tensorboard and out is not None and rank == 0 else None
-    diverged = bool(history and history[-1].get("diverged"))
-    metrics_path = out / "metrics.jsonl" if out is not None and rank == 0 else None
-    metrics_cm = _metrics_file(metrics_path, start_epoch if resume else None) if metrics_path else _null()
-    with metrics_cm as metrics:
-        for epoch in range(start_epoch, config.epochs):
-            if diverged:
+    metrics_path = out / "metrics.jsonl" if out is not None and run.rank == 0 else None
+    writer, error = None, None
+    try:  # what only rank 0 does, and every rank must hear about
+        if metrics_path is not None:
+            _trim_metrics(metrics_path, state.epoch if resume else None)
+        if tensorboard and out is not None and run.rank == 0:
+            writer = _tensorboard_writer(out / "tensorboard")
+    except ValueError as e:
+        error = str(e)
+    _agree(error, distributed)
+    with open(metrics_path, "a") if metrics_path is not None else _null() as metrics:
+        for epoch in range(state.epoch, config.epochs):
+            if state.history and state.history[-1]["diverged"]:
                 break
             started = time.perf_counter()
-            order = worker_batches(len(train_x), workers, config.batch_size, epoch, config.seed).to(device)
-            first = start_step if epoch == start_epoch else 0
-            if first == 0:
-                partial = {"losses": [], "ortho": [], "per_tensor": []}
-            losses, ortho, per_tensor = partial["losses"], partial["ortho"], partial["per_tensor"]
-            for s in range(first, steps_per_epoch):
-                idx = order[s, rank : rank + 1] if distributed else order[s]
-                result = engine.step(train_x[idx], train_y[idx])
-                losses.append(result.losses.mean().detach())
-                if result.orthogonality is not None:
-                    ortho.append((s, result.orthogonality.model))
-                    per_tensor.append(result.orthogonality.per_tensor)
-                advance(1)
-                global_step = epoch * steps_per_epoch + s + 1
-                if config.checkpoint_every and global_step % config.checkpoint_every == 0 and s + 1 < steps_per_epoch:
-                    save(epoch, s + 1)
-                kill_point(rank, global_step)
-            step_losses = torch.stack(losses).tolist()
-            if config.nonfinite == "skip":  # a skipped step's loss may be NaN: not a divergence
-                finite_mean = _finite_mean(step_losses)
-                train_loss = finite_mean if finite_mean is not None else float("nan")
-            else:
-                train_loss = sum(step_losses) / len(step_losses)
-            test_loss, test_acc = evaluate(engine.module, data.test_x, data.test_y)
-            diverged = not (math.isfinite(train_loss) and math.isfinite(test_loss))
-            mean_o = _finite_mean([o for _, o in ortho])
-            tensor_o = torch.stack(per_tensor).mean(0).tolist() if per_tensor else []
-            record = {
-                "epoch": epoch + 1,
-                "train_loss": train_loss,
-                "test_loss": test_loss,
-                "test_accuracy": test_acc,
-                "orthogonality": mean_o,
-                "orthogonality_per_tensor": dict(zip(names, tensor_o)),
-                "steps": (epoch + 1) * steps_per_epoch,
-                "wall_s": time.perf_counter() - started,
-                "diverged": diverged,
-                "skipped_steps": engine.skipped_steps,
-            }
-            history.append(record)
-            for s, o in ortho:
-                step = epoch * steps_per_epoch + s
-                if step % trace_every == 0:
-                    trace.append([epoch + s / steps_per_epoch, o])
-            if rank == 0:
-                log.info(
-                    "%s epoch %d/%d: train loss %.4f, test loss %.4f, test accuracy %.2f%%%s%s",
-                    label,
-                    epoch + 1,
-                    config.epochs,
-                    train_loss,
-                    test_loss,
-                    test_acc,
-                    f", orthogonality {mean_o:.3f}" if mean_o is not None else "",
-                    " (diverged)" if diverged else "",
-                )
-                if metrics is not None:
-                    o_by_step = dict(ortho)
-                    for s, value in enumerate(step_losses):
-                        line = {"epoch": epoch + 1, "step": epoch * steps_per_epoch + s + 1, "loss": value}
-                        if s in o_by_step:
-                            line["orthogonality"] = o_by_step[s]
-                        metrics.write(json.dumps(line) + "\n")
-                    metrics.write(json.dumps({"epoch": epoch + 1, "kind": "epoch", **record}) + "\n")
-                    metrics.flush()
-                if writer is not None:
-                    for key in ("train_loss", "test_loss", "test_accuracy", "orthogonality"):
-                        if record[key] is not None:
-                            writer.add_scalar(key, record[key], epoch + 1)
-            save(epoch + 1, 0)
+            partial = run.train_epoch(state, epoch, advance)
+            record = run.epoch_record(state, epoch, partial, time.perf_counter() - started)
+            run.report_epoch(record, partial, metrics, writer)
+            state.epoch, state.step = epoch + 1, 0
+            run.save(state, epoch + 1, 0)
     if writer is not None:
         writer.close()
-
-    last = history[-1]
-    result = {
-        "method": method.name,
-        "workers": workers,
-        "lr": config.lr,
-        "effective_lr": lr,
-        "epochs": config.epochs,
-        "epochs_run": len(history),
-        "batch_size": config.batch_size,
-        "optimizer": config.optimizer,
-        "momentum": config.momentum,
-        "task": data.name,
-        "model": model_name,
-        "seed": config.seed,
-        "local_steps": config.local_steps if method.local else None,
-        "slow_momentum": config.slow_momentum if method.slow_momentum else None,
-        "test_accuracy": last["test_accuracy"],
-        "test_loss": last["test_loss"],
-        "train_loss": last["train_loss"],
-        "best_test_accuracy": max(h["test_accuracy"] for h in history),
-        "diverged": last["diverged"],
-        "skipped_steps": engine.skipped_steps,
-        "steps": len(history) * steps_per_epoch,
-        "wall_s": sum(h["wall_s"] for h in history),
-        "distributed": distributed,
-        "history": history,
-        "orthogonality_trace": trace,
-    }
-    if out is not None and rank == 0:
-        write_json_atomic(result, out / "result.json")
+    result = run.result(state)
+    if out is not None and run.rank == 0:
+        write_json_atomic(out / "result.json", result)
     return result
 
 
@@ -564,11 +692,21 @@ def _finite_mean(values: list[float]) -> float | None:
     return sum(good) / len(good) if good else None
 
 
-def _check_same_run(saved: dict[str, Any], current: dict[str, Any], path: Path) -> None:
-    for f in fields(RunConfig):
-        key = f.name
-        if key not in RESUMABLE and saved.get(key) != current.get(key):
-            raise ValueError(
-                f"{path} belongs to another run ({key} {saved.get(key)!r}, now {current.get(key)!r}); "
-                "drop --resume or use another --out"
-            )
+def identity(config: dict[str, Any]) -> dict[str, Any]:
+    """The fields of a run's configuration that make it that run (all but the RESUMABLE ones)."""
+    return {f.name: config.get(f.name) for f in fields(RunConfig) if f.name not in RESUMABLE}
+
+
+def differences(saved: dict[str, Any], current: dict[str, Any]) -> list[str]:
+    """``"key saved -> current"`` for every identity field that differs."""
+    a, b = identity(saved), identity(current)
+    return [f"{key} {a[key]!r} -> {b[key]!r}" for key in a if a[key] != b[key]]
+
+
+def check_same_run(saved: dict[str, Any], current: dict[str, Any], path: Path) -> None:
+    """ValueError naming every difference if `saved` is another run's configuration."""
+    diff = differences(saved, current)
+    if diff:
+        raise ValueError(
+            f"{path} belongs to another run ({', '.join(diff)}); drop --resume or use another --out"
+        )

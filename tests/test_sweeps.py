@@ -1,0 +1,183 @@
+"""Results people can trust: seeds as a sweep axis, resume only of exact matches, collapse
+detection, the validation split and selection on it, intervals and the learning-rate robustness table."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from adasum.experiments import compare as compare_mod
+from adasum.experiments.cli import main
+from adasum.experiments.data import load_task
+from adasum.experiments.report import Stat, picked, robustness, separation, summary_table, t95
+from adasum.experiments.runner import Chance, RunConfig, train
+
+QUICK = ["--no-progress", "--quiet", "--train-limit", "128", "--batch-size", "8", "--epochs", "1"]
+
+
+def rows(out: Path) -> list[dict]:
+    return [json.loads(line) for line in (out / "results.jsonl").read_text().splitlines() if line.strip()]
+
+
+@pytest.fixture(scope="module")
+def digits():
+    return load_task("digits")
+
+
+def test_seeds_are_a_sweep_axis_and_rows_carry_the_named_fields(tmp_path):
+    out = tmp_path / "sweep"
+    assert main(["compare", "--methods", "sequential,adasum", "--workers", "2", "--lr", "0.05",
+                 "--seeds", "0,1", "--out", str(out), *QUICK]) == 0
+    got = rows(out)
+    assert sorted((r["method"], r["workers"], r["seed"]) for r in got) == [
+        ("adasum", 2, 0), ("adasum", 2, 1), ("sequential", 1, 0), ("sequential", 1, 1)]
+    for r in got:
+        assert {"method", "workers", "lr", "epochs", "seed", "val_accuracy", "test_accuracy", "diverged",
+                "collapsed"} <= set(r)
+        assert r["config"]["seed"] == r["seed"] and r["config"]["task"] == "digits"
+        assert (out / "runs" / f"{r['method']}-P{r['workers']}-lr0.05-seed{r['seed']}" / "result.json").exists()
+    adasum = [r for r in got if r["method"] == "adasum"]
+    assert adasum[0]["history"] != adasum[1]["history"]  # another seed, another run
+    report = (out / "report.md").read_text()
+    assert "seeds 0, 1" in report and "| adasum | 2 | 0.05 | 2 |" in report
+
+
+def test_compare_without_seeds_runs_the_default_three(tmp_path, monkeypatch):
+    seen = []
+    monkeypatch.setattr(compare_mod, "train", lambda config, *a, **k: seen.append(config.seed) or _fake(config))
+    monkeypatch.setattr(compare_mod, "plot", lambda results, out: [])
+    assert main(["compare", "--methods", "adasum", "--workers", "2", "--out", str(tmp_path), *QUICK]) == 0
+    assert seen == [0, 1, 2]
+
+
+def _fake(config: RunConfig, val: float = 50.0, test: float = 50.0) -> dict:
+    from dataclasses import asdict
+
+    from adasum.experiments.runner import identity
+
+    return {"method": config.method, "workers": config.workers, "lr": config.lr, "effective_lr": config.lr,
+            "epochs": config.epochs, "seed": config.seed, "val_accuracy": val, "test_accuracy": test,
+            "diverged": False, "collapsed": False, "test_loss": 1.0, "steps": 1, "wall_s": 0.0,
+            "history": [{"epoch": 1, "orthogonality": None}], "orthogonality_trace": [],
+            "config": identity(asdict(config)), "task": config.task}
+
+
+def test_resume_skips_exact_matches_only_and_names_what_differs(tmp_path, monkeypatch, capsys):
+    out = tmp_path / "sweep"
+    first = ["compare", "--methods", "adasum", "--workers", "2", "--lr", "0.05", "--seeds", "0", "--out", str(out),
+             *QUICK]
+    assert main(first) == 0
+    before = rows(out)
+    ran = []
+    real_train = compare_mod.train
+    monkeypatch.setattr(compare_mod, "train", lambda config, *a, **k: ran.append(config.seed) or real_train(
+        config, *a, **k))
+    # the same sweep plus seed 1: seed 0 is taken as it is, only seed 1 runs
+    assert main([*first[:-len(QUICK) - 2], "--seeds", "0,1", "--out", str(out), "--resume", *QUICK]) == 0
+    assert ran == [1]
+    after = rows(out)
+    assert after[0] == before[0] and [r["seed"] for r in after] == [0, 1]
+    capsys.readouterr()
+    # another batch size, task or momentum: refused, with the differences named, nothing run
+    for extra, named in [(["--batch-size", "4"], "batch_size 8 -> 4"), (["--task", "sklearn-digits"],
+                         "task 'digits' -> 'sklearn-digits'"), (["--momentum", "0.9"], "momentum 0.5 -> 0.9")]:
+        ran.clear()
+        args = ["compare", "--methods", "adasum", "--workers", "2", "--lr", "0.05", "--seeds", "0,1",
+                "--out", str(out), "--resume", *QUICK, *extra]
+        assert main(args) == 2
+        err = capsys.readouterr().err.strip().splitlines()
+        assert len(err) == 1 and "another configuration" in err[0] and named in err[0], err
+        assert "adasum-P2-lr0.05-seed0" in err[0] and ran == []
+    # more epochs: not a match, the run continues from its checkpoint
+    ran.clear()
+    assert main([*first[:-len(QUICK)], "--resume", *QUICK[:-1], "2"]) == 0
+    assert ran == [0] and rows(out)[0]["epochs"] == 2 and len(rows(out)[0]["history"]) == 2
+
+
+def test_collapse_is_flagged_as_divergence_is(digits):
+    config = RunConfig(method="mean-scaled", workers=4, lr=5.0, epochs=2, batch_size=8, train_limit=256)
+    collapsed = train(config, dataset=digits)
+    assert not collapsed["diverged"] and collapsed["collapsed"]
+    assert collapsed["val_accuracy"] <= collapsed["chance_accuracy"] + 5
+    healthy = train(RunConfig(method="adasum", workers=2, lr=0.05, epochs=2, batch_size=8, train_limit=512),
+                    dataset=digits)
+    assert not healthy["collapsed"] and healthy["val_accuracy"] > 40
+
+
+def test_chance_level_rules():
+    chance = Chance.of(torch.tensor([0, 1, 2, 3] * 25), torch.tensor([0] * 30 + [1] * 70), 4)
+    assert chance.accuracy == pytest.approx(70.0)
+    assert chance.noise == pytest.approx(300 * (0.7 * 0.3 / 100) ** 0.5)
+    assert chance.loss == pytest.approx(torch.log(torch.tensor(4.0)).item())
+    def epoch(val, loss):
+        return {"val_accuracy": val, "train_loss": loss}
+    assert chance.collapsed([epoch(90, 0.5), epoch(70.5, 0.6)])  # ends at the majority rate
+    assert chance.collapsed([epoch(90, 1.39), epoch(90, 1.38)])  # the loss never left chance level
+    assert not chance.collapsed([epoch(90, 1.39), epoch(90, 1.0)])
+
+
+def test_validation_split_is_fixed_held_out_and_the_same_for_every_run(digits):
+    a, b = digits.with_validation(0.1), digits.with_validation(0.1)
+    assert len(a.val_y) == 400 and len(a.train_y) == 3600 and torch.equal(a.val_x, b.val_x)
+    flat = lambda x: {tuple(row.tolist()) for row in x.flatten(1)}  # noqa: E731
+    assert not flat(a.val_x) & flat(a.train_x)  # no example in both
+    assert flat(a.val_x) | flat(a.train_x) == flat(digits.train_x)
+    with pytest.raises(ValueError, match="validation fraction"):
+        digits.with_validation(1.0)
+
+
+def _result(method, workers, lr, seed, val, test, diverged=False):
+    return {"method": method, "workers": workers, "lr": lr, "effective_lr": lr, "seed": seed, "val_accuracy": val,
+            "test_accuracy": test, "diverged": diverged, "collapsed": False}
+
+
+def test_the_learning_rate_is_picked_on_validation_and_only_its_test_accuracy_reported():
+    results = [
+        # lr 0.1 has the better test accuracy, 0.05 the better validation accuracy: 0.05 is picked
+        *[_result("adasum", 8, 0.05, s, 90 + s, 80 + s) for s in range(3)],
+        *[_result("adasum", 8, 0.1, s, 85 + s, 95 + s) for s in range(3)],
+        # a diverged seed scores 0 on validation
+        *[_result("mean-scaled", 8, 0.01, s, 70, 70) for s in range(3)],
+        *[_result("mean-scaled", 8, 0.02, s, 99, 99, diverged=s == 0) for s in range(3)],
+        *[_result("sequential", 1, 0.05, s, 90 + s, 90 + s) for s in range(3)],
+    ]
+    best = picked(results)
+    assert best[("adasum", 8)][0]["lr"] == 0.05 and best[("mean-scaled", 8)][0]["lr"] == 0.01
+    text = summary_table(results)
+    assert "| adasum | 8 | 0.05 | 3 | 91.00 | 81.00 [78.5, 83.5] |" in text
+    assert "worse" in text.splitlines()[3]  # 81 +- 2.5 against sequential's 91 +- 2.5
+    rob = robustness(results)[("adasum", 8)]
+    assert rob.best_lr == 0.05 and rob.best == 91 and (rob.range_lo, rob.range_hi) == (0.05, 0.05)
+    assert rob.at_sequential_lr == 91 and rob.at_edge
+
+
+def test_intervals_and_wins():
+    a = Stat.of([90.0, 91.0, 92.0])
+    assert (a.mean, a.min, a.max, a.n) == (91.0, 90.0, 92.0, 3)
+    assert a.hi - a.mean == pytest.approx(4.303 * 1.0 / 3**0.5)
+    assert separation(a, Stat.of([80.0, 81.0, 82.0])) == "better"
+    assert separation(Stat.of([80.0, 81.0, 82.0]), a) == "worse"
+    assert separation(a, Stat.of([88.0, 89.0, 90.0])) == "within spread"
+    assert separation(a, Stat.of([1.0])) == "one seed: no call"
+    assert t95(2) == 4.303 and t95(11) == 2.228 and t95(1000) == pytest.approx(1.96, abs=0.01)
+
+
+def test_report_merges_sweeps_and_counts_a_run_once(tmp_path, capsys):
+    def row(method, workers, seed, acc):
+        r = _fake(RunConfig(method=method, workers=workers, lr=0.05, seed=seed), val=acc, test=acc)
+        r["history"] = [{"epoch": 1, "test_accuracy": acc, "test_loss": 1.0, "orthogonality": None}]
+        return json.dumps(r) + "\n"
+
+    a, b = tmp_path / "seq", tmp_path / "P8"
+    a.mkdir()
+    b.mkdir()
+    (a / "results.jsonl").write_text("".join(row("sequential", 1, s, 90 + s) for s in range(3)))
+    (b / "results.jsonl").write_text("".join(row("adasum", 8, s, 80 + s) for s in range(3)) + row("adasum", 8, 0, 80))
+    assert main(["report", str(a), str(b / "results.jsonl"), "--out", str(tmp_path / "merged"), "--quiet"]) == 0
+    text = (tmp_path / "merged" / "report.md").read_text()
+    assert "| adasum | 8 | 0.05 | 3 | 81.00 |" in text and "-10.00: worse" in text
+    assert (tmp_path / "merged" / "lr.png").exists()
+    assert main(["report", str(tmp_path / "nothing"), "--out", str(tmp_path / "x")]) == 2
