@@ -7,9 +7,9 @@ import torch
 
 import adasum
 
-# not collected (paths relative to this file): the experiments harness, whose examples do not run
-# yet (issue 11), and adasum.jax where jax or optax is not installed (`pip install 'adasum[jax]'`)
-collect_ignore = ["src/adasum/experiments"]
+# not collected (paths relative to this file): adasum.jax where jax or optax is not installed
+# (`pip install 'adasum[jax]'`; `make install` installs them, so `make test` runs these examples)
+collect_ignore = []
 if importlib.util.find_spec("jax") is None or importlib.util.find_spec("optax") is None:
     collect_ignore.append("src/adasum/jax")
 

@@ -12,7 +12,7 @@ over `--steps` steps after `--warmup` steps is reported. Variants:
 
 * ``ddp``: DistributedDataParallel with its default all-reduce (the baseline of the ratios);
 * ``ddp-adasum``: the same DDP model with ``adasum.ddp.adasum_hook``;
-* ``delta``: the plain model, ``adasum.DistributedOptimizer(opt, reduce="adasum", mode="delta")``.
+* ``delta``: the plain model, ``adasum.DistributedOptimizer(opt, reducer="adasum", mode="delta")``.
 
 Models: ResNet-50 (torchvision, 3x224x224 images, batch 64 per GPU, SGD with momentum) and
 24 ``nn.TransformerEncoderLayer`` (hidden 1024, 16 heads, FFN 4096, GELU, post-norm as BERT) with
@@ -143,7 +143,7 @@ def time_variant(name: str, variant: str, args, device: torch.device, rank: int)
                 dist.broadcast(t, 0)
         net: nn.Module = model
         optimizer: torch.optim.Optimizer = adasum.DistributedOptimizer(
-            make_optimizer(model.parameters()), reduce="adasum", mode="delta"
+            make_optimizer(model.parameters()), reducer="adasum", mode="delta"
         )
     else:
         net = nn.parallel.DistributedDataParallel(model, device_ids=device_ids)

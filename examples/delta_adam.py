@@ -45,7 +45,10 @@ def main() -> None:
     torch.manual_seed(0)  # the same starting weights on every rank (checked by the optimizer)
     model = torch.nn.Sequential(torch.nn.Linear(20, 64), torch.nn.ReLU(), torch.nn.Linear(64, 1)).to(device)
     opt = adasum.DistributedOptimizer(
-        torch.optim.Adam(model.parameters(), lr=args.lr), reduce=args.reduce, mode="delta", local_steps=args.local_steps
+        torch.optim.Adam(model.parameters(), lr=args.lr),
+        reducer=args.reduce,
+        mode="delta",
+        local_steps=args.local_steps,
     )
 
     for step, (x, y) in enumerate(synthetic_batches(rank, args.steps)):

@@ -13,8 +13,8 @@
   SIGKILLs itself after global step STEP unless the file MARKER exists (it creates MARKER first,
   so only the first attempt dies and a restarted run goes on).
 
->>> save_checkpoint(path, common, local, distributed=True)     # on every rank
->>> common, local = load_checkpoint(path, device, distributed=True)
+>>> save_checkpoint(path, common, local, distributed=True)     # on every rank  # doctest: +SKIP
+>>> common, local = load_checkpoint(path, device, distributed=True)  # doctest: +SKIP
 """
 
 from __future__ import annotations

@@ -79,7 +79,8 @@ def compare(
     a run of this sweep made with another configuration is refused with the differences named. A
     run that ended with fewer epochs, or was interrupted, continues from its checkpoint.
 
-    >>> compare(parse_methods("sequential,adasum"), [16], [0.01], RunConfig(epochs=2), "runs/x", seeds=[0, 1, 2])
+    >>> methods = parse_methods("sequential,adasum")  # doctest: +SKIP
+    >>> compare(methods, [16], [0.01], RunConfig(epochs=2), "runs/x", seeds=[0, 1, 2])  # doctest: +SKIP
     """
     out = Path(out)
     for m in methods:

@@ -230,7 +230,7 @@ def _mnist1d(cache_dir: str | os.PathLike | None, samples: int = 70000) -> Datas
 def read_idx(path: str | os.PathLike) -> np.ndarray:
     """An array from an idx file (the MNIST format; ``.gz`` files are decompressed).
 
-    >>> read_idx("train-labels-idx1-ubyte").shape
+    >>> read_idx("train-labels-idx1-ubyte").shape  # doctest: +SKIP
     (60000,)
     """
     opener = gzip.open if str(path).endswith(".gz") else open
@@ -262,7 +262,7 @@ def read_mnist_dir(directory: str | os.PathLike, name: str = "mnist") -> Dataset
     """MNIST or Fashion-MNIST from the four standard idx files in `directory` (or the
     ``MNIST/raw`` / ``FashionMNIST/raw`` folder below it that torchvision uses).
 
-    >>> data = read_mnist_dir("~/data/mnist")
+    >>> data = read_mnist_dir("~/data/mnist")  # doctest: +SKIP
     """
     directory = Path(directory).expanduser()
     sub = "FashionMNIST" if name == "fashion-mnist" else "MNIST"
@@ -293,7 +293,7 @@ class SafeUnpickler(pickle.Unpickler):
     pickle's own dicts, lists, bytes, strings and numbers, and ``_codecs.encode``, with which Python
     3 writes bytes at protocol 2): every other global is refused.
 
-    >>> SafeUnpickler(open("data_batch_1", "rb"), encoding="bytes").load()
+    >>> SafeUnpickler(open("data_batch_1", "rb"), encoding="bytes").load()  # doctest: +SKIP
     """
 
     ALLOWED = {
@@ -333,7 +333,7 @@ def read_cifar10_dir(directory: str | os.PathLike) -> Dataset:
     in `directory` or its ``cifar-10-batches-py`` folder, read by `SafeUnpickler` (a crafted file
     is refused; its payload never runs).
 
-    >>> data = read_cifar10_dir("~/data/cifar10")
+    >>> data = read_cifar10_dir("~/data/cifar10")  # doctest: +SKIP
     """
     directory = Path(directory).expanduser()
     base = directory / "cifar-10-batches-py" if (directory / "cifar-10-batches-py").is_dir() else directory

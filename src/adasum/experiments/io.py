@@ -5,8 +5,8 @@ results.jsonl, report.md, the MNIST-1D cache), and the reader of append-only JSO
 the old file or the new one, never a torn one. A kill in the middle leaves the temporary file;
 the next write to the same path removes the ones whose process is gone.
 
->>> write_atomic(path, lambda f: torch.save(state, f))
->>> write_text_atomic(path, json.dumps(result))
+>>> write_atomic(path, lambda f: torch.save(state, f))  # doctest: +SKIP
+>>> write_text_atomic(path, json.dumps(result))  # doctest: +SKIP
 """
 
 from __future__ import annotations

@@ -14,16 +14,16 @@ times shorter than the mean's (tests/test_adacons_lr.py shows both on toy gradie
 ==================  ========  =========  ===========  ============  ===============================
 name                reducer   combines   local steps  slow moment.  learning rate
 ==================  ========  =========  ===========  ============  ===============================
-sequential          (none)    gradients  1            no            lr, one worker
-mean-scaled         mean      gradients  1            no            lr x P (Horovod's recipe)
-mean                mean      gradients  1            no            lr
-sum                 sum       gradients  1            no            lr
-adasum              adasum    gradients  1            no            lr
-adasum-delta        adasum    deltas     1            no            lr (optimizer deltas)
-adacons             adacons   gradients  1            no            lr x P (a weighted mean)
-localsgd            mean      deltas     tau          no            lr
-adasum-localsgd     adasum    deltas     tau          no            lr
-slowmo              mean      deltas     tau          yes           lr
+sequential          (none)    gradient   1            no            lr, one worker
+mean-scaled         mean      gradient   1            no            lr x P (Horovod's recipe)
+mean                mean      gradient   1            no            lr
+sum                 sum       gradient   1            no            lr
+adasum              adasum    gradient   1            no            lr
+adasum-delta        adasum    delta      1            no            lr (optimizer deltas)
+adacons             adacons   gradient   1            no            lr x P (a weighted mean)
+localsgd            mean      delta      tau          no            lr
+adasum-localsgd     adasum    delta      tau          no            lr
+slowmo              mean      delta      tau          yes           lr
 ==================  ========  =========  ===========  ============  ===============================
 """
 
@@ -41,7 +41,7 @@ class Method:
 
     name: str
     reducer: str
-    combine: str = "gradients"
+    combine: str = "gradient"
     local: bool = False
     slow_momentum: bool = False
     linear_lr_scaling: bool = False
@@ -65,13 +65,13 @@ METHODS: dict[str, Method] = {
         Method("mean", "mean", description="gradient mean, lr unscaled"),
         Method("sum", "sum", description="gradient sum"),
         Method("adasum", "adasum", description="Adasum of gradients"),
-        Method("adasum-delta", "adasum", combine="deltas", description="Adasum of optimizer deltas"),
+        Method("adasum-delta", "adasum", combine="delta", description="Adasum of optimizer deltas"),
         Method("adacons", "adacons", linear_lr_scaling=True, description="AdaCons of gradients, lr x P"),
-        Method("localsgd", "mean", combine="deltas", local=True, description="local SGD, model average"),
+        Method("localsgd", "mean", combine="delta", local=True, description="local SGD, model average"),
         Method(
-            "adasum-localsgd", "adasum", combine="deltas", local=True, description="local SGD, Adasum of model deltas"
+            "adasum-localsgd", "adasum", combine="delta", local=True, description="local SGD, Adasum of model deltas"
         ),
-        Method("slowmo", "mean", combine="deltas", local=True, slow_momentum=True, description="SlowMo over local SGD"),
+        Method("slowmo", "mean", combine="delta", local=True, slow_momentum=True, description="SlowMo over local SGD"),
     ]
 }
 

@@ -185,7 +185,9 @@ class SkipGram(nn.Module):
 def build_model(name: str, input_shape: tuple[int, ...], classes: int) -> nn.Module:
     """A model by name for inputs of `input_shape` (one example) and `classes` outputs.
 
-    >>> build_model("cnn", (1, 28, 28), 10)
+    >>> model = build_model("cnn", (1, 28, 28), 10)
+    >>> type(model).__name__, sum(p.numel() for p in model.parameters())
+    ('HorovodCNN', 21840)
     """
     if name == "cnn":
         return HorovodCNN(input_shape, classes)

@@ -24,7 +24,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from adasum.collectives.nonfinite import POLICIES, NonFiniteError, find_nonfinite
+from adasum.collectives.nonfinite import POLICIES, apply_nonfinite_policy
 from adasum.diagnostics import Orthogonality, all_reduce_orthogonality
 from adasum.experiments.checkpoint import kill_point, load_checkpoint, save_checkpoint
 from adasum.experiments.data import Dataset, load_task
@@ -157,15 +157,15 @@ class DistributedWorker:
     `module`, `state_dict`) for one worker's rows and the same method options as
     `SimulatedWorkers`, run by the library's distributed classes:
 
-    * ``combine="gradients"``: ``adasum.DistributedOptimizer(mode="gradient")``;
-    * ``combine="deltas"``: ``adasum.DistributedOptimizer(mode="delta", local_steps=tau)``
+    * ``combine="gradient"``: ``adasum.DistributedOptimizer(mode="gradient")``;
+    * ``combine="delta"``: ``adasum.DistributedOptimizer(mode="delta", local_steps=tau)``
       (each rank keeps its own optimizer state);
-    * with `slow_momentum`: ``adasum.SlowMo(sync_every=tau, slow_lr, slow_momentum, reducer)``.
+    * with `slow_momentum`: ``adasum.SlowMo(local_steps=tau, slow_lr, slow_momentum, reducer)``.
 
     `module` is the model the ranks agree on (in the middle of a round of local steps, the last
     combined one, as the simulator's `module`), for evaluation.
 
-    >>> worker = DistributedWorker(net, make_optimizer(config, lr), get_reducer("adasum"))
+    >>> worker = DistributedWorker(net, make_optimizer(config, lr), get_reducer("adasum"))  # doctest: +SKIP
     """
 
     def __init__(
@@ -174,15 +174,15 @@ class DistributedWorker:
         optimizer: Callable[[list[torch.Tensor]], torch.optim.Optimizer],
         reducer: Reducer,
         *,
-        combine: str = "gradients",
+        combine: str = "gradient",
         local_steps: int = 1,
         slow_momentum: float | None = None,
         slow_lr: float = 1.0,
         diagnostics_every: int = 10,
         nonfinite: str = "propagate",
     ) -> None:
-        if combine == "gradients" and (local_steps != 1 or slow_momentum is not None):
-            raise ValueError("local_steps and slow_momentum need combine='deltas'")
+        if combine == "gradient" and (local_steps != 1 or slow_momentum is not None):
+            raise ValueError("local_steps and slow_momentum need combine='delta'")
         self.model = model
         self.nonfinite = nonfinite
         self.skipped_steps = 0
@@ -197,16 +197,15 @@ class DistributedWorker:
         if slow_momentum is not None:
             self.optimizer = SlowMo(
                 base,
-                sync_every=local_steps,
+                local_steps=local_steps,
                 slow_lr=slow_lr,
                 slow_momentum=slow_momentum,
                 reducer=reducer,
                 nonfinite="propagate",  # the policy is applied per step in `step`, as the simulator does
             )
         else:
-            mode = "delta" if combine == "deltas" else "gradient"
             self.optimizer = DistributedOptimizer(
-                base, reduce=reducer, mode=mode, local_steps=local_steps, nonfinite="propagate"
+                base, reducer=reducer, mode=combine, local_steps=local_steps, nonfinite="propagate"
             )
         self.diagnostics_every = diagnostics_every
         self.steps = 0
@@ -239,15 +238,9 @@ class DistributedWorker:
             diag = all_reduce_orthogonality(grads)
         # the policy is applied here, on the local gradients of every step, as the simulator does;
         # the wrappers then never see a non-finite value
-        found = find_nonfinite(grads, names=self.names) if self.nonfinite != "propagate" else None
-        if found is not None and self.nonfinite == "raise":
-            raise NonFiniteError(
-                f"step {self.steps + 1}: the gradient of {found.name!r} has {found.kind} on rank {found.rank} "
-                "(nonfinite='raise')",
-                found,
-            )
-        if found is not None:  # skip on every rank: nothing combined, no optimizer step
-            self.skipped_steps += 1
+        operation, what = f"adasum train, step {self.steps + 1}", "the gradient of parameter"
+        if apply_nonfinite_policy(self.nonfinite, grads, None, self.names, operation=operation, what=what):
+            self.skipped_steps += 1  # skipped on every rank: nothing combined, no optimizer step
         else:
             self.optimizer.step()
         self.steps += 1
@@ -643,8 +636,8 @@ def train(
     ``result.json``; `resume` continues from the checkpoint, mid-epoch included, exactly where the
     uninterrupted run would be (`adasum.experiments.checkpoint`).
 
-    >>> result = train(RunConfig(method="adasum", workers=16, lr=0.01, epochs=2), "runs/one")
-    >>> result["val_accuracy"], result["test_accuracy"], result["collapsed"]
+    >>> result = train(RunConfig(method="adasum", workers=16, lr=0.01, epochs=2), "runs/one")  # doctest: +SKIP
+    >>> result["val_accuracy"], result["test_accuracy"], result["collapsed"]  # doctest: +SKIP
     """
     config.validate()
     _set_deterministic(config)
