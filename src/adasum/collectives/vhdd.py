@@ -67,16 +67,8 @@ class _Workspace:
             self._buffers[key] = buf
         return buf[:numel]
 
-    def clear(self) -> None:
-        self._buffers.clear()
-
 
 _workspace = _Workspace()
-
-
-def clear_workspace() -> None:
-    """Free the host buffers kept between calls (fusion and receive buffers of the CPU path)."""
-    _workspace.clear()
 
 
 # Largest piece of a level's point-to-point exchange, in 4-byte elements (bytes / 4, whatever the

@@ -2,6 +2,10 @@
 imports (`adasum.kernels.triton`), batched torch ops on other devices (`adasum.kernels.torch_ops`),
 cache-blocked float64 BLAS on the CPU (`adasum.kernels.cpu`). All three compute the same sums and
 combinations in float64; callers never pick one.
+
+Names: a layout's `sizes` are its tensors' element counts (the public APIs take these); the kernels
+take `lengths`, the element counts of the consecutive segments of one flat slice, which are the
+parts of those tensors that the slice holds (whole tensors only when the slice is the whole buffer).
 """
 
 from __future__ import annotations
