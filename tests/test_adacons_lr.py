@@ -1,4 +1,4 @@
-"""AdaCons against its paper (arXiv 2411.03742, SPEC section 2) on toy gradients: the direction is
+"""AdaCons against its paper (arXiv 2411.03742; docs/methods.md) on toy gradients: the direction is
 the paper's ``d = sum_i c_i g_i / |g_i|`` with ``c_i = a_i / sum_j a_j``, ``a_i = <g_i, m> / |g_i|``
 (recomputed here in numpy, as the authors' sample code does); the library's default scale
 multiplies it by ``|m|``; and the CLI's learning-rate rule for ``adacons`` (lr x P, the mean's

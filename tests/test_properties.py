@@ -103,7 +103,7 @@ def test_orthogonal_inputs_give_the_sum_for_any_p(data, p, extra, seed):
 
 def subtree_means(c: list[float]) -> list[float]:
     """The mean of every subtree of the reduction tree (fold pairs, then a power-of-two tree), from
-    its description in SPEC 1.3, for scalars."""
+    its description in `adasum.core.tree`, for scalars."""
     p = len(c)
     q = 1 << (p.bit_length() - 1)
     r = p - q

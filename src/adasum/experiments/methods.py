@@ -1,6 +1,6 @@
 """The training methods the experiments compare, by name.
 
-Every method is a row of three answers (see docs/STYLE: how, what, what after): which reducer
+Every method is a row of three answers (how to combine, what is combined, what happens after): which reducer
 combines across workers, what is combined (gradients, or model deltas after `local_steps` local
 steps), and whether SlowMo's outer step follows. Learning-rate scaling is part of the recipe.
 

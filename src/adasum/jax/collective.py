@@ -27,7 +27,7 @@ Numerics: the three reductions accumulate in float64 where ``jax_enable_x64`` is
 float32 (``accumulate=`` overrides); coefficients are in that dtype; the combination is computed in
 the wider of the leaf's dtype and float32 and stored in the leaf's dtype (bf16 leaves travel as
 bf16). Zero guard, no epsilon: a side whose squared norm is below ``sqrt(tiny)`` of the
-accumulation dtype (1.5e-154 in float64 as in SPEC 1.1, 1.1e-19 in float32, where the float64
+accumulation dtype (1.5e-154 in float64 as in `adasum.core.operator`, 1.1e-19 in float32, where the float64
 threshold would be a subnormal) gets coefficient 1, so ``adasum(0, b) = b`` and never NaN.
 """
 
@@ -316,7 +316,7 @@ def all_reduce(tree: Any, axis_name: Any, *, per_leaf: bool = True, accumulate: 
     Args:
       tree: a pytree of floating-point arrays (float32, bfloat16, float16, float64).
       axis_name: the mesh axis to combine over (one axis).
-      per_leaf: one pair of coefficients per leaf (SPEC 1.2, the default) or one for the whole tree.
+      per_leaf: one pair of coefficients per leaf (the paper's "per layer", the default) or one for the whole tree.
       accumulate: dtype of the dot products: None (float64 with x64 enabled, else float32),
         ``jnp.float32`` or ``jnp.float64``.
       pieces: cut each dtype's fused buffer into this many contiguous pieces, each with its own
