@@ -156,3 +156,38 @@ def test_slowmo_checks_module_buffers_at_construction():
     distributed.assert_ranks_agree(results)
     assert results[0] is not None, results
     assert results[0].startswith("adasum.SlowMo: module buffers differ across ranks"), results
+
+
+def one_rank_adds_body(rank, world, mode):
+    group = dist.new_group(list(range(world)), timeout=timedelta(seconds=3))
+    torch.manual_seed(0)
+    body, head = nn.Linear(4, 3), nn.Linear(3, 2)
+    opt = adasum.DistributedOptimizer(
+        torch.optim.SGD(body.named_parameters(), lr=0.1), reducer="mean", mode=mode, group=group
+    )
+    body(torch.ones(5, 4)).sum().backward()
+    opt.step()  # one good step on every rank (the gradient layout is agreed on here)
+    opt.zero_grad()
+    start = time.monotonic()
+    try:
+        if rank == 0:  # rank 0 alone adds a parameter group; rank 1 goes on to its next step
+            opt.add_param_group({"params": list(head.named_parameters())})
+        else:
+            body(torch.ones(5, 4)).sum().backward()
+            opt.step()
+        return None
+    except Exception as error:  # what each rank sees: an error, not a signal death
+        return type(error).__name__, str(error), time.monotonic() - start
+
+
+def test_one_rank_adding_a_param_group_fails_on_every_rank_without_a_signal():
+    """The check of the added group runs on the checks' own group (`control_group`), so it cannot
+    pair with the peer's gradient all-reduce (which aborted the process inside gloo, SIGABRT): both
+    ranks fail within the group's timeout instead."""
+    for mode in ("gradient", "delta"):
+        results = distributed.run(2, one_rank_adds_body, mode, timeout_s=60)
+        for rank, r in enumerate(results):
+            assert r is not None, (mode, rank, "no error")
+            name, message, elapsed = r
+            assert name in ("ValueError", "CollectiveError"), (mode, rank, r)
+            assert elapsed < 3 * 3.0, (mode, rank, r)

@@ -19,7 +19,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from adasum.transport.groups import accepts
+from adasum.transport.groups import accepts, control_group
 
 Entry = tuple[str, tuple[int, ...], str]
 """One tensor as the check sees it: dtype name, shape, device type."""
@@ -202,19 +202,26 @@ def agree(
     """The collective part: raise the same error on every rank of `group` unless every rank has the
     same `description` (any list of hashable-by-repr tuples) and no rank has a `problem`.
 
-    One all-reduce (MAX) of three int64 values: the signature, its negation and a problem flag.
+    One all-reduce (MAX) of three int64 values, on the checks' own gloo group (`control_group`: a
+    check never pairs with a data collective of a rank that went on): the signature, its negation
+    and a problem flag.
     Only on a mismatch or a problem are the descriptions and problems gathered
     (``all_gather_object``), to name the first difference from rank 0's description (ValueError)
     or else the lowest rank with a problem (its error, TypeError or ValueError).
     """
+    if dist.get_world_size(group) == 1:
+        if problem is not None:
+            raise problem.exception(operation, dist.get_rank(group))
+        return
     sig = _signature(description)
-    probe = torch.tensor([sig, -sig, 0 if problem is None else 1], dtype=torch.int64, device=device)
-    dist.all_reduce(probe, op=dist.ReduceOp.MAX, group=group)
+    control = control_group(group)  # the checks' own gloo group (`adasum.transport.groups.control_group`)
+    probe = torch.tensor([sig, -sig, 0 if problem is None else 1], dtype=torch.int64)
+    dist.all_reduce(probe, op=dist.ReduceOp.MAX, group=control)
     high, neg_low, any_problem = probe.tolist()
     if high == -neg_low and not any_problem:
         return
     everyone: list = [None] * dist.get_world_size(group)
-    dist.all_gather_object(everyone, (list(description), problem), group=group)
+    dist.all_gather_object(everyone, (list(description), problem), group=control)
     descriptions = [d for d, _ in everyone]
     if any(d != descriptions[0] for d in descriptions):
         raise ValueError(f"{operation}: {first_mismatch(descriptions, what)}")

@@ -40,7 +40,7 @@ from adasum.collectives.nonfinite import apply_nonfinite_policy, check_policy, n
 from adasum.core.layout import flatten, unflatten_into
 from adasum.deprecated import _UNSET, renamed
 from adasum.reducers import Reducer, get_reducer
-from adasum.transport.groups import failures_named, group_device
+from adasum.transport.groups import control_group, failures_named, group_device
 
 MODES = ("delta", "gradient")
 
@@ -107,10 +107,10 @@ def check_same_parameters(
         check_same_layout(params, group, device, what="parameters", in_place=False, operation=operation)
     if not params:
         return
-    sums = torch.stack([checksum(p) for p in params]).to(device)
+    sums = torch.stack([checksum(p) for p in params]).cpu()
     probe = torch.cat([sums, -sums])
     with failures_named(operation, "the parameter value check", group):
-        dist.all_reduce(probe, op=dist.ReduceOp.MAX, group=group)
+        dist.all_reduce(probe, op=dist.ReduceOp.MAX, group=control_group(group))
     high, neg_low = probe.chunk(2)
     differs = (high != -neg_low).any(dim=1).tolist()
     if any(differs):

@@ -65,6 +65,32 @@ def group_device(group: dist.ProcessGroup | None = None) -> torch.device:
     return torch.device("cpu")
 
 
+_control_groups: dict = {}
+
+
+def control_group(group: dist.ProcessGroup | None = None) -> dist.ProcessGroup | None:
+    """A gloo group over the same ranks as `group`, for the small cross-rank checks (layouts,
+    parameter checksums), created on first use by the ranks of `group` and kept.
+
+    The checks never share a group with the data they guard: when ranks' control flow diverges
+    (one rank checks a new parameter group while its peer already combines gradients), a check
+    paired with a data collective of another size aborts the process inside gloo (SIGABRT); on
+    their own group both simply wait, and fail within the timeout with a `CollectiveError`.
+    A world of one rank needs no group (None).
+    """
+    if dist.get_world_size(group) == 1:
+        return None
+    pg = group if group is not None else dist.distributed_c10d._get_default_group()
+    control = _control_groups.get(pg)
+    if control is None:
+        ranks = dist.get_process_group_ranks(pg)
+        control = dist.new_group(
+            ranks, timeout=group_timeout(group), backend="gloo", use_local_synchronization=True
+        )
+        _control_groups[pg] = control
+    return control
+
+
 def accepts(group: dist.ProcessGroup | None, device: torch.device) -> bool:
     """Whether `group`'s collectives take tensors on `device`'s type: the CPU on gloo; the current
     GPU's type on NCCL, and the CPU too where torch gave the NCCL group a CPU backend."""
