@@ -52,7 +52,7 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from adasum.collectives.agreement import check_same_layout
+from adasum.collectives.agreement import agree, describe
 from adasum.collectives.vhdd import Placement, adasum_flat_
 from adasum.kernels import dot_and_norms
 from adasum.reducers import AdaCons, Adasum, Mean, Reducer, Sum, get_reducer
@@ -263,7 +263,9 @@ class FSDPState:
             layout += [torch.empty(n, dtype=view.dtype, device="meta") for n in view.segments]
             flags = (int(view.include_unused), int(view.all_reduce))  # any difference shows in the check
             layout.append(torch.empty(flags, dtype=torch.int8, device="meta"))
-        check_same_layout(layout, self.groups.group, group_device(self.groups.group), "the FSDP units' gradients")
+        # a description (meta tensors: dtypes and sizes), not data: agreed on without the input checks
+        group = self.groups.group
+        agree(describe(layout), None, group, group_device(group), "the FSDP units' gradients", "adasum.fsdp")
         self._checked = True
 
     def reduce_unit(self, unit: nn.Module, key: str, buffer: torch.Tensor) -> None:
@@ -293,7 +295,8 @@ class FSDPState:
         else:  # the layout depends on which parameters got gradients: check this very buffer
             layout = [torch.empty(n, dtype=buffer.dtype, device="meta") for n in sizes] if fits else []
             layout.append(torch.empty(buffer.numel(), dtype=buffer.dtype, device="meta"))
-            check_same_layout(layout, self.groups.group, group_device(self.groups.group), f"unit {key!r}'s gradients")
+            group = self.groups.group
+            agree(describe(layout), None, group, group_device(group), f"unit {key!r}'s gradients", "adasum.fsdp")
             if not fits:  # the same on every rank (the layouts agree)
                 raise ValueError(
                     f"adasum.fsdp: unit {key!r} reduced {buffer.numel()} gradient elements, its trainable parameters "
