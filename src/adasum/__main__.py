@@ -1,8 +1,6 @@
 """``python -m adasum``: the experiment command line (see ``adasum --help``)."""
 
-import sys
-
-from adasum.experiments.cli import main
+from adasum.experiments.cli import run
 
 if __name__ == "__main__":
-    sys.exit(main())
+    run()

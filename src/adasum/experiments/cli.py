@@ -382,6 +382,27 @@ def cmd_report(args: argparse.Namespace) -> int:
     return 0
 
 
+def run() -> None:
+    """The entry point of the ``adasum`` command and ``python -m adasum``: `main`, then exit without
+    the interpreter's teardown. A gloo process group's worker threads can abort the process while
+    the interpreter is torn down (SIGABRT, "terminate called without an active exception"), even
+    after ``destroy_process_group`` (seen in this project's test suite); torchrun would
+    report a finished run as failed. The outputs are written and closed by then; the standard
+    streams are flushed here."""
+    try:
+        status = main()
+    except SystemExit as done:  # argparse: --help and bad flags
+        status = done.code if isinstance(done.code, int) else (0 if done.code is None else 1)
+    except BaseException:  # an unexpected error: its traceback, then the same exit
+        import traceback
+
+        traceback.print_exc()
+        status = 1
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(status)
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """Run the command line; returns the exit status."""
     parser = build_parser()

@@ -69,24 +69,23 @@ _control_groups: dict = {}
 
 
 def control_group(group: dist.ProcessGroup | None = None) -> dist.ProcessGroup | None:
-    """A gloo group over the same ranks as `group`, for the small cross-rank checks (layouts,
-    parameter checksums), created on first use by the ranks of `group` and kept.
+    """The group the small cross-rank checks (layouts, parameter checksums) run on: for the default
+    group, a gloo group over all ranks, created on first use (every rank checks there, so every rank
+    creates it at the same point) and kept; for any other group, that group itself.
 
-    The checks never share a group with the data they guard: when ranks' control flow diverges
-    (one rank checks a new parameter group while its peer already combines gradients), a check
-    paired with a data collective of another size aborts the process inside gloo (SIGABRT); on
-    their own group both simply wait, and fail within the timeout with a `CollectiveError`.
-    A world of one rank needs no group (None).
+    The checks never share the default group with the data they guard: when ranks' control flow
+    diverges (one rank checks a new parameter group while its peer already combines gradients), a
+    check paired with a data collective of another size aborts the process inside gloo (SIGABRT);
+    on their own group both simply wait, and fail within the timeout with a `CollectiveError`.
+    Sub-groups keep their checks on themselves: a group made lazily by some ranks only
+    (``use_local_synchronization``) deadlocked when ranks had made different numbers of groups.
     """
-    if dist.get_world_size(group) == 1:
-        return None
-    pg = group if group is not None else dist.distributed_c10d._get_default_group()
+    if group is not None and group is not dist.GroupMember.WORLD:
+        return group
+    pg = dist.distributed_c10d._get_default_group()
     control = _control_groups.get(pg)
     if control is None:
-        ranks = dist.get_process_group_ranks(pg)
-        control = dist.new_group(
-            ranks, timeout=group_timeout(group), backend="gloo", use_local_synchronization=True
-        )
+        control = dist.new_group(timeout=group_timeout(None), backend="gloo")
         _control_groups[pg] = control
     return control
 
