@@ -2,10 +2,10 @@
 
 Two gloo ranks that called `adasum.all_reduce` and exited without ``destroy_process_group`` used
 to abort at exit now and then ("terminate called without an active exception", SIGABRT; 10 of 56
-runs), which torchrun reports as a failed job. Measured on this machine: a gloo group alive at
-interpreter exit is the cause, adasum or not (a bare ``dist.all_reduce``: 3 of 40 aborted; the same
-with ``destroy_process_group``: 0 of 40). adasum now destroys gloo-only groups left alive at exit
-(`adasum.transport.groups`), and loads Triton only for CUDA tensors.
+runs), which torchrun reports as a failed job. Seen under gdb: gloo's worker thread still releasing
+the last all-reduce's work (tensors whose Python objects only C++ held) while the interpreter was
+being finalised, when the GIL can no longer be taken. adasum's exit handler lets those threads
+finish while the interpreter is whole, then destroys gloo-only groups (`adasum.transport.groups`).
 """
 
 import os

@@ -384,10 +384,9 @@ def cmd_report(args: argparse.Namespace) -> int:
 
 def run() -> None:
     """The entry point of the ``adasum`` command and ``python -m adasum``: `main`, then exit without
-    the interpreter's teardown. A gloo process group's worker threads can abort the process while
-    the interpreter is torn down (SIGABRT, "terminate called without an active exception"), even
-    after ``destroy_process_group`` (seen in this project's test suite); torchrun would
-    report a finished run as failed. The outputs are written and closed by then; the standard
+    the interpreter's teardown. A gloo worker thread still releasing its last work while the
+    interpreter is torn down aborts the process (SIGABRT, "terminate called without an active
+    exception"; see `adasum.transport.groups`), and torchrun would report a finished run as failed. The outputs are written and closed by then; the standard
     streams are flushed here."""
     try:
         status = main()

@@ -7,20 +7,25 @@ use the group's timeout. `failures_named` turns those transport errors into a `C
 that says which step, level and peer failed, and after how long; any other error (a local one:
 autograd, out of memory, a bad argument) passes through as itself (`is_transport_error`).
 
-Exit: a process whose gloo process group is still alive when the interpreter shuts down aborts
-now and then ("terminate called without an active exception", SIGABRT): gloo's worker threads
-still hold work objects whose tensors are released while the interpreter is torn down (measured on
-this project's CI machine: 3 of 40 two-rank runs of a bare ``dist.all_reduce`` aborted, 0 of 40
-with ``destroy_process_group``). Users often skip that call, and torchrun then reports a finished
-job as failed. So the first time adasum works on a group it registers an exit handler that
-destroys the process groups if they are still there and use gloo only (NCCL groups are left to
-their owner: destroying them at exit can wait on peers that are gone).
+Exit: a process that ran gloo collectives can abort at interpreter exit ("terminate called without
+an active exception", SIGABRT), and torchrun then reports a finished job as failed. Seen under gdb:
+a gloo worker thread ("pt_gloo_runloop") is still releasing the work of the last all-reduce (its
+tensors, whose Python objects only C++ still holds) when the main thread is already finalising the
+interpreter; releasing them needs the GIL, which a finalising interpreter no longer hands out, and
+the thread is torn down inside a destructor. The window is the few microseconds after a collective
+completes, so it shows when a process exits right after its last collective (measured: 3 of 40
+two-rank runs of a bare ``dist.all_reduce``; 0 of 40 with ``destroy_process_group`` a moment
+later). So the first time adasum works on a process group it registers an exit handler that,
+while the interpreter is still whole, gives gloo's threads a moment (with the GIL released) to
+finish releasing their last work, then destroys the process groups if they use gloo only (NCCL
+groups are left to their owner: destroying them at exit can wait on peers that are gone).
 """
 
 from __future__ import annotations
 
 import atexit
 import re
+import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from datetime import timedelta
@@ -41,8 +46,14 @@ class CollectiveError(RuntimeError):
 _exit_handler_registered = False
 
 
+EXIT_DRAIN_S = 0.05
+"""How long the exit handler lets gloo's threads release their last work (microseconds suffice)."""
+
+
 def _destroy_gloo_groups() -> None:
-    """At interpreter exit: destroy the process groups if the user has not, when they are gloo only."""
+    """At interpreter exit (module doc): let gloo's threads finish, then destroy gloo-only groups."""
+    time.sleep(EXIT_DRAIN_S)  # releases the GIL: a thread releasing its last work can take it
+    _control_groups.clear()  # no reference of ours keeps a group (and its threads) alive
     if dist.is_available() and dist.is_initialized() and dist.get_backend() == "gloo":
         dist.destroy_process_group()
 
