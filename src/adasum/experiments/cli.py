@@ -386,8 +386,8 @@ def run() -> None:
     """The entry point of the ``adasum`` command and ``python -m adasum``: `main`, then exit without
     the interpreter's teardown. A gloo worker thread still releasing its last work while the
     interpreter is torn down aborts the process (SIGABRT, "terminate called without an active
-    exception"; see `adasum.transport.groups`), and torchrun would report a finished run as failed. The outputs are written and closed by then; the standard
-    streams are flushed here."""
+    exception"; see `adasum.transport.groups`), and torchrun would report a finished run as failed.
+    The outputs are written and closed by then; the standard streams are flushed here."""
     try:
         status = main()
     except SystemExit as done:  # argparse: --help and bad flags
