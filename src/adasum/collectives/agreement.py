@@ -195,7 +195,6 @@ def agree(
     description: Sequence[tuple],
     problem: Problem | None,
     group: dist.ProcessGroup | None,
-    device: torch.device,
     what: str = "tensors",
     operation: str = "adasum",
 ) -> None:
@@ -249,7 +248,7 @@ def check_same_layout(
     """
     tensors = list(tensors)
     problem = local_problem(tensors, device, in_place=in_place, floating=floating, group=group)
-    agree(describe(tensors), problem, group, device, what, operation)
+    agree(describe(tensors), problem, group, what, operation)
 
 
 # --- verdicts cached per group and layout
@@ -300,7 +299,7 @@ def verify_layout(
         description = describe(tensors)
         problem = local_problem(tensors, device, in_place=in_place, floating=floating, group=group)
     if not cache:
-        agree(description, problem, group, device, what, operation)
+        agree(description, problem, group, what, operation)
         return
     sig = _signature(description)
     known = _verdicts.setdefault(_resolved(group), set())
@@ -308,7 +307,7 @@ def verify_layout(
         if problem is not None:
             raise problem.exception(operation, dist.get_rank(group))
         return
-    agree(description, problem, group, device, what, operation)
+    agree(description, problem, group, what, operation)
     known.add(sig)
 
 

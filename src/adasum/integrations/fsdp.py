@@ -57,7 +57,6 @@ from adasum.collectives.vhdd import Placement, adasum_flat_
 from adasum.kernels import dot_and_norms
 from adasum.reducers import AdaCons, Adasum, Mean, Reducer, Sum, get_reducer
 from adasum.reducers.adacons import scale_segments_
-from adasum.transport.groups import group_device
 
 DIMS = ("replicate", "shard")
 
@@ -265,7 +264,7 @@ class FSDPState:
             layout.append(torch.empty(flags, dtype=torch.int8, device="meta"))
         # a description (meta tensors: dtypes and sizes), not data: agreed on without the input checks
         group = self.groups.group
-        agree(describe(layout), None, group, group_device(group), "the FSDP units' gradients", "adasum.fsdp")
+        agree(describe(layout), None, group, "the FSDP units' gradients", "adasum.fsdp")
         self._checked = True
 
     def reduce_unit(self, unit: nn.Module, key: str, buffer: torch.Tensor) -> None:
@@ -296,7 +295,7 @@ class FSDPState:
             layout = [torch.empty(n, dtype=buffer.dtype, device="meta") for n in sizes] if fits else []
             layout.append(torch.empty(buffer.numel(), dtype=buffer.dtype, device="meta"))
             group = self.groups.group
-            agree(describe(layout), None, group, group_device(group), f"unit {key!r}'s gradients", "adasum.fsdp")
+            agree(describe(layout), None, group, f"unit {key!r}'s gradients", "adasum.fsdp")
             if not fits:  # the same on every rank (the layouts agree)
                 raise ValueError(
                     f"adasum.fsdp: unit {key!r} reduced {buffer.numel()} gradient elements, its trainable parameters "

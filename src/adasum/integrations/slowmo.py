@@ -298,7 +298,7 @@ class SlowMo:
     def _agree(self, what: str, description: list[tuple], problem: Any) -> None:
         """Raise the same error on every rank unless every rank has the same `description`."""
         with failures_named("adasum.SlowMo", f"the {what} check", self.group):
-            agree(description, problem, self.group, group_device(self.group), what, "adasum.SlowMo")
+            agree(description, problem, self.group, what, "adasum.SlowMo")
 
     def _floating_buffers(self) -> list[torch.Tensor]:
         assert self.module is not None
