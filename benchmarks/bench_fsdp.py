@@ -111,6 +111,17 @@ def time_variant(variant: str, args, mesh, device) -> dict:
             elapsed = time.perf_counter() - t0
         if step >= args.warmup:
             times.append(elapsed)
+    if args.profile and device.type == "cuda":  # two more steps under torch.profiler: where the time goes
+        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU,
+                                                torch.profiler.ProfilerActivity.CUDA]) as prof:
+            for _ in range(2):
+                model(tokens[:, :-1]).float().logsumexp(-1).mean().backward()
+                opt.step()
+                opt.zero_grad(set_to_none=True)
+            torch.cuda.synchronize()
+        if dist.get_rank() == 0:
+            print(f"== profile of 2 steps: {variant} ==")
+            print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=args.profile))
     # the slowest rank's time of each step
     mine = torch.tensor(times, dtype=torch.float64, device=device)
     dist.all_reduce(mine, op=dist.ReduceOp.MAX)
@@ -142,6 +153,8 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=12)
     parser.add_argument("--repeats", type=int, default=1, help="run the variants this many times, interleaved")
     parser.add_argument("--out", default=None, help="append rows to this jsonl file (rank 0)")
+    parser.add_argument("--profile", type=int, default=0, metavar="ROWS",
+                        help="after timing, profile 2 steps per variant and print the top ROWS ops (rank 0)")
     args = parser.parse_args()
     if args.dry_run:
         args.layers, args.dim, args.heads, args.vocab, args.seq, args.batch = 2, 32, 4, 64, 16, 2
