@@ -7,7 +7,9 @@ from __future__ import annotations
 
 import argparse
 import os
+import statistics
 import sys
+import time
 import tempfile
 from datetime import timedelta
 
@@ -33,6 +35,16 @@ def worker(rank: int, world: int, store: str, args) -> None:
         adasum.all_reduce(tensors)
     if device.type == "cuda":
         torch.cuda.synchronize()
+    # host time per call (nothing waits for the device): what the GPU idles for when the host is behind
+    host = []
+    for _ in range(20):
+        t0 = time.perf_counter()
+        adasum.all_reduce(tensors)
+        host.append(time.perf_counter() - t0)
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+    if rank == 0:
+        print(f"{args.layout or args.numel}: host time per call, median of 20: {statistics.median(host) * 1e6:.1f} us")
     activities = [torch.profiler.ProfilerActivity.CPU] + (
         [torch.profiler.ProfilerActivity.CUDA] if device.type == "cuda" else [])
     with torch.profiler.profile(activities=activities) as prof:
