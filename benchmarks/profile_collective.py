@@ -9,8 +9,8 @@ import argparse
 import os
 import statistics
 import sys
-import time
 import tempfile
+import time
 from datetime import timedelta
 
 import torch
