@@ -5,7 +5,8 @@
 #   PARALLEL=5 benchmarks/sweeps.sh cpu # the reduced CPU sweep docs/results.md reports (~20 CPU-minutes)
 #   benchmarks/sweeps.sh gpu            # the GPU-scale sweep (--device cuda), jobs spread over every GPU
 #   PARALLEL=48 benchmarks/sweeps.sh gpu # 48 jobs at a time (default: 8 per GPU), job k on GPU k % GPUS
-#   OUT=/path benchmarks/sweeps.sh gpu  # results under /path (default runs/sweeps)
+#   SWEEP_DIR=/path benchmarks/sweeps.sh gpu # results under /path (default runs/sweeps)
+#   GPU_IDS="2 3" benchmarks/sweeps.sh gpu # only these GPUs (default: every GPU nvidia-smi lists)
 #   STOP_AFTER=500 benchmarks/sweeps.sh gpu # start no job after 500 s (running ones go on)
 #   LIST=1 benchmarks/sweeps.sh gpu     # print the jobs and their finished runs, run nothing
 #
@@ -15,13 +16,13 @@
 # hold less than one global batch of 64 x 32); the byte-level LM on the standard library's sources
 # with Adam (mean vs adasum-delta) and LAMB (mean vs adasum), P = 16 and 64, 3 epochs; word2vec
 # (skip-gram on the same sources) at P = 32 against sequential.
-# Jobs are small (one method, one seed, one P; sequential MNIST-1D one learning rate) so that many
+# Jobs are small (one method, one seed, one P; sequential runs one learning rate) so that many
 # share a GPU: the simulator's small models leave a GPU mostly idle waiting for one process's
 # kernel launches, and several processes fill it. Longest jobs first. Each job is one
-# `adasum compare` folder under $OUT named TASK--REST; the report groups folders by TASK.
+# `adasum compare` folder under $SWEEP_DIR named TASK--REST; the report groups folders by TASK.
 set -u
 MODE=${1:-gpu}
-OUT=${OUT:-runs/sweeps}
+DIR=${SWEEP_DIR:-runs/sweeps}
 PY=${PY:-python3}
 export PYTHONUNBUFFERED=1 OMP_NUM_THREADS=${OMP_NUM_THREADS:-1}
 SEEDS="0 1 2"
@@ -36,8 +37,10 @@ jobs_gpu() {  # name|arguments, longest first
     if [ $opt = adam ]; then lrs=0.0001,0.0003,0.001,0.003,0.01; combine=adasum-delta
     else lrs=0.001,0.003,0.01,0.03,0.1; combine=adasum; fi
     for seed in $SEEDS; do
-      echo "text-$opt--seq-s$seed|--task text --optimizer $opt --methods sequential --lr $lrs --epochs 3 --batch-size 16 \
---seeds $seed"
+      for lr in ${lrs//,/ }; do
+        echo "text-$opt--seq-s$seed-lr$lr|--task text --optimizer $opt --methods sequential --lr $lr --epochs 3 \
+--batch-size 16 --seeds $seed"
+      done
       for P in 16 64; do for m in mean $combine; do
         echo "text-$opt--P$P-$m-s$seed|--task text --optimizer $opt --methods $m --workers $P --lr $lrs --epochs 3 \
 --batch-size 16 --seeds $seed"
@@ -45,8 +48,10 @@ jobs_gpu() {  # name|arguments, longest first
     done
   done
   for seed in $SEEDS; do
-    echo "word2vec--seq-s$seed|--task word2vec --methods sequential --lr 0.01,0.03,0.1,0.3,1 --epochs 3 --batch-size 32 \
+    for lr in 0.01 0.03 0.1 0.3 1; do
+      echo "word2vec--seq-s$seed-lr$lr|--task word2vec --methods sequential --lr $lr --epochs 3 --batch-size 32 \
 --seeds $seed"
+    done
     echo "word2vec--P32-s$seed|--task word2vec --methods mean-scaled,adasum --workers 32 --lr 0.01,0.03,0.1,0.3,1 \
 --epochs 3 --batch-size 32 --seeds $seed"
   done
@@ -83,38 +88,39 @@ jobs_cpu() {
 
 case "$MODE" in
   gpu) JOBS=$(jobs_gpu); DEVICE=cuda
-       GPUS=${GPUS:-$(nvidia-smi -L 2>/dev/null | wc -l)}; [ "$GPUS" -ge 1 ] 2>/dev/null || GPUS=1
+       GPU_IDS=${GPU_IDS:-$(seq -s " " 0 $(($(nvidia-smi -L 2>/dev/null | wc -l) - 1)) 2>/dev/null)}
+       read -r -a IDS <<< "${GPU_IDS:-0}"; [ ${#IDS[@]} -ge 1 ] || IDS=(0); GPUS=${#IDS[@]}
        PARALLEL=${PARALLEL:-$((8 * GPUS))} ;;
-  cpu) JOBS=$(jobs_cpu); DEVICE=cpu; GPUS=1; PARALLEL=${PARALLEL:-1} ;;
+  cpu) JOBS=$(jobs_cpu); DEVICE=cpu; IDS=(0); GPUS=1; PARALLEL=${PARALLEL:-1} ;;
   *) echo "usage: $0 [cpu|gpu]" >&2; exit 2 ;;
 esac
 
-mkdir -p "$OUT"
+mkdir -p "$DIR"
 start=$SECONDS
 k=0
 while IFS='|' read -r name args; do
   [ -z "$name" ] && continue
   if [ -n "${LIST:-}" ]; then
-    echo "$name: $(cat "$OUT/$name/results.jsonl" 2>/dev/null | wc -l) runs finished: adasum compare $args"
+    echo "$name: $(cat "$DIR/$name/results.jsonl" 2>/dev/null | wc -l) runs finished: adasum compare $args"
     continue
   fi
   if [ -n "${STOP_AFTER:-}" ] && [ $((SECONDS - start)) -ge "$STOP_AFTER" ]; then
     echo "STOP_AFTER reached: not starting $name and later jobs"; break
   fi
   while [ "$(jobs -rp | wc -l)" -ge "$PARALLEL" ]; do wait -n; done
-  gpu=$((k % GPUS))
+  gpu=${IDS[$((k % GPUS))]}
   # shellcheck disable=SC2086  # $args is a list of flags
   ( [ "$DEVICE" = cuda ] && export CUDA_VISIBLE_DEVICES=$gpu
-    nice -n 10 $PY -m adasum compare $args --device $DEVICE --out "$OUT/$name" --resume \
-      --no-progress --quiet > "$OUT/$name.log" 2>&1
-    echo "$name: exit $? ($(cat "$OUT/$name/results.jsonl" 2>/dev/null | wc -l) runs)" ) &
+    nice -n 10 $PY -m adasum compare $args --device $DEVICE --out "$DIR/$name" --resume \
+      --no-progress --quiet > "$DIR/$name.log" 2>&1
+    echo "$name: exit $? ($(cat "$DIR/$name/results.jsonl" 2>/dev/null | wc -l) runs)" ) &
   k=$((k + 1))
 done <<< "$JOBS"
 wait
 [ -n "${LIST:-}" ] && exit 0
-# one report per task over its jobs (sequential included): $OUT/report-TASK/report.md
+# one report per task over its jobs (sequential included): $DIR/report-TASK/report.md
 for task in $(echo "$JOBS" | sed -E 's/--.*//' | sort -u); do
-  dirs=$(ls -d "$OUT/$task"--* 2>/dev/null | grep -v '\.log$')
+  dirs=$(ls -d "$DIR/$task"--* 2>/dev/null | grep -v '\.log$')
   # shellcheck disable=SC2086
-  [ -n "$dirs" ] && $PY -m adasum report $dirs --out "$OUT/report-$task" --quiet > /dev/null
+  [ -n "$dirs" ] && $PY -m adasum report $dirs --out "$DIR/report-$task" --quiet > /dev/null
 done
