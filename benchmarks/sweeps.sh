@@ -9,6 +9,7 @@
 #   GPU_IDS="2 3" benchmarks/sweeps.sh gpu # only these GPUs (default: every GPU nvidia-smi lists)
 #   STOP_AFTER=500 benchmarks/sweeps.sh gpu # start no job after 500 s (running ones go on)
 #   LIST=1 benchmarks/sweeps.sh gpu     # print the jobs and their finished runs, run nothing
+#   JOB_FILTER='^mnist1d--' benchmarks/sweeps.sh gpu # only the jobs whose names match (bash regex)
 #
 # The GPU sweep (3 seeds, every method of the CLI but sum, learning-rate grids of 7 points, half a
 # decade apart, from 0.001 to 1): MNIST-1D at P = 16, 32, 64, 128 (32 examples per worker, 20
@@ -100,6 +101,7 @@ start=$SECONDS
 k=0
 while IFS='|' read -r name args; do
   [ -z "$name" ] && continue
+  if [ -n "${JOB_FILTER:-}" ] && ! [[ $name =~ $JOB_FILTER ]]; then continue; fi
   if [ -n "${LIST:-}" ]; then
     echo "$name: $(cat "$DIR/$name/results.jsonl" 2>/dev/null | wc -l) runs finished: adasum compare $args"
     continue
