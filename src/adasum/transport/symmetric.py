@@ -16,17 +16,7 @@ For a level with kept slice K and given slice G (positions in the flat buffer B)
 
 The first level's given slice is staged into ``S`` first (one local copy of half the buffer),
 unless `B` *is* ``S``: `adasum.all_reduce` fuses lists of tensors straight into ``S``
-(`fusion_buffer`), so no staging copy is made there.
-
-Staged buffers of at least `CHUNK_BYTES` per half are **pipelined** in up to `MAX_CHUNKS` chunks,
-so the local copies (HBM) overlap the NVLink passes instead of adding to them: a side stream
-stages chunk c and signals the partner (``put_signal`` on channel 1 + c), which pulls chunk c as
-soon as it sees the signal (``wait_signal``) while chunk c + 1 is still being staged; on a group of
-two, the combination pushes chunk c into the partner's ``S`` and signals it, and the partner's side
-stream copies that chunk out of ``S`` into `B` while the next chunk is combined. The signals also
-order successive calls (a rank stages again only after the partner has consumed what it read), so
-this path needs no barrier. ``ADASUM_SYMMETRIC_CHUNKS=0`` turns the pipeline off (one piece, two
-barriers, as for fused lists). Every rank must be a leader of the tree (a
+(`fusion_buffer`), so no staging copy is made there. Every rank must be a leader of the tree (a
 power-of-two group); NVLink multicast is never used (no multimem operations, no multicast
 objects). Only signal-pad barriers order the ranks; nothing synchronises the host.
 """
@@ -43,21 +33,14 @@ import torch.distributed as dist
 
 from adasum.kernels import combine_from_sums
 from adasum.kernels import triton as triton_kernels
-from adasum.transport.base import GatherStep, Level, Transport, split
+from adasum.transport.base import GatherStep, Level, Transport
 
 try:  # pragma: no cover - CUDA builds only
     import torch.distributed._symmetric_memory as symm_mem
 except ImportError:  # pragma: no cover
     symm_mem = None
 
-CHUNK_BYTES = 32 << 20
-"""The smallest pipelined chunk (bytes; ``ADASUM_SYMMETRIC_CHUNK_BYTES`` overrides it); a smaller half
-is one piece."""
-MAX_CHUNKS = 8
-"""At most this many chunks (signal channels 1..8 for the exchange, 9..16 for the combination)."""
-
 _supported: dict[str, bool] = {}
-_side_streams: dict[torch.device, torch.cuda.Stream] = {}
 _buffers: dict[tuple[str, torch.dtype], tuple[torch.Tensor, object]] = {}
 _remote: dict[tuple[int, int, int, torch.dtype], torch.Tensor] = {}
 
@@ -121,21 +104,6 @@ def _peer_view(handle, peer: int, numel: int, dtype: torch.dtype) -> torch.Tenso
     return view
 
 
-def _side_stream(device: torch.device) -> torch.cuda.Stream:
-    stream = _side_streams.get(device)
-    if stream is None:
-        stream = _side_streams[device] = torch.cuda.Stream(device)
-    return stream
-
-
-def chunk_count(half_elements: int, element_size: int) -> int:
-    """How many pipelined chunks a staged half of `half_elements` gets (1: no pipeline)."""
-    if os.environ.get("ADASUM_SYMMETRIC_CHUNKS", "1") == "0":
-        return 1
-    smallest = int(os.environ.get("ADASUM_SYMMETRIC_CHUNK_BYTES", CHUNK_BYTES))  # tests shrink it
-    return max(1, min(MAX_CHUNKS, half_elements * element_size // max(1, smallest)))
-
-
 class SymmetricMemory(Transport):
     """See the module doc."""
 
@@ -145,7 +113,6 @@ class SymmetricMemory(Transport):
     def __init__(self, group: dist.ProcessGroup | None) -> None:
         super().__init__(group)
         self.world = dist.get_world_size(group)
-        self._copied_out = False  # the pipelined combination already copied the partner's half into B
 
     def fusion_buffer(self, numel: int, like: torch.Tensor) -> torch.Tensor:
         return staging(self.group, numel, like)[0][:numel]
@@ -157,23 +124,14 @@ class SymmetricMemory(Transport):
         shared, handle = staging(self.group, buffer.numel(), buffer)
         return shared, handle, shared.data_ptr() == buffer.data_ptr()
 
-    def _chunks(self, level: Level) -> int:
-        """The pipeline's chunk count for this level; the same on both partners (their halves swap)."""
-        (klo, khi), (glo, ghi) = level.kept, level.given
-        return chunk_count(max(khi - klo, ghi - glo), level.buffer.element_size())
-
     def exchange_and_dot(self, level: Level) -> None:
         buffer = level.buffer
         shared, handle, staged = self._setup(buffer)
         (klo, khi), (glo, ghi) = level.kept, level.given
-        first_level = min(klo, glo) == 0 and max(khi, ghi) == buffer.numel()
-        peer = _peer_view(handle, level.peer, shared.numel(), shared.dtype)
-        if not staged and first_level and self._chunks(level) > 1:
-            self._pipelined_exchange(level, shared, handle, peer)
-            return
-        if not staged and first_level:
+        if not staged and min(klo, glo) == 0 and max(khi, ghi) == buffer.numel():  # the first level
             shared[glo:ghi].copy_(buffer[glo:ghi])
         handle.barrier(channel=0)
+        peer = _peer_view(handle, level.peer, shared.numel(), shared.dtype)
         first, lengths = level.overlap(klo, khi)
         if lengths:
             triton_kernels.pull_dot_and_norms(
@@ -181,38 +139,12 @@ class SymmetricMemory(Transport):
                 level.lower,
             )
 
-    def _pipelined_exchange(self, level: Level, shared: torch.Tensor, handle, peer: torch.Tensor) -> None:
-        """Stage the given half chunk by chunk on a side stream, signalling each chunk; pull each kept
-        chunk once the partner has signalled it (module doc)."""
-        buffer = level.buffer
-        (klo, khi), (glo, ghi) = level.kept, level.given
-        count = self._chunks(level)
-        current = torch.cuda.current_stream(buffer.device)
-        side = _side_stream(buffer.device)
-        side.wait_stream(current)
-        with torch.cuda.stream(side):
-            for c, (g0, g1) in enumerate(split(glo, ghi, count)):
-                shared[g0:g1].copy_(buffer[g0:g1])
-                handle.put_signal(level.peer, channel=1 + c)
-        for c, (k0, k1) in enumerate(split(klo, khi, count)):
-            handle.wait_signal(level.peer, channel=1 + c)
-            first, lengths = level.overlap(k0, k1)
-            if lengths:
-                triton_kernels.pull_dot_and_norms(
-                    buffer[k0:k1], peer[k0:k1], level.theirs[k0 - klo : k1 - klo], lengths,
-                    level.sums[:, first : first + len(lengths)], level.lower,
-                )
-        current.wait_stream(side)
-
     def combine(self, level: Level) -> None:
         buffer = level.buffer
         shared, handle, staged = self._setup(buffer)
         klo, khi = level.kept
         first, lengths = level.overlap(klo, khi)
         if not lengths:
-            return
-        if not staged and level.last and self.world == 2 and self._chunks(level) > 1:
-            self._pipelined_combine(level, shared, handle)
             return
         outs = []
         if not staged and (not level.last or self.world > 2):
@@ -223,34 +155,7 @@ class SymmetricMemory(Transport):
         combine_from_sums(*level.pair(klo, khi), sums, level.workers_a, level.workers_b, lengths,
                           buffer[klo:khi], *outs)
 
-    def _pipelined_combine(self, level: Level, shared: torch.Tensor, handle) -> None:
-        """Combine chunk by chunk into B and the partner's S, signalling each chunk; a side stream copies
-        each chunk the partner signals out of S into B (module doc). Groups of two only."""
-        buffer = level.buffer
-        (klo, khi), (glo, ghi) = level.kept, level.given
-        count = self._chunks(level)
-        peer = _peer_view(handle, level.peer, shared.numel(), shared.dtype)
-        current = torch.cuda.current_stream(buffer.device)
-        side = _side_stream(buffer.device)
-        side.wait_stream(current)  # B's given half is not read by this level's math: it may be overwritten
-        with torch.cuda.stream(side):
-            for c, (g0, g1) in enumerate(split(glo, ghi, count)):
-                handle.wait_signal(level.peer, channel=1 + MAX_CHUNKS + c)
-                buffer[g0:g1].copy_(shared[g0:g1])
-        for c, (k0, k1) in enumerate(split(klo, khi, count)):
-            first, lengths = level.overlap(k0, k1)
-            if lengths:
-                sums = level.sums[:, first : first + len(lengths)]
-                combine_from_sums(*level.pair(k0, k1), sums, level.workers_a, level.workers_b, lengths,
-                                  buffer[k0:k1], peer[k0:k1])
-            handle.put_signal(level.peer, channel=1 + MAX_CHUNKS + c)
-        current.wait_stream(side)
-        self._copied_out = True
-
     def gather(self, buffer: torch.Tensor, steps: Sequence[GatherStep], finals=None) -> None:
-        if self._copied_out:  # the pipelined combination did the whole gather of a group of two
-            self._copied_out = False
-            return
         shared, handle, staged = self._setup(buffer)
         handle.barrier(channel=0)  # the partners' stores of the last level have landed
         for step in steps[1:]:
