@@ -306,8 +306,12 @@ def plot(results: Sequence[Result], out: Path) -> list[Path]:
                 ax.set_xscale("log")
             ax.grid(alpha=0.3)
         axes[0][0].set_ylabel(ylabel)
-        if axes[0][-1].get_legend_handles_labels()[0]:
-            axes[0][-1].legend(fontsize=7, loc="best")
+        legend: dict = {}  # every method of any panel (a panel may lack some: an unfinished sweep)
+        for ax in axes[0]:
+            for handle, label in zip(*ax.get_legend_handles_labels()):
+                legend.setdefault(label, handle)
+        if legend:
+            axes[0][-1].legend(list(legend.values()), list(legend), fontsize=7, loc="best")
         fig.tight_layout()
         path = out / filename
         fig.savefig(path, dpi=80)
