@@ -181,3 +181,34 @@ def test_report_merges_sweeps_and_counts_a_run_once(tmp_path, capsys):
     assert "| adasum | 8 | 0.05 | 3 | 81.00 |" in text and "-10.00: worse" in text
     assert (tmp_path / "merged" / "lr.png").exists()
     assert main(["report", str(tmp_path / "nothing"), "--out", str(tmp_path / "x")]) == 2
+
+
+def test_gpu_sweep_lists_every_cell_once_and_filters(tmp_path):
+    """benchmarks/sweeps.sh: every (task, P, method, seed) of the GPU sweep is one job, named once;
+    JOB_FILTER keeps only matching jobs; SWEEP_DIR (not OUT, which the device tool sets) is where it counts."""
+    import os
+    import subprocess
+
+    script = Path(__file__).resolve().parents[1] / "benchmarks" / "sweeps.sh"
+    env = {**os.environ, "LIST": "1", "SWEEP_DIR": str(tmp_path), "OUT": "/nonexistent"}
+
+    def listed(**extra) -> list[str]:
+        done = subprocess.run(["bash", str(script), "gpu"], env={**env, **extra}, capture_output=True, text=True,
+                              check=True)
+        return [line.split(":")[0] for line in done.stdout.splitlines()]
+
+    names = listed()
+    assert len(names) == len(set(names))
+    methods = ["mean-scaled", "mean", "adasum", "adasum-delta", "adacons", "localsgd", "slowmo"]
+    for workers in (16, 32, 64, 128):
+        for method in methods:
+            for seed in (0, 1, 2):
+                assert f"mnist1d--P{workers}-{method}-s{seed}" in names
+    assert sum(n.startswith("mnist1d--seq-") for n in names) == 3 * 7  # 3 seeds x 7 learning rates
+    only = listed(JOB_FILTER="^mnist1d--P16-")
+    assert sorted(only) == sorted(n for n in names if n.startswith("mnist1d--P16-")) and len(only) == 21
+    (tmp_path / "mnist1d--P16-adasum-s0").mkdir()
+    (tmp_path / "mnist1d--P16-adasum-s0" / "results.jsonl").write_text("{}\n{}\n")
+    done = subprocess.run(["bash", str(script), "gpu"], env={**env, "JOB_FILTER": "^mnist1d--P16-adasum-s0$"},
+                          capture_output=True, text=True, check=True)
+    assert done.stdout.startswith("mnist1d--P16-adasum-s0: 2 runs finished")
