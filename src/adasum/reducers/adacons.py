@@ -243,25 +243,23 @@ class AdaCons(Reducer):
                         f"tensor {i}: worker 0 has {first[i].dtype} {list(first[i].shape)}, "
                         f"worker {w} has {tensors[i].dtype} {list(tensors[i].shape)}"
                     )
-        means = [torch.stack([w[i] for w in per_worker]).sum(0) / workers for i in range(count)]
-        dots = torch.zeros(count, workers, dtype=torch.float64)
-        sq_norms = torch.zeros(count, workers, dtype=torch.float64)
-        mean_sq = torch.zeros(count, dtype=torch.float64)
-        for i in range(count):
-            m = means[i].reshape(-1)
-            for j in range(workers):
-                part = dot_and_norms(per_worker[j][i].reshape(-1), m, [m.numel()])[:, 0].cpu()
-                dots[i, j], sq_norms[i, j], mean_sq[i] = part
+        # every worker's copy of a tensor as one segment of a [workers, n] stack: one kernel for the sums and one
+        # for the scaling per tensor, one host read per call (a loop over workers read each worker's sums
+        # separately: hundreds of device synchronisations per simulated step on a GPU). Per segment the sums
+        # and products are those of the per-worker calls, bit for bit.
+        stacks = [torch.stack([w[i].reshape(-1) for w in per_worker]) for i in range(count)]
+        means = [stack.sum(0) / workers for stack in stacks]
+        sums = torch.stack([
+            dot_and_norms(stack.reshape(-1), m.repeat(workers), [m.numel()] * workers)
+            for stack, m in zip(stacks, means)
+        ]).cpu()  # [count, 3, workers] float64: <g_j, m>, |g_j|^2, |m|^2
+        dots, sq_norms, mean_sq = sums[:, 0], sums[:, 1], sums[:, 2, 0]
         weights = self._weights(self._key([(t.dtype, t.numel()) for t in first], key), dots, sq_norms, mean_sq)
         out = []
-        for i in range(count):
+        for i, stack in enumerate(stacks):
             row = weights[i if self.per_tensor else 0]
-            scaled = []
-            for j in range(workers):
-                g = per_worker[j][i].reshape(-1).clone()
-                scale_segments_(g, row[j : j + 1], [g.numel()])
-                scaled.append(g)
-            out.append(torch.stack(scaled).sum(0).view(first[i].shape))
+            scale_segments_(stack.reshape(-1), row[:workers], [first[i].numel()] * workers)  # stack is a copy
+            out.append(stack.sum(0).view(first[i].shape))
         return out
 
     # -- distributed: `Reducer.all_reduce(tensors, group, *, check_layout=True, key=None)` and
