@@ -203,3 +203,29 @@ def test_repeated_single_tensors_agree_with_reference(world):
     results = distributed.run(world, repeated_single_tensors)
     assert max(results[0][0]) < 1e-6, results[0][0]
     assert all(r[1] == results[0][1] for r in results)
+
+
+def test_replay_fast_path_needs_the_same_tensors_storage_and_shapes(monkeypatch):
+    """`all_reduce`'s replay shortcut (CUDA graphs) is taken only for the very tensors of the captured call,
+    at the same addresses and shapes; anything else goes the full way (a stale graph would write freed memory)."""
+    from adasum.collectives import api, graphs
+
+    replays = []
+
+    class FakeGraph:
+        def replay(self):
+            replays.append(1)
+
+    key = ("test-key",)
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: False)  # a CPU build has no CUDA
+    monkeypatch.setitem(graphs._graphs, key, FakeGraph())
+    tensors = [torch.zeros(3), torch.zeros(2, 2)]
+    monkeypatch.setitem(api._last, (id(None), None), (
+        list(tensors), tuple(t.data_ptr() for t in tensors), tuple(t.shape for t in tensors), key))
+    assert api._replayed(None, None, list(tensors)) and replays == [1]
+    assert not api._replayed(None, None, [tensors[0], torch.zeros(2, 2)])  # another tensor object
+    assert not api._replayed(None, None, tensors[:1])  # fewer tensors
+    assert not api._replayed(None, "p2p", list(tensors))  # another transport keyword
+    tensors[1].set_(torch.zeros(2, 2).untyped_storage())  # same object, new storage
+    assert not api._replayed(None, None, list(tensors))
+    assert replays == [1]

@@ -3,6 +3,7 @@ one flat buffer per dtype and combined with the VHDD schedule (`adasum.collectiv
 
 from __future__ import annotations
 
+import operator
 from collections.abc import Callable, Sequence
 
 import torch
@@ -88,7 +89,7 @@ def all_reduce(
     key = (id(group), chosen.name, graphs.tensor_key(tensors))
     graphs.run(key, run, device)
     if graphs.captured(key):
-        _last[(id(group), transport)] = (tensors, [(t.data_ptr(), t.shape) for t in tensors], key)
+        _last[(id(group), transport)] = (tensors, tuple(map(_data_ptr, tensors)), tuple(map(_shape, tensors)), key)
 
 
 # The last captured call per (group, transport keyword): a repeat with the very same tensor objects,
@@ -96,14 +97,20 @@ def all_reduce(
 _last: dict = {}
 
 
+_data_ptr = torch.Tensor.data_ptr
+_shape = operator.attrgetter("shape")
+
+
 def _replayed(group, transport, tensors) -> bool:
+    # host time is what the GPU waits for between calls: C-level maps, not a Python loop (66 against 92 us for
+    # 161 tensors on the 2-core VM; the replay check was most of the 96 us per call profiled on an H100 host)
     entry = _last.get((id(group), transport))
     if entry is None:
         return False
-    previous, where, key = entry
-    if len(previous) != len(tensors) or any(a is not b for a, b in zip(previous, tensors)):
+    previous, pointers, shapes, key = entry
+    if len(previous) != len(tensors) or not all(map(operator.is_, previous, tensors)):
         return False
-    if any(t.data_ptr() != ptr or t.shape != shape for t, (ptr, shape) in zip(tensors, where)):
+    if tuple(map(_data_ptr, tensors)) != pointers or tuple(map(_shape, tensors)) != shapes:
         return False
     return graphs.replay(key)
 
