@@ -3,6 +3,8 @@
 # a kill and every finished run is kept (`adasum compare --resume` takes exact matches only).
 #
 #   PARALLEL=5 benchmarks/sweeps.sh cpu # the reduced CPU sweep docs/results.md reports (~20 CPU-minutes)
+#   PARALLEL=2 benchmarks/sweeps.sh cpu-mnist1d # the MNIST-1D cells the GPU calls left (2-core machine:
+#                                       # P = 16 AdaCons, P = 32 but the means, P = 64 and 128 four methods)
 #   benchmarks/sweeps.sh gpu            # the GPU-scale sweep (--device cuda), jobs spread over every GPU
 #   PARALLEL=48 benchmarks/sweeps.sh gpu # 48 jobs at a time (default: 8 per GPU), job k on GPU k % GPUS
 #   SWEEP_DIR=/path benchmarks/sweeps.sh gpu # results under /path (default runs/sweeps)
@@ -87,13 +89,31 @@ jobs_cpu() {
 --batch-size 32 --seeds $S"
 }
 
+jobs_cpu_mnist1d() {  # the MNIST-1D cells the GPU calls did not reach, on a 2-core machine (each run < 1 min)
+  for seed in $SEEDS; do
+    echo "mnist1d--P16-adacons-s$seed|--task mnist1d --methods adacons --workers 16 --lr $GRID --epochs 20 \
+--batch-size 32 --seeds $seed"
+  done
+  for m in adasum adasum-delta adacons localsgd slowmo; do for seed in $SEEDS; do
+    [ "$m-$seed" = adasum-0 ] && continue  # run on the GPU
+    echo "mnist1d--P32-$m-s$seed|--task mnist1d --methods $m --workers 32 --lr $GRID --epochs 20 --batch-size 32 \
+--seeds $seed"
+  done; done
+  # P = 64, 128: the methods whose best rate (x P where scaled) lies in 0.003-0.1 at P = 16-32
+  for P in 64 128; do for m in mean-scaled adasum adasum-delta adacons; do for seed in $SEEDS; do
+    echo "mnist1d--P$P-$m-s$seed|--task mnist1d --methods $m --workers $P --lr 0.003,0.01,0.03,0.1 --epochs 20 \
+--batch-size 32 --seeds $seed"
+  done; done; done
+}
+
 case "$MODE" in
   gpu) JOBS=$(jobs_gpu); DEVICE=cuda
        GPU_IDS=${GPU_IDS:-$(seq -s " " 0 $(($(nvidia-smi -L 2>/dev/null | wc -l) - 1)) 2>/dev/null)}
        read -r -a IDS <<< "${GPU_IDS:-0}"; [ ${#IDS[@]} -ge 1 ] || IDS=(0); GPUS=${#IDS[@]}
        PARALLEL=${PARALLEL:-$((8 * GPUS))} ;;
   cpu) JOBS=$(jobs_cpu); DEVICE=cpu; IDS=(0); GPUS=1; PARALLEL=${PARALLEL:-1} ;;
-  *) echo "usage: $0 [cpu|gpu]" >&2; exit 2 ;;
+  cpu-mnist1d) JOBS=$(jobs_cpu_mnist1d); DEVICE=cpu; IDS=(0); GPUS=1; PARALLEL=${PARALLEL:-1} ;;
+  *) echo "usage: $0 [cpu|cpu-mnist1d|gpu]" >&2; exit 2 ;;
 esac
 
 mkdir -p "$DIR"
