@@ -173,3 +173,21 @@ def test_batched_device_kernels_match_cpu_kernels():
         eps = torch.finfo(dtype).eps
         scale = ca.abs().max() * a.double().abs() + cb.abs().max() * b.double().abs()
         assert ((out1.double() - out2.double()).abs() <= 2 * eps * scale).all()
+
+
+def test_flatten_into_a_buffer_matches_cat_and_round_trips():
+    """`flatten(tensors, out)` (batched copies into views of `out`) equals torch.cat of the flattened
+    tensors, non-contiguous and empty tensors included, and `unflatten_into` restores them."""
+    from adasum.core.layout import flatten, unflatten_into
+
+    g = torch.Generator().manual_seed(3)
+    tensors = [torch.randn(4, 6, generator=g).t(), torch.randn(0), torch.randn(7, generator=g),
+               torch.randn(3, 8, generator=g)[:, ::2], torch.randn(2, 3, 5, generator=g)]
+    expected = torch.cat([t.reshape(-1) for t in tensors])
+    out = torch.full((expected.numel() + 5,), float("nan"))
+    flat = flatten(tensors, out)
+    assert flat.data_ptr() == out.data_ptr() and flat.numel() == expected.numel()
+    assert torch.equal(flat, expected)
+    copies = [torch.zeros_like(t) for t in tensors]
+    unflatten_into(flat, copies)
+    assert all(torch.equal(a, b) for a, b in zip(copies, tensors))
