@@ -4,7 +4,7 @@
 #
 #   PARALLEL=5 benchmarks/sweeps.sh cpu # the reduced CPU sweep docs/results.md reports (~20 CPU-minutes)
 #   PARALLEL=2 benchmarks/sweeps.sh cpu-mnist1d # the MNIST-1D cells the GPU calls left (2-core machine:
-#                                       # P = 16 AdaCons, P = 32 but the means, P = 64 and 128 four methods)
+#                                       # P = 16 AdaCons, P = 32 but the means, P = 64 and 128 four methods on five rates)
 #   benchmarks/sweeps.sh gpu            # the GPU-scale sweep (--device cuda), jobs spread over every GPU
 #   PARALLEL=48 benchmarks/sweeps.sh gpu # 48 jobs at a time (default: 8 per GPU), job k on GPU k % GPUS
 #   SWEEP_DIR=/path benchmarks/sweeps.sh gpu # results under /path (default runs/sweeps)
@@ -99,9 +99,10 @@ jobs_cpu_mnist1d() {  # the MNIST-1D cells the GPU calls did not reach, on a 2-c
     echo "mnist1d--P32-$m-s$seed|--task mnist1d --methods $m --workers 32 --lr $GRID --epochs 20 --batch-size 32 \
 --seeds $seed"
   done; done
-  # P = 64, 128: the methods whose best rate (x P where scaled) lies in 0.003-0.1 at P = 16-32
+  # P = 64, 128: four methods on five rates (x P where scaled: lower rates), every best one inside
   for P in 64 128; do for m in mean-scaled adasum adasum-delta adacons; do for seed in $SEEDS; do
-    echo "mnist1d--P$P-$m-s$seed|--task mnist1d --methods $m --workers $P --lr 0.003,0.01,0.03,0.1 --epochs 20 \
+    case $m in mean-scaled|adacons) lrs=0.001,0.003,0.01,0.03,0.1 ;; *) lrs=0.003,0.01,0.03,0.1,0.3 ;; esac
+    echo "mnist1d--P$P-$m-s$seed|--task mnist1d --methods $m --workers $P --lr $lrs --epochs 20 \
 --batch-size 32 --seeds $seed"
   done; done; done
 }
