@@ -176,9 +176,10 @@ def test_batched_device_kernels_match_cpu_kernels():
 
 
 def test_flatten_into_a_buffer_matches_cat_and_round_trips():
-    """`flatten(tensors, out)` (batched copies into views of `out`) equals torch.cat of the flattened
-    tensors, non-contiguous and empty tensors included, and `unflatten_into` restores them."""
-    from adasum.core.layout import flatten, unflatten_into
+    """`flatten(tensors, out)` (one cat on the CPU, batched copies into views of `out` on GPUs) equals
+    torch.cat of the flattened tensors, non-contiguous and empty tensors included, and `unflatten_into`
+    restores them."""
+    from adasum.core.layout import copy_into, flatten, unflatten_into
 
     g = torch.Generator().manual_seed(3)
     tensors = [torch.randn(4, 6, generator=g).t(), torch.randn(0), torch.randn(7, generator=g),
@@ -188,6 +189,9 @@ def test_flatten_into_a_buffer_matches_cat_and_round_trips():
     flat = flatten(tensors, out)
     assert flat.data_ptr() == out.data_ptr() and flat.numel() == expected.numel()
     assert torch.equal(flat, expected)
+    batched = torch.full_like(expected, float("nan"))
+    copy_into(tensors, batched)  # the GPU path's batched copies, run here on the CPU
+    assert torch.equal(batched, expected)
     copies = [torch.zeros_like(t) for t in tensors]
     unflatten_into(flat, copies)
     assert all(torch.equal(a, b) for a, b in zip(copies, tensors))
