@@ -173,11 +173,17 @@ def dot_and_norms(
     tile_sums = torch.empty(max(table.n_tiles, 1), 3, dtype=torch.float64, device=a.device)
     if table.n_tiles:
         _tile_sums_kernel[(table.n_tiles,)](a, b, table.starts, table.sizes, tile_sums, BLOCK=BLOCK, ITERS=ITERS)
+    _add_segment_sums(table, tile_sums, out, segments, accumulate)
+    return out
+
+
+def _add_segment_sums(table, tile_sums: torch.Tensor, out: torch.Tensor, segments: int, accumulate: bool) -> None:
+    """Each of the `segments` segments' tile sums, added in order, into (or, without `accumulate`, stored in)
+    its column of `out` ([3, T] float64, rows contiguous)."""
     _segment_sums_kernel[(segments,)](
         tile_sums, table.first, table.count, out, out.stride(0),
         BLOCK=256, ROUNDS=_rounds(table.longest, 256), ACCUMULATE=accumulate,
     )
-    return out
 
 
 def combine(
@@ -218,7 +224,4 @@ def pull_dot_and_norms(
         _pull_tile_sums_kernel[(table.n_tiles,)](
             mine, peer, theirs, table.starts, table.sizes, tile_sums, BLOCK=BLOCK, ITERS=ITERS, LOWER=lower
         )
-    _segment_sums_kernel[(segments,)](
-        tile_sums, table.first, table.count, out, out.stride(0),
-        BLOCK=256, ROUNDS=_rounds(table.longest, 256), ACCUMULATE=True,
-    )
+    _add_segment_sums(table, tile_sums, out, segments, accumulate=True)
