@@ -64,8 +64,7 @@ def flatten(tensors: Sequence[torch.Tensor], out: torch.Tensor | None = None) ->
         return tensors[0].view(-1)
     if out is None:
         return torch.cat([t.reshape(-1) for t in tensors])
-    sizes = [t.numel() for t in tensors]
-    flat = out[: sum(sizes)]
+    flat = out[: sum(t.numel() for t in tensors)]
     if out.device.type != "cuda":  # on the CPU one cat is faster (19 against 22 ms for ResNet-50's 161 tensors)
         return torch.cat([t.reshape(-1) for t in tensors], out=flat)
     # on GPUs, batched copies into views of `out`: in a profile on 2 x H100 of the ResNet-50 layout (161 tensors,
@@ -75,15 +74,18 @@ def flatten(tensors: Sequence[torch.Tensor], out: torch.Tensor | None = None) ->
     return flat
 
 
+def _pieces(flat: torch.Tensor, tensors: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+    """Views of `flat`, end to end, shaped like `tensors`."""
+    return [piece.view(t.shape) for t, piece in zip(tensors, flat.split([t.numel() for t in tensors]))]
+
+
 def copy_into(tensors: Sequence[torch.Tensor], flat: torch.Tensor) -> None:
     """Copy `tensors` end to end into the flat buffer `flat` (of their total size): batched copies into views."""
-    sizes = [t.numel() for t in tensors]
-    torch._foreach_copy_([piece.view(t.shape) for t, piece in zip(tensors, flat.split(sizes))], list(tensors))
+    torch._foreach_copy_(_pieces(flat, tensors), list(tensors))
 
 
 def unflatten_into(flat: torch.Tensor, tensors: Sequence[torch.Tensor]) -> None:
     """Copy the flat buffer back into `tensors` (nothing to do if `flat` is a view of the only one)."""
     if len(tensors) == 1 and flat.data_ptr() == tensors[0].data_ptr() and tensors[0].is_contiguous():
         return
-    pieces = [piece.view(t.shape) for t, piece in zip(tensors, flat.split([t.numel() for t in tensors]))]
-    torch._foreach_copy_(list(tensors), pieces)  # batched: a few launches for all tensors
+    torch._foreach_copy_(list(tensors), _pieces(flat, tensors))  # batched: a few launches for all tensors
