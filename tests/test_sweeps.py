@@ -212,3 +212,9 @@ def test_gpu_sweep_lists_every_cell_once_and_filters(tmp_path):
     done = subprocess.run(["bash", str(script), "gpu"], env={**env, "JOB_FILTER": "^mnist1d--P16-adasum-s0$"},
                           capture_output=True, text=True, check=True)
     assert done.stdout.startswith("mnist1d--P16-adasum-s0: 2 runs finished")
+    # the unscaled methods' grid goes a step higher at 64 and 128 workers (their best rate grows with P)
+    full = subprocess.run(["bash", str(script), "gpu"], env=env, capture_output=True, text=True, check=True).stdout
+    args = {line.split(":")[0]: line for line in full.splitlines()}
+    assert "--lr 0.003,0.01,0.03,0.1,0.3,1,3 " in args["mnist1d--P64-mean-s0"]
+    assert "--lr 0.001,0.003,0.01,0.03,0.1,0.3,1 " in args["mnist1d--P64-adasum-s0"]
+    assert "--lr 0.001,0.003,0.01,0.03,0.1,0.3,1 " in args["mnist1d--P32-slowmo-s0"]
