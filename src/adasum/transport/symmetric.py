@@ -42,6 +42,7 @@ except ImportError:  # pragma: no cover
 
 _supported: dict[str, bool] = {}
 _buffers: dict[tuple[str, torch.dtype], tuple[torch.Tensor, object]] = {}
+_retired: list[tuple[torch.Tensor, object]] = []  # outgrown buffers: captured graphs still hold their addresses
 _remote: dict[tuple[int, int, int, torch.dtype], torch.Tensor] = {}
 
 
@@ -68,14 +69,22 @@ def supported(group: dist.ProcessGroup | None) -> bool:
 
 
 def release() -> None:
-    """Forget the staging buffers (before the process group goes away)."""
+    """Forget the staging buffers (before the process group goes away; `adasum.collectives.graphs.release`
+    drops the captured graphs that point into them first)."""
     _buffers.clear()
+    _retired.clear()
     _remote.clear()
 
 
 def staging(group: dist.ProcessGroup | None, numel: int, like: torch.Tensor):
     """(S, handle): this group's symmetric buffer for `like`'s dtype, at least `numel` elements.
-    Growing it is collective (a rendezvous): every rank asks for the same sizes in the same order."""
+    Growing it is collective (a rendezvous): every rank asks for the same sizes in the same order.
+
+    An outgrown buffer is kept, not freed, until `release`: CUDA graphs captured on it (an earlier,
+    smaller layout's) replay loads and stores at its addresses, and freeing it under them writes into
+    freed memory (the likely cause of the illegal memory access seen with FSDP2, whose units of
+    several sizes reach the hook one after another). Capacities double,
+    so the kept ones together are smaller than the buffer in use."""
     key = (_group_name(group), like.dtype)
     entry = _buffers.get(key)
     if entry is None or entry[0].numel() < numel:
@@ -84,6 +93,7 @@ def staging(group: dist.ProcessGroup | None, numel: int, like: torch.Tensor):
         capacity = max(numel, 1 << 20)
         if entry is not None:
             capacity = max(capacity, 2 * entry[0].numel())
+            _retired.append(entry)
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
             if hasattr(symm_mem, "enable_symm_mem_for_group"):
