@@ -17,7 +17,9 @@ per shard:
   per-parameter partial ``<a,b>``, ``|a|^2``, ``|b|^2`` of each level are summed over the shard
   group as well as over the replicas merged so far, so every shard applies the coefficients of
   the whole parameter (the padding adds nothing). The result, per parameter, is
-  ``adasum.reduce`` over the replicas' shard-mean gradients.
+  ``adasum.reduce`` over the replicas' shard-mean gradients. With one shard per replica the
+  buffer holds whole parameters and the tree runs on the replicate group itself, with the
+  transport `adasum.all_reduce` would pick there (NVLink symmetric memory inside one host).
 * AdaCons: the per-parameter (or whole-unit) ``<g_i, m>``, ``|g_i|^2``, ``|m|^2`` are summed over
   the shard group before the coefficients are computed; its momentum is kept per unit.
 * Sum and Mean are element-wise and run on the shards directly; another `Reducer` is accepted
@@ -209,7 +211,10 @@ def reduce_shards_(reducer: Reducer, buffer: torch.Tensor, sizes: Sequence[int],
     """Combine a flat buffer of parameter shards across the replicas with `reducer`, per parameter."""
     if isinstance(reducer, Adasum):
         segments = list(sizes) if reducer.per_tensor else [buffer.numel()]
-        adasum_flat_(buffer, segments, groups.group, Placement(groups.peers, 0))
+        if groups.shards == 1:  # whole parameters: the replicate group's own tree, its fastest transport
+            adasum_flat_(buffer, segments, groups.replicate)
+        else:
+            adasum_flat_(buffer, segments, groups.group, Placement(groups.peers, 0))
     elif isinstance(reducer, AdaCons):
         adacons_shards_(reducer, buffer, sizes, groups, key)
     else:  # element-wise, or whole parameters (one shard per replica): checked by `enable`
