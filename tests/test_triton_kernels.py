@@ -95,6 +95,32 @@ for number, lengths in enumerate(cases):
             bound = combine_bound(a, b, ca, cb, lengths, want, dtype)
             assert ((outs[0].double() - want.double()).abs() <= bound).all(), (lengths, dtype, "several outputs")
             assert torch.equal(outs[0], outs[1]) and torch.equal(outs[0], outs[2]), (lengths, dtype)
+        # a list of tensors read and written where it lies (Scattered: per-tile addresses), over slices that
+        # cut tensors: the same bits as the flat kernels on the same values
+        if number in (0, 1, 3) and n:
+            from adasum.core.layout import Scattered
+            for lo, hi in ((0, n), (n // 3, n - n // 5)):
+                parts = [a[o : o + k].clone() for o, k in zip([0, *torch.tensor(lengths).cumsum(0).tolist()], lengths)]
+                scattered = Scattered([p for p in parts if p.numel()])
+                first, cut = scattered.layout.overlap(lo, hi)
+                theirs, theirs_flat = (torch.full((hi - lo,), float("nan"), dtype=dtype) for _ in range(2))
+                got, want = (torch.zeros(3, len(cut), dtype=torch.float64) for _ in range(2))
+                tk.pull_dot_and_norms(scattered.addresses(lo, hi), b[lo:hi], theirs, cut, got, True)
+                tk.pull_dot_and_norms(a[lo:hi].clone(), b[lo:hi], theirs_flat, cut, want, True)
+                assert torch.equal(got, want) and torch.equal(theirs, theirs_flat), (lengths, dtype, lo, hi, "pull")
+                peer_out = torch.full((hi - lo,), float("nan"), dtype=dtype)
+                flat_out = a[lo:hi].clone()
+                tk.combine(flat_out, b[lo:hi], want, 2, 3, cut, flat_out)
+                view = scattered.addresses(lo, hi)
+                tk.combine(view, b[lo:hi], want, 2, 3, cut, view, peer_out)
+                whole = torch.cat(scattered.tensors)
+                assert torch.equal(whole[lo:hi], flat_out) and torch.equal(peer_out, flat_out), (lengths, dtype)
+                assert torch.equal(whole[:lo], a[:lo]) and torch.equal(whole[hi:], a[hi:]), "outside: untouched"
+                staged = torch.zeros(n, dtype=dtype)
+                scattered.read_into(staged, lo, hi)
+                assert torch.equal(staged[lo:hi], flat_out) and not staged[:lo].any(), "read_into"
+                scattered.write_from(torch.zeros(n, dtype=dtype), lo, hi)
+                assert not torch.cat(scattered.tensors)[lo:hi].any(), "write_from"
 print("ok")
 """
 

@@ -13,7 +13,7 @@ from adasum.collectives import graphs
 from adasum.collectives.agreement import verify_layout
 from adasum.collectives.nonfinite import check_finite, check_policy
 from adasum.collectives.vhdd import _workspace, adasum_flat_, transport_for
-from adasum.core.layout import flatten, group_by_dtype, unflatten_into
+from adasum.core.layout import Scattered, flatten, group_by_dtype, unflatten_into
 from adasum.core.operator import check_floating
 from adasum.transport.base import Transport
 from adasum.transport.groups import failures_named, group_device
@@ -123,8 +123,9 @@ def fused_per_dtype(
     together: bool = False,
 ) -> None:
     """Fuse `tensors` into one flat buffer per dtype (reused between calls on the CPU; the
-    transport's own buffer where it has one, e.g. symmetric memory), run ``combine(flat, sizes)`` on
-    each in place, and copy the results back into `tensors`.
+    transport's own buffer where it has one), run ``combine(flat, sizes)`` on each in place, and copy
+    the results back into `tensors`. A transport that reads lists in place (``transport.scattered``:
+    symmetric memory) gets contiguous tensors as one `Scattered` buffer instead: no copies.
 
     ``together=True`` calls ``combine(flats, sizes, indices)`` once with every dtype's buffer (in
     `group_by_dtype` order), its tensors' sizes and their indices in `tensors`: for coefficients
@@ -140,6 +141,11 @@ def fused_per_dtype(
     for indices in groups:
         members = [tensors[i] for i in indices]
         numel = sum(t.numel() for t in members)
+        in_place = transport is not None and transport.scattered and len(members) > 1
+        if in_place and all(t.is_contiguous() for t in members):
+            # the transport reads and writes the tensors where they are: no fusion and no copy back
+            combine(Scattered(members), [t.numel() for t in members])
+            continue
         fusion = None
         if transport is not None and not (len(members) == 1 and members[0].is_contiguous()):
             fusion = transport.fusion_buffer(numel, members[0])

@@ -40,7 +40,7 @@ import torch
 import torch.distributed as dist
 
 from adasum.collectives import graphs
-from adasum.core.layout import Layout
+from adasum.core.layout import Layout, Scattered
 from adasum.core.tree import Tree
 from adasum.kernels import combine_from_sums, dot_and_norms
 from adasum.transport import select
@@ -147,7 +147,7 @@ def final_slices(numel: int, world: int, levels: Sequence[int]) -> list[tuple[in
 
 
 def adasum_flat_(
-    buffer: torch.Tensor,
+    buffer: torch.Tensor | Scattered,
     sizes: Sequence[int],
     group: dist.ProcessGroup | None = None,
     placement: Placement | None = None,
@@ -155,6 +155,7 @@ def adasum_flat_(
     transport: str | Transport | None = None,
 ) -> None:
     """Adasum of a flat buffer across the group, in place, each of `sizes` a tensor of its own.
+    `buffer` may be a `Scattered` list of tensors where the transport takes one (``transport.scattered``).
 
     Every rank must pass the same sizes and dtype; nothing is checked here (see `all_reduce`).
     A dead or stalled peer raises `adasum.CollectiveError` within the group's timeout (gloo).
@@ -179,6 +180,8 @@ def adasum_flat_(
     tree = Tree(world)
     if not isinstance(transport, Transport):
         transport = transport_for(group, transport, placement is None and tree.folded == 0)
+    if isinstance(buffer, Scattered) and not (transport.scattered and tree.folded == 0 and placement is None):
+        raise ValueError(f"the {transport.name} transport takes flat buffers only, not a Scattered list of tensors")
 
     def run() -> None:
         run_schedule(buffer, layout, group, peers, offset, rank, tree, transport, sliced=placement is not None)
@@ -186,7 +189,8 @@ def adasum_flat_(
     if buffer.device.type != "cuda":
         run()
         return
-    key = (id(group), transport.name, buffer.data_ptr(), buffer.dtype, buffer.numel(), layout.sizes, placement)
+    where = buffer.key if isinstance(buffer, Scattered) else buffer.data_ptr()
+    key = (id(group), transport.name, where, buffer.dtype, buffer.numel(), layout.sizes, placement)
     graphs.run(key, run, buffer.device)
 
 

@@ -10,6 +10,8 @@ from functools import cached_property
 
 import torch
 
+from adasum.core.tiles import table
+
 
 @dataclass(frozen=True)
 class Layout:
@@ -89,3 +91,91 @@ def unflatten_into(flat: torch.Tensor, tensors: Sequence[torch.Tensor]) -> None:
     if len(tensors) == 1 and flat.data_ptr() == tensors[0].data_ptr() and tensors[0].is_contiguous():
         return
     torch._foreach_copy_(list(tensors), _pieces(flat, tensors))  # batched: a few launches for all tensors
+
+
+class Scattered:
+    """Contiguous tensors of one dtype and device seen end to end as one flat buffer, without copying
+    them: what the symmetric-memory transport reads and writes in place of a fusion buffer (its
+    kernels load and store through per-tile addresses; `adasum.kernels.triton`).
+
+    Slices of it are copied to and from real flat tensors (`read_into`, `write_from`) and named to
+    kernels by `addresses`. The same tensors give the same addresses, so a captured CUDA graph
+    replays correctly while they live; `key` names them for graph keys."""
+
+    def __init__(self, tensors: Sequence[torch.Tensor]) -> None:
+        if not tensors or any(not t.is_contiguous() for t in tensors):
+            raise ValueError("Scattered needs one or more contiguous tensors")
+        self.tensors = [t.view(-1) for t in tensors]
+        self.layout = Layout(tuple(t.numel() for t in self.tensors))
+        self.dtype = tensors[0].dtype
+        self.device = tensors[0].device
+        self.key = tuple(t.data_ptr() for t in self.tensors)
+
+    def numel(self) -> int:
+        return self.layout.numel
+
+    def element_size(self) -> int:
+        return self.tensors[0].element_size()
+
+    def new_zeros(self, *shape, **kwargs) -> torch.Tensor:
+        return self.tensors[0].new_zeros(*shape, **kwargs)
+
+    def pieces(self, lo: int, hi: int) -> list[torch.Tensor]:
+        """Views of the tensors' parts that positions [lo, hi) cover, in order."""
+        first, lengths = self.layout.overlap(lo, hi)
+        out = []
+        for i, n in enumerate(lengths):
+            if n:
+                start = max(0, lo - self.layout.offsets[first + i])
+                out.append(self.tensors[first + i][start : start + n])
+        return out
+
+    def read_into(self, flat: torch.Tensor, lo: int, hi: int) -> None:
+        """``flat[lo:hi] = self[lo:hi]`` (batched copies)."""
+        parts = self.pieces(lo, hi)
+        if parts:
+            torch._foreach_copy_(list(flat[lo:hi].split([p.numel() for p in parts])), parts)
+
+    def write_from(self, flat: torch.Tensor, lo: int, hi: int) -> None:
+        """``self[lo:hi] = flat[lo:hi]`` (batched copies)."""
+        parts = self.pieces(lo, hi)
+        if parts:
+            torch._foreach_copy_(parts, list(flat[lo:hi].split([p.numel() for p in parts])))
+
+    def addresses(self, lo: int, hi: int) -> TileAddresses:
+        """Where each tile of the slice [lo, hi) starts in memory, for the tile table of its overlap
+        lengths (`adasum.core.tiles.tiles`): an int64 tensor on the device, cached per tensors and slice
+        (built on a layout's first, eager call; a CUDA graph capture finds it made)."""
+        key = (self.key, self.layout.sizes, self.dtype, lo, hi)
+        found = _addresses.get(key)
+        if found is None:
+            first, lengths = self.layout.overlap(lo, hi)
+            starts, _, segments, first_tiles, _ = table(tuple(lengths))
+            size = self.element_size()
+            values = []
+            seg_start = 0
+            bases = []
+            for i, n in enumerate(lengths):  # address of each segment's first element, its start in the slice
+                inside = max(0, lo - self.layout.offsets[first + i])
+                bases.append((self.tensors[first + i].data_ptr() + inside * size, seg_start))
+                seg_start += n
+            for start, seg in zip(starts, segments):
+                base, begins = bases[seg]
+                values.append(base + (start - begins) * size)
+            found = TileAddresses(torch.tensor(values, dtype=torch.int64, device=self.device), self.dtype, hi - lo)
+            _addresses[key] = found
+            while len(_addresses) > 256:
+                _addresses.pop(next(iter(_addresses)))
+        return found
+
+
+@dataclass(frozen=True)
+class TileAddresses:
+    """A slice of a `Scattered` buffer as kernels take it: the address of each tile's first element."""
+
+    table: torch.Tensor  # int64 [n_tiles], on the device
+    dtype: torch.dtype
+    numel: int
+
+
+_addresses: dict[tuple, TileAddresses] = {}

@@ -24,8 +24,8 @@ class Tiles:
 
 
 @functools.lru_cache(maxsize=1024)
-def tiles(lengths: tuple[int, ...], device: torch.device) -> Tiles:
-    """The tile table of segments of `lengths` elements laid end to end, on `device`."""
+def table(lengths: tuple[int, ...]) -> tuple[tuple[int, ...], ...]:
+    """The tile table on the host: (starts, sizes, segments, first, count) as tuples of ints."""
     starts, sizes, segments, first, count = [], [], [], [], []
     offset = 0
     for seg, n in enumerate(lengths):
@@ -36,8 +36,15 @@ def tiles(lengths: tuple[int, ...], device: torch.device) -> Tiles:
             segments.append(seg)
         count.append(len(starts) - first[-1])
         offset += n
+    return tuple(starts), tuple(sizes), tuple(segments), tuple(first), tuple(count)
 
-    def as_tensor(values: list[int]) -> torch.Tensor:
+
+@functools.lru_cache(maxsize=1024)
+def tiles(lengths: tuple[int, ...], device: torch.device) -> Tiles:
+    """The tile table of segments of `lengths` elements laid end to end, on `device`."""
+    starts, sizes, segments, first, count = table(lengths)
+
+    def as_tensor(values: tuple[int, ...]) -> torch.Tensor:
         return torch.tensor(values, dtype=torch.int64, device=device)
 
     return Tiles(

@@ -33,6 +33,15 @@ def available(device: torch.device) -> bool:
 if triton is not None:
 
     @triton.jit
+    def _tile_base(tiles_ptr, tile, ptr, start, TILES: tl.constexpr):
+        # a tile's first element: from the address table (a `Scattered` slice), else at `start` in the flat tensor
+        if TILES:
+            at = tl.load(tiles_ptr + tile).to(tl.pointer_type(ptr.dtype.element_ty))
+        else:
+            at = ptr + start
+        return at
+
+    @triton.jit
     def _tile_sums_kernel(a_ptr, b_ptr, starts_ptr, sizes_ptr, out_ptr, BLOCK: tl.constexpr, ITERS: tl.constexpr):
         tile = tl.program_id(0)
         start = tl.load(starts_ptr + tile)
@@ -82,8 +91,9 @@ if triton is not None:
     @triton.jit(do_not_specialize=["workers_a", "workers_b", "segments"])  # a 1 would become a Python int
     def _combine_kernel(
         a_ptr, b_ptr, sums_ptr, row_stride, workers_a, workers_b, counts_ptr, segments, out_ptr, starts_ptr,
-        sizes_ptr, segs_ptr, out2_ptr, out3_ptr, BLOCK: tl.constexpr, ITERS: tl.constexpr,
-        PER_SEGMENT: tl.constexpr, OUTS: tl.constexpr,
+        sizes_ptr, segs_ptr, out2_ptr, out3_ptr, a_tiles, b_tiles, out_tiles, BLOCK: tl.constexpr,
+        ITERS: tl.constexpr, PER_SEGMENT: tl.constexpr, OUTS: tl.constexpr, A_TILES: tl.constexpr,
+        B_TILES: tl.constexpr, OUT_TILES: tl.constexpr,
     ):
         # The coefficients of `adasum.core.operator.coefficients`, computed per tile from the segment's three sums.
         # Python floats would arrive as float32 (1/3 inexact, the zero guard 2**-511 flushed to 0),
@@ -107,15 +117,19 @@ if triton is not None:
         norm_b = tl.load(sums_ptr + 2 * row_stride + seg)
         ca = tl.where(norm_a >= zero_norm, 1.0 - weight_a * dot / tl.where(norm_a >= zero_norm, norm_a, 1.0), 1.0)
         cb = tl.where(norm_b >= zero_norm, 1.0 - weight_b * dot / tl.where(norm_b >= zero_norm, norm_b, 1.0), 1.0)
+        # with X_TILES, X is a `Scattered` buffer's slice: the tile's first element is at x_tiles[tile]
+        a_at = _tile_base(a_tiles, tile, a_ptr, start, A_TILES)
+        b_at = _tile_base(b_tiles, tile, b_ptr, start, B_TILES)
+        out_at = _tile_base(out_tiles, tile, out_ptr, start, OUT_TILES)
         for i in range(ITERS):
             offs = i * BLOCK + tl.arange(0, BLOCK)
             mask = offs < size
-            a = tl.load(a_ptr + start + offs, mask=mask, other=0.0).to(tl.float64)
-            b = tl.load(b_ptr + start + offs, mask=mask, other=0.0).to(tl.float64)
+            a = tl.load(a_at + offs, mask=mask, other=0.0).to(tl.float64)
+            b = tl.load(b_at + offs, mask=mask, other=0.0).to(tl.float64)
             mixed = ca * a + cb * b
             out = mixed if out_ptr.dtype.element_ty == tl.float64 else mixed.to(tl.float32)
             out = out.to(out_ptr.dtype.element_ty)
-            tl.store(out_ptr + start + offs, out, mask=mask)
+            tl.store(out_at + offs, out, mask=mask)
             if OUTS > 1:  # the same values into more buffers (symmetric memory: a local and a peer's)
                 tl.store(out2_ptr + start + offs, out, mask=mask)
             if OUTS > 2:
@@ -123,8 +137,8 @@ if triton is not None:
 
     @triton.jit
     def _pull_tile_sums_kernel(
-        mine_ptr, peer_ptr, theirs_ptr, starts_ptr, sizes_ptr, out_ptr, BLOCK: tl.constexpr, ITERS: tl.constexpr,
-        LOWER: tl.constexpr,
+        mine_ptr, peer_ptr, theirs_ptr, starts_ptr, sizes_ptr, out_ptr, mine_tiles, BLOCK: tl.constexpr,
+        ITERS: tl.constexpr, LOWER: tl.constexpr, MINE_TILES: tl.constexpr,
     ):
         # One pass: load this rank's slice and the partner's copy (a peer's memory: NVLink loads), keep the
         # partner's copy in `theirs`, and reduce the three sums of the tile in float64 ("a" = the lower side).
@@ -134,12 +148,13 @@ if triton is not None:
         ab = tl.zeros([BLOCK], dtype=tl.float64)
         mm = tl.zeros([BLOCK], dtype=tl.float64)
         tt = tl.zeros([BLOCK], dtype=tl.float64)
+        mine_at = _tile_base(mine_tiles, tile, mine_ptr, start, MINE_TILES)
         for i in range(ITERS):
             offs = i * BLOCK + tl.arange(0, BLOCK)
             mask = offs < size
             other = tl.load(peer_ptr + start + offs, mask=mask, other=0.0)
             tl.store(theirs_ptr + start + offs, other, mask=mask)
-            m = tl.load(mine_ptr + start + offs, mask=mask, other=0.0).to(tl.float64)
+            m = tl.load(mine_at + offs, mask=mask, other=0.0).to(tl.float64)
             t = other.to(tl.float64)
             ab += m * t
             mm += m * m
@@ -186,42 +201,58 @@ def _add_segment_sums(table, tile_sums: torch.Tensor, out: torch.Tensor, segment
     )
 
 
+def _operand(x, like: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, bool]:
+    """(pointer, tile addresses, whether the addresses are used) for a kernel operand: a flat tensor, or a
+    `Scattered` slice's `TileAddresses` (then `like`, a tensor of its dtype, stands for the pointer's type)."""
+    if isinstance(x, torch.Tensor):
+        return x, like, False
+    assert x.dtype == like.dtype
+    return like, x.table, True
+
+
 def combine(
-    a: torch.Tensor, b: torch.Tensor, sums: torch.Tensor, workers_a: int | torch.Tensor,
-    workers_b: int | torch.Tensor, lengths: Sequence[int], out: torch.Tensor, *more_outs: torch.Tensor,
+    a, b, sums: torch.Tensor, workers_a: int | torch.Tensor,
+    workers_b: int | torch.Tensor, lengths: Sequence[int], out, *more_outs: torch.Tensor,
 ) -> None:
     """``out = c_a * a + c_b * b`` per segment with the coefficients of the segment's `sums`
     (``adasum.core.operator.coefficients``), in float64, stored in out's dtype: one kernel. The worker counts are
     ints, or int64 tensors with one count per segment. `more_outs` (at most two, of out's dtype and
-    size) receive the same values in the same pass."""
-    table = tiles(tuple(lengths), a.device)
+    size) receive the same values in the same pass. `a`, `b` and `out` are flat tensors or `TileAddresses`
+    (a slice of `adasum.core.layout.Scattered`, read and written in place); one of a and b is a tensor."""
+    like = next(x for x in (a, b, out, *more_outs) if isinstance(x, torch.Tensor))
+    table = tiles(tuple(lengths), like.device)
     if table.n_tiles:
         assert sums.stride(1) == 1 and sums.dtype == torch.float64 and len(more_outs) <= 2
         per_segment = isinstance(workers_a, torch.Tensor)
         counts = torch.stack([workers_a, workers_b]) if per_segment else sums  # any pointer when unused
-        extra = list(more_outs) + [out] * (2 - len(more_outs))  # unused pointers when fewer
+        (a_ptr, a_tiles, a_at), (b_ptr, b_tiles, b_at) = _operand(a, like), _operand(b, like)
+        out_ptr, out_tiles, out_at = _operand(out, like)
+        extra = list(more_outs) + [out_ptr] * (2 - len(more_outs))  # unused pointers when fewer
         _combine_kernel[(table.n_tiles,)](
-            a, b, sums, sums.stride(0), 0 if per_segment else workers_a, 0 if per_segment else workers_b,
-            counts, len(lengths), out, table.starts, table.sizes, table.segments, extra[0], extra[1],
-            BLOCK=BLOCK, ITERS=ITERS, PER_SEGMENT=per_segment, OUTS=1 + len(more_outs),
+            a_ptr, b_ptr, sums, sums.stride(0), 0 if per_segment else workers_a, 0 if per_segment else workers_b,
+            counts, len(lengths), out_ptr, table.starts, table.sizes, table.segments, extra[0], extra[1],
+            a_tiles, b_tiles, out_tiles, BLOCK=BLOCK, ITERS=ITERS, PER_SEGMENT=per_segment, OUTS=1 + len(more_outs),
+            A_TILES=a_at, B_TILES=b_at, OUT_TILES=out_at,
         )
 
 
 def pull_dot_and_norms(
-    mine: torch.Tensor, peer: torch.Tensor, theirs: torch.Tensor, lengths: Sequence[int], out: torch.Tensor,
+    mine, peer: torch.Tensor, theirs: torch.Tensor, lengths: Sequence[int], out: torch.Tensor,
     lower: bool,
 ) -> None:
     """One pass over a slice: ``theirs := peer`` (the partner's copy, typically in its symmetric
     memory) and the per-segment sums of the pair added into `out` ([3, T] float64, rows contiguous),
-    with "a" this rank's copy `mine` if `lower`, else the partner's."""
-    table = tiles(tuple(lengths), mine.device)
+    with "a" this rank's copy `mine` (a flat tensor or `TileAddresses`) if `lower`, else the partner's."""
+    table = tiles(tuple(lengths), peer.device)
     segments = len(lengths)
     if segments == 0:
         return
     assert out.stride(1) == 1 and out.dtype == torch.float64
-    tile_sums = torch.empty(max(table.n_tiles, 1), 3, dtype=torch.float64, device=mine.device)
+    tile_sums = torch.empty(max(table.n_tiles, 1), 3, dtype=torch.float64, device=peer.device)
     if table.n_tiles:
+        mine_ptr, mine_tiles, mine_at = _operand(mine, peer)
         _pull_tile_sums_kernel[(table.n_tiles,)](
-            mine, peer, theirs, table.starts, table.sizes, tile_sums, BLOCK=BLOCK, ITERS=ITERS, LOWER=lower
+            mine_ptr, peer, theirs, table.starts, table.sizes, tile_sums, mine_tiles, BLOCK=BLOCK, ITERS=ITERS,
+            LOWER=lower, MINE_TILES=mine_at,
         )
     _add_segment_sums(table, tile_sums, out, segments, accumulate=True)

@@ -83,6 +83,7 @@ class Transport:
     """The protocol (see the module doc). `group` is the process group the schedule runs over."""
 
     name = "transport"
+    scattered = False  # takes an `adasum.core.layout.Scattered` buffer (a list of tensors, no fusion copy)
 
     def __init__(self, group: dist.ProcessGroup | None) -> None:
         self.group = group

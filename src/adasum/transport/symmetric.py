@@ -15,8 +15,11 @@ For a level with kept slice K and given slice G (positions in the flat buffer B)
    into ``B`` outside this rank's final slice.
 
 The first level's given slice is staged into ``S`` first (one local copy of half the buffer),
-unless `B` *is* ``S``: `adasum.all_reduce` fuses lists of tensors straight into ``S``
-(`fusion_buffer`), so no staging copy is made there. Every rank must be a leader of the tree (a
+unless `B` *is* ``S`` (a buffer fused there, `fusion_buffer`). `B` may also be a list of
+tensors where they lie (`adasum.core.layout.Scattered`, what `adasum.all_reduce` passes for lists
+of contiguous tensors): the kernels load and store them through per-tile addresses, so a list costs
+the same copies as one tensor (the given half staged, the partner's results copied out) instead of
+a fusion of the whole list and a copy of all of it back. Every rank must be a leader of the tree (a
 power-of-two group); NVLink multicast is never used (no multimem operations, no multicast
 objects). Only signal-pad barriers order the ranks; nothing synchronises the host.
 """
@@ -31,6 +34,7 @@ from collections.abc import Sequence
 import torch
 import torch.distributed as dist
 
+from adasum.core.layout import Scattered
 from adasum.kernels import combine_from_sums
 from adasum.kernels import triton as triton_kernels
 from adasum.transport.base import GatherStep, Level, Transport
@@ -119,6 +123,7 @@ class SymmetricMemory(Transport):
 
     name = "symmetric"
     timeout = None
+    scattered = True  # reads and writes a list of tensors in place (`Scattered`): no fusion copy
 
     def __init__(self, group: dist.ProcessGroup | None) -> None:
         super().__init__(group)
@@ -130,23 +135,23 @@ class SymmetricMemory(Transport):
     def exchange(self, send, recv, peer):
         raise RuntimeError("the symmetric-memory transport runs power-of-two groups only (no fold)")
 
-    def _setup(self, buffer: torch.Tensor):
+    def _setup(self, buffer: torch.Tensor | Scattered):
         shared, handle = staging(self.group, buffer.numel(), buffer)
-        return shared, handle, shared.data_ptr() == buffer.data_ptr()
+        return shared, handle, isinstance(buffer, torch.Tensor) and shared.data_ptr() == buffer.data_ptr()
 
     def exchange_and_dot(self, level: Level) -> None:
         buffer = level.buffer
         shared, handle, staged = self._setup(buffer)
         (klo, khi), (glo, ghi) = level.kept, level.given
         if not staged and min(klo, glo) == 0 and max(khi, ghi) == buffer.numel():  # the first level
-            shared[glo:ghi].copy_(buffer[glo:ghi])
+            _copy(shared, buffer, glo, ghi)
         handle.barrier(channel=0)
         peer = _peer_view(handle, level.peer, shared.numel(), shared.dtype)
         first, lengths = level.overlap(klo, khi)
         if lengths:
             triton_kernels.pull_dot_and_norms(
-                buffer[klo:khi], peer[klo:khi], level.theirs, lengths, level.sums[:, first : first + len(lengths)],
-                level.lower,
+                _slice(buffer, klo, khi), peer[klo:khi], level.theirs, lengths,
+                level.sums[:, first : first + len(lengths)], level.lower,
             )
 
     def combine(self, level: Level) -> None:
@@ -162,10 +167,11 @@ class SymmetricMemory(Transport):
         if level.last:
             outs.append(_peer_view(handle, level.peer, shared.numel(), shared.dtype)[klo:khi])
         sums = level.sums[:, first : first + len(lengths)]
-        combine_from_sums(*level.pair(klo, khi), sums, level.workers_a, level.workers_b, lengths,
-                          buffer[klo:khi], *outs)
+        mine = _slice(buffer, klo, khi)
+        pair = (mine, level.theirs) if level.lower else (level.theirs, mine)
+        combine_from_sums(*pair, sums, level.workers_a, level.workers_b, lengths, mine, *outs)
 
-    def gather(self, buffer: torch.Tensor, steps: Sequence[GatherStep], finals=None) -> None:
+    def gather(self, buffer: torch.Tensor | Scattered, steps: Sequence[GatherStep], finals=None) -> None:
         shared, handle, staged = self._setup(buffer)
         handle.barrier(channel=0)  # the partners' stores of the last level have landed
         for step in steps[1:]:
@@ -174,5 +180,22 @@ class SymmetricMemory(Transport):
             handle.barrier(channel=0)
         if not staged:
             lo, hi = steps[0].kept
-            buffer[:lo].copy_(shared[:lo])
-            buffer[hi:].copy_(shared[hi : buffer.numel()])
+            _copy(buffer, shared, 0, lo)
+            _copy(buffer, shared, hi, buffer.numel())
+
+
+def _slice(buffer: torch.Tensor | Scattered, lo: int, hi: int):
+    """Positions [lo, hi) of the buffer as the kernels take them: a flat view, or a `Scattered` slice's addresses."""
+    return buffer[lo:hi] if isinstance(buffer, torch.Tensor) else buffer.addresses(lo, hi)
+
+
+def _copy(dst: torch.Tensor | Scattered, src: torch.Tensor | Scattered, lo: int, hi: int) -> None:
+    """``dst[lo:hi] = src[lo:hi]``, one of them the flat symmetric buffer."""
+    if hi <= lo:
+        return
+    if isinstance(src, Scattered):
+        src.read_into(dst, lo, hi)
+    elif isinstance(dst, Scattered):
+        dst.write_from(src, lo, hi)
+    else:
+        dst[lo:hi].copy_(src[lo:hi])
