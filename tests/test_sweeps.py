@@ -176,7 +176,12 @@ def test_report_merges_sweeps_and_counts_a_run_once(tmp_path, capsys):
     b.mkdir()
     (a / "results.jsonl").write_text("".join(row("sequential", 1, s, 90 + s) for s in range(3)))
     (b / "results.jsonl").write_text("".join(row("adasum", 8, s, 80 + s) for s in range(3)) + row("adasum", 8, 0, 80))
-    assert main(["report", str(a), str(b / "results.jsonl"), "--out", str(tmp_path / "merged"), "--quiet"]) == 0
+    import gzip  # the repository keeps its sweeps compressed; the reader takes .gz as it is
+
+    (a / "results.jsonl.gz").write_bytes(gzip.compress((a / "results.jsonl").read_bytes()))
+    (a / "results.jsonl").unlink()
+    assert main(["report", str(a / "results.jsonl.gz"), str(b / "results.jsonl"), "--out", str(tmp_path / "merged"),
+                 "--quiet"]) == 0
     text = (tmp_path / "merged" / "report.md").read_text()
     assert "| adasum | 8 | 0.05 | 3 | 81.00 |" in text and "-10.00: worse" in text
     assert (tmp_path / "merged" / "lr.png").exists()

@@ -11,6 +11,7 @@ the next write to the same path removes the ones whose process is gone.
 
 from __future__ import annotations
 
+import gzip
 import json
 import logging
 import os
@@ -85,13 +86,16 @@ def write_json_atomic(path: str | os.PathLike, obj: Any) -> None:
 
 
 def read_jsonl(path: str | os.PathLike) -> list[dict[str, Any]]:
-    """The objects of a JSON-lines file that is only ever appended to.
+    """The objects of a JSON-lines file that is only ever appended to (gzip-compressed if it ends in ``.gz``).
 
     A torn last line (a kill or a full disk during the append) is dropped with a warning naming the
     file; a bad line anywhere else is damage, and a one-line ValueError names the file and line.
     """
     path = Path(path)
-    lines = path.read_text().splitlines()
+    data = path.read_bytes()
+    if path.suffix == ".gz":  # results kept in the repository are compressed (`adasum report runs.jsonl.gz`)
+        data = gzip.decompress(data)
+    lines = data.decode().splitlines()
     rows = []
     for number, line in enumerate(lines, 1):
         if not line.strip():
