@@ -87,9 +87,6 @@ for number, lengths in enumerate(cases):
             tk.pull_dot_and_norms(mine, other, theirs, lengths, acc, lower)
             assert torch.equal(theirs, other), (lengths, dtype, "pulled copy")
             assert ((acc - ref).abs() <= sum_bound(a, b, lengths)).all(), (lengths, dtype, lower)
-            unkept = torch.zeros(3, len(lengths), dtype=torch.float64)
-            tk.pull_dot_and_norms(mine, other, None, lengths, unkept, lower)  # sums only, the copy not kept
-            assert torch.equal(unkept, acc), (lengths, dtype, lower, "without theirs")
         if number in (1, 3):
             outs = [torch.full_like(a, float("nan")) for _ in range(3)]
             tk.combine(a, b, ref, 2, 3, lengths, *outs)

@@ -138,7 +138,7 @@ if triton is not None:
     @triton.jit
     def _pull_tile_sums_kernel(
         mine_ptr, peer_ptr, theirs_ptr, starts_ptr, sizes_ptr, out_ptr, mine_tiles, BLOCK: tl.constexpr,
-        ITERS: tl.constexpr, LOWER: tl.constexpr, MINE_TILES: tl.constexpr, KEEP: tl.constexpr,
+        ITERS: tl.constexpr, LOWER: tl.constexpr, MINE_TILES: tl.constexpr,
     ):
         # One pass: load this rank's slice and the partner's copy (a peer's memory: NVLink loads), keep the
         # partner's copy in `theirs`, and reduce the three sums of the tile in float64 ("a" = the lower side).
@@ -153,8 +153,7 @@ if triton is not None:
             offs = i * BLOCK + tl.arange(0, BLOCK)
             mask = offs < size
             other = tl.load(peer_ptr + start + offs, mask=mask, other=0.0)
-            if KEEP:
-                tl.store(theirs_ptr + start + offs, other, mask=mask)
+            tl.store(theirs_ptr + start + offs, other, mask=mask)
             m = tl.load(mine_at + offs, mask=mask, other=0.0).to(tl.float64)
             t = other.to(tl.float64)
             ab += m * t
@@ -238,13 +237,12 @@ def combine(
 
 
 def pull_dot_and_norms(
-    mine, peer: torch.Tensor, theirs: torch.Tensor | None, lengths: Sequence[int], out: torch.Tensor,
+    mine, peer: torch.Tensor, theirs: torch.Tensor, lengths: Sequence[int], out: torch.Tensor,
     lower: bool,
 ) -> None:
     """One pass over a slice: ``theirs := peer`` (the partner's copy, typically in its symmetric
-    memory; not kept if `theirs` is None) and the per-segment sums of the pair added into `out`
-    ([3, T] float64, rows contiguous), with "a" this rank's copy `mine` (a flat tensor or
-    `TileAddresses`) if `lower`, else the partner's."""
+    memory) and the per-segment sums of the pair added into `out` ([3, T] float64, rows contiguous),
+    with "a" this rank's copy `mine` (a flat tensor or `TileAddresses`) if `lower`, else the partner's."""
     table = tiles(tuple(lengths), peer.device)
     segments = len(lengths)
     if segments == 0:
@@ -254,7 +252,7 @@ def pull_dot_and_norms(
     if table.n_tiles:
         mine_ptr, mine_tiles, mine_at = _operand(mine, peer)
         _pull_tile_sums_kernel[(table.n_tiles,)](
-            mine_ptr, peer, peer if theirs is None else theirs, table.starts, table.sizes, tile_sums, mine_tiles,
-            BLOCK=BLOCK, ITERS=ITERS, LOWER=lower, MINE_TILES=mine_at, KEEP=theirs is not None,
+            mine_ptr, peer, theirs, table.starts, table.sizes, tile_sums, mine_tiles, BLOCK=BLOCK, ITERS=ITERS,
+            LOWER=lower, MINE_TILES=mine_at,
         )
     _add_segment_sums(table, tile_sums, out, segments, accumulate=True)
