@@ -19,13 +19,22 @@ unless `B` *is* ``S`` (a buffer fused there, `fusion_buffer`). `B` may also be a
 tensors where they lie (`adasum.core.layout.Scattered`, what `adasum.all_reduce` passes for lists
 of contiguous tensors): the kernels load and store them through per-tile addresses, so a list costs
 the same copies as one tensor (the given half staged, the partner's results copied out) instead of
-a fusion of the whole list and a copy of all of it back. Every rank must be a leader of the tree (a
-power-of-two group); NVLink multicast is never used (no multimem operations, no multicast
-objects). Only signal-pad barriers order the ranks; nothing synchronises the host.
+a fusion of the whole list and a copy of all of it back.
+
+In a group of two, a staged half of at least 2 x `CHUNK_BYTES` is **pipelined** in up to
+`MAX_CHUNKS` pieces, so the local copies overlap the NVLink passes: a side stream stages piece
+c + 1 while piece c is pulled (a barrier before each pull: the partner's piece is staged), and
+copies the partner's combined piece c out of ``S`` while piece c + 1 is combined (a barrier after
+each combination: the partner's piece has landed).
+
+Every rank must be a leader of the tree (a power-of-two group); NVLink multicast is never used (no
+multimem operations, no multicast objects). Only signal-pad barriers order the ranks; nothing
+synchronises the host.
 """
 
 from __future__ import annotations
 
+import contextlib
 import os
 import socket
 import warnings
@@ -37,14 +46,21 @@ import torch.distributed as dist
 from adasum.core.layout import Scattered
 from adasum.kernels import combine_from_sums
 from adasum.kernels import triton as triton_kernels
-from adasum.transport.base import GatherStep, Level, Transport
+from adasum.transport.base import GatherStep, Level, Transport, split
 
 try:  # pragma: no cover - CUDA builds only
     import torch.distributed._symmetric_memory as symm_mem
 except ImportError:  # pragma: no cover
     symm_mem = None
 
+CHUNK_BYTES = 32 << 20
+"""Bytes per pipelined piece of a staged half, at least (``ADASUM_SYMMETRIC_CHUNK_BYTES`` overrides it;
+``ADASUM_SYMMETRIC_CHUNKS=0``: never pipelined)."""
+MAX_CHUNKS = 4
+"""Pieces per half at most: each costs one barrier more (about 20-40 us on 2 x H100)."""
+
 _supported: dict[str, bool] = {}
+_side_streams: dict[torch.device, torch.cuda.Stream] = {}
 _buffers: dict[tuple[str, torch.dtype], tuple[torch.Tensor, object]] = {}
 _retired: list[tuple[torch.Tensor, object]] = []  # outgrown buffers: captured graphs still hold their addresses
 _remote: dict[tuple[int, int, int, torch.dtype], torch.Tensor] = {}
@@ -109,6 +125,13 @@ def staging(group: dist.ProcessGroup | None, numel: int, like: torch.Tensor):
     return entry
 
 
+def _side_stream(device: torch.device) -> torch.cuda.Stream:
+    stream = _side_streams.get(device)
+    if stream is None:
+        stream = _side_streams[device] = torch.cuda.Stream(device)
+    return stream
+
+
 def _peer_view(handle, peer: int, numel: int, dtype: torch.dtype) -> torch.Tensor:
     key = (id(handle), peer, numel, dtype)
     view = _remote.get(key)
@@ -128,6 +151,7 @@ class SymmetricMemory(Transport):
     def __init__(self, group: dist.ProcessGroup | None) -> None:
         super().__init__(group)
         self.world = dist.get_world_size(group)
+        self._gathered = False  # the last combination was pipelined and did the gather's copy
 
     def fusion_buffer(self, numel: int, like: torch.Tensor) -> torch.Tensor:
         return staging(self.group, numel, like)[0][:numel]
@@ -139,20 +163,45 @@ class SymmetricMemory(Transport):
         shared, handle = staging(self.group, buffer.numel(), buffer)
         return shared, handle, isinstance(buffer, torch.Tensor) and shared.data_ptr() == buffer.data_ptr()
 
+    def _chunks(self, level: Level, staged: bool) -> list[tuple[tuple[int, int], tuple[int, int]]]:
+        """The (kept, given) pieces a group of two pipelines a staged buffer in (module doc): one piece below
+        `CHUNK_BYTES` per piece, at most `MAX_CHUNKS`; the same count on both partners (their halves swap)."""
+        (klo, khi), (glo, ghi) = level.kept, level.given
+        count = 1
+        if not staged and self.world == 2 and os.environ.get("ADASUM_SYMMETRIC_CHUNKS", "1") != "0":
+            smallest = int(os.environ.get("ADASUM_SYMMETRIC_CHUNK_BYTES", CHUNK_BYTES))  # tests shrink it
+            count = max(1, min(MAX_CHUNKS, max(khi - klo, ghi - glo) * level.buffer.element_size() // max(1, smallest)))
+        return list(zip(split(klo, khi, count), split(glo, ghi, count)))
+
     def exchange_and_dot(self, level: Level) -> None:
         buffer = level.buffer
         shared, handle, staged = self._setup(buffer)
+        self._gathered = False
         (klo, khi), (glo, ghi) = level.kept, level.given
-        if not staged and min(klo, glo) == 0 and max(khi, ghi) == buffer.numel():  # the first level
-            _copy(shared, buffer, glo, ghi)
-        handle.barrier(channel=0)
+        first_level = min(klo, glo) == 0 and max(khi, ghi) == buffer.numel()
+        pieces = self._chunks(level, staged) if first_level else [((klo, khi), (glo, ghi))]
         peer = _peer_view(handle, level.peer, shared.numel(), shared.dtype)
-        first, lengths = level.overlap(klo, khi)
-        if lengths:
-            triton_kernels.pull_dot_and_norms(
-                _slice(buffer, klo, khi), peer[klo:khi], level.theirs, lengths,
-                level.sums[:, first : first + len(lengths)], level.lower,
-            )
+        main = side = None
+        if len(pieces) > 1:  # stage piece c + 1 on a side stream while piece c is pulled
+            main = torch.cuda.current_stream(shared.device)
+            side = _side_stream(shared.device)
+            side.wait_stream(main)
+        staged_events = []
+        for _, (g0, g1) in pieces if not staged and first_level else ():
+            with torch.cuda.stream(side) if side is not None else contextlib.nullcontext():
+                _copy(shared, buffer, g0, g1)
+            if side is not None:
+                staged_events.append(side.record_event())
+        for c, ((k0, k1), _) in enumerate(pieces):
+            if staged_events:
+                main.wait_event(staged_events[c])
+            handle.barrier(channel=0)  # the partner's copy of this piece is staged
+            first, lengths = level.overlap(k0, k1)
+            if lengths:
+                triton_kernels.pull_dot_and_norms(
+                    _slice(buffer, k0, k1), peer[k0:k1], level.theirs[k0 - klo : k1 - klo], lengths,
+                    level.sums[:, first : first + len(lengths)], level.lower,
+                )
 
     def combine(self, level: Level) -> None:
         buffer = level.buffer
@@ -161,19 +210,49 @@ class SymmetricMemory(Transport):
         first, lengths = level.overlap(klo, khi)
         if not lengths:
             return
+        pieces = self._chunks(level, staged) if level.last else [(level.kept, level.given)]
+        if len(pieces) > 1:  # a group of two: each piece pushed, then copied out on a side stream
+            self._pipelined_combine(level, shared, handle, pieces)
+            return
         outs = []
         if not staged and (not level.last or self.world > 2):
             outs.append(shared[klo:khi])  # what the next level's (or the gather's) partner reads
         if level.last:
             outs.append(_peer_view(handle, level.peer, shared.numel(), shared.dtype)[klo:khi])
+        self._combine(level, klo, khi, outs)
+
+    def _combine(self, level: Level, lo: int, hi: int, outs: list[torch.Tensor]) -> None:
+        first, lengths = level.overlap(lo, hi)
+        if not lengths:
+            return
         sums = level.sums[:, first : first + len(lengths)]
-        mine = _slice(buffer, klo, khi)
+        mine = _slice(level.buffer, lo, hi)
+        theirs = level.theirs[lo - level.kept[0] : hi - level.kept[0]]
         # the partner's copy from the local one the pull kept: reading it over NVLink again, against the
         # direction of this kernel's stores into the partner, measured 1.72 x NCCL at 2^28 fp32 instead of 1.22 x
-        pair = (mine, level.theirs) if level.lower else (level.theirs, mine)
+        pair = (mine, theirs) if level.lower else (theirs, mine)
         combine_from_sums(*pair, sums, level.workers_a, level.workers_b, lengths, mine, *outs)
 
+    def _pipelined_combine(self, level: Level, shared: torch.Tensor, handle, pieces) -> None:
+        """The last level of a group of two in pieces: combine piece c into B and the partner's S, barrier (the
+        partner's piece c has landed in this rank's S), then copy it out of S into B on a side stream while
+        piece c + 1 is combined. The gather then has nothing left to do."""
+        peer = _peer_view(handle, level.peer, shared.numel(), shared.dtype)
+        main = torch.cuda.current_stream(shared.device)
+        side = _side_stream(shared.device)
+        for (k0, k1), (g0, g1) in pieces:
+            self._combine(level, k0, k1, [peer[k0:k1]])
+            handle.barrier(channel=0)
+            side.wait_event(main.record_event())
+            with torch.cuda.stream(side):
+                _copy(level.buffer, shared, g0, g1)
+        main.wait_stream(side)
+        self._gathered = True
+
     def gather(self, buffer: torch.Tensor | Scattered, steps: Sequence[GatherStep], finals=None) -> None:
+        if self._gathered:  # the pipelined combination copied the partner's half out already
+            self._gathered = False
+            return
         shared, handle, staged = self._setup(buffer)
         handle.barrier(channel=0)  # the partners' stores of the last level have landed
         for step in steps[1:]:
