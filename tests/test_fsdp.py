@@ -281,6 +281,17 @@ def setup_body(rank, world):
     assert "adasum.DistributedOptimizer" in errors["optimizer"] and "adasum.fsdp.enable" in errors["optimizer"]
     assert "adasum.SlowMo" in errors["slowmo"] and "adasum.fsdp.enable" in errors["slowmo"]
 
+    # a torch without set_reduce_scatter_unused_params (2.11): enable says what it costs, and still checks per unit
+    from torch.distributed.fsdp import FSDPModule
+
+    setter = FSDPModule.set_reduce_scatter_unused_params
+    del FSDPModule.set_reduce_scatter_unused_params
+    try:
+        with pytest.warns(UserWarning, match="round trip per unit"):
+            adasum.fsdp.enable(_sharded_plain(mesh), mesh)
+    finally:
+        FSDPModule.set_reduce_scatter_unused_params = setter
+
     # a parameter without gradient on one replica, unused parameters left out: the same error everywhere
     model, _ = sharded(mesh, seed=6)
     model.set_reduce_scatter_unused_params(False)
@@ -288,6 +299,14 @@ def setup_body(rank, world):
         loss_of(model, *batch(0, rank), rank, torch.float32).backward()
     errors["unused"] = str(e.value)
     return out, errors
+
+
+def _sharded_plain(mesh):
+    from torch.distributed.fsdp import fully_shard
+
+    model = Net()
+    fully_shard(model, mesh=mesh["shard"])
+    return model
 
 
 def native_hsdp(mesh):
