@@ -98,13 +98,3 @@ def test_an_outgrown_symmetric_buffer_stays_alive_until_release(monkeypatch):
     assert alive() is not None  # outgrown, still referenced
     symmetric.release()
     assert alive() is None
-
-
-def test_split_tiles_the_range_equally_or_by_weights():
-    from adasum.transport.base import split
-
-    assert split(3, 13, 2) == [(3, 8), (8, 13)]
-    assert split(0, 100, 4, [1, 3, 3, 3]) == [(0, 10), (10, 40), (40, 70), (70, 100)]
-    for lo, hi, weights in ((0, 7, [1, 3, 3]), (5, 5, [1, 3]), (2, 1000, [3, 3, 1])):
-        pieces = split(lo, hi, len(weights), weights)
-        assert pieces[0][0] == lo and pieces[-1][1] == hi and all(a[1] == b[0] for a, b in zip(pieces, pieces[1:]))

@@ -73,14 +73,9 @@ class GatherStep:
     peer: int
 
 
-def split(lo: int, hi: int, count: int, weights: Sequence[int] | None = None) -> list[tuple[int, int]]:
-    """[lo, hi) cut into `count` consecutive pieces of near-equal size, or of sizes in proportion to `weights`
-    (`count` of them)."""
-    weights = [1] * count if weights is None else list(weights)
-    total, running, bounds = sum(weights), 0, [lo]
-    for w in weights:
-        running += w
-        bounds.append(lo + (hi - lo) * running // total)
+def split(lo: int, hi: int, count: int) -> list[tuple[int, int]]:
+    """[lo, hi) cut into `count` consecutive pieces of near-equal size."""
+    bounds = [lo + (hi - lo) * i // count for i in range(count + 1)]
     return list(zip(bounds[:-1], bounds[1:]))
 
 

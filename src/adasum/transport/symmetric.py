@@ -163,20 +163,15 @@ class SymmetricMemory(Transport):
         shared, handle = staging(self.group, buffer.numel(), buffer)
         return shared, handle, isinstance(buffer, torch.Tensor) and shared.data_ptr() == buffer.data_ptr()
 
-    def _chunks(self, level: Level, staged: bool, last_small: bool = False) -> list[tuple[tuple[int, int], ...]]:
+    def _chunks(self, level: Level, staged: bool) -> list[tuple[tuple[int, int], tuple[int, int]]]:
         """The (kept, given) pieces a group of two pipelines a staged buffer in (module doc): one piece below
-        `CHUNK_BYTES` per piece, at most `MAX_CHUNKS`; the same on both partners (their halves swap). What the
-        pipeline cannot hide is the first piece's staging and the last piece's copy-out, so the first piece of
-        the exchange (`last_small`: the last of the combination) is a third of the others."""
+        `CHUNK_BYTES` per piece, at most `MAX_CHUNKS`; the same count on both partners (their halves swap)."""
         (klo, khi), (glo, ghi) = level.kept, level.given
         count = 1
         if not staged and self.world == 2 and os.environ.get("ADASUM_SYMMETRIC_CHUNKS", "1") != "0":
             smallest = int(os.environ.get("ADASUM_SYMMETRIC_CHUNK_BYTES", CHUNK_BYTES))  # tests shrink it
             count = max(1, min(MAX_CHUNKS, max(khi - klo, ghi - glo) * level.buffer.element_size() // max(1, smallest)))
-        weights = [1] + [3] * (count - 1)
-        if last_small:
-            weights.reverse()
-        return list(zip(split(klo, khi, count, weights), split(glo, ghi, count, weights)))
+        return list(zip(split(klo, khi, count), split(glo, ghi, count)))
 
     def exchange_and_dot(self, level: Level) -> None:
         buffer = level.buffer
@@ -215,7 +210,7 @@ class SymmetricMemory(Transport):
         first, lengths = level.overlap(klo, khi)
         if not lengths:
             return
-        pieces = self._chunks(level, staged, last_small=True) if level.last else [(level.kept, level.given)]
+        pieces = self._chunks(level, staged) if level.last else [(level.kept, level.given)]
         if len(pieces) > 1:  # a group of two: each piece pushed, then copied out on a side stream
             self._pipelined_combine(level, shared, handle, pieces)
             return
