@@ -98,10 +98,14 @@ def test_resume_skips_exact_matches_only_and_names_what_differs(tmp_path, monkey
 
 
 def test_collapse_is_flagged_as_divergence_is(digits):
-    config = RunConfig(method="mean-scaled", workers=4, lr=5.0, epochs=2, batch_size=8, train_limit=256)
+    config = RunConfig(method="mean-scaled", workers=4, lr=1.0, epochs=2, batch_size=8, train_limit=256)
     collapsed = train(config, dataset=digits)
     assert not collapsed["diverged"] and collapsed["collapsed"]
     assert collapsed["val_accuracy"] <= collapsed["chance_accuracy"] + 5
+    # five times the rate: the training loss blows up to ~1e7 without a NaN, which is divergence, not collapse
+    exploded = train(RunConfig(method="mean-scaled", workers=4, lr=5.0, epochs=2, batch_size=8, train_limit=256),
+                     dataset=digits)
+    assert exploded["diverged"] and not exploded["collapsed"] and exploded["train_loss"] > 1e4
     healthy = train(RunConfig(method="adasum", workers=2, lr=0.05, epochs=2, batch_size=8, train_limit=512),
                     dataset=digits)
     assert not healthy["collapsed"] and healthy["val_accuracy"] > 40
@@ -117,6 +121,9 @@ def test_chance_level_rules():
     assert chance.collapsed([epoch(90, 0.5), epoch(70.5, 0.6)])  # ends at the majority rate
     assert chance.collapsed([epoch(90, 1.39), epoch(90, 1.38)])  # the loss never left chance level
     assert not chance.collapsed([epoch(90, 1.39), epoch(90, 1.0)])
+    # diverged: NaN or Inf, or a finite loss blown far past guessing (word2vec once reached 1e19)
+    assert chance.diverged(float("nan"), 1.0) and chance.diverged(float("inf")) and chance.diverged(1e19)
+    assert not chance.diverged(0.1, 1.39, 50.0)
 
 
 def test_validation_split_is_fixed_held_out_and_the_same_for_every_run(digits):

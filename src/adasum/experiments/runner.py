@@ -331,6 +331,10 @@ def _agree(error: str | None, distributed: bool) -> None:
         raise ValueError(error)
 
 
+EXPLODED = 1000.0
+"""A loss above this many times the chance-level loss (at least 1 nat) counts as diverged."""
+
+
 @dataclass
 class Chance:
     """What a model that learned nothing scores: the accuracy of always predicting the most
@@ -349,6 +353,11 @@ class Chance:
         entropy = float(-(p * p.log()).sum())
         noise = 3 * math.sqrt(majority * (1 - majority) / float(val.sum()))
         return cls(100 * majority, 100 * noise, entropy)
+
+    def diverged(self, *losses: float) -> bool:
+        """A loss that is NaN or Inf, or finite but above `EXPLODED` times the chance-level loss (a run at
+        1e19 is as lost as one at NaN; no learning run gets near 1,000 times the loss of guessing)."""
+        return not all(math.isfinite(v) and v <= EXPLODED * max(self.loss, 1.0) for v in losses)
 
     def collapsed(self, history: list[dict[str, Any]]) -> bool:
         """At chance: the last validation accuracy within noise of the majority rate, or a training
@@ -515,7 +524,7 @@ class _Run:
             train_loss = sum(step_losses) / len(step_losses)
         val_loss, val_acc = evaluate(self.engine.module, self.data.val_x, self.data.val_y)
         test_loss, test_acc = evaluate(self.engine.module, self.data.test_x, self.data.test_y)
-        diverged = not all(math.isfinite(v) for v in (train_loss, val_loss, test_loss))
+        diverged = self.chance.diverged(train_loss, val_loss, test_loss)
         tensor_o = torch.stack(partial["per_tensor"]).mean(0).tolist() if partial["per_tensor"] else []
         record = {
             "epoch": epoch + 1,
