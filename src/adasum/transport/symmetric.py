@@ -57,7 +57,8 @@ CHUNK_BYTES = 32 << 20
 """Bytes per pipelined piece of a staged half, at least (``ADASUM_SYMMETRIC_CHUNK_BYTES`` overrides it;
 ``ADASUM_SYMMETRIC_CHUNKS=0``: never pipelined)."""
 MAX_CHUNKS = 4
-"""Pieces per half at most: each costs one barrier more (about 20-40 us on 2 x H100)."""
+"""Pieces per half at most (``ADASUM_SYMMETRIC_MAX_CHUNKS`` overrides it): each costs one barrier more
+(about 20-40 us on 2 x H100)."""
 
 _supported: dict[str, bool] = {}
 _side_streams: dict[torch.device, torch.cuda.Stream] = {}
@@ -170,7 +171,8 @@ class SymmetricMemory(Transport):
         count = 1
         if not staged and self.world == 2 and os.environ.get("ADASUM_SYMMETRIC_CHUNKS", "1") != "0":
             smallest = int(os.environ.get("ADASUM_SYMMETRIC_CHUNK_BYTES", CHUNK_BYTES))  # tests shrink it
-            count = max(1, min(MAX_CHUNKS, max(khi - klo, ghi - glo) * level.buffer.element_size() // max(1, smallest)))
+            most = int(os.environ.get("ADASUM_SYMMETRIC_MAX_CHUNKS", MAX_CHUNKS))
+            count = max(1, min(most, max(khi - klo, ghi - glo) * level.buffer.element_size() // max(1, smallest)))
         return list(zip(split(klo, khi, count), split(glo, ghi, count)))
 
     def exchange_and_dot(self, level: Level) -> None:
