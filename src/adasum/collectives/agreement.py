@@ -301,19 +301,6 @@ def verify_layout(
     if not cache:
         agree(description, problem, group, what, operation)
         return
-    agree_once(description, problem, group, what, operation)
-
-
-def agree_once(
-    description: Sequence[tuple],
-    problem: Problem | None,
-    group: dist.ProcessGroup | None,
-    what: str = "tensors",
-    operation: str = "adasum",
-) -> None:
-    """`agree`, remembering the verdict per (group, description): a description every rank agreed on
-    once is not sent again (no round trip); a local `problem` is still raised, on this rank only
-    (see `verify_layout` for what this cache cannot see)."""
     sig = _signature(description)
     known = _verdicts.setdefault(_resolved(group), set())
     if sig in known:
