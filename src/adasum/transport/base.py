@@ -14,6 +14,10 @@ A transport answers five calls:
   last level the partner's combined slice also lands in the given slice (the gather's first step).
 * ``gather(buffer, steps)``: the rest of the gather, in reverse level order.
 
+Two optional parts: ``fusion_buffer(numel, like)`` names where `adasum.all_reduce` should fuse a
+list (the symmetric transport's own buffer), and a transport with ``scattered = True`` takes an
+`adasum.core.layout.Scattered` buffer, a list of tensors read and written where they lie.
+
 `PointToPoint` builds every step from two primitives, ``post`` (start a paired batch) and
 ``wait``; subclasses replace single steps (`adasum.transport.c10d.Collectives` the gather,
 `adasum.transport.symmetric.SymmetricMemory` every data step).
