@@ -130,17 +130,22 @@ class Scattered:
                 out.append(self.tensors[first + i][start : start + n])
         return out
 
+    def _paired(self, flat: torch.Tensor, lo: int, hi: int) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+        """(the tensors' parts at [lo, hi), the matching views of `flat`)."""
+        parts = self.pieces(lo, hi)
+        return parts, list(flat[lo:hi].split([p.numel() for p in parts]))
+
     def read_into(self, flat: torch.Tensor, lo: int, hi: int) -> None:
         """``flat[lo:hi] = self[lo:hi]`` (batched copies)."""
-        parts = self.pieces(lo, hi)
+        parts, views = self._paired(flat, lo, hi)
         if parts:
-            torch._foreach_copy_(list(flat[lo:hi].split([p.numel() for p in parts])), parts)
+            torch._foreach_copy_(views, parts)
 
     def write_from(self, flat: torch.Tensor, lo: int, hi: int) -> None:
         """``self[lo:hi] = flat[lo:hi]`` (batched copies)."""
-        parts = self.pieces(lo, hi)
+        parts, views = self._paired(flat, lo, hi)
         if parts:
-            torch._foreach_copy_(parts, list(flat[lo:hi].split([p.numel() for p in parts])))
+            torch._foreach_copy_(parts, views)
 
     def addresses(self, lo: int, hi: int) -> TileAddresses:
         """Where each tile of the slice [lo, hi) starts in memory, for the tile table of its overlap
@@ -150,7 +155,7 @@ class Scattered:
         found = _addresses.get(key)
         if found is None:
             first, lengths = self.layout.overlap(lo, hi)
-            starts, _, segments, first_tiles, _ = table(tuple(lengths))
+            starts, _, segments, _, _ = table(tuple(lengths))
             size = self.element_size()
             values = []
             seg_start = 0
@@ -162,7 +167,7 @@ class Scattered:
             for start, seg in zip(starts, segments):
                 base, begins = bases[seg]
                 values.append(base + (start - begins) * size)
-            found = TileAddresses(torch.tensor(values, dtype=torch.int64, device=self.device), self.dtype, hi - lo)
+            found = TileAddresses(torch.tensor(values, dtype=torch.int64, device=self.device), self.dtype)
             _addresses[key] = found
             while len(_addresses) > 256:
                 _addresses.pop(next(iter(_addresses)))
@@ -175,7 +180,6 @@ class TileAddresses:
 
     table: torch.Tensor  # int64 [n_tiles], on the device
     dtype: torch.dtype
-    numel: int
 
 
 _addresses: dict[tuple, TileAddresses] = {}

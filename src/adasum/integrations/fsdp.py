@@ -220,7 +220,7 @@ def reduce_shards_(reducer: Reducer, buffer: torch.Tensor, sizes: Sequence[int],
         adacons_shards_(reducer, buffer, sizes, groups, key)
     else:  # element-wise, or whole parameters (one shard per replica): checked by `enable`
         # the layout was agreed on across the mesh (`FSDPState`): no second check (a host round trip per unit)
-        reducer._all_reduce_flat(buffer, list(sizes), groups.replicate)
+        reducer.all_reduce_flat(buffer, sizes, groups.replicate, check_layout=False)
 
 
 def check_reducer(reducer: Reducer, shards: int) -> None:

@@ -209,9 +209,6 @@ class SymmetricMemory(Transport):
         buffer = level.buffer
         shared, handle, staged = self._setup(buffer)
         klo, khi = level.kept
-        first, lengths = level.overlap(klo, khi)
-        if not lengths:
-            return
         pieces = self._chunks(level, staged) if level.last else [(level.kept, level.given)]
         if len(pieces) > 1:  # a group of two: each piece pushed, then copied out on a side stream
             self._pipelined_combine(level, shared, handle, pieces)
