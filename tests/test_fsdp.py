@@ -281,7 +281,7 @@ def setup_body(rank, world):
     assert "adasum.DistributedOptimizer" in errors["optimizer"] and "adasum.fsdp.enable" in errors["optimizer"]
     assert "adasum.SlowMo" in errors["slowmo"] and "adasum.fsdp.enable" in errors["slowmo"]
 
-    # a torch without set_reduce_scatter_unused_params (2.11): enable says what it costs, and still checks per unit
+    # a torch without set_reduce_scatter_unused_params (2.11): enable says what the per-unit checks cost
     from torch.distributed.fsdp import FSDPModule
 
     setter = FSDPModule.set_reduce_scatter_unused_params

@@ -164,12 +164,14 @@ class SymmetricMemory(Transport):
         shared, handle = staging(self.group, buffer.numel(), buffer)
         return shared, handle, isinstance(buffer, torch.Tensor) and shared.data_ptr() == buffer.data_ptr()
 
-    def _chunks(self, level: Level, staged: bool) -> list[tuple[tuple[int, int], tuple[int, int]]]:
-        """The (kept, given) pieces a group of two pipelines a staged buffer in (module doc): one piece below
-        `CHUNK_BYTES` per piece, at most `MAX_CHUNKS`; the same count on both partners (their halves swap)."""
+    def _chunks(self, level: Level) -> list[tuple[tuple[int, int], tuple[int, int]]]:
+        """The (kept, given) pieces a group of two pipelines a level in (module doc): one piece below
+        `CHUNK_BYTES` per piece, at most `MAX_CHUNKS`; the same count on both partners (their halves swap).
+        It depends on sizes alone, never on whether this rank's buffer is staged: a partner whose list was
+        fused into ``S`` (a non-contiguous tensor) runs the same barriers as one whose list is `Scattered`."""
         (klo, khi), (glo, ghi) = level.kept, level.given
         count = 1
-        if not staged and self.world == 2 and os.environ.get("ADASUM_SYMMETRIC_CHUNKS", "1") != "0":
+        if self.world == 2 and os.environ.get("ADASUM_SYMMETRIC_CHUNKS", "1") != "0":
             smallest = int(os.environ.get("ADASUM_SYMMETRIC_CHUNK_BYTES", CHUNK_BYTES))  # tests shrink it
             most = int(os.environ.get("ADASUM_SYMMETRIC_MAX_CHUNKS", MAX_CHUNKS))
             count = max(1, min(most, max(khi - klo, ghi - glo) * level.buffer.element_size() // max(1, smallest)))
@@ -181,10 +183,10 @@ class SymmetricMemory(Transport):
         self._gathered = False
         (klo, khi), (glo, ghi) = level.kept, level.given
         first_level = min(klo, glo) == 0 and max(khi, ghi) == buffer.numel()
-        pieces = self._chunks(level, staged) if first_level else [((klo, khi), (glo, ghi))]
+        pieces = self._chunks(level) if first_level else [((klo, khi), (glo, ghi))]
         peer = _peer_view(handle, level.peer, shared.numel(), shared.dtype)
         main = side = None
-        if len(pieces) > 1:  # stage piece c + 1 on a side stream while piece c is pulled
+        if len(pieces) > 1 and not staged:  # stage piece c + 1 on a side stream while piece c is pulled
             main = torch.cuda.current_stream(shared.device)
             side = _side_stream(shared.device)
             side.wait_stream(main)
@@ -209,9 +211,9 @@ class SymmetricMemory(Transport):
         buffer = level.buffer
         shared, handle, staged = self._setup(buffer)
         klo, khi = level.kept
-        pieces = self._chunks(level, staged) if level.last else [(level.kept, level.given)]
+        pieces = self._chunks(level) if level.last else [(level.kept, level.given)]
         if len(pieces) > 1:  # a group of two: each piece pushed, then copied out on a side stream
-            self._pipelined_combine(level, shared, handle, pieces)
+            self._pipelined_combine(level, shared, handle, pieces, staged)
             return
         outs = []
         if not staged and (not level.last or self.world > 2):
@@ -232,20 +234,22 @@ class SymmetricMemory(Transport):
         pair = (mine, theirs) if level.lower else (theirs, mine)
         combine_from_sums(*pair, sums, level.workers_a, level.workers_b, lengths, mine, *outs)
 
-    def _pipelined_combine(self, level: Level, shared: torch.Tensor, handle, pieces) -> None:
+    def _pipelined_combine(self, level: Level, shared: torch.Tensor, handle, pieces, staged: bool) -> None:
         """The last level of a group of two in pieces: combine piece c into B and the partner's S, barrier (the
         partner's piece c has landed in this rank's S), then copy it out of S into B on a side stream while
-        piece c + 1 is combined. The gather then has nothing left to do."""
+        piece c + 1 is combined (nothing to copy when B is S). The gather then has nothing left to do."""
         peer = _peer_view(handle, level.peer, shared.numel(), shared.dtype)
         main = torch.cuda.current_stream(shared.device)
         side = _side_stream(shared.device)
         for (k0, k1), (g0, g1) in pieces:
             self._combine(level, k0, k1, [peer[k0:k1]])
             handle.barrier(channel=0)
-            side.wait_event(main.record_event())
-            with torch.cuda.stream(side):
-                _copy(level.buffer, shared, g0, g1)
-        main.wait_stream(side)
+            if not staged:
+                side.wait_event(main.record_event())
+                with torch.cuda.stream(side):
+                    _copy(level.buffer, shared, g0, g1)
+        if not staged:
+            main.wait_stream(side)
         self._gathered = True
 
     def gather(self, buffer: torch.Tensor | Scattered, steps: Sequence[GatherStep], finals=None) -> None:
