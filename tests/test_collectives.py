@@ -229,3 +229,37 @@ def test_replay_fast_path_needs_the_same_tensors_storage_and_shapes(monkeypatch)
     tensors[1].set_(torch.zeros(2, 2).untyped_storage())  # same object, new storage
     assert not api._replayed(None, None, list(tensors))
     assert replays == [1]
+
+
+def mixed_contiguity(rank, world):
+    """Rank 1 passes a transposed (non-contiguous) view where the others pass contiguous tensors: on NCCL
+    the symmetric transport then fuses rank 1's list into its staging buffer while the others' lists are
+    read in place (`Scattered`), and with pieces of 4 KiB every half is pipelined; the ranks must still
+    run the same barriers (a different count hangs) and agree bitwise with the reference."""
+    dev = distributed.device_for(rank)
+    shapes = [(64, 48), (3000,), (5, 7)]
+    data = worker_data(80, world, shapes)
+    mine = []
+    for i, t in enumerate(data[rank]):
+        if rank == 1 and i == 0:
+            view = torch.empty(t.shape[::-1], device=dev).t()  # same shape, column-major
+            view.copy_(t)
+            assert not view.is_contiguous()
+            mine.append(view)
+        else:
+            mine.append(t.clone().to(dev))
+    errs, results = [], []
+    for _ in range(3):  # eager, captured, replayed
+        for t, d in zip(mine, data[rank]):
+            t.copy_(d)
+        adasum.all_reduce(mine)
+        errs.append(max(rel_err(t, reference(data, i)) for i, t in enumerate(mine)))
+        results.append(b"".join(t.cpu().contiguous().numpy().tobytes() for t in mine))
+    return errs, results
+
+
+@pytest.mark.parametrize("world", distributed.world_sizes(2, 4))
+def test_ranks_that_differ_in_contiguity_agree(world):
+    results = distributed.run(world, mixed_contiguity, env={"ADASUM_SYMMETRIC_CHUNK_BYTES": "4096"})
+    assert max(results[0][0]) < 1e-6, results[0][0]
+    assert all(r[1] == results[0][1] for r in results)

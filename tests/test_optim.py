@@ -283,3 +283,50 @@ def test_options_are_checked():
         adasum.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=1), mode="weights")
     with pytest.raises(ValueError, match="local_steps > 1 needs mode='delta'"):
         adasum.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=1), mode="gradient", local_steps=2)
+
+
+def device_body(rank, world):
+    """Delta mode on the backend's device (a GPU on NCCL: the pipelined buckets, with more buckets than
+    buffers in flight), against the CPU simulation; and a channels-last model gives the values of a
+    contiguous one (the deltas are taken in the parameters' own shapes; on a GPU the two layouts' convolutions
+    may round differently, hence the float32 tolerance of the simulation comparison)."""
+    dev = distributed.device_for(rank)
+    sim = Simulation(world, OPTIMIZERS["adam"])
+    model = make_model().to(dev)
+    opt = adasum.DistributedOptimizer(OPTIMIZERS["adam"](model.parameters()), bucket_cap_mb=1e-4)
+    history = []
+    for step in range(3):
+        expected = sim.round()
+        opt.zero_grad()
+        x, y = batch(rank, step)
+        torch.nn.functional.mse_loss(model(x.to(dev)), y.to(dev)).backward()
+        opt.step()
+        for p, e in zip(model.parameters(), expected):  # read after step(), on the compute stream
+            assert rel(p.cpu(), e) < 1e-5, rel(p.cpu(), e)
+        history.append(to_bytes([p.cpu() for p in model.parameters()]))
+
+    def conv_run(memory_format):
+        torch.manual_seed(0)
+        net = torch.nn.Sequential(torch.nn.Conv2d(3, 4, 3), torch.nn.Flatten(), torch.nn.Linear(4 * 4 * 4, 2))
+        net = net.to(dev, memory_format=memory_format)
+        opt = adasum.DistributedOptimizer(torch.optim.SGD(net.parameters(), lr=0.1), bucket_cap_mb=1e-4)
+        g = torch.Generator().manual_seed(rank)
+        for _ in range(2):
+            opt.zero_grad()
+            x = torch.randn(2, 3, 6, 6, generator=g).to(dev, memory_format=memory_format)
+            net(x).square().sum().backward()
+            opt.step()
+        return [p.detach().cpu().contiguous() for p in net.parameters()]
+
+    last = conv_run(torch.channels_last)
+    assert next(iter(last)).shape == (4, 3, 3, 3)
+    assert all(rel(a, b) < 1e-5 for a, b in zip(last, conv_run(torch.contiguous_format)))
+    history.append(to_bytes(last))
+    return history
+
+
+@pytest.mark.nccl
+@pytest.mark.parametrize("world", distributed.world_sizes(2))
+def test_delta_mode_on_the_backend_device(world):
+    results = distributed.run(world, device_body)
+    assert all(r == results[0] for r in results)

@@ -45,7 +45,7 @@ def combine_bound(a, b, ca, cb, lengths, want, dtype):
 
 
 # tiles of 16384 elements: segments spanning several tiles, tile-sized ones, empty ones, many tiny ones
-cases = [[5, 0, 33000, 1, 0, 300], [16384, 16385, 1], [0], [7] * 40, [], [3, 0, 4]]
+cases = [[5, 0, 33000, 1, 0, 300], [16384, 16385, 1], [0], [7] * 40, [], [3, 0, 4], [16384, 0, 32, 4096]]
 for number, lengths in enumerate(cases):
     for dtype in (torch.float32, torch.bfloat16, torch.float16, torch.float64)[: 4 if number == 0 else 2]:
         n = sum(lengths)
@@ -97,7 +97,7 @@ for number, lengths in enumerate(cases):
             assert torch.equal(outs[0], outs[1]) and torch.equal(outs[0], outs[2]), (lengths, dtype)
         # a list of tensors read and written where it lies (Scattered: per-tile addresses), over slices that
         # cut tensors: the same bits as the flat kernels on the same values
-        if number in (0, 1, 3) and n and dtype in (torch.float32, torch.bfloat16):
+        if number in (0, 1, 3, 6) and n and dtype in (torch.float32, torch.bfloat16):
             from adasum.core.layout import Scattered
             for lo, hi in ((0, n), (n // 3, n - n // 5)):
                 parts = [a[o : o + k].clone() for o, k in zip([0, *torch.tensor(lengths).cumsum(0).tolist()], lengths)]
@@ -121,6 +121,31 @@ for number, lengths in enumerate(cases):
                 assert torch.equal(staged[lo:hi], flat_out) and not staged[:lo].any(), "read_into"
                 scattered.write_from(torch.zeros(n, dtype=dtype), lo, hi)
                 assert not torch.cat(scattered.tensors)[lo:hi].any(), "write_from"
+# the optimizer's elementwise passes: x - y and x + y, bitwise as torch rounds them, the list read and written in place
+from adasum.core.layout import Scattered
+
+
+def same(got, want, dtype):
+    # the interpreter truncates float32 -> bfloat16 where compiled kernels round to nearest as torch does: one ulp
+    if dtype == torch.bfloat16:
+        return bool(((got.float() - want.float()).abs() <= torch.finfo(dtype).eps * want.float().abs()).all())
+    return torch.equal(got, want)
+
+
+for lengths in ([16384, 0, 32, 4096], [5, 16385, 3]):
+    for dtype in (torch.float32, torch.bfloat16, torch.float64):
+        n = sum(lengths)
+        x = torch.randn(n, generator=g).to(dtype)
+        y = torch.randn(n, generator=g).to(dtype)
+        out = torch.full_like(x, float("nan"))
+        tk.add(x, y, out, lengths, subtract=True)
+        assert same(out, torch.sub(x, y), dtype), (lengths, dtype, "flat difference")
+        parts = [t.clone() for t in x.split(lengths)]
+        tk.add(Scattered(parts).addresses(0, n), y, out, lengths, subtract=True)
+        assert same(out, torch.sub(x, y), dtype), (lengths, dtype, "difference of a list in place")
+        targets = [torch.full((k,), float("nan"), dtype=dtype) for k in lengths]
+        tk.add(x, y, Scattered(targets).addresses(0, n), lengths)
+        assert same(torch.cat(targets), torch.add(x, y), dtype), (lengths, dtype, "sum into a list in place")
 print("ok")
 """
 
@@ -131,3 +156,27 @@ def test_triton_kernels_match_cpu_kernels_in_the_interpreter():
     done = subprocess.run([sys.executable, "-c", SCRIPT], env=env, capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stderr[-3000:]
     assert done.stdout.strip().endswith("ok")
+
+
+def test_vector_width_only_where_every_tile_allows_it():
+    """The kernels are told to load 16-byte vectors only when every tile's start and size and every address
+    table entry is a multiple of 16 bytes (the last case of the interpreter script runs that path)."""
+    pytest.importorskip("triton", reason="Triton is in the test extra on Linux x86_64")
+    import torch
+
+    from adasum.core.layout import Scattered
+    from adasum.core.tiles import tiles
+    from adasum.kernels import triton as tk
+
+    cpu = torch.device("cpu")
+    f32, bf16 = torch.zeros(1), torch.zeros(1, dtype=torch.bfloat16)
+    assert tk._align(tiles((16384, 0, 32, 4096), cpu), f32) == 4
+    assert tk._align(tiles((16384, 0, 32, 4096), cpu), bf16) == 8
+    assert tk._align(tiles((16384, 16385, 1), cpu), f32) == 1  # a tile of odd size
+    assert tk._align(tiles((36, 4), cpu), bf16) == 1  # 36 elements: not a multiple of 8 bf16
+    aligned = Scattered([torch.zeros(64), torch.zeros(32)])
+    assert tk._align(tiles((64, 32), cpu), f32, aligned.addresses(0, 96)) == 4
+    assert tk._align(tiles((60, 32), cpu), f32, aligned.addresses(4, 96)) == 4  # 16 bytes in: still aligned
+    assert not aligned.addresses(2, 96).aligned  # 8 bytes in
+    odd = Scattered([torch.zeros(65)[1:], torch.zeros(32)])  # the first tensor starts 4 bytes into its storage
+    assert not odd.addresses(0, 96).aligned and tk._align(tiles((64, 32), cpu), f32, odd.addresses(0, 96)) == 1

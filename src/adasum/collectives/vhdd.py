@@ -78,6 +78,11 @@ _workspace = _Workspace()
 _PIECE = (1 << 20, 1 << 25)
 
 
+ALIGN = 16
+"""Elements: halves and pipeline pieces are cut at multiples of this (64 bytes of fp32, the widest 16-byte vector
+of every dtype)."""
+
+
 @functools.lru_cache(maxsize=256)
 def _layout(sizes: tuple[int, ...]) -> Layout:
     # layouts repeat call after call (a model's buckets): keep their offsets, not rebuild them
@@ -85,8 +90,12 @@ def _layout(sizes: tuple[int, ...]) -> Layout:
 
 
 def _halves(lo: int, hi: int, lower: bool) -> tuple[tuple[int, int], tuple[int, int]]:
-    """(kept, given up) halves of [lo, hi); the lower partner keeps the first half."""
+    """(kept, given up) halves of [lo, hi); the lower partner keeps the first half. The cut is rounded down to
+    a multiple of `ALIGN` elements where that leaves the first half non-empty, so that the halves of a buffer
+    whose tensors have such sizes keep the GPU kernels' vector loads (`adasum.kernels.triton`)."""
     mid = lo + (hi - lo) // 2
+    if mid - mid % ALIGN > lo:
+        mid -= mid % ALIGN
     return ((lo, mid), (mid, hi)) if lower else ((mid, hi), (lo, mid))
 
 

@@ -167,7 +167,8 @@ class Scattered:
             for start, seg in zip(starts, segments):
                 base, begins = bases[seg]
                 values.append(base + (start - begins) * size)
-            found = TileAddresses(torch.tensor(values, dtype=torch.int64, device=self.device), self.dtype)
+            addresses = torch.tensor(values, dtype=torch.int64, device=self.device)
+            found = TileAddresses(addresses, self.dtype, all(v % 16 == 0 for v in values))
             _addresses[key] = found
             while len(_addresses) > 256:
                 _addresses.pop(next(iter(_addresses)))
@@ -180,6 +181,7 @@ class TileAddresses:
 
     table: torch.Tensor  # int64 [n_tiles], on the device
     dtype: torch.dtype
+    aligned: bool = False  # every address a multiple of 16 bytes (vector loads and stores)
 
 
 _addresses: dict[tuple, TileAddresses] = {}

@@ -5,6 +5,7 @@ repeated calls neither rebuild them nor copy them to the device again (which wou
 from __future__ import annotations
 
 import functools
+import math
 from dataclasses import dataclass
 
 import torch
@@ -21,6 +22,7 @@ class Tiles:
     count: torch.Tensor  # int64 [T]: tiles in each segment
     n_tiles: int
     longest: int  # the most tiles in one segment
+    align: int = 0  # the gcd of every start and size (0 without tiles): kernels may load in vectors this wide
 
 
 @functools.lru_cache(maxsize=1024)
@@ -49,5 +51,5 @@ def tiles(lengths: tuple[int, ...], device: torch.device) -> Tiles:
 
     return Tiles(
         as_tensor(starts), as_tensor(sizes), as_tensor(segments), as_tensor(first), as_tensor(count),
-        len(starts), max(count, default=0),
+        len(starts), max(count, default=0), math.gcd(*starts, *sizes),
     )

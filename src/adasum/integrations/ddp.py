@@ -32,6 +32,7 @@ import torch.distributed as dist
 from adasum.collectives.nonfinite import apply_nonfinite_policy, check_policy
 from adasum.deprecated import _UNSET, renamed
 from adasum.reducers import Adasum, Reducer, get_reducer
+from adasum.transport.groups import side_stream
 
 HOOK_POLICIES = ("propagate", "raise")
 
@@ -174,18 +175,9 @@ def adasum_hook(state: AdasumState, bucket: dist.GradBucket) -> torch.futures.Fu
         return completed_future(buffer)
     # On a side stream, ordered after the gradients by an event: backward keeps computing while the
     # bucket is combined; the Future completes on the side stream (DDP's consumers wait for it).
-    side = _side_stream(buffer.device)
+    side = side_stream(buffer.device, "comm")
     side.wait_stream(torch.cuda.current_stream(buffer.device))
     with torch.cuda.stream(side):
         state.reducer.all_reduce_flat(buffer, sizes, state.group, check_layout=False)
         return completed_future(buffer)
 
-
-_side_streams: dict = {}
-
-
-def _side_stream(device: torch.device) -> torch.cuda.Stream:
-    stream = _side_streams.get(device)
-    if stream is None:
-        stream = _side_streams[device] = torch.cuda.Stream(device)
-    return stream

@@ -28,21 +28,24 @@ dtype, so one flat copy). Gradient mode keeps no copy.
 
 from __future__ import annotations
 
-from collections import OrderedDict
+from collections import OrderedDict, deque
 from collections.abc import Callable
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
+from adasum import kernels
 from adasum.collectives.agreement import check_not_sharded, check_same_layout
 from adasum.collectives.nonfinite import apply_nonfinite_policy, check_policy, nonfinite_message
 from adasum.core.layout import flatten, unflatten_into
 from adasum.deprecated import _UNSET, renamed
 from adasum.reducers import Reducer, get_reducer
-from adasum.transport.groups import control_group, failures_named, group_device
+from adasum.transport.groups import control_group, failures_named, group_device, side_stream
 
 MODES = ("delta", "gradient")
+IN_FLIGHT = 3
+"""Delta mode on a GPU: buckets whose deltas are computed, combined or applied at once (module doc)."""
 
 __all__ = ["DistributedOptimizer", "buckets", "check_same_parameters", "checksum", "nonfinite_message"]
 
@@ -218,6 +221,8 @@ class DistributedOptimizer(torch.optim.Optimizer):
         self._gradients_checked = False  # gradient mode: the gradients' layout, checked on the first step
         self._device = group_device(group)
         self._anchor: list[torch.Tensor] | None = None  # delta mode: the round's starting weights
+        self._delta_buffers: dict[tuple, torch.Tensor] = {}  # delta mode: `IN_FLIGHT` flat buffers per dtype
+        self._anchor_flats: list[torch.Tensor] = []  # delta mode: the storage of `_anchor`, one per bucket
         self._passes = 0  # backward passes accumulated since the last real step
         self._round_step = 0  # local steps taken since the last combination
         # what torch.optim.Optimizer's own methods expect to find
@@ -359,9 +364,22 @@ class DistributedOptimizer(torch.optim.Optimizer):
 
     def _save_anchor(self, params: list[torch.Tensor]) -> None:
         if self._anchor is None or len(self._anchor) != len(params):
-            self._anchor = [torch.empty_like(p, memory_format=torch.contiguous_format) for p in params]
+            self._new_anchor(params)
         if params:
             torch._foreach_copy_(self._anchor, params)
+
+    def _new_anchor(self, params: list[torch.Tensor]) -> None:
+        """Room for the starting weights: one flat buffer per bucket of `params` (`_anchor_flats`), seen per
+        parameter, in its shape, by `_anchor` (views)."""
+        anchor: list[torch.Tensor] = [torch.empty(0)] * len(params)
+        self._anchor_flats = []
+        for bucket in buckets(params, self.bucket_cap_bytes):
+            sizes = [params[i].numel() for i in bucket]
+            flat = torch.empty(sum(sizes), dtype=params[bucket[0]].dtype, device=params[bucket[0]].device)
+            self._anchor_flats.append(flat)
+            for i, view in zip(bucket, flat.split(sizes)):
+                anchor[i] = view.view(params[i].shape)
+        self._anchor = anchor
 
     def _combine_gradients(self, params: list[torch.Tensor]) -> None:
         for p in params:
@@ -383,17 +401,54 @@ class DistributedOptimizer(torch.optim.Optimizer):
 
     def _combine_deltas(self, params: list[torch.Tensor]) -> None:
         """x := x0 + combine(x - x0), bucket by bucket; x0 and the combination agree on every
-        rank, so the parameters come out bitwise identical."""
+        rank, so the parameters come out bitwise identical.
+
+        On a GPU the buckets are pipelined: the compute stream writes bucket k's deltas while the "comm" side
+        stream combines bucket k - 1 and the compute stream applies bucket k - 2 (each ordered by events), so
+        the elementwise passes, which load local memory, overlap the combination, which waits on the link. At
+        most `IN_FLIGHT` buckets' delta buffers exist at once. `step()` returns with the compute stream
+        ordered after every bucket: the parameters are final for anything enqueued after it."""
         assert self._anchor is not None
-        for bucket in buckets(params, self.bucket_cap_bytes):
-            sizes = [params[i].numel() for i in bucket]
-            flat = torch.empty(sum(sizes), dtype=params[bucket[0]].dtype, device=params[bucket[0]].device)
-            views = flat.split(sizes)
-            for i, view in zip(bucket, views):
-                torch.sub(params[i].reshape(-1), self._anchor[i].reshape(-1), out=view)
-            self.reducer.all_reduce_flat(flat, sizes, self.group, check_layout=False)
-            for i, view in zip(bucket, views):
-                params[i].copy_(self._anchor[i]).add_(view.view_as(params[i]))
+        device = params[0].device if params else None
+        comm = side_stream(device, "comm") if device is not None and device.type == "cuda" else None
+        main = torch.cuda.current_stream(device) if comm is not None else None
+        pending: deque = deque()
+
+        def apply(members: list[torch.Tensor], anchor: torch.Tensor, flat: torch.Tensor, done) -> None:
+            if done is not None:
+                main.wait_event(done)
+            kernels.add_into(members, anchor, flat)  # one pass: x0 + combined, straight into the parameters
+
+        for number, bucket in enumerate(buckets(params, self.bucket_cap_bytes)):
+            members = [params[i] for i in bucket]
+            sizes = [p.numel() for p in members]
+            flat = self._delta_buffer(number % IN_FLIGHT, sum(sizes), members[0])
+            anchor = self._anchor_flats[number]
+            kernels.subtract_into(flat, members, anchor)
+            if comm is None:
+                self.reducer.all_reduce_flat(flat, sizes, self.group, check_layout=False)
+                apply(members, anchor, flat, None)
+                continue
+            comm.wait_stream(main)
+            with torch.cuda.stream(comm):
+                self.reducer.all_reduce_flat(flat, sizes, self.group, check_layout=False)
+                done = comm.record_event()
+            pending.append((members, anchor, flat, done))
+            if len(pending) >= IN_FLIGHT:
+                apply(*pending.popleft())
+        while pending:
+            apply(*pending.popleft())
+
+    def _delta_buffer(self, slot: int, numel: int, like: torch.Tensor) -> torch.Tensor:
+        """The first `numel` elements of delta buffer `slot` for `like`'s dtype and device (`IN_FLIGHT` slots, kept
+        between steps and grown as needed). The same buffers step after step give the combination the same
+        addresses, so its captured CUDA graphs replay. Bucket k reuses the slot of bucket k - IN_FLIGHT only after
+        that bucket was applied, which waited for its combination."""
+        key = (slot, like.device, like.dtype)
+        buffer = self._delta_buffers.get(key)
+        if buffer is None or buffer.numel() < numel:
+            buffer = self._delta_buffers[key] = torch.empty(numel, dtype=like.dtype, device=like.device)
+        return buffer[:numel]
 
     # -- checks and checkpoints ---------------------------------------------------------------
 
@@ -424,5 +479,5 @@ class DistributedOptimizer(torch.optim.Optimizer):
         self.reducer.load_state_dict(state_dict["reducer"])
         if state_dict["anchor"] is not None:
             params = self._params()
-            self._anchor = [torch.empty_like(p, memory_format=torch.contiguous_format) for p in params]
+            self._new_anchor(params)
             torch._foreach_copy_(self._anchor, [a.to(p.device) for a, p in zip(state_dict["anchor"], params)])

@@ -100,3 +100,39 @@ def _combine_unfused(a, b, sums, workers_a, workers_b, lengths, out) -> None:
         coeff_a, coeff_b = coefficients(sums, workers_a / total, workers_b / total)
     scale_add(a, b, coeff_a, coeff_b, lengths, out)
 
+
+
+def _in_place(tensors: Sequence[torch.Tensor], like: torch.Tensor):
+    """(Triton kernels, the tensors' `TileAddresses`) when one kernel can read or write the list where it lies (a
+    GPU with Triton, every tensor contiguous and of `like`'s dtype), else (None, None)."""
+    triton_kernels = _triton(like.device)
+    if triton_kernels is None or not all(t.is_contiguous() and t.dtype == like.dtype for t in tensors):
+        return None, None
+    from adasum.core.layout import Scattered
+
+    return triton_kernels, Scattered(tensors).addresses(0, sum(t.numel() for t in tensors))
+
+
+def subtract_into(out: torch.Tensor, tensors: Sequence[torch.Tensor], base: torch.Tensor) -> None:
+    """``out = tensors - base`` with `out` and `base` flat (the tensors end to end, each in its own shape and
+    strides), rounded as ``torch.sub`` rounds: one kernel on GPUs with Triton when the tensors are contiguous,
+    one op per tensor otherwise (a channels-last weight is read in its logical order)."""
+    sizes = [t.numel() for t in tensors]
+    triton_kernels, where = _in_place(tensors, out)
+    if triton_kernels is not None:
+        triton_kernels.add(where, base, out, sizes, subtract=True)
+        return
+    for t, o, b in zip(tensors, out.split(sizes), base.split(sizes)):
+        torch.sub(t, b.view(t.shape), out=o.view(t.shape))
+
+
+def add_into(tensors: Sequence[torch.Tensor], base: torch.Tensor, delta: torch.Tensor) -> None:
+    """``tensors = base + delta`` (`base` and `delta` flat, the tensors end to end), rounded as ``torch.add``
+    rounds: one kernel on GPUs with Triton when the tensors are contiguous, one op per tensor otherwise."""
+    sizes = [t.numel() for t in tensors]
+    triton_kernels, where = _in_place(tensors, base)
+    if triton_kernels is not None:
+        triton_kernels.add(base, delta, where, sizes)
+        return
+    for t, b, d in zip(tensors, base.split(sizes), delta.split(sizes)):
+        torch.add(b.view(t.shape), d.view(t.shape), out=t)

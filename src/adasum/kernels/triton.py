@@ -9,6 +9,7 @@ a call launches two or three kernels and never synchronises the host. Results ar
 
 from __future__ import annotations
 
+import os
 from collections.abc import Sequence
 
 import torch
@@ -33,19 +34,26 @@ def available(device: torch.device) -> bool:
 if triton is not None:
 
     @triton.jit
-    def _tile_base(tiles_ptr, tile, ptr, start, TILES: tl.constexpr):
+    def _tile_base(tiles_ptr, tile, ptr, start, TILES: tl.constexpr, ALIGN: tl.constexpr):
         # a tile's first element: from the address table (a `Scattered` slice), else at `start` in the flat tensor
         if TILES:
             at = tl.load(tiles_ptr + tile).to(tl.pointer_type(ptr.dtype.element_ty))
+            if ALIGN > 1:  # every address a multiple of 16 bytes (checked on the host): vector loads and stores
+                at = tl.multiple_of(at, 16)
         else:
             at = ptr + start
         return at
 
     @triton.jit
-    def _tile_sums_kernel(a_ptr, b_ptr, starts_ptr, sizes_ptr, out_ptr, BLOCK: tl.constexpr, ITERS: tl.constexpr):
+    def _tile_sums_kernel(
+        a_ptr, b_ptr, starts_ptr, sizes_ptr, out_ptr, BLOCK: tl.constexpr, ITERS: tl.constexpr, ALIGN: tl.constexpr,
+    ):
         tile = tl.program_id(0)
         start = tl.load(starts_ptr + tile)
         size = tl.load(sizes_ptr + tile)
+        if ALIGN > 1:  # tile starts and sizes multiples of ALIGN elements (16 bytes; checked on the host)
+            start = tl.multiple_of(start, ALIGN)
+            size = tl.multiple_of(size, ALIGN)
         ab = tl.zeros([BLOCK], dtype=tl.float64)
         aa = tl.zeros([BLOCK], dtype=tl.float64)
         bb = tl.zeros([BLOCK], dtype=tl.float64)
@@ -93,7 +101,7 @@ if triton is not None:
         a_ptr, b_ptr, sums_ptr, row_stride, workers_a, workers_b, counts_ptr, segments, out_ptr, starts_ptr,
         sizes_ptr, segs_ptr, out2_ptr, out3_ptr, a_tiles, b_tiles, out_tiles, BLOCK: tl.constexpr,
         ITERS: tl.constexpr, PER_SEGMENT: tl.constexpr, OUTS: tl.constexpr, A_TILES: tl.constexpr,
-        B_TILES: tl.constexpr, OUT_TILES: tl.constexpr,
+        B_TILES: tl.constexpr, OUT_TILES: tl.constexpr, ALIGN: tl.constexpr,
     ):
         # The coefficients of `adasum.core.operator.coefficients`, computed per tile from the segment's three sums.
         # Python floats would arrive as float32 (1/3 inexact, the zero guard 2**-511 flushed to 0),
@@ -104,6 +112,9 @@ if triton is not None:
         start = tl.load(starts_ptr + tile)
         size = tl.load(sizes_ptr + tile)
         seg = tl.load(segs_ptr + tile)
+        if ALIGN > 1:  # tile starts and sizes multiples of ALIGN elements (16 bytes; checked on the host)
+            start = tl.multiple_of(start, ALIGN)
+            size = tl.multiple_of(size, ALIGN)
         if PER_SEGMENT:
             count_a = tl.load(counts_ptr + seg).to(tl.float64)
             count_b = tl.load(counts_ptr + segments + seg).to(tl.float64)
@@ -118,9 +129,9 @@ if triton is not None:
         ca = tl.where(norm_a >= zero_norm, 1.0 - weight_a * dot / tl.where(norm_a >= zero_norm, norm_a, 1.0), 1.0)
         cb = tl.where(norm_b >= zero_norm, 1.0 - weight_b * dot / tl.where(norm_b >= zero_norm, norm_b, 1.0), 1.0)
         # with X_TILES, X is a `Scattered` buffer's slice: the tile's first element is at x_tiles[tile]
-        a_at = _tile_base(a_tiles, tile, a_ptr, start, A_TILES)
-        b_at = _tile_base(b_tiles, tile, b_ptr, start, B_TILES)
-        out_at = _tile_base(out_tiles, tile, out_ptr, start, OUT_TILES)
+        a_at = _tile_base(a_tiles, tile, a_ptr, start, A_TILES, ALIGN)
+        b_at = _tile_base(b_tiles, tile, b_ptr, start, B_TILES, ALIGN)
+        out_at = _tile_base(out_tiles, tile, out_ptr, start, OUT_TILES, ALIGN)
         for i in range(ITERS):
             offs = i * BLOCK + tl.arange(0, BLOCK)
             mask = offs < size
@@ -138,17 +149,20 @@ if triton is not None:
     @triton.jit
     def _pull_tile_sums_kernel(
         mine_ptr, peer_ptr, theirs_ptr, starts_ptr, sizes_ptr, out_ptr, mine_tiles, BLOCK: tl.constexpr,
-        ITERS: tl.constexpr, LOWER: tl.constexpr, MINE_TILES: tl.constexpr,
+        ITERS: tl.constexpr, LOWER: tl.constexpr, MINE_TILES: tl.constexpr, ALIGN: tl.constexpr,
     ):
         # One pass: load this rank's slice and the partner's copy (a peer's memory: NVLink loads), keep the
         # partner's copy in `theirs`, and reduce the three sums of the tile in float64 ("a" = the lower side).
         tile = tl.program_id(0)
         start = tl.load(starts_ptr + tile)
         size = tl.load(sizes_ptr + tile)
+        if ALIGN > 1:  # tile starts and sizes multiples of ALIGN elements (16 bytes; checked on the host)
+            start = tl.multiple_of(start, ALIGN)
+            size = tl.multiple_of(size, ALIGN)
         ab = tl.zeros([BLOCK], dtype=tl.float64)
         mm = tl.zeros([BLOCK], dtype=tl.float64)
         tt = tl.zeros([BLOCK], dtype=tl.float64)
-        mine_at = _tile_base(mine_tiles, tile, mine_ptr, start, MINE_TILES)
+        mine_at = _tile_base(mine_tiles, tile, mine_ptr, start, MINE_TILES, ALIGN)
         for i in range(ITERS):
             offs = i * BLOCK + tl.arange(0, BLOCK)
             mask = offs < size
@@ -166,6 +180,49 @@ if triton is not None:
         tl.store(out_ptr + tile * 3 + 0, tl.sum(ab, axis=0))
         tl.store(out_ptr + tile * 3 + 1, aa)
         tl.store(out_ptr + tile * 3 + 2, bb)
+
+    @triton.jit
+    def _add_kernel(
+        x_ptr, y_ptr, out_ptr, starts_ptr, sizes_ptr, x_tiles, out_tiles, BLOCK: tl.constexpr, ITERS: tl.constexpr,
+        SUBTRACT: tl.constexpr, X_TILES: tl.constexpr, OUT_TILES: tl.constexpr, ALIGN: tl.constexpr,
+    ):
+        # out = x - y or x + y, rounded once as torch rounds it: float64 in float64, every other dtype in float32
+        tile = tl.program_id(0)
+        start = tl.load(starts_ptr + tile)
+        size = tl.load(sizes_ptr + tile)
+        if ALIGN > 1:  # tile starts and sizes multiples of ALIGN elements (16 bytes; checked on the host)
+            start = tl.multiple_of(start, ALIGN)
+            size = tl.multiple_of(size, ALIGN)
+        x_at = _tile_base(x_tiles, tile, x_ptr, start, X_TILES, ALIGN)
+        out_at = _tile_base(out_tiles, tile, out_ptr, start, OUT_TILES, ALIGN)
+        for i in range(ITERS):
+            offs = i * BLOCK + tl.arange(0, BLOCK)
+            mask = offs < size
+            x = tl.load(x_at + offs, mask=mask, other=0.0)
+            y = tl.load(y_ptr + start + offs, mask=mask, other=0.0)
+            if out_ptr.dtype.element_ty != tl.float64:
+                x = x.to(tl.float32)
+                y = y.to(tl.float32)
+            if SUBTRACT:
+                result = x - y
+            else:
+                result = x + y
+            tl.store(out_at + offs, result.to(out_ptr.dtype.element_ty), mask=mask)
+
+
+def _align(table, *operands) -> int:
+    """The vector width the kernels may assume, in elements: 16 bytes' worth when every tile starts and ends on
+    such a boundary and every `TileAddresses` operand is 16-byte aligned, else 1 (scalar loads). Flat tensors need
+    no check: Triton specializes a pointer as 16-byte aligned only when it is. With the width, fp32 and bf16 loads
+    and stores become 128-bit (without it Triton cannot prove alignment from the tile table, and bf16 moved 2 bytes
+    per instruction). ``ADASUM_TRITON_VECTORS=0`` turns this off (for comparisons)."""
+    if os.environ.get("ADASUM_TRITON_VECTORS", "1") == "0":
+        return 1
+    tensors = [x for x in operands if isinstance(x, torch.Tensor)]
+    width = 16 // tensors[0].element_size()
+    if table.align % width or not all(x.aligned for x in operands if not isinstance(x, torch.Tensor)):
+        return 1
+    return width
 
 
 def _rounds(longest: int, block: int) -> int:
@@ -187,7 +244,9 @@ def dot_and_norms(
     assert out.stride(1) == 1 and out.dtype == torch.float64
     tile_sums = torch.empty(max(table.n_tiles, 1), 3, dtype=torch.float64, device=a.device)
     if table.n_tiles:
-        _tile_sums_kernel[(table.n_tiles,)](a, b, table.starts, table.sizes, tile_sums, BLOCK=BLOCK, ITERS=ITERS)
+        _tile_sums_kernel[(table.n_tiles,)](
+            a, b, table.starts, table.sizes, tile_sums, BLOCK=BLOCK, ITERS=ITERS, ALIGN=_align(table, a, b),
+        )
     _add_segment_sums(table, tile_sums, out, segments, accumulate)
     return out
 
@@ -232,7 +291,7 @@ def combine(
             a_ptr, b_ptr, sums, sums.stride(0), 0 if per_segment else workers_a, 0 if per_segment else workers_b,
             counts, len(lengths), out_ptr, table.starts, table.sizes, table.segments, extra[0], extra[1],
             a_tiles, b_tiles, out_tiles, BLOCK=BLOCK, ITERS=ITERS, PER_SEGMENT=per_segment, OUTS=1 + len(more_outs),
-            A_TILES=a_at, B_TILES=b_at, OUT_TILES=out_at,
+            A_TILES=a_at, B_TILES=b_at, OUT_TILES=out_at, ALIGN=_align(table, a, b, out, *more_outs),
         )
 
 
@@ -253,6 +312,20 @@ def pull_dot_and_norms(
         mine_ptr, mine_tiles, mine_at = _operand(mine, peer)
         _pull_tile_sums_kernel[(table.n_tiles,)](
             mine_ptr, peer, theirs, table.starts, table.sizes, tile_sums, mine_tiles, BLOCK=BLOCK, ITERS=ITERS,
-            LOWER=lower, MINE_TILES=mine_at,
+            LOWER=lower, MINE_TILES=mine_at, ALIGN=_align(table, mine, peer, theirs),
         )
     _add_segment_sums(table, tile_sums, out, segments, accumulate=True)
+
+
+def add(x, y: torch.Tensor, out, lengths: Sequence[int], subtract: bool = False) -> None:
+    """``out = x - y`` (`subtract`) or ``x + y`` over segments of `lengths`, rounded as torch rounds it: one
+    kernel. `y` is a flat tensor; `x` and `out` flat tensors or `TileAddresses` (a list of tensors in place)."""
+    like = y
+    table = tiles(tuple(lengths), like.device)
+    if table.n_tiles:
+        x_ptr, x_tiles, x_at = _operand(x, like)
+        out_ptr, out_tiles, out_at = _operand(out, like)
+        _add_kernel[(table.n_tiles,)](
+            x_ptr, y, out_ptr, table.starts, table.sizes, x_tiles, out_tiles, BLOCK=BLOCK, ITERS=ITERS,
+            SUBTRACT=subtract, X_TILES=x_at, OUT_TILES=out_at, ALIGN=_align(table, x, y, out),
+        )

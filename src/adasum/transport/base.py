@@ -77,9 +77,18 @@ class GatherStep:
     peer: int
 
 
-def split(lo: int, hi: int, count: int) -> list[tuple[int, int]]:
-    """[lo, hi) cut into `count` consecutive pieces of near-equal size."""
-    bounds = [lo + (hi - lo) * i // count for i in range(count + 1)]
+def split(lo: int, hi: int, count: int, align: int = 16) -> list[tuple[int, int]]:
+    """[lo, hi) cut into `count` consecutive pieces of near-equal size, each inner cut rounded down to a
+    multiple of `align` where that keeps it past the previous one (vector loads in the kernels).
+
+    >>> split(0, 100, 3)
+    [(0, 32), (32, 64), (64, 100)]
+    """
+    bounds = [lo]
+    for i in range(1, count):
+        cut = lo + (hi - lo) * i // count
+        bounds.append(cut - cut % align if cut - cut % align > bounds[-1] else cut)
+    bounds.append(hi)
     return list(zip(bounds[:-1], bounds[1:]))
 
 

@@ -65,6 +65,20 @@ def _register_exit_handler() -> None:
         _exit_handler_registered = True
 
 
+_side_streams: dict[tuple[torch.device, str], torch.cuda.Stream] = {}
+
+
+def side_stream(device: torch.device, purpose: str) -> torch.cuda.Stream:
+    """One CUDA stream per device and `purpose`, made on first use: "comm" for collectives that overlap the
+    compute stream (the DDP hook, `DistributedOptimizer`), "copies" for the symmetric transport's staging
+    copies (which overlap its own kernels, on whatever stream those run)."""
+    key = (torch.device(device), purpose)
+    stream = _side_streams.get(key)
+    if stream is None:
+        stream = _side_streams[key] = torch.cuda.Stream(key[0])
+    return stream
+
+
 def group_device(group: dist.ProcessGroup | None = None) -> torch.device:
     """The device the group's collectives take tensors on: the current GPU on NCCL, else the CPU.
 

@@ -47,6 +47,7 @@ from adasum.core.layout import Scattered
 from adasum.kernels import combine_from_sums
 from adasum.kernels import triton as triton_kernels
 from adasum.transport.base import GatherStep, Level, Transport, split
+from adasum.transport.groups import side_stream
 
 try:  # pragma: no cover - CUDA builds only
     import torch.distributed._symmetric_memory as symm_mem
@@ -61,7 +62,6 @@ MAX_CHUNKS = 4
 (about 20-40 us on 2 x H100)."""
 
 _supported: dict[str, bool] = {}
-_side_streams: dict[torch.device, torch.cuda.Stream] = {}
 _buffers: dict[tuple[str, torch.dtype], tuple[torch.Tensor, object]] = {}
 _retired: list[tuple[torch.Tensor, object]] = []  # outgrown buffers: captured graphs still hold their addresses
 _remote: dict[tuple[int, int, int, torch.dtype], torch.Tensor] = {}
@@ -126,13 +126,6 @@ def staging(group: dist.ProcessGroup | None, numel: int, like: torch.Tensor):
     return entry
 
 
-def _side_stream(device: torch.device) -> torch.cuda.Stream:
-    stream = _side_streams.get(device)
-    if stream is None:
-        stream = _side_streams[device] = torch.cuda.Stream(device)
-    return stream
-
-
 def _peer_view(handle, peer: int, numel: int, dtype: torch.dtype) -> torch.Tensor:
     key = (id(handle), peer, numel, dtype)
     view = _remote.get(key)
@@ -188,7 +181,7 @@ class SymmetricMemory(Transport):
         main = side = None
         if len(pieces) > 1 and not staged:  # stage piece c + 1 on a side stream while piece c is pulled
             main = torch.cuda.current_stream(shared.device)
-            side = _side_stream(shared.device)
+            side = side_stream(shared.device, "copies")
             side.wait_stream(main)
         staged_events = []
         for _, (g0, g1) in pieces if not staged and first_level else ():
@@ -240,7 +233,7 @@ class SymmetricMemory(Transport):
         piece c + 1 is combined (nothing to copy when B is S). The gather then has nothing left to do."""
         peer = _peer_view(handle, level.peer, shared.numel(), shared.dtype)
         main = torch.cuda.current_stream(shared.device)
-        side = _side_stream(shared.device)
+        side = side_stream(shared.device, "copies")
         for (k0, k1), (g0, g1) in pieces:
             self._combine(level, k0, k1, [peer[k0:k1]])
             handle.barrier(channel=0)
