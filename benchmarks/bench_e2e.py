@@ -8,7 +8,10 @@
 One process per GPU, spawned here (FileStore in a temporary folder; NCCL_NVLS_ENABLE=0 unless
 set). Each step is forward, backward, communication and optimizer step on synthetic data, timed
 between a barrier and ``torch.cuda.synchronize``; a step's time is the slowest rank's; the median
-over `--steps` steps after `--warmup` steps is reported. Variants:
+over `--steps` steps after `--warmup` steps is reported. The variants of a model are built side by
+side and stepped in turn, one step each, round after round (the machine's drift reaches all alike;
+run one after the other, DDP's own median moved from 75 to 87 ms between two runs on one H100 host).
+Variants:
 
 * ``ddp``: DistributedDataParallel with its default all-reduce (the baseline of the ratios);
 * ``ddp-adasum``: the same DDP model with ``adasum.ddp.adasum_hook``;
@@ -26,6 +29,7 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import gc
 import json
 import os
 import statistics
@@ -133,8 +137,8 @@ def _sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def time_variant(name: str, variant: str, args, device: torch.device, rank: int) -> list[float]:
-    """Every rank's step times of one (model, variant); returns the slowest rank's per step."""
+def build_variant(name: str, variant: str, args, device: torch.device, rank: int):
+    """One (model, variant) ready to train: its step function (zero_grad, forward, backward, step)."""
     model, make_optimizer, x, y, loss_fn = build(name, args.dry_run, device, rank)
     device_ids = [device.index] if device.type == "cuda" else None
     if variant == "delta":
@@ -159,21 +163,37 @@ def time_variant(name: str, variant: str, args, device: torch.device, rank: int)
         loss_fn(out, y).backward()
         optimizer.step()
 
-    times = []
-    for i in range(args.warmup + args.steps):
-        _sync(device)
-        dist.barrier()
-        start = time.perf_counter()
-        step()
-        _sync(device)
-        if i >= args.warmup:
-            times.append(time.perf_counter() - start)
-    slowest = torch.tensor(times, dtype=torch.float64, device=device)
-    dist.all_reduce(slowest, op=dist.ReduceOp.MAX)
-    net = optimizer = model = None  # free before the next variant
+    return step
+
+
+def time_model(name: str, args, device: torch.device, rank: int) -> dict[str, list[float]]:
+    """Every variant of one model, built side by side and stepped in turn (one step of each, round after
+    round), so that a drift of the machine's speed reaches every variant alike; per variant, the slowest
+    rank's time of each step."""
+    steps = {variant: build_variant(name, variant, args, device, rank) for variant in args.variants}
+    for _ in range(args.warmup):
+        for step in steps.values():
+            step()
+    times: dict[str, list[float]] = {variant: [] for variant in steps}
+    for _ in range(args.steps):
+        for variant, step in steps.items():
+            _sync(device)
+            dist.barrier()
+            start = time.perf_counter()
+            step()
+            _sync(device)
+            times[variant].append(time.perf_counter() - start)
+    out = {}
+    for variant, values in times.items():
+        slowest = torch.tensor(values, dtype=torch.float64, device=device)
+        dist.all_reduce(slowest, op=dist.ReduceOp.MAX)
+        out[variant] = slowest.tolist()
+    steps.clear()  # free before the next model
+    gc.collect()
     if device.type == "cuda":
+        adasum.collectives.graphs.release()  # the graphs and staging buffers of this model's layouts
         torch.cuda.empty_cache()
-    return slowest.tolist()
+    return out
 
 
 # -- processes and report -----------------------------------------------------------------------
@@ -197,8 +217,7 @@ def worker(rank: int, world: int, store_path: str, args) -> None:
     try:
         rows = []
         for name in args.models:
-            for variant in args.variants:
-                times = time_variant(name, variant, args, device, rank)
+            for variant, times in time_model(name, args, device, rank).items():
                 rows.append(
                     {"model": name, "variant": variant, "step_s": statistics.median(times), "step_times_s": times}
                 )

@@ -20,10 +20,17 @@ inf flag, so when any rank sees inf/NaN every rank skips the step together. Pass
 ``grad_scaler=scaler`` and the agreed flag also reaches the scaler, so every rank's loss scale
 backs off together (otherwise parameters still agree, loss scales may not).
 
-Memory: delta mode keeps one extra copy of the parameters (the starting weights). While combining,
-a transient flat buffer of at most `bucket_cap_mb` per bucket exists (reducers with
-whole-model coefficients, such as AdaCons or ``Adasum(per_tensor=False)``, need one bucket per
-dtype, so one flat copy). Gradient mode keeps no copy.
+Memory: delta mode keeps one extra copy of the parameters (the starting weights, one flat buffer per
+bucket) and `IN_FLIGHT` (3) flat delta buffers of at most `bucket_cap_mb` each, kept between steps
+(reducers with whole-model coefficients, such as AdaCons or ``Adasum(per_tensor=False)``, need one
+bucket per dtype, so the delta buffers hold the whole model). Gradient mode keeps no copy; while it
+combines, a transient flat buffer of at most `bucket_cap_mb` exists.
+
+Speed (delta mode on GPUs): each bucket's deltas and its update are one Triton pass over the
+parameters where they lie (per-tensor ops for non-contiguous ones, such as channels-last weights),
+and the buckets are pipelined: the combination of one bucket runs on a side stream while the next
+bucket's deltas and the previous bucket's update run on the compute stream. ``step()`` never
+synchronises the host; work enqueued after it on the compute stream sees the final parameters.
 """
 
 from __future__ import annotations
@@ -38,7 +45,7 @@ import torch.distributed as dist
 from adasum import kernels
 from adasum.collectives.agreement import check_not_sharded, check_same_layout
 from adasum.collectives.nonfinite import apply_nonfinite_policy, check_policy, nonfinite_message
-from adasum.core.layout import flatten, unflatten_into
+from adasum.core.layout import Scattered, flatten, unflatten_into
 from adasum.deprecated import _UNSET, renamed
 from adasum.reducers import Reducer, get_reducer
 from adasum.transport.groups import control_group, failures_named, group_device, side_stream
@@ -223,6 +230,8 @@ class DistributedOptimizer(torch.optim.Optimizer):
         self._anchor: list[torch.Tensor] | None = None  # delta mode: the round's starting weights
         self._delta_buffers: dict[tuple, torch.Tensor] = {}  # delta mode: `IN_FLIGHT` flat buffers per dtype
         self._anchor_flats: list[torch.Tensor] = []  # delta mode: the storage of `_anchor`, one per bucket
+        self._plan: list = []  # delta mode: the buckets' parameters (`_delta_plan`), for `_plan_key`
+        self._plan_key: tuple | None = None
         self._passes = 0  # backward passes accumulated since the last real step
         self._round_step = 0  # local steps taken since the last combination
         # what torch.optim.Optimizer's own methods expect to find
@@ -419,10 +428,8 @@ class DistributedOptimizer(torch.optim.Optimizer):
                 main.wait_event(done)
             kernels.add_into(members, anchor, flat)  # one pass: x0 + combined, straight into the parameters
 
-        for number, bucket in enumerate(buckets(params, self.bucket_cap_bytes)):
-            members = [params[i] for i in bucket]
-            sizes = [p.numel() for p in members]
-            flat = self._delta_buffer(number % IN_FLIGHT, sum(sizes), members[0])
+        for number, (members, sizes) in enumerate(self._delta_plan(params)):
+            flat = self._delta_buffer(number % IN_FLIGHT, sum(sizes), params[0])
             anchor = self._anchor_flats[number]
             kernels.subtract_into(flat, members, anchor)
             if comm is None:
@@ -438,6 +445,20 @@ class DistributedOptimizer(torch.optim.Optimizer):
                 apply(*pending.popleft())
         while pending:
             apply(*pending.popleft())
+
+    def _delta_plan(self, params: list[torch.Tensor]) -> list[tuple[list[torch.Tensor] | Scattered, list[int]]]:
+        """Per bucket (as `_new_anchor` cut them): its parameters, as a `Scattered` view when all are contiguous
+        (one kernel reads and writes them in place), and their sizes. Kept while the parameters keep their
+        storage and shapes (checked every step: a parameter given new storage gets a new plan)."""
+        key = (tuple(map(torch.Tensor.data_ptr, params)), tuple(p.shape for p in params))
+        if self._plan_key != key:
+            plan = []
+            for bucket in buckets(params, self.bucket_cap_bytes):
+                members = [params[i] for i in bucket]
+                inplace = all(p.is_contiguous() for p in members) and members[0].device.type == "cuda"
+                plan.append((Scattered(members) if inplace else members, [p.numel() for p in members]))
+            self._plan, self._plan_key = plan, key
+        return self._plan
 
     def _delta_buffer(self, slot: int, numel: int, like: torch.Tensor) -> torch.Tensor:
         """The first `numel` elements of delta buffer `slot` for `like`'s dtype and device (`IN_FLIGHT` slots, kept

@@ -102,23 +102,30 @@ def _combine_unfused(a, b, sums, workers_a, workers_b, lengths, out) -> None:
 
 
 
-def _in_place(tensors: Sequence[torch.Tensor], like: torch.Tensor):
-    """(Triton kernels, the tensors' `TileAddresses`) when one kernel can read or write the list where it lies (a
-    GPU with Triton, every tensor contiguous and of `like`'s dtype), else (None, None)."""
-    triton_kernels = _triton(like.device)
-    if triton_kernels is None or not all(t.is_contiguous() and t.dtype == like.dtype for t in tensors):
-        return None, None
+def _in_place(tensors, like: torch.Tensor):
+    """(Triton kernels, the tensors' `TileAddresses`, the tensors as a list) when one kernel can read or write the
+    list where it lies (a GPU with Triton, every tensor contiguous and of `like`'s dtype), else (None, None, the
+    list). `tensors` is a list or a `Scattered` view of one (which a caller may keep between calls)."""
     from adasum.core.layout import Scattered
 
-    return triton_kernels, Scattered(tensors).addresses(0, sum(t.numel() for t in tensors))
+    triton_kernels = _triton(like.device)
+    if isinstance(tensors, Scattered):
+        listed = tensors.tensors
+    else:
+        listed = list(tensors)
+        if triton_kernels is not None and all(t.is_contiguous() and t.dtype == like.dtype for t in listed):
+            tensors = Scattered(listed)
+    if triton_kernels is None or not isinstance(tensors, Scattered) or tensors.dtype != like.dtype:
+        return None, None, listed
+    return triton_kernels, tensors.addresses(0, tensors.numel()), listed
 
 
-def subtract_into(out: torch.Tensor, tensors: Sequence[torch.Tensor], base: torch.Tensor) -> None:
+def subtract_into(out: torch.Tensor, tensors, base: torch.Tensor) -> None:
     """``out = tensors - base`` with `out` and `base` flat (the tensors end to end, each in its own shape and
-    strides), rounded as ``torch.sub`` rounds: one kernel on GPUs with Triton when the tensors are contiguous,
-    one op per tensor otherwise (a channels-last weight is read in its logical order)."""
+    strides; a list or a `Scattered` view), rounded as ``torch.sub`` rounds: one kernel on GPUs with Triton when
+    the tensors are contiguous, one op per tensor otherwise (a channels-last weight is read in its logical order)."""
+    triton_kernels, where, tensors = _in_place(tensors, out)
     sizes = [t.numel() for t in tensors]
-    triton_kernels, where = _in_place(tensors, out)
     if triton_kernels is not None:
         triton_kernels.add(where, base, out, sizes, subtract=True)
         return
@@ -126,11 +133,12 @@ def subtract_into(out: torch.Tensor, tensors: Sequence[torch.Tensor], base: torc
         torch.sub(t, b.view(t.shape), out=o.view(t.shape))
 
 
-def add_into(tensors: Sequence[torch.Tensor], base: torch.Tensor, delta: torch.Tensor) -> None:
-    """``tensors = base + delta`` (`base` and `delta` flat, the tensors end to end), rounded as ``torch.add``
-    rounds: one kernel on GPUs with Triton when the tensors are contiguous, one op per tensor otherwise."""
+def add_into(tensors, base: torch.Tensor, delta: torch.Tensor) -> None:
+    """``tensors = base + delta`` (`base` and `delta` flat, the tensors end to end; a list or a `Scattered`
+    view), rounded as ``torch.add`` rounds: one kernel on GPUs with Triton when the tensors are contiguous, one
+    op per tensor otherwise."""
+    triton_kernels, where, tensors = _in_place(tensors, base)
     sizes = [t.numel() for t in tensors]
-    triton_kernels, where = _in_place(tensors, base)
     if triton_kernels is not None:
         triton_kernels.add(base, delta, where, sizes)
         return
