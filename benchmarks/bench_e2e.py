@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import faulthandler
 import gc
 import json
 import os
@@ -172,8 +173,10 @@ def time_model(name: str, args, device: torch.device, rank: int) -> dict[str, li
     rank's time of each step."""
     steps = {variant: build_variant(name, variant, args, device, rank) for variant in args.variants}
     for _ in range(args.warmup):
-        for step in steps.values():
+        for variant, step in steps.items():
             step()
+            if args.watchdog and rank == 0:
+                print(f"warm-up step of {name} {variant} done", flush=True)
     times: dict[str, list[float]] = {variant: [] for variant in steps}
     for _ in range(args.steps):
         for variant, step in steps.items():
@@ -191,7 +194,8 @@ def time_model(name: str, args, device: torch.device, rank: int) -> dict[str, li
     steps.clear()  # free before the next model
     gc.collect()
     if device.type == "cuda":
-        adasum.collectives.graphs.release()  # the graphs and staging buffers of this model's layouts
+        # not adasum.collectives.graphs.release(): it is for teardown; with it here, the next model's first
+        # steps hung on 2 x H100 (benchmarks/results/gpu-session5-call5-6.log)
         torch.cuda.empty_cache()
     return out
 
@@ -200,6 +204,8 @@ def time_model(name: str, args, device: torch.device, rank: int) -> dict[str, li
 
 
 def worker(rank: int, world: int, store_path: str, args) -> None:
+    if args.watchdog:  # every rank prints its threads' stacks if the run outlives this
+        faulthandler.dump_traceback_later(args.watchdog, exit=False)
     if args.dry_run:
         torch.set_num_threads(1)
         device, backend = torch.device("cpu"), "gloo"
@@ -289,6 +295,7 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument(
         "--dry-run", action="store_true", help="tiny models, 2 CPU processes on gloo, 2 steps (a smoke test)"
     )
+    p.add_argument("--watchdog", type=float, default=0, help="seconds after which every rank prints its stacks")
     p.add_argument("--out", default=None, help=f"JSON lines to append to (default {DEFAULT_OUT}; none in a dry run)")
     args = p.parse_args(argv)
     if args.dry_run:
