@@ -330,3 +330,24 @@ def device_body(rank, world):
 def test_delta_mode_on_the_backend_device(world):
     results = distributed.run(world, device_body)
     assert all(r == results[0] for r in results)
+
+
+def test_delta_plan_follows_new_parameter_storage():
+    """The per-bucket plan (the parameters' views that one GPU kernel reads and writes in place) is rebuilt
+    when a parameter gets new storage: stale views would write the update into memory the model no longer uses."""
+    import torch.distributed as dist
+
+    store = dist.HashStore()
+    dist.init_process_group("gloo", store=store, rank=0, world_size=1)
+    try:
+        model = make_model()
+        opt = adasum.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1))
+        params = opt._params()
+        first = opt._delta_plan(params)
+        assert opt._delta_plan(params) is first  # same storage: kept
+        with torch.no_grad():
+            params[0].data = params[0].data.clone()
+        second = opt._delta_plan(params)
+        assert second is not first and second[0][0][0] is params[0]
+    finally:
+        dist.destroy_process_group()

@@ -45,15 +45,22 @@ if triton is not None:
         return at
 
     @triton.jit
+    def _tile_extent(starts_ptr, sizes_ptr, tile, ALIGN: tl.constexpr):
+        # a tile's first element and size; with ALIGN both are multiples of ALIGN elements (16 bytes, checked on
+        # the host), which lets Triton emit vector loads and stores
+        start = tl.load(starts_ptr + tile)
+        size = tl.load(sizes_ptr + tile)
+        if ALIGN > 1:
+            start = tl.multiple_of(start, ALIGN)
+            size = tl.multiple_of(size, ALIGN)
+        return start, size
+
+    @triton.jit
     def _tile_sums_kernel(
         a_ptr, b_ptr, starts_ptr, sizes_ptr, out_ptr, BLOCK: tl.constexpr, ITERS: tl.constexpr, ALIGN: tl.constexpr,
     ):
         tile = tl.program_id(0)
-        start = tl.load(starts_ptr + tile)
-        size = tl.load(sizes_ptr + tile)
-        if ALIGN > 1:  # tile starts and sizes multiples of ALIGN elements (16 bytes; checked on the host)
-            start = tl.multiple_of(start, ALIGN)
-            size = tl.multiple_of(size, ALIGN)
+        start, size = _tile_extent(starts_ptr, sizes_ptr, tile, ALIGN)
         ab = tl.zeros([BLOCK], dtype=tl.float64)
         aa = tl.zeros([BLOCK], dtype=tl.float64)
         bb = tl.zeros([BLOCK], dtype=tl.float64)
@@ -109,12 +116,8 @@ if triton is not None:
         # With PER_SEGMENT the counts come per segment from counts_ptr ([2, segments] int64).
         zero_norm = tl.full([], 0x2000000000000000, tl.int64).to(tl.float64, bitcast=True)  # 2**-511
         tile = tl.program_id(0)
-        start = tl.load(starts_ptr + tile)
-        size = tl.load(sizes_ptr + tile)
+        start, size = _tile_extent(starts_ptr, sizes_ptr, tile, ALIGN)
         seg = tl.load(segs_ptr + tile)
-        if ALIGN > 1:  # tile starts and sizes multiples of ALIGN elements (16 bytes; checked on the host)
-            start = tl.multiple_of(start, ALIGN)
-            size = tl.multiple_of(size, ALIGN)
         if PER_SEGMENT:
             count_a = tl.load(counts_ptr + seg).to(tl.float64)
             count_b = tl.load(counts_ptr + segments + seg).to(tl.float64)
@@ -154,11 +157,7 @@ if triton is not None:
         # One pass: load this rank's slice and the partner's copy (a peer's memory: NVLink loads), keep the
         # partner's copy in `theirs`, and reduce the three sums of the tile in float64 ("a" = the lower side).
         tile = tl.program_id(0)
-        start = tl.load(starts_ptr + tile)
-        size = tl.load(sizes_ptr + tile)
-        if ALIGN > 1:  # tile starts and sizes multiples of ALIGN elements (16 bytes; checked on the host)
-            start = tl.multiple_of(start, ALIGN)
-            size = tl.multiple_of(size, ALIGN)
+        start, size = _tile_extent(starts_ptr, sizes_ptr, tile, ALIGN)
         ab = tl.zeros([BLOCK], dtype=tl.float64)
         mm = tl.zeros([BLOCK], dtype=tl.float64)
         tt = tl.zeros([BLOCK], dtype=tl.float64)
@@ -188,11 +187,7 @@ if triton is not None:
     ):
         # out = x - y or x + y, rounded once as torch rounds it: float64 in float64, every other dtype in float32
         tile = tl.program_id(0)
-        start = tl.load(starts_ptr + tile)
-        size = tl.load(sizes_ptr + tile)
-        if ALIGN > 1:  # tile starts and sizes multiples of ALIGN elements (16 bytes; checked on the host)
-            start = tl.multiple_of(start, ALIGN)
-            size = tl.multiple_of(size, ALIGN)
+        start, size = _tile_extent(starts_ptr, sizes_ptr, tile, ALIGN)
         x_at = _tile_base(x_tiles, tile, x_ptr, start, X_TILES, ALIGN)
         out_at = _tile_base(out_tiles, tile, out_ptr, start, OUT_TILES, ALIGN)
         for i in range(ITERS):
