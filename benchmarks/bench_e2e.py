@@ -249,6 +249,7 @@ def report(rows: list[dict], args, world: int, device: torch.device) -> None:
         "bf16": args.bf16,
         "dry_run": args.dry_run,
         "warmup": args.warmup,
+        "order": "interleaved",  # the variants stepped in turn (`time_model`)
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
     }
     base = {r["model"]: r["step_s"] for r in rows if r["variant"] == "ddp"}

@@ -119,7 +119,7 @@ def main() -> None:
     for r in e2e:
         r["ratio"] = r["step_s"] / ddp[(r["date"], r["model"])] if (r["date"], r["model"]) in ddp else None
         r["step_ms"] = r["step_s"] * 1e3
-    lines += generic_table(e2e, ["date", "device", "model", "variant", "step_ms", "ratio", "torch", "nccl"])
+    lines += generic_table(e2e, ["date", "device", "model", "variant", "step_ms", "ratio", "order", "torch", "nccl"])
     lines += ["## The simulator", ""]
     lines += generic_table(load("sim.jsonl"), ["device", "method", "workers", "batch", "steps_per_s", "torch"])
     lines += ["### The single-process tree (`ops.reduce_stacked`)", ""]
