@@ -29,8 +29,10 @@ combines, a transient flat buffer of at most `bucket_cap_mb` exists.
 Speed (delta mode on GPUs): each bucket's deltas and its update are one Triton pass over the
 parameters where they lie (per-tensor ops for non-contiguous ones, such as channels-last weights),
 and the buckets are pipelined: the combination of one bucket runs on a side stream while the next
-bucket's deltas and the previous bucket's update run on the compute stream. ``step()`` never
-synchronises the host; work enqueued after it on the compute stream sees the final parameters.
+bucket's deltas and the previous bucket's update run on the compute stream. After the first step
+(which builds the buckets' tile tables) ``step()`` does not synchronise the host, unless
+``nonfinite`` or GradScaler ask for a flag; work enqueued after it on the compute stream sees the
+final parameters.
 """
 
 from __future__ import annotations
