@@ -209,7 +209,7 @@ def test_kernels_compile_for_hopper_with_vector_accesses_where_told():
     def vectors(text):
         return len(re.findall(r"(ld|st)\.global(\.\w+)*\.v4", text))
 
-    for dtype in ("bf16", "fp32"):
+    for dtype in ("bf16",):  # fp32 keeps 4-byte accesses by policy (`_align`), so it is never told
         ints = {"starts_ptr": "*i64", "sizes_ptr": "*i64", "segs_ptr": "*i64", "counts_ptr": "*i64"}
         pull = {"mine_ptr": "*" + dtype, "peer_ptr": "*" + dtype, "theirs_ptr": "*" + dtype, "out_ptr": "*fp64",
                 "mine_tiles": "*i64", **ints}
