@@ -351,3 +351,28 @@ def test_delta_plan_follows_new_parameter_storage():
         assert second is not first and second[0][0][0] is params[0]
     finally:
         dist.destroy_process_group()
+
+
+def mixed_dtype_body(rank, world):
+    """Delta mode with parameters of two dtypes (one bucket each): every bucket's delta buffer has its own
+    bucket's dtype; against Adasum of the ranks' SGD deltas computed here."""
+    torch.manual_seed(0)
+    p32 = torch.nn.Parameter(torch.randn(7))
+    p64 = torch.nn.Parameter(torch.randn(5, dtype=torch.float64))
+    start = [p32.detach().clone(), p64.detach().clone()]
+    targets = [[torch.randn(7, generator=torch.Generator().manual_seed(10 + r)),
+                torch.randn(5, generator=torch.Generator().manual_seed(20 + r), dtype=torch.float64)]
+               for r in range(world)]
+    opt = adasum.DistributedOptimizer(torch.optim.SGD([p32, p64], lr=0.1))
+    (((p32 - targets[rank][0]) ** 2).sum() + ((p64 - targets[rank][1]) ** 2).sum()).backward()
+    opt.step()
+    for p, x0, i, tol in ((p32, start[0], 0, 1e-6), (p64, start[1], 1, 1e-12)):  # float32 / float64 rounding
+        deltas = [-0.1 * 2 * (x0 - targets[r][i]) for r in range(world)]
+        want = x0 + adasum.reduce(deltas)
+        assert p.dtype == x0.dtype and rel(p, want) < tol, (i, rel(p, want))
+    return to_bytes([p32.detach(), p64.detach()])
+
+
+def test_delta_mode_with_parameters_of_two_dtypes():
+    results = distributed.run(2, mixed_dtype_body)
+    assert results[0] == results[1]

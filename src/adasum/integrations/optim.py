@@ -431,8 +431,8 @@ class DistributedOptimizer(torch.optim.Optimizer):
             kernels.add_into(members, anchor, flat)  # one pass: x0 + combined, straight into the parameters
 
         for number, (members, sizes) in enumerate(self._delta_plan(params)):
-            flat = self._delta_buffer(number % IN_FLIGHT, sum(sizes), params[0])
-            anchor = self._anchor_flats[number]
+            anchor = self._anchor_flats[number]  # the bucket's dtype and device, and its size
+            flat = self._delta_buffer(number % IN_FLIGHT, anchor.numel(), anchor)
             kernels.subtract_into(flat, members, anchor)
             if comm is None:
                 self.reducer.all_reduce_flat(flat, sizes, self.group, check_layout=False)
