@@ -44,7 +44,7 @@ from adasum.core.layout import Layout, Scattered
 from adasum.core.tree import Tree
 from adasum.kernels import combine_from_sums, dot_and_norms
 from adasum.transport import select
-from adasum.transport.base import GatherStep, Level, Transport
+from adasum.transport.base import GatherStep, Level, Transport, aligned_cut
 from adasum.transport.c10d import post as _post
 from adasum.transport.groups import failures_named
 
@@ -78,11 +78,6 @@ _workspace = _Workspace()
 _PIECE = (1 << 20, 1 << 25)
 
 
-ALIGN = 16
-"""Elements: halves and pipeline pieces are cut at multiples of this (64 bytes of fp32, the widest 16-byte vector
-of every dtype)."""
-
-
 @functools.lru_cache(maxsize=256)
 def _layout(sizes: tuple[int, ...]) -> Layout:
     # layouts repeat call after call (a model's buckets): keep their offsets, not rebuild them
@@ -90,12 +85,10 @@ def _layout(sizes: tuple[int, ...]) -> Layout:
 
 
 def _halves(lo: int, hi: int, lower: bool) -> tuple[tuple[int, int], tuple[int, int]]:
-    """(kept, given up) halves of [lo, hi); the lower partner keeps the first half. The cut is rounded down to
-    a multiple of `ALIGN` elements where that leaves the first half non-empty, so that the halves of a buffer
-    whose tensors have such sizes keep the GPU kernels' vector loads (`adasum.kernels.triton`)."""
-    mid = lo + (hi - lo) // 2
-    if mid - mid % ALIGN > lo:
-        mid -= mid % ALIGN
+    """(kept, given up) halves of [lo, hi); the lower partner keeps the first half. The cut is aligned
+    (`adasum.transport.base.aligned_cut`: a multiple of 16 elements where the first half stays non-empty), so
+    that the halves of a buffer whose tensors have such sizes keep the GPU kernels' vector loads."""
+    mid = aligned_cut(lo, lo + (hi - lo) // 2)
     return ((lo, mid), (mid, hi)) if lower else ((mid, hi), (lo, mid))
 
 

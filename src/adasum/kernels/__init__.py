@@ -101,7 +101,6 @@ def _combine_unfused(a, b, sums, workers_a, workers_b, lengths, out) -> None:
     scale_add(a, b, coeff_a, coeff_b, lengths, out)
 
 
-
 def _in_place(tensors, like: torch.Tensor):
     """(Triton kernels, the tensors' `TileAddresses`, the tensors as a list) when one kernel can read or write the
     list where it lies (a GPU with Triton, every tensor contiguous and of `like`'s dtype), else (None, None, the

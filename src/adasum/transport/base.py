@@ -77,17 +77,31 @@ class GatherStep:
     peer: int
 
 
-def split(lo: int, hi: int, count: int, align: int = 16) -> list[tuple[int, int]]:
-    """[lo, hi) cut into `count` consecutive pieces of near-equal size, each inner cut rounded down to a
-    multiple of `align` where that keeps it past the previous one (vector loads in the kernels).
+CUT_ALIGN = 16
+"""Elements: halves and pipeline pieces are cut at multiples of this where they can be (64 bytes of fp32, the
+widest 16-byte vector of every dtype), so that the kernels' vector loads survive the cut."""
+
+
+def aligned_cut(after: int, cut: int) -> int:
+    """`cut` rounded down to a multiple of `CUT_ALIGN`, unless that would not leave it past `after`.
+
+    >>> aligned_cut(0, 50), aligned_cut(48, 50)
+    (48, 50)
+    """
+    rounded = cut - cut % CUT_ALIGN
+    return rounded if rounded > after else cut
+
+
+def split(lo: int, hi: int, count: int) -> list[tuple[int, int]]:
+    """[lo, hi) cut into `count` consecutive pieces of near-equal size, each inner cut aligned
+    (`aligned_cut`) past the previous one.
 
     >>> split(0, 100, 3)
     [(0, 32), (32, 64), (64, 100)]
     """
     bounds = [lo]
     for i in range(1, count):
-        cut = lo + (hi - lo) * i // count
-        bounds.append(cut - cut % align if cut - cut % align > bounds[-1] else cut)
+        bounds.append(aligned_cut(bounds[-1], lo + (hi - lo) * i // count))
     bounds.append(hi)
     return list(zip(bounds[:-1], bounds[1:]))
 
