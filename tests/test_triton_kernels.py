@@ -147,6 +147,14 @@ for lengths, dtypes in (([1024, 0, 32, 64], ALL), ([5, 1029, 3], (torch.float32,
         targets = [torch.full((k,), float("nan"), dtype=dtype) for k in lengths]
         tk.add(x, y, Scattered(targets).addresses(0, n), lengths)
         assert same(torch.cat(targets), torch.add(x, y), dtype), (lengths, dtype, "sum into a list in place")
+        copied = torch.full_like(x, float("nan"))
+        tk.add(Scattered(parts).addresses(0, n), None, copied, lengths)  # a copy: the bits as they are
+        assert torch.equal(copied, x), (lengths, dtype, "copy of a list")
+        # the sums without keeping the partner's copy (the push protocol reads it where it was pushed)
+        kept, read = (torch.zeros(3, len(lengths), dtype=torch.float64) for _ in range(2))
+        tk.pull_dot_and_norms(x, y, torch.empty_like(y), lengths, kept, True)
+        tk.pull_dot_and_norms(Scattered(parts).addresses(0, n), y, None, lengths, read, True)
+        assert torch.equal(kept, read), (lengths, dtype, "sums without the kept copy")
 print("ok")
 """
 
@@ -222,11 +230,11 @@ def test_kernels_compile_for_hopper_with_vector_accesses_where_told():
         for align in (1, 8 if dtype == "bf16" else 4):
             found = [
                 vectors(ptx(tk._pull_tile_sums_kernel, pull, {"BLOCK": tk.BLOCK, "ITERS": tk.ITERS, "LOWER": True,
-                                                              "MINE_TILES": True, "ALIGN": align})),
+                                                              "MINE_TILES": True, "ALIGN": align, "KEEP": True})),
                 vectors(ptx(tk._combine_kernel, combine, {"BLOCK": tk.BLOCK, "ITERS": tk.ITERS, "PER_SEGMENT": False,
                                                           "OUTS": 2, "A_TILES": True, "B_TILES": False,
                                                           "OUT_TILES": True, "ALIGN": align})),
-                vectors(ptx(tk._add_kernel, add, {"BLOCK": tk.BLOCK, "ITERS": tk.ITERS, "SUBTRACT": True,
+                vectors(ptx(tk._add_kernel, add, {"BLOCK": tk.BLOCK, "ITERS": tk.ITERS, "MODE": 2,
                                                   "X_TILES": True, "OUT_TILES": False, "ALIGN": align})),
             ]
             if align == 1:

@@ -152,10 +152,11 @@ if triton is not None:
     @triton.jit
     def _pull_tile_sums_kernel(
         mine_ptr, peer_ptr, theirs_ptr, starts_ptr, sizes_ptr, out_ptr, mine_tiles, BLOCK: tl.constexpr,
-        ITERS: tl.constexpr, LOWER: tl.constexpr, MINE_TILES: tl.constexpr, ALIGN: tl.constexpr,
+        ITERS: tl.constexpr, LOWER: tl.constexpr, MINE_TILES: tl.constexpr, ALIGN: tl.constexpr, KEEP: tl.constexpr,
     ):
         # One pass: load this rank's slice and the partner's copy (a peer's memory: NVLink loads), keep the
-        # partner's copy in `theirs`, and reduce the three sums of the tile in float64 ("a" = the lower side).
+        # partner's copy in `theirs` (with KEEP), and reduce the three sums of the tile in float64 ("a" = the lower
+        # side). Without KEEP the partner's copy is already local (pushed there) and only read.
         tile = tl.program_id(0)
         start, size = _tile_extent(starts_ptr, sizes_ptr, tile, ALIGN)
         ab = tl.zeros([BLOCK], dtype=tl.float64)
@@ -166,7 +167,8 @@ if triton is not None:
             offs = i * BLOCK + tl.arange(0, BLOCK)
             mask = offs < size
             other = tl.load(peer_ptr + start + offs, mask=mask, other=0.0)
-            tl.store(theirs_ptr + start + offs, other, mask=mask)
+            if KEEP:
+                tl.store(theirs_ptr + start + offs, other, mask=mask)
             m = tl.load(mine_at + offs, mask=mask, other=0.0).to(tl.float64)
             t = other.to(tl.float64)
             ab += m * t
@@ -183,9 +185,10 @@ if triton is not None:
     @triton.jit
     def _add_kernel(
         x_ptr, y_ptr, out_ptr, starts_ptr, sizes_ptr, x_tiles, out_tiles, BLOCK: tl.constexpr, ITERS: tl.constexpr,
-        SUBTRACT: tl.constexpr, X_TILES: tl.constexpr, OUT_TILES: tl.constexpr, ALIGN: tl.constexpr,
+        MODE: tl.constexpr, X_TILES: tl.constexpr, OUT_TILES: tl.constexpr, ALIGN: tl.constexpr,
     ):
-        # out = x - y or x + y, rounded once as torch rounds it: float64 in float64, every other dtype in float32
+        # MODE 0: out = x (a copy, bits as they are); 1: out = x + y; 2: out = x - y, rounded once as torch rounds
+        # it: float64 in float64, every other dtype in float32
         tile = tl.program_id(0)
         start, size = _tile_extent(starts_ptr, sizes_ptr, tile, ALIGN)
         x_at = _tile_base(x_tiles, tile, x_ptr, start, X_TILES, ALIGN)
@@ -194,15 +197,18 @@ if triton is not None:
             offs = i * BLOCK + tl.arange(0, BLOCK)
             mask = offs < size
             x = tl.load(x_at + offs, mask=mask, other=0.0)
-            y = tl.load(y_ptr + start + offs, mask=mask, other=0.0)
-            if out_ptr.dtype.element_ty != tl.float64:
-                x = x.to(tl.float32)
-                y = y.to(tl.float32)
-            if SUBTRACT:
-                result = x - y
+            if MODE == 0:
+                tl.store(out_at + offs, x, mask=mask)
             else:
-                result = x + y
-            tl.store(out_at + offs, result.to(out_ptr.dtype.element_ty), mask=mask)
+                y = tl.load(y_ptr + start + offs, mask=mask, other=0.0)
+                if out_ptr.dtype.element_ty != tl.float64:
+                    x = x.to(tl.float32)
+                    y = y.to(tl.float32)
+                if MODE == 2:
+                    result = x - y
+                else:
+                    result = x + y
+                tl.store(out_at + offs, result.to(out_ptr.dtype.element_ty), mask=mask)
 
 
 def _align(table, *operands) -> int:
@@ -295,12 +301,13 @@ def combine(
 
 
 def pull_dot_and_norms(
-    mine, peer: torch.Tensor, theirs: torch.Tensor, lengths: Sequence[int], out: torch.Tensor,
+    mine, peer: torch.Tensor, theirs: torch.Tensor | None, lengths: Sequence[int], out: torch.Tensor,
     lower: bool,
 ) -> None:
     """One pass over a slice: ``theirs := peer`` (the partner's copy, typically in its symmetric
-    memory) and the per-segment sums of the pair added into `out` ([3, T] float64, rows contiguous),
-    with "a" this rank's copy `mine` (a flat tensor or `TileAddresses`) if `lower`, else the partner's."""
+    memory; skipped when `theirs` is None) and the per-segment sums of the pair added into `out` ([3, T]
+    float64, rows contiguous), with "a" this rank's copy `mine` (a flat tensor or `TileAddresses`) if
+    `lower`, else the partner's."""
     table = tiles(tuple(lengths), peer.device)
     segments = len(lengths)
     if segments == 0:
@@ -310,21 +317,25 @@ def pull_dot_and_norms(
     if table.n_tiles:
         mine_ptr, mine_tiles, mine_at = _operand(mine, peer)
         _pull_tile_sums_kernel[(table.n_tiles,)](
-            mine_ptr, peer, theirs, table.starts, table.sizes, tile_sums, mine_tiles, BLOCK=BLOCK, ITERS=ITERS,
-            LOWER=lower, MINE_TILES=mine_at, ALIGN=_align(table, mine, peer, theirs),
+            mine_ptr, peer, theirs if theirs is not None else peer, table.starts, table.sizes, tile_sums, mine_tiles,
+            BLOCK=BLOCK, ITERS=ITERS, LOWER=lower, MINE_TILES=mine_at, KEEP=theirs is not None,
+            ALIGN=_align(table, mine, peer, *([theirs] if theirs is not None else [])),
         )
     _add_segment_sums(table, tile_sums, out, segments, accumulate=True)
 
 
-def add(x, y: torch.Tensor, out, lengths: Sequence[int], subtract: bool = False) -> None:
-    """``out = x - y`` (`subtract`) or ``x + y`` over segments of `lengths`, rounded as torch rounds it: one
-    kernel. `y` is a flat tensor; `x` and `out` flat tensors or `TileAddresses` (a list of tensors in place)."""
-    like = y
+def add(x, y: torch.Tensor | None, out, lengths: Sequence[int], subtract: bool = False) -> None:
+    """``out = x - y`` (`subtract`), ``x + y``, or with `y` None ``out = x`` (a copy), over segments of
+    `lengths`, rounded as torch rounds it: one kernel. `y` is a flat tensor; `x` and `out` flat tensors or
+    `TileAddresses` (a list of tensors in place)."""
+    like = next(t for t in (y, x, out) if isinstance(t, torch.Tensor))
     table = tiles(tuple(lengths), like.device)
     if table.n_tiles:
         x_ptr, x_tiles, x_at = _operand(x, like)
         out_ptr, out_tiles, out_at = _operand(out, like)
+        operands = (x, out) if y is None else (x, y, out)
         _add_kernel[(table.n_tiles,)](
-            x_ptr, y, out_ptr, table.starts, table.sizes, x_tiles, out_tiles, BLOCK=BLOCK, ITERS=ITERS,
-            SUBTRACT=subtract, X_TILES=x_at, OUT_TILES=out_at, ALIGN=_align(table, x, y, out),
+            x_ptr, y if y is not None else like, out_ptr, table.starts, table.sizes, x_tiles, out_tiles, BLOCK=BLOCK,
+            ITERS=ITERS, MODE=0 if y is None else (2 if subtract else 1), X_TILES=x_at, OUT_TILES=out_at,
+            ALIGN=_align(table, *operands),
         )
