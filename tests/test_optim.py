@@ -376,3 +376,39 @@ def mixed_dtype_body(rank, world):
 def test_delta_mode_with_parameters_of_two_dtypes():
     results = distributed.run(2, mixed_dtype_body)
     assert results[0] == results[1]
+
+
+def anchor_body(rank, world):
+    """Delta mode takes the next round's starting weights from the combination's own pass (no copy at the round's
+    start) while the parameters stay as it left them; a change between steps by a torch op (its version counter),
+    or through ``.data`` followed by `resync_anchor`, becomes the starting point. Against Adasum of the ranks' SGD
+    deltas from the changed weights."""
+    torch.manual_seed(0)
+    w = torch.nn.Parameter(torch.randn(9))
+    targets = [torch.randn(9, generator=torch.Generator().manual_seed(10 + r)) for r in range(world)]
+    opt = adasum.DistributedOptimizer(torch.optim.SGD([w], lr=0.1))
+
+    def step_and_check():
+        x0 = w.detach().clone()
+        opt.zero_grad()
+        ((w - targets[rank]) ** 2).sum().backward()
+        opt.step()
+        want = x0 + adasum.reduce([-0.1 * 2 * (x0 - targets[r]) for r in range(world)])
+        assert rel(w, want) < 1e-6, rel(w, want)  # float32 rounding of a few elementwise ops
+        return to_bytes([w.detach()])
+
+    seen = [step_and_check()]
+    assert opt._anchor_current([w]) and torch.equal(opt._anchor[0], w.detach())  # the next round starts here
+    with torch.no_grad():
+        w.mul_(0.5)  # a torch op: counted
+    assert not opt._anchor_current([w])
+    seen.append(step_and_check())
+    w.data.add_(1.0)  # through .data: not counted, so say it
+    opt.resync_anchor()
+    seen.append(step_and_check())
+    return seen
+
+
+def test_delta_mode_anchor_follows_changes_between_steps():
+    results = distributed.run(2, anchor_body)
+    assert results[0] == results[1]

@@ -147,6 +147,9 @@ for lengths, dtypes in (([1024, 0, 32, 64], ALL), ([5, 1029, 3], (torch.float32,
         targets = [torch.full((k,), float("nan"), dtype=dtype) for k in lengths]
         tk.add(x, y, Scattered(targets).addresses(0, n), lengths)
         assert same(torch.cat(targets), torch.add(x, y), dtype), (lengths, dtype, "sum into a list in place")
+        base = x.clone()  # the sum into the list and into x as well, from one pass (delta mode's anchor)
+        tk.add(base, y, Scattered(targets).addresses(0, n), lengths, x_too=True)
+        assert torch.equal(base, torch.cat(targets)) and same(base, torch.add(x, y), dtype), (lengths, dtype, "x too")
         copied = torch.full_like(x, float("nan"))
         tk.add(Scattered(parts).addresses(0, n), None, copied, lengths)  # a copy: the bits as they are
         assert torch.equal(copied, x), (lengths, dtype, "copy of a list")
@@ -234,7 +237,7 @@ def test_kernels_compile_for_hopper_with_vector_accesses_where_told():
                 vectors(ptx(tk._combine_kernel, combine, {"BLOCK": tk.BLOCK, "ITERS": tk.ITERS, "PER_SEGMENT": False,
                                                           "OUTS": 2, "A_TILES": True, "B_TILES": False,
                                                           "OUT_TILES": True, "ALIGN": align})),
-                vectors(ptx(tk._add_kernel, add, {"BLOCK": tk.BLOCK, "ITERS": tk.ITERS, "MODE": 2,
+                vectors(ptx(tk._add_kernel, add, {"BLOCK": tk.BLOCK, "ITERS": tk.ITERS, "MODE": 2, "X_TOO": False,
                                                   "X_TILES": True, "OUT_TILES": False, "ALIGN": align})),
             ]
             if align == 1:

@@ -234,6 +234,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
         self._anchor_flats: list[torch.Tensor] = []  # delta mode: the storage of `_anchor`, one per bucket
         self._plan: list = []  # delta mode: the buckets' parameters (`_delta_plan`), for `_plan_key`
         self._plan_key: tuple | None = None
+        self._anchor_mark: tuple | None = None  # delta mode: the parameters as the last combination left them
         self._passes = 0  # backward passes accumulated since the last real step
         self._round_step = 0  # local steps taken since the last combination
         # what torch.optim.Optimizer's own methods expect to find
@@ -279,6 +280,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
                 self.optimizer.param_groups.pop()
                 raise
         self._anchor = None
+        self._anchor_mark = None
         self._gradients_checked = False
 
     def zero_grad(self, set_to_none: bool = True) -> None:
@@ -320,7 +322,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
             self._combine_gradients(params)
             with torch.enable_grad():
                 return self.optimizer.step(closure) if closure is not None else self.optimizer.step()
-        if self._round_step == 0:
+        if self._round_step == 0 and not self._anchor_current(params):
             self._save_anchor(params)
         with torch.enable_grad():
             loss = self.optimizer.step(closure) if closure is not None else self.optimizer.step()
@@ -373,6 +375,19 @@ class DistributedOptimizer(torch.optim.Optimizer):
         for device in {g.device for g in grads}:
             torch._foreach_mul_([g for g in grads if g.device == device], inv.to(device))
 
+    def _anchor_current(self, params: list[torch.Tensor]) -> bool:
+        """Whether the anchor holds the parameters already: the last combination wrote both in one pass and no
+        parameter changed since, by its version counter (every in-place torch op bumps it: an optimizer's or a
+        ``load_state_dict``'s) and its storage. A write through ``.data`` or a raw pointer is not counted; after
+        one, call `resync_anchor`."""
+        return self._anchor_mark is not None and self._anchor_mark == _versions(params)
+
+    def resync_anchor(self) -> None:
+        """Take the parameters as they are as the next round's starting weights (delta mode), after changing them
+        in a way torch does not count (through ``p.data``, or a kernel of one's own). In-place torch ops on the
+        parameters need no call: `step` sees them."""
+        self._anchor_mark = None
+
     def _save_anchor(self, params: list[torch.Tensor]) -> None:
         if self._anchor is None or len(self._anchor) != len(params):
             self._new_anchor(params)
@@ -382,6 +397,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
     def _new_anchor(self, params: list[torch.Tensor]) -> None:
         """Room for the starting weights: one flat buffer per bucket of `params` (`_anchor_flats`), seen per
         parameter, in its shape, by `_anchor` (views)."""
+        self._anchor_mark = None
         anchor: list[torch.Tensor] = [torch.empty(0)] * len(params)
         self._anchor_flats = []
         for bucket in buckets(params, self.bucket_cap_bytes):
@@ -428,7 +444,8 @@ class DistributedOptimizer(torch.optim.Optimizer):
         def apply(members: list[torch.Tensor], anchor: torch.Tensor, flat: torch.Tensor, done) -> None:
             if done is not None:
                 main.wait_event(done)
-            kernels.add_into(members, anchor, flat)  # one pass: x0 + combined, straight into the parameters
+            # one pass: x0 + combined, straight into the parameters and into the anchor (the next round's start)
+            kernels.add_into(members, anchor, flat, base_too=True)
 
         for number, (members, sizes) in enumerate(self._delta_plan(params)):
             anchor = self._anchor_flats[number]  # the bucket's dtype and device, and its size
@@ -447,6 +464,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
                 apply(*pending.popleft())
         while pending:
             apply(*pending.popleft())
+        self._anchor_mark = _versions(params)
 
     def _delta_plan(self, params: list[torch.Tensor]) -> list[tuple[list[torch.Tensor] | Scattered, list[int]]]:
         """Per bucket (as `_new_anchor` cut them): its parameters, as a `Scattered` view when all are contiguous
@@ -500,7 +518,13 @@ class DistributedOptimizer(torch.optim.Optimizer):
         self._passes = int(state_dict["passes"])
         self._round_step = int(state_dict["round_step"])
         self.reducer.load_state_dict(state_dict["reducer"])
+        self._anchor_mark = None
         if state_dict["anchor"] is not None:
             params = self._params()
             self._new_anchor(params)
             torch._foreach_copy_(self._anchor, [a.to(p.device) for a, p in zip(state_dict["anchor"], params)])
+
+
+def _versions(params: list[torch.Tensor]) -> tuple:
+    """The parameters' storage and version counters: what `DistributedOptimizer._anchor_current` compares."""
+    return tuple((p.data_ptr(), p._version) for p in params)

@@ -132,14 +132,17 @@ def subtract_into(out: torch.Tensor, tensors, base: torch.Tensor) -> None:
         torch.sub(t, b.view(t.shape), out=o.view(t.shape))
 
 
-def add_into(tensors, base: torch.Tensor, delta: torch.Tensor) -> None:
+def add_into(tensors, base: torch.Tensor, delta: torch.Tensor, base_too: bool = False) -> None:
     """``tensors = base + delta`` (`base` and `delta` flat, the tensors end to end; a list or a `Scattered`
-    view), rounded as ``torch.add`` rounds: one kernel on GPUs with Triton when the tensors are contiguous, one
-    op per tensor otherwise."""
+    view), rounded as ``torch.add`` rounds, and with `base_too` ``base = base + delta`` as well (the same values,
+    from the same pass): one kernel on GPUs with Triton when the tensors are contiguous, one op per tensor
+    otherwise."""
     triton_kernels, where, tensors = _in_place(tensors, base)
     sizes = [t.numel() for t in tensors]
     if triton_kernels is not None:
-        triton_kernels.add(base, delta, where, sizes)
+        triton_kernels.add(base, delta, where, sizes, x_too=base_too)
         return
     for t, b, d in zip(tensors, base.split(sizes), delta.split(sizes)):
         torch.add(b.view(t.shape), d.view(t.shape), out=t)
+        if base_too:
+            b.view(t.shape).copy_(t)

@@ -185,10 +185,10 @@ if triton is not None:
     @triton.jit
     def _add_kernel(
         x_ptr, y_ptr, out_ptr, starts_ptr, sizes_ptr, x_tiles, out_tiles, BLOCK: tl.constexpr, ITERS: tl.constexpr,
-        MODE: tl.constexpr, X_TILES: tl.constexpr, OUT_TILES: tl.constexpr, ALIGN: tl.constexpr,
+        MODE: tl.constexpr, X_TILES: tl.constexpr, OUT_TILES: tl.constexpr, ALIGN: tl.constexpr, X_TOO: tl.constexpr,
     ):
         # MODE 0: out = x (a copy, bits as they are); 1: out = x + y; 2: out = x - y, rounded once as torch rounds
-        # it: float64 in float64, every other dtype in float32
+        # it: float64 in float64, every other dtype in float32. X_TOO: the result is stored into x as well
         tile = tl.program_id(0)
         start, size = _tile_extent(starts_ptr, sizes_ptr, tile, ALIGN)
         x_at = _tile_base(x_tiles, tile, x_ptr, start, X_TILES, ALIGN)
@@ -209,6 +209,8 @@ if triton is not None:
                 else:
                     result = x + y
                 tl.store(out_at + offs, result.to(out_ptr.dtype.element_ty), mask=mask)
+                if X_TOO:
+                    tl.store(x_at + offs, result.to(out_ptr.dtype.element_ty), mask=mask)
 
 
 def _align(table, *operands) -> int:
@@ -324,10 +326,15 @@ def pull_dot_and_norms(
     _add_segment_sums(table, tile_sums, out, segments, accumulate=True)
 
 
-def add(x, y: torch.Tensor | None, out, lengths: Sequence[int], subtract: bool = False) -> None:
+def add(
+    x, y: torch.Tensor | None, out, lengths: Sequence[int], subtract: bool = False, x_too: bool = False,
+) -> None:
     """``out = x - y`` (`subtract`), ``x + y``, or with `y` None ``out = x`` (a copy), over segments of
     `lengths`, rounded as torch rounds it: one kernel. `y` is a flat tensor; `x` and `out` flat tensors or
-    `TileAddresses` (a list of tensors in place)."""
+    `TileAddresses` (a list of tensors in place). With `x_too` the result is written into `x` as well (in
+    the same pass; not with a copy)."""
+    if x_too and y is None:
+        raise ValueError("x_too needs y: a copy into x is no operation")
     like = next(t for t in (y, x, out) if isinstance(t, torch.Tensor))
     table = tiles(tuple(lengths), like.device)
     if table.n_tiles:
@@ -337,5 +344,5 @@ def add(x, y: torch.Tensor | None, out, lengths: Sequence[int], subtract: bool =
         _add_kernel[(table.n_tiles,)](
             x_ptr, y if y is not None else like, out_ptr, table.starts, table.sizes, x_tiles, out_tiles, BLOCK=BLOCK,
             ITERS=ITERS, MODE=0 if y is None else (2 if subtract else 1), X_TILES=x_at, OUT_TILES=out_at,
-            ALIGN=_align(table, *operands),
+            ALIGN=_align(table, *operands), X_TOO=x_too,
         )

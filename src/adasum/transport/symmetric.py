@@ -30,8 +30,9 @@ each combination: the partner's piece has landed).
 **Push protocol (experimental, ``ADASUM_SYMMETRIC_PUSH=1``, groups of two; not yet run on a GPU).** The
 pulls read the partner's staged copy at 326 GB/s where the combination's stores reach 354 GB/s (2 x H100),
 and the first staged piece stays exposed. With the push protocol each rank stores the pieces of its given
-half straight from `B` into the partner's receive region of ``S`` (past the buffer, `_receive_at`; ``S``
-is 1.5 x the buffer), a barrier follows each piece, and the sums of the kept piece are read locally on a
+half straight from `B` into the partner's receive buffer ``R`` (a second symmetric buffer of half the
+size: a region of ``S`` past the buffer would overlap what the partner still copies out of ``S`` after a
+larger call), a barrier follows each piece, and the sums of the kept piece are read locally on a
 side stream while the next piece is pushed; the combination reads the partner's copy there. Nothing is
 staged and no ``theirs`` copy is written; the copy-out of the partner's results stays. Estimated saving
 at 2^28 fp32: 0.15-0.2 ms of 3.9 ms.
@@ -71,7 +72,7 @@ MAX_CHUNKS = 4
 (about 20-40 us on 2 x H100)."""
 
 _supported: dict[str, bool] = {}
-_buffers: dict[tuple[str, torch.dtype], tuple[torch.Tensor, object]] = {}
+_buffers: dict[tuple[str, torch.dtype, str], tuple[torch.Tensor, object]] = {}
 _retired: list[tuple[torch.Tensor, object]] = []  # outgrown buffers: captured graphs still hold their addresses
 _remote: dict[tuple[int, int, int, torch.dtype], torch.Tensor] = {}
 
@@ -106,8 +107,9 @@ def release() -> None:
     _remote.clear()
 
 
-def staging(group: dist.ProcessGroup | None, numel: int, like: torch.Tensor):
-    """(S, handle): this group's symmetric buffer for `like`'s dtype, at least `numel` elements.
+def staging(group: dist.ProcessGroup | None, numel: int, like: torch.Tensor, purpose: str = "stage"):
+    """(S, handle): this group's symmetric buffer for `like`'s dtype and `purpose` ("stage": ``S``;
+    "receive": the push protocol's ``R``), at least `numel` elements.
     Growing it is collective (a rendezvous): every rank asks for the same sizes in the same order.
 
     An outgrown buffer is kept, not freed, until `release`: CUDA graphs captured on it (an earlier,
@@ -115,7 +117,7 @@ def staging(group: dist.ProcessGroup | None, numel: int, like: torch.Tensor):
     freed memory (the likely cause of the illegal memory access seen with FSDP2, whose units of
     several sizes reach the hook one after another). Capacities double,
     so the kept ones together are smaller than the buffer in use."""
-    key = (_group_name(group), like.dtype)
+    key = (_group_name(group), like.dtype, purpose)
     entry = _buffers.get(key)
     if entry is None or entry[0].numel() < numel:
         if torch.cuda.is_current_stream_capturing():
@@ -160,19 +162,14 @@ class SymmetricMemory(Transport):
         """Whether the exchange pushes (module doc): a group of two with ``ADASUM_SYMMETRIC_PUSH=1``."""
         return self.world == 2 and os.environ.get("ADASUM_SYMMETRIC_PUSH", "0") == "1"
 
-    def _capacity(self, numel: int) -> int:
-        """Elements of ``S`` a buffer of `numel` needs: itself, and with the push protocol a receive region for
-        the partner's copy of the kept half after it (at `_receive_at`)."""
-        return _receive_at(numel) + numel // 2 + 64 if self._push() else numel
-
     def fusion_buffer(self, numel: int, like: torch.Tensor) -> torch.Tensor:
-        return staging(self.group, self._capacity(numel), like)[0][:numel]
+        return staging(self.group, numel, like)[0][:numel]
 
     def exchange(self, send, recv, peer):
         raise RuntimeError("the symmetric-memory transport runs power-of-two groups only (no fold)")
 
     def _setup(self, buffer: torch.Tensor | Scattered):
-        shared, handle = staging(self.group, self._capacity(buffer.numel()), buffer)
+        shared, handle = staging(self.group, buffer.numel(), buffer)
         return shared, handle, isinstance(buffer, torch.Tensor) and shared.data_ptr() == buffer.data_ptr()
 
     def _chunks(self, level: Level) -> list[tuple[tuple[int, int], tuple[int, int]]]:
@@ -193,7 +190,7 @@ class SymmetricMemory(Transport):
         shared, handle, staged = self._setup(buffer)
         self._gathered = False
         if self._push():
-            self._push_exchange(level, shared, handle)
+            self._push_exchange(level)
             return
         (klo, khi), (glo, ghi) = level.kept, level.given
         first_level = min(klo, glo) == 0 and max(khi, ghi) == buffer.numel()
@@ -221,39 +218,45 @@ class SymmetricMemory(Transport):
                     level.sums[:, first : first + len(lengths)], level.lower,
                 )
 
-    def _push_exchange(self, level: Level, shared: torch.Tensor, handle) -> None:
+    def _receive(self, level: Level):
+        """(R, handle): the push protocol's receive buffer, the partner's copy of the kept half at R[0:]. Both
+        partners ask for the larger half, so a growth (a rendezvous) happens on both or neither."""
+        halves = max(level.kept[1] - level.kept[0], level.given[1] - level.given[0])
+        return staging(self.group, halves, level.buffer, "receive")
+
+    def _push_exchange(self, level: Level) -> None:
         """The exchange of a group of two by pushes: each piece of the given half is stored straight from `B`
-        into the partner's receive region (NVLink stores; nothing staged), then a barrier, then the sums of the
-        kept piece are read locally on a side stream while the next piece is pushed."""
+        into the partner's ``R`` (NVLink stores; nothing staged), then a barrier, then the sums of the kept
+        piece are read locally on a side stream while the next piece is pushed.
+
+        ``R`` is free when the first piece is pushed: the partner read it last in the previous call's
+        combination, which ended before that call's last barrier."""
         buffer = level.buffer
         klo, glo = level.kept[0], level.given[0]
-        at = _receive_at(buffer.numel())
-        peer = _peer_view(handle, level.peer, shared.numel(), shared.dtype)
-        main = torch.cuda.current_stream(shared.device)
-        side = side_stream(shared.device, "copies")
+        received, handle = self._receive(level)
+        peer = _peer_view(handle, level.peer, received.numel(), received.dtype)
+        main = torch.cuda.current_stream(received.device)
+        side = side_stream(received.device, "copies")
         for (k0, k1), (g0, g1) in self._chunks(level):
             _, given_lengths = level.overlap(g0, g1)
             if given_lengths:
-                triton_kernels.add(_slice(buffer, g0, g1), None, peer[at + g0 - glo : at + g1 - glo], given_lengths)
+                triton_kernels.add(_slice(buffer, g0, g1), None, peer[g0 - glo : g1 - glo], given_lengths)
             handle.barrier(channel=0)  # both partners' pushes of this piece have landed
             first, lengths = level.overlap(k0, k1)
             if lengths:
                 side.wait_stream(main)
                 with torch.cuda.stream(side):
                     triton_kernels.pull_dot_and_norms(
-                        _slice(buffer, k0, k1), shared[at + k0 - klo : at + k1 - klo], None, lengths,
+                        _slice(buffer, k0, k1), received[k0 - klo : k1 - klo], None, lengths,
                         level.sums[:, first : first + len(lengths)], level.lower,
                     )
         main.wait_stream(side)
 
     def _theirs(self, level: Level, lo: int, hi: int) -> torch.Tensor:
-        """The partner's copy of kept positions [lo, hi): where the push left it in ``S``, else where the pull
+        """The partner's copy of kept positions [lo, hi): where the push left it (``R``), else where the pull
         kept it."""
-        if self._push():
-            shared = staging(self.group, self._capacity(level.buffer.numel()), level.buffer)[0]
-            at = _receive_at(level.buffer.numel())
-            return shared[at + lo - level.kept[0] : at + hi - level.kept[0]]
-        return level.theirs[lo - level.kept[0] : hi - level.kept[0]]
+        theirs = self._receive(level)[0] if self._push() else level.theirs
+        return theirs[lo - level.kept[0] : hi - level.kept[0]]
 
     def combine(self, level: Level) -> None:
         buffer = level.buffer
@@ -314,12 +317,6 @@ class SymmetricMemory(Transport):
             lo, hi = steps[0].kept
             _copy(buffer, shared, 0, lo)
             _copy(buffer, shared, hi, buffer.numel())
-
-
-def _receive_at(numel: int) -> int:
-    """Where in ``S`` the push protocol's receive region starts for a buffer of `numel` elements: past the
-    buffer, on a 64-element boundary (the same on both partners)."""
-    return -(-numel // 64) * 64
 
 
 def _slice(buffer: torch.Tensor | Scattered, lo: int, hi: int):
