@@ -12,9 +12,10 @@ ADASUM_SYMMETRIC_PUSH=1 ADASUM_TEST_BACKEND=nccl timeout 150 python3 -m pytest -
 echo "push tests rc $? $((SECONDS-S)) s" >> $P/times.txt
 ADASUM_SYMMETRIC_PUSH=1 ADASUM_SYMMETRIC_CHUNK_BYTES=4096 ADASUM_TEST_BACKEND=nccl timeout 90 python3 -m pytest -q -x tests/test_collectives.py -m nccl -p no:cacheprovider > $P/tests-push-4k.log 2>&1
 echo "push 4k tests rc $? $((SECONDS-S)) s" >> $P/times.txt
-for X in 1 0 1 0; do
+for R in 1a 0a 1b 0b; do X=${R:0:1}
 ADASUM_SYMMETRIC_PUSH=$X timeout 75 python3 benchmarks/bench_collective.py --backend nccl --transports default --check --dtypes fp32,bf16 \
-  --exps 20,26,28 --layouts resnet50,bert-large --repeats 10 --label "ADASUM_SYMMETRIC_PUSH=$X" --out $P/collective.jsonl --check-out $P/checks.jsonl 2>&1 | q | grep -E "ratio|check|x " | sed "s/^/push$X /" >> $P/bench.log
+  --exps 20,26,28 --layouts resnet50,bert-large --repeats 10 --label "ADASUM_SYMMETRIC_PUSH=$X" --out $P/collective.jsonl --check-out $P/checks.jsonl > $P/bench-$R.log 2>&1
+q < $P/bench-$R.log | grep -E "ratio|check" | sed "s/^/push$X /" >> $P/bench.log
 echo "bench push=$X $((SECONDS-S)) s" >> $P/times.txt
 done
 ADASUM_SYMMETRIC_PUSH=1 timeout 40 python3 benchmarks/profile_collective.py --numel 268435456 --rows 12 > $P/profile28-push.txt 2>&1
