@@ -15,6 +15,12 @@ import torch
 from adasum import kernels as ops
 from adasum.core.operator import coefficients
 from adasum.kernels import triton as tk
+import adasum.core.tiles as tile_tables
+# The interpreter pays per loop iteration of every program, masked or not: tiles of 2048 (2 iterations) instead
+# of 16384 (16) keep every case's structure (segments over several tiles, tile-sized ones, tiny ones) at an
+# eighth of the cost. Set before the first table is built (tables are cached).
+tile_tables.TILE = 2048
+tk.ITERS = tile_tables.TILE // tk.BLOCK
 g = torch.Generator().manual_seed(3)
 EPS = torch.finfo(torch.float64).eps
 
@@ -44,7 +50,7 @@ def combine_bound(a, b, ca, cb, lengths, want, dtype):
     return 2 * 4 * EPS * terms + 2 * ulp
 
 
-# tiles of 16384 elements: segments spanning several tiles, tile-sized ones, empty ones, many tiny ones
+# segments spanning several tiles, multiples of the tile, empty ones, many tiny ones
 cases = [[5, 0, 33000, 1, 0, 300], [16384, 16385, 1], [0], [7] * 40, [], [3, 0, 4]]
 for number, lengths in enumerate(cases):
     for dtype in (torch.float32, torch.bfloat16, torch.float16, torch.float64)[: 4 if number == 0 else 2]:
