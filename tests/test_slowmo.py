@@ -13,7 +13,8 @@ import adasum
 
 import distributed
 
-pytestmark = pytest.mark.nccl
+# No NCCL mark: these references run float64 models on the CPU (gloo); SlowMo's combinations go through the same
+# `adasum.all_reduce` that test_collectives and test_optim run on NCCL.
 
 
 def make_model(seed=0, dtype=torch.float64, batchnorm=False):
