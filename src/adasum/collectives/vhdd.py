@@ -262,9 +262,11 @@ def run_schedule(
         block = me // (2 * d)
         sums = buffer.new_zeros((tree.groups // (2 * d), *partial_shape), dtype=torch.float64)
         base = block * 2 * d
+        theirs = transport.receive_space(kept, given, buffer)
         level = Level(
             buffer=buffer, kept=kept, given=given, peer=peer, lower=lower,
-            theirs=_workspace.get("recv", kept[1] - kept[0], buffer), sums=sums[block], overlap=overlap,
+            theirs=_workspace.get("recv", kept[1] - kept[0], buffer) if theirs is None else theirs,
+            sums=sums[block], overlap=overlap,
             workers_a=tree.count(base, d), workers_b=tree.count(base + d, d), last=d == levels[-1],
         )
         with step(f"the reduce-scatter exchange at {level_name(i)} with rank {peer}"):

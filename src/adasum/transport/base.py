@@ -139,6 +139,11 @@ class Transport:
         """Where `adasum.all_reduce` should fuse a list of `numel` elements like `like` (None: anywhere)."""
         return None
 
+    def receive_space(self, kept: tuple[int, int], given: tuple[int, int], like) -> torch.Tensor | None:
+        """Where the partner's copy of the `kept` slice of a level lands (`Level.theirs`), for a buffer like
+        `like` cut into `kept` and `given` (None: anywhere, the schedule's own workspace)."""
+        return None
+
 
 class PointToPoint(Transport):
     """Every step from paired point-to-point batches (`post`, `wait`), each level's exchange cut

@@ -219,22 +219,32 @@ class SymmetricMemory(Transport):
                     level.sums[:, first : first + len(lengths)], level.lower,
                 )
 
-    def _receive(self, level: Level):
-        """(R, handle): the push protocol's receive buffer, the partner's copy of the kept half at R[0:]. Both
-        partners ask for the larger half, so a growth (a rendezvous) happens on both or neither."""
-        halves = max(level.kept[1] - level.kept[0], level.given[1] - level.given[0])
-        return staging(self.group, halves, level.buffer, "receive")
+    def _receive(self, kept: tuple[int, int], given: tuple[int, int], like):
+        """(R, handle): the push protocol's receive buffer. Both partners ask for the larger half, so a growth
+        (a rendezvous) happens on both or neither."""
+        return staging(self.group, max(kept[1] - kept[0], given[1] - given[0]), like, "receive")
+
+    def receive_space(self, kept, given, like):
+        """With the push protocol the partner's copy lands in ``R`` (the partner stores it there), so `Level.theirs`
+        is ``R``'s head; the pull protocol keeps it in the schedule's workspace."""
+        if not self._push():
+            return None
+        # S before R, as `exchange_and_dot` would: a rank whose list was fused into S grew S already, and growths
+        # are rendezvous that must come in the same order on every rank
+        staging(self.group, like.numel(), like)
+        return self._receive(kept, given, like)[0][: kept[1] - kept[0]]
 
     def _push_exchange(self, level: Level) -> None:
         """The exchange of a group of two by pushes: each piece of the given half is stored straight from `B`
         into the partner's ``R`` (NVLink stores; nothing staged), then a barrier, then the sums of the kept
-        piece are read locally on a side stream while the next piece is pushed.
+        piece are read locally (`Level.theirs`, this rank's ``R``) on a side stream while the next piece is
+        pushed.
 
         ``R`` is free when the first piece is pushed: the partner read it last in the previous call's
         combination, which ended before that call's last barrier."""
         buffer = level.buffer
         klo, glo = level.kept[0], level.given[0]
-        received, handle = self._receive(level)
+        received, handle = self._receive(level.kept, level.given, buffer)
         peer = _peer_view(handle, level.peer, received.numel(), received.dtype)
         main = torch.cuda.current_stream(received.device)
         side = side_stream(received.device, "copies")
@@ -248,16 +258,10 @@ class SymmetricMemory(Transport):
                 side.wait_stream(main)
                 with torch.cuda.stream(side):
                     triton_kernels.pull_dot_and_norms(
-                        _slice(buffer, k0, k1), received[k0 - klo : k1 - klo], None, lengths,
+                        _slice(buffer, k0, k1), level.theirs[k0 - klo : k1 - klo], None, lengths,
                         level.sums[:, first : first + len(lengths)], level.lower,
                     )
         main.wait_stream(side)
-
-    def _theirs(self, level: Level, lo: int, hi: int) -> torch.Tensor:
-        """The partner's copy of kept positions [lo, hi): where the push left it (``R``), else where the pull
-        kept it."""
-        theirs = self._receive(level)[0] if self._push() else level.theirs
-        return theirs[lo - level.kept[0] : hi - level.kept[0]]
 
     def combine(self, level: Level) -> None:
         buffer = level.buffer
@@ -280,7 +284,7 @@ class SymmetricMemory(Transport):
             return
         sums = level.sums[:, first : first + len(lengths)]
         mine = _slice(level.buffer, lo, hi)
-        theirs = self._theirs(level, lo, hi)
+        theirs = level.theirs[lo - level.kept[0] : hi - level.kept[0]]
         # the partner's copy from the local one the pull kept: reading it over NVLink again, against the
         # direction of this kernel's stores into the partner, measured 1.72 x NCCL at 2^28 fp32 instead of 1.22 x
         pair = (mine, theirs) if level.lower else (theirs, mine)
