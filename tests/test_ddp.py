@@ -4,6 +4,7 @@ static graphs, gradient-as-bucket-view, fp16/bf16 compression and hierarchical m
 bitwise-identical parameters on every rank."""
 
 import copy
+import gc
 import pickle
 
 import pytest
@@ -14,7 +15,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 import adasum
 from adasum.collectives.hierarchical import reduce_hierarchical
-from adasum.ddp import AdasumState, adasum_hook
+from adasum.ddp import BATCH_MB, AdasumState, adasum_hook
 
 import distributed
 
@@ -24,7 +25,8 @@ BUCKET_CAP_MB = 0.001  # about 1 KB: after the rebuild, buckets of several param
 def make_model(seed=0):
     torch.manual_seed(seed)
     return torch.nn.Sequential(
-        torch.nn.Linear(8, 16), torch.nn.Tanh(), torch.nn.Linear(16, 16), torch.nn.Tanh(), torch.nn.Linear(16, 4)
+        torch.nn.Linear(8, 16), torch.nn.Tanh(), torch.nn.Linear(16, 16), torch.nn.Tanh(), torch.nn.Linear(16, 16),
+        torch.nn.Tanh(), torch.nn.Linear(16, 16), torch.nn.Tanh(), torch.nn.Linear(16, 4),
     )
 
 
@@ -33,19 +35,49 @@ def batch(rank, step, micro=0):
     return torch.randn(4, 8, generator=g), torch.randn(4, 4, generator=g)
 
 
-def local_grads(model, rank, step, micros=(0,)):
-    """The gradients rank `rank` computes alone (summed over micro-batches), from `model`'s weights."""
-    model.zero_grad()
-    for micro in micros:
-        x, y = batch(rank, step, micro)
-        torch.nn.functional.mse_loss(model(x), y).backward()
-    return [p.grad.clone() for p in model.parameters()]
-
-
 def record(state, bucket: dist.GradBucket):
     """adasum_hook, also recording how many parameters each bucket held."""
     state.bucket_params.append(len(bucket.gradients()))
+    state.bucket_bytes.append(bucket.buffer().numel() * bucket.buffer().element_size())
     return adasum_hook(state, bucket)
+
+
+def batches(bucket_bytes, batch_mb) -> int:
+    """How many batches the hook forms from buckets of these sizes (one dtype): a batch closes once it holds
+    batch_mb MB, and at the last bucket."""
+    count, open_bytes = 0, 0
+    for i, n in enumerate(bucket_bytes):
+        open_bytes += n
+        if i == len(bucket_bytes) - 1 or open_bytes >= batch_mb * 2**20:
+            count, open_bytes = count + 1, 0
+    return count
+
+
+def count_combines(state) -> list:
+    """Wrap the state's reducer so that each collective call (a batch of buckets) appends to the returned list."""
+    calls: list = []
+    for name in ("all_reduce", "all_reduce_flat"):
+        original = getattr(state.reducer, name)
+
+        def counted(*args, _original=original, _name=name, **kwargs):
+            calls.append(_name)
+            return _original(*args, **kwargs)
+
+        setattr(state.reducer, name, counted)
+    return calls
+
+
+class Mixed(torch.nn.Module):
+    """A float32 layer and a float64 layer: DDP puts them in buckets of one dtype each."""
+
+    def __init__(self, seed=0):
+        super().__init__()
+        torch.manual_seed(seed)
+        self.a = torch.nn.Linear(8, 16)
+        self.b = torch.nn.Linear(16, 4).double()
+
+    def forward(self, x):
+        return self.b(torch.tanh(self.a(x)).double()).float()
 
 
 def bf16_adasum(state, bucket: dist.GradBucket):
@@ -57,39 +89,73 @@ def rel(a, b):
     return float((a.double() - b.double()).norm() / b.double().norm().clamp_min(1e-30))
 
 
-def check_steps(rank, world, ddp, plain, combine, steps, micros=(0,), tol=1e-5, opt_lr=0.1):
+def local_grads(model, rank, step, micros=(0,), device=None):
+    """The gradients rank `rank` computes alone (summed over micro-batches), from `model`'s weights."""
+    model.zero_grad()
+    for micro in micros:
+        x, y = batch(rank, step, micro)
+        torch.nn.functional.mse_loss(model(x.to(device)), y.to(device)).backward()
+    return [p.grad.clone() for p in model.parameters()]
+
+
+def check_steps(rank, world, ddp, plain, combine, steps, micros=(0,), tol=1e-5, opt_lr=0.1, device=None):
     """Run `steps` iterations; after each backward compare DDP's gradients with `combine` of every
     rank's local gradients (computed here by `plain`, a non-distributed copy); return param bytes."""
     opt = torch.optim.SGD(ddp.parameters(), lr=opt_lr)
     for step in range(steps):
         plain.load_state_dict(ddp.module.state_dict())
-        per_rank = [local_grads(plain, r, step, micros) for r in range(world)]
+        per_rank = [local_grads(plain, r, step, micros, device) for r in range(world)]
         expected = [combine([per_rank[r][i] for r in range(world)]) for i in range(len(per_rank[0]))]
         opt.zero_grad()
         for micro in micros[:-1]:
             with ddp.no_sync():
                 x, y = batch(rank, step, micro)
-                torch.nn.functional.mse_loss(ddp(x), y).backward()
+                torch.nn.functional.mse_loss(ddp(x.to(device)), y.to(device)).backward()
         x, y = batch(rank, step, micros[-1])
-        torch.nn.functional.mse_loss(ddp(x), y).backward()
+        torch.nn.functional.mse_loss(ddp(x.to(device)), y.to(device)).backward()
         for i, p in enumerate(ddp.parameters()):
             assert rel(p.grad, expected[i]) < tol, (step, i, rel(p.grad, expected[i]))
         opt.step()
-    return b"".join(p.detach().numpy().tobytes() for p in ddp.parameters())
+    return b"".join(p.detach().cpu().numpy().tobytes() for p in ddp.parameters())
 
 
 def ddp_body(rank, world):
     out = {}
     plain = make_model()
 
-    # plain hook, tiny buckets; the buckets are rebuilt after the first iteration
+    # plain hook, tiny buckets; the buckets are rebuilt after the first iteration. Batches: the default
+    # (the whole model is one batch, closed by the last bucket), bucket by bucket, and two buckets a batch
+    for name, batch_mb in [("basic", BATCH_MB), ("per-bucket", 0), ("pairs", 1.5 * BUCKET_CAP_MB)]:
+        state = AdasumState(batch_mb=batch_mb)
+        state.bucket_params, state.bucket_bytes = [], []
+        ddp = DDP(make_model(), bucket_cap_mb=BUCKET_CAP_MB)
+        ddp.register_comm_hook(state, record)
+        out[name] = check_steps(rank, world, ddp, plain, adasum.reduce, steps=3)
+        plans = dict(state._plans)
+        state.bucket_params.clear()
+        state.bucket_bytes.clear()
+        calls = count_combines(state)
+        out[name] += check_steps(rank, world, ddp, plain, adasum.reduce, steps=1)
+        buckets = len(state.bucket_params)
+        assert max(state.bucket_params) >= 2 and buckets >= 3, state.bucket_params
+        assert state.iteration == 4
+        # a bucket's segments are learnt once while DDP keeps its buffer
+        assert all(state._plans[i] is plans[i] for i in range(buckets)), (plans, state._plans)
+        expected = batches(state.bucket_bytes, batch_mb)
+        assert expected == {"basic": 1, "per-bucket": buckets}.get(name, expected), (name, expected)
+        if name == "pairs":
+            assert 1 < expected < buckets, state.bucket_bytes
+        assert len(calls) == expected, (name, calls, state.bucket_bytes)
+        assert not state._open
+
+    # a float32 and a float64 layer: a batch holds one dtype, so two batches an iteration
     state = AdasumState()
-    state.bucket_params = []
-    ddp = DDP(make_model(), bucket_cap_mb=BUCKET_CAP_MB)
-    ddp.register_comm_hook(state, record)
-    out["basic"] = check_steps(rank, world, ddp, plain, adasum.reduce, steps=4)
-    assert max(state.bucket_params) >= 3, state.bucket_params
-    assert state.iteration == 4
+    ddp = DDP(Mixed(), bucket_cap_mb=BUCKET_CAP_MB)
+    ddp.register_comm_hook(state, adasum_hook)
+    out["mixed"] = check_steps(rank, world, ddp, Mixed(), adasum.reduce, steps=2)
+    calls = count_combines(state)
+    out["mixed"] += check_steps(rank, world, ddp, Mixed(), adasum.reduce, steps=1)
+    assert len(calls) == 2, calls
 
     # static graph with gradients as bucket views
     ddp = DDP(make_model(), bucket_cap_mb=BUCKET_CAP_MB, static_graph=True, gradient_as_bucket_view=True)
@@ -157,6 +223,64 @@ def ddp_body(rank, world):
     assert isinstance(restored.reducer, adasum.Adasum)
     copy.deepcopy(AdasumState(hierarchical=True, local_size=1))
     return out
+
+
+def stale_batch_body(rank, world):
+    """A backward pass that raised in the hook leaves buckets in the open batch; the next pass drops them."""
+    plain, model = make_model(), make_model()
+    state = AdasumState(nonfinite="raise")
+    ddp = DDP(model, bucket_cap_mb=BUCKET_CAP_MB)
+    ddp.register_comm_hook(state, adasum_hook)
+    check_steps(rank, world, ddp, plain, adasum.reduce, steps=1)  # the buckets are rebuilt after this one
+    # the first layer's gradient comes last, in the last bucket: the buckets before it wait in the open batch
+    handle = model[0].weight.register_hook(lambda g: g * float("nan")) if rank == world - 1 else None
+    x, y = batch(rank, 5)
+    with pytest.raises(adasum.NonFiniteError, match="has NaN on rank"):
+        torch.nn.functional.mse_loss(ddp(x), y).backward()
+    left = [future for _, _, future in state._open]
+    assert left and not any(future.done() for future in left)
+    if handle is not None:
+        handle.remove()
+    del ddp  # as the docs say: a new DDP model after the error (the old one's reducer is mid-iteration)
+    gc.collect()
+    ddp = DDP(model, bucket_cap_mb=BUCKET_CAP_MB)
+    ddp.register_comm_hook(state, adasum_hook)
+    out = check_steps(rank, world, ddp, plain, adasum.reduce, steps=2)
+    assert all(future.done() for future in left) and not state._open
+    with pytest.raises(RuntimeError, match="ended before its last bucket"):
+        left[0].wait()
+    return out
+
+
+def device_body(rank, world):
+    """The hook on the backend's device (NCCL: CUDA graphs of batches captured and replayed, lists of segments
+    read in place by the symmetric-memory transport): batched, bucket by bucket and under fp16 compression,
+    against `adasum.reduce` of the ranks' local gradients computed on the same device."""
+    device = distributed.device_for(rank)
+    out = {}
+    for name, batch_mb, wrap, combine, tol in [
+        ("batched", BATCH_MB, None, adasum.reduce, 1e-5),
+        ("pairs", 1.5 * BUCKET_CAP_MB, None, adasum.reduce, 1e-5),
+        ("per-bucket", 0, None, adasum.reduce, 1e-5),
+        ("fp16", BATCH_MB, fp16_compress_wrapper, lambda gs: adasum.reduce([g.half() for g in gs]).float(), 2e-3),
+    ]:
+        ddp = DDP(make_model().to(device), bucket_cap_mb=BUCKET_CAP_MB,
+                  device_ids=[device.index] if device.type == "cuda" else None)
+        state = AdasumState(batch_mb=batch_mb)
+        ddp.register_comm_hook(state, adasum_hook if wrap is None else wrap(adasum_hook))
+        # five steps: the first is eager, a batch is captured at its second sighting and replayed after
+        out[name] = check_steps(rank, world, ddp, make_model().to(device), combine, steps=5, tol=tol, device=device)
+    return out
+
+
+@pytest.mark.nccl
+@pytest.mark.parametrize("world", distributed.world_sizes(2))
+def test_hook_on_the_backend_device(world):
+    distributed.assert_ranks_agree(distributed.run(world, device_body))
+
+
+def test_hook_drops_the_batch_of_a_failed_backward():
+    distributed.assert_ranks_agree(distributed.run(2, stale_batch_body))
 
 
 @pytest.mark.parametrize("world", [3, 4])

@@ -184,6 +184,9 @@ def adasum_flat_(
         transport = transport_for(group, transport, placement is None and tree.folded == 0)
     if isinstance(buffer, Scattered) and not (transport.scattered and tree.folded == 0 and placement is None):
         raise ValueError(f"the {transport.name} transport takes flat buffers only, not a Scattered list of tensors")
+    if isinstance(buffer, Scattered) and buffer.layout.sizes != layout.sizes:
+        # the kernels address a Scattered slice tile by tile of its tensors: each segment must be one tensor
+        raise ValueError("a Scattered buffer's tensors must be the segments of `sizes`, one tensor per segment")
 
     def run() -> None:
         run_schedule(buffer, layout, group, peers, offset, rank, tree, transport, sliced=placement is not None)

@@ -5,13 +5,27 @@
 
 DDP hands the hook one bucket at a time: a flat buffer holding several parameters' gradients end
 to end (``bucket.gradients()`` are views of ``bucket.buffer()`` at their offsets). The hook gives
-every parameter its own Adasum coefficients, with one VHDD collective per bucket (one small
-float64 all-reduce of dot products per tree level), and returns a completed Future of the buffer.
+every parameter its own Adasum coefficients and returns a Future of the buffer.
+
+**Batches of buckets.** With a per-tensor reducer (Adasum, the default; Sum; Mean) the hook
+combines buckets in batches of at least ``batch_mb`` MB (`AdasumState`, default
+`BATCH_MB`): a bucket joins the open batch and its Future completes when the batch is
+combined, which happens once the batch reaches ``batch_mb``, or at the iteration's last bucket
+(DDP waits for the Futures only after that one). Every parameter keeps its own coefficients, so
+batching changes how many collectives run (the BERT-Large-sized stack of `benchmarks/bench_e2e.py`:
+4 instead of 37 per step), not what they compute. The autograd thread runs the hook, and that
+step is bound by the thread's issuing of work: bucket by bucket the hook took 0.28 ms of host time
+per bucket (10 ms a step) and the step 1.08-1.13 x DDP's; in batches 1.00-1.02 x (2 x H100,
+benchmarks/results/gpu-session7-call*.log). A batch of several buckets is combined as one list of
+their segments: in place where the transport reads lists in place (symmetric memory), else fused
+into one buffer (one copy each way). ``batch_mb=0`` combines bucket by bucket.
+
 On NCCL all the work is enqueued on a side stream that waits for the gradients by an event, so
-the backward pass keeps computing while a bucket is combined; the Future completes on that
-stream, and the host never waits for the GPU (repeated buckets replay a captured CUDA graph); on
+the backward pass keeps computing while a batch is combined; the Futures complete on that
+stream, and the host never waits for the GPU (a repeated batch replays a captured CUDA graph); on
 gloo, whose point-to-point operations have no futures, the work completes before the hook
-returns (a correct synchronous fallback).
+returns (a correct synchronous fallback). What the hook learns about a bucket (its segments) is
+kept while DDP keeps the bucket's buffer, so a repeated bucket costs the host a dictionary look-up.
 
 It composes with what DDP offers: bucket rebuilding after the first iteration, ``no_sync()``,
 ``join()`` (ranks that have finished contribute zero buckets: ``adasum(0, b) = b``, never NaN),
@@ -19,22 +33,31 @@ It composes with what DDP offers: bucket rebuilding after the first iteration, `
 ``fp16_compress_wrapper`` / ``bf16_compress_wrapper``. Gradients are not divided by the world
 size before the hook (DDP leaves that to hooks): Adasum needs no division.
 
+One `AdasumState` serves one DDP model: the open batch belongs to the backward pass in progress.
+If a backward pass stops before its last bucket (an error raised in the hook), the next pass's
+first bucket drops the unfinished batch and fails its Futures.
+
 This module deliberately has no ``from __future__ import annotations``: DDP compares the hook's
 annotations with ``dist.GradBucket`` and ``torch.futures.Future[torch.Tensor]`` as objects.
 """
 
+import weakref
 from collections.abc import Iterable
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
+from adasum.collectives import graphs
 from adasum.collectives.nonfinite import apply_nonfinite_policy, check_policy
 from adasum.deprecated import _UNSET, renamed
 from adasum.reducers import Adasum, Reducer, get_reducer
 from adasum.transport.groups import side_stream
 
 HOOK_POLICIES = ("propagate", "raise")
+BATCH_MB = 256.0
+"""`AdasumState`'s default ``batch_mb``: buckets are combined together until a batch holds this many MB."""
 
 
 class AdasumState:
@@ -48,6 +71,12 @@ class AdasumState:
     ``group`` is the process group (``process_group=`` is its deprecated alias). The hook skips the
     reducer's per-call layout check: DDP verifies the parameters across ranks at construction and
     keeps the buckets identical on every rank.
+
+    ``batch_mb`` (default `BATCH_MB`; 0: bucket by bucket): with a per-tensor reducer, buckets are
+    combined in batches of at least this many MB (module doc); the symmetric-memory transport's staging
+    buffers grow to the largest batch (about 1.5 x its size per GPU). Reducers that combine several
+    tensors with shared coefficients (``per_tensor=False``: AdaCons' default, whole-model Adasum)
+    always go bucket by bucket.
 
     ``nonfinite``: "propagate" (default: a NaN/Inf gradient comes out non-finite on every rank,
     bitwise identical, as with DDP's own averaging) or "raise": every bucket's gradients are
@@ -71,6 +100,7 @@ class AdasumState:
         local_size: int | None = None,
         nonfinite: str = "propagate",
         named_parameters: Iterable[tuple[str, torch.Tensor]] | None = None,
+        batch_mb: float = BATCH_MB,
         process_group: dist.ProcessGroup | None = _UNSET,
     ) -> None:
         group = renamed("AdasumState", "process_group", "group", process_group, group, default=None)
@@ -80,6 +110,8 @@ class AdasumState:
                 "use 'raise' and catch adasum.NonFiniteError, or check the gradients before optimizer.step()"
             )
         check_policy(nonfinite, HOOK_POLICIES)
+        if not batch_mb >= 0:
+            raise ValueError(f"batch_mb must be >= 0, got {batch_mb!r}")
         if hierarchical:
             if isinstance(reducer, Reducer) or reducer != "adasum":
                 raise ValueError(
@@ -94,6 +126,8 @@ class AdasumState:
         self.iteration = 0
         self.nonfinite = nonfinite
         self.names = {id(p): n for n, p in named_parameters} if named_parameters is not None else {}
+        self.batch_mb = float(batch_mb)
+        self._reset_caches()
         if dist.is_initialized():
             self.reducer.setup(group)
 
@@ -102,12 +136,21 @@ class AdasumState:
         """The process group (``group``; this name is kept for code that reads it)."""
         return self.group
 
+    def _reset_caches(self) -> None:
+        self._batch_bytes = int(self.batch_mb * 2**20) if self.reducer.per_tensor else 0
+        self._plans: dict[int, _BucketPlan] = {}  # per bucket index, while DDP keeps that buffer
+        self._open: list[tuple[torch.Tensor, _BucketPlan, torch.futures.Future]] = []  # the open batch
+        self._open_bytes = 0
+
     def __getstate__(self) -> dict[str, Any]:
-        return {k: v for k, v in self.__dict__.items() if k != "group"}
+        skip = ("group", "_plans", "_open", "_open_bytes", "_batch_bytes")
+        return {k: v for k, v in self.__dict__.items() if k not in skip}
 
     def __setstate__(self, state: dict[str, Any]) -> None:
         self.__dict__.update(state)
         self.group = None
+        self.__dict__.setdefault("batch_mb", BATCH_MB)  # a state pickled before batches existed
+        self._reset_caches()
 
     def __repr__(self) -> str:
         return f"AdasumState(reducer={self.reducer!r}, iteration={self.iteration})"
@@ -138,16 +181,6 @@ def bucket_sizes(bucket: dist.GradBucket) -> list[int]:
     return sizes
 
 
-def completed_future(tensor: torch.Tensor) -> torch.futures.Future:
-    """A Future already holding `tensor`; on CUDA it makes its consumers' streams wait for the
-    current stream, so work enqueued before it is ordered with no host synchronisation."""
-    future: torch.futures.Future = (
-        torch.futures.Future(devices=[tensor.device]) if tensor.device.type == "cuda" else torch.futures.Future()
-    )
-    future.set_result(tensor)
-    return future
-
-
 def _check_bucket(state: AdasumState, bucket: dist.GradBucket) -> None:
     """Raise NonFiniteError on every rank if a gradient of the bucket is non-finite on any rank."""
     params = bucket.parameters()
@@ -156,28 +189,98 @@ def _check_bucket(state: AdasumState, bucket: dist.GradBucket) -> None:
     apply_nonfinite_policy("raise", bucket.gradients(), state.group, names, operation="adasum_hook", what=what)
 
 
+@dataclass(frozen=True)
+class _BucketPlan:
+    """What the hook learnt about one bucket's buffer: valid while that very buffer object lives (DDP keeps it
+    across iterations; a rebuild or a compression wrapper makes new ones, so an address alone is not trusted)."""
+
+    buffer: weakref.ref
+    pointer: int
+    sizes: tuple[int, ...]
+    key: tuple  # names the bucket in a batch's graph key: its address, dtype and segments
+
+    def holds(self, buffer: torch.Tensor) -> bool:
+        return self.buffer() is buffer and self.pointer == buffer.data_ptr()
+
+
+def _plan(state: AdasumState, bucket: dist.GradBucket, buffer: torch.Tensor) -> _BucketPlan:
+    plan = state._plans.get(bucket.index())
+    if plan is None or not plan.holds(buffer):
+        sizes = tuple(bucket_sizes(bucket))
+        plan = _BucketPlan(weakref.ref(buffer), buffer.data_ptr(), sizes, (buffer.data_ptr(), buffer.dtype, sizes))
+        state._plans[bucket.index()] = plan
+    return plan
+
+
+def _combine(state: AdasumState, batch: list[tuple[torch.Tensor, _BucketPlan, Any]]) -> None:
+    """Combine a batch of buckets in place: one bucket through `Reducer.all_reduce_flat`, several as one list of
+    their segments through `Reducer.all_reduce` (per-tensor reducers only: the same coefficients either way)."""
+    reducer = state.reducer
+    if len(batch) == 1:
+        buffer, plan, _ = batch[0]
+        reducer.all_reduce_flat(buffer, plan.sizes, state.group, check_layout=False)
+        return
+    segments = [view for buffer, plan, _ in batch for view in buffer.split(plan.sizes)]
+    reducer.all_reduce(segments, state.group, check_layout=False)
+
+
+def _close_batch(state: AdasumState) -> None:
+    """Combine the open batch and complete its Futures (on NCCL: enqueued on the side stream, replayed from a
+    captured graph when the same batch comes again)."""
+    batch, state._open, state._open_bytes = state._open, [], 0
+    if not batch:
+        return
+    buffer = batch[-1][0]
+    if buffer.device.type != "cuda":
+        _combine(state, batch)
+        for tensor, _, future in batch:
+            future.set_result(tensor)
+        return
+    side = side_stream(buffer.device, "comm")
+    side.wait_stream(torch.cuda.current_stream(buffer.device))
+    with torch.cuda.stream(side):
+        if state.reducer.capturable:
+            key = ("ddp", id(state.group), id(state.reducer), tuple(plan.key for _, plan, _ in batch))
+            graphs.run(key, lambda: _combine(state, batch), buffer.device)
+        else:
+            _combine(state, batch)
+        for tensor, _, future in batch:
+            future.set_result(tensor)
+
+
+def _drop_open_batch(state: AdasumState) -> None:
+    """A backward pass stopped before its last bucket (module doc): fail the Futures it left, forget them."""
+    batch, state._open, state._open_bytes = state._open, [], 0
+    for _, _, future in batch:
+        if not future.done():
+            future.set_exception(RuntimeError("adasum_hook: the backward pass ended before its last bucket"))
+
+
 def adasum_hook(state: AdasumState, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
     """Combine one DDP bucket across the group with ``state.reducer``, per parameter, in place.
 
-    Returns a completed Future of the bucket's buffer (see the module doc for NCCL and gloo).
+    Returns a Future of the bucket's buffer, completed when the bucket's batch is combined (see the
+    module doc for batches, NCCL and gloo).
 
     >>> ddp_model.register_comm_hook(AdasumState(), adasum_hook)  # doctest: +SKIP
     >>> ddp_model.register_comm_hook(AdasumState(), fp16_compress_wrapper(adasum_hook))  # doctest: +SKIP
     """
     buffer = bucket.buffer()
-    if getattr(state, "nonfinite", "propagate") == "raise":
+    if bucket.index() == 0 and state._open:
+        _drop_open_batch(state)
+    if state.nonfinite == "raise":
         _check_bucket(state, bucket)
-    sizes = bucket_sizes(bucket)
-    if bucket.is_last():
+    plan = _plan(state, bucket, buffer)
+    last = bucket.is_last()
+    if last:
         state.iteration += 1
-    if buffer.device.type != "cuda":
-        state.reducer.all_reduce_flat(buffer, sizes, state.group, check_layout=False)
-        return completed_future(buffer)
-    # On a side stream, ordered after the gradients by an event: backward keeps computing while the
-    # bucket is combined; the Future completes on the side stream (DDP's consumers wait for it).
-    side = side_stream(buffer.device, "comm")
-    side.wait_stream(torch.cuda.current_stream(buffer.device))
-    with torch.cuda.stream(side):
-        state.reducer.all_reduce_flat(buffer, sizes, state.group, check_layout=False)
-        return completed_future(buffer)
-
+    if state._open and state._open[-1][0].dtype != buffer.dtype:
+        _close_batch(state)  # a batch holds one dtype
+    future: torch.futures.Future = (
+        torch.futures.Future(devices=[buffer.device]) if buffer.device.type == "cuda" else torch.futures.Future()
+    )
+    state._open.append((buffer, plan, future))
+    state._open_bytes += buffer.numel() * buffer.element_size()
+    if last or state._open_bytes >= state._batch_bytes:
+        _close_batch(state)
+    return future

@@ -5,9 +5,11 @@ from __future__ import annotations
 from typing import Any
 
 import torch
+import torch.distributed as dist
 
 from adasum.collectives import hierarchical
-from adasum.collectives.vhdd import adasum_flat_
+from adasum.collectives.api import fused_per_dtype
+from adasum.collectives.vhdd import adasum_flat_, transport_for
 from adasum.core.layout import group_by_dtype
 from adasum.core.operator import check_floating
 from adasum.core.reduce import reduce_stacked
@@ -63,6 +65,12 @@ class Adasum(Reducer):
                 out[i] = piece.view(first[i].shape)
         return out
 
+    @property
+    def capturable(self) -> bool:
+        """The flat VHDD collective runs captured (`adasum.collectives.graphs`); the hierarchical one is not
+        captured (never tried)."""
+        return not self.hierarchical
+
     def setup(self, group=None):
         if self.hierarchical:
             self._hierarchy(group)
@@ -71,6 +79,16 @@ class Adasum(Reducer):
         if group not in self._hierarchies:
             self._hierarchies[group] = hierarchical.build_hierarchy(group, self.local_size)
         return self._hierarchies[group]
+
+    def _all_reduce(self, tensors, group=None, **options):
+        """Per tensor and flat, one buffer per dtype on the fastest transport: a transport that reads lists in place
+        (symmetric memory) takes contiguous tensors where they lie, as `adasum.all_reduce` does (no fusion copy)."""
+        if self.hierarchical or not self.per_tensor:
+            super()._all_reduce(tensors, group, **options)
+            return
+        world = dist.get_world_size(group)
+        transport = transport_for(group, None, world & (world - 1) == 0)
+        fused_per_dtype(tensors, lambda flat, sizes: adasum_flat_(flat, sizes, group, transport=transport), transport)
 
     def _all_reduce_flat(self, buffer, sizes, group=None):
         sizes = sizes if self.per_tensor else [buffer.numel()]

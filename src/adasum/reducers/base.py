@@ -18,10 +18,12 @@ wrappers at construction, the DDP hook, whose buckets DDP keeps identical). A fa
 communication itself (a dead or stalled peer) raises `adasum.CollectiveError` on every reducer.
 
 Traits, on the class: ``per_tensor`` (each tensor combined on its own, so a list may be split
-into buckets; whole-model reducers need every tensor of a dtype in one call) and
+into buckets, or buckets joined; whole-model reducers need every tensor of a dtype in one call),
 ``exact_average`` (the result is the plain mean, so a model can be averaged directly instead of
-its delta). A subclass implements `reduce` and `_all_reduce_flat` (and `_all_reduce` to combine
-across dtypes, as AdaCons does); the public methods add the checks.
+its delta) and ``capturable`` (on NCCL a call enqueues its work without waiting on the host, so a
+CUDA graph can capture it: the DDP hook replays the graph of a repeated batch of buckets).
+A subclass implements `reduce` and `_all_reduce_flat` (and `_all_reduce` to combine across
+dtypes, as AdaCons does); the public methods add the checks.
 
 What is combined (gradients, optimizer deltas, model deltas) and what happens afterwards (an
 optimizer step, slow momentum) is the caller's business. Places that combine take a reducer
@@ -50,6 +52,8 @@ class Reducer:
     """Each tensor is combined on its own (a list may be split into buckets without changing the result)."""
     exact_average: bool = False
     """The result is the exact mean of the ranks' copies (a model may be averaged directly)."""
+    capturable: bool = False
+    """On NCCL a call never waits on the host, so a CUDA graph can capture it (`adasum.collectives.graphs`)."""
 
     def reduce(self, per_worker: Sequence[Sequence[torch.Tensor]]) -> list[torch.Tensor]:
         raise NotImplementedError

@@ -14,6 +14,7 @@ class Sum(Reducer):
 
     name = "sum"
     per_tensor = True
+    capturable = True
 
     def reduce(self, per_worker):
         count = check_workers(per_worker)
@@ -30,6 +31,7 @@ class Mean(Reducer):
     name = "mean"
     per_tensor = True
     exact_average = True
+    capturable = True
 
     def reduce(self, per_worker):
         count = check_workers(per_worker)
