@@ -14,7 +14,8 @@ run one after the other, DDP's own median moved from 75 to 87 ms between two run
 Variants:
 
 * ``ddp``: DistributedDataParallel with its default all-reduce (the baseline of the ratios);
-* ``ddp-adasum``: the same DDP model with ``adasum.ddp.adasum_hook``;
+* ``ddp-adasum``: the same DDP model with ``adasum.ddp.adasum_hook`` and ``AdasumState()`` (its default batches
+  of buckets, ``hook_batch_mb`` in the rows);
 * ``delta``: the plain model, ``adasum.DistributedOptimizer(opt, reducer="adasum", mode="delta")``.
 
 Models: ResNet-50 (torchvision, 3x224x224 images, batch 64 per GPU, SGD with momentum) and
@@ -250,6 +251,7 @@ def report(rows: list[dict], args, world: int, device: torch.device) -> None:
         "dry_run": args.dry_run,
         "warmup": args.warmup,
         "order": "interleaved",  # the variants stepped in turn (`time_model`)
+        "hook_batch_mb": adasum.ddp.BATCH_MB,
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
     }
     base = {r["model"]: r["step_s"] for r in rows if r["variant"] == "ddp"}

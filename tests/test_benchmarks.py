@@ -36,6 +36,19 @@ def test_bench_e2e_dry_run(tmp_path):
     assert ["bert", "delta"] == [row[:2] for row in table if row[:2] == ["bert", "delta"]][0]
 
 
+def test_profile_hook_dry_run(tmp_path):
+    out = tmp_path / "hook.jsonl"
+    run_script("benchmarks/profile_hook.py", "--dry-run", "--batch-mb", "0", "--out", str(out))
+    rows = [json.loads(line) for line in out.read_text().splitlines()]
+    assert [r["variant"] for r in rows] == ["ddp", "hook", "hook-b0", "nop"]
+    for r in rows:
+        assert len(r["step_times_s"]) == 2 and r["step_s"] == statistics.median(r["step_times_s"])
+        assert r["backward_host_s"] > 0 and r["hook_host_s"] >= 0
+    calls = {r["variant"]: (r["hook_calls"], r["batches"]) for r in rows}
+    # the tiny model is one bucket: one hook call and one batch a step; DDP's own path and the no-op hook: none
+    assert calls == {"ddp": (0, 0), "hook": (1, 1), "hook-b0": (1, 1), "nop": (1, 0)}, calls
+
+
 def test_bench_e2e_bad_input_is_refused_before_spawning():
     env = {**os.environ, "PYTHONPATH": str(ROOT / "src")}
     proc = subprocess.run([sys.executable, "benchmarks/bench_e2e.py", "--dry-run", "--variants", "ddp,fast"],
