@@ -204,23 +204,23 @@ def time_model(name: str, args, device: torch.device, rank: int) -> dict[str, li
 # -- processes and report -----------------------------------------------------------------------
 
 
-def worker(rank: int, world: int, store_path: str, args) -> None:
-    if args.watchdog:  # every rank prints its threads' stacks if the run outlives this
-        faulthandler.dump_traceback_later(args.watchdog, exit=False)
-    if args.dry_run:
+def init_rank(rank: int, world: int, store_path: str, dry_run: bool) -> torch.device:
+    """This rank's process group (gloo on the CPU in a dry run, else NCCL on GPU `rank`) and its device."""
+    if dry_run:
         torch.set_num_threads(1)
         device, backend = torch.device("cpu"), "gloo"
     else:
         device, backend = torch.device("cuda", rank), "nccl"
         torch.cuda.set_device(device)
-    dist.init_process_group(
-        backend,
-        store=dist.FileStore(store_path, world),
-        rank=rank,
-        world_size=world,
-        timeout=timedelta(seconds=900),
-        device_id=device if backend == "nccl" else None,
-    )
+    dist.init_process_group(backend, store=dist.FileStore(store_path, world), rank=rank, world_size=world,
+                            timeout=timedelta(seconds=900), device_id=device if backend == "nccl" else None)
+    return device
+
+
+def worker(rank: int, world: int, store_path: str, args) -> None:
+    if args.watchdog:  # every rank prints its threads' stacks if the run outlives this
+        faulthandler.dump_traceback_later(args.watchdog, exit=False)
+    device = init_rank(rank, world, store_path, args.dry_run)
     try:
         rows = []
         for name in args.models:
@@ -301,19 +301,26 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--watchdog", type=float, default=0, help="seconds after which every rank prints its stacks")
     p.add_argument("--out", default=None, help=f"JSON lines to append to (default {DEFAULT_OUT}; none in a dry run)")
     args = p.parse_args(argv)
+    if not args.dry_run and "resnet50" in args.models and torch.cuda.is_available():
+        resnet50_builder()  # a clear error before any process starts
+    spawn(worker, args, "bench_e2e")
+
+
+def spawn(worker, args, script: str) -> None:
+    """``worker(rank, world, store_path, args)`` in one process per rank: 2 CPU processes on gloo with
+    ``args.dry_run`` (at most 2 steps after 1), else one per GPU (``args.world`` of them at most); bad
+    arguments exit with a message naming `script` before any process starts."""
     if args.dry_run:
         args.steps, args.warmup = min(args.steps, 2), min(args.warmup, 1)
         world = args.world or 2
     else:
         if not torch.cuda.is_available():
-            raise SystemExit("bench_e2e: no CUDA device; use --dry-run to try the script on CPU")
+            raise SystemExit(f"{script}: no CUDA device; use --dry-run to try the script on CPU")
         world = args.world or torch.cuda.device_count()
         if world > torch.cuda.device_count():
-            raise SystemExit(f"bench_e2e: --world {world} but only {torch.cuda.device_count()} GPUs")
-        if "resnet50" in args.models:
-            resnet50_builder()  # a clear error before any process starts
+            raise SystemExit(f"{script}: --world {world} but only {torch.cuda.device_count()} GPUs")
     if args.steps < 1 or args.warmup < 0 or world < 1:
-        raise SystemExit("bench_e2e: --steps must be >= 1, --warmup >= 0, --world >= 1")
+        raise SystemExit(f"{script}: --steps must be >= 1, --warmup >= 0, --world >= 1")
     os.environ.setdefault("NCCL_NVLS_ENABLE", "0")  # inherited by the spawned processes
     with tempfile.TemporaryDirectory() as tmp:
         mp.spawn(worker, args=(world, os.path.join(tmp, "store"), args), nprocs=world, join=True)

@@ -26,17 +26,13 @@ from __future__ import annotations
 import argparse
 import datetime
 import json
-import os
 import statistics
 import sys
-import tempfile
 import time
-from datetime import timedelta
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 from torch import nn
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "src"))
@@ -120,14 +116,7 @@ def build(variant: str, args, device: torch.device, rank: int):
 
 
 def worker(rank: int, world: int, store_path: str, args) -> None:
-    if args.dry_run:
-        torch.set_num_threads(1)
-        device, backend = torch.device("cpu"), "gloo"
-    else:
-        device, backend = torch.device("cuda", rank), "nccl"
-        torch.cuda.set_device(device)
-    dist.init_process_group(backend, store=dist.FileStore(store_path, world), rank=rank, world_size=world,
-                            timeout=timedelta(seconds=600), device_id=device if backend == "nccl" else None)
+    device = bench_e2e.init_rank(rank, world, store_path, args.dry_run)
     ddp_hook._close_batch = _counting_close(ddp_hook._close_batch)
     try:
         variants = ["ddp", "hook", *[f"hook-b{n:g}" for n in args.batch_mb], "nop"]
@@ -187,17 +176,7 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--dry-run", action="store_true", help="tiny model, 2 CPU processes on gloo, 2 steps")
     p.add_argument("--out", default=None, help="JSON lines to append to")
     args = p.parse_args(argv)
-    if args.dry_run:
-        args.steps, args.warmup = min(args.steps, 2), min(args.warmup, 1)
-        world = args.world or 2
-    else:
-        if not torch.cuda.is_available():
-            raise SystemExit("profile_hook: no CUDA device; use --dry-run to try the script on CPU")
-        world = args.world or torch.cuda.device_count()
-    os.environ.setdefault("NCCL_NVLS_ENABLE", "0")
-    with tempfile.TemporaryDirectory() as tmp:
-        mp.spawn(worker, args=(world, os.path.join(tmp, "store"), args), nprocs=world, join=True)
-
+    bench_e2e.spawn(worker, args, "profile_hook")
 
 if __name__ == "__main__":
     main()
