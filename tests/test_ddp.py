@@ -216,10 +216,11 @@ def ddp_body(rank, world):
     out["join"] = b"".join(p.detach().numpy().tobytes() for p in params)
 
     # the state pickles without its process group
-    state = AdasumState(dist.new_group(list(range(world))), reducer=adasum.Adasum(hierarchical=False))
+    state = AdasumState(dist.new_group(list(range(world))), reducer=adasum.Adasum(hierarchical=False), batch_mb=64)
     state.iteration = 7
     restored = pickle.loads(pickle.dumps(state))
     assert restored.process_group is None and restored.iteration == 7
+    assert restored.batch_mb == 64 and restored._batch_bytes == 64 << 20 and restored._open == []
     assert isinstance(restored.reducer, adasum.Adasum)
     copy.deepcopy(AdasumState(hierarchical=True, local_size=1))
     return out
@@ -297,3 +298,10 @@ def test_state_options():
     with pytest.raises(ValueError, match="unknown reducer"):
         AdasumState(reducer="median")
     assert isinstance(AdasumState(reducer=adasum.Sum()).reducer, adasum.Sum)
+    for bad in (-1, float("nan")):
+        with pytest.raises(ValueError, match="batch_mb must be >= 0"):
+            AdasumState(batch_mb=bad)
+    # whole-model reducers combine bucket by bucket whatever batch_mb says: their coefficients span a call
+    assert AdasumState(reducer=adasum.Adasum(per_tensor=False))._batch_bytes == 0
+    assert AdasumState(reducer="adacons")._batch_bytes == 0
+    assert AdasumState()._batch_bytes == int(BATCH_MB * 2**20)

@@ -136,14 +136,18 @@ class AdasumState:
         """The process group (``group``; this name is kept for code that reads it)."""
         return self.group
 
+    @property
+    def _batch_bytes(self) -> int:
+        """A batch is combined once it holds this many bytes (0 with a whole-model reducer: bucket by bucket)."""
+        return int(self.batch_mb * 2**20) if self.reducer.per_tensor else 0
+
     def _reset_caches(self) -> None:
-        self._batch_bytes = int(self.batch_mb * 2**20) if self.reducer.per_tensor else 0
         self._plans: dict[int, _BucketPlan] = {}  # per bucket index, while DDP keeps that buffer
         self._open: list[tuple[torch.Tensor, _BucketPlan, torch.futures.Future]] = []  # the open batch
         self._open_bytes = 0
 
     def __getstate__(self) -> dict[str, Any]:
-        skip = ("group", "_plans", "_open", "_open_bytes", "_batch_bytes")
+        skip = ("group", "_plans", "_open", "_open_bytes")
         return {k: v for k, v in self.__dict__.items() if k not in skip}
 
     def __setstate__(self, state: dict[str, Any]) -> None:
