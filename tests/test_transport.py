@@ -41,7 +41,8 @@ def body(rank, world, transport):
     return max(errors, default=0.0), results
 
 
-@pytest.mark.parametrize("world", [1, 2, 3, 4, 5, 8])
+# 8 ranks (three levels) run through the same transport in test_collectives
+@pytest.mark.parametrize("world", [1, 2, 3, 4, 5])
 def test_point_to_point_transport_matches_reference(world):
     results = distributed.run(world, body, "p2p")
     assert all(err < 1e-12 for err, _ in results), [err for err, _ in results]
