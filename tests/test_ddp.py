@@ -119,6 +119,31 @@ def check_steps(rank, world, ddp, plain, combine, steps, micros=(0,), tol=1e-5, 
     return b"".join(p.detach().cpu().numpy().tobytes() for p in ddp.parameters())
 
 
+def check_join(rank, world, ddp, plain, batches_of, device=None):
+    """Train under ``ddp.join()`` with `batches_of(r)` batches on rank r, comparing each step's gradients with
+    Adasum of the local ones, finished ranks counting as zero buckets; return the parameters' bytes."""
+    opt = torch.optim.SGD(ddp.parameters(), lr=0.1)
+    with ddp.join():
+        for step in range(batches_of(rank)):
+            plain.load_state_dict(ddp.module.state_dict())
+            per_rank = [
+                local_grads(plain, r, step, device=device) if step < batches_of(r)
+                else [torch.zeros_like(p) for p in plain.parameters()]
+                for r in range(world)
+            ]
+            opt.zero_grad()
+            x, y = batch(rank, step)
+            torch.nn.functional.mse_loss(ddp(x.to(device)), y.to(device)).backward()
+            for i, p in enumerate(ddp.parameters()):
+                expected = adasum.reduce([per_rank[r][i] for r in range(world)])
+                assert torch.isfinite(p.grad).all()
+                assert rel(p.grad, expected) < 1e-5, (step, i)
+            opt.step()
+    params = list(ddp.parameters())
+    assert all(torch.isfinite(p).all() for p in params)
+    return b"".join(p.detach().cpu().numpy().tobytes() for p in params)
+
+
 def ddp_body(rank, world):
     out = {}
     plain = make_model()
@@ -195,25 +220,7 @@ def ddp_body(rank, world):
     # join with uneven inputs: rank r has 2 + r batches; finished ranks contribute zero buckets
     ddp = DDP(make_model(), bucket_cap_mb=BUCKET_CAP_MB)
     ddp.register_comm_hook(AdasumState(), adasum_hook)
-    opt = torch.optim.SGD(ddp.parameters(), lr=0.1)
-    with ddp.join():
-        for step in range(2 + rank):
-            plain.load_state_dict(ddp.module.state_dict())
-            per_rank = [
-                local_grads(plain, r, step) if step < 2 + r else [torch.zeros_like(p) for p in plain.parameters()]
-                for r in range(world)
-            ]
-            opt.zero_grad()
-            x, y = batch(rank, step)
-            torch.nn.functional.mse_loss(ddp(x), y).backward()
-            for i, p in enumerate(ddp.parameters()):
-                expected = adasum.reduce([per_rank[r][i] for r in range(world)])
-                assert torch.isfinite(p.grad).all()
-                assert rel(p.grad, expected) < 1e-5, (step, i)
-            opt.step()
-    params = list(ddp.parameters())
-    assert all(torch.isfinite(p).all() for p in params)
-    out["join"] = b"".join(p.detach().numpy().tobytes() for p in params)
+    out["join"] = check_join(rank, world, ddp, plain, lambda r: 2 + r)
 
     # the state pickles without its process group
     state = AdasumState(dist.new_group(list(range(world))), reducer=adasum.Adasum(hierarchical=False), batch_mb=64)
@@ -271,6 +278,12 @@ def device_body(rank, world):
         ddp.register_comm_hook(state, adasum_hook if wrap is None else wrap(adasum_hook))
         # five steps: the first is eager, a batch is captured at its second sighting and replayed after
         out[name] = check_steps(rank, world, ddp, make_model().to(device), combine, steps=5, tol=tol, device=device)
+    # join: the last rank trains four batches more, its batches captured and replayed while the others, finished,
+    # contribute zero buckets (new buffers every step)
+    ddp = DDP(make_model().to(device), bucket_cap_mb=BUCKET_CAP_MB,
+              device_ids=[device.index] if device.type == "cuda" else None)
+    ddp.register_comm_hook(AdasumState(), adasum_hook)
+    out["join"] = check_join(rank, world, ddp, make_model().to(device), lambda r: 2 + 4 * (r == world - 1), device)
     return out
 
 
