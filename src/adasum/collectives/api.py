@@ -80,16 +80,28 @@ def all_reduce(
         raise ValueError(f"the {dist.get_backend(group)} backend needs {device.type} tensors, got {tensors[0].device}")
     if nonfinite == "raise":
         check_finite(tensors, group, operation="adasum.all_reduce")
-    world = dist.get_world_size(group)
-    chosen = transport_for(group, transport, world & (world - 1) == 0)
+    chosen = list_transport(group, transport)
 
     def run() -> None:
-        fused_per_dtype(tensors, lambda flat, sizes: adasum_flat_(flat, sizes, group, transport=chosen), chosen)
+        adasum_list_(tensors, group, chosen)
 
     key = (id(group), chosen.name, graphs.tensor_key(tensors))
     graphs.run(key, run, device)
     if graphs.captured(key):
         _last[(id(group), transport)] = (tensors, tuple(map(_data_ptr, tensors)), tuple(map(_shape, tensors)), key)
+
+
+def list_transport(group: dist.ProcessGroup | None, name: str | None = None) -> Transport:
+    """The transport a list is combined on: `name`, or the fastest the group supports (every rank a leader of
+    the tree where the group is a power of two)."""
+    world = dist.get_world_size(group)
+    return transport_for(group, name, world & (world - 1) == 0)
+
+
+def adasum_list_(tensors: Sequence[torch.Tensor], group: dist.ProcessGroup | None, transport: Transport) -> None:
+    """Per-tensor Adasum of checked `tensors` in place: one flat buffer per dtype (`fused_per_dtype`; a list the
+    transport reads in place is not copied) through the VHDD schedule on `transport`."""
+    fused_per_dtype(tensors, lambda flat, sizes: adasum_flat_(flat, sizes, group, transport=transport), transport)
 
 
 # The last captured call per (group, transport keyword): a repeat with the very same tensor objects,

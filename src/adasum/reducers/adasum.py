@@ -5,11 +5,10 @@ from __future__ import annotations
 from typing import Any
 
 import torch
-import torch.distributed as dist
 
 from adasum.collectives import hierarchical
-from adasum.collectives.api import fused_per_dtype
-from adasum.collectives.vhdd import adasum_flat_, transport_for
+from adasum.collectives.api import adasum_list_, list_transport
+from adasum.collectives.vhdd import adasum_flat_
 from adasum.core.layout import group_by_dtype
 from adasum.core.operator import check_floating
 from adasum.core.reduce import reduce_stacked
@@ -86,9 +85,7 @@ class Adasum(Reducer):
         if self.hierarchical or not self.per_tensor:
             super()._all_reduce(tensors, group, **options)
             return
-        world = dist.get_world_size(group)
-        transport = transport_for(group, None, world & (world - 1) == 0)
-        fused_per_dtype(tensors, lambda flat, sizes: adasum_flat_(flat, sizes, group, transport=transport), transport)
+        adasum_list_(tensors, group, list_transport(group))
 
     def _all_reduce_flat(self, buffer, sizes, group=None):
         sizes = sizes if self.per_tensor else [buffer.numel()]
