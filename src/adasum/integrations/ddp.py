@@ -41,6 +41,7 @@ This module deliberately has no ``from __future__ import annotations``: DDP comp
 annotations with ``dist.GradBucket`` and ``torch.futures.Future[torch.Tensor]`` as objects.
 """
 
+import contextlib
 import weakref
 from collections.abc import Iterable
 from dataclasses import dataclass
@@ -228,24 +229,25 @@ def _combine(state: AdasumState, batch: list[tuple[torch.Tensor, _BucketPlan, An
     reducer.all_reduce(segments, state.group, check_layout=False)
 
 
+def _take_open_batch(state: AdasumState) -> list[tuple[torch.Tensor, _BucketPlan, torch.futures.Future]]:
+    batch, state._open, state._open_bytes = state._open, [], 0
+    return batch
+
+
 def _close_batch(state: AdasumState) -> None:
     """Combine the open batch and complete its Futures (on NCCL: enqueued on the side stream, replayed from a
-    captured graph when the same batch comes again)."""
-    batch, state._open, state._open_bytes = state._open, [], 0
+    captured graph when the same batch comes again; `graphs.run` runs it eagerly elsewhere)."""
+    batch = _take_open_batch(state)
     if not batch:
         return
-    buffer = batch[-1][0]
-    if buffer.device.type != "cuda":
-        _combine(state, batch)
-        for tensor, _, future in batch:
-            future.set_result(tensor)
-        return
-    side = side_stream(buffer.device, "comm")
-    side.wait_stream(torch.cuda.current_stream(buffer.device))
-    with torch.cuda.stream(side):
+    device = batch[-1][0].device
+    if device.type == "cuda":
+        side = side_stream(device, "comm")
+        side.wait_stream(torch.cuda.current_stream(device))
+    with torch.cuda.stream(side) if device.type == "cuda" else contextlib.nullcontext():
         if state.reducer.capturable:
             key = ("ddp", id(state.group), id(state.reducer), tuple(plan.key for _, plan, _ in batch))
-            graphs.run(key, lambda: _combine(state, batch), buffer.device)
+            graphs.run(key, lambda: _combine(state, batch), device)
         else:
             _combine(state, batch)
         for tensor, _, future in batch:
@@ -254,8 +256,7 @@ def _close_batch(state: AdasumState) -> None:
 
 def _drop_open_batch(state: AdasumState) -> None:
     """A backward pass stopped before its last bucket (module doc): fail the Futures it left, forget them."""
-    batch, state._open, state._open_bytes = state._open, [], 0
-    for _, _, future in batch:
+    for _, _, future in _take_open_batch(state):
         if not future.done():
             future.set_exception(RuntimeError("adasum_hook: the backward pass ended before its last bucket"))
 
