@@ -293,6 +293,43 @@ def test_hook_on_the_backend_device(world):
     distributed.assert_ranks_agree(distributed.run(world, device_body))
 
 
+def batch_mismatch_body(rank, world):
+    """Ranks with different batch limits would pair different collectives: the state's construction raises, the
+    same error on every rank; so does the first bucket of unpickled states that differ. A state whose limit
+    agrees trains on."""
+    with pytest.raises(ValueError) as at_construction:
+        AdasumState(batch_mb=64 if rank == 1 else BATCH_MB)
+    with pytest.raises(AttributeError):
+        AdasumState().batch_mb = 64  # fixed at construction, where it was checked
+    state = AdasumState()
+    if rank == 1:
+        state._batch_mb = 64.0  # as if rank 1's state had been saved from another configuration
+    state = pickle.loads(pickle.dumps(state))  # not checked yet: its first bucket checks it, on every rank alike
+    ddp = DDP(make_model(), bucket_cap_mb=BUCKET_CAP_MB)
+    ddp.register_comm_hook(state, adasum_hook)
+    x, y = batch(rank, 0)
+    with pytest.raises(ValueError) as in_the_hook:
+        torch.nn.functional.mse_loss(ddp(x), y).backward()
+    assert not state._open
+    del ddp
+    gc.collect()
+    ddp = DDP(make_model(), bucket_cap_mb=BUCKET_CAP_MB)
+    ddp.register_comm_hook(pickle.loads(pickle.dumps(AdasumState())), adasum_hook)
+    steps = check_steps(rank, world, ddp, make_model(), adasum.reduce, steps=2)
+    return str(at_construction.value), str(in_the_hook.value), steps
+
+
+def test_hook_refuses_batch_limits_that_differ_across_ranks():
+    results = distributed.run(3, batch_mismatch_body)
+    differ = (f"the hook's batch limits (batch_mb) differ across ranks at index 0: rank 0 has batch bytes "
+              f"{int(BATCH_MB * 2**20)}, rank 1 has batch bytes {64 << 20}")
+    construction, hook, _ = results[0]
+    assert construction == f"adasum.ddp.AdasumState: {differ}", construction
+    assert hook == f"adasum_hook: {differ}", hook
+    assert all(r[:2] == (construction, hook) for r in results)
+    assert len({r[2] for r in results}) == 1
+
+
 def test_hook_drops_the_batch_of_a_failed_backward():
     distributed.assert_ranks_agree(distributed.run(2, stale_batch_body))
 

@@ -33,6 +33,11 @@ It composes with what DDP offers: bucket rebuilding after the first iteration, `
 ``fp16_compress_wrapper`` / ``bf16_compress_wrapper``. Gradients are not divided by the world
 size before the hook (DDP leaves that to hooks): Adasum needs no division.
 
+The batch limit decides which collectives run, so it must be the same on every rank: `AdasumState`
+checks it across the group at construction (one small all-reduce; the first bucket does it for a state
+made before the process group or unpickled) and raises the same ValueError on every rank where it
+differs. ``batch_mb`` is fixed at construction.
+
 One `AdasumState` serves one DDP model: the open batch belongs to the backward pass in progress.
 If a backward pass stops before its last bucket (an error raised in the hook), the next pass's
 first bucket drops the unfinished batch and fails its Futures.
@@ -51,10 +56,11 @@ import torch
 import torch.distributed as dist
 
 from adasum.collectives import graphs
+from adasum.collectives.agreement import agree
 from adasum.collectives.nonfinite import apply_nonfinite_policy, check_policy
 from adasum.deprecated import _UNSET, renamed
 from adasum.reducers import Adasum, Reducer, get_reducer
-from adasum.transport.groups import side_stream
+from adasum.transport.groups import failures_named, side_stream
 
 HOOK_POLICIES = ("propagate", "raise")
 BATCH_MB = 256.0
@@ -127,10 +133,11 @@ class AdasumState:
         self.iteration = 0
         self.nonfinite = nonfinite
         self.names = {id(p): n for n, p in named_parameters} if named_parameters is not None else {}
-        self.batch_mb = float(batch_mb)
+        self._batch_mb = float(batch_mb)
         self._reset_caches()
         if dist.is_initialized():
             self.reducer.setup(group)
+            _check_batch_limit(self, "adasum.ddp.AdasumState")
 
     @property
     def process_group(self) -> dist.ProcessGroup | None:
@@ -138,23 +145,29 @@ class AdasumState:
         return self.group
 
     @property
+    def batch_mb(self) -> float:
+        """The batch limit in MB, fixed at construction: every rank must batch alike, and that is checked then."""
+        return self._batch_mb
+
+    @property
     def _batch_bytes(self) -> int:
         """A batch is combined once it holds this many bytes (0 with a whole-model reducer: bucket by bucket)."""
-        return int(self.batch_mb * 2**20) if self.reducer.per_tensor else 0
+        return int(self._batch_mb * 2**20) if self.reducer.per_tensor else 0
 
     def _reset_caches(self) -> None:
+        self._batch_checked = False  # every rank of the group was found to have the same batch limit
         self._plans: dict[int, _BucketPlan] = {}  # per bucket index, while DDP keeps that buffer
         self._open: list[tuple[torch.Tensor, _BucketPlan, torch.futures.Future]] = []  # the open batch
         self._open_bytes = 0
 
     def __getstate__(self) -> dict[str, Any]:
-        skip = ("group", "_plans", "_open", "_open_bytes")
+        skip = ("group", "_batch_checked", "_plans", "_open", "_open_bytes")
         return {k: v for k, v in self.__dict__.items() if k not in skip}
 
     def __setstate__(self, state: dict[str, Any]) -> None:
         self.__dict__.update(state)
         self.group = None
-        self.__dict__.setdefault("batch_mb", BATCH_MB)  # a state pickled before batches existed
+        self._batch_mb = float(state.get("_batch_mb", BATCH_MB))  # BATCH_MB: a state pickled before batches existed
         self._reset_caches()
 
     def __repr__(self) -> str:
@@ -261,6 +274,16 @@ def _drop_open_batch(state: AdasumState) -> None:
             future.set_exception(RuntimeError("adasum_hook: the backward pass ended before its last bucket"))
 
 
+def _check_batch_limit(state: AdasumState, operation: str) -> None:
+    """Raise the same ValueError on every rank unless every rank has the same batch limit: the batches decide which
+    collectives run, so ranks with different limits would pair different calls. Once per state: at construction,
+    or at the first bucket of a state made before the process group or unpickled (then on every rank alike)."""
+    with failures_named(operation, "the batch_mb check", state.group):
+        agree([("batch bytes", state._batch_bytes)], None, state.group, "the hook's batch limits (batch_mb)",
+              operation)
+    state._batch_checked = True
+
+
 def adasum_hook(state: AdasumState, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
     """Combine one DDP bucket across the group with ``state.reducer``, per parameter, in place.
 
@@ -275,6 +298,8 @@ def adasum_hook(state: AdasumState, bucket: dist.GradBucket) -> torch.futures.Fu
         _drop_open_batch(state)
     if state.nonfinite == "raise":
         _check_bucket(state, bucket)
+    if not state._batch_checked:
+        _check_batch_limit(state, "adasum_hook")
     plan = _plan(state, bucket, buffer)
     last = bucket.is_last()
     if last:
