@@ -93,7 +93,7 @@ def all_reduce(
 
 def list_transport(group: dist.ProcessGroup | None, name: str | None = None) -> Transport:
     """The transport a list is combined on: `name`, or the fastest the group supports (every rank a leader of
-    the tree where the group is a power of two)."""
+    the tree where the group is a power of two; the slice-parallel schedule serves any size)."""
     world = dist.get_world_size(group)
     return transport_for(group, name, world & (world - 1) == 0)
 

@@ -59,6 +59,7 @@ from adasum.kernels import combine_from_sums
 from adasum.kernels import triton as triton_kernels
 from adasum.transport.base import GatherStep, Level, Transport, split
 from adasum.transport.groups import side_stream
+from adasum.transport.slices import round_elements
 
 try:  # pragma: no cover - CUDA builds only
     import torch.distributed._symmetric_memory as symm_mem
@@ -339,3 +340,75 @@ def _copy(dst: torch.Tensor | Scattered, src: torch.Tensor | Scattered, lo: int,
         dst.write_from(src, lo, hi)
     else:
         dst[lo:hi].copy_(src[lo:hi])
+
+
+class SymmetricSlices(Transport):
+    """The slice-parallel schedule's mover (`adasum.collectives.slices`) on symmetric memory, any group size
+    inside one host. One symmetric buffer per group and dtype holds P receive rows and one output row of
+    ``C`` elements each (``(P + 1) C`` at most the memory budget):
+
+    * scatter: rank r stores its copy of slice j straight from `B` (a flat tensor or a `Scattered` list, read
+      in place) into row r of rank j's buffer, peers in the order r, r + 1, ... (each rank receives from one
+      peer at a time); then a signal-pad barrier;
+    * the tree runs on the rows; its last level writes the result into `B`'s slice and the output row;
+    * gather: a barrier, then rank r loads every peer's output row straight into `B`'s slice of that peer.
+
+    The next round's stores into a peer's rows come after that peer passed the barrier that follows its tree,
+    and a peer's next output row is written after the next scatter's barrier, which every rank passes only
+    after its loads: two barriers a round order everything. Nothing synchronises the host."""
+
+    name = "slices"
+    scattered = True
+    timeout = None
+
+    def __init__(self, group: dist.ProcessGroup | None) -> None:
+        super().__init__(group)
+        self.world = dist.get_world_size(group)
+        self.rank = dist.get_rank(group)
+        self._row = 0  # elements per row of the current round
+        self._shared = self._handle = None
+
+    def round_elements(self, element_size: int) -> int:
+        return round_elements(self.world, self.world + 1, element_size)
+
+    def _rows_for(self, bounds, like):
+        row = max(hi - lo for lo, hi in bounds)
+        shared, handle = staging(self.group, (self.world + 1) * row, like, "slices")
+        self._row, self._shared, self._handle = row, shared, handle
+        return shared, handle
+
+    def scatter(self, buffer, layout, bounds):
+        shared, handle = self._rows_for(bounds, buffer)
+        row, me = self._row, self.rank
+        for step in range(self.world):
+            peer = (me + step) % self.world
+            lo, hi = bounds[peer]
+            if hi <= lo:
+                continue
+            target = shared if peer == me else _peer_view(handle, peer, shared.numel(), shared.dtype)
+            _, lengths = layout.overlap(lo, hi)
+            triton_kernels.add(_slice(buffer, lo, hi), None, target[me * row : me * row + hi - lo], lengths)
+        handle.barrier(channel=0)
+        size = bounds[me][1] - bounds[me][0]
+        return [shared[j * row : j * row + size] for j in range(self.world)]
+
+    def outs(self, buffer, bounds):
+        lo, hi = bounds[self.rank]
+        start = self.world * self._row
+        return [_slice(buffer, lo, hi), self._shared[start : start + hi - lo]]
+
+    def all_reduce_sums(self, sums: torch.Tensor) -> None:
+        dist.all_reduce(sums, group=self.group)
+
+    def gather(self, buffer, layout, bounds):
+        shared, handle, row, me = self._shared, self._handle, self._row, self.rank
+        handle.barrier(channel=0)
+        start = self.world * row
+        for step in range(1, self.world):
+            peer = (me + step) % self.world
+            lo, hi = bounds[peer]
+            if hi <= lo:
+                continue
+            source = _peer_view(handle, peer, shared.numel(), shared.dtype)
+            _, lengths = layout.overlap(lo, hi)
+            triton_kernels.add(source[start : start + hi - lo], None, _slice(buffer, lo, hi), lengths)
