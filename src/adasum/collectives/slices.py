@@ -31,10 +31,14 @@ from adasum.core.tree import Tree
 from adasum.kernels import combine_from_sums, dot_and_norms
 from adasum.transport.base import split
 
+Piece = Callable[[int, int], None]
+"""Work on positions [p0, p1) of this rank's slice (the schedule's callbacks to the mover)."""
+
 
 class SliceMover(Protocol):
-    """How the bytes of the slice-parallel schedule move (`adasum.transport.slices`,
-    `adasum.transport.symmetric.SymmetricSlices`)."""
+    """How the bytes of the slice-parallel schedule move (`adasum.transport.slices.C10dSlices`,
+    `adasum.transport.symmetric.SymmetricSlices`). A mover may cut the slices into pieces and overlap the
+    callbacks' math on one piece with the transfer of the next."""
 
     name: str
     scattered: bool
@@ -44,17 +48,21 @@ class SliceMover(Protocol):
     def round_elements(self, element_size: int) -> int | None:
         """The most elements one round should hold (None: no limit)."""
 
-    def scatter(self, buffer, layout: Layout, bounds: Sequence[tuple[int, int]]) -> list[torch.Tensor]:
-        """Every rank's copy of this rank's slice, as `world` flat tensors in rank order (writable scratch)."""
+    def rows(self, buffer, bounds: Sequence[tuple[int, int]]) -> list[torch.Tensor]:
+        """Where every rank's copy of this rank's slice lands: `world` flat tensors in rank order (scratch)."""
 
-    def outs(self, buffer, bounds: Sequence[tuple[int, int]]) -> list:
-        """Where this rank's finished slice is written: its slice of `buffer` first, then any staging."""
+    def scatter(self, buffer, layout: Layout, bounds: Sequence[tuple[int, int]], landed: Piece) -> None:
+        """Fill `rows`; ``landed(p0, p1)`` runs once a piece of every row is complete (the pieces cover the slice)."""
 
     def all_reduce_sums(self, sums: torch.Tensor) -> None:
         """SUM all-reduce of a small float64 array over the group."""
 
-    def gather(self, buffer, layout: Layout, bounds: Sequence[tuple[int, int]]) -> None:
-        """Every other rank's finished slice into `buffer`."""
+    def gather(
+        self, buffer, layout: Layout, bounds: Sequence[tuple[int, int]], finish: Callable[[int, int, list], None]
+    ) -> None:
+        """``finish(p0, p1, outs)`` writes the result of a piece of this rank's slice into `outs` (this rank's
+        slice of `buffer` there first, then whatever the mover reads it from); then every rank's pieces reach
+        `buffer` everywhere."""
 
 
 def rounds(sizes: Sequence[int], capacity: int | None) -> list[tuple[int, int, int, int]]:
@@ -94,36 +102,60 @@ def level_pairs(tree: Tree) -> list[list[tuple[int, int, int, int]]]:
     return levels
 
 
+def _columns(layout: Layout, lo: int, hi: int, first_tensor: int) -> tuple[slice, list[int]]:
+    """The sums columns and the segment lengths of layout positions [lo, hi) (columns count from the round's
+    first tensor)."""
+    first, lengths = layout.overlap(lo, hi)
+    return slice(first - first_tensor, first - first_tensor + len(lengths)), lengths
+
+
+def _dots(rows, pairs, layout: Layout, where: tuple[int, int], p0: int, p1: int, sums, first_tensor: int) -> None:
+    """Add the pairs' partial sums over positions [p0, p1) of the slice at `where` into `sums` ([pairs, 3, T])."""
+    columns, lengths = _columns(layout, where[0] + p0, where[0] + p1, first_tensor)
+    if lengths:
+        for p, (a, b, _, _) in enumerate(pairs):
+            dot_and_norms(rows[a][p0:p1], rows[b][p0:p1], lengths, out=sums[p, :, columns])
+
+
+def _combine(rows, pair, sums, layout: Layout, where, p0: int, p1: int, first_tensor: int, outs: Sequence) -> None:
+    """Positions [p0, p1) of one pair's combination (its [3, T] `sums` complete) into `outs`."""
+    columns, lengths = _columns(layout, where[0] + p0, where[0] + p1, first_tensor)
+    if lengths:
+        a, b, workers_a, workers_b = pair
+        combine_from_sums(rows[a][p0:p1], rows[b][p0:p1], sums[:, columns], workers_a, workers_b, lengths, *outs)
+
+
 def tree_on_slice_(
     rows: Sequence[torch.Tensor],
     layout: Layout,
-    bounds: tuple[int, int],
+    where: tuple[int, int],
     tree: Tree,
     all_reduce_sums: Callable[[torch.Tensor], None],
-    outs: Sequence,
     tensors: tuple[int, int],
-) -> None:
-    """Step 2 of the module doc on one rank's slice: `rows[j]` holds rank j's copy of positions `bounds` of
-    `layout` (overwritten); the result goes to ``outs[0]`` (and the same values to ``outs[1:]``).
-    `tensors` is the round's (first, end) tensor range: the columns of the sums arrays."""
-    first, lengths = layout.overlap(*bounds)
-    column = first - tensors[0]
-    width = tensors[1] - tensors[0]
+    first_sums: torch.Tensor | None = None,
+) -> Callable[[int, int, Sequence], None]:
+    """Step 2 of the module doc on one rank's slice but the last combination: `rows[j]` holds rank j's copy of
+    positions `where` of `layout` (overwritten); `tensors` is the round's (first, end) tensor range, the
+    columns of the sums. `first_sums`: the first level's partial sums, already added up over the slice.
+    Returns ``finish(p0, p1, outs)``, which writes positions [p0, p1) of the result into `outs`."""
     levels = level_pairs(tree)
-    like = rows[0]
+    width = tensors[1] - tensors[0]
+    size = where[1] - where[0]
+    sums = first_sums
     for depth, pairs in enumerate(levels):
-        sums = torch.zeros((len(pairs), 3, width), dtype=torch.float64, device=like.device)
-        if lengths:
-            for p, (a, b, _, _) in enumerate(pairs):
-                dot_and_norms(rows[a], rows[b], lengths, out=sums[p, :, column : column + len(lengths)])
+        if depth or sums is None:
+            sums = torch.zeros((len(pairs), 3, width), dtype=torch.float64, device=rows[0].device)
+            _dots(rows, pairs, layout, where, 0, size, sums, tensors[0])
         all_reduce_sums(sums)
-        if not lengths:
-            continue
-        last = depth == len(levels) - 1
-        for p, (a, b, workers_a, workers_b) in enumerate(pairs):
-            targets = list(outs) if last else [rows[a]]
-            pair_sums = sums[p, :, column : column + len(lengths)]
-            combine_from_sums(rows[a], rows[b], pair_sums, workers_a, workers_b, lengths, *targets)
+        if depth < len(levels) - 1:
+            for pair, pair_sums in zip(pairs, sums):
+                _combine(rows, pair, pair_sums, layout, where, 0, size, tensors[0], [rows[pair[0]][0:size]])
+    last, last_sums = levels[-1][0], sums[0]
+
+    def finish(p0: int, p1: int, outs: Sequence) -> None:
+        _combine(rows, last, last_sums, layout, where, p0, p1, tensors[0], outs)
+
+    return finish
 
 
 def adasum_slices_(buffer: torch.Tensor | Scattered, layout: Layout, mover: SliceMover) -> None:
@@ -133,12 +165,19 @@ def adasum_slices_(buffer: torch.Tensor | Scattered, layout: Layout, mover: Slic
     if world == 1:
         return
     tree = Tree(world)
+    first_pairs = level_pairs(tree)[0]
     capacity = mover.round_elements(buffer.element_size())
     for first, end, lo, hi in rounds(layout.sizes, capacity):
         if hi == lo:
             continue
         bounds = split(lo, hi, world)
-        rows = mover.scatter(buffer, layout, bounds)
-        outs = mover.outs(buffer, bounds)
-        tree_on_slice_(rows, layout, bounds[mover.rank], tree, mover.all_reduce_sums, outs, (first, end))
-        mover.gather(buffer, layout, bounds)
+        where = bounds[mover.rank]
+        rows = mover.rows(buffer, bounds)
+        sums = torch.zeros((len(first_pairs), 3, end - first), dtype=torch.float64, device=rows[0].device)
+
+        def landed(p0: int, p1: int) -> None:
+            _dots(rows, first_pairs, layout, where, p0, p1, sums, first)
+
+        mover.scatter(buffer, layout, bounds, landed)
+        finish = tree_on_slice_(rows, layout, where, tree, mover.all_reduce_sums, (first, end), sums)
+        mover.gather(buffer, layout, bounds, finish)

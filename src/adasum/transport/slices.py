@@ -62,24 +62,25 @@ class C10dSlices(Transport):
         if ops:
             wait(dist.batch_isend_irecv(ops), self.timeout)
 
-    def scatter(self, buffer: torch.Tensor, layout: Layout, bounds: Sequence[tuple[int, int]]) -> list[torch.Tensor]:
+    def rows(self, buffer: torch.Tensor, bounds: Sequence[tuple[int, int]]) -> list[torch.Tensor]:
         lo, hi = bounds[self.rank]
         size = hi - lo
         space = self._workspace(self.world * size, buffer)
-        rows = [space[j * size : (j + 1) * size] for j in range(self.world)]
+        return [space[j * size : (j + 1) * size] for j in range(self.world)]
+
+    def scatter(self, buffer: torch.Tensor, layout: Layout, bounds: Sequence[tuple[int, int]], landed) -> None:
+        lo, hi = bounds[self.rank]
+        rows = self.rows(buffer, bounds)
         rows[self.rank].copy_(buffer[lo:hi])
         peers = [j for j in range(self.world) if j != self.rank]
         self._batch([(buffer[bounds[j][0] : bounds[j][1]], j) for j in peers], [(rows[j], j) for j in peers])
-        return rows
-
-    def outs(self, buffer: torch.Tensor, bounds: Sequence[tuple[int, int]]) -> list:
-        lo, hi = bounds[self.rank]
-        return [buffer[lo:hi]]
+        landed(0, hi - lo)
 
     def all_reduce_sums(self, sums: torch.Tensor) -> None:
         dist.all_reduce(sums, group=self.group)
 
-    def gather(self, buffer: torch.Tensor, layout: Layout, bounds: Sequence[tuple[int, int]]) -> None:
+    def gather(self, buffer: torch.Tensor, layout: Layout, bounds: Sequence[tuple[int, int]], finish) -> None:
         lo, hi = bounds[self.rank]
+        finish(0, hi - lo, [buffer[lo:hi]])
         peers = [j for j in range(self.world) if j != self.rank]
         self._batch([(buffer[lo:hi], j) for j in peers], [(buffer[bounds[j][0] : bounds[j][1]], j) for j in peers])

@@ -345,17 +345,23 @@ def _copy(dst: torch.Tensor | Scattered, src: torch.Tensor | Scattered, lo: int,
 class SymmetricSlices(Transport):
     """The slice-parallel schedule's mover (`adasum.collectives.slices`) on symmetric memory, any group size
     inside one host. One symmetric buffer per group and dtype holds P receive rows and one output row of
-    ``C`` elements each (``(P + 1) C`` at most the memory budget):
+    ``C`` elements each (``(P + 1) C`` at most the memory budget, `adasum.transport.slices.round_elements`).
+    Each slice is cut into the same number of pieces on every rank (one per `CHUNK_BYTES` of the longest
+    slice, at most `MAX_CHUNKS`):
 
-    * scatter: rank r stores its copy of slice j straight from `B` (a flat tensor or a `Scattered` list, read
-      in place) into row r of rank j's buffer, peers in the order r, r + 1, ... (each rank receives from one
-      peer at a time); then a signal-pad barrier;
-    * the tree runs on the rows; its last level writes the result into `B`'s slice and the output row;
-    * gather: a barrier, then rank r loads every peer's output row straight into `B`'s slice of that peer.
+    * scatter: for each piece, rank r stores its copy of that piece of slice j straight from `B` (a flat tensor
+      or a `Scattered` list, read in place) into row r of rank j's buffer, peers in the order r + 1, r + 2, ...
+      (each rank receives from one peer at a time), then a signal-pad barrier; the schedule's sums of a
+      landed piece run on a side stream while the next piece is stored;
+    * the tree runs on the rows;
+    * gather: for each piece, the last combination writes it into `B`'s slice and the output row, a barrier,
+      then on a side stream rank r loads that piece of every peer's output row straight into `B`, while the
+      next piece is combined.
 
-    The next round's stores into a peer's rows come after that peer passed the barrier that follows its tree,
-    and a peer's next output row is written after the next scatter's barrier, which every rank passes only
-    after its loads: two barriers a round order everything. Nothing synchronises the host."""
+    A round's stores into a peer's rows come after that peer passed its last barrier of the previous round's
+    gather, which follows its tree; a peer's output row is written after the next scatter's barriers, which
+    every rank passes only after its loads (the side stream joins before the round ends). Nothing synchronises
+    the host."""
 
     name = "slices"
     scattered = True
@@ -371,44 +377,64 @@ class SymmetricSlices(Transport):
     def round_elements(self, element_size: int) -> int:
         return round_elements(self.world, self.world + 1, element_size)
 
-    def _rows_for(self, bounds, like):
+    def rows(self, buffer, bounds):
         row = max(hi - lo for lo, hi in bounds)
-        shared, handle = staging(self.group, (self.world + 1) * row, like, "slices")
-        self._row, self._shared, self._handle = row, shared, handle
-        return shared, handle
+        self._shared, self._handle = staging(self.group, (self.world + 1) * row, buffer, "slices")
+        self._row = row
+        size = bounds[self.rank][1] - bounds[self.rank][0]
+        return [self._shared[j * row : j * row + size] for j in range(self.world)]
 
-    def scatter(self, buffer, layout, bounds):
-        shared, handle = self._rows_for(bounds, buffer)
-        row, me = self._row, self.rank
-        for step in range(self.world):
-            peer = (me + step) % self.world
-            lo, hi = bounds[peer]
-            if hi <= lo:
-                continue
-            target = shared if peer == me else _peer_view(handle, peer, shared.numel(), shared.dtype)
-            _, lengths = layout.overlap(lo, hi)
-            triton_kernels.add(_slice(buffer, lo, hi), None, target[me * row : me * row + hi - lo], lengths)
-        handle.barrier(channel=0)
-        size = bounds[me][1] - bounds[me][0]
-        return [shared[j * row : j * row + size] for j in range(self.world)]
+    def _pieces(self, size: int, element_size: int) -> list[tuple[int, int]]:
+        count = max(1, min(MAX_CHUNKS, self._row * element_size // CHUNK_BYTES))
+        return split(0, size, count)
 
-    def outs(self, buffer, bounds):
-        lo, hi = bounds[self.rank]
-        start = self.world * self._row
-        return [_slice(buffer, lo, hi), self._shared[start : start + hi - lo]]
+    def _order(self) -> list[int]:
+        return [(self.rank + step) % self.world for step in range(1, self.world)]
+
+    def scatter(self, buffer, layout, bounds, landed):
+        shared, handle, row, me = self._shared, self._handle, self._row, self.rank
+        element_size = buffer.element_size()
+        main = torch.cuda.current_stream(shared.device)
+        side = side_stream(shared.device, "copies")
+        peers = {j: _peer_view(handle, j, shared.numel(), shared.dtype) for j in self._order()}
+        peers[me] = shared
+        pieces = {j: self._pieces(bounds[j][1] - bounds[j][0], element_size) for j in peers}
+        mine = pieces[me]
+        for c in range(len(mine)):
+            for j in [me, *self._order()]:
+                p0, p1 = pieces[j][c]
+                lo = bounds[j][0]
+                if p1 > p0:
+                    _, lengths = layout.overlap(lo + p0, lo + p1)
+                    triton_kernels.add(_slice(buffer, lo + p0, lo + p1), None, peers[j][me * row + p0 : me * row + p1],
+                                       lengths)
+            handle.barrier(channel=0)  # piece c of every rank's copy of this rank's slice has landed
+            side.wait_stream(main)
+            with torch.cuda.stream(side):
+                landed(*mine[c])
+        main.wait_stream(side)
 
     def all_reduce_sums(self, sums: torch.Tensor) -> None:
         dist.all_reduce(sums, group=self.group)
 
-    def gather(self, buffer, layout, bounds):
+    def gather(self, buffer, layout, bounds, finish):
         shared, handle, row, me = self._shared, self._handle, self._row, self.rank
-        handle.barrier(channel=0)
+        element_size = buffer.element_size()
         start = self.world * row
-        for step in range(1, self.world):
-            peer = (me + step) % self.world
-            lo, hi = bounds[peer]
-            if hi <= lo:
-                continue
-            source = _peer_view(handle, peer, shared.numel(), shared.dtype)
-            _, lengths = layout.overlap(lo, hi)
-            triton_kernels.add(source[start : start + hi - lo], None, _slice(buffer, lo, hi), lengths)
+        main = torch.cuda.current_stream(shared.device)
+        side = side_stream(shared.device, "copies")
+        peers = {j: _peer_view(handle, j, shared.numel(), shared.dtype) for j in self._order()}
+        pieces = {j: self._pieces(bounds[j][1] - bounds[j][0], element_size) for j in [me, *peers]}
+        lo = bounds[me][0]
+        for c, (p0, p1) in enumerate(pieces[me]):
+            finish(p0, p1, [_slice(buffer, lo + p0, lo + p1), shared[start + p0 : start + p1]])
+            handle.barrier(channel=0)  # piece c of every rank's result is in its output row
+            side.wait_stream(main)
+            with torch.cuda.stream(side):
+                for j, view in peers.items():
+                    q0, q1 = pieces[j][c]
+                    if q1 > q0:
+                        _, lengths = layout.overlap(bounds[j][0] + q0, bounds[j][0] + q1)
+                        triton_kernels.add(view[start + q0 : start + q1], None,
+                                           _slice(buffer, bounds[j][0] + q0, bounds[j][0] + q1), lengths)
+        main.wait_stream(side)
