@@ -325,6 +325,23 @@ class SymmetricMemory(Transport):
             _copy(buffer, shared, hi, buffer.numel())
 
 
+def _move(buffer: torch.Tensor | Scattered, lo: int, hi: int, flat: torch.Tensor, layout, store: bool) -> None:
+    """``flat = buffer[lo:hi]`` (`store`) or ``buffer[lo:hi] = flat``, `flat` typically in a peer's memory: a copy
+    by the copy engines where `buffer` is a flat tensor (no multiprocessor is taken from the kernels that run
+    beside it), one Triton kernel through per-tile addresses where it is a `Scattered` list."""
+    if isinstance(buffer, torch.Tensor):
+        if store:
+            flat.copy_(buffer[lo:hi], non_blocking=True)
+        else:
+            buffer[lo:hi].copy_(flat, non_blocking=True)
+        return
+    _, lengths = layout.overlap(lo, hi)
+    if store:
+        triton_kernels.add(_slice(buffer, lo, hi), None, flat, lengths)
+    else:
+        triton_kernels.add(flat, None, _slice(buffer, lo, hi), lengths)
+
+
 def _slice(buffer: torch.Tensor | Scattered, lo: int, hi: int):
     """Positions [lo, hi) of the buffer as the kernels take them: a flat view, or a `Scattered` slice's addresses."""
     return buffer[lo:hi] if isinstance(buffer, torch.Tensor) else buffer.addresses(lo, hi)
@@ -347,7 +364,7 @@ class SymmetricSlices(Transport):
     inside one host. One symmetric buffer per group and dtype holds P receive rows and one output row of
     ``C`` elements each (``(P + 1) C`` at most the memory budget, `adasum.transport.slices.round_elements`).
     Each slice is cut into the same number of pieces on every rank (one per `CHUNK_BYTES` of the longest
-    slice, at most `MAX_CHUNKS`):
+    slice, at most `pieces`):
 
     * scatter: for each piece, rank r stores its copy of that piece of slice j straight from `B` (a flat tensor
       or a `Scattered` list, read in place) into row r of rank j's buffer, peers in the order r + 1, r + 2, ...
@@ -366,6 +383,9 @@ class SymmetricSlices(Transport):
     name = "slices"
     scattered = True
     timeout = None
+    pieces = 1
+    """Pieces per slice at most (one per `CHUNK_BYTES`): one, since cutting the rounds into 4 pieces with the math
+    of one piece on a side stream measured slower (the kernels beside the moves share the multiprocessors)."""
 
     def __init__(self, group: dist.ProcessGroup | None) -> None:
         super().__init__(group)
@@ -385,7 +405,7 @@ class SymmetricSlices(Transport):
         return [self._shared[j * row : j * row + size] for j in range(self.world)]
 
     def _pieces(self, size: int, element_size: int) -> list[tuple[int, int]]:
-        count = max(1, min(MAX_CHUNKS, self._row * element_size // CHUNK_BYTES))
+        count = max(1, min(self.pieces, self._row * element_size // CHUNK_BYTES))
         return split(0, size, count)
 
     def _order(self) -> list[int]:
@@ -405,9 +425,7 @@ class SymmetricSlices(Transport):
                 p0, p1 = pieces[j][c]
                 lo = bounds[j][0]
                 if p1 > p0:
-                    _, lengths = layout.overlap(lo + p0, lo + p1)
-                    triton_kernels.add(_slice(buffer, lo + p0, lo + p1), None, peers[j][me * row + p0 : me * row + p1],
-                                       lengths)
+                    _move(buffer, lo + p0, lo + p1, peers[j][me * row + p0 : me * row + p1], layout, store=True)
             handle.barrier(channel=0)  # piece c of every rank's copy of this rank's slice has landed
             side.wait_stream(main)
             with torch.cuda.stream(side):
@@ -434,7 +452,6 @@ class SymmetricSlices(Transport):
                 for j, view in peers.items():
                     q0, q1 = pieces[j][c]
                     if q1 > q0:
-                        _, lengths = layout.overlap(bounds[j][0] + q0, bounds[j][0] + q1)
-                        triton_kernels.add(view[start + q0 : start + q1], None,
-                                           _slice(buffer, bounds[j][0] + q0, bounds[j][0] + q1), lengths)
+                        _move(buffer, bounds[j][0] + q0, bounds[j][0] + q1, view[start + q0 : start + q1], layout,
+                              store=False)
         main.wait_stream(side)
