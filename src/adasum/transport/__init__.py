@@ -19,7 +19,8 @@ TRANSPORTS = ("p2p", "collectives", "symmetric", "slices")
 NCCL_PREFERENCE = ("symmetric", "slices", "p2p")
 """The default on NCCL: the first of these the group supports (order from benchmarks/results: inside one host,
 "symmetric" for power-of-two groups, "slices" for the others); "collectives" and "symmetric" need a power-of-two
-group, "slices" and "symmetric" one host with NVLink, "p2p" runs everywhere. The test suite puts another transport first to run the NCCL suite on it (``ADASUM_TEST_TRANSPORT``)."""
+group, "slices" and "symmetric" one host with NVLink, "p2p" runs everywhere. The test suite puts another
+transport first to run the NCCL suite on it (``ADASUM_TEST_TRANSPORT``)."""
 
 
 def select(
