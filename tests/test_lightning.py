@@ -52,6 +52,9 @@ class Tiny(pl.LightningModule):
     def configure_optimizers(self):
         if self.optimizer == "adam":
             return torch.optim.Adam(self.parameters(), lr=LR)
+        if self.optimizer == "adam-scheduled":
+            opt = torch.optim.Adam(self.parameters(), lr=LR)
+            return [opt], [torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.5)]
         return torch.optim.SGD(self.parameters(), lr=LR)
 
 
@@ -61,10 +64,10 @@ def data(world: int) -> torch.utils.data.DataLoader:
     return torch.utils.data.DataLoader(torch.utils.data.TensorDataset(x, x.sum(1, keepdim=True) ** 2), batch_size=4)
 
 
-def fit(module: Tiny, strategy, callbacks=(), devices: int = 2) -> pl.Trainer:
+def fit(module: Tiny, strategy, callbacks=(), devices: int = 2, **options) -> pl.Trainer:
     trainer = pl.Trainer(
         accelerator="cpu", devices=devices, strategy=strategy, callbacks=list(callbacks), max_steps=STEPS,
-        logger=False, enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+        logger=False, enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False, **options,
     )
     trainer.fit(module, data(devices))
     return trainer
@@ -95,6 +98,10 @@ def adam_first_step(g: np.ndarray) -> np.ndarray:
     return -LR * g / (np.abs(g) + 1e-8)  # Adam's bias-corrected moments at step 1: m = g, v = g^2
 
 
+def report(route: str) -> None:
+    print(f"[{route}] ok on rank {dist.get_rank()}", flush=True)
+
+
 def job() -> None:
     """Run under torchrun with 2 processes: every route, checked against the reference."""
     callback = adasum.lightning.AdasumCallback()
@@ -102,14 +109,14 @@ def job() -> None:
     fit(module, "ddp", [callback])
     check_first_step(module, sgd_step)
     assert callback.state.iteration == STEPS
-    print("callback: ok")
+    report("callback")
 
     module = Tiny()
     trainer = fit(module, "ddp_adasum")
     check_first_step(module, sgd_step)
     assert isinstance(trainer.strategy, adasum.lightning.AdasumDDPStrategy)
     assert trainer.strategy.adasum_state.iteration == STEPS
-    print("ddp_adasum: ok")
+    report("ddp_adasum")
 
     module = Tiny("adam")
     with warnings.catch_warnings(record=True) as caught:
@@ -118,18 +125,38 @@ def job() -> None:
     check_first_step(module, adam_first_step)
     assert isinstance(trainer.optimizers[0], adasum.DistributedOptimizer)
     assert any("not DistributedDataParallel" in str(w.message) for w in caught), [str(w.message) for w in caught]
-    print("ddp_adasum_delta: ok")
+    report("ddp_adasum_delta")
+
+    # accumulation, clipping, an LR scheduler and a checkpoint with the wrapper
+    module = Tiny("adam-scheduled")
+    trainer = fit(module, "ddp_adasum_delta", accumulate_grad_batches=2, gradient_clip_val=0.01)
+    # 3 batches an epoch, 2 accumulated: steps at batches 2 and 3 (the epoch's end), then 2 of the
+    # next epoch; the scheduler, stepped once an epoch, has stepped once
+    assert trainer.optimizers[0].param_groups[0]["lr"] == LR / 2
+    finals = gathered([torch.cat([p.detach().reshape(-1) for p in module.parameters()])])
+    assert np.array_equal(finals[0][0], finals[1][0]), "parameters differ across ranks"
+    path = Path(os.environ["CHECKPOINT_DIR"]) / "delta.ckpt"
+    trainer.save_checkpoint(path)
+    assert torch.load(path, weights_only=False)["optimizer_states"][0]["optimizer"]["state"], "no Adam state"
+    report("ddp_adasum_delta options")
+
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        fit(Tiny(), "ddp_adasum", [adasum.lightning.AdasumCallback()])
+    assert any("registers the Adasum hook already" in str(w.message) for w in caught), [str(w.message) for w in caught]
+    report("callback with ddp_adasum")
     dist.barrier()
     dist.destroy_process_group()
 
 
-def test_routes_on_two_processes():
+def test_routes_on_two_processes(tmp_path):
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": f"{ROOT / 'src'}{os.pathsep}{ROOT / 'tests'}"}
+    env["CHECKPOINT_DIR"] = str(tmp_path)
     command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", __file__]
     done = subprocess.run(command, env=env, capture_output=True, text=True, timeout=240)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
-    for route in ("callback", "ddp_adasum", "ddp_adasum_delta"):
-        assert done.stdout.count(f"{route}: ok") == 2, done.stdout
+    for route in ("callback", "ddp_adasum", "ddp_adasum_delta", "ddp_adasum_delta options", "callback with ddp_adasum"):
+        assert all(f"[{route}] ok on rank {rank}" in done.stdout for rank in (0, 1)), done.stdout
 
 
 @pytest.fixture

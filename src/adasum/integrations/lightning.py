@@ -21,6 +21,7 @@ The names are registered with Lightning's strategy registry when this module is 
 
 from __future__ import annotations
 
+import warnings
 from typing import Any
 
 from adasum.extras import require
@@ -50,8 +51,8 @@ class AdasumCallback(pl.Callback):
         state: the hook's state (default: ``AdasumState(named_parameters=...)`` of the
             LightningModule, made when fitting starts); read ``callback.state.iteration`` afterwards.
 
-    Warns, and does nothing, when there is one process or the strategy does not wrap the model in
-    DistributedDataParallel.
+    Warns, and does nothing, when there is one process, when the strategy does not wrap the model in
+    DistributedDataParallel, or when it is ``"ddp_adasum"`` (which registers the hook itself).
 
     >>> trainer = L.Trainer(strategy="ddp", callbacks=[AdasumCallback()])  # doctest: +SKIP
     """
@@ -60,6 +61,14 @@ class AdasumCallback(pl.Callback):
         self.state = state
 
     def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        if isinstance(trainer.strategy, AdasumDDPStrategy):
+            warnings.warn(
+                "adasum.lightning.AdasumCallback: the strategy 'ddp_adasum' registers the Adasum hook already; "
+                "the callback does nothing (drop it, or pass its state as AdasumDDPStrategy(adasum_state=...))",
+                UserWarning,
+                stacklevel=2,
+            )
+            return
         self.state = register_hook(
             trainer.strategy.model,
             self.state,
@@ -123,8 +132,9 @@ class AdasumDeltaStrategy(DDPStrategy):
             DDP model is built.
 
     Buffers (BatchNorm statistics) stay local after the first broadcast, as in Horovod. Gradient
-    accumulation (``accumulate_grad_batches``), clipping, LR schedulers and checkpoints work as
-    usual; ``trainer.optimizers`` holds the wrappers.
+    accumulation (``accumulate_grad_batches``), clipping (``gradient_clip_val``) and LR schedulers
+    work as usual (a scheduler acts on the wrapped optimizer, whose ``param_groups`` the wrapper
+    shares); ``trainer.optimizers`` holds the wrappers, and a checkpoint holds their state.
 
     >>> trainer = L.Trainer(strategy=AdasumDeltaStrategy(reducer="adasum", local_steps=4))  # doctest: +SKIP
     """
