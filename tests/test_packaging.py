@@ -82,3 +82,12 @@ def test_missing_extra_names_it(module, blocked, extra, monkeypatch):
     message = re.escape(f"{module} needs {blocked}") + ".*" + re.escape(f": pip install 'adasum[{extra}]'")
     with pytest.raises(ImportError, match=message):
         importlib.import_module(module)
+
+
+def test_tensorboard_without_its_extra_names_it(monkeypatch, tmp_path):
+    from adasum.experiments import runner
+
+    monkeypatch.setitem(sys.modules, "torch.utils.tensorboard", None)
+    message = "--tensorboard needs the tensorboard extra: pip install 'adasum[tensorboard]'"
+    with pytest.raises(ValueError, match=re.escape(message)):
+        runner._tensorboard_writer(tmp_path)
