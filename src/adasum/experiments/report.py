@@ -285,6 +285,13 @@ def comparisons(results: Sequence[Result], fail_below: float | None = None) -> l
     return adjust(found)
 
 
+def pair(results: Sequence[Result], key: Key, against: Key, fail_below: float | None = None) -> Comparison:
+    """One comparison the summary does not make (say SlowMo against local SGD), not yet adjusted:
+    pass it to `adjust` with the others of its family."""
+    best = picked(results)
+    return _compare(key, best[key], against, best[against], failures(results, fail_below))
+
+
 def adjust(found: Sequence[Comparison]) -> list[Comparison]:
     """The comparisons with their p-values adjusted together (Holm): one family, however many reports."""
     return [replace(c, p_holm=p) for c, p in zip(found, holm([c.diff.p for c in found]))]
