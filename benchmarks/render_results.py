@@ -4,6 +4,7 @@ around them is written by hand; each table sits between ``<!-- rendered: NAME --
 
     python benchmarks/render_results.py            # rewrite the tables in docs/results.md
     python benchmarks/render_results.py --claims   # also print every comparison, for the prose
+    python benchmarks/render_results.py --check    # exit 1 if the page's tables are not the rows'
 
 The paired comparisons of every summary on the page form one family: Holm's correction runs over
 all of them together, so a verdict anywhere on the page survives every comparison the page makes
@@ -94,13 +95,17 @@ def render(text: str, tables: dict[str, str]) -> str:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--claims", action="store_true", help="print every comparison with its adjusted p")
+    parser.add_argument("--check", action="store_true", help="exit 1 if docs/results.md is not what it renders to")
     args = parser.parse_args()
     rows = studies()
     page, alone, more = page_comparisons(rows)
     with open(DOC) as f:
         text = f.read()
+    new = render(text, blocks(rows, page))
+    if args.check:
+        sys.exit(0 if new == text else "docs/results.md differs from its stored rows: run benchmarks/render_results.py")
     with open(DOC, "w") as f:
-        f.write(render(text, blocks(rows, page)))
+        f.write(new)
     if args.claims:
         tested = [c for cs in [*page.values(), more] for c in cs if not math.isnan(c.p_holm)]
         print(f"{len(tested)} tested comparisons on the page")

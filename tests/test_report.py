@@ -61,7 +61,7 @@ def test_a_known_true_difference_is_detected_by_pairing_seeds():
     text = summary_table(rows)
     line = next(x for x in text.splitlines() if x.startswith("| adasum | 8 |"))
     assert line.count(": better ([+") == 2 and "seeds)" not in line  # 5 seeds: no label
-    assert "3 tested comparisons" in text and "2 of the 3 paired comparisons hold" in text
+    assert "3 tested comparisons" in text and "2 of the 3 paired comparisons show a difference" in text
     # over 20 such studies pairs find the 2 points almost always; non-overlapping intervals over
     # seeds (3 points of spread) almost never
     paired = overlap = 0
@@ -107,7 +107,7 @@ def test_a_bimodal_cell_counts_failures_apart_with_a_bounded_interval():
     assert f"{good.mean:.2f} [{good.lo:.1f}, {good.hi:.1f}]" in line and "73.4-93.0" in line
     adasum = next(x for x in text.splitlines() if x.startswith("| adasum | 16 |"))
     assert "failed 0/5 vs 3/5" in adasum and "0/5 failed" in adasum
-    assert "runs failed: mean-scaled at 16 workers 3/5" in text
+    assert "mean-scaled at 16 workers failed in 3 of 5 runs and every other row in none" in text
     # a threshold set by the user replaces the midpoint rule
     assert "2/5 failed (2 at chance)" in summary_table(rows, fail_below=20.0)
     assert "4/5 failed (2 at chance, 2 below 80%)" in summary_table(rows, fail_below=80.0)
@@ -166,3 +166,24 @@ def test_bad_json_and_non_objects_give_one_line_messages(tmp_path, capsys):
         assert main(["report", str(path), "--out", str(tmp_path / "out"), "--quiet"]) == 2
         err = capsys.readouterr().err.strip().splitlines()
         assert len(err) == 1 and named in err[0], err
+
+
+def test_comparisons_outside_the_summary_join_the_family():
+    from adasum.experiments.report import adjust, pair
+
+    rows = synthetic_study(effect=2.0)
+    extra = pair(rows, ("adasum", 8), ("sequential", 1))
+    assert extra.p_holm != extra.p_holm and extra.diff.n == 5  # not adjusted until its family is known
+    family = adjust([*comparisons(rows), extra])
+    assert family[-1].p_holm >= extra.diff.p and family[-1].verdict == "better"
+
+
+def test_the_results_page_is_rendered_from_the_stored_rows():
+    """docs/results.md's tables are what benchmarks/render_results.py makes of benchmarks/results/."""
+    import subprocess
+    import sys
+
+    root = Path(__file__).resolve().parents[1]
+    done = subprocess.run([sys.executable, "benchmarks/render_results.py", "--check"], cwd=root,
+                          capture_output=True, text=True, timeout=240)
+    assert done.returncode == 0, done.stderr[-2000:]

@@ -336,48 +336,63 @@ def footnote(results: Sequence[Result], found: Sequence[Comparison], fail_below:
     tested = sum(not math.isnan(c.p_holm) for c in found)
     lr = ("the base learning rate, picked per method and worker count on the mean validation accuracy "
           "over seeds (a diverged run scores 0)") if _several_rates(results) else "the base learning rate"
+    base = baseline(results) or "averaging"
     return "\n".join([
-        "Columns: *method*: how the workers' updates are combined (sequential: one worker; mean-scaled: "
-        "Horovod's mean with lr x P); *workers*: simulated workers P; "
-        f"*lr*: {lr}; *seeds*: runs of the cell, one per seed; *val. acc.*: mean validation accuracy (%) "
-        "over all its runs; *test acc.*: mean test accuracy (%) over the runs that did not fail, with its "
-        "95% Student-t interval over them, clipped to [0, 100]; *min-max*: their range; "
-        f"*failed*: runs that diverged (a NaN/Inf loss or one far above guessing), ended at chance (the "
-        f"accuracy of always predicting the most frequent class, or a training loss that never fell "
-        f"below guessing's), or failed as near chance ({rule}); "
-        "*vs ...*: the mean paired difference in test accuracy points, seed by seed over the seeds "
-        "where neither run failed, then the verdict, the difference's 95% t-interval and its p-value "
-        f"after Holm's correction over the {tested} tested comparison{'s' if tested != 1 else ''} of this table. "
-        f"'better' / 'worse' only where that p-value is below {ALPHA:g}; a verdict on fewer than "
-        f"{FEW_SEEDS} seeds names its seeds, and with so few a real difference is often missed.",
+        "Columns:",
+        "- *method*: how the workers' updates are combined (sequential: one worker; mean-scaled: Horovod's "
+        "mean with lr x P); *workers*: simulated workers P; *seeds*: runs of the cell, one per seed",
+        f"- *lr*: {lr}",
+        "- *val. acc.*: mean validation accuracy (%) over all its runs",
+        "- *test acc.*: mean test accuracy (%) over the runs that did not fail, with its 95% Student-t "
+        "interval over them, clipped to [0, 100]; *min-max*: their range",
+        "- *failed*: runs that diverged (a NaN/Inf loss, or one far above guessing's), ended at chance (the "
+        "accuracy of always predicting the most frequent class, or a training loss that never fell below "
+        f"guessing's), or ended near chance ({rule})",
+        f"- *vs sequential*, *vs {base}*: the mean paired difference in test accuracy points, seed by seed over "
+        "the seeds where neither run failed; the verdict; the difference's 95% t-interval; its p-value after "
+        f"Holm's correction over the {tested} tested comparison{'s' if tested != 1 else ''} of this table. "
+        f"'better' / 'worse' only where that p-value is below {ALPHA:g}; a verdict on fewer than {FEW_SEEDS} "
+        "seeds names its seeds (with so few a real difference is often missed)",
     ])
 
 
-def conclusion(results: Sequence[Result], found: Sequence[Comparison], fail_below: float | None = None) -> str:
-    """The summary's finding in one sentence, from its numbers."""
-    seeds = len({r["seed"] for r in results})
-    lead = f"With {seeds} seed{'s' if seeds != 1 else ''}" + (
-        f" (fewer than {FEW_SEEDS}: read it as a pilot)" if seeds < FEW_SEEDS else "")
+def _tested_part(found: Sequence[Comparison]) -> str:
     tested = [c for c in found if not math.isnan(c.p_holm)]
     held = [c for c in tested if c.p_holm < ALPHA]
     if held:
         claims = "; ".join(c.claim() for c in held[:8]) + (f"; and {len(held) - 8} more" if len(held) > 8 else "")
-        which = f"{len(held)} of the {len(tested)} paired comparisons hold" if len(tested) > 1 else \
-            "the one paired comparison holds"
-        body = f"{which} after Holm's correction: {claims}"
-    elif tested:
-        top = max(tested, key=lambda c: abs(c.diff.mean))
-        which = f"none of the {len(tested)} paired comparisons holds" if len(tested) > 1 else \
-            "the one paired comparison does not hold"
-        body = f"{which} after Holm's correction ({top.claim()}, adjusted p {top.p_holm:.3g})"
+        which = f"{len(held)} of the {len(tested)} paired comparisons show a difference" if len(tested) > 1 \
+            else "the one paired comparison shows a difference"
+        return f"{which} after Holm's correction: {claims}"
+    if not tested:
+        return "no comparison can be tested (fewer than 2 seeds where neither run failed)"
+    top = max(tested, key=lambda c: abs(c.diff.mean))
+    if len(tested) > 1:
+        which, top_text = f"none of the {len(tested)} paired comparisons shows", f"the largest: {top.claim()}"
     else:
-        body = "no comparison can be tested (fewer than 2 seeds where neither run failed)"
+        which, top_text = "the one paired comparison shows no", top.claim()
+    return f"{which} detectable difference after Holm's correction ({top_text}, adjusted p {top.p_holm:.3g})"
+
+
+def _failed_part(results: Sequence[Result], fail_below: float | None) -> str:
     best = picked(results)
     failed = failures(results, fail_below)
     counts = [(key, sum(id(r) in failed for r in best[key]), len(best[key])) for key in _ordered(best)]
-    bad = [f"{m}{f' at {w} workers' if w > 1 else ''} {k}/{n}" for (m, w), k, n in counts if k]
-    tail = f"; runs failed: {', '.join(bad)} (every other row none)" if bad else "; no run failed"
-    return f"{lead}, {body}{tail}."
+    bad = [f"{m}{f' at {w} workers' if w > 1 else ''} failed in {k} of {n} runs" for (m, w), k, n in counts if k]
+    if not bad:
+        return "no run failed"
+    return ", ".join(bad) + (" and every other row in none" if len(bad) < len(counts) else "")
+
+
+def conclusion(results: Sequence[Result], found: Sequence[Comparison], fail_below: float | None = None) -> str:
+    """The summary's finding in one sentence, from its numbers: failures first, then what the paired
+    comparisons of the runs that did not fail show after Holm's correction."""
+    seeds = len({r["seed"] for r in results})
+    lead = f"With {seeds} seed{'s' if seeds != 1 else ''}" + (
+        f" (fewer than {FEW_SEEDS}: read it as a pilot)" if seeds < FEW_SEEDS else "")
+    failed = _failed_part(results, fail_below)
+    among = "; among the runs that did not fail, " if failed != "no run failed" else ", and "
+    return f"{lead}: {failed}{among}{_tested_part(found)}."
 
 
 def summary_table(results: Sequence[Result], fail_below: float | None = None) -> str:
