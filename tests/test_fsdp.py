@@ -38,22 +38,31 @@ class Block(nn.Module):
 
 
 class Net(nn.Module):
-    """Odd first dims, so that shards are padded; `extra` is used on rank 0 only (an unused parameter)."""
+    """Odd first dims, so that shards are padded; `extra` and `spare` are used on some ranks only, so ranks
+    have different unused parameters in the same step (`uses`)."""
 
     def __init__(self):
         super().__init__()
         self.inp = nn.Linear(6, 5)
         self.blocks = nn.ModuleList([Block(5, 7), Block(5, 3)])
         self.extra = nn.Linear(5, 5)
+        self.spare = nn.Linear(5, 5, bias=False)
         self.out = nn.Linear(5, 3)
 
-    def forward(self, x, use_extra=False):
+    def forward(self, x, use_extra=False, use_spare=False):
         x = self.inp(x)
         for b in self.blocks:
             x = b(x)
         if use_extra:
             x = x + self.extra(x)
+        if use_spare:
+            x = x + self.spare(x)
         return self.out(x)
+
+
+def uses(rank):
+    """Rank 0 uses `extra` only, rank 1 `spare` only, rank 2 both, rank 3 neither."""
+    return {"use_extra": rank % 2 == 0, "use_spare": rank % 3 == 1}
 
 
 def unit_of(name):
@@ -66,7 +75,7 @@ def batch(step, rank, micro=0):
 
 
 def loss_of(model, x, y, rank, dtype):
-    out = model(x.to(dtype), use_extra=rank == 0)
+    out = model(x.to(dtype), **uses(rank))
     return ((out.float() - y) ** 2).mean()
 
 
@@ -107,16 +116,30 @@ def replica_means(per_rank, replicas, shards):
             for k in range(replicas)]
 
 
-def adasum_bound(a, b, u):
-    """First-order bound on |result - adasum(a, b)| when a and b carry two roundings each (the shard mean),
-    the coefficients come from float64 sums of those, and the result is computed and rounded in a
-    format of unit roundoff u: 4u(|ca a| + |cb b|) + 4u(|a| + |b|) (coefficient error) + u |result|."""
+def pair_bound(a, b, ea, eb, u):
+    """(adasum(a, b), first-order bound on its error) for inputs a, b known within ea, eb (norms), the
+    coefficients from float64 sums of the perturbed inputs, the result computed and rounded in a format of
+    unit roundoff u: |ca| ea + |cb| eb (the inputs' errors) + (3 ea |b| + eb |a|) / 2|a| + (3 eb |a| + ea |b|) / 2|b|
+    (the coefficients' errors, |<a,b>| <= |a||b|) + 2u (|ca a| + |cb b|) + u |result| (the rounding).
+    An exactly zero side (a parameter no rank of its subtree used) is exact: coefficient 1, no error."""
     na, nb = np.linalg.norm(a), np.linalg.norm(b)
     dot = float(a.reshape(-1) @ b.reshape(-1))
     ca = 1.0 if na == 0 else 1 - dot / (2 * na * na)
     cb = 1.0 if nb == 0 else 1 - dot / (2 * nb * nb)
     out = ca * a + cb * b
-    return u * (4 * (abs(ca) * na + abs(cb) * nb) + 4 * (na + nb) + np.linalg.norm(out))
+    coefficients = (0 if na == 0 else (3 * ea * nb + eb * na) / (2 * na)) + (
+        0 if nb == 0 else (3 * eb * na + ea * nb) / (2 * nb))
+    rounding = 2 * u * (abs(ca) * na + abs(cb) * nb) + u * np.linalg.norm(out)
+    return out, abs(ca) * ea + abs(cb) * eb + coefficients + rounding
+
+
+def adasum_bound(vectors, u):
+    """First-order bound on |result - tree(vectors)| (a power of two of them, Horovod's tree) when each
+    input carries two roundings (the shard mean): `pair_bound` level by level."""
+    level = [(v, 2 * u * np.linalg.norm(v)) for v in vectors]
+    while len(level) > 1:
+        level = [pair_bound(a, b, ea, eb, u) for (a, ea), (b, eb) in zip(level[::2], level[1::2])]
+    return level[0][1]
 
 
 def backward(model, rank, step, dtype, micros=1):
@@ -132,7 +155,7 @@ def check_adasum_step(model, rank, world, shards, step, dtype=torch.float32, u=U
         vectors = [m[n].reshape(-1) for m in expected_by]
         expected = reference_tree(vectors).reshape(got[n].shape)
         err = np.linalg.norm(got[n] - expected)
-        assert err <= adasum_bound(*vectors, u), (step, n, err, adasum_bound(*vectors, u))
+        assert err <= adasum_bound(vectors, u), (step, n, err, adasum_bound(vectors, u))
     return b"".join(p.grad.to_local().detach().float().numpy().tobytes() for _, p in model.named_parameters())
 
 
@@ -143,20 +166,40 @@ def sgd(model, lr=0.1):
             p.grad = None
 
 
+def without_setter(make):
+    """`make()` on a torch without FSDPModule.set_reduce_scatter_unused_params (as torch 2.11)."""
+    from torch.distributed.fsdp import FSDPModule
+
+    setter = FSDPModule.set_reduce_scatter_unused_params
+    del FSDPModule.set_reduce_scatter_unused_params
+    try:
+        return make()
+    finally:
+        FSDPModule.set_reduce_scatter_unused_params = setter
+
+
+def adasum_steps(mesh, rank, world, shards, out):
+    """Adasum, several units, different unused parameters on different ranks, two steps: with FSDP's setter,
+    and without it (adasum.fsdp gives the unused parameters zero gradients itself). One blocking agreement
+    (at enable) either way: the forward's probes find the same layouts."""
+    for name, make in [("adasum", lambda: sharded(mesh)), ("no setter", lambda: without_setter(lambda: sharded(mesh)))]:
+        model, state = make()
+        assert state.fills_unused == (name == "no setter")
+        assert unit_view(model).include_unused != state.fills_unused
+        for step in range(2):
+            backward(model, rank, step, torch.float32)
+            out[(name, step)] = check_adasum_step(model, rank, world, shards, step)
+            sgd(model)
+        assert state.reductions == 6 and state.agreements == 1, state  # 3 units x 2 steps
+
+
 def hsdp_body(rank, world, shards, tmp):
     from torch.distributed.device_mesh import init_device_mesh
 
     replicas = world // shards
     mesh = init_device_mesh("cpu", (replicas, shards), mesh_dim_names=("replicate", "shard"))
     out = {}
-
-    # Adasum, several units, an unused parameter, two steps
-    model, state = sharded(mesh)
-    for step in range(2):
-        backward(model, rank, step, torch.float32)
-        out[("adasum", step)] = check_adasum_step(model, rank, world, shards, step)
-        sgd(model)
-    assert state.reductions == 6  # 3 units x 2 steps
+    adasum_steps(mesh, rank, world, shards, out)
 
     # gradient accumulation: 2 micro-batches, synchronised on the last
     model, _ = sharded(mesh, seed=1)
@@ -238,6 +281,20 @@ def test_hsdp_2_replicas_x_2_shards(tmp_path):
     assert all(r["resume"] for r in results)
 
 
+def replicas_body(rank, world):
+    from torch.distributed.device_mesh import init_device_mesh
+
+    mesh = init_device_mesh("cpu", (world, 1), mesh_dim_names=("replicate", "shard"))
+    out = {}
+    adasum_steps(mesh, rank, world, 1, out)
+    return out
+
+
+def test_hsdp_4_replicas_x_1_shard():
+    results = distributed.run(4, replicas_body, timeout_s=120)
+    check_replica_groups(results, 4, 1)
+
+
 def setup_body(rank, world):
     """2 x 1: the reducers, the private-state accessor, and the refusals."""
     from torch.distributed.device_mesh import init_device_mesh
@@ -281,16 +338,14 @@ def setup_body(rank, world):
     assert "adasum.DistributedOptimizer" in errors["optimizer"] and "adasum.fsdp.enable" in errors["optimizer"]
     assert "adasum.SlowMo" in errors["slowmo"] and "adasum.fsdp.enable" in errors["slowmo"]
 
-    # a torch without set_reduce_scatter_unused_params (2.11): enable says what the per-unit checks cost
-    from torch.distributed.fsdp import FSDPModule
-
-    setter = FSDPModule.set_reduce_scatter_unused_params
-    del FSDPModule.set_reduce_scatter_unused_params
-    try:
-        with pytest.warns(UserWarning, match="round trip per unit"):
-            adasum.fsdp.enable(_sharded_plain(mesh), mesh)
-    finally:
-        FSDPModule.set_reduce_scatter_unused_params = setter
+    # a layout that changes on one rank after enable: the forward's probe finds it, every rank raises the same error
+    model, state = sharded(mesh, seed=8)
+    if rank == 1:
+        model.out.bias.requires_grad_(False)
+    with pytest.raises(ValueError) as e:
+        loss_of(model, *batch(0, rank), rank, torch.float32).backward()
+    errors["changed"] = str(e.value)
+    assert state.reductions == 0 and state.agreements == 2
 
     # a parameter without gradient on one replica, unused parameters left out: the same error everywhere
     model, _ = sharded(mesh, seed=6)
@@ -323,6 +378,7 @@ def test_hsdp_2_replicas_x_1_shard():
     errors = [r[1] for r in results]
     assert errors[0] == errors[1]
     assert "differ across ranks" in errors[0]["unused"]
+    assert "gradient layouts differ across ranks" in errors[0]["changed"], errors[0]["changed"]
 
 
 def test_unit_view_fails_loudly_on_changed_torch():
