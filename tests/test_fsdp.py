@@ -391,9 +391,15 @@ def test_unit_view_fails_loudly_on_changed_torch():
 
 
 def test_benchmark_dry_run():
+    """The benchmark on CPU/gloo with a tiny model: every variant twice, alternated, then the table."""
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT / "src")}
     command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2"]
-    done = subprocess.run([*command, str(ROOT / "benchmarks" / "bench_fsdp.py"), "--dry-run"],
-                          env=env, capture_output=True, text=True, timeout=240)
+    done = subprocess.run([*command, str(ROOT / "benchmarks" / "bench_fsdp.py"), "--dry-run", "--repeats", "2",
+                           "--mesh", "2x1"], env=env, capture_output=True, text=True, timeout=240)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
-    assert "adasum/mean" in done.stdout
+    lines = done.stdout.splitlines()
+    assert [line.split(":")[0] for line in lines if "ms/step" in line] == ["native", "mean", "adasum"] * 2, lines
+    assert any(line.startswith("mesh 2 x 1 (replicas x shards) on ") for line in lines), lines
+    rows = {line.split("|")[1].strip(): line for line in lines if line.startswith("| ") and "---" not in line}
+    assert set(rows) == {"variant", "native", "mean", "adasum"}, lines
+    assert rows["native"].split("|")[4].strip() == "1.000", rows["native"]
