@@ -230,8 +230,31 @@ def hsdp_body(rank, world, shards, tmp):
         sgd(model)
 
     if shards == 2:
+        mean_and_refusal(mesh, rank, world, shards, out)
         out["resume"] = resume_check(mesh, rank, tmp)
     return out
+
+
+class Whole(adasum.Reducer):
+    """A reducer with coefficients of its own and no sharded form."""
+
+    def _all_reduce_flat(self, buffer, sizes, group=None):
+        raise AssertionError("not reached: refused by enable")
+
+
+def mean_and_refusal(mesh, rank, world, shards, out):
+    """Mean runs on the shards directly (element-wise); a reducer without a sharded form is refused."""
+    model, _ = sharded(mesh, reducer="mean", seed=9)
+    backward(model, rank, 3, torch.float32)
+    means = replica_means(worker_grads(model, world, 3, torch.float32), world // shards, shards)
+    for n, p in model.named_parameters():
+        got = p.grad.full_tensor().double().numpy()
+        expected = np.mean([m[n] for m in means], axis=0)
+        # two roundings of each shard mean, one of the sum over the replicas (the division by 2 is exact)
+        assert np.linalg.norm(got - expected) <= 4 * U32 * np.mean([np.linalg.norm(m[n]) for m in means]), n
+    out["mean"] = b"".join(p.grad.to_local().numpy().tobytes() for p in model.parameters())
+    with pytest.raises(ValueError, match="would see tensor shards"):
+        adasum.fsdp.enable(_sharded_plain(mesh), mesh, Whole())
 
 
 def train(model, opt, rank, steps):
@@ -353,6 +376,12 @@ def setup_body(rank, world):
     with pytest.raises(ValueError) as e:
         loss_of(model, *batch(0, rank), rank, torch.float32).backward()
     errors["unused"] = str(e.value)
+
+    # FSDP divides after the hook (fp16 reduce dtype): a reducer whose result does not scale with its inputs is refused
+    model, _ = sharded(mesh, reduce_dtype=torch.float16, reducer=adasum.AdaCons(scale="unit"), seed=10)
+    with pytest.raises(ValueError) as e:
+        loss_of(model, *batch(0, rank), rank, torch.float32).backward()
+    errors["not homogeneous"] = str(e.value)
     return out, errors
 
 
@@ -379,6 +408,7 @@ def test_hsdp_2_replicas_x_1_shard():
     assert errors[0] == errors[1]
     assert "differ across ranks" in errors[0]["unused"]
     assert "gradient layouts differ across ranks" in errors[0]["changed"], errors[0]["changed"]
+    assert "does not scale with its inputs" in errors[0]["not homogeneous"], errors[0]["not homogeneous"]
 
 
 def test_unit_view_fails_loudly_on_changed_torch():
