@@ -1,4 +1,5 @@
-"""adasum.fsdp on gloo: FSDP2 sharded on mesh['shard'], gradients combined across mesh['replicate'].
+"""adasum.fsdp on gloo (or NCCL, ADASUM_TEST_BACKEND=nccl): FSDP2 sharded on mesh['shard'], gradients
+combined across mesh['replicate'].
 
 Each rank also computes, with a plain unsharded copy of the model, the full gradient of every rank's
 batch; the expected gradient of a parameter is the NumPy reference (tests/reference*.py) over the
@@ -24,7 +25,10 @@ import distributed
 from reference import tree as reference_tree
 from reference_adacons import AdaConsReference
 
+pytestmark = pytest.mark.nccl
+
 ROOT = Path(__file__).resolve().parent.parent
+DEVICE = "cuda" if distributed.BACKEND == "nccl" else "cpu"  # the mesh's device type
 U32, U16 = 2.0**-24, 2.0**-8  # unit roundoff of float32 and bfloat16
 
 
@@ -75,6 +79,8 @@ def batch(step, rank, micro=0):
 
 
 def loss_of(model, x, y, rank, dtype):
+    device = next(model.parameters()).device  # the CPU, or this rank's GPU on NCCL (the sharded model)
+    x, y = x.to(device), y.to(device)
     out = model(x.to(dtype), **uses(rank))
     return ((out.float() - y) ** 2).mean()
 
@@ -92,21 +98,22 @@ def sharded(mesh, dtype=torch.float32, reduce_dtype=None, reducer="adasum", seed
 
 
 def full_params(model):
-    return {n: p.full_tensor().detach().clone() for n, p in model.named_parameters()}
+    return {n: p.full_tensor().detach().cpu().clone() for n, p in model.named_parameters()}
 
 
 def worker_grads(model, world, step, dtype, micros=1):
-    """Every rank's full gradients from a plain copy of `model`'s current parameters."""
+    """Every rank's full gradients from a plain copy of `model`'s current parameters, on the same device (the
+    same kernels as the sharded model's)."""
     plain = Net()
     plain.load_state_dict(full_params(model))
-    plain = plain.to(dtype)
+    plain = plain.to(device=next(model.parameters()).device, dtype=dtype)
     out = []
     for r in range(world):
         plain.zero_grad()
         for m in range(micros):
             loss_of(plain, *batch(step, r, m), r, dtype).backward()
         # an unused parameter reduces as zeros (set_reduce_scatter_unused_params)
-        out.append({n: (torch.zeros_like(p) if p.grad is None else p.grad).double().numpy().copy()
+        out.append({n: (torch.zeros_like(p) if p.grad is None else p.grad).double().cpu().numpy().copy()
                     for n, p in plain.named_parameters()})
     return out
 
@@ -150,13 +157,13 @@ def backward(model, rank, step, dtype, micros=1):
 
 def check_adasum_step(model, rank, world, shards, step, dtype=torch.float32, u=U32, micros=1):
     expected_by = replica_means(worker_grads(model, world, step, dtype, micros), world // shards, shards)
-    got = {n: p.grad.full_tensor().double().numpy() for n, p in model.named_parameters()}
+    got = {n: p.grad.full_tensor().double().cpu().numpy() for n, p in model.named_parameters()}
     for n in got:
         vectors = [m[n].reshape(-1) for m in expected_by]
         expected = reference_tree(vectors).reshape(got[n].shape)
         err = np.linalg.norm(got[n] - expected)
         assert err <= adasum_bound(vectors, u), (step, n, err, adasum_bound(vectors, u))
-    return b"".join(p.grad.to_local().detach().float().numpy().tobytes() for _, p in model.named_parameters())
+    return b"".join(p.grad.to_local().detach().float().cpu().numpy().tobytes() for _, p in model.named_parameters())
 
 
 def sgd(model, lr=0.1):
@@ -197,7 +204,7 @@ def hsdp_body(rank, world, shards, tmp):
     from torch.distributed.device_mesh import init_device_mesh
 
     replicas = world // shards
-    mesh = init_device_mesh("cpu", (replicas, shards), mesh_dim_names=("replicate", "shard"))
+    mesh = init_device_mesh(DEVICE, (replicas, shards), mesh_dim_names=("replicate", "shard"))
     out = {}
     adasum_steps(mesh, rank, world, shards, out)
 
@@ -218,7 +225,7 @@ def hsdp_body(rank, world, shards, tmp):
     for step in range(2):
         backward(model, rank, step, torch.float32)
         means = replica_means(worker_grads(model, world, step, torch.float32), replicas, shards)
-        got = {n: p.grad.full_tensor().double().numpy() for n, p in model.named_parameters()}
+        got = {n: p.grad.full_tensor().double().cpu().numpy() for n, p in model.named_parameters()}
         for unit in sorted({unit_of(n) for n in got}):
             names = [n for n in got if unit_of(n) == unit]
             ref = reference.setdefault(unit, AdaConsReference(beta=0.5))([[m[n] for n in names] for m in means])
@@ -226,7 +233,7 @@ def hsdp_body(rank, world, shards, tmp):
             mean_norm = np.sqrt(sum(np.sum(np.mean([m[n] for m in means], axis=0) ** 2) for n in names))
             # |d| terms sum to |m| (weights c_i >= 0 summing to 1): a few float32 roundings of |m| each
             assert err <= 16 * U32 * mean_norm, (step, unit, err, mean_norm)
-        out[("adacons", step)] = b"".join(p.grad.to_local().numpy().tobytes() for p in model.parameters())
+        out[("adacons", step)] = b"".join(p.grad.to_local().cpu().numpy().tobytes() for p in model.parameters())
         sgd(model)
 
     if shards == 2:
@@ -248,11 +255,11 @@ def mean_and_refusal(mesh, rank, world, shards, out):
     backward(model, rank, 3, torch.float32)
     means = replica_means(worker_grads(model, world, 3, torch.float32), world // shards, shards)
     for n, p in model.named_parameters():
-        got = p.grad.full_tensor().double().numpy()
+        got = p.grad.full_tensor().double().cpu().numpy()
         expected = np.mean([m[n] for m in means], axis=0)
         # two roundings of each shard mean, one of the sum over the replicas (the division by 2 is exact)
         assert np.linalg.norm(got - expected) <= 4 * U32 * np.mean([np.linalg.norm(m[n]) for m in means]), n
-    out["mean"] = b"".join(p.grad.to_local().numpy().tobytes() for p in model.parameters())
+    out["mean"] = b"".join(p.grad.to_local().cpu().numpy().tobytes() for p in model.parameters())
     with pytest.raises(ValueError, match="would see tensor shards"):
         adasum.fsdp.enable(_sharded_plain(mesh), mesh, Whole())
 
@@ -298,24 +305,26 @@ def check_replica_groups(results, world, shards):
             assert results[r][key] == results[r % shards][key], (key, r)
 
 
-def test_hsdp_2_replicas_x_2_shards(tmp_path):
-    results = distributed.run(4, hsdp_body, 2, str(tmp_path / "ckpt"), timeout_s=150)
-    check_replica_groups(results, 4, 2)
+@pytest.mark.parametrize("world", distributed.world_sizes(4))
+def test_hsdp_2_replicas_x_2_shards(tmp_path, world):
+    results = distributed.run(world, hsdp_body, 2, str(tmp_path / "ckpt"), timeout_s=150)
+    check_replica_groups(results, world, 2)
     assert all(r["resume"] for r in results)
 
 
 def replicas_body(rank, world):
     from torch.distributed.device_mesh import init_device_mesh
 
-    mesh = init_device_mesh("cpu", (world, 1), mesh_dim_names=("replicate", "shard"))
+    mesh = init_device_mesh(DEVICE, (world, 1), mesh_dim_names=("replicate", "shard"))
     out = {}
     adasum_steps(mesh, rank, world, 1, out)
     return out
 
 
-def test_hsdp_4_replicas_x_1_shard():
-    results = distributed.run(4, replicas_body, timeout_s=120)
-    check_replica_groups(results, 4, 1)
+@pytest.mark.parametrize("world", distributed.world_sizes(4))
+def test_hsdp_4_replicas_x_1_shard(world):
+    results = distributed.run(world, replicas_body, timeout_s=120)
+    check_replica_groups(results, world, 1)
 
 
 def setup_body(rank, world):
@@ -324,14 +333,14 @@ def setup_body(rank, world):
     from torch.distributed.fsdp import fully_shard
 
     out = hsdp_body(rank, world, 1, None)
-    mesh = init_device_mesh("cpu", (2, 1), mesh_dim_names=("replicate", "shard"))
+    mesh = init_device_mesh(DEVICE, (2, 1), mesh_dim_names=("replicate", "shard"))
 
     # the accessor reads the layout FSDP really uses: padded dim-0 shard sizes, trainable parameters only
     torch.manual_seed(0)
     model = Net()
     model.inp.bias.requires_grad_(False)
     fully_shard(model, mesh=mesh["shard"])
-    model(torch.zeros(1, 6))  # FSDP names its parameters at the first forward
+    model(torch.zeros(1, 6, device=distributed.device_for(rank)))  # FSDP names its parameters at the first forward
     view = unit_view(model)
     expected = [(n, p.numel()) for n, p in Net().named_parameters() if n != "inp.bias"]
     assert list(view.names) == [n for n, _ in expected]
@@ -341,7 +350,7 @@ def setup_body(rank, world):
     errors = {}
     fresh = Net()
     fully_shard(fresh, mesh=mesh["shard"])  # parameters are DTensors until the first forward
-    flat = init_device_mesh("cpu", (2,))
+    flat = init_device_mesh(DEVICE, (2,))
     for what, call in [
         ("1-D mesh", lambda: adasum.fsdp.enable(model, flat)),
         ("hierarchical", lambda: adasum.fsdp.enable(model, mesh, adasum.Adasum(hierarchical=True, local_size=1))),
