@@ -197,25 +197,30 @@ def mesh_groups(mesh: Any) -> ShardGroups:
 # --- the layouts the ranks agree on ---------------------------------------------------------------
 
 
-def unit_layout(key: str, view: UnitView, include_unused: bool) -> tuple[tuple, ...]:
-    """What the ranks must share for one unit's reduction: one entry per trainable parameter (its
-    padded shard size and the buffer's dtype) and one of flags. Names are left out (FSDP sets them
-    at the first forward); the entries name the unit and the parameter's index for the error."""
-    dtype = str(view.dtype).removeprefix("torch.")
-    entries = tuple((key, f"parameter {i}", dtype, n) for i, n in enumerate(view.segments))
-    flags = (
-        key, f"include_unused={include_unused}", f"all_reduce={view.all_reduce}", f"post_divides={view.post_divides}"
-    )
-    return (*entries, flags)
+def unit_layout(view: UnitView, include_unused: bool) -> tuple:
+    """What the ranks must share for one unit's reduction: the buffer's dtype, the padded shard size of
+    every trainable parameter, and the flags. Names are left out (FSDP sets them at the first forward)."""
+    return (str(view.dtype).removeprefix("torch."), view.segments, include_unused, view.all_reduce, view.post_divides)
+
+
+def layout_entries(layouts: dict[str, tuple]) -> list[tuple]:
+    """The units' layouts as entries for `agree`, one per parameter and one of flags per unit, so that
+    an error names the unit and the parameter's index."""
+    entries: list[tuple] = []
+    for key, (dtype, segments, include_unused, all_reduce, post_divides) in layouts.items():
+        entries += [(key, f"parameter {i}", dtype, n) for i, n in enumerate(segments)]
+        flags = (f"include_unused={include_unused}", f"all_reduce={all_reduce}", f"post_divides={post_divides}")
+        entries.append((key, *flags))
+    return entries
 
 
 class _Probe:
     """The signature of the units' layouts, all-reduced (MAX of it and of its negation) on the checks'
     gloo group without waiting: posted at the forward, waited on at the backward's first reduction."""
 
-    def __init__(self, layouts: dict[str, tuple[tuple, ...]], group: dist.ProcessGroup | None) -> None:
+    def __init__(self, layouts: dict[str, tuple], group: dist.ProcessGroup | None) -> None:
         self.layouts = layouts
-        sig = _signature([entry for layout in layouts.values() for entry in layout])
+        sig = _signature(list(layouts.items()))
         self._values = torch.tensor([sig, -sig], dtype=torch.int64)
         self._work = dist.all_reduce(self._values, op=dist.ReduceOp.MAX, group=control_group(group), async_op=True)
 
@@ -252,25 +257,24 @@ class FSDPState:
         self.fills_unused = fills_unused  # `fill_unused_grads` stands in for FSDP's setter
         self.reductions = 0
         self.agreements = 0
-        self._agreed: dict[str, tuple[tuple, ...]] = {}  # each unit's layout, the same on every rank
+        self._agreed: dict[str, tuple] = {}  # each unit's layout, the same on every rank
         self._probe: _Probe | None = None
 
-    def _layouts(self) -> dict[str, tuple[tuple, ...]]:
+    def _layouts(self) -> dict[str, tuple]:
         """This rank's layout of every unit with trainable parameters (host only: FSDP's state)."""
         out = {}
         for key, unit in self.units:
             view = unit_view(unit)
             if view is not None:
-                out[key] = unit_layout(key, view, view.include_unused or self.fills_unused)
+                out[key] = unit_layout(view, view.include_unused or self.fills_unused)
         return out
 
     def agree_layouts(self) -> None:
         """The blocking check: every rank of the mesh has the same units' layouts, or the same
         ValueError on every rank names the first difference (collective)."""
         layouts = self._layouts()
-        entries = [entry for layout in layouts.values() for entry in layout]
         self.agreements += 1
-        agree(entries, None, self.groups.group, "the FSDP units' gradient layouts", "adasum.fsdp")
+        agree(layout_entries(layouts), None, self.groups.group, "the FSDP units' gradient layouts", "adasum.fsdp")
         self._agreed = layouts
 
     def new_step(self, *_: Any) -> None:
@@ -299,7 +303,7 @@ class FSDPState:
         include_unused = view.include_unused or self.fills_unused
         if include_unused:  # the layout follows from the parameters alone
             self._check_probe()
-            if self._agreed.get(key) != unit_layout(key, view, include_unused) or not fits:
+            if self._agreed.get(key) != unit_layout(view, include_unused) or not fits:
                 raise RuntimeError(
                     f"adasum.fsdp: unit {key!r}'s gradient layout changed between the forward and its reduction, "
                     "or its buffer is not the layout FSDP's state describes"
