@@ -19,7 +19,7 @@ import torch.nn as nn
 
 import adasum
 import adasum.fsdp
-from adasum.integrations.fsdp import unit_view
+from adasum.integrations.fsdp import fill_unused_grads, unit_view
 
 import distributed
 from reference import tree as reference_tree
@@ -427,6 +427,16 @@ def test_unit_view_fails_loudly_on_changed_torch():
 
     with pytest.raises(RuntimeError, match="private state"):
         unit_view(Unit())
+
+    class Group:  # a parameter group without what the stand-in for the setter wraps
+        fsdp_params = ()
+
+    class Older:
+        def _get_fsdp_state(self):
+            return type("State", (), {"_fsdp_param_groups": [Group()]})()
+
+    with pytest.raises(RuntimeError, match="Group.post_backward"):
+        fill_unused_grads(Older())
 
 
 def test_benchmark_dry_run():

@@ -48,7 +48,8 @@ later step), native 2-D HSDP (``fully_shard(mesh=mesh)`` hard-codes its averagin
 hierarchical Adasum, and `adasum.DistributedOptimizer` / `adasum.SlowMo` on sharded parameters
 (`check_not_sharded`).
 
-FSDP's private state is read in one place, `unit_view`; a test fails when torch changes it.
+FSDP's private state is read in one section, `unit_view` and, on torches without the setter,
+`fill_unused_grads`; both raise a RuntimeError naming what is missing, at `enable`.
 """
 
 from __future__ import annotations
@@ -69,7 +70,7 @@ from adasum.transport.groups import control_group
 DIMS = ("replicate", "shard")
 
 
-# --- FSDP's private state, read in one place ------------------------------------------------------
+# --- FSDP's private state, read in one section ----------------------------------------------------
 
 
 @dataclass(frozen=True)
@@ -150,6 +151,11 @@ def fill_unused_grads(module: nn.Module) -> None:
     group = _param_group(module)
     if group is None:
         return
+    for owner, name in [(group, "post_backward"), (group, "reduce_grads"), (group, "fsdp_params")] + [
+        (p, "unsharded_accumulated_grad") for p in getattr(group, "fsdp_params", ())
+    ]:
+        if not hasattr(owner, name):
+            raise RuntimeError(_MISSING.format(what=f"{type(owner).__name__}.{name}", version=torch.__version__))
     collect = group.post_backward
 
     def post_backward(*args: Any) -> Any:
