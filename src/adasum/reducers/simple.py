@@ -15,6 +15,7 @@ class Sum(Reducer):
     name = "sum"
     per_tensor = True
     capturable = True
+    elementwise = True
 
     def reduce(self, per_worker):
         count = check_workers(per_worker)
@@ -32,6 +33,7 @@ class Mean(Reducer):
     per_tensor = True
     exact_average = True
     capturable = True
+    elementwise = True
 
     def reduce(self, per_worker):
         count = check_workers(per_worker)
