@@ -369,7 +369,8 @@ class SymmetricSlices(Transport):
     * scatter: for each piece, rank r stores its copy of that piece of slice j straight from `B` (a flat tensor
       or a `Scattered` list, read in place) into row r of rank j's buffer, peers in the order r + 1, r + 2, ...
       (each rank receives from one peer at a time), then a signal-pad barrier; the schedule's sums of a
-      landed piece run on a side stream while the next piece is stored;
+      landed piece run on a side stream while the next piece is stored. A flat `B`'s own slice serves as its
+      row r where it lies (a list's is staged);
     * the tree runs on the rows;
     * gather: for each piece, the last combination writes it into `B`'s slice and the output row, a barrier,
       then on a side stream rank r loads that piece of every peer's output row straight into `B`, while the
@@ -401,8 +402,11 @@ class SymmetricSlices(Transport):
         row = max(hi - lo for lo, hi in bounds)
         self._shared, self._handle = staging(self.group, (self.world + 1) * row, buffer, "slices")
         self._row = row
-        size = bounds[self.rank][1] - bounds[self.rank][0]
-        return [self._shared[j * row : j * row + size] for j in range(self.world)]
+        lo, hi = bounds[self.rank]
+        rows = [self._shared[j * row : j * row + hi - lo] for j in range(self.world)]
+        if isinstance(buffer, torch.Tensor):  # its own copy is read (and overwritten by the tree) where it lies
+            rows[self.rank] = buffer[lo:hi]
+        return rows
 
     def _pieces(self, size: int, element_size: int) -> list[tuple[int, int]]:
         count = max(1, min(self.pieces, self._row * element_size // CHUNK_BYTES))
@@ -417,11 +421,12 @@ class SymmetricSlices(Transport):
         main = torch.cuda.current_stream(shared.device)
         side = side_stream(shared.device, "copies")
         peers = {j: _peer_view(handle, j, shared.numel(), shared.dtype) for j in self._order()}
-        peers[me] = shared
-        pieces = {j: self._pieces(bounds[j][1] - bounds[j][0], element_size) for j in peers}
+        if not isinstance(buffer, torch.Tensor):  # a list: its own copy is staged in its row like the peers'
+            peers[me] = shared
+        pieces = {j: self._pieces(bounds[j][1] - bounds[j][0], element_size) for j in [me, *peers]}
         mine = pieces[me]
         for c in range(len(mine)):
-            for j in [me, *self._order()]:
+            for j in peers:
                 p0, p1 = pieces[j][c]
                 lo = bounds[j][0]
                 if p1 > p0:
