@@ -223,6 +223,25 @@ def test_a_full_disk_during_a_checkpoint_write_is_one_line_and_keeps_the_last(tm
     assert [p.name for p in out.iterdir() if p.name.startswith(".")] == []  # no temporary file left
 
 
+def _full_disk_on_rank_0(rank: int, world: int, folder: str) -> str:
+    path = Path(folder) / "checkpoint.pt"
+    if rank == 0:
+        io_mod.open = lambda name, mode="r", *a, **k: _FullDisk(io.FileIO(name, "wb"))  # this process only
+    try:
+        ckpt.save_checkpoint(path, {"config": {}, "epoch": 1}, {"engine": {"w": torch.ones(2)}}, distributed=True)
+    except OSError as error:
+        return f"{type(error).__name__}: {error}"
+    return "no error"
+
+
+def test_a_full_disk_under_torchrun_stops_every_rank_with_the_same_line(tmp_path):
+    import distributed
+
+    got = distributed.run(2, _full_disk_on_rank_0, str(tmp_path))
+    assert got[0] == got[1] and got[0].startswith("WriteFailed: cannot write") and "No space left" in got[0]
+    assert list(tmp_path.iterdir()) == []  # nothing written, no temporary file left
+
+
 # ---- the command line's conventions -----------------------------------------------------------
 
 
