@@ -116,16 +116,19 @@ def test_train_into_a_finished_run_is_refused_without_overwrite(tmp_path, capsys
 
 
 def test_the_library_refuses_to_replace_a_run(tmp_path):
+    from adasum.experiments.data import load_task
+
+    digits = load_task("digits")
     config = RunConfig(method="adasum", workers=2, epochs=1, batch_size=8, train_limit=64, model="mlp")
-    train(config, tmp_path)
+    train(config, tmp_path, dataset=digits)
     metrics = (tmp_path / "metrics.jsonl").read_bytes()
     with pytest.raises(ValueError, match="already holds a run"):
-        train(config, tmp_path)
+        train(config, tmp_path, dataset=digits)
     (tmp_path / "checkpoint.pt").unlink()  # --resume without a checkpoint would start over
     with pytest.raises(ValueError, match="no checkpoint.pt to resume from"):
-        train(config, tmp_path, resume=True)
+        train(config, tmp_path, resume=True, dataset=digits)
     assert (tmp_path / "metrics.jsonl").read_bytes() == metrics
-    train(config, tmp_path, resume=True, overwrite=True)
+    train(config, tmp_path, resume=True, overwrite=True, dataset=digits)
 
 
 def _compare(out: Path, seeds: str, *extra: str) -> int:

@@ -6,7 +6,12 @@
 
 Bad input ends with one line on stderr and exit status 2, never a traceback; under torchrun every
 rank ends so, with the same line. A failed run (a dead or stalled peer, a non-finite value with
-``--nonfinite raise``) ends with one line and exit status 1.
+``--nonfinite raise``, a full disk) ends with one line and exit status 1.
+
+Conventions: ``--version``; every flag's help ends with its default; flags are never abbreviated
+and a mistyped flag, subcommand, choice or method gets "did you mean"; ``--seeds`` on both
+subcommands; a non-empty ``--out`` needs ``--resume`` or ``--overwrite`` (nothing finished is
+replaced silently).
 """
 
 from __future__ import annotations
