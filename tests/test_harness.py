@@ -21,7 +21,8 @@ import torch
 from adasum.experiments import checkpoint as ckpt
 from adasum.experiments import io as io_mod
 from adasum.experiments.cli import build_parser, main
-from adasum.experiments.runner import ProgressBar, RunConfig, train
+from adasum.experiments.progress import ProgressBar
+from adasum.experiments.runner import RunConfig, train
 
 ROOT = Path(__file__).resolve().parent.parent
 QUICK = ["--no-progress", "--quiet", "--train-limit", "64", "--batch-size", "8", "--model", "mlp"]
@@ -313,7 +314,9 @@ def test_progress_on_a_terminal_logs_through_its_console_and_keeps_one_run_bar()
 
 
 def test_progress_elsewhere_is_plain_lines(caplog):
-    bar = ProgressBar(True, console=__import__("rich.console").console.Console(file=io.StringIO()))
+    from rich.console import Console
+
+    bar = ProgressBar(True, Console(file=io.StringIO()))  # not a terminal
     with caplog.at_level(logging.INFO, logger="adasum"), bar:
         assert not bar.live
         bar.sweep(2)

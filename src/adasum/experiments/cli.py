@@ -324,7 +324,8 @@ def _flag(result: dict) -> str:
 
 def cmd_train(args: argparse.Namespace) -> int:
     from adasum.experiments.methods import get_method
-    from adasum.experiments.runner import ProgressBar, train
+    from adasum.experiments.progress import ProgressBar
+    from adasum.experiments.runner import train
 
     get_method(args.method)
     under_torchrun = "LOCAL_RANK" in os.environ and "WORLD_SIZE" in os.environ

@@ -12,8 +12,9 @@ from typing import Any
 from adasum.experiments.data import load_task
 from adasum.experiments.io import read_results, write_text_atomic
 from adasum.experiments.methods import Method, method_reducer
+from adasum.experiments.progress import ProgressBar
 from adasum.experiments.report import plot, write_report
-from adasum.experiments.runner import ProgressBar, RunConfig, differences, identity, train
+from adasum.experiments.runner import RunConfig, differences, identity, train
 
 log = logging.getLogger("adasum")
 
