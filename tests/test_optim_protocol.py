@@ -178,7 +178,7 @@ def test_step_with_closure_combines_the_closure_gradients():
 def ddp_body(rank, world):
     """A DDP model over the same ranks: refused at construction and, when DDP wraps the model after the
     wrapper was built, at the first step (before anything changes), the same message on every rank. A DDP
-    over other ranks (here each rank alone) is accepted."""
+    over other ranks (here each rank alone), or with a comm hook of the user's own, is accepted."""
     from torch.nn.parallel import DistributedDataParallel as DDP
 
     messages = []
@@ -202,13 +202,33 @@ def ddp_body(rank, world):
     assert to_bytes(model.parameters()) == before
     del ddp
 
+    results = []
     alone = [dist.new_group([r]) for r in range(world)][rank]
-    model = torch.nn.Linear(5, 2)
-    local = DDP(model, process_group=alone)
-    opt = adasum.DistributedOptimizer(torch.optim.SGD(local.parameters(), lr=0.1))
-    torch.nn.functional.mse_loss(local(x), y).backward()
-    opt.step()
-    return messages, to_bytes(model.parameters())
+    for make in (lambda m: DDP(m, process_group=alone), own_hook, lambda m: m):
+        torch.manual_seed(0)
+        model = torch.nn.Linear(5, 2)
+        net = make(model)
+        opt = adasum.DistributedOptimizer(torch.optim.SGD(net.parameters(), lr=0.1))
+        torch.nn.functional.mse_loss(net(x), y).backward()
+        opt.step()
+        results.append(to_bytes(model.parameters()))
+    assert results[0] == results[1] == results[2]  # DDP combined nothing: the plain optimizer's result
+    return messages, results[0]
+
+
+def keep_local(state, bucket):
+    """A comm hook of the user's own: DDP combines nothing."""
+    future = torch.futures.Future()
+    future.set_result(bucket.buffer())
+    return future
+
+
+def own_hook(model):
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    ddp = DDP(model)
+    ddp.register_comm_hook(None, keep_local)
+    return ddp
 
 
 def test_ddp_wrapped_model_is_refused():

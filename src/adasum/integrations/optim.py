@@ -165,10 +165,12 @@ def names_by_parameter(named_parameters: Iterable[tuple[str, torch.Tensor]] | No
 
 def ddp_problem(params: list[torch.Tensor], group: dist.ProcessGroup | None) -> Problem | None:
     """A `Problem` when `params` belong to a DistributedDataParallel model whose process group shares
-    two or more ranks with `group`: DDP averages the gradients in backward, so combining them (or the
-    steps they make) again over those ranks gives DDP's average. A DDP over other ranks (say inside
-    each host, with `group` across hosts) is no problem. Found by looking through the live objects
-    (DDP leaves no mark on the parameters); called at construction and on the first step."""
+    two or more ranks with `group` and which combines gradients itself: DDP averages the gradients in
+    backward, so combining them (or the steps they make) again over those ranks gives DDP's average.
+    Not a problem: a DDP over other ranks (say inside each host, with `group` across hosts), or one
+    given a comm hook of the user's own (not torch's nor adasum's), which decides what DDP combines.
+    Found by looking through the live objects (DDP leaves no mark on the parameters); called at
+    construction and on the first step."""
     from torch.nn.parallel import DistributedDataParallel
 
     wanted = {id(p) for p in params}
@@ -179,7 +181,7 @@ def ddp_problem(params: list[torch.Tensor], group: dist.ProcessGroup | None) -> 
         if not any(id(p) in wanted for p in obj.module.parameters()):
             continue
         theirs = set(dist.get_process_group_ranks(obj.process_group))
-        if len(mine & theirs) > 1:
+        if len(mine & theirs) > 1 and _combines(obj):
             return Problem(
                 "ValueError",
                 "the parameters belong to a DistributedDataParallel model over the same ranks: DDP has "
@@ -189,6 +191,15 @@ def ddp_problem(params: list[torch.Tensor], group: dist.ProcessGroup | None) -> 
                 "ddp_model.register_comm_hook(adasum.ddp.AdasumState(), adasum.ddp.adasum_hook)",
             )
     return None
+
+
+def _combines(ddp: torch.nn.Module) -> bool:
+    """Whether a DDP model combines gradients across its ranks: with no comm hook (its own averaging, or a
+    built-in hook) or a hook from torch's ``ddp_comm_hooks`` or adasum's, yes; with one of the user's own, it is
+    theirs to decide."""
+    hooks = getattr(ddp, "_comm_hooks", [])  # DDP's record of register_comm_hook
+    known = ("torch.distributed.algorithms.ddp_comm_hooks", "adasum.")
+    return not hooks or any(getattr(hook, "__module__", "").startswith(known) for hook, _ in hooks)
 
 
 def optimizer_param_names(optimizer: torch.optim.Optimizer) -> list[str] | None:
