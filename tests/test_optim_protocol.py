@@ -361,3 +361,32 @@ def test_hooks_registered_on_the_wrapper_run():
         assert seen == [("pre", True), ("post", True)] * 2 + [("sd-pre", True), ("load-pre", True), ("load-post", True)]
     finally:
         dist.destroy_process_group()
+
+
+def settings_body(rank, world):
+    """Settings that decide each step's collectives, different on one rank: the same ValueError on every
+    rank at construction, naming the setting (instead of ranks waiting on collectives their peers skip)."""
+    torch.manual_seed(0)
+    model = torch.nn.Linear(5, 2)
+    messages = []
+    for option in (
+        {"local_steps": 1 + rank},
+        {"mode": ("delta", "gradient")[rank]},
+        {"nonfinite": ("propagate", "raise")[rank]},
+    ):
+        with pytest.raises(ValueError) as info:
+            adasum.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), **option)
+        messages.append(str(info.value))
+    return messages
+
+
+def test_settings_that_differ_across_ranks_are_refused():
+    results = distributed.run(2, settings_body)
+    assert results[0] == results[1]
+    local_steps, mode, nonfinite = results[0]
+    assert local_steps == (
+        "adasum.DistributedOptimizer: settings differ across ranks at index 2: rank 0 has local_steps 1, "
+        "rank 1 has local_steps 2"
+    ), local_steps
+    assert "rank 0 has mode delta, rank 1 has mode gradient" in mode, mode
+    assert "rank 0 has nonfinite propagate, rank 1 has nonfinite raise" in nonfinite, nonfinite

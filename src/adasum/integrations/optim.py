@@ -335,11 +335,9 @@ class DistributedOptimizer(torch.optim.Optimizer):
         self._optimizer_state_dict_post_hooks: OrderedDict = OrderedDict()
         self._optimizer_load_state_dict_pre_hooks: OrderedDict = OrderedDict()
         self._optimizer_load_state_dict_post_hooks: OrderedDict = OrderedDict()
+        self._refuse_ddp(self._settings())  # and the settings, the same on every rank
         if check:
             self._check_parameters()
-        else:
-            self._refuse_ddp()
-        self._ddp_checked = False
         self.reducer.setup(group)
 
     # -- pass-through -------------------------------------------------------------------------
@@ -661,11 +659,25 @@ class DistributedOptimizer(torch.optim.Optimizer):
         names = [self._names_by_id.get(id(p)) for p in (params if params is not None else self._params())]
         return None if any(n is None for n in names) else names  # type: ignore[return-value]
 
-    def _refuse_ddp(self) -> None:
-        """ValueError on every rank when a rank's parameters belong to a DDP model over our ranks (`ddp_problem`)."""
+    def _refuse_ddp(self, settings: list[tuple] | None = None) -> None:
+        """ValueError on every rank when a rank's parameters belong to a DDP model over our ranks (`ddp_problem`),
+        or when ranks give different `settings` (which decide the collectives each step runs)."""
         operation = "adasum.DistributedOptimizer"
-        with failures_named(operation, "the DDP check", self.group):
-            agree([], ddp_problem(self._params(), self.group), self.group, "DDP wrappers", operation)
+        with failures_named(operation, "the settings check", self.group):
+            agree(settings or [], ddp_problem(self._params(), self.group), self.group, "settings", operation)
+
+    def _settings(self) -> list[tuple]:
+        """What every rank must set alike: ``(name, value)`` pairs."""
+        return [
+            ("reducer", repr(self.reducer)),
+            ("mode", self.mode),
+            ("local_steps", self.local_steps),
+            ("backward_passes_per_step", self.backward_passes_per_step),
+            ("nonfinite", self.nonfinite),
+            ("bucket_cap_bytes", self.bucket_cap_bytes),
+            ("sparse_as_dense", self.sparse_as_dense),
+            ("grad_scaler", self.grad_scaler is not None),
+        ]
 
     def _combine_deltas(self, params: list[torch.Tensor]) -> None:
         """x := x0 + combine(x - x0), bucket by bucket; x0 and the combination agree on every
@@ -735,8 +747,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
     # -- checks and checkpoints ---------------------------------------------------------------
 
     def _check_parameters(self) -> None:
-        """Same shapes, dtypes and values on every rank (`check_same_parameters`), no DDP wrapper."""
-        self._refuse_ddp()
+        """Same shapes, dtypes and values on every rank (`check_same_parameters`)."""
         check_same_parameters(self._params(), self.group, self._names(), operation="adasum.DistributedOptimizer")
 
     def state_dict(self) -> dict[str, Any]:
