@@ -165,11 +165,11 @@ def exact_body(rank, world, local_size):
 
 
 @pytest.mark.nccl
-@pytest.mark.skipif(distributed.world_sizes(4) != [4], reason="needs 4 GPUs on NCCL")
+@pytest.mark.parametrize("world", distributed.world_sizes(4))
 @pytest.mark.parametrize("local_size, env", [(2, {}), (2, {"ADASUM_MEMORY_MB": "0.002"}), (4, {})])
-def test_exact_two_tiers_equal_the_flat_tree(local_size, env):
+def test_exact_two_tiers_equal_the_flat_tree(world, local_size, env):
     # 4 ranks as 2 nodes x 2 (rounds too, through a budget of 2 KiB), and as one node of 4
-    distributed.assert_ranks_agree(distributed.run(4, exact_body, local_size, env=env))
+    distributed.assert_ranks_agree(distributed.run(world, exact_body, local_size, env=env))
 
 
 def exact_refused_body(rank, world):
