@@ -283,7 +283,7 @@ def worker(rank: int, world: int, store_path: str, args) -> None:
                     f"launches {launches}")
             tensors = saved = flat = None  # free before the next case
             if device.type == "cuda":
-                adasum.collectives.graphs.release()
+                adasum.release()
                 torch.cuda.empty_cache()
     _write(rank, args.out, rows)
     dist.barrier()

@@ -8,6 +8,7 @@ from collections.abc import Callable
 
 import torch.distributed as dist
 
+from adasum.settings import current
 from adasum.transport.base import Transport
 from adasum.transport.c10d import Collectives, PointToPointC10d, post
 from adasum.transport.groups import group_timeout
@@ -18,7 +19,17 @@ TRANSPORTS = ("p2p", "collectives", "symmetric")
 NCCL_PREFERENCE = ("symmetric", "p2p")
 """The default on NCCL: the first of these the group supports (order from benchmarks/results); "collectives"
 needs a power-of-two group, "symmetric" one host with NVLink, "p2p" runs everywhere. The test suite puts
-another transport first to run the NCCL suite on it (``ADASUM_TEST_TRANSPORT``)."""
+another transport first (`adasum.settings.Settings.transport_first`, ``ADASUM_TEST_TRANSPORT``): `preference`."""
+
+
+def preference() -> tuple[str, ...]:
+    """`NCCL_PREFERENCE` with the settings' ``transport_first`` (if any) put first."""
+    first = current().transport_first
+    if not first:
+        return NCCL_PREFERENCE
+    if first not in TRANSPORTS:
+        raise ValueError(f"ADASUM_TEST_TRANSPORT must be one of {list(TRANSPORTS)}, got {first!r}")
+    return (first, *(t for t in NCCL_PREFERENCE if t != first))
 
 
 def select(
@@ -30,7 +41,7 @@ def select(
     piece_elements: tuple[int, int] = (1 << 20, 1 << 25),
 ) -> Transport:
     """The transport for a schedule over `group`: `name` if given, else the fastest the group
-    supports (gloo: "p2p"; NCCL: `NCCL_PREFERENCE`). `whole_group`: every rank of the group is a
+    supports (gloo: "p2p"; NCCL: `preference()`). `whole_group`: every rank of the group is a
     leader of the tree (a power-of-two group, no placement), which "collectives" and "symmetric"
     need. Asking for one the group cannot run raises ValueError on every rank."""
     nccl = dist.get_backend(group) == "nccl"
@@ -39,7 +50,7 @@ def select(
         if nccl and whole_group:
             from adasum.transport import symmetric
 
-            for candidate in NCCL_PREFERENCE:
+            for candidate in preference():
                 if candidate != "symmetric" or symmetric.supported(group):
                     name = candidate
                     break
