@@ -16,7 +16,7 @@ import json
 import logging
 import os
 import sys
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import fields
 from pathlib import Path
 
@@ -271,7 +271,8 @@ def cmd_train(args: argparse.Namespace) -> int:
         out = _writable_dir(args.out)
         config = _config(args, workers=args.simulate or 1, device=_device(args.device))
         with ProgressBar(not args.no_progress) as bar:
-            result = train(config, out, resume=args.resume, progress=bar, tensorboard=args.tensorboard)
+            result = train(config, out, resume=args.resume, progress=bar, tensorboard=args.tensorboard,
+                           on_step=args.on_step)
         print(
             f"{result['method']} P={result['workers']}: validation accuracy {result['val_accuracy']:.2f}%, "
             f"test accuracy {result['test_accuracy']:.2f}% after {result['epochs_run']} epochs"
@@ -307,7 +308,8 @@ def cmd_train(args: argparse.Namespace) -> int:
         config = _config(args, workers=dist.get_world_size(), device=device)
         with ProgressBar(not args.no_progress and rank == 0) as bar:
             result = train(
-                config, out, resume=args.resume, progress=bar, tensorboard=args.tensorboard, distributed=True
+                config, out, resume=args.resume, progress=bar, tensorboard=args.tensorboard, distributed=True,
+                on_step=args.on_step,
             )
         if rank == 0:
             print(
@@ -382,14 +384,14 @@ def cmd_report(args: argparse.Namespace) -> int:
     return 0
 
 
-def run() -> None:
+def run(argv: Sequence[str] | None = None, *, on_step: Callable[[int, int], None] | None = None) -> None:
     """The entry point of the ``adasum`` command and ``python -m adasum``: `main`, then exit without
     the interpreter's teardown. A gloo worker thread still releasing its last work while the
     interpreter is torn down aborts the process (SIGABRT, "terminate called without an active
     exception"; see `adasum.transport.groups`), and torchrun would report a finished run as failed.
     The outputs are written and closed by then; the standard streams are flushed here."""
     try:
-        status = main()
+        status = main(argv, on_step=on_step)
     except SystemExit as done:  # argparse: --help and bad flags
         status = done.code if isinstance(done.code, int) else (0 if done.code is None else 1)
     except BaseException:  # an unexpected error: its traceback, then the same exit
@@ -402,11 +404,12 @@ def run() -> None:
     os._exit(status)
 
 
-def main(argv: Sequence[str] | None = None) -> int:
-    """Run the command line; returns the exit status."""
+def main(argv: Sequence[str] | None = None, *, on_step: Callable[[int, int], None] | None = None) -> int:
+    """Run the command line; returns the exit status. `on_step` goes to `train` (``adasum train``)."""
     parser = build_parser()
     try:
         args = parser.parse_args(argv)
+        args.on_step = on_step
         import torch
 
         torch.set_num_threads(args.threads)
