@@ -13,6 +13,7 @@ import adasum
 from adasum.collectives import agreement
 from adasum.collectives.plan import prepare
 from adasum.ddp import AdasumState, adasum_hook
+from adasum.settings import override
 from adasum.transport import groups
 
 import distributed
@@ -206,3 +207,26 @@ def test_one_state_on_two_models_is_refused():
     distributed.assert_ranks_agree(results)
     kind, message = results[0]
     assert kind == "RuntimeError" and "registered on a second DDP model" in message, message
+
+
+def deferred_body(rank, world):
+    """The NCCL way (a repeated call's fingerprint compared at the group's next call), run on gloo: two equal-size
+    layouts agreed, then swapped; the next call raises the same error on every rank."""
+    a, b = [torch.ones(4, 2)], [torch.ones(8)]
+    with override(deferred_checks=True):
+        adasum.all_reduce(a)
+        adasum.all_reduce(b)
+        adasum.all_reduce(a)  # agreed: its fingerprint goes out, compared at the next call
+        adasum.all_reduce(b if rank == 1 else a)  # diverges: not caught yet (its data moved)
+        kind, message, seconds = _error_of(lambda: adasum.all_reduce(a))
+    return kind, message, seconds < BOUND_S
+
+
+def test_deferred_fingerprints_name_the_divergent_call_at_the_next_call():
+    results = distributed.run(2, deferred_body)
+    distributed.assert_ranks_agree(results)
+    kind, message, in_time = results[0]
+    assert kind == "ValueError" and in_time, results[0]
+    assert message == ("adasum.all_reduce: tensors differ across ranks at index 0: rank 0 has float32 [4, 2] on cpu, "
+                       "rank 1 has float32 [8] on cpu (an earlier call; its result is undefined: destroy the process "
+                       "group)"), message

@@ -48,6 +48,9 @@ class Settings:
     """This process's rank on its node, as torchrun sets it (``LOCAL_RANK``)."""
     group_rank: int | None = None
     """This process's node, as torchrun sets it (``GROUP_RANK``)."""
+    deferred_checks: bool | None = None
+    """Compare a repeated call's fingerprint at the group's next call instead of before its data (None: on NCCL
+    only, where the host must not wait; `adasum.collectives.plan`)."""
     symmetric: bool = True
     """Symmetric memory may be chosen on NCCL (``ADASUM_SYMMETRIC``)."""
     symmetric_push: bool = True

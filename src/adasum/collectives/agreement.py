@@ -299,17 +299,32 @@ def agree(
     high, neg_low, any_problem = probe.tolist()
     if high == -neg_low and not any_problem:
         return
-    everyone: list = [None] * dist.get_world_size(group)
-    dist.all_gather_object(everyone, (config, list(description), problem, operation), group=control)
-    configs = [c for c, _, _, _ in everyone]
-    descriptions = [d for _, d, _, _ in everyone]
+    raise_difference(control, config, description, problem, what, operation)
+
+
+def raise_difference(
+    control: dist.ProcessGroup | None,
+    config: tuple,
+    description: Sequence[tuple],
+    problem: Problem | None,
+    what: str,
+    operation: str,
+    note: str = "",
+) -> None:
+    """After fingerprints differed: gather every rank's configuration, description and problem on `control` and
+    raise the same error on every rank, as rank 0 names it: the first difference (ValueError, `difference`, then
+    `note`), or else the lowest rank's problem."""
+    everyone: list = [None] * dist.get_world_size(control)
+    dist.all_gather_object(everyone, (config, list(description), problem, operation, note), group=control)
+    configs = [c for c, _, _, _, _ in everyone]
+    descriptions = [d for _, d, _, _, _ in everyone]
     if any(c != configs[0] for c in configs) or any(d != descriptions[0] for d in descriptions):
         # named as rank 0 names it, so that every rank raises the very same error
-        raise ValueError(f"{everyone[0][3]}: {difference(configs, descriptions, what)}")
-    for rank, (_, _, theirs, _) in enumerate(everyone):
+        raise ValueError(f"{everyone[0][3]}: {difference(configs, descriptions, what)}{everyone[0][4]}")
+    for rank, (_, _, theirs, _, _) in enumerate(everyone):
         if theirs is not None:
-            raise theirs.exception(operation, rank)
-    raise ValueError(f"{operation}: {what} differ across ranks")  # a signature collision cannot get here
+            raise theirs.exception(everyone[0][3], rank)
+    raise ValueError(f"{operation}: {what} differ across ranks")  # a fingerprint collision cannot get here
 
 
 def check_same_layout(

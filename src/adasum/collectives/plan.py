@@ -42,10 +42,11 @@ from adasum.collectives.agreement import (
     agree,
     describe,
     describe_flat,
-    difference,
     local_problem,
+    raise_difference,
     signature,
 )
+from adasum.settings import current
 from adasum.transport.graphs import tensor_key
 from adasum.transport.groups import Communicator, communicator, failures_named, group_device
 
@@ -126,7 +127,8 @@ def prepare(
         return plan
     with failures_named(operation, "the layout check", group):
         settle(comm, group)
-        if plan.agreed and problem is None and device.type == "cuda":
+        deferred = current().deferred_checks
+        if plan.agreed and problem is None and (device.type == "cuda" if deferred is None else deferred):
             _post_fingerprint(comm, plan, group, what, operation)
         else:
             agree(plan.description, problem, group, what, operation, plan.config)
@@ -147,7 +149,7 @@ def recheck(plan: Plan, group: dist.ProcessGroup | None, operation: str, what: s
 class _Posted:
     work: Any
     probe: torch.Tensor
-    description: tuple  # (config, layout description)
+    plan: Plan
     what: str
     operation: str
 
@@ -155,9 +157,10 @@ class _Posted:
 def _post_fingerprint(comm: Communicator, plan: Plan, group: dist.ProcessGroup | None, what: str,
                       operation: str) -> None:
     """Start the all-reduce (MAX) of [fingerprint, -fingerprint] on the control group; `settle` compares it."""
-    probe = torch.tensor([plan.fingerprint, -plan.fingerprint], dtype=torch.int64)
+    # three values, as `agree`'s probe: a peer that checks a new layout synchronously pairs with this one
+    probe = torch.tensor([plan.fingerprint, -plan.fingerprint, 0], dtype=torch.int64)
     work = dist.all_reduce(probe, op=dist.ReduceOp.MAX, group=comm.control_group(), async_op=True)
-    comm.pending.append(_Posted(work, probe, (plan.config, plan.description), what, operation))
+    comm.pending.append(_Posted(work, probe, plan, what, operation))
 
 
 def settle(comm: Communicator, group: dist.ProcessGroup | None) -> None:
@@ -167,12 +170,9 @@ def settle(comm: Communicator, group: dist.ProcessGroup | None) -> None:
     while comm.pending:
         posted = comm.pending.pop(0)
         posted.work.wait()
-        high, neg_low = posted.probe.tolist()
+        high, neg_low, _ = posted.probe.tolist()
         if high == -neg_low:
             continue
         comm.pending.clear()
-        everyone: list = [None] * dist.get_world_size(group)
-        dist.all_gather_object(everyone, posted.description, group=comm.control_group())
-        configs, descriptions = [c for c, _ in everyone], [d for _, d in everyone]
-        raise ValueError(f"{posted.operation}: {difference(configs, descriptions, posted.what)} (an earlier call; "
-                         "its result is undefined and the group must be destroyed)")
+        raise_difference(comm.control_group(), posted.plan.config, posted.plan.description, None, posted.what,
+                         posted.operation, " (an earlier call; its result is undefined: destroy the process group)")
