@@ -13,6 +13,7 @@ The entry points reach these checks through their plan (`adasum.collectives.plan
 from __future__ import annotations
 
 import hashlib
+import operator
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 
@@ -57,6 +58,10 @@ class Problem:
         where = f" on rank {rank}" if rank is not None else ""
         kind = TypeError if self.error == "TypeError" else ValueError
         return kind(f"{operation}: {self.message}{where}")
+
+
+_layout, _dtype, _device = operator.attrgetter("layout"), operator.attrgetter("dtype"), operator.attrgetter("device")
+_requires_grad = operator.attrgetter("requires_grad")
 
 
 def _span(t: torch.Tensor) -> tuple[int, int]:
@@ -157,32 +162,35 @@ def local_problem(
     an in-place write into it would fail after data moved); when `in_place`, two tensors sharing a
     memory location, or one tensor whose elements share one (an ``expand``ed view), ValueError: the
     results would depend on the order of the writes. ``disjoint=True``: the caller found these very
-    tensors (addresses, shapes, strides) disjoint before; the memory check is skipped.
+    tensors (addresses, shapes, strides) free of both before; those memory checks are skipped.
     """
-    for i, t in enumerate(tensors):
-        if t.layout != torch.strided:
-            return Problem(
-                "TypeError",
-                f"tensor {i} is {str(t.layout).removeprefix('torch.')}; only dense (strided) tensors can be "
-                "combined (sparse gradients: make them dense, e.g. nn.Embedding(sparse=False))",
-            )
+    # C-level maps over the tensors (this runs on every call); the index is looked for only on a problem
+    layouts = list(map(_layout, tensors))
+    if any(layout != torch.strided for layout in set(layouts)):
+        i = next(i for i, layout in enumerate(layouts) if layout != torch.strided)
+        return Problem(
+            "TypeError",
+            f"tensor {i} is {str(layouts[i]).removeprefix('torch.')}; only dense (strided) tensors can be "
+            "combined (sparse gradients: make them dense, e.g. nn.Embedding(sparse=False))",
+        )
     if floating:
-        for i, t in enumerate(tensors):
-            if not t.dtype.is_floating_point:
-                return Problem(
-                    "TypeError", f"tensor {i} has dtype {t.dtype}; only floating-point tensors can be combined"
-                )
+        dtypes = list(map(_dtype, tensors))
+        if not all(d.is_floating_point for d in set(dtypes)):
+            i = next(i for i, d in enumerate(dtypes) if not d.is_floating_point)
+            message = f"tensor {i} has dtype {dtypes[i]}; only floating-point tensors can be combined"
+            return Problem("TypeError", message)
     if tensors:
-        first = tensors[0].device
-        for t in tensors:
-            if t.device != first:
-                return Problem("ValueError", f"all tensors must be on one device, got {first} and {t.device}")
+        devices = list(map(_device, tensors))
+        first = devices[0]
+        if len(set(devices)) > 1:
+            other = next(d for d in devices if d != first)
+            return Problem("ValueError", f"all tensors must be on one device, got {first} and {other}")
         if backend_device is not None and first.type != backend_device.type and not accepts(group, first):
             return Problem(
                 "ValueError", f"the process group's backend needs {backend_device.type} tensors, got {first}"
             )
     if in_place:
-        if torch.is_grad_enabled():
+        if torch.is_grad_enabled() and any(map(_requires_grad, tensors)):
             for i, t in enumerate(tensors):
                 if t.requires_grad and t.is_leaf:
                     return Problem(
@@ -190,7 +198,7 @@ def local_problem(
                         f"tensor {i} is a leaf that requires grad, which an in-place collective cannot write; "
                         "pass p.detach() (or call under torch.no_grad())",
                     )
-        for i, t in enumerate(tensors):
+        for i, t in enumerate(() if disjoint else tensors):
             if _self_overlapping(t):
                 return Problem(
                     "ValueError",

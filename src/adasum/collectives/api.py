@@ -190,8 +190,9 @@ def all_reduce_async(
     """`all_reduce`, returning a Future of the list of tensors.
 
     On NCCL the work is enqueued on the current CUDA stream and the host does not wait for it
-    (except for the layout check's one small read on a layout's first call, which
-    ``check_layout=False`` removes, and the non-finite check's, which ``nonfinite="raise"`` adds);
+    (the layout check waits on the CPU control group on a layout's first call only, which
+    ``check_layout=False`` removes; the non-finite check reads the device, which
+    ``nonfinite="raise"`` adds);
     consumers on the same stream see the result. On gloo the exchanges complete before it returns.
     """
     listed = tensor_list(tensors, "adasum.all_reduce_async")

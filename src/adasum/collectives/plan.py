@@ -30,6 +30,7 @@ How a call's fingerprint is compared (``check="call"``):
 
 from __future__ import annotations
 
+import operator
 from collections.abc import Hashable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal
@@ -47,7 +48,6 @@ from adasum.collectives.agreement import (
     signature,
 )
 from adasum.settings import current
-from adasum.transport.graphs import tensor_key
 from adasum.transport.groups import Communicator, communicator, failures_named, group_device
 
 Check = Literal["call", "once", "none"]
@@ -66,10 +66,23 @@ class Plan:
     uses: int = 0
 
 
+_dtype, _shape, _layout = operator.attrgetter("dtype"), operator.attrgetter("shape"), operator.attrgetter("layout")
+_data_ptr, _stride = torch.Tensor.data_ptr, torch.Tensor.stride
+
+
 def _layout_key(tensors: Sequence[torch.Tensor], sizes: Sequence[int] | None) -> tuple:
+    # C-level maps: this runs on every call (tensors on several devices are a local problem, found every call)
+    device = tensors[0].device.type if tensors else None
     if sizes is not None:
-        return (tensors[0].dtype, tensors[0].device.type, sum(b.numel() for b in tensors), tuple(sizes))
-    return tuple((t.dtype, t.shape, t.device.type) for t in tensors)
+        return (tensors[0].dtype, device, sum(b.numel() for b in tensors), tuple(sizes))
+    return (device, tuple(map(_dtype, tensors)), tuple(map(_shape, tensors)))
+
+
+def _addresses(tensors: Sequence[torch.Tensor]) -> tuple | None:
+    """What the memory-overlap verdict depends on besides the layout: addresses and strides (None: not dense)."""
+    if any(layout != torch.strided for layout in map(_layout, tensors)) or (tensors and tensors[0].is_meta):
+        return None
+    return (tuple(map(_data_ptr, tensors)), tuple(map(_stride, tensors)))
 
 
 def plan_for(comm: Communicator, tensors: Sequence[torch.Tensor], sizes: Sequence[int] | None, config: tuple) -> Plan:
@@ -86,8 +99,7 @@ def plan_for(comm: Communicator, tensors: Sequence[torch.Tensor], sizes: Sequenc
 
 def _problem(plan: Plan, tensors: Sequence[torch.Tensor], sizes: Sequence[int] | None, device: torch.device,
              group: dist.ProcessGroup | None, in_place: bool, floating: bool) -> Problem | None:
-    dense = all(t.layout == torch.strided and t.device.type != "meta" for t in tensors)
-    where = tensor_key(tensors) if in_place and dense else None
+    where = _addresses(tensors) if in_place else None
     problem = local_problem(tensors, device, in_place=in_place, floating=floating, group=group,
                             disjoint=where in plan.disjoint)
     if problem is None and where is not None:
