@@ -61,7 +61,7 @@ class Plan:
     description: list
     fingerprint: int
     agreed: bool = False  # every rank has passed this layout and configuration (checked across ranks)
-    disjoint: set = field(default_factory=set)  # tensor keys whose memory was found free of overlaps
+    disjoint: set = field(default_factory=set)  # addresses and strides found free of shared memory
     transport: Any = None  # the transport chosen for it, where the entry point picks one
     uses: int = 0
 
