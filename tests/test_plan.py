@@ -70,7 +70,8 @@ def release_body(rank, world):
     adasum.Adasum().all_reduce([torch.ones(3)])
     before = len(groups._registry.communicators)
     comm = groups.communicator(None)
-    had = (len(comm.plans), len(comm.transports), comm.control is not None)
+    control = comm.control
+    had = (len(comm.plans), len(comm.transports), control is not None)
     adasum.release()
     after = {
         "communicators": len(groups._registry.communicators),
@@ -78,6 +79,7 @@ def release_body(rank, world):
         "transports": len(comm.transports),
         "graphs": comm.graphs.count(),
         "control": comm.control,
+        "control group alive": control in dist.distributed_c10d._world.pg_map,
         "streams": len(groups._registry.streams),
         "symmetric buffers": len(symmetric._buffers) + len(symmetric._retired) + len(symmetric._remote),
     }
@@ -91,8 +93,8 @@ def test_release_leaves_nothing_behind():
     distributed.assert_ranks_agree(results)
     before, had, after, values = results[0]
     assert before == 1 and had[0] >= 2 and had[1] >= 1 and had[2]
-    assert after == {"communicators": 0, "plans": 0, "transports": 0, "graphs": 0, "control": None, "streams": 0,
-                     "symmetric buffers": 0}
+    assert after == {"communicators": 0, "plans": 0, "transports": 0, "graphs": 0, "control": None,
+                     "control group alive": False, "streams": 0, "symmetric buffers": 0}
     assert np.allclose(values, reference_tree([np.ones(4), 2 * np.ones(4)]))
 
 

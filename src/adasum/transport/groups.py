@@ -75,7 +75,7 @@ class Workspace:
 class Communicator:
     """Everything adasum keeps for one process group, made on the group's first collective
     (`communicator`) and dropped by `release`: the transports (built once per name), the checks'
-    control group, the layout verdicts, the plans per layout (`adasum.collectives.plan`), the
+    control group, the plans per layout (`adasum.collectives.plan`), the
     captured CUDA graphs, the CPU workspaces, and the fingerprints posted but not yet compared.
 
     Calls on one group must come from one thread at a time (as torch.distributed's own collectives
@@ -86,7 +86,6 @@ class Communicator:
         self.group = group
         self.transports: dict[Hashable, Any] = {}
         self.control: dist.ProcessGroup | None = None
-        self.verdicts: set[int] = set()
         self.plans: dict[Hashable, Any] = {}
         self.plans_built = 0
         self.graphs = Graphs()
@@ -110,10 +109,12 @@ class Communicator:
         return self.control
 
     def clear(self) -> None:
+        """Drop everything, and destroy the control group this communicator made (local: no collective)."""
+        if self.control is not None and dist.is_initialized():
+            _registry.destroy(self.control)
         self.graphs.clear()
         self.transports.clear()
         self.plans.clear()
-        self.verdicts.clear()
         self.pending.clear()
         self.last = None
         self.control = None
@@ -129,6 +130,7 @@ class _Registry:
         self.streams: dict[tuple[torch.device, str], torch.cuda.Stream] = {}
         self.exit_handler = False
         self.teardown_hook = False
+        self.destroy = dist.destroy_process_group  # torch's own, also once the teardown hook wraps it
 
 
 _registry = _Registry()
@@ -155,7 +157,7 @@ def communicator(group: dist.ProcessGroup | None = None) -> Communicator:
 
 def release(group: dist.ProcessGroup | None = None) -> None:
     """Drop what adasum keeps for process groups: captured CUDA graphs, transports and their symmetric
-    buffers, control groups, plans, verdicts, workspaces, side streams. Local (no collective). With a
+    buffers, control groups, plans, workspaces, side streams. Local (no collective). With a
     `group`, only that group's communicator goes (symmetric buffers are shared and stay).
 
     For teardown: ``torch.distributed.destroy_process_group`` calls it first (once adasum has worked on
@@ -193,7 +195,7 @@ def _install_teardown_hook() -> None:
     if _registry.teardown_hook:
         return
     _registry.teardown_hook = True
-    original = dist.destroy_process_group
+    original = _registry.destroy = dist.destroy_process_group
 
     def destroy_process_group(group=None, *args, **kwargs):
         release(group)
