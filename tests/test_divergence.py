@@ -230,3 +230,31 @@ def test_deferred_fingerprints_name_the_divergent_call_at_the_next_call():
     assert message == ("adasum.all_reduce: tensors differ across ranks at index 0: rank 0 has float32 [4, 2] on cpu, "
                        "rank 1 has float32 [8] on cpu (an earlier call; its result is undefined: destroy the process "
                        "group)"), message
+
+
+def swapped_on_backend_body(rank, world):
+    """Swapped equal-size layouts on the test backend's devices: gloo names the divergent call itself, NCCL the
+    call after it (deferred fingerprints); either way every rank raises the same error within the bound."""
+    dev = distributed.device_for(rank)
+    a, b = [torch.ones(4, 2, device=dev)], [torch.ones(8, device=dev)]
+    adasum.all_reduce(a)
+    adasum.all_reduce(b)
+
+    def diverge_then_go_on():
+        adasum.all_reduce(b if rank == world - 1 else a)
+        adasum.all_reduce(a)
+
+    kind, message, seconds = _error_of(diverge_then_go_on)
+    return kind, (message or "").split(" (an earlier call")[0], seconds < BOUND_S
+
+
+@pytest.mark.nccl
+@pytest.mark.parametrize("world", distributed.world_sizes(2, 4))
+def test_swapped_layouts_are_named_on_every_rank_of_the_test_backend(world):
+    results = distributed.run(world, swapped_on_backend_body)
+    distributed.assert_ranks_agree(results)
+    kind, message, in_time = results[0]
+    device = "cuda" if distributed.BACKEND == "nccl" else "cpu"
+    assert kind == "ValueError" and in_time, results[0]
+    assert message == (f"adasum.all_reduce: tensors differ across ranks at index 0: rank 0 has float32 [4, 2] on "
+                       f"{device}, rank {world - 1} has float32 [8] on {device}"), message
