@@ -309,6 +309,7 @@ def worker(rank: int, world: int, store_path: str, args) -> None:
                     torch.cuda.empty_cache()
             tensors = saved = flat = None  # free before the next case
             if device.type == "cuda":
+                adasum.release()
                 torch.cuda.empty_cache()
     _write(rank, args.out, rows)
     dist.barrier()

@@ -195,7 +195,7 @@ def time_model(name: str, args, device: torch.device, rank: int) -> dict[str, li
     steps.clear()  # free before the next model
     gc.collect()
     if device.type == "cuda":
-        # not adasum.collectives.graphs.release(): it is for teardown; with it here, the next model's first
+        # not adasum.release(): it is for teardown; with it here, the next model's first
         # steps hung on 2 x H100 (benchmarks/results/gpu-session5-call5-6.log)
         torch.cuda.empty_cache()
     return out

@@ -23,7 +23,7 @@ import time
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from adasum.core import reduce as ops  # noqa: E402
+from adasum.kernels import reduce as ops  # noqa: E402
 
 from layouts import LAYOUTS  # noqa: E402
 

@@ -21,7 +21,6 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 BACKEND = os.environ.get("ADASUM_TEST_BACKEND", "gloo")
-TRANSPORT = os.environ.get("ADASUM_TEST_TRANSPORT", "")
 """On NCCL, the transport every call of the suite prefers where the group can run it (the NCCL suite is run
 once per transport: "symmetric", the default inside one host, then "p2p" and "collectives")."""
 
@@ -48,19 +47,9 @@ def device_for(rank: int) -> torch.device:
     return torch.device("cpu")
 
 
-def _prefer_transport(name: str) -> None:
-    from adasum import transport
-
-    if name not in transport.TRANSPORTS:
-        raise ValueError(f"ADASUM_TEST_TRANSPORT must be one of {transport.TRANSPORTS}, got {name!r}")
-    transport.NCCL_PREFERENCE = (name, *(t for t in transport.NCCL_PREFERENCE if t != name))
-
-
 def _worker(rank, world_size, store_path, backend, timeout_s, env, body, args, results):
     os.environ.update(env)
     torch.set_num_threads(1)
-    if TRANSPORT:
-        _prefer_transport(TRANSPORT)
     try:
         if backend == "nccl":
             torch.cuda.set_device(device_for(rank))

@@ -209,45 +209,6 @@ def test_local_errors_are_not_blamed_on_peers():
             raise ValueError("local")
 
 
-def cache_body(rank, world):
-    """verify_layout asks once per (group, layout); a new layout is asked again; a mismatch is named."""
-    calls = [0]
-    real = dist.all_reduce
-
-    def counting(*args, **kwargs):
-        calls[0] += 1
-        return real(*args, **kwargs)
-
-    dist.all_reduce = counting
-    try:
-        t = [torch.zeros(3), torch.zeros(2, 2)]
-        for _ in range(3):
-            agreement.verify_layout(t, None, torch.device("cpu"), "gradients")
-        first = calls[0]
-        agreement.verify_layout([torch.zeros(5)], None, torch.device("cpu"), "gradients")
-        second = calls[0]
-        agreement.verify_layout([4, 1], None, torch.device("cpu"), "bucket segments", buffer=torch.zeros(5))
-        third = calls[0]
-        try:
-            agreement.verify_layout([torch.zeros(7 + rank)], None, torch.device("cpu"), "gradients")
-            message = None
-        except ValueError as error:
-            message = str(error)
-        # the uncached form asks every time
-        agreement.verify_layout(t, None, torch.device("cpu"), "gradients", cache=False)
-        return first, second, third, calls[0], message
-    finally:
-        dist.all_reduce = real
-
-
-def test_verify_layout_caches_agreed_layouts():
-    results = distributed.run(2, cache_body)
-    distributed.assert_ranks_agree(results)
-    first, second, third, last, message = results[0]
-    assert (first, second, third, last) == (1, 2, 3, 5)
-    assert "gradients differ across ranks at index 0: rank 0 has float32 [7] on cpu, rank 1 has float32 [8]" in message
-
-
 def test_single_process_checks():
     """Without peers the local problems are still found (a world of one)."""
     problem = agreement.local_problem([torch.zeros(3, requires_grad=True)], torch.device("cpu"))

@@ -262,17 +262,18 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _ranks(args: list[str], world: int = 2, env_extra: dict | None = None, timeout: float = 120) -> list:
-    """Run ``python -m adasum ARGS`` as `world` ranks of one job (torchrun's environment, without
-    torchrun's own reporting): [(exit status, stderr)] per rank."""
+def _ranks(args: list[str], world: int = 2, env_extra: dict | None = None, timeout: float = 120,
+           program: list[str] | None = None) -> list:
+    """Run ``python -m adasum ARGS`` (or ``python PROGRAM ARGS``) as `world` ranks of one job (torchrun's
+    environment, without torchrun's own reporting): [(exit status, stderr)] per rank."""
     port = str(_free_port())
     procs = []
     for rank in range(world):
         env = {**os.environ, "PYTHONPATH": SRC, "OMP_NUM_THREADS": "1", "MASTER_ADDR": "127.0.0.1",
                "MASTER_PORT": port, "RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": str(world),
                "LOCAL_WORLD_SIZE": str(world), **(env_extra or {})}
-        procs.append(subprocess.Popen([sys.executable, "-m", "adasum", *args], env=env, stdout=subprocess.PIPE,
-                                      stderr=subprocess.PIPE, text=True))
+        procs.append(subprocess.Popen([sys.executable, *(program or ["-m", "adasum"]), *args], env=env,
+                                      stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
     out = []
     for p in procs:
         _, err = p.communicate(timeout=timeout)
@@ -300,11 +301,10 @@ def test_bad_flags_under_torchrun_are_one_line_and_exit_2_on_every_rank(tmp_path
 def test_a_dead_peer_is_one_line_and_exit_1(tmp_path):
     """Rank 1 dies (SIGKILL, the test's kill point) after step 3: rank 0 ends with one line naming
     the failed collective, exit status 1 (a failed run: torchrun --max-restarts would restart it)."""
-    from adasum.experiments import checkpoint as ckpt
-
     args = ["train", "--method", "adasum", "--epochs", "1", "--train-limit", "256", "--batch-size", "8",
             "--no-progress", "--quiet", "--timeout", "20", "--out", str(tmp_path / "run")]
-    (status0, err0), (status1, _) = _ranks(args, env_extra={ckpt.KILL_ENV: f"1:3:{tmp_path / 'marker'}"})
+    kill_at = [str(Path(__file__).parent / "kill_at.py"), "1", "3", str(tmp_path / "marker")]
+    (status0, err0), (status1, _) = _ranks(args, program=kill_at)
     assert status1 == -9
     lines = err0.strip().splitlines()
     assert status0 == 1 and len(lines) == 1, err0

@@ -321,8 +321,9 @@ def batch_mismatch_body(rank, world):
 
 def test_hook_refuses_batch_limits_that_differ_across_ranks():
     results = distributed.run(3, batch_mismatch_body)
-    differ = (f"the hook's batch limits (batch_mb) differ across ranks at index 0: rank 0 has batch bytes "
-              f"{int(BATCH_MB * 2**20)}, rank 1 has batch bytes {64 << 20}")
+    differ = (f"the configuration differs across ranks: rank 0 has reducer=Adasum(per_tensor=True) "
+              f"nonfinite=propagate batch_mb={BATCH_MB:g}, rank 1 has reducer=Adasum(per_tensor=True) "
+              "nonfinite=propagate batch_mb=64")
     construction, hook, _ = results[0]
     assert construction == f"adasum.ddp.AdasumState: {differ}", construction
     assert hook == f"adasum_hook: {differ}", hook

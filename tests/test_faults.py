@@ -11,7 +11,7 @@ import torch
 import torch.distributed as dist
 
 import adasum
-from adasum.collectives import vhdd as collectives
+from adasum.transport import c10d
 
 import distributed
 
@@ -19,8 +19,9 @@ TIMEOUT_S = 3
 NO_HANG_S = TIMEOUT_S + 20  # generous: a bound on hanging, not a speed check
 
 
-def _inject(victim_action: str, target: str, call: int) -> None:
-    """Make this rank exit or stall at its `call`-th (1-based) call of `target`."""
+def _inject(victim_action: str, target: str, call: int, group) -> object:
+    """Make this rank exit or stall at its `call`-th (1-based) call of `target`; the transport to pass
+    (None: the default one)."""
     calls = [0]
 
     def act():
@@ -30,14 +31,13 @@ def _inject(victim_action: str, target: str, call: int) -> None:
                 os._exit(17)
             time.sleep(TIMEOUT_S + 4)
 
-    if target == "exchange":  # every point-to-point batch is posted through _post
-        real = collectives._post
+    if target == "exchange":  # every point-to-point batch of the transport is posted through its post function
 
         def post(*args, **kwargs):
             act()
-            return real(*args, **kwargs)
+            return c10d.post(*args, **kwargs)
 
-        collectives._post = post
+        return c10d.PointToPointC10d(group, 4 << 20, adasum.group_timeout(group), post)
     else:  # the small float64 all-reduces (the layout check is call 1)
         real_all_reduce = dist.all_reduce
 
@@ -46,6 +46,7 @@ def _inject(victim_action: str, target: str, call: int) -> None:
             return real_all_reduce(*args, **kwargs)
 
         dist.all_reduce = all_reduce
+        return None
 
 
 def fault_body(rank, world, victim, action, target, call):
@@ -53,13 +54,12 @@ def fault_body(rank, world, victim, action, target, call):
     dist.barrier()
     group = dist.new_group(list(range(world)), timeout=timedelta(seconds=TIMEOUT_S))
     dist.barrier(group=group)
-    if rank == victim:
-        _inject(action, target, call)
+    transport = _inject(action, target, call, group) if rank == victim else None
     g = torch.Generator().manual_seed(rank)
     tensors = [torch.randn(1001, generator=g), torch.randn(7, 3, generator=g, dtype=torch.float64)]
     start = time.monotonic()
     try:
-        adasum.all_reduce(tensors, group=group)
+        adasum.all_reduce(tensors, group=group, transport=transport)
     except adasum.CollectiveError as error:
         cause = error.__cause__
         return {

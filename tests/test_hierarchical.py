@@ -2,7 +2,6 @@
 (Adasum over the node means, NumPy reference) with bitwise agreement across ranks, and the
 placement errors."""
 
-import os
 
 import numpy as np
 import pytest
@@ -10,6 +9,7 @@ import torch
 
 import adasum
 from adasum.collectives.hierarchical import check_placement, reduce_hierarchical
+from adasum.settings import override
 
 import distributed
 from reference import tree as reference_tree
@@ -64,15 +64,16 @@ def hierarchical_body(rank, world, local_sizes):
         assert rel_err(torch.cat(mine), flat_ref) < 1e-6
 
     # gloo's pipelined exchanges (messages shrunk to 37 elements so that shards span several)
-    adasum.collectives.vhdd._PIECE = (37, 37)
-    for local_size in local_sizes:
-        data = [[torch.randn(n, generator=torch.Generator().manual_seed(50 + r)) for n in SIZES] for r in range(world)]
-        mine = [t.clone() for t in data[rank]]
-        adasum.Adasum(hierarchical=True, local_size=local_size).all_reduce(mine)
-        for i, t in enumerate(mine):
-            if t.numel():
-                assert rel_err(t, node_mean_reference(data, i, local_size)) < 1e-6, ("pipelined", local_size, i)
-        out[(local_size, "pipelined")] = torch.cat(mine).numpy().tobytes()
+    with override(piece_elements=(37, 37)):
+        for local_size in local_sizes:
+            data = [[torch.randn(n, generator=torch.Generator().manual_seed(50 + r)) for n in SIZES]
+                    for r in range(world)]
+            mine = [t.clone() for t in data[rank]]
+            adasum.Adasum(hierarchical=True, local_size=local_size).all_reduce(mine)
+            for i, t in enumerate(mine):
+                if t.numel():
+                    assert rel_err(t, node_mean_reference(data, i, local_size)) < 1e-6, ("pipelined", local_size, i)
+            out[(local_size, "pipelined")] = torch.cat(mine).numpy().tobytes()
     return out
 
 
@@ -120,14 +121,13 @@ def errors_body(rank, world):
             adasum.Adasum(hierarchical=True, **kwargs).setup()
         messages[name] = str(info.value)
     # torchrun-style environment with ranks placed round robin over two nodes
-    os.environ.update(LOCAL_WORLD_SIZE="2", LOCAL_RANK=str(rank // 2), GROUP_RANK=str(rank % 2))
-    with pytest.raises(ValueError) as info:
+    with override(local_world_size=2, local_rank=rank // 2, group_rank=rank % 2), pytest.raises(ValueError) as info:
         adasum.Adasum(hierarchical=True).setup()
     messages["placement"] = str(info.value)
     # the same environment placed node by node works, local size from LOCAL_WORLD_SIZE
-    os.environ.update(LOCAL_RANK=str(rank % 2), GROUP_RANK=str(rank // 2))
     t = torch.full((5,), float(rank))
-    adasum.Adasum(hierarchical=True).all_reduce([t])
+    with override(local_world_size=2, local_rank=rank % 2, group_rank=rank // 2):
+        adasum.Adasum(hierarchical=True).all_reduce([t])
     messages["ok"] = t.tolist()
     return messages
 

@@ -11,7 +11,7 @@ from hypothesis import strategies as st
 from hypothesis.extra import numpy as hnp
 
 import adasum
-from adasum.core.reduce import combine_weighted
+from adasum.kernels.reduce import combine_weighted
 
 from reference import pair as reference_pair
 from reference import tree as reference_tree

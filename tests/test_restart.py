@@ -17,6 +17,7 @@ from adasum.experiments import checkpoint as ckpt
 from adasum.experiments.cli import main
 
 SRC = str(Path(__file__).parent.parent / "src")
+KILL_AT = Path(__file__).parent / "kill_at.py"
 # 256 examples / (2 ranks x 8) = 16 steps per epoch, 32 in all; checkpoints every 5 steps
 TRAIN = ["--epochs", "2", "--train-limit", "256", "--batch-size", "8", "--checkpoint-every", "5",
          "--deterministic", "--resume", "--no-progress", "--quiet", "--seeds", "3",
@@ -34,21 +35,23 @@ def _same(a, b) -> bool:
     return a == b
 
 
-def _torchrun(out: Path, method: str, env_extra: dict[str, str], max_restarts: int) -> subprocess.CompletedProcess:
-    env = {**os.environ, "PYTHONPATH": SRC, "OMP_NUM_THREADS": "1", **env_extra}
+def _torchrun(out: Path, method: str, kill: list[str], max_restarts: int) -> subprocess.CompletedProcess:
+    """`kill`: [RANK, STEP, MARKER] of the kill point (tests/kill_at.py), or [] for none."""
+    env = {**os.environ, "PYTHONPATH": SRC, "OMP_NUM_THREADS": "1"}
+    program = [str(KILL_AT), *kill] if kill else ["-m", "adasum"]
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
            f"--max-restarts={max_restarts}", "--monitor-interval", "0.2",
-           "-m", "adasum", "train", "--method", method, "--out", str(out), *TRAIN]
+           *program, "train", "--method", method, "--out", str(out), *TRAIN]
     return subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=300)
 
 
 @pytest.mark.parametrize("method", ["adacons"])  # gradient mode with reducer state (AdaCons momentum)
 def test_torchrun_restart_after_sigkill_resumes_bitwise(tmp_path, method):
-    straight = _torchrun(tmp_path / "straight", method, {}, max_restarts=0)
+    straight = _torchrun(tmp_path / "straight", method, [], max_restarts=0)
     assert straight.returncode == 0, straight.stderr[-3000:]
     marker = tmp_path / "killed"
     # rank 1 kills itself after global step 23 (mid epoch 2; the last checkpoint is at step 20)
-    killed = _torchrun(tmp_path / "killed-run", method, {ckpt.KILL_ENV: f"1:23:{marker}"}, max_restarts=3)
+    killed = _torchrun(tmp_path / "killed-run", method, ["1", "23", str(marker)], max_restarts=3)
     assert killed.returncode == 0, killed.stderr[-3000:]
     assert marker.read_text() == "killed rank 1 after step 23\n"  # the first attempt did die there
     a = torch.load(tmp_path / "straight" / "checkpoint.pt", weights_only=True)
@@ -121,15 +124,12 @@ def test_simulated_mid_epoch_resume_is_exact(tmp_path):
             "--nonfinite", "skip"]
     assert main([*args, "--out", str(tmp_path / "a")]) == 0
     # stop after step 5 (checkpoint at 3): the resumed run replays steps 4 and 5
-    os.environ[ckpt.KILL_ENV] = f"0:5:{tmp_path / 'marker'}"
-    try:
-        real_kill = os.kill
-        os.kill = lambda pid, sig: (_ for _ in ()).throw(SystemExit(9))  # die without killing pytest
-        with pytest.raises(SystemExit):
-            main([*args, "--out", str(tmp_path / "b")])
-    finally:
-        os.kill = real_kill
-        del os.environ[ckpt.KILL_ENV]
+    def stop(rank, step):
+        if step == 5:
+            raise SystemExit(9)  # stops the run where the kill point would, without killing pytest
+
+    with pytest.raises(SystemExit):
+        main([*args, "--out", str(tmp_path / "b")], on_step=stop)
     assert torch.load(tmp_path / "b" / "checkpoint.pt", weights_only=True)["step_in_epoch"] == 3
     assert main([*args, "--out", str(tmp_path / "b")]) == 0
     a = torch.load(tmp_path / "a" / "checkpoint.pt", weights_only=True)

@@ -9,14 +9,14 @@ interface.
 from adasum import ddp
 from adasum.collectives import all_reduce, all_reduce_async, hierarchical
 from adasum.collectives.nonfinite import NonFinite, NonFiniteError, check_finite, find_nonfinite
-from adasum.core.reduce import combine, reduce
 from adasum.diagnostics import Orthogonality, all_reduce_orthogonality, orthogonality, orthogonality_stacked
 from adasum.integrations.broadcast import broadcast_optimizer_state, broadcast_parameters
 from adasum.integrations.optim import DistributedOptimizer
 from adasum.integrations.slowmo import SlowMo
+from adasum.kernels.reduce import combine, reduce
 from adasum.reducers import AdaCons, Adasum, Mean, Reducer, Sum, get_reducer
 from adasum.sim import SimulatedWorkers
-from adasum.transport.groups import CollectiveError, group_timeout
+from adasum.transport.groups import CollectiveError, group_timeout, release
 
 __all__ = [
     "AdaCons",
@@ -46,5 +46,6 @@ __all__ = [
     "orthogonality",
     "orthogonality_stacked",
     "reduce",
+    "release",
 ]
 __version__ = "0.1.0"  # the one place the version is written: pyproject.toml reads it from here

@@ -5,15 +5,16 @@ requires grad given to an in-place collective, views that overlap in memory), wi
 all-reduce. Either raises the same error on every rank, naming the first difference (first) or
 the lowest rank with a problem and what it is; so no rank enters an exchange that its peers will not join.
 
->>> verify_layout(tensors, group, group_device(group), "tensors", operation="adasum.Mean.all_reduce")  # doctest: +SKIP
->>> verify_layout([4096, 64], group, device, "bucket segments", buffer=flat)     # a flat buffer  # doctest: +SKIP
+>>> check_same_layout(tensors, group, device, "tensors", operation="adasum.Mean.all_reduce")  # doctest: +SKIP
+
+The entry points reach these checks through their plan (`adasum.collectives.plan.prepare`).
 """
 
 from __future__ import annotations
 
 import hashlib
-import weakref
-from collections.abc import Iterable, Sequence
+import operator
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -36,7 +37,8 @@ def describe_flat(buffer: torch.Tensor, sizes: Sequence[int]) -> list[Entry]:
     return [(dtype, (int(n),), buffer.device.type) for n in sizes]
 
 
-def _signature(description: Sequence[tuple]) -> int:
+def signature(description: Sequence) -> int:
+    """A 62-bit fingerprint of `description` (its repr), so that its negation fits an int64."""
     digest = hashlib.blake2b(repr(list(description)).encode(), digest_size=8).digest()
     return int.from_bytes(digest, "little") >> 2  # 62 bits, so its negation fits int64
 
@@ -58,6 +60,10 @@ class Problem:
         return kind(f"{operation}: {self.message}{where}")
 
 
+_layout, _dtype, _device = operator.attrgetter("layout"), operator.attrgetter("dtype"), operator.attrgetter("device")
+_requires_grad = operator.attrgetter("requires_grad")
+
+
 def _span(t: torch.Tensor) -> tuple[int, int]:
     """[start, end) in bytes of the storage that `t` can touch (its elements lie within)."""
     if t.numel() == 0:
@@ -69,16 +75,50 @@ def _span(t: torch.Tensor) -> tuple[int, int]:
 
 
 def _elements(t: torch.Tensor) -> torch.Tensor:
-    """The storage element offsets `t` covers (only called for tensors whose spans overlap)."""
+    """The storage element offsets `t` covers."""
     base = torch.arange(t.storage_offset() + sum((n - 1) * s for n, s in zip(t.shape, t.stride())) + 1)
     return torch.as_strided(base, t.shape, t.stride(), t.storage_offset()).reshape(-1)
+
+
+def _clusters(spans: list[tuple[tuple[int, int], int]]) -> list[list[tuple[tuple[int, int], int]]]:
+    """Spans sorted by start, grouped into runs whose byte ranges chain into one another."""
+    runs: list[list[tuple[tuple[int, int], int]]] = []
+    end = -1
+    for span in spans:
+        if span[0][0] < end:
+            runs[-1].append(span)
+        else:
+            runs.append([span])
+        end = max(end, span[0][1])
+    return [run for run in runs if len(run) > 1]
+
+
+def _first_shared(tensors: Sequence[torch.Tensor], run: list[tuple[tuple[int, int], int]]) -> tuple[int, int] | None:
+    """The first pair of `run`'s tensors that share a byte: each byte of the run's range is marked with the
+    tensor that covers it, in one pass over their elements (linear in their bytes)."""
+    lo = min(start for (start, _), _ in run)
+    hi = max(end for (_, end), _ in run)
+    owner = torch.full((hi - lo,), -1, dtype=torch.int64)
+    found: list[tuple[int, int]] = []
+    for _, i in sorted(run, key=lambda span: span[1]):
+        t = tensors[i]
+        size = t.element_size()
+        starts = _elements(t) * size - lo
+        covered = (starts.unsqueeze(1) + torch.arange(size)).reshape(-1)
+        taken = owner[covered]
+        if bool((taken >= 0).any()):
+            found.append((int(taken[taken >= 0].min()), i))
+            continue
+        owner[covered] = i
+    return min(found) if found else None
 
 
 def overlapping(tensors: Sequence[torch.Tensor]) -> tuple[int, int] | None:
     """The first pair (i, j), i < j, of tensors that share a memory location, or None.
 
-    Spans are compared first (by storage, sorted by start); only tensors whose spans overlap have
-    their elements compared, so interleaved views such as ``x[::2]`` and ``x[1::2]`` pass.
+    Spans are compared first (by storage, sorted by start); only runs of tensors whose spans chain
+    into one another have their bytes marked, once each (`_first_shared`), so interleaved views
+    such as ``x[::2]`` and ``x[1::2]``, or the columns of a matrix, pass in time linear in their size.
 
     >>> x = torch.zeros(10)
     >>> overlapping([x[:6], x[4:]]), overlapping([x[::2], x[1::2]])
@@ -92,19 +132,16 @@ def overlapping(tensors: Sequence[torch.Tensor]) -> tuple[int, int] | None:
     for members in by_storage.values():
         if len(members) < 2:
             continue
-        spans = sorted((_span(tensors[i]), i) for i in members)
-        for a in range(len(spans)):
-            (start_a, end_a), i = spans[a]
-            for b in range(a + 1, len(spans)):
-                (start_b, _), j = spans[b]
-                if start_b >= end_a:
-                    break
-                x, y = tensors[i], tensors[j]
-                if x.element_size() != y.element_size() or bool(
-                    torch.isin(_elements(x) * x.element_size(), _elements(y) * y.element_size()).any()
-                ):
-                    found.append((min(i, j), max(i, j)))
+        for run in _clusters(sorted((_span(tensors[i]), i) for i in members)):
+            pair = _first_shared(tensors, run)
+            if pair is not None:
+                found.append(pair)
     return min(found) if found else None
+
+
+def _self_overlapping(t: torch.Tensor) -> bool:
+    """Whether two elements of `t` are one memory location (an ``expand``ed view: stride 0 over a dim of size > 1)."""
+    return t.layout == torch.strided and any(s == 0 and n > 1 for n, s in zip(t.shape, t.stride()))
 
 
 def local_problem(
@@ -114,6 +151,7 @@ def local_problem(
     in_place: bool = True,
     floating: bool = True,
     group: dist.ProcessGroup | None = None,
+    disjoint: bool = False,
 ) -> Problem | None:
     """The first problem with this rank's `tensors`, or None; checks nothing across ranks.
 
@@ -122,32 +160,37 @@ def local_problem(
     (ValueError; with `group`, any type the group's backends take, `adasum.transport.groups.accepts`);
     when `in_place` and autograd is recording, a leaf that requires grad (ValueError:
     an in-place write into it would fail after data moved); when `in_place`, two tensors sharing a
-    memory location (ValueError: the results would depend on the order of the writes).
+    memory location, or one tensor whose elements share one (an ``expand``ed view), ValueError: the
+    results would depend on the order of the writes. ``disjoint=True``: the caller found these very
+    tensors (addresses, shapes, strides) free of both before; those memory checks are skipped.
     """
-    for i, t in enumerate(tensors):
-        if t.layout != torch.strided:
-            return Problem(
-                "TypeError",
-                f"tensor {i} is {str(t.layout).removeprefix('torch.')}; only dense (strided) tensors can be "
-                "combined (sparse gradients: make them dense, e.g. nn.Embedding(sparse=False))",
-            )
+    # C-level maps over the tensors (this runs on every call); the index is looked for only on a problem
+    layouts = list(map(_layout, tensors))
+    if any(layout != torch.strided for layout in set(layouts)):
+        i = next(i for i, layout in enumerate(layouts) if layout != torch.strided)
+        return Problem(
+            "TypeError",
+            f"tensor {i} is {str(layouts[i]).removeprefix('torch.')}; only dense (strided) tensors can be "
+            "combined (sparse gradients: make them dense, e.g. nn.Embedding(sparse=False))",
+        )
     if floating:
-        for i, t in enumerate(tensors):
-            if not t.dtype.is_floating_point:
-                return Problem(
-                    "TypeError", f"tensor {i} has dtype {t.dtype}; only floating-point tensors can be combined"
-                )
+        dtypes = list(map(_dtype, tensors))
+        if not all(d.is_floating_point for d in set(dtypes)):
+            i = next(i for i, d in enumerate(dtypes) if not d.is_floating_point)
+            message = f"tensor {i} has dtype {dtypes[i]}; only floating-point tensors can be combined"
+            return Problem("TypeError", message)
     if tensors:
-        first = tensors[0].device
-        for t in tensors:
-            if t.device != first:
-                return Problem("ValueError", f"all tensors must be on one device, got {first} and {t.device}")
+        devices = list(map(_device, tensors))
+        first = devices[0]
+        if len(set(devices)) > 1:
+            other = next(d for d in devices if d != first)
+            return Problem("ValueError", f"all tensors must be on one device, got {first} and {other}")
         if backend_device is not None and first.type != backend_device.type and not accepts(group, first):
             return Problem(
                 "ValueError", f"the process group's backend needs {backend_device.type} tensors, got {first}"
             )
     if in_place:
-        if torch.is_grad_enabled():
+        if torch.is_grad_enabled() and any(map(_requires_grad, tensors)):
             for i, t in enumerate(tensors):
                 if t.requires_grad and t.is_leaf:
                     return Problem(
@@ -155,7 +198,14 @@ def local_problem(
                         f"tensor {i} is a leaf that requires grad, which an in-place collective cannot write; "
                         "pass p.detach() (or call under torch.no_grad())",
                     )
-        pair = overlapping(tensors)
+        for i, t in enumerate(() if disjoint else tensors):
+            if _self_overlapping(t):
+                return Problem(
+                    "ValueError",
+                    f"tensor {i} has elements that share memory (an expanded view, stride 0); "
+                    "an in-place collective cannot write it: pass t.contiguous()",
+                )
+        pair = None if disjoint else overlapping(tensors)
         if pair is not None:
             return Problem(
                 "ValueError",
@@ -163,6 +213,33 @@ def local_problem(
                 "pass each memory location once",
             )
     return None
+
+
+def tensor_list(tensors: object, operation: str) -> list[torch.Tensor]:
+    """`tensors` as a list: a tensor, or any sequence or iterable of tensors; TypeError for anything else
+    (a dict: pass its values).
+
+    >>> len(tensor_list(torch.zeros(3), "op")), len(tensor_list((torch.zeros(1), torch.zeros(2)), "op"))
+    (1, 2)
+    """
+    if isinstance(tensors, torch.Tensor):
+        return [tensors]
+    if isinstance(tensors, Mapping):
+        raise TypeError(f"{operation}: takes a tensor or a list of tensors, got a {type(tensors).__name__}; "
+                        "pass list(d.values())")
+    if isinstance(tensors, (str, bytes)) or not isinstance(tensors, Iterable):
+        raise TypeError(f"{operation}: takes a tensor or a list of tensors, got {type(tensors).__name__}")
+    listed = list(tensors)
+    for i, t in enumerate(listed):
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"{operation}: element {i} is a {type(t).__name__}, not a torch.Tensor")
+    return listed
+
+
+def check_group(group: object, operation: str) -> None:
+    """TypeError unless `group` is a torch.distributed process group or None (the default group)."""
+    if group is not None and not isinstance(group, dist.ProcessGroup):
+        raise TypeError(f"{operation}: group must be a torch.distributed ProcessGroup or None, got {group!r}")
 
 
 # --- the cross-rank check
@@ -191,43 +268,71 @@ def _entry(entry: tuple) -> str:
     return " ".join(str(list(p)) if isinstance(p, tuple) else str(p) for p in entry)
 
 
+def difference(configs: Sequence, descriptions: Sequence[Sequence[tuple]], what: str) -> str:
+    """One line naming the first difference across ranks: of the configurations first, else of the layouts."""
+    for rank, config in enumerate(configs[1:], start=1):
+        if config != configs[0]:
+            return (f"the configuration differs across ranks: rank 0 has {_entry(configs[0])}, "
+                    f"rank {rank} has {_entry(config)}")
+    return first_mismatch(descriptions, what)
+
+
 def agree(
     description: Sequence[tuple],
     problem: Problem | None,
     group: dist.ProcessGroup | None,
     what: str = "tensors",
     operation: str = "adasum",
+    config: tuple = (),
 ) -> None:
     """The collective part: raise the same error on every rank of `group` unless every rank has the
-    same `description` (any list of hashable-by-repr tuples) and no rank has a `problem`.
+    same `config` (the call's options) and `description` (any list of hashable-by-repr tuples) and no
+    rank has a `problem`.
 
     One all-reduce (MAX) of three int64 values, on the checks' own gloo group (`control_group`: a
     check never pairs with a data collective of a rank that went on): the signature, its negation
     and a problem flag.
     Only on a mismatch or a problem are the descriptions and problems gathered
-    (``all_gather_object``), to name the first difference from rank 0's description (ValueError)
+    (``all_gather_object``), to name the first difference from rank 0's (`difference`, ValueError)
     or else the lowest rank with a problem (its error, TypeError or ValueError).
     """
     if dist.get_world_size(group) == 1:
         if problem is not None:
             raise problem.exception(operation, dist.get_rank(group))
         return
-    sig = _signature(description)
+    sig = signature([config, *description])
     control = control_group(group)  # the checks' own gloo group (`adasum.transport.groups.control_group`)
     probe = torch.tensor([sig, -sig, 0 if problem is None else 1], dtype=torch.int64)
     dist.all_reduce(probe, op=dist.ReduceOp.MAX, group=control)
     high, neg_low, any_problem = probe.tolist()
     if high == -neg_low and not any_problem:
         return
-    everyone: list = [None] * dist.get_world_size(group)
-    dist.all_gather_object(everyone, (list(description), problem), group=control)
-    descriptions = [d for d, _ in everyone]
-    if any(d != descriptions[0] for d in descriptions):
-        raise ValueError(f"{operation}: {first_mismatch(descriptions, what)}")
-    for rank, (_, theirs) in enumerate(everyone):
+    raise_difference(control, config, description, problem, what, operation)
+
+
+def raise_difference(
+    control: dist.ProcessGroup | None,
+    config: tuple,
+    description: Sequence[tuple],
+    problem: Problem | None,
+    what: str,
+    operation: str,
+    note: str = "",
+) -> None:
+    """After fingerprints differed: gather every rank's configuration, description and problem on `control` and
+    raise the same error on every rank, as rank 0 names it: the first difference (ValueError, `difference`, then
+    `note`), or else the lowest rank's problem."""
+    everyone: list = [None] * dist.get_world_size(control)
+    dist.all_gather_object(everyone, (config, list(description), problem, operation, note), group=control)
+    configs = [c for c, _, _, _, _ in everyone]
+    descriptions = [d for _, d, _, _, _ in everyone]
+    if any(c != configs[0] for c in configs) or any(d != descriptions[0] for d in descriptions):
+        # named as rank 0 names it, so that every rank raises the very same error
+        raise ValueError(f"{everyone[0][3]}: {difference(configs, descriptions, what)}{everyone[0][4]}")
+    for rank, (_, _, theirs, _, _) in enumerate(everyone):
         if theirs is not None:
-            raise theirs.exception(operation, rank)
-    raise ValueError(f"{operation}: {what} differ across ranks")  # a signature collision cannot get here
+            raise theirs.exception(everyone[0][3], rank)
+    raise ValueError(f"{operation}: {what} differ across ranks")  # a fingerprint collision cannot get here
 
 
 def check_same_layout(
@@ -249,66 +354,6 @@ def check_same_layout(
     tensors = list(tensors)
     problem = local_problem(tensors, device, in_place=in_place, floating=floating, group=group)
     agree(describe(tensors), problem, group, what, operation)
-
-
-# --- verdicts cached per group and layout
-
-_verdicts: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
-
-
-def _resolved(group: dist.ProcessGroup | None) -> dist.ProcessGroup:
-    return group if group is not None else dist.distributed_c10d._get_default_group()
-
-
-def verify_layout(
-    tensors_or_sizes: Sequence[torch.Tensor] | Sequence[int],
-    group: dist.ProcessGroup | None,
-    device: torch.device,
-    what: str = "tensors",
-    *,
-    buffer: torch.Tensor | None = None,
-    in_place: bool = True,
-    floating: bool = True,
-    cache: bool = True,
-    operation: str = "adasum",
-) -> None:
-    """`check_same_layout`, remembering each verdict per (group, layout): once every rank of
-    `group` has agreed on a layout, later calls with that layout skip the all-reduce (no host
-    synchronisation), so a fixed layout is checked once, on its first call.
-
-    `tensors_or_sizes` is a list of tensors, or the element counts of the segments of the flat
-    `buffer` (a DDP bucket). Local problems (`local_problem`) are looked for on every call; on a
-    layout already agreed on, one is raised on this rank only (its peers were not asked), and a
-    peer that then waits on it fails within the group's timeout.
-
-    What the cache cannot see: after ranks agreed on two layouts A and B, a rank that passes A
-    while another passes B (both remembered) is not caught. Use ``cache=False`` (check every
-    call) where layouts vary from call to call; the reducers do for direct calls.
-
-    >>> verify_layout(grads, None, torch.device("cpu"), "gradients")   # all-reduce on first call only  # doctest: +SKIP
-    """
-    if buffer is not None:
-        sizes = [int(n) for n in tensors_or_sizes]  # type: ignore[arg-type]
-        tensors = [buffer]
-        description = describe_flat(buffer, sizes)
-        problem = local_problem(tensors, device, in_place=in_place, floating=floating, group=group)
-        if problem is None and sum(sizes) != buffer.numel():
-            problem = Problem("ValueError", f"sizes add up to {sum(sizes)} elements, the buffer has {buffer.numel()}")
-    else:
-        tensors = list(tensors_or_sizes)  # type: ignore[arg-type]
-        description = describe(tensors)
-        problem = local_problem(tensors, device, in_place=in_place, floating=floating, group=group)
-    if not cache:
-        agree(description, problem, group, what, operation)
-        return
-    sig = _signature(description)
-    known = _verdicts.setdefault(_resolved(group), set())
-    if sig in known:
-        if problem is not None:
-            raise problem.exception(operation, dist.get_rank(group))
-        return
-    agree(description, problem, group, what, operation)
-    known.add(sig)
 
 
 def check_not_sharded(params: Iterable[torch.Tensor], where: str) -> None:

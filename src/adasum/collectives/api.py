@@ -5,18 +5,19 @@ from __future__ import annotations
 
 import operator
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
 
-from adasum.collectives import graphs
-from adasum.collectives.agreement import verify_layout
+from adasum.collectives.agreement import check_group, tensor_list
 from adasum.collectives.nonfinite import check_finite, check_policy
-from adasum.collectives.vhdd import _workspace, adasum_flat_, transport_for
+from adasum.collectives.plan import Plan, prepare, recheck
+from adasum.collectives.vhdd import adasum_flat_, transport_for
 from adasum.core.layout import Scattered, flatten, group_by_dtype, unflatten_into
-from adasum.core.operator import check_floating
 from adasum.transport.base import Transport
-from adasum.transport.groups import failures_named, group_device
+from adasum.transport.graphs import tensor_key
+from adasum.transport.groups import Communicator, communicator, group_device
 
 
 def all_reduce(
@@ -25,7 +26,7 @@ def all_reduce(
     *,
     check_layout: bool = True,
     nonfinite: str = "propagate",
-    transport: str | None = None,
+    transport: str | Transport | None = None,
 ) -> None:
     """Replace each tensor, on every rank, by the Adasum of the ranks' copies; in place.
 
@@ -33,16 +34,20 @@ def all_reduce(
     end with bitwise-identical tensors, equal to ``adasum.reduce`` of the ranks' copies up to
     float64 rounding of the coefficients. Tensors are fused into one flat buffer per dtype.
 
-    With `check_layout` (the default) one 16-byte all-reduce first checks that every rank passed
-    the same number of tensors with the same shapes and dtypes; a mismatch raises ValueError on
-    every rank, naming the first difference. The verdict is kept per group and layout: a layout
-    checked once is not checked again (no host synchronisation on repeated calls). Non-floating
-    dtypes raise TypeError. World size 1 leaves the tensors unchanged.
+    With `check_layout` (the default) every call first checks that every rank passed the same
+    number of tensors with the same shapes and dtypes, and the same `nonfinite` and `transport`
+    (`adasum.collectives.plan`: on gloo one 24-byte all-reduce before data moves; on NCCL the
+    layout's first call so, later calls by a fingerprint compared at the group's next call, with no
+    host synchronisation); a difference raises ValueError on every rank, naming the first
+    difference and the ranks. Non-floating dtypes raise TypeError, anything but a tensor or a list
+    of tensors (a dict) or a `group` that is not a process group TypeError. World size 1 leaves the
+    tensors unchanged.
 
     `transport` names how bytes move: "p2p" (c10d point-to-point), "collectives" (NCCL, the gather
     as one all-gather), "symmetric" (NVLink symmetric memory); None picks the fastest the group
-    supports (`adasum.transport.select`). On GPUs, repeated calls on the same tensors replay a
-    captured CUDA graph of the whole call (`adasum.collectives.graphs`).
+    supports (`adasum.transport.select`); a `adasum.transport.base.Transport` object is used as
+    it is (a wrapping transport injects faults in tests). On GPUs, repeated calls on the same tensors replay a
+    captured CUDA graph of the whole call (`adasum.transport.graphs`).
 
     Non-finite inputs: ``nonfinite="propagate"`` (the default) lets them through; a tensor with a
     NaN or Inf on any rank comes out non-finite, identically on every rank. ``"raise"`` first
@@ -56,44 +61,39 @@ def all_reduce(
     >>> adasum.all_reduce(grads)  # doctest: +SKIP
     >>> adasum.all_reduce(grads, nonfinite="raise")  # doctest: +SKIP
     """
-    tensors = [tensors] if isinstance(tensors, torch.Tensor) else list(tensors)
-    if nonfinite == "propagate" and _replayed(group, transport, tensors):
-        return
-    check_policy(nonfinite, ("propagate", "raise"))
+    operation = "adasum.all_reduce"
+    tensors = tensor_list(tensors, operation)
+    check_group(group, operation)
     if not dist.is_initialized():
         raise RuntimeError("adasum.all_reduce needs torch.distributed to be initialised")
-    if dist.get_world_size(group) == 1:
-        for t in tensors:
-            check_floating(t.dtype)
-        if nonfinite == "raise":
-            check_finite(tensors, group, operation="adasum.all_reduce")
+    comm = communicator(group)
+    if nonfinite == "propagate" and _replayed(comm, group, transport, tensors, check_layout):
         return
-    device = group_device(group)
-    if check_layout:  # once per group and layout (`verify_layout` keeps the verdicts)
-        with failures_named("adasum.all_reduce", "the layout check", group):
-            verify_layout(tensors, group, device, operation="adasum.all_reduce")
-    for t in tensors:
-        check_floating(t.dtype)
-        if t.device != tensors[0].device:
-            raise ValueError(f"all tensors must be on one device, got {tensors[0].device} and {t.device}")
-    if tensors and tensors[0].device.type != device.type:
-        raise ValueError(f"the {dist.get_backend(group)} backend needs {device.type} tensors, got {tensors[0].device}")
+    check_policy(nonfinite, ("propagate", "raise"))
+    single = dist.get_world_size(group) == 1
+    chosen = None if single else list_transport(group, transport)
+    config = (operation, f"transport={None if chosen is None else chosen.name}", f"nonfinite={nonfinite}")
+    plan = prepare(tensors, group, config=config, operation=operation, check="call" if check_layout else "none")
     if nonfinite == "raise":
-        check_finite(tensors, group, operation="adasum.all_reduce")
-    chosen = list_transport(group, transport)
+        check_finite(tensors, group, operation=operation)
+    if chosen is None:
+        return
 
     def run() -> None:
         adasum_list_(tensors, group, chosen)
 
-    key = (id(group), chosen.name, graphs.tensor_key(tensors))
-    graphs.run(key, run, device)
-    if graphs.captured(key):
-        _last[(id(group), transport)] = (tensors, tuple(map(_data_ptr, tensors)), tuple(map(_shape, tensors)), key)
+    key = ("list", chosen.name, tensor_key(tensors))
+    comm.graphs.run(key, run, group_device(group))
+    if comm.graphs.captured(key):
+        comm.last = _Last(transport, tensors, tuple(map(_data_ptr, tensors)), tuple(map(_shape, tensors)), key, plan)
 
 
-def list_transport(group: dist.ProcessGroup | None, name: str | None = None) -> Transport:
-    """The transport a list is combined on: `name`, or the fastest the group supports (every rank a leader of
-    the tree where the group is a power of two; the slice-parallel schedule serves any size)."""
+def list_transport(group: dist.ProcessGroup | None, name: str | Transport | None = None) -> Transport:
+    """The transport a list is combined on: `name` (or that very transport), or the fastest the group supports
+    (every rank a leader of the tree where the group is a power of two; the slice-parallel schedule serves any
+    size)."""
+    if isinstance(name, Transport):
+        return name
     world = dist.get_world_size(group)
     return transport_for(group, name, world & (world - 1) == 0)
 
@@ -101,30 +101,41 @@ def list_transport(group: dist.ProcessGroup | None, name: str | None = None) -> 
 def adasum_list_(tensors: Sequence[torch.Tensor], group: dist.ProcessGroup | None, transport: Transport) -> None:
     """Per-tensor Adasum of checked `tensors` in place: one flat buffer per dtype (`fused_per_dtype`; a list the
     transport reads in place is not copied) through the VHDD schedule on `transport`."""
-    fused_per_dtype(tensors, lambda flat, sizes: adasum_flat_(flat, sizes, group, transport=transport), transport)
+    fused_per_dtype(
+        tensors, lambda flat, sizes: adasum_flat_(flat, sizes, group, transport=transport), transport, group=group
+    )
 
 
-# The last captured call per (group, transport keyword): a repeat with the very same tensor objects,
-# addresses and shapes replays its graph without re-validating (the checks passed for this key at capture).
-_last: dict = {}
+@dataclass(frozen=True)
+class _Last:
+    """The group's last captured list call: a repeat with the very same tensor objects, addresses and shapes (and
+    the same transport keyword) replays its graph without the plan look-up (its checks passed at capture)."""
+
+    transport: str | Transport | None
+    tensors: list
+    pointers: tuple
+    shapes: tuple
+    key: tuple
+    plan: Plan
 
 
 _data_ptr = torch.Tensor.data_ptr
 _shape = operator.attrgetter("shape")
 
 
-def _replayed(group, transport, tensors) -> bool:
+def _replayed(comm: Communicator, group, transport, tensors, check_layout: bool) -> bool:
     # host time is what the GPU waits for between calls: C-level maps, not a Python loop (66 against 92 us for
-    # 161 tensors on the 2-core VM; the replay check was most of the 96 us per call profiled on an H100 host)
-    entry = _last.get((id(group), transport))
-    if entry is None:
+    # 161 tensors); the fingerprint still goes out (`adasum.collectives.plan`)
+    last = comm.last
+    if last is None or last.transport != transport:
         return False
-    previous, pointers, shapes, key = entry
-    if len(previous) != len(tensors) or not all(map(operator.is_, previous, tensors)):
+    if len(last.tensors) != len(tensors) or not all(map(operator.is_, last.tensors, tensors)):
         return False
-    if tuple(map(_data_ptr, tensors)) != pointers or tuple(map(_shape, tensors)) != shapes:
+    if tuple(map(_data_ptr, tensors)) != last.pointers or tuple(map(_shape, tensors)) != last.shapes:
         return False
-    return graphs.replay(key)
+    if check_layout:
+        recheck(last.plan, group, "adasum.all_reduce")
+    return comm.graphs.replay(last.key)
 
 
 def fused_per_dtype(
@@ -133,6 +144,7 @@ def fused_per_dtype(
     transport: Transport | None = None,
     *,
     together: bool = False,
+    group: dist.ProcessGroup | None = None,
 ) -> None:
     """Fuse `tensors` into one flat buffer per dtype (reused between calls on the CPU; the
     transport's own buffer where it has one), run ``combine(flat, sizes)`` on each in place, and copy
@@ -141,11 +153,13 @@ def fused_per_dtype(
 
     ``together=True`` calls ``combine(flats, sizes, indices)`` once with every dtype's buffer (in
     `group_by_dtype` order), its tensors' sizes and their indices in `tensors`: for coefficients
-    computed across dtypes (AdaCons' whole-model form)."""
+    computed across dtypes (AdaCons' whole-model form). The CPU fusion buffers are `group`'s (its
+    `Communicator`'s workspace)."""
+    workspace = communicator(group).workspace
     groups = list(group_by_dtype(tensors).values())
     if together:
         members = [[tensors[i] for i in indices] for indices in groups]
-        flats = [flatten(m, _workspace.get("fusion", sum(t.numel() for t in m), m[0])) for m in members]
+        flats = [flatten(m, workspace.get("fusion", sum(t.numel() for t in m), m[0])) for m in members]
         combine(flats, [[t.numel() for t in m] for m in members], groups)
         for flat, m in zip(flats, members):
             unflatten_into(flat, m)
@@ -162,7 +176,7 @@ def fused_per_dtype(
             flat = members[0].view(-1)  # no fusion: no workspace either (a captured graph would keep it)
         else:
             fusion = transport.fusion_buffer(numel, members[0]) if transport is not None else None
-            flat = flatten(members, fusion if fusion is not None else _workspace.get("fusion", numel, members[0]))
+            flat = flatten(members, fusion if fusion is not None else workspace.get("fusion", numel, members[0]))
         combine(flat, [t.numel() for t in members])
         unflatten_into(flat, members)
 
@@ -173,17 +187,18 @@ def all_reduce_async(
     *,
     check_layout: bool = True,
     nonfinite: str = "propagate",
-    transport: str | None = None,
+    transport: str | Transport | None = None,
 ) -> torch.futures.Future:
     """`all_reduce`, returning a Future of the list of tensors.
 
     On NCCL the work is enqueued on the current CUDA stream and the host does not wait for it
-    (except for the layout check's one small read on a layout's first call, which
-    ``check_layout=False`` removes, and the non-finite check's, which ``nonfinite="raise"`` adds);
+    (the layout check waits on the CPU control group on a layout's first call only, which
+    ``check_layout=False`` removes; the non-finite check reads the device, which
+    ``nonfinite="raise"`` adds);
     consumers on the same stream see the result. On gloo the exchanges complete before it returns.
     """
-    tensor_list = [tensors] if isinstance(tensors, torch.Tensor) else list(tensors)
-    all_reduce(tensor_list, group, check_layout=check_layout, nonfinite=nonfinite, transport=transport)
+    listed = tensor_list(tensors, "adasum.all_reduce_async")
+    all_reduce(listed, group, check_layout=check_layout, nonfinite=nonfinite, transport=transport)
     future: torch.futures.Future = torch.futures.Future()
-    future.set_result(tensor_list)
+    future.set_result(listed)
     return future

@@ -29,7 +29,6 @@ nodes run as VHDD over the ranks of local rank l (one per node) on that slice, t
 over the whole group; then each node gathers its slices. Other placements are refused on every rank.
 """
 
-import os
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -39,7 +38,8 @@ import torch.distributed as dist
 from adasum.collectives.slices import adasum_slices_
 from adasum.collectives.vhdd import Placement, adasum_flat_
 from adasum.core.layout import Layout
-from adasum.core.reduce import reduce
+from adasum.kernels.reduce import reduce
+from adasum.settings import current
 from adasum.transport import select
 from adasum.transport.c10d import global_rank
 from adasum.transport.groups import failures_named, group_device
@@ -66,15 +66,13 @@ class Hierarchy:
         return tuple(n * self.local_size + self.local_rank for n in range(self.nodes))
 
 
-def _env_int(name: str) -> int:
-    value = os.environ.get(name)
-    return int(value) if value not in (None, "") else -1
+def _known(value: int | None) -> int:
+    return -1 if value is None else value
 
 
 def local_size_from_env() -> int | None:
-    """LOCAL_WORLD_SIZE as torchrun sets it, or None."""
-    size = _env_int("LOCAL_WORLD_SIZE")
-    return size if size > 0 else None
+    """LOCAL_WORLD_SIZE as torchrun sets it (`adasum.settings`), or None."""
+    return current().local_world_size
 
 
 def check_placement(local_sizes: Sequence[int], local_ranks: Sequence[int], node_ids: Sequence[int]) -> int:
@@ -133,7 +131,8 @@ def build_hierarchy(
     if size is None:
         raise ValueError("hierarchical mode needs local_size or LOCAL_WORLD_SIZE (set by torchrun)")
     from_env = size == env_size
-    mine = [size, _env_int("LOCAL_RANK") if from_env else -1, _env_int("GROUP_RANK") if from_env else -1]
+    settings = current()
+    mine = [size, _known(settings.local_rank) if from_env else -1, _known(settings.group_rank) if from_env else -1]
     world = dist.get_world_size(group)
     device = group_device(group)
     everyone = torch.empty(world * 3, dtype=torch.int64, device=device)

@@ -39,44 +39,14 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from adasum.collectives import graphs
 from adasum.collectives.slices import adasum_slices_
 from adasum.core.layout import Layout, Scattered
 from adasum.core.tree import Tree
 from adasum.kernels import combine_from_sums, dot_and_norms
+from adasum.settings import current
 from adasum.transport import select
 from adasum.transport.base import GatherStep, Level, Transport, aligned_cut
-from adasum.transport.c10d import post as _post
-from adasum.transport.groups import failures_named
-
-
-class _Workspace:
-    """Reusable host buffers. Large fresh CPU allocations are returned to the OS on free and
-    page-fault anew on every call (about as slow as the data exchange itself), so the CPU path keeps
-    its fusion and receive buffers; CUDA's caching allocator already does this on GPUs."""
-
-    def __init__(self) -> None:
-        self._buffers: dict[tuple[str, torch.dtype], torch.Tensor] = {}
-
-    def get(self, name: str, numel: int, like: torch.Tensor) -> torch.Tensor:
-        if like.device.type != "cpu":
-            return torch.empty(numel, dtype=like.dtype, device=like.device)
-        key = (name, like.dtype)
-        buf = self._buffers.get(key)
-        if buf is None or buf.numel() < numel:
-            buf = torch.empty(numel, dtype=like.dtype)
-            self._buffers[key] = buf
-        return buf[:numel]
-
-
-_workspace = _Workspace()
-
-
-# Largest piece of a level's point-to-point exchange, in 4-byte elements (bytes / 4, whatever the
-# dtype: a bf16 piece holds twice the elements): (gloo, NCCL). NCCL's point-to-point ran at 210 GB/s
-# on 32 MB pieces and 331 GB/s on whole 512 MB halves (2 x H100); 128 MB pieces keep most of that
-# and still overlap the math of one piece with the transfer of the next.
-_PIECE = (1 << 20, 1 << 25)
+from adasum.transport.groups import communicator, failures_named
 
 
 @functools.lru_cache(maxsize=256)
@@ -136,8 +106,12 @@ class Placement:
 def transport_for(
     group: dist.ProcessGroup | None, name: str | None, whole_group: bool, placed: bool = False
 ) -> Transport:
-    """`adasum.transport.select` with this module's piece sizes and post function (tests shrink or wrap them)."""
-    return select(group, name, whole_group=whole_group, placed=placed, post_fn=_post, piece_elements=_PIECE)
+    """The transport `adasum.transport.select` picks, built once per group (its `Communicator`) and choice."""
+    pieces = current().piece_elements
+    return communicator(group).transport(
+        (name, whole_group, placed, pieces),
+        lambda: select(group, name, whole_group=whole_group, placed=placed, piece_elements=pieces),
+    )
 
 
 def final_slices(numel: int, world: int, levels: Sequence[int]) -> list[tuple[int, int]]:
@@ -207,8 +181,8 @@ def adasum_flat_(
         run()
         return
     where = buffer.key if isinstance(buffer, Scattered) else buffer.data_ptr()
-    key = (id(group), transport.name, where, buffer.dtype, buffer.numel(), layout.sizes, placement)
-    graphs.run(key, run, buffer.device)
+    key = ("flat", transport.name, where, buffer.dtype, buffer.numel(), layout.sizes, placement)
+    communicator(group).graphs.run(key, run, buffer.device)
 
 
 def run_schedule(
@@ -254,9 +228,10 @@ def run_schedule(
             transport.exchange(None, buffer, leader)
         return
 
+    workspace = communicator(group).workspace
     follower = None if tree.follower(me) is None else peers[tree.follower(me)]
     if follower is not None:
-        received = _workspace.get("recv", buffer.numel(), buffer)
+        received = workspace.get("recv", buffer.numel(), buffer)
         with step(f"the fold (receiving from rank {follower})"):
             transport.exchange(None, received, follower)
         with step("the fold's dot-product all-reduce"):
@@ -280,7 +255,7 @@ def run_schedule(
         theirs = transport.receive_space(kept, given, buffer)
         level = Level(
             buffer=buffer, kept=kept, given=given, peer=peer, lower=lower,
-            theirs=_workspace.get("recv", kept[1] - kept[0], buffer) if theirs is None else theirs,
+            theirs=workspace.get("recv", kept[1] - kept[0], buffer) if theirs is None else theirs,
             sums=sums[block], overlap=overlap,
             workers_a=tree.count(base, d), workers_b=tree.count(base + d, d), last=d == levels[-1],
         )

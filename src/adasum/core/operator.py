@@ -1,5 +1,5 @@
 r"""Adasum's pairwise operator: the formula, its coefficients and their zero guard. Pure math; the
-kernels (`adasum.kernels`) apply it to flat buffers, `adasum.core.reduce` to whole tensors, the
+kernels (`adasum.kernels`) apply it to flat buffers, `adasum.kernels.reduce` to whole tensors, the
 collectives slice by slice. No communication happens here.
 
 For two vectors ``a`` and ``b`` standing for ``n_a`` and ``n_b`` workers,

@@ -14,9 +14,9 @@
   ValueError naming the file, never an unpickling traceback.
 * A write that fails (a full disk) raises `adasum.experiments.io.WriteFailed` in one line, on every
   rank under torchrun; the previous checkpoint is intact.
-* `kill_point`: a test-only fault injection (``ADASUM_TEST_KILL=RANK:STEP:MARKER``): rank RANK
-  SIGKILLs itself after global step STEP unless the file MARKER exists (it creates MARKER first,
-  so only the first attempt dies and a restarted run goes on).
+* `kill_at(rank, step, marker)`: a test's fault injection, an ``on_step`` callback for `train`:
+  rank RANK SIGKILLs itself after global step STEP unless the file MARKER exists (it creates
+  MARKER first, so only the first attempt dies and a restarted run goes on).
 
 >>> save_checkpoint(path, common, local, distributed=True)     # on every rank  # doctest: +SKIP
 >>> common, local = load_checkpoint(path, device, distributed=True)  # doctest: +SKIP
@@ -27,6 +27,7 @@ from __future__ import annotations
 import hashlib
 import os
 import signal
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -38,7 +39,6 @@ from adasum.transport.groups import failures_named
 
 REQUIRED = ("config", "epoch", "engine")
 CHECKSUM = "checksum"
-KILL_ENV = "ADASUM_TEST_KILL"
 
 
 def content_checksum(obj: Any) -> str:
@@ -145,14 +145,14 @@ def load_checkpoint(
     return state, ranks[rank]
 
 
-def kill_point(rank: int, global_step: int) -> None:
-    """Test-only: SIGKILL this process after `global_step` if ``ADASUM_TEST_KILL=RANK:STEP:MARKER``
-    names this rank and step and MARKER does not exist yet (it is created first)."""
-    spec = os.environ.get(KILL_ENV)
-    if not spec:
-        return
-    want_rank, want_step, marker = spec.split(":", 2)
-    if int(want_rank) != rank or int(want_step) != global_step or os.path.exists(marker):
-        return
-    Path(marker).write_text(f"killed rank {rank} after step {global_step}\n")
-    os.kill(os.getpid(), signal.SIGKILL)
+def kill_at(rank: int, step: int, marker: str | os.PathLike) -> Callable[[int, int], None]:
+    """An ``on_step`` callback (`adasum.experiments.runner.train`): SIGKILL this process after global step `step`
+    on rank `rank`, unless the file `marker` exists (it is created first, so a restarted run goes on)."""
+
+    def on_step(this_rank: int, global_step: int) -> None:
+        if this_rank != rank or global_step != step or os.path.exists(marker):
+            return
+        Path(marker).write_text(f"killed rank {rank} after step {global_step}\n")
+        os.kill(os.getpid(), signal.SIGKILL)
+
+    return on_step

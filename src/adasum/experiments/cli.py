@@ -21,7 +21,7 @@ import logging
 import os
 import re
 import sys
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import fields
 from pathlib import Path
 from typing import Any
@@ -341,7 +341,8 @@ def cmd_train(args: argparse.Namespace) -> int:
             log.info(ONE_WORKER_HINT)
         with ProgressBar(not args.no_progress) as bar:
             result = train(
-                config, out, resume=args.resume, progress=bar, tensorboard=args.tensorboard, overwrite=args.overwrite
+                config, out, resume=args.resume, progress=bar, tensorboard=args.tensorboard, overwrite=args.overwrite,
+                on_step=args.on_step,
             )
         print(
             f"{result['method']} P={result['workers']}: validation accuracy {result['val_accuracy']:.2f}%, "
@@ -388,6 +389,7 @@ def cmd_train(args: argparse.Namespace) -> int:
                 tensorboard=args.tensorboard,
                 distributed=True,
                 overwrite=args.overwrite,
+                on_step=args.on_step,
             )
         if rank == 0:
             print(
@@ -466,14 +468,14 @@ def cmd_report(args: argparse.Namespace) -> int:
     return 0
 
 
-def run() -> None:
+def run(argv: Sequence[str] | None = None, *, on_step: Callable[[int, int], None] | None = None) -> None:
     """The entry point of the ``adasum`` command and ``python -m adasum``: `main`, then exit without
     the interpreter's teardown. A gloo worker thread still releasing its last work while the
     interpreter is torn down aborts the process (SIGABRT, "terminate called without an active
     exception"; see `adasum.transport.groups`), and torchrun would report a finished run as failed.
     The outputs are written and closed by then; the standard streams are flushed here."""
     try:
-        status = main()
+        status = main(argv, on_step=on_step)
     except SystemExit as done:  # argparse: --help and bad flags
         status = done.code if isinstance(done.code, int) else (0 if done.code is None else 1)
     except BaseException:  # an unexpected error: its traceback, then the same exit
@@ -491,13 +493,14 @@ def _subparser(parser: argparse.ArgumentParser, command: str) -> Parser:
     return subparsers.choices[command]
 
 
-def main(argv: Sequence[str] | None = None) -> int:
-    """Run the command line; returns the exit status."""
+def main(argv: Sequence[str] | None = None, *, on_step: Callable[[int, int], None] | None = None) -> int:
+    """Run the command line; returns the exit status. `on_step` goes to `train` (``adasum train``)."""
     parser = build_parser()
     try:
         args, extra = parser.parse_known_args(argv)
         if extra:
             raise _subparser(parser, args.command).unrecognized(extra)
+        args.on_step = on_step
         import torch
 
         torch.set_num_threads(args.threads)

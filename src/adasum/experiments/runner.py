@@ -26,7 +26,7 @@ from torch import nn
 
 from adasum.collectives.nonfinite import POLICIES, apply_nonfinite_policy
 from adasum.diagnostics import Orthogonality, all_reduce_orthogonality
-from adasum.experiments.checkpoint import kill_point, load_checkpoint, save_checkpoint
+from adasum.experiments.checkpoint import load_checkpoint, save_checkpoint
 from adasum.experiments.data import DEFAULT_MODELS, Dataset, load_task
 from adasum.experiments.io import read_jsonl, write_json_atomic, write_text_atomic
 from adasum.experiments.methods import get_method, method_reducer
@@ -380,6 +380,7 @@ class _Run:
 
     def __init__(self, config: RunConfig, out: Path | None, dataset: Dataset | None, distributed: bool) -> None:
         self.config, self.out, self.distributed = config, out, distributed
+        self.on_step: Callable[[int, int], None] | None = None  # called after every step with (rank, global step)
         self.method = get_method(config.method)
         self.device = torch.device(config.device)
         self.rank = dist.get_rank() if distributed else 0
@@ -502,7 +503,8 @@ class _Run:
             global_step = epoch * self.steps_per_epoch + s + 1
             if config.checkpoint_every and global_step % config.checkpoint_every == 0 and s + 1 < self.steps_per_epoch:
                 self.save(progress, epoch, s + 1)
-            kill_point(self.rank, global_step)
+            if self.on_step is not None:
+                self.on_step(self.rank, global_step)
         return partial
 
     def epoch_record(self, progress: _Progress, epoch: int, partial: dict[str, Any], wall_s: float) -> dict[str, Any]:
@@ -626,6 +628,7 @@ def train(
     tensorboard: bool = False,
     distributed: bool = False,
     overwrite: bool = False,
+    on_step: Callable[[int, int], None] | None = None,
 ) -> dict[str, Any]:
     """Train one run and return its result (also written to ``OUT/result.json``).
 
@@ -637,7 +640,8 @@ def train(
     ``result.json``; `resume` continues from the checkpoint, mid-epoch included, exactly where the
     uninterrupted run would be (`adasum.experiments.checkpoint`). A run that starts from step 0
     into a folder holding another run's files raises ValueError unless `overwrite` (they are
-    replaced): nothing finished is lost silently.
+    replaced): nothing finished is lost silently. `on_step(rank, global_step)` is called after every
+    training step (tests kill a rank there: `adasum.experiments.checkpoint.kill_at`).
 
     >>> result = train(RunConfig(method="adasum", workers=16, lr=0.01, epochs=2), "runs/one")  # doctest: +SKIP
     >>> result["val_accuracy"], result["test_accuracy"], result["collapsed"]  # doctest: +SKIP
@@ -646,6 +650,7 @@ def train(
     _set_deterministic(config)
     out = Path(out_dir) if out_dir is not None else None
     run = _Run(config, out, dataset, distributed)
+    run.on_step = on_step
     state = run.restore(resume)
     advance = (progress or ProgressBar(False)).task(
         run.label, run.steps_per_epoch * config.epochs, state.epoch * run.steps_per_epoch + state.step

@@ -55,12 +55,12 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from adasum.collectives import graphs
 from adasum.collectives.agreement import agree
 from adasum.collectives.nonfinite import apply_nonfinite_policy, check_policy
+from adasum.collectives.plan import prepare
 from adasum.deprecated import _UNSET, renamed
 from adasum.reducers import Adasum, Reducer, get_reducer
-from adasum.transport.groups import failures_named, side_stream
+from adasum.transport.groups import communicator, failures_named, side_stream
 
 HOOK_POLICIES = ("propagate", "raise")
 BATCH_MB = 256.0
@@ -157,11 +157,15 @@ class AdasumState:
     def _reset_caches(self) -> None:
         self._batch_checked = False  # every rank of the group was found to have the same batch limit
         self._plans: dict[int, _BucketPlan] = {}  # per bucket index, while DDP keeps that buffer
+        self._agreed: set[tuple] = set()  # batch keys checked across ranks
+        # the model's parameters by id, learnt from its first backward pass
+        self._parameters: weakref.WeakValueDictionary | None = None
+        self._learning: weakref.WeakValueDictionary = weakref.WeakValueDictionary()
         self._open: list[tuple[torch.Tensor, _BucketPlan, torch.futures.Future]] = []  # the open batch
         self._open_bytes = 0
 
     def __getstate__(self) -> dict[str, Any]:
-        skip = ("group", "_batch_checked", "_plans", "_open", "_open_bytes")
+        skip = ("group", "_batch_checked", "_plans", "_agreed", "_parameters", "_learning", "_open", "_open_bytes")
         return {k: v for k, v in self.__dict__.items() if k not in skip}
 
     def __setstate__(self, state: dict[str, Any]) -> None:
@@ -221,9 +225,26 @@ class _BucketPlan:
         return self.buffer() is buffer and self.pointer == buffer.data_ptr()
 
 
+def _check_one_model(state: AdasumState, bucket: dist.GradBucket) -> None:
+    """RuntimeError where a bucket holds parameters that the state's first backward pass did not have: the state
+    is registered on a second model (one open batch cannot serve two backward passes). DDP's buckets cover every
+    parameter on every pass, and a rebuild regroups the same ones."""
+    if state._parameters is None:
+        state._learning.update((id(p), p) for p in bucket.parameters())
+        if bucket.is_last():
+            state._parameters, state._learning = state._learning, weakref.WeakValueDictionary()
+        return
+    if any(state._parameters.get(id(p)) is not p for p in bucket.parameters()):
+        raise RuntimeError(
+            "adasum_hook: this AdasumState is registered on a second DDP model (bucket "
+            f"{bucket.index()} holds parameters its first model does not have); make one AdasumState per model"
+        )
+
+
 def _plan(state: AdasumState, bucket: dist.GradBucket, buffer: torch.Tensor) -> _BucketPlan:
     plan = state._plans.get(bucket.index())
     if plan is None or not plan.holds(buffer):
+        _check_one_model(state, bucket)
         sizes = tuple(bucket_sizes(bucket))
         plan = _BucketPlan(weakref.ref(buffer), buffer.data_ptr(), sizes, (buffer.data_ptr(), buffer.dtype, sizes))
         state._plans[bucket.index()] = plan
@@ -257,14 +278,26 @@ def _close_batch(state: AdasumState) -> None:
     if device.type == "cuda":
         side = side_stream(device, "comm")
         side.wait_stream(torch.cuda.current_stream(device))
+    key = ("ddp", id(state.reducer), tuple(plan.key for _, plan, _ in batch))
+    if key not in state._agreed:
+        _agree_batch(state, batch)
+        state._agreed.add(key)
     with torch.cuda.stream(side) if device.type == "cuda" else contextlib.nullcontext():
         if state.reducer.capturable:
-            key = ("ddp", id(state.group), id(state.reducer), tuple(plan.key for _, plan, _ in batch))
-            graphs.run(key, lambda: _combine(state, batch), device)
+            communicator(state.group).graphs.run(key, lambda: _combine(state, batch), device)
         else:
             _combine(state, batch)
         for tensor, _, future in batch:
             future.set_result(tensor)
+
+
+def _agree_batch(state: AdasumState, batch: list[tuple[torch.Tensor, _BucketPlan, Any]]) -> None:
+    """A batch's first call: every rank must combine the same segments (DDP buckets of another ``bucket_cap_mb``
+    on one rank differ here), checked across ranks once per batch (its plan, `adasum.collectives.plan`)."""
+    sizes = [n for _, plan, _ in batch for n in plan.sizes]
+    buffers = [buffer for buffer, _, _ in batch]
+    prepare(buffers, state.group, config=("adasum_hook", repr(state.reducer)), operation="adasum_hook",
+            what="bucket segments", sizes=sizes, check="once")
 
 
 def _drop_open_batch(state: AdasumState) -> None:
@@ -275,12 +308,14 @@ def _drop_open_batch(state: AdasumState) -> None:
 
 
 def _check_batch_limit(state: AdasumState, operation: str) -> None:
-    """Raise the same ValueError on every rank unless every rank has the same batch limit: the batches decide which
-    collectives run, so ranks with different limits would pair different calls. Once per state: at construction,
-    or at the first bucket of a state made before the process group or unpickled (then on every rank alike)."""
-    with failures_named(operation, "the batch_mb check", state.group):
-        agree([("batch bytes", state._batch_bytes)], None, state.group, "the hook's batch limits (batch_mb)",
-              operation)
+    """Raise the same ValueError on every rank unless every rank has the same configuration: the reducer, the
+    non-finite policy and the batch limit (the batches decide which collectives run, so ranks with different
+    limits would pair different calls). Once per state: at construction, or at the first bucket of a state made
+    before the process group or unpickled (then on every rank alike)."""
+    batches = f"batch_mb={state._batch_mb:g}" if state._batch_bytes else "bucket by bucket"
+    config = (f"reducer={state.reducer!r}", f"nonfinite={state.nonfinite}", batches)
+    with failures_named(operation, "the configuration check", state.group):
+        agree([], None, state.group, "the hook's configurations", operation, config)
     state._batch_checked = True
 
 

@@ -284,6 +284,7 @@ class AdaCons(Reducer):
                 flats, sizes, indices, len(tensors), group, self._key(description, key)
             ),
             together=True,
+            group=group,
         )
 
     def _all_reduce_buffers(

@@ -11,7 +11,7 @@ from adasum.collectives.api import adasum_list_, list_transport
 from adasum.collectives.vhdd import Placement, adasum_flat_
 from adasum.core.layout import group_by_dtype
 from adasum.core.operator import check_floating
-from adasum.core.reduce import reduce_stacked
+from adasum.kernels.reduce import reduce_stacked
 from adasum.reducers.base import Reducer, ShardGroups, check_workers
 
 
@@ -72,7 +72,7 @@ class Adasum(Reducer):
 
     @property
     def capturable(self) -> bool:
-        """The flat VHDD collective runs captured (`adasum.collectives.graphs`); the hierarchical one is not
+        """The flat VHDD collective runs captured (`adasum.transport.graphs`); the hierarchical one is not
         captured (never tried)."""
         return not self.hierarchical
 

@@ -49,9 +49,9 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from adasum.collectives.agreement import local_problem, verify_layout
+from adasum.collectives.agreement import check_group, tensor_list
 from adasum.collectives.api import fused_per_dtype
-from adasum.transport.groups import group_device
+from adasum.collectives.plan import prepare
 
 
 @dataclass(frozen=True)
@@ -78,7 +78,7 @@ class Reducer:
     exact_average: bool = False
     """The result is the exact mean of the ranks' copies (a model may be averaged directly)."""
     capturable: bool = False
-    """On NCCL a call never waits on the host, so a CUDA graph can capture it (`adasum.collectives.graphs`)."""
+    """On NCCL a call never waits on the host, so a CUDA graph can capture it (`adasum.transport.graphs`)."""
     elementwise: bool = False
     """Each element of the result depends on that element of the inputs only (a shard combines on its own)."""
     homogeneous: bool = True
@@ -99,14 +99,16 @@ class Reducer:
     ) -> None:
         """In place across `group`; tensors are fused into one flat buffer per dtype.
 
-        With `check_layout` (default) one small all-reduce first checks that every rank passed the
-        same count, shapes, dtypes and device type, and that no rank's input has a local problem;
-        the same ValueError/TypeError on every rank names the first difference or problem. Local
-        problems are looked for even with ``check_layout=False`` (then raised on this rank only).
+        With `check_layout` (default) every call first checks that every rank passed the same
+        count, shapes, dtypes and device type to the same reducer with the same options, and that
+        no rank's input has a local problem (`adasum.collectives.plan`); the same ValueError/TypeError
+        on every rank names the first difference or problem. Local problems are looked for even with
+        ``check_layout=False`` (then raised on this rank only). A dead peer raises
+        `adasum.CollectiveError`.
         """
-        tensors = list(tensors)
         operation = f"adasum.{type(self).__name__}.all_reduce"
-        self._check(tensors, None, group, check_layout, operation, "tensors")
+        tensors = tensor_list(tensors, operation)
+        self._prepare(tensors, None, group, check_layout, operation, "tensors", options)
         if tensors:
             self._all_reduce(tensors, group, **options)
 
@@ -121,12 +123,14 @@ class Reducer:
     ) -> None:
         """In place on one flat buffer holding tensors of `sizes` elements end to end (a DDP bucket);
         checked as `all_reduce` (the sizes, the dtype and the device type must agree)."""
-        sizes = [int(n) for n in sizes]
         operation = f"adasum.{type(self).__name__}.all_reduce_flat"
-        self._check([buffer], sizes, group, check_layout, operation, "bucket segments")
+        if not isinstance(buffer, torch.Tensor):
+            raise TypeError(f"{operation}: buffer must be a torch.Tensor, got {type(buffer).__name__}")
+        sizes = [int(n) for n in sizes]
+        self._prepare([buffer], sizes, group, check_layout, operation, "bucket segments", options)
         self._all_reduce_flat(buffer, sizes, group, **options)
 
-    def _check(
+    def _prepare(
         self,
         tensors: list[torch.Tensor],
         sizes: list[int] | None,
@@ -134,23 +138,18 @@ class Reducer:
         check_layout: bool,
         operation: str,
         what: str,
+        options: dict[str, Any],
     ) -> None:
-        device = group_device(group)
-        if check_layout and _world_size(group) > 1:
-            if sizes is None:
-                verify_layout(tensors, group, device, what, cache=False, operation=operation)
-            else:
-                verify_layout(sizes, group, device, what, buffer=tensors[0], cache=False, operation=operation)
-            return
-        problem = local_problem(tensors, device, group=group)
-        if problem is None and sizes is not None and sum(sizes) != tensors[0].numel():
-            raise ValueError(f"{operation}: sizes add up to {sum(sizes)} elements, the buffer has {tensors[0].numel()}")
-        if problem is not None:
-            raise problem.exception(operation)
+        """The call's plan (`adasum.collectives.plan.prepare`): the reducer, its options and the layout agree
+        across ranks on every call (with `check_layout`), local problems are raised."""
+        check_group(group, operation)
+        config = (operation, repr(self), repr(sorted(options.items())))
+        prepare(tensors, group, config=config, operation=operation, what=what, sizes=sizes,
+                check="call" if check_layout else "none")
 
     def _all_reduce(self, tensors: list[torch.Tensor], group: dist.ProcessGroup | None, **options: Any) -> None:
         """Combine checked `tensors` in place (default: one flat buffer per dtype, `_all_reduce_flat`)."""
-        fused_per_dtype(tensors, lambda flat, sizes: self._all_reduce_flat(flat, sizes, group, **options))
+        fused_per_dtype(tensors, lambda flat, sizes: self._all_reduce_flat(flat, sizes, group, **options), group=group)
 
     def _all_reduce_flat(
         self, buffer: torch.Tensor, sizes: list[int], group: dist.ProcessGroup | None, **options: Any
@@ -193,10 +192,6 @@ class Reducer:
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}()"
-
-
-def _world_size(group: dist.ProcessGroup | None) -> int:
-    return dist.get_world_size(group)
 
 
 def check_workers(per_worker: Sequence[Sequence[torch.Tensor]]) -> int:

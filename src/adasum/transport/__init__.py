@@ -8,6 +8,7 @@ from collections.abc import Callable
 
 import torch.distributed as dist
 
+from adasum.settings import current
 from adasum.transport.base import Transport
 from adasum.transport.c10d import Collectives, PointToPointC10d, post
 from adasum.transport.groups import group_timeout
@@ -20,7 +21,17 @@ NCCL_PREFERENCE = ("symmetric", "slices", "p2p")
 """The default on NCCL: the first of these the group supports (order from benchmarks/results: inside one host,
 "symmetric" for power-of-two groups, "slices" for the others); "collectives" and "symmetric" need a power-of-two
 group, "slices" and "symmetric" one host with NVLink, "p2p" runs everywhere. The test suite puts another
-transport first to run the NCCL suite on it (``ADASUM_TEST_TRANSPORT``)."""
+transport first (`adasum.settings.Settings.transport_first`, ``ADASUM_TEST_TRANSPORT``): `preference`."""
+
+
+def preference() -> tuple[str, ...]:
+    """`NCCL_PREFERENCE` with the settings' ``transport_first`` (if any) put first."""
+    first = current().transport_first
+    if not first:
+        return NCCL_PREFERENCE
+    if first not in TRANSPORTS:
+        raise ValueError(f"ADASUM_TEST_TRANSPORT must be one of {list(TRANSPORTS)}, got {first!r}")
+    return (first, *(t for t in NCCL_PREFERENCE if t != first))
 
 
 def select(
@@ -33,7 +44,7 @@ def select(
     piece_elements: tuple[int, int] = (1 << 20, 1 << 25),
 ) -> Transport:
     """The transport for a schedule over `group`: `name` if given, else the fastest the group
-    supports (gloo: "p2p"; NCCL: `NCCL_PREFERENCE`). `whole_group`: every rank of the group is a
+    supports (gloo: "p2p"; NCCL: `preference()`). `whole_group`: every rank of the group is a
     leader of the tree (a power-of-two group, no placement), which "collectives" and "symmetric"
     need; `placed`: the tree runs over a placement inside the group (hierarchical mode), which only the
     VHDD transports serve ("slices" needs every rank, any number of them). Asking for one the group cannot run
@@ -44,7 +55,7 @@ def select(
         if nccl and not placed:
             from adasum.transport import symmetric
 
-            for candidate in NCCL_PREFERENCE:
+            for candidate in preference():
                 needs_whole = candidate in ("symmetric", "collectives")
                 needs_host = candidate in ("symmetric", "slices")
                 if (whole_group or not needs_whole) and (not needs_host or symmetric.supported(group)):

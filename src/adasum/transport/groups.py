@@ -25,13 +25,18 @@ from __future__ import annotations
 
 import atexit
 import re
+import sys
+import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Hashable, Iterator
 from contextlib import contextmanager
 from datetime import timedelta
+from typing import Any
 
 import torch
 import torch.distributed as dist
+
+from adasum.transport.graphs import Graphs
 
 
 class CollectiveError(RuntimeError):
@@ -43,29 +48,178 @@ class CollectiveError(RuntimeError):
     """
 
 
-_exit_handler_registered = False
-
-
 EXIT_DRAIN_S = 0.05
 """How long the exit handler lets gloo's threads release their last work (microseconds suffice)."""
+
+
+class Workspace:
+    """Reusable host buffers of one group's collectives. Large fresh CPU allocations are returned to the OS on
+    free and page-fault anew on every call (about as slow as the data exchange itself), so the CPU path keeps
+    its fusion and receive buffers; CUDA's caching allocator already does this on GPUs. One per group: two
+    threads that drive two groups never share one."""
+
+    def __init__(self) -> None:
+        self._buffers: dict[tuple[str, torch.dtype], torch.Tensor] = {}
+
+    def get(self, name: str, numel: int, like: torch.Tensor) -> torch.Tensor:
+        if like.device.type != "cpu":
+            return torch.empty(numel, dtype=like.dtype, device=like.device)
+        key = (name, like.dtype)
+        buf = self._buffers.get(key)
+        if buf is None or buf.numel() < numel:
+            buf = torch.empty(numel, dtype=like.dtype)
+            self._buffers[key] = buf
+        return buf[:numel]
+
+
+class Communicator:
+    """Everything adasum keeps for one process group, made on the group's first collective
+    (`communicator`) and dropped by `release`: the transports (built once per name), the checks'
+    control group, the plans per layout (`adasum.collectives.plan`), the
+    captured CUDA graphs, the CPU workspaces, and the fingerprints posted but not yet compared.
+
+    Calls on one group must come from one thread at a time (as torch.distributed's own collectives
+    must: their order pairs them across ranks); different groups may run on different threads.
+    """
+
+    def __init__(self, group: dist.ProcessGroup | None) -> None:
+        self.group = group
+        self.transports: dict[Hashable, Any] = {}
+        self.control: dist.ProcessGroup | None = None
+        self.plans: dict[Hashable, Any] = {}
+        self.plans_built = 0
+        self.graphs = Graphs()
+        self.workspace = Workspace()
+        self.last: Any = None  # the last captured list call: its replay skips the plan look-up
+        self.pending: list[Any] = []  # fingerprints posted on the control group, compared at the next call
+
+    def transport(self, key: Hashable, build: Callable[[], Any]) -> Any:
+        """The transport of `key`, built once (`build()`) for this group."""
+        found = self.transports.get(key)
+        if found is None:
+            found = self.transports[key] = build()
+        return found
+
+    def control_group(self) -> dist.ProcessGroup | None:
+        """See `control_group`."""
+        if self.group is not None and self.group is not dist.GroupMember.WORLD:
+            return self.group
+        if self.control is None:
+            self.control = dist.new_group(timeout=group_timeout(None), backend="gloo")
+        return self.control
+
+    def clear(self) -> None:
+        """Drop everything, and destroy the control group this communicator made (local: no collective)."""
+        if self.control is not None and dist.is_initialized():
+            _registry.destroy(self.control)
+        self.graphs.clear()
+        self.transports.clear()
+        self.plans.clear()
+        self.pending.clear()
+        self.last = None
+        self.control = None
+
+
+class _Registry:
+    """The package's one piece of process-wide mutable state: communicators by process group, side
+    streams by device, and whether the exit handler and the teardown hook are in place."""
+
+    def __init__(self) -> None:
+        self.lock = threading.Lock()
+        self.communicators: dict[dist.ProcessGroup, Communicator] = {}
+        self.streams: dict[tuple[torch.device, str], torch.cuda.Stream] = {}
+        self.exit_handler = False
+        self.teardown_hook = False
+        self.destroy = dist.destroy_process_group  # torch's own, also once the teardown hook wraps it
+
+
+_registry = _Registry()
+
+
+def _resolved(group: dist.ProcessGroup | None) -> dist.ProcessGroup:
+    return group if group is not None else dist.distributed_c10d._get_default_group()
+
+
+def communicator(group: dist.ProcessGroup | None = None) -> Communicator:
+    """The communicator of `group` (None: the default group), made on first use (thread-safe)."""
+    pg = _resolved(group)
+    found = _registry.communicators.get(pg)
+    if found is not None:
+        return found
+    with _registry.lock:
+        found = _registry.communicators.get(pg)
+        if found is None:
+            _install_teardown_hook()
+            default = pg is dist.distributed_c10d._get_default_group()
+            found = _registry.communicators[pg] = Communicator(None if default else pg)
+        return found
+
+
+def release(group: dist.ProcessGroup | None = None) -> None:
+    """Drop what adasum keeps for process groups: captured CUDA graphs, transports and their symmetric
+    buffers, control groups, plans, workspaces, side streams. Local (no collective). With a
+    `group`, only that group's communicator goes (symmetric buffers are shared and stay).
+
+    For teardown: ``torch.distributed.destroy_process_group`` calls it first (once adasum has worked on
+    a group). Collectives after a full release are not supported on GPUs: a benchmark that released
+    between two models and went on training hung in the second model's first steps on 2 x H100.
+
+    >>> adasum.release()  # doctest: +SKIP
+    """
+    with _registry.lock:
+        if group is not None:
+            found = _registry.communicators.pop(_resolved(group), None)
+            if found is not None:
+                _synchronize_if(found.graphs.count() > 0)
+                found.clear()
+            return
+        comms = list(_registry.communicators.values())
+        _synchronize_if(any(c.graphs.count() for c in comms))
+        for comm in comms:
+            comm.clear()
+        _registry.communicators.clear()
+        _registry.streams.clear()
+    symmetric = sys.modules.get("adasum.transport.symmetric")  # holds buffers only once imported (it imports this)
+    if symmetric is not None:
+        symmetric.release()
+
+
+def _synchronize_if(graphs_alive: bool) -> None:
+    if graphs_alive and torch.cuda.is_available():
+        torch.cuda.synchronize()
+
+
+def _install_teardown_hook() -> None:
+    """Make ``torch.distributed.destroy_process_group`` call `release` first (a process hung in
+    ``destroy_process_group`` with a captured graph alive)."""
+    if _registry.teardown_hook:
+        return
+    _registry.teardown_hook = True
+    original = _registry.destroy = dist.destroy_process_group
+
+    def destroy_process_group(group=None, *args, **kwargs):
+        release(group)
+        return original(group, *args, **kwargs)
+
+    destroy_process_group.__wrapped__ = original  # type: ignore[attr-defined]
+    dist.destroy_process_group = destroy_process_group
+    dist.distributed_c10d.destroy_process_group = destroy_process_group
 
 
 def _destroy_gloo_groups() -> None:
     """At interpreter exit (module doc): let gloo's threads finish, then destroy gloo-only groups."""
     time.sleep(EXIT_DRAIN_S)  # releases the GIL: a thread releasing its last work can take it
-    _control_groups.clear()  # no reference of ours keeps a group (and its threads) alive
+    with _registry.lock:
+        for comm in _registry.communicators.values():
+            comm.control = None  # no reference of ours keeps a group (and its threads) alive
     if dist.is_available() and dist.is_initialized() and dist.get_backend() == "gloo":
         dist.destroy_process_group()
 
 
 def _register_exit_handler() -> None:
-    global _exit_handler_registered
-    if not _exit_handler_registered:
+    if not _registry.exit_handler:
         atexit.register(_destroy_gloo_groups)
-        _exit_handler_registered = True
-
-
-_side_streams: dict[tuple[torch.device, str], torch.cuda.Stream] = {}
+        _registry.exit_handler = True
 
 
 def side_stream(device: torch.device, purpose: str) -> torch.cuda.Stream:
@@ -73,9 +227,9 @@ def side_stream(device: torch.device, purpose: str) -> torch.cuda.Stream:
     compute stream (the DDP hook, `DistributedOptimizer`), "copies" for the symmetric transport's staging
     copies (which overlap its own kernels, on whatever stream those run)."""
     key = (torch.device(device), purpose)
-    stream = _side_streams.get(key)
+    stream = _registry.streams.get(key)
     if stream is None:
-        stream = _side_streams[key] = torch.cuda.Stream(key[0])
+        stream = _registry.streams[key] = torch.cuda.Stream(key[0])
     return stream
 
 
@@ -90,13 +244,11 @@ def group_device(group: dist.ProcessGroup | None = None) -> torch.device:
     return torch.device("cpu")
 
 
-_control_groups: dict = {}
-
-
 def control_group(group: dist.ProcessGroup | None = None) -> dist.ProcessGroup | None:
     """The group the small cross-rank checks (layouts, parameter checksums) run on: for the default
     group, a gloo group over all ranks, created on first use (every rank checks there, so every rank
-    creates it at the same point) and kept; for any other group, that group itself.
+    creates it at the same point) and kept by the group's `Communicator`; for any other group, that
+    group itself.
 
     The checks never share the default group with the data they guard: when ranks' control flow
     diverges (one rank checks a new parameter group while its peer already combines gradients), a
@@ -105,14 +257,7 @@ def control_group(group: dist.ProcessGroup | None = None) -> dist.ProcessGroup |
     Sub-groups keep their checks on themselves: a group made lazily by some ranks only
     (``use_local_synchronization``) deadlocked when ranks had made different numbers of groups.
     """
-    if group is not None and group is not dist.GroupMember.WORLD:
-        return group
-    pg = dist.distributed_c10d._get_default_group()
-    control = _control_groups.get(pg)
-    if control is None:
-        control = dist.new_group(timeout=group_timeout(None), backend="gloo")
-        _control_groups[pg] = control
-    return control
+    return communicator(group).control_group()
 
 
 def accepts(group: dist.ProcessGroup | None, device: torch.device) -> bool:

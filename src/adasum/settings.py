@@ -1,0 +1,117 @@
+"""Every setting of the library in one frozen object, read from the environment once.
+
+`current()` returns the settings in force: the process's (read from the environment on first use),
+or those of the innermost `override` block of the calling thread. Nothing else in the library reads
+``os.environ``; docs/settings.md lists every variable.
+
+>>> current().cuda_graphs
+True
+>>> with override(cuda_graphs=False):
+...     current().cuda_graphs
+False
+"""
+
+from __future__ import annotations
+
+import contextvars
+import dataclasses
+import functools
+import os
+from collections.abc import Iterator, Mapping
+from contextlib import contextmanager
+from dataclasses import dataclass
+
+
+def _flag(env: Mapping[str, str], name: str, default: bool = True) -> bool:
+    value = env.get(name)
+    return default if value in (None, "") else value != "0"
+
+
+def _int(env: Mapping[str, str], name: str, default: int) -> int:
+    value = env.get(name)
+    return default if value in (None, "") else int(value)
+
+
+@dataclass(frozen=True)
+class Settings:
+    """The library's settings (docs/settings.md names the environment variable of each)."""
+
+    cuda_graphs: bool = True
+    """Capture repeated GPU collectives into CUDA graphs (``ADASUM_CUDA_GRAPHS``)."""
+    transport_first: str = ""
+    """A transport put first in the NCCL default order where the group can run it (``ADASUM_TEST_TRANSPORT``)."""
+    piece_elements: tuple[int, int] = (1 << 20, 1 << 25)
+    """Largest piece of a level's point-to-point exchange, in 4-byte elements: (gloo, NCCL)."""
+    local_world_size: int | None = None
+    """Ranks per node for hierarchical mode, as torchrun sets it (``LOCAL_WORLD_SIZE``)."""
+    local_rank: int | None = None
+    """This process's rank on its node, as torchrun sets it (``LOCAL_RANK``)."""
+    group_rank: int | None = None
+    """This process's node, as torchrun sets it (``GROUP_RANK``)."""
+    deferred_checks: bool | None = None
+    """Compare a repeated call's fingerprint at the group's next call instead of before its data (None: on NCCL
+    only, where the host must not wait; `adasum.collectives.plan`)."""
+    symmetric: bool = True
+    """Symmetric memory may be chosen on NCCL (``ADASUM_SYMMETRIC``)."""
+    symmetric_push: bool = True
+    """Two-rank symmetric levels push instead of pull (``ADASUM_SYMMETRIC_PUSH``)."""
+    symmetric_chunks: bool = True
+    """Two-rank symmetric levels are cut into chunks (``ADASUM_SYMMETRIC_CHUNKS``)."""
+    symmetric_chunk_bytes: int = 32 << 20
+    """Smallest chunk of a chunked symmetric level (``ADASUM_SYMMETRIC_CHUNK_BYTES``)."""
+    symmetric_max_chunks: int = 4
+    """Most chunks of a chunked symmetric level (``ADASUM_SYMMETRIC_MAX_CHUNKS``)."""
+    triton_vectors: str = "1"
+    """The Triton kernels' vector loads: "1" where aligned, "0" never (``ADASUM_TRITON_VECTORS``)."""
+
+    @classmethod
+    def from_env(cls, env: Mapping[str, str] | None = None) -> Settings:
+        """The settings that `env` (default: ``os.environ``) gives; unset variables keep the defaults."""
+        env = os.environ if env is None else env
+        local = _int(env, "LOCAL_WORLD_SIZE", 0)
+        local_rank, group_rank = _int(env, "LOCAL_RANK", -1), _int(env, "GROUP_RANK", -1)
+        return cls(
+            cuda_graphs=_flag(env, "ADASUM_CUDA_GRAPHS"),
+            transport_first=env.get("ADASUM_TEST_TRANSPORT", ""),
+            local_world_size=local if local > 0 else None,
+            local_rank=local_rank if local_rank >= 0 else None,
+            group_rank=group_rank if group_rank >= 0 else None,
+            symmetric=_flag(env, "ADASUM_SYMMETRIC"),
+            symmetric_push=_flag(env, "ADASUM_SYMMETRIC_PUSH"),
+            symmetric_chunks=_flag(env, "ADASUM_SYMMETRIC_CHUNKS"),
+            symmetric_chunk_bytes=_int(env, "ADASUM_SYMMETRIC_CHUNK_BYTES", 32 << 20),
+            symmetric_max_chunks=_int(env, "ADASUM_SYMMETRIC_MAX_CHUNKS", 4),
+            triton_vectors=env.get("ADASUM_TRITON_VECTORS", "1"),
+        )
+
+
+# The settings in force: the process's, read once, unless an `override` block of this thread or task set others.
+_in_force: contextvars.ContextVar[Settings | None] = contextvars.ContextVar("adasum_settings", default=None)
+
+
+def current() -> Settings:
+    """The settings in force (module doc)."""
+    found = _in_force.get()
+    if found is not None:
+        return found
+    return _from_process_env()
+
+
+@functools.cache
+def _from_process_env() -> Settings:
+    return Settings.from_env()
+
+
+@contextmanager
+def override(**changes: object) -> Iterator[Settings]:
+    """Run a block with some settings changed (keyword names: the `Settings` fields), for the calling thread.
+
+    >>> with override(piece_elements=(1000, 1000)) as s:
+    ...     s.piece_elements
+    (1000, 1000)
+    """
+    token = _in_force.set(dataclasses.replace(current(), **changes))  # type: ignore[arg-type]
+    try:
+        yield _in_force.get()  # type: ignore[misc]
+    finally:
+        _in_force.reset(token)

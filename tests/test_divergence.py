@@ -1,0 +1,260 @@
+"""Ranks that diverge after agreed calls, or are configured differently, get the same clear error on
+every rank before data moves: never a silent mix, a hang or an abort (gloo, 2 and 3 ranks)."""
+
+import time
+from datetime import timedelta
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+import adasum
+from adasum.collectives import agreement
+from adasum.collectives.plan import prepare
+from adasum.ddp import AdasumState, adasum_hook
+from adasum.settings import override
+from adasum.transport import groups
+
+import distributed
+
+BOUND_S = 10  # the promise: named within 10 s
+
+
+def _error_of(call):
+    start = time.monotonic()
+    try:
+        call()
+    except (ValueError, TypeError, RuntimeError) as error:
+        return type(error).__name__, str(error), time.monotonic() - start
+    return None, None, time.monotonic() - start
+
+
+def swapped_body(rank, world, equal_sizes):
+    """Two layouts, each agreed once by every rank, then called in different orders."""
+    a = [torch.full((4, 2), 1.0 + rank)]
+    b = [torch.full((8,) if equal_sizes else (5,), 2.0 + rank)]
+    adasum.all_reduce(a)
+    adasum.all_reduce(b)
+    mine = [t.clone() for t in (b if rank == world - 1 else a)]
+    before = [t.clone() for t in mine]
+    kind, message, seconds = _error_of(lambda: adasum.all_reduce(mine))
+    untouched = all(torch.equal(x, y) for x, y in zip(mine, before))
+    after = [torch.full((3,), float(rank))]
+    adasum.all_reduce(after)  # the group is still usable: nothing moved
+    return kind, message, seconds < BOUND_S, untouched, after[0].tolist()
+
+
+@pytest.mark.parametrize("world", [2, 3])
+@pytest.mark.parametrize("equal_sizes", [True, False])
+def test_layouts_agreed_once_then_swapped_are_named_on_every_rank(world, equal_sizes):
+    results = distributed.run(world, swapped_body, equal_sizes)
+    distributed.assert_ranks_agree([r[:4] for r in results])
+    kind, message, in_time, untouched, _ = results[0]
+    other = "float32 [8] on cpu" if equal_sizes else "float32 [5] on cpu"
+    assert kind == "ValueError" and in_time and untouched, results[0]
+    assert message == (f"adasum.all_reduce: tensors differ across ranks at index 0: rank 0 has float32 [4, 2] on cpu, "
+                       f"rank {world - 1} has {other}"), message
+    assert all(r[4] == results[0][4] for r in results)
+
+
+def config_body(rank, world):
+    """Ranks configured differently: a reducer, a non-finite policy, a reducer option, a transport."""
+    out = {}
+    last = rank == world - 1
+    t = lambda: [torch.ones(6) * (rank + 1)]  # noqa: E731
+    cases = {
+        "reducer": lambda: (adasum.Mean() if last else adasum.Adasum()).all_reduce(t()),
+        "reducer option": lambda: adasum.Adasum(per_tensor=not last).all_reduce(t()),
+        "policy": lambda: adasum.all_reduce(t(), nonfinite="raise" if last else "propagate"),
+        "entry point": lambda: (
+            adasum.Mean().all_reduce_flat(torch.ones(6), [6]) if last else adasum.Mean().all_reduce(t())
+        ),
+    }
+    for name, call in cases.items():
+        kind, message, seconds = _error_of(call)
+        out[name] = (kind, message, seconds < BOUND_S)
+    return out
+
+
+def test_ranks_configured_differently_get_one_error_on_every_rank():
+    results = distributed.run(3, config_body)
+    distributed.assert_ranks_agree(results)
+    out = results[0]
+    for name, (kind, message, in_time) in out.items():
+        assert kind == "ValueError" and in_time and "rank 0 has" in message and "rank 2 has" in message, (name, message)
+    assert "the configuration differs across ranks: rank 0 has adasum.Adasum.all_reduce Adasum(per_tensor=True) []" \
+           ", rank 2 has adasum.Mean.all_reduce Mean() []" in out["reducer"][1]
+    assert "nonfinite=propagate" in out["policy"][1] and "nonfinite=raise" in out["policy"][1]
+
+
+def stride0_body(rank, world):
+    adasum.all_reduce([torch.zeros(4)])  # agreed before
+    t = torch.ones(1).expand(4) if rank == 1 else torch.ones(4)
+    kind, message, _ = _error_of(lambda: adasum.all_reduce([t]))
+    return kind, message
+
+
+def test_an_expanded_tensor_on_one_rank_is_refused_on_every_rank():
+    results = distributed.run(2, stride0_body)
+    distributed.assert_ranks_agree(results)
+    kind, message = results[0]
+    assert kind == "ValueError" and "tensor 0 has elements that share memory (an expanded view, stride 0)" in message
+    assert message.endswith("on rank 1"), message
+
+
+def test_the_overlap_check_is_near_linear():
+    matrix = torch.zeros(64, 1000)
+    columns = [matrix[:, i] for i in range(1000)]
+    start = time.monotonic()
+    assert agreement.overlapping(columns) is None
+    assert agreement.overlapping([*columns, matrix[3:5, 7]]) == (7, 1000)
+    assert time.monotonic() - start < 5
+
+
+def overlap_once_body(rank, world):
+    matrix = torch.zeros(8, 300)
+    columns = [matrix[:, i] for i in range(300)]
+    config = ("test",)
+    first = prepare(columns, None, config=config, operation="test")
+    second = prepare(columns, None, config=config, operation="test")
+    return first is second, len(first.disjoint), groups.communicator(None).plans_built
+
+
+def test_the_overlap_check_runs_once_per_layout_and_addresses():
+    results = distributed.run(2, overlap_once_body)
+    assert results[0] == (True, 1, 1), results[0]
+
+
+def dead_peer_body(rank, world):
+    dist.barrier()
+    group = dist.new_group([0, 1], timeout=timedelta(seconds=3))
+    dist.barrier(group=group)
+    if rank == 1:
+        import os
+
+        os._exit(17)
+    time.sleep(1)
+    try:
+        adasum.Mean().all_reduce([torch.ones(3)], group)
+    except adasum.CollectiveError as error:
+        return "CollectiveError", str(error).splitlines()[0]
+    except RuntimeError as error:
+        return type(error).__name__, str(error)
+    return None, None
+
+
+def test_a_reducer_after_its_peer_died_raises_collective_error():
+    results = distributed.run(2, dead_peer_body, allow_exit=True)
+    kind, message = results[0]
+    assert kind == "CollectiveError" and "the layout check failed" in message, (kind, message)
+
+
+def test_a_dict_or_a_number_as_group_is_a_type_error():
+    t = torch.ones(3)
+    with pytest.raises(TypeError, match="got a dict; pass list"):
+        adasum.all_reduce({"w": t})
+    with pytest.raises(TypeError, match="got a dict; pass list"):
+        adasum.Adasum().all_reduce({"w": t})
+    with pytest.raises(TypeError, match="group must be a torch.distributed ProcessGroup or None, got 1"):
+        adasum.all_reduce([t], group=1)
+    with pytest.raises(TypeError, match="group must be a torch.distributed ProcessGroup or None, got 1"):
+        adasum.Mean().all_reduce([t], group=1)
+    with pytest.raises(TypeError, match="element 1 is a float"):
+        adasum.all_reduce([t, 1.0])
+
+
+def _model():
+    torch.manual_seed(0)
+    return torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Linear(8, 8), torch.nn.Linear(8, 2))
+
+
+def hook_config_body(rank, world):
+    out = {}
+    last = rank == world - 1
+    for name, kwargs in {
+        "reducer": dict(reducer="mean" if last else "adasum"),
+        "policy": dict(nonfinite="raise" if last else "propagate"),
+        "batch": dict(batch_mb=1.0 if last else 2.0),
+    }.items():
+        out[name] = _error_of(lambda: AdasumState(**kwargs))[:2]
+    return out
+
+
+def test_hook_configurations_that_differ_are_named_on_every_rank():
+    results = distributed.run(2, hook_config_body)
+    distributed.assert_ranks_agree(results)
+    out = results[0]
+    assert out["reducer"] == (
+        "ValueError", "adasum.ddp.AdasumState: the configuration differs across ranks: rank 0 has "
+        "reducer=Adasum(per_tensor=True) nonfinite=propagate batch_mb=256, rank 1 has "
+        "reducer=Mean() nonfinite=propagate batch_mb=256"), out["reducer"]
+    assert out["policy"][0] == "ValueError" and "nonfinite=raise" in out["policy"][1]
+    assert out["batch"][0] == "ValueError" and "batch_mb=1" in out["batch"][1]
+
+
+def two_models_body(rank, world):
+    state = AdasumState()
+    first, second = DDP(_model()), DDP(_model())
+    first.register_comm_hook(state, adasum_hook)
+    second.register_comm_hook(state, adasum_hook)
+    first(torch.ones(2, 4)).sum().backward()
+    return _error_of(lambda: second(torch.ones(2, 4)).sum().backward())[:2]
+
+
+def test_one_state_on_two_models_is_refused():
+    results = distributed.run(2, two_models_body)
+    distributed.assert_ranks_agree(results)
+    kind, message = results[0]
+    assert kind == "RuntimeError" and "registered on a second DDP model" in message, message
+
+
+def deferred_body(rank, world):
+    """The NCCL way (a repeated call's fingerprint compared at the group's next call), run on gloo: two equal-size
+    layouts agreed, then swapped; the next call raises the same error on every rank."""
+    a, b = [torch.ones(4, 2)], [torch.ones(8)]
+    with override(deferred_checks=True):
+        adasum.all_reduce(a)
+        adasum.all_reduce(b)
+        adasum.all_reduce(a)  # agreed: its fingerprint goes out, compared at the next call
+        adasum.all_reduce(b if rank == 1 else a)  # diverges: not caught yet (its data moved)
+        kind, message, seconds = _error_of(lambda: adasum.all_reduce(a))
+    return kind, message, seconds < BOUND_S
+
+
+def test_deferred_fingerprints_name_the_divergent_call_at_the_next_call():
+    results = distributed.run(2, deferred_body)
+    distributed.assert_ranks_agree(results)
+    kind, message, in_time = results[0]
+    assert kind == "ValueError" and in_time, results[0]
+    assert message == ("adasum.all_reduce: tensors differ across ranks at index 0: rank 0 has float32 [4, 2] on cpu, "
+                       "rank 1 has float32 [8] on cpu (an earlier call; its result is undefined: destroy the process "
+                       "group)"), message
+
+
+def swapped_on_backend_body(rank, world):
+    """Swapped equal-size layouts on the test backend's devices: gloo names the divergent call itself, NCCL the
+    call after it (deferred fingerprints); either way every rank raises the same error within the bound."""
+    dev = distributed.device_for(rank)
+    a, b = [torch.ones(4, 2, device=dev)], [torch.ones(8, device=dev)]
+    adasum.all_reduce(a)
+    adasum.all_reduce(b)
+
+    def diverge_then_go_on():
+        adasum.all_reduce(b if rank == world - 1 else a)
+        adasum.all_reduce(a)
+
+    kind, message, seconds = _error_of(diverge_then_go_on)
+    return kind, (message or "").split(" (an earlier call")[0], seconds < BOUND_S
+
+
+@pytest.mark.nccl
+@pytest.mark.parametrize("world", distributed.world_sizes(2, 4))
+def test_swapped_layouts_are_named_on_every_rank_of_the_test_backend(world):
+    results = distributed.run(world, swapped_on_backend_body)
+    distributed.assert_ranks_agree(results)
+    kind, message, in_time = results[0]
+    device = "cuda" if distributed.BACKEND == "nccl" else "cpu"
+    assert kind == "ValueError" and in_time, results[0]
+    assert message == (f"adasum.all_reduce: tensors differ across ranks at index 0: rank 0 has float32 [4, 2] on "
+                       f"{device}, rank {world - 1} has float32 [8] on {device}"), message

@@ -1,0 +1,133 @@
+"""One road for every call: each entry point builds its plan once per layout and reuses it; the
+communicator of a group owns its state, per group and per thread; `adasum.release()` leaves
+nothing behind."""
+
+import threading
+
+import numpy as np
+import torch
+import torch.distributed as dist
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+import adasum
+from adasum.ddp import AdasumState, adasum_hook
+from adasum.transport import groups, symmetric
+
+import distributed
+from reference import tree as reference_tree
+
+
+def _built() -> int:
+    return groups.communicator(None).plans_built
+
+
+def entry_points_body(rank, world):
+    """Each entry point, called three times on one layout, builds one plan (all_reduce_async reuses all_reduce's);
+    a new layout builds one more; the DDP hook builds none after its buckets are rebuilt."""
+    g = torch.Generator().manual_seed(rank)
+    grads = [torch.randn(5, generator=g), torch.randn(2, 3, generator=g)]
+    flat = torch.randn(11, generator=g)
+    calls = {
+        "all_reduce": lambda: adasum.all_reduce(grads),
+        "all_reduce_async": lambda: adasum.all_reduce_async(grads).wait(),
+        "Adasum.all_reduce": lambda: adasum.Adasum().all_reduce(grads),
+        "Mean.all_reduce_flat": lambda: adasum.Mean().all_reduce_flat(flat, [5, 6]),
+        "AdaCons.all_reduce": lambda: adasum.AdaCons().all_reduce(grads),
+    }
+    built = {}
+    for name, call in calls.items():
+        before = _built()
+        for _ in range(3):
+            call()
+        built[name] = _built() - before
+    before = _built()
+    adasum.all_reduce([torch.randn(7, generator=g)])
+    built["new layout"] = _built() - before
+
+    torch.manual_seed(0)
+    model = DDP(torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Linear(8, 2)), bucket_cap_mb=0.0001)
+    model.register_comm_hook(AdasumState(), adasum_hook)
+    counts = []
+    for step in range(4):
+        x = torch.randn(3, 4, generator=torch.Generator().manual_seed(10 * rank + step))
+        model(x).sum().backward()
+        counts.append(_built())
+    built["hook after its first rebuilt step"] = counts[-1] - counts[1]
+    return built
+
+
+def test_each_entry_point_builds_its_plan_once():
+    results = distributed.run(2, entry_points_body)
+    distributed.assert_ranks_agree(results)
+    assert results[0] == {
+        "all_reduce": 1, "all_reduce_async": 0, "Adasum.all_reduce": 1, "Mean.all_reduce_flat": 1,
+        "AdaCons.all_reduce": 1, "new layout": 1, "hook after its first rebuilt step": 0,
+    }, results[0]
+
+
+def release_body(rank, world):
+    adasum.all_reduce([torch.ones(4) * (rank + 1)])
+    adasum.Adasum().all_reduce([torch.ones(3)])
+    before = len(groups._registry.communicators)
+    comm = groups.communicator(None)
+    control = comm.control
+    had = (len(comm.plans), len(comm.transports), control is not None)
+    adasum.release()
+    after = {
+        "communicators": len(groups._registry.communicators),
+        "plans": len(comm.plans),
+        "transports": len(comm.transports),
+        "graphs": comm.graphs.count(),
+        "control": comm.control,
+        "control group alive": control in dist.distributed_c10d._world.pg_map,
+        "streams": len(groups._registry.streams),
+        "symmetric buffers": len(symmetric._buffers) + len(symmetric._retired) + len(symmetric._remote),
+    }
+    t = torch.ones(4) * (rank + 1)
+    adasum.all_reduce([t])  # a released group starts afresh on CPU
+    return before, had, after, t.tolist()
+
+
+def test_release_leaves_nothing_behind():
+    results = distributed.run(2, release_body)
+    distributed.assert_ranks_agree(results)
+    before, had, after, values = results[0]
+    assert before == 1 and had[0] >= 2 and had[1] >= 1 and had[2]
+    assert after == {"communicators": 0, "plans": 0, "transports": 0, "graphs": 0, "control": None,
+                     "control group alive": False, "streams": 0, "symmetric buffers": 0}
+    assert np.allclose(values, reference_tree([np.ones(4), 2 * np.ones(4)]))
+
+
+def threads_body(rank, world):
+    """Two threads, each on its own process group, call adasum.all_reduce 20 times at once on fused lists (the
+    CPU fusion and receive buffers): every result equals the reference."""
+    pair = [dist.new_group([0, 1]), dist.new_group([0, 1])]
+    wrong = [0, 0]
+    errors = []
+
+    def work(k):
+        try:
+            for i in range(20):
+                data = [[torch.randn(n, generator=torch.Generator().manual_seed(1000 * k + 10 * i + r)) for n in
+                         (257 + 31 * k, 3)] for r in range(2)]
+                mine = [t.clone() for t in data[rank]]
+                adasum.all_reduce(mine, group=pair[k])
+                for j, t in enumerate(mine):
+                    expected = reference_tree([d[j].double().numpy() for d in data])
+                    if not torch.allclose(t.double(), torch.from_numpy(expected), rtol=1e-5, atol=1e-6):
+                        wrong[k] += 1
+        except BaseException as error:  # noqa: BLE001 - reported to the test
+            errors.append(repr(error))
+
+    threads = [threading.Thread(target=work, args=(k,)) for k in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    return wrong, errors
+
+
+def test_two_threads_on_two_groups_get_right_results():
+    results = distributed.run(2, threads_body)
+    for wrong, errors in results:
+        assert errors == [] and wrong == [0, 0], (wrong, errors)
