@@ -6,8 +6,7 @@ They are combined by the same reducer objects the distributed path uses
 (``adasum.reducers.get_reducer(name).reduce``), and SlowMo's outer step is
 ``adasum.slowmo.slow_momentum_update``: no method has a second implementation here.
 
-What is combined (the names of `adasum.DistributedOptimizer`'s ``mode``; the plural spellings
-"gradients" and "deltas" are deprecated aliases):
+What is combined (the names of `adasum.DistributedOptimizer`'s ``mode``):
 
 * ``combine="gradient"``: the workers' gradients are reduced and one optimizer steps the one
   model (every real worker would hold the same model and optimizer state).
@@ -35,7 +34,6 @@ from torch import nn
 from torch.func import functional_call, grad, vmap
 
 from adasum.collectives.nonfinite import NonFinite, check_policy, decide_nonfinite
-from adasum.deprecated import warn
 from adasum.diagnostics import Orthogonality, orthogonality_stacked
 from adasum.integrations.slowmo import slow_momentum_update
 from adasum.reducers import Reducer, get_reducer
@@ -51,7 +49,6 @@ ELEMENTWISE_OPTIMIZERS: tuple[type[torch.optim.Optimizer], ...] = (
 )
 
 COMBINE = ("gradient", "delta")
-_OLD_COMBINE = {"gradients": "gradient", "deltas": "delta"}
 
 
 def cross_entropy(output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
@@ -102,9 +99,6 @@ class SimulatedWorkers:
         nonfinite: str = "propagate",
     ) -> None:
         check_policy(nonfinite)
-        if combine in _OLD_COMBINE:
-            warn(f"SimulatedWorkers: combine={combine!r} is deprecated, use {_OLD_COMBINE[combine]!r}")
-            combine = _OLD_COMBINE[combine]
         if not isinstance(workers, int) or workers < 1:
             raise ValueError(f"workers must be an integer >= 1, got {workers!r}")
         if combine not in COMBINE:

@@ -58,7 +58,6 @@ import torch.distributed as dist
 from adasum.collectives import graphs
 from adasum.collectives.agreement import agree
 from adasum.collectives.nonfinite import apply_nonfinite_policy, check_policy
-from adasum.deprecated import _UNSET, renamed
 from adasum.reducers import Adasum, Reducer, get_reducer
 from adasum.transport.groups import failures_named, side_stream
 
@@ -75,7 +74,7 @@ class AdasumState:
     means (`adasum.hierarchical`). When torch.distributed is initialised, construction runs the
     reducer's collective set-up (on every rank), so that placement errors surface here.
     The state pickles without its process group (the default group is used after unpickling).
-    ``group`` is the process group (``process_group=`` is its deprecated alias). The hook skips the
+    ``group`` is the process group (default: the world). The hook skips the
     reducer's per-call layout check: DDP verifies the parameters across ranks at construction and
     keeps the buckets identical on every rank.
 
@@ -100,7 +99,7 @@ class AdasumState:
 
     def __init__(
         self,
-        group: dist.ProcessGroup | None = _UNSET,
+        group: dist.ProcessGroup | None = None,
         reducer: str | Reducer = "adasum",
         *,
         hierarchical: bool = False,
@@ -108,9 +107,7 @@ class AdasumState:
         nonfinite: str = "propagate",
         named_parameters: Iterable[tuple[str, torch.Tensor]] | None = None,
         batch_mb: float = BATCH_MB,
-        process_group: dist.ProcessGroup | None = _UNSET,
     ) -> None:
-        group = renamed("AdasumState", "process_group", "group", process_group, group, default=None)
         if nonfinite == "skip":
             raise ValueError(
                 "nonfinite='skip' is not available in a DDP hook (it cannot skip the optimizer step); "

@@ -48,7 +48,6 @@ from adasum import kernels
 from adasum.collectives.agreement import check_not_sharded, check_same_layout
 from adasum.collectives.nonfinite import apply_nonfinite_policy, check_policy, nonfinite_message
 from adasum.core.layout import Scattered, flatten, unflatten_into
-from adasum.deprecated import _UNSET, renamed
 from adasum.reducers import Reducer, get_reducer
 from adasum.transport.groups import control_group, failures_named, group_device, side_stream
 
@@ -153,7 +152,6 @@ class DistributedOptimizer(torch.optim.Optimizer):
         optimizer: any torch.optim optimizer (SGD, Adam, AdamW, LAMB, ...), on every rank with
             the same parameters in the same order and with the same values.
         reducer: a `Reducer` or its name: "adasum" (default), "mean", "sum", "adacons", ...
-            (``reduce=`` is its deprecated alias).
         mode: "delta" (combine the weight changes of a local step) or "gradient".
         group: the process group (default: the world).
         backward_passes_per_step: ``step()`` and ``zero_grad()`` calls that make one real step;
@@ -192,7 +190,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
         self,
         optimizer: torch.optim.Optimizer,
         *,
-        reducer: str | Reducer = _UNSET,
+        reducer: str | Reducer = "adasum",
         mode: str = "delta",
         group: dist.ProcessGroup | None = None,
         backward_passes_per_step: int = 1,
@@ -201,9 +199,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
         bucket_cap_mb: float = 25.0,
         check: bool = True,
         nonfinite: str = "propagate",
-        reduce: str | Reducer = _UNSET,
     ) -> None:
-        reducer = renamed("DistributedOptimizer", "reduce", "reducer", reduce, reducer, default="adasum")
         check_policy(nonfinite)
         if not isinstance(optimizer, torch.optim.Optimizer):
             raise TypeError(f"optimizer must be a torch.optim.Optimizer, got {type(optimizer).__name__}")
