@@ -107,9 +107,9 @@ def count() -> int:
 
 def release() -> None:
     """Drop every captured graph and the symmetric staging buffers (collective-free, local). For teardown:
-    `torch.distributed.destroy_process_group` calls it. Collectives after it are not supported: a benchmark
-    that called it between two models and went on training hung in the second model's first steps on
-    2 x H100 (one rank's DDP hook in a blocking host-to-device copy of a new tile table; not analysed further)."""
+    `torch.distributed.destroy_process_group` calls it. Collectives after it are not supported (training a
+    second model after it can hang in one rank's DDP hook, in a blocking host-to-device copy of a new tile
+    table)."""
     if _graphs and torch.cuda.is_available():
         torch.cuda.synchronize()
     _graphs.clear()

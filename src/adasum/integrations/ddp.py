@@ -13,10 +13,11 @@ combines buckets in batches of at least ``batch_mb`` MB (`AdasumState`, default
 combined, which happens once the batch reaches ``batch_mb``, or at the iteration's last bucket
 (DDP waits for the Futures only after that one). Every parameter keeps its own coefficients, so
 batching changes how many collectives run (the BERT-Large-sized stack of `benchmarks/bench_e2e.py`:
-5 instead of 37 per step), not what they compute. The autograd thread runs the hook, and that
-step is bound by the thread's issuing of work: bucket by bucket the hook took 0.28 ms of host time
-per bucket (10 ms a step) and the step 1.08-1.13 x DDP's; in batches 0.96-1.02 x (2 x H100,
-benchmarks/results/gpu-session7-call*.log). A batch of several buckets is combined as one list of
+5 instead of 37 per step), not what they compute. The autograd thread runs the hook, so on a step
+bound by that thread's issuing of work every collective's host time lengthens the step: larger
+batches mean fewer collectives (docs/benchmarks.md measures batch sizes; beyond about 128 MB the
+gain is within a host's noise, and the symmetric-memory buffers grow with the largest batch).
+A batch of several buckets is combined as one list of
 their segments: in place where the transport reads lists in place (symmetric memory), else fused
 into one buffer (one copy each way). ``batch_mb=0`` combines bucket by bucket.
 

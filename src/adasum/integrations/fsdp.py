@@ -394,9 +394,8 @@ def enable(
         warnings.warn(
             f"adasum.fsdp: torch {torch.__version__} has no FSDPModule.set_reduce_scatter_unused_params, so FSDP "
             "leaves parameters without a gradient out of the reduced buffer and each unit's layout can change from "
-            "batch to batch: the ranks agree on it at every unit's reduction (a host round trip per unit: with Adasum "
-            "on 2 x H100, torch 2.11, 18 units of a 1 B model, 169 ms per step against 137 ms with the checks "
-            "removed) instead of once per backward. torch 2.13 has the setter and checks once per backward.",
+            "batch to batch: the ranks agree on it at every unit's reduction (a host round trip per unit) instead "
+            "of once per backward. torch 2.13 has the setter and checks once per backward.",
             stacklevel=2,
         )
     state = FSDPState(reducer, groups, units)

@@ -173,8 +173,8 @@ class DistributedOptimizer(torch.optim.Optimizer):
             "skip" skips the step on every rank (parameters, optimizer state and the round of
             local steps untouched) and counts it in ``skipped_steps``
             (`adasum.collectives.nonfinite.apply_nonfinite_policy`). "raise" and "skip" cost one
-            8-byte all-reduce and a host synchronisation per step: measured at 6 ms of a 36 ms
-            ResNet-50 step on 2 x H200 (docs/benchmarks.md), hence not the default.
+            8-byte all-reduce and a host synchronisation per step, which stops the host from
+            queueing work ahead (docs/benchmarks.md), hence not the default.
 
     ``param_groups``, ``state``, ``defaults``, ``zero_grad()`` pass through to the wrapped
     optimizer (LR schedulers work on it). ``state_dict()`` holds the wrapped optimizer's state,

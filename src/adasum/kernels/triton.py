@@ -216,9 +216,8 @@ if triton is not None:
 def _align(table, *operands) -> int:
     """The vector width the kernels may assume, in elements: 16 bytes' worth for 2-byte dtypes when every tile
     starts and ends on such a boundary and every `TileAddresses` operand is 16-byte aligned, else 1. Without the
-    hint Triton cannot prove alignment from the tile table and moves bf16 2 bytes per instruction; with it, bf16
-    2^28 went from 1.29 x to 1.14 x NCCL's all-reduce on 2 x H100. fp32 keeps 4-byte accesses: 16-byte ones made
-    the NVLink kernels slower (pull 436 against 412 us per 128 MiB piece, 2^28 1.19-1.20 x against 1.17 x).
+    hint Triton cannot prove alignment from the tile table and moves bf16 2 bytes per instruction. fp32 keeps
+    4-byte accesses: 16-byte ones make the NVLink kernels slower (docs/benchmarks.md lists both measurements).
     Flat tensors need no check: Triton marks a pointer 16-byte aligned only when it is.
     ``ADASUM_TRITON_VECTORS=0`` turns vectors off, ``=all`` on for every dtype (for comparisons)."""
     setting = os.environ.get("ADASUM_TRITON_VECTORS", "1")

@@ -16,7 +16,7 @@ TRANSPORTS = ("p2p", "collectives", "symmetric")
 """The transports a caller may name (``transport=``)."""
 
 NCCL_PREFERENCE = ("symmetric", "p2p")
-"""The default on NCCL: the first of these the group supports (order from benchmarks/results); "collectives"
+"""The default on NCCL: the first of these the group supports (fastest first, docs/benchmarks.md); "collectives"
 needs a power-of-two group, "symmetric" one host with NVLink, "p2p" runs everywhere. The test suite puts
 another transport first to run the NCCL suite on it (``ADASUM_TEST_TRANSPORT``)."""
 

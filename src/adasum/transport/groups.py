@@ -13,10 +13,10 @@ a gloo worker thread ("pt_gloo_runloop") is still releasing the work of the last
 tensors, whose Python objects only C++ still holds) when the main thread is already finalising the
 interpreter; releasing them needs the GIL, which a finalising interpreter no longer hands out, and
 the thread is torn down inside a destructor. The window is the few microseconds after a collective
-completes, so it shows when a process exits right after its last collective (measured: 3 of 40
-two-rank runs of a bare ``dist.all_reduce``; 0 of 40 with ``destroy_process_group`` a moment
-later). So the first time adasum works on a process group it registers an exit handler that,
-while the interpreter is still whole, gives gloo's threads a moment (with the GIL released) to
+completes, so it shows when a process exits right after its last collective (a bare
+``dist.all_reduce`` then exit; never with ``destroy_process_group`` a moment later). So the
+first time adasum works on a process group it registers an exit handler that, while the
+interpreter is still whole, gives gloo's threads a moment (with the GIL released) to
 finish releasing their last work, then destroys the process groups if they use gloo only (NCCL
 groups are left to their owner: destroying them at exit can wait on peers that are gone).
 """

@@ -28,15 +28,14 @@ copies the partner's combined piece c out of ``S`` while piece c + 1 is combined
 each combination: the partner's piece has landed).
 
 **Push protocol (groups of two, the default there; ``ADASUM_SYMMETRIC_PUSH=0`` keeps the pull above).** The
-pulls read the partner's staged copy at 326 GB/s where the combination's stores reach 354 GB/s (2 x H100),
-and the first staged piece stays exposed. With the push protocol each rank stores the pieces of its given
+pulls read the partner's staged copy more slowly than the combination's stores write into it, and the
+first staged piece stays exposed. With the push protocol each rank stores the pieces of its given
 half straight from `B` into the partner's receive buffer ``R`` (a second symmetric buffer of half the
 size: a region of ``S`` past the buffer would overlap what the partner still copies out of ``S`` after a
 larger call), a barrier follows each piece, and the sums of the kept piece are read locally on a
 side stream while the next piece is pushed; the combination reads the partner's copy there. Nothing is
-staged and no ``theirs`` copy is written; the copy-out of the partner's results stays. Measured on
-2 x H100, alternated twice with the pull in one call: fp32 2^28 1.13-1.14 x NCCL against 1.16 x, 2^26
-1.01-1.03 x against 1.12 x, the BERT-Large layout 1.17-1.20 x against 1.20-1.22 x.
+staged and no ``theirs`` copy is written; the copy-out of the partner's results stays
+(docs/benchmarks.md compares the two protocols).
 
 Every rank must be a leader of the tree (a power-of-two group); NVLink multicast is never used (no
 multimem operations, no multicast objects). Only signal-pad barriers order the ranks; nothing
@@ -69,8 +68,8 @@ CHUNK_BYTES = 32 << 20
 """Bytes per pipelined piece of a staged half, at least (``ADASUM_SYMMETRIC_CHUNK_BYTES`` overrides it;
 ``ADASUM_SYMMETRIC_CHUNKS=0``: never pipelined)."""
 MAX_CHUNKS = 4
-"""Pieces per half at most (``ADASUM_SYMMETRIC_MAX_CHUNKS`` overrides it): each costs one barrier more
-(about 20-40 us on 2 x H100)."""
+"""Pieces per half at most (``ADASUM_SYMMETRIC_MAX_CHUNKS`` overrides it): more pieces overlap more of the
+copies but each costs one barrier more."""
 
 _supported: dict[str, bool] = {}
 _buffers: dict[tuple[str, torch.dtype, str], tuple[torch.Tensor, object]] = {}
