@@ -130,7 +130,7 @@ class SimulatedWorkers:
         self.steps = 0
         self.names = [n for n, p in model.named_parameters() if p.requires_grad]
         params = dict(model.named_parameters())
-        self._anchor = [params[n] for n in self.names]
+        self._anchor: list[torch.Tensor] = [params[n] for n in self.names]
         if combine == "gradient":
             self.stacked: list[torch.Tensor] | None = None
             self.optimizer = optimizer(self._anchor)

@@ -63,14 +63,14 @@ def _span(t: torch.Tensor) -> tuple[int, int]:
     if t.numel() == 0:
         return (0, 0)
     size = t.element_size()
-    last = sum((n - 1) * s for n, s in zip(t.shape, t.stride()))
-    start = t.storage_offset() * size
+    last = int(sum((n - 1) * s for n, s in zip(t.shape, t.stride())))
+    start = int(t.storage_offset()) * size
     return start, start + (last + 1) * size
 
 
 def _elements(t: torch.Tensor) -> torch.Tensor:
     """The storage element offsets `t` covers (only called for tensors whose spans overlap)."""
-    base = torch.arange(t.storage_offset() + sum((n - 1) * s for n, s in zip(t.shape, t.stride())) + 1)
+    base = torch.arange(int(t.storage_offset()) + int(sum((n - 1) * s for n, s in zip(t.shape, t.stride()))) + 1)
     return torch.as_strided(base, t.shape, t.stride(), t.storage_offset()).reshape(-1)
 
 
@@ -288,7 +288,7 @@ def verify_layout(
     >>> verify_layout(grads, None, torch.device("cpu"), "gradients")   # all-reduce on first call only  # doctest: +SKIP
     """
     if buffer is not None:
-        sizes = [int(n) for n in tensors_or_sizes]  # type: ignore[arg-type]
+        sizes = [int(n) for n in tensors_or_sizes]
         tensors = [buffer]
         description = describe_flat(buffer, sizes)
         problem = local_problem(tensors, device, in_place=in_place, floating=floating, group=group)

@@ -144,10 +144,10 @@ def fused_per_dtype(
     computed across dtypes (AdaCons' whole-model form)."""
     groups = list(group_by_dtype(tensors).values())
     if together:
-        members = [[tensors[i] for i in indices] for indices in groups]
-        flats = [flatten(m, _workspace.get("fusion", sum(t.numel() for t in m), m[0])) for m in members]
-        combine(flats, [[t.numel() for t in m] for m in members], groups)
-        for flat, m in zip(flats, members):
+        per_dtype = [[tensors[i] for i in indices] for indices in groups]
+        flats = [flatten(m, _workspace.get("fusion", sum(t.numel() for t in m), m[0])) for m in per_dtype]
+        combine(flats, [[t.numel() for t in m] for m in per_dtype], groups)
+        for flat, m in zip(flats, per_dtype):
             unflatten_into(flat, m)
         return
     for indices in groups:

@@ -21,13 +21,14 @@ from __future__ import annotations
 import os
 from collections import OrderedDict
 from collections.abc import Callable, Hashable
+from typing import Any
 
 import torch
 import torch.distributed as dist
 
 MAX_GRAPHS = 128  # a BERT-Large DDP model has about 50 buckets; an evicted key is not captured again
 _FAILED = object()
-_graphs: OrderedDict[Hashable, object] = OrderedDict()
+_graphs: OrderedDict[Hashable, Any] = OrderedDict()  # a torch.cuda.CUDAGraph or _FAILED
 _seen: OrderedDict[Hashable, int] = OrderedDict()
 _patched = False
 

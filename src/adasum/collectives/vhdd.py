@@ -35,6 +35,7 @@ from __future__ import annotations
 import functools
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import cast
 
 import torch
 import torch.distributed as dist
@@ -189,7 +190,9 @@ def adasum_flat_(
         raise ValueError("a Scattered buffer's tensors must be the segments of `sizes`, one tensor per segment")
 
     def run() -> None:
-        run_schedule(buffer, layout, group, peers, offset, rank, tree, transport, sliced=placement is not None)
+        # a Scattered list stands in for a flat buffer where the transport reads lists in place (checked above)
+        flat = cast(torch.Tensor, buffer)
+        run_schedule(flat, layout, group, peers, offset, rank, tree, transport, sliced=placement is not None)
 
     if buffer.device.type != "cuda":
         run()
@@ -242,7 +245,8 @@ def run_schedule(
             transport.exchange(None, buffer, leader)
         return
 
-    follower = None if tree.follower(me) is None else peers[tree.follower(me)]
+    folded = tree.follower(me)
+    follower = None if folded is None else peers[folded]
     if follower is not None:
         received = _workspace.get("recv", buffer.numel(), buffer)
         with step(f"the fold (receiving from rank {follower})"):

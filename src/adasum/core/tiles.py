@@ -28,7 +28,11 @@ class Tiles:
 @functools.lru_cache(maxsize=1024)
 def table(lengths: tuple[int, ...]) -> tuple[tuple[int, ...], ...]:
     """The tile table on the host: (starts, sizes, segments, first, count) as tuples of ints."""
-    starts, sizes, segments, first, count = [], [], [], [], []
+    starts: list[int] = []
+    sizes: list[int] = []
+    segments: list[int] = []
+    first: list[int] = []
+    count: list[int] = []
     offset = 0
     for seg, n in enumerate(lengths):
         first.append(len(starts))

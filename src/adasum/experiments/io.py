@@ -38,7 +38,7 @@ def _alive(pid: int) -> bool:
 
 def remove_stale_temporaries(path: Path) -> list[Path]:
     """Remove ``.NAME.tmp<PID>`` files next to `path` left by writers that no longer run; their paths."""
-    removed = []
+    removed: list[Path] = []
     prefix = f".{path.name}.tmp"
     if not path.parent.is_dir():
         return removed

@@ -18,7 +18,7 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import asdict, dataclass, fields
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import torch
 import torch.distributed as dist
@@ -188,7 +188,7 @@ class DistributedWorker:
         self.skipped_steps = 0
         self.names = [n for n, p in model.named_parameters() if p.requires_grad]
         self.reducer = reducer
-        self.params = [p for p in model.parameters() if p.requires_grad]
+        self.params: list[torch.Tensor] = [p for p in model.parameters() if p.requires_grad]
         with torch.no_grad():  # every rank starts from rank 0's model (before the wrappers copy it)
             for p in model.state_dict().values():
                 dist.broadcast(p, 0)
@@ -232,7 +232,7 @@ class DistributedWorker:
         self.optimizer.zero_grad(set_to_none=False)
         loss = cross_entropy(self.model(inputs[0]), targets[0])
         loss.backward()
-        grads = [p.grad for p in self.params]
+        grads = [cast(torch.Tensor, p.grad) for p in self.params]  # every trained parameter has one now
         diag: Orthogonality | None = None
         if self.diagnostics_every and self.steps % self.diagnostics_every == 0 and dist.get_world_size() > 1:
             diag = all_reduce_orthogonality(grads)
@@ -410,6 +410,7 @@ class _Run:
         config = self.config
         base = dataset if dataset is not None else load_task(config.task, config.data_dir)
         self.data = base.with_validation(config.val_fraction).to(self.device)
+        assert self.data.val_x is not None and self.data.val_y is not None  # with_validation split them
         self.train_x, self.train_y = self.data.train_x, self.data.train_y
         if config.train_limit is not None:
             self.train_x, self.train_y = self.train_x[: config.train_limit], self.train_y[: config.train_limit]
@@ -427,7 +428,7 @@ class _Run:
         torch.manual_seed(config.seed)  # the same initial model for every method and worker count
         model = build_model(self.model_name, self.data.input_shape, self.data.classes).to(self.device)
         optimizer = make_optimizer(config, self.lr)
-        options = dict(  # the method, the same for simulated and real workers
+        options: dict[str, Any] = dict(  # the method, the same for simulated and real workers
             combine=self.method.combine,
             local_steps=config.local_steps if self.method.local else 1,
             slow_momentum=config.slow_momentum if self.method.slow_momentum else None,
@@ -522,11 +523,12 @@ class _Run:
             train_loss = finite_mean if finite_mean is not None else float("nan")
         else:
             train_loss = sum(step_losses) / len(step_losses)
+        assert self.data.val_x is not None and self.data.val_y is not None
         val_loss, val_acc = evaluate(self.engine.module, self.data.val_x, self.data.val_y)
         test_loss, test_acc = evaluate(self.engine.module, self.data.test_x, self.data.test_y)
         diverged = self.chance.diverged(train_loss, val_loss, test_loss)
         tensor_o = torch.stack(partial["per_tensor"]).mean(0).tolist() if partial["per_tensor"] else []
-        record = {
+        record: dict[str, Any] = {
             "epoch": epoch + 1,
             "train_loss": train_loss,
             "val_loss": val_loss,

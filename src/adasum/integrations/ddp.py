@@ -181,11 +181,11 @@ def bucket_sizes(bucket: dist.GradBucket) -> list[int]:
     buffer = bucket.buffer()
     if buffer.is_sparse:
         raise TypeError("adasum_hook does not support sparse gradients")
-    base, storage = buffer.storage_offset(), buffer.untyped_storage().data_ptr()
+    base, storage = int(buffer.storage_offset()), buffer.untyped_storage().data_ptr()
     sizes: list[int] = []
     position = 0
     for grad in bucket.gradients():
-        start = grad.storage_offset() - base
+        start = int(grad.storage_offset()) - base
         if grad.untyped_storage().data_ptr() != storage or start < position:
             raise RuntimeError("a bucket's gradients are not consecutive views of its buffer")
         if start > position:

@@ -95,7 +95,7 @@ _MISSING = (
 
 def _param_group(module: nn.Module) -> Any:
     """The single FSDPParamGroup of a `fully_shard` unit (torch >= 2.11: a list of one)."""
-    state = module._get_fsdp_state()
+    state = module._get_fsdp_state()  # type: ignore[operator]  # FSDPModule's: the stubs don't join it with Module
     groups = getattr(state, "_fsdp_param_groups", None)
     if groups is None:  # torch before per-parameter meshes: one optional group
         if not hasattr(state, "_fsdp_param_group"):
@@ -330,7 +330,7 @@ class FSDPState:
         return f"FSDPState(reducer={self.reducer!r}, replicas={self.groups.replicas}, shards={self.groups.shards})"
 
 
-def _units(model: nn.Module) -> list[tuple[str, nn.Module]]:
+def _units(model: nn.Module) -> list[tuple[str, Any]]:  # (name, a module that is an FSDPModule)
     from torch.distributed.fsdp import FSDPModule
 
     return [(name or "<root>", m) for name, m in model.named_modules() if isinstance(m, FSDPModule)]

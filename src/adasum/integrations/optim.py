@@ -39,7 +39,7 @@ from __future__ import annotations
 
 from collections import OrderedDict, deque
 from collections.abc import Callable
-from typing import Any
+from typing import Any, cast
 
 import torch
 import torch.distributed as dist
@@ -185,6 +185,8 @@ class DistributedOptimizer(torch.optim.Optimizer):
 
     # GradScaler.step passes grad_scale and found_inf instead of skipping this step on its own
     _step_supports_amp_scaling = True
+    found_inf: torch.Tensor  # set by GradScaler.step for one call (no value here: hasattr tells)
+    grad_scale: torch.Tensor | None
 
     def __init__(
         self,
@@ -310,8 +312,9 @@ class DistributedOptimizer(torch.optim.Optimizer):
         if scaled and self._agree_on_inf(self.found_inf):
             return None
         params = self._params()
-        if scaled and getattr(self, "grad_scale", None) is not None:
-            self._unscale(params, self.grad_scale)
+        scale = getattr(self, "grad_scale", None)
+        if scaled and scale is not None:
+            self._unscale(params, scale)
         if self.nonfinite != "propagate" and self._nonfinite_gradients(params):
             return None
         if self.mode == "gradient":
@@ -387,6 +390,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
     def _save_anchor(self, params: list[torch.Tensor]) -> None:
         if self._anchor is None or len(self._anchor) != len(params):
             self._new_anchor(params)
+        assert self._anchor is not None
         if params:
             torch._foreach_copy_(self._anchor, params)
 
@@ -405,10 +409,11 @@ class DistributedOptimizer(torch.optim.Optimizer):
         self._anchor = anchor
 
     def _combine_gradients(self, params: list[torch.Tensor]) -> None:
+        grads: list[torch.Tensor] = []
         for p in params:
             if p.grad is None:
                 p.grad = torch.zeros_like(p)
-        grads = [p.grad for p in params]
+            grads.append(p.grad)
         operation = "adasum.DistributedOptimizer.step"
         if not self._gradients_checked:  # once: sparse or misplaced gradients raise on every rank
             with failures_named(operation, "the gradient layout check", self.group):
@@ -437,8 +442,9 @@ class DistributedOptimizer(torch.optim.Optimizer):
         main = torch.cuda.current_stream(device) if comm is not None else None
         pending: deque = deque()
 
-        def apply(members: list[torch.Tensor], anchor: torch.Tensor, flat: torch.Tensor, done) -> None:
+        def apply(members: list[torch.Tensor] | Scattered, anchor: torch.Tensor, flat: torch.Tensor, done) -> None:
             if done is not None:
+                assert main is not None  # there is a side stream
                 main.wait_event(done)
             # one pass: x0 + combined, straight into the parameters and into the anchor (the next round's start)
             kernels.add_into(members, anchor, flat, base_too=True)
@@ -451,7 +457,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
                 self.reducer.all_reduce_flat(flat, sizes, self.group, check_layout=False)
                 apply(members, anchor, flat, None)
                 continue
-            comm.wait_stream(main)
+            comm.wait_stream(cast(torch.cuda.Stream, main))  # the compute stream, set with `comm`
             with torch.cuda.stream(comm):
                 self.reducer.all_reduce_flat(flat, sizes, self.group, check_layout=False)
                 done = comm.record_event()
@@ -518,6 +524,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
         if state_dict["anchor"] is not None:
             params = self._params()
             self._new_anchor(params)
+            assert self._anchor is not None
             torch._foreach_copy_(self._anchor, [a.to(p.device) for a, p in zip(state_dict["anchor"], params)])
 
 

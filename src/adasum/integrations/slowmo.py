@@ -289,11 +289,12 @@ class SlowMo:
         return [(name, str(b.dtype).removeprefix("torch."), tuple(b.shape), b.device.type)
                 for name, b in self.module.named_buffers() if b.is_floating_point()]  # type: ignore[union-attr]
 
-    def _state_layout(self) -> tuple[list[tuple], list[tuple]]:
+    def _state_layout(self) -> tuple[list[tuple], list[torch.Tensor]]:
         """The base optimizer's floating-point state tensors except step counters, matched by
         parameter (its index and name) and state key: ``(description, tensors)``."""
         names = optimizer_param_names(self.optimizer)
-        description, tensors = [], []
+        description: list[tuple] = []
+        tensors: list[torch.Tensor] = []
         for i, p in enumerate(self._params):
             state = self.optimizer.state.get(p, {})
             label = f"parameter {i}" + (f" ({names[i]!r})" if names is not None else "")

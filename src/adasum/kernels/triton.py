@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import os
 from collections.abc import Sequence
+from typing import cast
 
 import torch
 
@@ -289,7 +290,8 @@ def combine(
     if table.n_tiles:
         assert sums.stride(1) == 1 and sums.dtype == torch.float64 and len(more_outs) <= 2
         per_segment = isinstance(workers_a, torch.Tensor)
-        counts = torch.stack([workers_a, workers_b]) if per_segment else sums  # any pointer when unused
+        per_segment_counts = cast(list[torch.Tensor], [workers_a, workers_b])
+        counts = torch.stack(per_segment_counts) if per_segment else sums  # any pointer when unused
         (a_ptr, a_tiles, a_at), (b_ptr, b_tiles, b_at) = _operand(a, like), _operand(b, like)
         out_ptr, out_tiles, out_at = _operand(out, like)
         extra = list(more_outs) + [out_ptr] * (2 - len(more_outs))  # unused pointers when fewer

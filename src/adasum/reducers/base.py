@@ -52,8 +52,11 @@ class Reducer:
     """Each tensor is combined on its own (a list may be split into buckets without changing the result)."""
     exact_average: bool = False
     """The result is the exact mean of the ranks' copies (a model may be averaged directly)."""
-    capturable: bool = False
-    """On NCCL a call never waits on the host, so a CUDA graph can capture it (`adasum.collectives.graphs`)."""
+
+    @property
+    def capturable(self) -> bool:
+        """On NCCL a call never waits on the host, so a CUDA graph can capture it (`adasum.collectives.graphs`)."""
+        return False
 
     def reduce(self, per_worker: Sequence[Sequence[torch.Tensor]]) -> list[torch.Tensor]:
         raise NotImplementedError

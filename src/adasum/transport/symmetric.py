@@ -49,6 +49,7 @@ import os
 import socket
 import warnings
 from collections.abc import Sequence
+from typing import cast
 
 import torch
 import torch.distributed as dist
@@ -62,7 +63,7 @@ from adasum.transport.groups import side_stream
 try:  # pragma: no cover - CUDA builds only
     import torch.distributed._symmetric_memory as symm_mem
 except ImportError:  # pragma: no cover
-    symm_mem = None
+    symm_mem = None  # type: ignore[assignment]
 
 CHUNK_BYTES = 32 << 20
 """Bytes per pipelined piece of a staged half, at least (``ADASUM_SYMMETRIC_CHUNK_BYTES`` overrides it;
@@ -78,7 +79,7 @@ _remote: dict[tuple[int, int, int, torch.dtype], torch.Tensor] = {}
 
 
 def _group_name(group: dist.ProcessGroup | None) -> str:
-    return (group if group is not None else dist.group.WORLD).group_name
+    return (group if group is not None else cast(dist.ProcessGroup, dist.group.WORLD)).group_name
 
 
 def supported(group: dist.ProcessGroup | None) -> bool:
@@ -107,7 +108,7 @@ def release() -> None:
     _remote.clear()
 
 
-def staging(group: dist.ProcessGroup | None, numel: int, like: torch.Tensor, purpose: str = "stage"):
+def staging(group: dist.ProcessGroup | None, numel: int, like: torch.Tensor | Scattered, purpose: str = "stage"):
     """(S, handle): this group's symmetric buffer for `like`'s dtype and `purpose` ("stage": ``S``;
     "receive": the push protocol's ``R``), at least `numel` elements.
     Growing it is collective (a rendezvous): every rank asks for the same sizes in the same order.
@@ -129,9 +130,9 @@ def staging(group: dist.ProcessGroup | None, numel: int, like: torch.Tensor, pur
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
             if hasattr(symm_mem, "enable_symm_mem_for_group"):
-                symm_mem.enable_symm_mem_for_group(key[0])
+                symm_mem.enable_symm_mem_for_group(key[0])  # type: ignore[arg-type]  # a str is a GroupName
         buffer = symm_mem.empty(capacity, dtype=like.dtype, device=like.device)
-        handle = symm_mem.rendezvous(buffer, key[0])
+        handle = symm_mem.rendezvous(buffer, key[0])  # type: ignore[arg-type]  # a str is a GroupName
         entry = (buffer, handle)
         _buffers[key] = entry
     return entry
@@ -209,6 +210,7 @@ class SymmetricMemory(Transport):
                 staged_events.append(side.record_event())
         for c, ((k0, k1), _) in enumerate(pieces):
             if staged_events:
+                assert main is not None  # staged on the side stream
                 main.wait_event(staged_events[c])
             handle.barrier(channel=0)  # the partner's copy of this piece is staged
             first, lengths = level.overlap(k0, k1)
@@ -286,8 +288,8 @@ class SymmetricMemory(Transport):
         theirs = level.theirs[lo - level.kept[0] : hi - level.kept[0]]
         # the partner's copy from the local one the pull kept: reading it over NVLink again, against the
         # direction of this kernel's stores into the partner, measured 1.72 x NCCL at 2^28 fp32 instead of 1.22 x
-        pair = (mine, theirs) if level.lower else (theirs, mine)
-        combine_from_sums(*pair, sums, level.workers_a, level.workers_b, lengths, mine, *outs)
+        a, b = (mine, theirs) if level.lower else (theirs, mine)
+        combine_from_sums(a, b, sums, level.workers_a, level.workers_b, lengths, mine, *outs)
 
     def _pipelined_combine(self, level: Level, shared: torch.Tensor, handle, pieces, staged: bool) -> None:
         """The last level of a group of two in pieces: combine piece c into B and the partner's S, barrier (the
@@ -333,7 +335,7 @@ def _copy(dst: torch.Tensor | Scattered, src: torch.Tensor | Scattered, lo: int,
     if hi <= lo:
         return
     if isinstance(src, Scattered):
-        src.read_into(dst, lo, hi)
+        src.read_into(cast(torch.Tensor, dst), lo, hi)
     elif isinstance(dst, Scattered):
         dst.write_from(src, lo, hi)
     else:
