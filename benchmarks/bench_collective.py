@@ -89,6 +89,25 @@ def time_pair(fns, restore, device, repeats: int, warmup: int) -> tuple[list[flo
     return [statistics.median(r) for r in rows], rows
 
 
+def free_memory(device: torch.device) -> int | None:
+    """The device's free bytes (cudaMemGetInfo) once its work is done; None on the CPU."""
+    if device.type != "cuda":
+        return None
+    torch.cuda.synchronize(device)
+    return torch.cuda.mem_get_info(device)[0]
+
+
+def kept_memory(before: int | None, device: torch.device) -> float | None:
+    """MiB of device memory taken since `before` (`free_memory`) and still held: what adasum keeps beyond the
+    user's tensors after repeated calls (buffers, workspaces, captured graphs, the caching allocator's share),
+    the largest over ranks."""
+    if before is None:
+        return None
+    taken = torch.tensor([(before - free_memory(device)) / (1 << 20)], device=device)
+    dist.all_reduce(taken, op=dist.ReduceOp.MAX)
+    return float(taken)
+
+
 def host_launches(fn, device: torch.device) -> int | None:
     """Launches through the CUDA runtime/driver during one call of `fn` (kernels, copies, graphs)."""
     if device.type != "cuda":
@@ -219,6 +238,8 @@ def worker(rank: int, world: int, store_path: str, args) -> None:
         args.backend, store=dist.FileStore(store_path, world), rank=rank, world_size=world,
         timeout=timedelta(seconds=600), device_id=device if device.type == "cuda" else None,
     )
+    if device.type == "cuda":  # NCCL's own buffers exist before any kept memory is measured
+        dist.all_reduce(torch.ones(1, device=device))
 
     def log(text: str) -> None:
         if rank == 0:
@@ -264,9 +285,11 @@ def worker(rank: int, world: int, store_path: str, args) -> None:
                 def run_adasum():
                     adasum.all_reduce(tensors, transport=chosen)
 
+                before = free_memory(device)
                 (a_s, r_s), (a_all, r_all) = time_pair(
                     [run_adasum, lambda: dist.all_reduce(flat)], restore, device, repeats, args.warmup
                 )
+                kept = kept_memory(before, device)
                 restore()
                 launches = host_launches(run_adasum, device)
                 row = {
@@ -274,16 +297,18 @@ def worker(rank: int, world: int, store_path: str, args) -> None:
                     "transport": default if name == "default" else name, "default": name == "default",
                     "adasum_s": a_s, "allreduce_s": r_s, "ratio": a_s / r_s, "host_launches": launches,
                     "timer": "cuda-events" if device.type == "cuda" else "host", "repeats": repeats,
-                    "adasum_all_s": a_all, "allreduce_all_s": r_all,
+                    "adasum_all_s": a_all, "allreduce_all_s": r_all, "kept_mib": kept,
                 }
                 rows.append(row)
                 star = "*" if name == "default" else " "
                 log(f"{dtype_name:5s} {layout:14s} {numel:>11d} {row['transport']:12s}{star} "
                     f"adasum {a_s * 1e3:8.3f} ms  all_reduce {r_s * 1e3:8.3f} ms  ratio {a_s / r_s:5.2f}  "
-                    f"launches {launches}")
+                    f"launches {launches}  kept {kept if kept is None else round(kept)} MiB")
+                if device.type == "cuda":  # each transport's kept memory on its own
+                    adasum.collectives.graphs.release()
+                    torch.cuda.empty_cache()
             tensors = saved = flat = None  # free before the next case
             if device.type == "cuda":
-                adasum.collectives.graphs.release()
                 torch.cuda.empty_cache()
     _write(rank, args.out, rows)
     dist.barrier()

@@ -93,7 +93,7 @@ def all_reduce(
 
 def list_transport(group: dist.ProcessGroup | None, name: str | None = None) -> Transport:
     """The transport a list is combined on: `name`, or the fastest the group supports (every rank a leader of
-    the tree where the group is a power of two)."""
+    the tree where the group is a power of two; the slice-parallel schedule serves any size)."""
     world = dist.get_world_size(group)
     return transport_for(group, name, world & (world - 1) == 0)
 
@@ -158,10 +158,11 @@ def fused_per_dtype(
             # the transport reads and writes the tensors where they are: no fusion and no copy back
             combine(Scattered(members), [t.numel() for t in members])
             continue
-        fusion = None
-        if transport is not None and not (len(members) == 1 and members[0].is_contiguous()):
-            fusion = transport.fusion_buffer(numel, members[0])
-        flat = flatten(members, fusion if fusion is not None else _workspace.get("fusion", numel, members[0]))
+        if len(members) == 1 and members[0].is_contiguous():
+            flat = members[0].view(-1)  # no fusion: no workspace either (a captured graph would keep it)
+        else:
+            fusion = transport.fusion_buffer(numel, members[0]) if transport is not None else None
+            flat = flatten(members, fusion if fusion is not None else _workspace.get("fusion", numel, members[0]))
         combine(flat, [t.numel() for t in members])
         unflatten_into(flat, members)
 

@@ -41,6 +41,7 @@ import torch
 import torch.distributed as dist
 
 from adasum.collectives import graphs
+from adasum.collectives.slices import adasum_slices_
 from adasum.core.layout import Layout, Scattered
 from adasum.core.tree import Tree
 from adasum.kernels import combine_from_sums, dot_and_norms
@@ -133,9 +134,11 @@ class Placement:
     offset: int
 
 
-def transport_for(group: dist.ProcessGroup | None, name: str | None, whole_group: bool) -> Transport:
+def transport_for(
+    group: dist.ProcessGroup | None, name: str | None, whole_group: bool, placed: bool = False
+) -> Transport:
     """`adasum.transport.select` with this module's piece sizes and post function (tests shrink or wrap them)."""
-    return select(group, name, whole_group=whole_group, post_fn=_post, piece_elements=_PIECE)
+    return select(group, name, whole_group=whole_group, placed=placed, post_fn=_post, piece_elements=_PIECE)
 
 
 def final_slices(numel: int, world: int, levels: Sequence[int]) -> list[tuple[int, int]]:
@@ -182,14 +185,23 @@ def adasum_flat_(
         return
     tree = Tree(world)
     if not isinstance(transport, Transport):
-        transport = transport_for(group, transport, placement is None and tree.folded == 0)
-    if isinstance(buffer, Scattered) and not (transport.scattered and tree.folded == 0 and placement is None):
+        transport = transport_for(group, transport, placement is None and tree.folded == 0, placement is not None)
+    slice_parallel = transport.name == "slices"
+    if slice_parallel and placement is not None:
+        raise ValueError("transport='slices' runs the tree over the whole group (no hierarchical placement)")
+    if isinstance(buffer, Scattered) and not (
+        transport.scattered and (tree.folded == 0 or slice_parallel) and placement is None
+    ):
         raise ValueError(f"the {transport.name} transport takes flat buffers only, not a Scattered list of tensors")
     if isinstance(buffer, Scattered) and buffer.layout.sizes != layout.sizes:
         # the kernels address a Scattered slice tile by tile of its tensors: each segment must be one tensor
         raise ValueError("a Scattered buffer's tensors must be the segments of `sizes`, one tensor per segment")
 
     def run() -> None:
+        if slice_parallel:
+            with failures_named("adasum.all_reduce", "the slice-parallel schedule", group, transport.timeout):
+                adasum_slices_(buffer, layout, transport)
+            return
         # a Scattered list stands in for a flat buffer where the transport reads lists in place (checked above)
         flat = cast(torch.Tensor, buffer)
         run_schedule(flat, layout, group, peers, offset, rank, tree, transport, sliced=placement is not None)

@@ -12,13 +12,14 @@ from adasum.transport.base import Transport
 from adasum.transport.c10d import Collectives, PointToPointC10d, post
 from adasum.transport.groups import group_timeout
 
-TRANSPORTS = ("p2p", "collectives", "symmetric")
-"""The transports a caller may name (``transport=``)."""
+TRANSPORTS = ("p2p", "collectives", "symmetric", "slices")
+"""The transports a caller may name (``transport=``). "slices" is the slice-parallel schedule
+(`adasum.collectives.slices`): on symmetric memory inside one NVLink host, elsewhere on c10d point-to-point."""
 
-NCCL_PREFERENCE = ("symmetric", "p2p")
+NCCL_PREFERENCE = ("slices", "symmetric", "p2p")
 """The default on NCCL: the first of these the group supports (fastest first, docs/benchmarks.md); "collectives"
-needs a power-of-two group, "symmetric" one host with NVLink, "p2p" runs everywhere. The test suite puts
-another transport first to run the NCCL suite on it (``ADASUM_TEST_TRANSPORT``)."""
+and "symmetric" need a power-of-two group, "slices" and "symmetric" one host with NVLink, "p2p" runs
+everywhere. The test suite puts another transport first to run the NCCL suite on it (``ADASUM_TEST_TRANSPORT``)."""
 
 
 def select(
@@ -26,26 +27,41 @@ def select(
     name: str | None = None,
     *,
     whole_group: bool = True,
+    placed: bool = False,
     post_fn: Callable = post,
     piece_elements: tuple[int, int] = (1 << 20, 1 << 25),
 ) -> Transport:
     """The transport for a schedule over `group`: `name` if given, else the fastest the group
     supports (gloo: "p2p"; NCCL: `NCCL_PREFERENCE`). `whole_group`: every rank of the group is a
     leader of the tree (a power-of-two group, no placement), which "collectives" and "symmetric"
-    need. Asking for one the group cannot run raises ValueError on every rank."""
+    need; `placed`: the tree runs over a placement inside the group (hierarchical mode), which only the
+    VHDD transports serve ("slices" needs every rank, any number of them). Asking for one the group cannot run
+    raises ValueError on every rank."""
     nccl = dist.get_backend(group) == "nccl"
     if name is None:
         name = "p2p"
-        if nccl and whole_group:
+        if nccl and not placed:
             from adasum.transport import symmetric
 
             for candidate in NCCL_PREFERENCE:
-                if candidate != "symmetric" or symmetric.supported(group):
+                needs_whole = candidate in ("symmetric", "collectives")
+                needs_host = candidate in ("symmetric", "slices")
+                if (whole_group or not needs_whole) and (not needs_host or symmetric.supported(group)):
                     name = candidate
                     break
     if name not in TRANSPORTS:
         raise ValueError(f"transport must be one of {list(TRANSPORTS)} or None, got {name!r}")
     timeout = None if nccl else group_timeout(group)
+    if name == "slices":
+        if placed:
+            raise ValueError("transport='slices' runs the tree over the whole group (no hierarchical placement)")
+        from adasum.transport import symmetric
+
+        if nccl and symmetric.supported(group):
+            return symmetric.SymmetricSlices(group)
+        from adasum.transport.slices import C10dSlices
+
+        return C10dSlices(group, timeout)
     if name == "p2p":
         return PointToPointC10d(group, 4 * piece_elements[nccl], timeout, post_fn)
     if not nccl or not whole_group:

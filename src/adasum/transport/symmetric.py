@@ -59,6 +59,7 @@ from adasum.kernels import combine_from_sums
 from adasum.kernels import triton as triton_kernels
 from adasum.transport.base import GatherStep, Level, Transport, split
 from adasum.transport.groups import side_stream
+from adasum.transport.slices import round_elements
 
 try:  # pragma: no cover - CUDA builds only
     import torch.distributed._symmetric_memory as symm_mem
@@ -340,3 +341,101 @@ def _copy(dst: torch.Tensor | Scattered, src: torch.Tensor | Scattered, lo: int,
         dst.write_from(src, lo, hi)
     else:
         dst[lo:hi].copy_(src[lo:hi])
+
+
+class SymmetricSlices(Transport):
+    """The slice-parallel schedule's mover (`adasum.collectives.slices`) on symmetric memory, any group size
+    inside one host. One symmetric buffer per group and dtype holds P receive rows and one output row of
+    ``C`` elements each (``(P + 1) C`` at most the memory budget, `adasum.transport.slices.round_elements`).
+    Each slice is cut into the same number of pieces on every rank (one per `CHUNK_BYTES` of the longest
+    slice, at most `MAX_CHUNKS`):
+
+    * scatter: for each piece, rank r stores its copy of that piece of slice j straight from `B` (a flat tensor
+      or a `Scattered` list, read in place) into row r of rank j's buffer, peers in the order r + 1, r + 2, ...
+      (each rank receives from one peer at a time), then a signal-pad barrier; the schedule's sums of a
+      landed piece run on a side stream while the next piece is stored;
+    * the tree runs on the rows;
+    * gather: for each piece, the last combination writes it into `B`'s slice and the output row, a barrier,
+      then on a side stream rank r loads that piece of every peer's output row straight into `B`, while the
+      next piece is combined.
+
+    A round's stores into a peer's rows come after that peer passed its last barrier of the previous round's
+    gather, which follows its tree; a peer's output row is written after the next scatter's barriers, which
+    every rank passes only after its loads (the side stream joins before the round ends). Nothing synchronises
+    the host."""
+
+    name = "slices"
+    scattered = True
+    timeout = None
+
+    def __init__(self, group: dist.ProcessGroup | None) -> None:
+        super().__init__(group)
+        self.world = dist.get_world_size(group)
+        self.rank = dist.get_rank(group)
+        self._row = 0  # elements per row of the current round
+        self._shared = self._handle = None
+
+    def round_elements(self, element_size: int) -> int:
+        return round_elements(self.world, self.world + 1, element_size)
+
+    def rows(self, buffer, bounds):
+        row = max(hi - lo for lo, hi in bounds)
+        self._shared, self._handle = staging(self.group, (self.world + 1) * row, buffer, "slices")
+        self._row = row
+        size = bounds[self.rank][1] - bounds[self.rank][0]
+        return [self._shared[j * row : j * row + size] for j in range(self.world)]
+
+    def _pieces(self, size: int, element_size: int) -> list[tuple[int, int]]:
+        count = max(1, min(MAX_CHUNKS, self._row * element_size // CHUNK_BYTES))
+        return split(0, size, count)
+
+    def _order(self) -> list[int]:
+        return [(self.rank + step) % self.world for step in range(1, self.world)]
+
+    def scatter(self, buffer, layout, bounds, landed):
+        shared, handle, row, me = self._shared, self._handle, self._row, self.rank
+        element_size = buffer.element_size()
+        main = torch.cuda.current_stream(shared.device)
+        side = side_stream(shared.device, "copies")
+        peers = {j: _peer_view(handle, j, shared.numel(), shared.dtype) for j in self._order()}
+        peers[me] = shared
+        pieces = {j: self._pieces(bounds[j][1] - bounds[j][0], element_size) for j in peers}
+        mine = pieces[me]
+        for c in range(len(mine)):
+            for j in [me, *self._order()]:
+                p0, p1 = pieces[j][c]
+                lo = bounds[j][0]
+                if p1 > p0:
+                    _, lengths = layout.overlap(lo + p0, lo + p1)
+                    triton_kernels.add(_slice(buffer, lo + p0, lo + p1), None, peers[j][me * row + p0 : me * row + p1],
+                                       lengths)
+            handle.barrier(channel=0)  # piece c of every rank's copy of this rank's slice has landed
+            side.wait_stream(main)
+            with torch.cuda.stream(side):
+                landed(*mine[c])
+        main.wait_stream(side)
+
+    def all_reduce_sums(self, sums: torch.Tensor) -> None:
+        dist.all_reduce(sums, group=self.group)
+
+    def gather(self, buffer, layout, bounds, finish):
+        shared, handle, row, me = self._shared, self._handle, self._row, self.rank
+        element_size = buffer.element_size()
+        start = self.world * row
+        main = torch.cuda.current_stream(shared.device)
+        side = side_stream(shared.device, "copies")
+        peers = {j: _peer_view(handle, j, shared.numel(), shared.dtype) for j in self._order()}
+        pieces = {j: self._pieces(bounds[j][1] - bounds[j][0], element_size) for j in [me, *peers]}
+        lo = bounds[me][0]
+        for c, (p0, p1) in enumerate(pieces[me]):
+            finish(p0, p1, [_slice(buffer, lo + p0, lo + p1), shared[start + p0 : start + p1]])
+            handle.barrier(channel=0)  # piece c of every rank's result is in its output row
+            side.wait_stream(main)
+            with torch.cuda.stream(side):
+                for j, view in peers.items():
+                    q0, q1 = pieces[j][c]
+                    if q1 > q0:
+                        _, lengths = layout.overlap(bounds[j][0] + q0, bounds[j][0] + q1)
+                        triton_kernels.add(view[start + q0 : start + q1], None,
+                                           _slice(buffer, bounds[j][0] + q0, bounds[j][0] + q1), lengths)
+        main.wait_stream(side)

@@ -1,0 +1,183 @@
+"""Slice-parallel Adasum: the tree of `adasum.core.tree` with the traffic of a two-shot all-reduce
+(SPEC 1.4b), for any number of ranks.
+
+Per round (a run of whole tensors of the layout, at most what the mover's buffers hold):
+
+1. The round is cut into P aligned slices; rank r owns slice r. The mover brings every rank's
+   copy of slice r to rank r (`SliceMover.scatter`: a reduce-scatter without the reduction,
+   ``N (P-1)/P`` elements in per rank).
+2. Rank r runs the whole tree on its slice, level by level: the fold of pairs ``(2i, 2i+1)``
+   first when P is not a power of two, then the power-of-two levels. For every pair of a level
+   it adds its slice's share of the per-tensor ``<a,b>``, ``|a|^2``, ``|b|^2`` (float64) into one
+   ``[pairs, 3, T]`` array, one small SUM all-reduce over the group gives every rank the
+   whole-tensor sums, and every rank combines its slice with the same coefficients.
+3. The mover hands slice r's result to every rank (`SliceMover.gather`).
+
+The result equals the flat tree's (`adasum.reduce`) up to float64 rounding of the sums; each
+element is computed by one rank and copied, so ranks end bitwise equal. Rounds are independent
+Adasum problems because coefficients are per tensor: a round never cuts a tensor, so a tensor
+larger than the mover's round capacity makes a round of its own (and the mover's buffers grow to it).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Protocol
+
+import torch
+
+from adasum.core.layout import Layout, Scattered
+from adasum.core.tree import Tree
+from adasum.kernels import combine_from_sums, dot_and_norms
+from adasum.transport.base import split
+
+Piece = Callable[[int, int], None]
+"""Work on positions [p0, p1) of this rank's slice (the schedule's callbacks to the mover)."""
+
+
+class SliceMover(Protocol):
+    """How the bytes of the slice-parallel schedule move (`adasum.transport.slices.C10dSlices`,
+    `adasum.transport.symmetric.SymmetricSlices`). A mover may cut the slices into pieces and overlap the
+    callbacks' math on one piece with the transfer of the next."""
+
+    name: str
+    scattered: bool
+    world: int
+    rank: int
+
+    def round_elements(self, element_size: int) -> int | None:
+        """The most elements one round should hold (None: no limit)."""
+
+    def rows(self, buffer, bounds: Sequence[tuple[int, int]]) -> list[torch.Tensor]:
+        """Where every rank's copy of this rank's slice lands: `world` flat tensors in rank order (scratch)."""
+
+    def scatter(self, buffer, layout: Layout, bounds: Sequence[tuple[int, int]], landed: Piece) -> None:
+        """Fill `rows`; ``landed(p0, p1)`` runs once a piece of every row is complete (the pieces cover the slice)."""
+
+    def all_reduce_sums(self, sums: torch.Tensor) -> None:
+        """SUM all-reduce of a small float64 array over the group."""
+
+    def gather(
+        self, buffer, layout: Layout, bounds: Sequence[tuple[int, int]], finish: Callable[[int, int, list], None]
+    ) -> None:
+        """``finish(p0, p1, outs)`` writes the result of a piece of this rank's slice into `outs` (this rank's
+        slice of `buffer` there first, then whatever the mover reads it from); then every rank's pieces reach
+        `buffer` everywhere."""
+
+
+def rounds(sizes: Sequence[int], capacity: int | None) -> list[tuple[int, int, int, int]]:
+    """Cut a layout into runs of whole tensors of at most `capacity` elements (a larger tensor alone):
+    (first tensor, end tensor, first element, end element) of each.
+
+    >>> rounds([4, 4, 10, 1], 8)
+    [(0, 2, 0, 8), (2, 3, 8, 18), (3, 4, 18, 19)]
+    """
+    out: list[tuple[int, int, int, int]] = []
+    first, start, total = 0, 0, 0
+    for i, n in enumerate(sizes):
+        if capacity is not None and total and total + n > capacity:
+            out.append((first, i, start, start + total))
+            first, start, total = i, start + total, 0
+        total += n
+    if total or not out:
+        out.append((first, len(sizes), start, start + total))
+    return out
+
+
+def level_pairs(tree: Tree) -> list[list[tuple[int, int, int, int]]]:
+    """The tree's levels as (rank of side a, rank of side b, workers of a, workers of b) per pair: the fold
+    (when P is not a power of two), then d = 1, 2, 4, ...; each pair's result replaces side a's vector.
+
+    >>> level_pairs(Tree(3))
+    [[(0, 1, 1, 1)], [(0, 2, 2, 1)]]
+    """
+    levels = []
+    if tree.folded:
+        levels.append([(2 * i, 2 * i + 1, 1, 1) for i in range(tree.folded)])
+    for d in tree.levels():
+        levels.append([
+            (tree.leader(base), tree.leader(base + d), tree.count(base, d), tree.count(base + d, d))
+            for base in range(0, tree.groups, 2 * d)
+        ])
+    return levels
+
+
+def _columns(layout: Layout, lo: int, hi: int, first_tensor: int) -> tuple[slice, list[int]]:
+    """The sums columns and the segment lengths of layout positions [lo, hi) (columns count from the round's
+    first tensor)."""
+    first, lengths = layout.overlap(lo, hi)
+    return slice(first - first_tensor, first - first_tensor + len(lengths)), lengths
+
+
+def _dots(rows, pairs, layout: Layout, where: tuple[int, int], p0: int, p1: int, sums, first_tensor: int) -> None:
+    """Add the pairs' partial sums over positions [p0, p1) of the slice at `where` into `sums` ([pairs, 3, T])."""
+    columns, lengths = _columns(layout, where[0] + p0, where[0] + p1, first_tensor)
+    if lengths:
+        for p, (a, b, _, _) in enumerate(pairs):
+            dot_and_norms(rows[a][p0:p1], rows[b][p0:p1], lengths, out=sums[p, :, columns])
+
+
+def _combine(rows, pair, sums, layout: Layout, where, p0: int, p1: int, first_tensor: int, outs: Sequence) -> None:
+    """Positions [p0, p1) of one pair's combination (its [3, T] `sums` complete) into `outs`."""
+    columns, lengths = _columns(layout, where[0] + p0, where[0] + p1, first_tensor)
+    if lengths:
+        a, b, workers_a, workers_b = pair
+        combine_from_sums(rows[a][p0:p1], rows[b][p0:p1], sums[:, columns], workers_a, workers_b, lengths, *outs)
+
+
+def tree_on_slice_(
+    rows: Sequence[torch.Tensor],
+    layout: Layout,
+    where: tuple[int, int],
+    tree: Tree,
+    all_reduce_sums: Callable[[torch.Tensor], None],
+    tensors: tuple[int, int],
+    first_sums: torch.Tensor | None = None,
+) -> Callable[[int, int, Sequence], None]:
+    """Step 2 of the module doc on one rank's slice but the last combination: `rows[j]` holds rank j's copy of
+    positions `where` of `layout` (overwritten); `tensors` is the round's (first, end) tensor range, the
+    columns of the sums. `first_sums`: the first level's partial sums, already added up over the slice.
+    Returns ``finish(p0, p1, outs)``, which writes positions [p0, p1) of the result into `outs`."""
+    levels = level_pairs(tree)
+    width = tensors[1] - tensors[0]
+    size = where[1] - where[0]
+    sums = first_sums
+    for depth, pairs in enumerate(levels):
+        if depth or sums is None:
+            sums = torch.zeros((len(pairs), 3, width), dtype=torch.float64, device=rows[0].device)
+            _dots(rows, pairs, layout, where, 0, size, sums, tensors[0])
+        all_reduce_sums(sums)
+        if depth < len(levels) - 1:
+            for pair, pair_sums in zip(pairs, sums):
+                _combine(rows, pair, pair_sums, layout, where, 0, size, tensors[0], [rows[pair[0]][0:size]])
+    last, last_sums = levels[-1][0], sums[0]
+
+    def finish(p0: int, p1: int, outs: Sequence) -> None:
+        _combine(rows, last, last_sums, layout, where, p0, p1, tensors[0], outs)
+
+    return finish
+
+
+def adasum_slices_(buffer: torch.Tensor | Scattered, layout: Layout, mover: SliceMover) -> None:
+    """Adasum of `buffer` (a flat tensor, or a `Scattered` list where ``mover.scattered``) across the mover's
+    group, in place, each tensor of `layout` with its own coefficients (module doc)."""
+    world = mover.world
+    if world == 1:
+        return
+    tree = Tree(world)
+    first_pairs = level_pairs(tree)[0]
+    capacity = mover.round_elements(buffer.element_size())
+    for first, end, lo, hi in rounds(layout.sizes, capacity):
+        if hi == lo:
+            continue
+        bounds = split(lo, hi, world)
+        where = bounds[mover.rank]
+        rows = mover.rows(buffer, bounds)
+        sums = torch.zeros((len(first_pairs), 3, end - first), dtype=torch.float64, device=rows[0].device)
+
+        def landed(p0: int, p1: int) -> None:
+            _dots(rows, first_pairs, layout, where, p0, p1, sums, first)
+
+        mover.scatter(buffer, layout, bounds, landed)
+        finish = tree_on_slice_(rows, layout, where, tree, mover.all_reduce_sums, (first, end), sums)
+        mover.gather(buffer, layout, bounds, finish)

@@ -1,0 +1,111 @@
+"""The slice-parallel schedule (`adasum.collectives.slices`, ``transport="slices"``): its tree against the
+independent NumPy reference, in one process and on real spawned groups (gloo here; NCCL with
+ADASUM_TEST_BACKEND=nccl, where the mover is symmetric memory), with ranks bitwise equal, rounds included."""
+
+import numpy as np
+import pytest
+import torch
+
+import adasum
+from adasum.collectives.slices import level_pairs, rounds, tree_on_slice_
+from adasum.core.layout import Layout
+from adasum.core.tree import Tree
+
+import distributed
+from reference import tree as reference_tree
+
+SIZES = [1, 0, 7, 33, 5, 1000, 3, 0, 64, 129, 2, 17, 8, 511, 1, 1, 90, 4, 12, 6, 250, 31, 2, 9, 77, 3, 14, 1, 40, 5]
+# the bound on the relative error of the tree against float64: a rounding to the dtype per level, with room
+BOUNDS = {torch.float32: 1e-6, torch.float64: 1e-13}
+
+
+def _data(seed: int, world: int, dtype: torch.dtype) -> list[list[torch.Tensor]]:
+    g = torch.Generator().manual_seed(seed)
+    return [[torch.randn(n, generator=g, dtype=torch.float64).to(dtype) for n in SIZES] for _ in range(world)]
+
+
+def _worst_error(got: list[torch.Tensor], data: list[list[torch.Tensor]]) -> float:
+    worst = 0.0
+    for i, t in enumerate(got):
+        ref = reference_tree([data[r][i].double().numpy() for r in range(len(data))])
+        den = np.linalg.norm(ref)
+        if den > 0:
+            worst = max(worst, float(np.linalg.norm(t.double().cpu().numpy() - ref) / den))
+    return worst
+
+
+@pytest.mark.parametrize("world", [2, 3, 5, 6, 8])
+def test_tree_on_one_slice_is_the_reference_tree(world):
+    # one process holding the whole buffer as its slice: the small all-reduces have nothing to add
+    data = _data(world, world, torch.float64)
+    rows = [torch.cat(data[r]) for r in range(world)]
+    layout = Layout(tuple(SIZES))
+    out = torch.full_like(rows[0], float("nan"))
+    finish = tree_on_slice_(rows, layout, (0, layout.numel), Tree(world), lambda sums: None, (0, len(SIZES)))
+    for p0, p1 in ((0, 700), (700, 1500), (1500, layout.numel)):  # the last combination in pieces, as movers run it
+        finish(p0, p1, [out[p0:p1]])
+    assert _worst_error(list(out.split(SIZES)), data) < BOUNDS[torch.float64]
+
+
+def test_level_pairs_cover_every_rank_once_and_carry_worker_counts():
+    for world in range(2, 17):
+        levels = level_pairs(Tree(world))
+        absorbed = [b for pairs in levels for _, b, _, _ in pairs]
+        assert sorted(absorbed) == list(range(1, world)) and len(set(absorbed)) == world - 1
+        a, b, workers_a, workers_b = levels[-1][0]
+        assert (a, len(levels[-1]), workers_a + workers_b) == (0, 1, world)
+
+
+def test_rounds_keep_tensors_whole_and_cover_the_layout():
+    sizes = [3, 0, 9, 2, 2, 20, 1]
+    for capacity in (1, 4, 5, 11, 100, None):
+        cut = rounds(sizes, capacity)
+        assert cut[0][0] == 0 and cut[-1][1] == len(sizes) and cut[-1][3] == sum(sizes)
+        for (f0, e0, lo0, hi0), (f1, _, lo1, _) in zip(cut, cut[1:]):
+            assert e0 == f1 and hi0 == lo1
+        for first, end, lo, hi in cut:
+            assert hi - lo == sum(sizes[first:end])
+            # over the capacity only with one tensor that holds elements (zero-size ones ride along)
+            assert capacity is None or hi - lo <= capacity or sum(n > 0 for n in sizes[first:end]) == 1
+
+
+def _bf16_error(got: list[torch.Tensor], data: list[list[torch.Tensor]]) -> float:
+    # against `adasum.reduce`, which rounds each level to bf16 as the collective does: the float64 sums differ
+    # only by their order, which can move a level's rounding by one unit in the last place (2**-8 relative)
+    worst = 0.0
+    for i, t in enumerate(got):
+        ref = adasum.reduce([data[r][i] for r in range(len(data))]).double()
+        if ref.norm() > 0:
+            worst = max(worst, float((t.double().cpu() - ref).norm() / ref.norm()))
+    return worst
+
+
+def slice_parallel(rank, world):
+    dev = distributed.device_for(rank)
+    out = {}
+    levels = len(level_pairs(Tree(world)))
+    for dtype, bound in [*BOUNDS.items(), (torch.bfloat16, levels * 2.0**-8)]:
+        data = _data(100 + world, world, dtype)
+        mine = [t.clone().to(dev) for t in data[rank]]
+        for call in range(3):  # repeated calls on the same tensors: captured and replayed graphs on GPUs
+            for t, src in zip(mine, data[rank]):
+                t.copy_(src)
+            adasum.all_reduce(mine, transport="slices")
+        worst = _bf16_error(mine, data) if dtype == torch.bfloat16 else _worst_error(mine, data)
+        assert worst < bound, (dtype, worst)
+        out[str(dtype)] = torch.cat([t.cpu().reshape(-1) for t in mine]).view(torch.uint8).numpy().tobytes()
+    return out
+
+
+@pytest.mark.nccl
+@pytest.mark.parametrize("world", distributed.world_sizes(2, 3, 4) if distributed.BACKEND == "nccl" else [2, 3, 5])
+def test_slice_parallel_matches_reference_and_ranks_agree(world):
+    distributed.assert_ranks_agree(distributed.run(world, slice_parallel))
+
+
+@pytest.mark.nccl
+@pytest.mark.parametrize("world", distributed.world_sizes(3, 4) if distributed.BACKEND == "nccl" else [4])
+def test_slice_parallel_in_rounds_through_a_small_budget(world):
+    # a budget of a few KiB: the layout runs in many rounds, and tensors larger than a round make their own
+    results = distributed.run(world, slice_parallel, env={"ADASUM_MEMORY_MB": "0.004"})
+    distributed.assert_ranks_agree(results)
