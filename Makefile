@@ -15,6 +15,7 @@ install: $(STAMP)
 
 test: $(STAMP)
 	$(PY) -m ruff check .
+	$(PY) -m mypy
 	OMP_NUM_THREADS=1 $(PY) -m pytest -q
 
 # sequential vs Horovod's linearly scaled mean vs Adasum, 16 simulated workers, the embedded digits

@@ -63,6 +63,7 @@ def _worker(rank: int, workers: int, store_path: str) -> None:
 
 
 def main(argv: list[str] | None = None) -> None:
+    """Run the demonstration (the module doc) from the command line."""
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--workers", type=int, default=4)
     args = parser.parse_args(argv)

@@ -241,6 +241,7 @@ class SimulatedWorkers:
 
     @torch.no_grad()
     def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Restore what `state_dict` saved."""
         self.module.load_state_dict(state["model"])
         self.optimizer.load_state_dict(state["optimizer"])
         if self.stacked is not None:

@@ -53,6 +53,7 @@ class Problem:
     message: str
 
     def exception(self, operation: str, rank: int | None = None) -> Exception:
+        """The exception to raise: `operation`, the message and, when given, the rank."""
         where = f" on rank {rank}" if rank is not None else ""
         kind = TypeError if self.error == "TypeError" else ValueError
         return kind(f"{operation}: {self.message}{where}")

@@ -34,10 +34,12 @@ _patched = False
 
 
 def enabled(device: torch.device) -> bool:
+    """Whether calls on `device` are captured and replayed (CUDA, unless ``ADASUM_CUDA_GRAPHS=0``)."""
     return device.type == "cuda" and os.environ.get("ADASUM_CUDA_GRAPHS", "1") != "0"
 
 
 def tensor_key(tensors) -> tuple:
+    """What a captured graph depends on for each tensor: address, dtype, shape and strides."""
     return tuple((t.data_ptr(), t.dtype, tuple(t.shape), t.stride()) for t in tensors)
 
 
@@ -88,6 +90,7 @@ def run(key: Hashable, fn: Callable[[], None], device: torch.device) -> None:
 
 
 def captured(key: Hashable) -> bool:
+    """Whether `key` has a live captured graph."""
     graph = _graphs.get(key)
     return graph is not None and graph is not _FAILED
 

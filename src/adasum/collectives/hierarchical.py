@@ -51,6 +51,7 @@ class Hierarchy:
 
     @property
     def peers(self) -> tuple[int, ...]:
+        """The ranks at this rank's local position on every node, in node order."""
         return tuple(n * self.local_size + self.local_rank for n in range(self.nodes))
 
 

@@ -22,6 +22,7 @@ larger than the mover's round capacity makes a round of its own (and the mover's
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
+from datetime import timedelta
 from typing import Protocol
 
 import torch
@@ -44,6 +45,7 @@ class SliceMover(Protocol):
     scattered: bool
     world: int
     rank: int
+    timeout: timedelta | None  # how long a transfer may wait for a peer (None: the group's)
 
     def round_elements(self, element_size: int) -> int | None:
         """The most elements one round should hold (None: no limit)."""
@@ -150,6 +152,7 @@ def tree_on_slice_(
         if depth < len(levels) - 1:
             for pair, pair_sums in zip(pairs, sums):
                 _combine(rows, pair, pair_sums, layout, where, 0, size, tensors[0], [rows[pair[0]][0:size]])
+    assert sums is not None  # every tree has a level
     last, last_sums = levels[-1][0], sums[0]
 
     def finish(p0: int, p1: int, outs: Sequence) -> None:
@@ -175,7 +178,7 @@ def adasum_slices_(buffer: torch.Tensor | Scattered, layout: Layout, mover: Slic
         rows = mover.rows(buffer, bounds)
         sums = torch.zeros((len(first_pairs), 3, end - first), dtype=torch.float64, device=rows[0].device)
 
-        def landed(p0: int, p1: int) -> None:
+        def landed(p0: int, p1: int, rows=rows, where=where, sums=sums, first=first) -> None:  # this round's
             _dots(rows, first_pairs, layout, where, p0, p1, sums, first)
 
         mover.scatter(buffer, layout, bounds, landed)

@@ -41,7 +41,7 @@ import torch
 import torch.distributed as dist
 
 from adasum.collectives import graphs
-from adasum.collectives.slices import adasum_slices_
+from adasum.collectives.slices import SliceMover, adasum_slices_
 from adasum.core.layout import Layout, Scattered
 from adasum.core.tree import Tree
 from adasum.kernels import combine_from_sums, dot_and_norms
@@ -103,7 +103,7 @@ def _fold_(
     row: int,
     group: dist.ProcessGroup | None,
 ) -> None:
-    """buffer := adasum(buffer, other) per tensor, both standing for one worker (the fold).
+    """Fold in place: buffer := adasum(buffer, other) per tensor, both standing for one worker.
 
     `buffer` is elements [offset, offset + numel) of the layout. With `partial_sums` (a zeroed
     float64 [rows, 3, T] array; sliced placements only) the partials are summed over the group in
@@ -199,8 +199,9 @@ def adasum_flat_(
 
     def run() -> None:
         if slice_parallel:
-            with failures_named("adasum.all_reduce", "the slice-parallel schedule", group, transport.timeout):
-                adasum_slices_(buffer, layout, transport)
+            mover = cast(SliceMover, transport)  # transport.name == "slices"
+            with failures_named("adasum.all_reduce", "the slice-parallel schedule", group, mover.timeout):
+                adasum_slices_(buffer, layout, mover)
             return
         # a Scattered list stands in for a flat buffer where the transport reads lists in place (checked above)
         flat = cast(torch.Tensor, buffer)

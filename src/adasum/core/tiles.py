@@ -15,6 +15,8 @@ TILE = 16384
 
 @dataclass(frozen=True)
 class Tiles:
+    """The tile table of a layout on the device, for the kernels: each tile a run of at most `TILE` elements
+    inside one segment."""
     starts: torch.Tensor  # int64 [n_tiles]: first element of each tile
     sizes: torch.Tensor  # int64 [n_tiles]: elements in each tile
     segments: torch.Tensor  # int64 [n_tiles]: the segment each tile lies in

@@ -30,11 +30,14 @@ log = logging.getLogger("adasum")
 
 
 class UsageError(Exception):
+    """A bad command line: one line on stderr and exit status 2."""
     pass
 
 
 class Parser(argparse.ArgumentParser):
+    """An argument parser whose errors raise `UsageError` instead of printing the usage block."""
     def error(self, message: str):  # one line, no usage block
+        """Raise `UsageError` with `message`."""
         raise UsageError(message)
 
 
@@ -155,6 +158,7 @@ DEFAULT_SEEDS = [0, 1, 2]
 
 
 def build_parser() -> argparse.ArgumentParser:
+    """The parser of the ``adasum`` command and its subcommands."""
     parser = Parser(prog="adasum", description="Train and compare data-parallel aggregation methods.")
     sub = parser.add_subparsers(dest="command", required=True, parser_class=Parser)
     methods = ", ".join(METHODS)
@@ -257,6 +261,7 @@ def _flag(result: dict) -> str:
 
 
 def cmd_train(args: argparse.Namespace) -> int:
+    """``adasum train``: one run; returns the exit status."""
     from adasum.experiments.methods import get_method
     from adasum.experiments.runner import ProgressBar, train
 
@@ -340,6 +345,7 @@ def _agreed_output_dir(path: str, rank: int) -> Path:
 
 
 def cmd_compare(args: argparse.Namespace) -> int:
+    """``adasum compare``: a sweep and its report; returns the exit status."""
     from adasum.experiments.compare import compare
     from adasum.experiments.methods import parse_methods
     from adasum.experiments.report import summary_table
@@ -359,6 +365,7 @@ def cmd_compare(args: argparse.Namespace) -> int:
 
 
 def cmd_report(args: argparse.Namespace) -> int:
+    """``adasum report``: one report from several sweep folders; returns the exit status."""
     from adasum.experiments.io import read_jsonl
     from adasum.experiments.report import plot, summary_table, write_report
 

@@ -19,6 +19,7 @@ log = logging.getLogger("adasum")
 
 
 def run_name(method: str, workers: int, lr: float, seed: int = 0) -> str:
+    """The folder name of one run of a sweep."""
     return f"{method}-P{workers}-lr{lr:g}-seed{seed}"
 
 

@@ -74,6 +74,7 @@ class Dataset:
         return tuple(self.train_x.shape[1:])
 
     def to(self, device: torch.device | str) -> Dataset:
+        """The same dataset with every split on `device`."""
         return Dataset(
             self.name,
             self.train_x.to(device),
@@ -195,6 +196,7 @@ def _sklearn_digits() -> Dataset:
 
 
 def default_cache_dir() -> Path:
+    """Where downloaded and generated data is kept (``ADASUM_CACHE``, else ~/.cache/adasum)."""
     return Path(os.environ.get("ADASUM_CACHE", Path.home() / ".cache" / "adasum"))
 
 
@@ -307,6 +309,7 @@ class SafeUnpickler(pickle.Unpickler):
     }
 
     def find_class(self, module: str, name: str):
+        """Admit only the globals in `ALLOWED`."""
         if (module, name) not in self.ALLOWED:
             raise pickle.UnpicklingError(f"refused global {module}.{name} (only numpy arrays are admitted)")
         return super().find_class(module, name)

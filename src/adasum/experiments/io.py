@@ -78,10 +78,12 @@ def write_atomic(path: str | os.PathLike, write: Callable[[IO[bytes]], Any]) -> 
 
 
 def write_text_atomic(path: str | os.PathLike, text: str) -> None:
+    """Write `text` to `path` atomically (`write_atomic`)."""
     write_atomic(path, lambda f: f.write(text.encode()))
 
 
 def write_json_atomic(path: str | os.PathLike, obj: Any) -> None:
+    """Write `obj` as indented JSON to `path` atomically."""
     write_text_atomic(path, json.dumps(obj, indent=1) + "\n")
 
 

@@ -52,6 +52,7 @@ class Stat:
 
     @classmethod
     def of(cls, values: Sequence[float]) -> Stat:
+        """The statistics of `values` (class doc)."""
         values = [float(v) for v in values]
         n = len(values)
         mean = sum(values) / n
@@ -109,6 +110,7 @@ def picked(results: Sequence[Result]) -> dict[tuple[str, int], list[Result]]:
 
 
 def test_stat(runs: Sequence[Result]) -> Stat:
+    """The test-accuracy statistics of `runs`."""
     return Stat.of([r["test_accuracy"] for r in runs])
 
 
@@ -179,6 +181,7 @@ class Robustness:
 
 
 def robustness(results: Sequence[Result]) -> dict[tuple[str, int], Robustness]:
+    """Per (method, workers) cell: how its validation accuracy depends on the learning rate."""
     by_cell = cells(results)
     seq_runs = picked(results).get(("sequential", 1))
     seq_lr = seq_runs[0]["lr"] if seq_runs else None

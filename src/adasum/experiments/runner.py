@@ -228,6 +228,7 @@ class DistributedWorker:
         return self._agreed
 
     def step(self, inputs: torch.Tensor, targets: torch.Tensor) -> StepResult:
+        """One training step on this rank's batch; the loss is the mean over ranks."""
         self.model.train()
         self.optimizer.zero_grad(set_to_none=False)
         loss = cross_entropy(self.model(inputs[0]), targets[0])
@@ -250,6 +251,7 @@ class DistributedWorker:
         return StepResult(mean_loss / dist.get_world_size(), diag)
 
     def state_dict(self) -> dict[str, Any]:
+        """Model, optimizer, reducer state and counters, for a checkpoint."""
         return {
             "model": self.model.state_dict(),
             "optimizer": self.optimizer.state_dict(),
@@ -259,6 +261,7 @@ class DistributedWorker:
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Restore what `state_dict` saved."""
         self.model.load_state_dict(state["model"])
         self.optimizer.load_state_dict(state["optimizer"])
         self.reducer.load_state_dict(state.get("reducer", {}))
@@ -346,6 +349,7 @@ class Chance:
 
     @classmethod
     def of(cls, train_y: torch.Tensor, val_y: torch.Tensor, classes: int) -> Chance:
+        """Chance level of a task from its label frequencies."""
         val = torch.bincount(val_y.reshape(-1).cpu(), minlength=classes).double()
         majority = float(val.max() / val.sum())
         p = torch.bincount(train_y.reshape(-1).cpu(), minlength=classes).double()

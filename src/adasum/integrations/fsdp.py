@@ -321,6 +321,7 @@ class FSDPState:
         return {"reducer": blob, "reductions": torch.tensor(self.reductions, dtype=torch.int64)}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Restore what `state_dict` saved."""
         blob = state["reducer"]
         blob.seek(0)
         self.reducer.load_state_dict(torch.load(blob, weights_only=True))

@@ -250,14 +250,17 @@ class DistributedOptimizer(torch.optim.Optimizer):
 
     @property
     def param_groups(self) -> list[dict[str, Any]]:  # type: ignore[override]
+        """The wrapped optimizer's parameter groups."""
         return self.optimizer.param_groups
 
     @property
     def state(self) -> Any:  # type: ignore[override]
+        """The wrapped optimizer's state."""
         return self.optimizer.state
 
     @property
     def defaults(self) -> dict[str, Any]:  # type: ignore[override]
+        """The wrapped optimizer's defaults."""
         return self.optimizer.defaults
 
     def add_param_group(self, param_group: dict[str, Any]) -> None:
@@ -428,7 +431,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
             unflatten_into(flat, members)
 
     def _combine_deltas(self, params: list[torch.Tensor]) -> None:
-        """x := x0 + combine(x - x0), bucket by bucket; x0 and the combination agree on every
+        """Set x := x0 + combine(x - x0), bucket by bucket; x0 and the combination agree on every
         rank, so the parameters come out bitwise identical.
 
         On a GPU the buckets are pipelined: the compute stream writes bucket k's deltas while the "comm" side
@@ -515,6 +518,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
         }
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Restore what `state_dict` saved (on every rank, each its own)."""
         self.optimizer.load_state_dict(state_dict["optimizer"])
         self.skipped_steps = int(state_dict.get("skipped_steps", 0))
         self._passes = int(state_dict["passes"])

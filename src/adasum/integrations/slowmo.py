@@ -178,13 +178,16 @@ class SlowMo:
 
     @property
     def param_groups(self) -> list[dict[str, Any]]:
+        """The base optimizer's parameter groups (LR schedulers act on them)."""
         return self.optimizer.param_groups
 
     @property
     def state(self) -> Any:
+        """The base optimizer's state."""
         return self.optimizer.state
 
     def zero_grad(self, set_to_none: bool = True) -> None:
+        """The base optimizer's ``zero_grad``."""
         self.optimizer.zero_grad(set_to_none=set_to_none)
 
     # -- the algorithm

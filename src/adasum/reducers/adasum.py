@@ -44,6 +44,7 @@ class Adasum(Reducer):
         self._hierarchies: dict[Any, Any] = {}  # per group, built on first use (collective)
 
     def reduce(self, per_worker):
+        """Adasum of the workers' copies, tensor by tensor (or whole-model), in one process."""
         count = check_workers(per_worker)
         if self.hierarchical:
             size = self.local_size or hierarchical.local_size_from_env() or 1
@@ -71,6 +72,7 @@ class Adasum(Reducer):
         return not self.hierarchical
 
     def setup(self, group=None):
+        """Build the hierarchical groups (collective) when ``hierarchical=True``."""
         if self.hierarchical:
             self._hierarchy(group)
 

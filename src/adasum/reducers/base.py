@@ -59,6 +59,7 @@ class Reducer:
         return False
 
     def reduce(self, per_worker: Sequence[Sequence[torch.Tensor]]) -> list[torch.Tensor]:
+        """The combination of `per_worker` (one list of tensors per worker) in one process."""
         raise NotImplementedError
 
     # -- distributed: the public forms check, the protected ones combine
@@ -140,9 +141,11 @@ class Reducer:
         """
 
     def state_dict(self) -> dict[str, Any]:
+        """Cross-call state to checkpoint (none here)."""
         return {}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Restore what `state_dict` saved."""
         pass
 
     def __repr__(self) -> str:

@@ -17,6 +17,7 @@ class Sum(Reducer):
     capturable = True
 
     def reduce(self, per_worker):
+        """The sum of the workers' copies, tensor by tensor."""
         count = check_workers(per_worker)
         return [torch.stack([w[i] for w in per_worker]).sum(0) for i in range(count)]
 
@@ -34,6 +35,7 @@ class Mean(Reducer):
     capturable = True
 
     def reduce(self, per_worker):
+        """The mean of the workers' copies, tensor by tensor."""
         count = check_workers(per_worker)
         return [torch.stack([w[i] for w in per_worker]).sum(0) / len(per_worker) for i in range(count)]
 

@@ -165,9 +165,11 @@ class SymmetricMemory(Transport):
         return self.world == 2 and os.environ.get("ADASUM_SYMMETRIC_PUSH", "1") != "0"
 
     def fusion_buffer(self, numel: int, like: torch.Tensor) -> torch.Tensor:
+        """The group's symmetric staging buffer: a list fused there needs no staging copy."""
         return staging(self.group, numel, like)[0][:numel]
 
     def exchange(self, send, recv, peer):
+        """Not supported: the symmetric transport runs power-of-two groups (no fold)."""
         raise RuntimeError("the symmetric-memory transport runs power-of-two groups only (no fold)")
 
     def _setup(self, buffer: torch.Tensor | Scattered):
@@ -188,6 +190,7 @@ class SymmetricMemory(Transport):
         return list(zip(split(klo, khi, count), split(glo, ghi, count)))
 
     def exchange_and_dot(self, level: Level) -> None:
+        """The level's exchange through symmetric memory (push or pull, pipelined; module doc), sums included."""
         buffer = level.buffer
         shared, handle, staged = self._setup(buffer)
         self._gathered = False
@@ -266,6 +269,7 @@ class SymmetricMemory(Transport):
         main.wait_stream(side)
 
     def combine(self, level: Level) -> None:
+        """Combine `kept` and store it into the partner's buffer too."""
         buffer = level.buffer
         shared, handle, staged = self._setup(buffer)
         klo, khi = level.kept
@@ -311,6 +315,7 @@ class SymmetricMemory(Transport):
         self._gathered = True
 
     def gather(self, buffer: torch.Tensor | Scattered, steps: Sequence[GatherStep], finals=None) -> None:
+        """The gather's remaining levels, copying the partner's results out of symmetric memory."""
         if self._gathered:  # the pipelined combination copied the partner's half out already
             self._gathered = False
             return
@@ -376,9 +381,11 @@ class SymmetricSlices(Transport):
         self._shared = self._handle = None
 
     def round_elements(self, element_size: int) -> int:
+        """The most elements one round holds within the memory budget (P receive rows and an output row)."""
         return round_elements(self.world, self.world + 1, element_size)
 
     def rows(self, buffer, bounds):
+        """The P receive rows in this group's symmetric buffer (grown collectively when needed)."""
         row = max(hi - lo for lo, hi in bounds)
         self._shared, self._handle = staging(self.group, (self.world + 1) * row, buffer, "slices")
         self._row = row
@@ -393,6 +400,8 @@ class SymmetricSlices(Transport):
         return [(self.rank + step) % self.world for step in range(1, self.world)]
 
     def scatter(self, buffer, layout, bounds, landed):
+        """Store each piece of this rank's copies into the owners' rows, a barrier per piece, then ``landed`` on a
+        side stream."""
         shared, handle, row, me = self._shared, self._handle, self._row, self.rank
         element_size = buffer.element_size()
         main = torch.cuda.current_stream(shared.device)
@@ -416,9 +425,11 @@ class SymmetricSlices(Transport):
         main.wait_stream(side)
 
     def all_reduce_sums(self, sums: torch.Tensor) -> None:
+        """SUM all-reduce of the small float64 sums over the group."""
         dist.all_reduce(sums, group=self.group)
 
     def gather(self, buffer, layout, bounds, finish):
+        """Write this rank's results into its output row, then load every peer's results over NVLink."""
         shared, handle, row, me = self._shared, self._handle, self._row, self.rank
         element_size = buffer.element_size()
         start = self.world * row
