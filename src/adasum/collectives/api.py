@@ -55,6 +55,16 @@ def all_reduce(
     >>> grads = [p.grad for p in model.parameters()]  # doctest: +SKIP
     >>> adasum.all_reduce(grads)  # doctest: +SKIP
     >>> adasum.all_reduce(grads, nonfinite="raise")  # doctest: +SKIP
+
+    On one process (a group of one rank; under torchrun every rank makes the same calls):
+
+    >>> import torch.distributed as dist
+    >>> dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    >>> grads = [torch.tensor([3.0, 4.0]), torch.ones(2, 2)]
+    >>> adasum.all_reduce(grads, nonfinite="raise")
+    >>> grads[0]                                                   # one rank: nothing to combine
+    tensor([3., 4.])
+    >>> dist.destroy_process_group()
     """
     tensors = [tensors] if isinstance(tensors, torch.Tensor) else list(tensors)
     if nonfinite == "propagate" and _replayed(group, transport, tensors):

@@ -232,8 +232,11 @@ def _mnist1d(cache_dir: str | os.PathLike | None, samples: int = 70000) -> Datas
 def read_idx(path: str | os.PathLike) -> np.ndarray:
     """An array from an idx file (the MNIST format; ``.gz`` files are decompressed).
 
-    >>> read_idx("train-labels-idx1-ubyte").shape  # doctest: +SKIP
-    (60000,)
+    >>> import tempfile
+    >>> path = Path(tempfile.mkdtemp()) / "labels-idx1-ubyte"     # 3 unsigned bytes, one dimension
+    >>> _ = path.write_bytes(bytes([0, 0, 0x08, 1]) + struct.pack(">I", 3) + bytes([7, 2, 1]))
+    >>> read_idx(path)
+    array([7, 2, 1], dtype=uint8)
     """
     opener = gzip.open if str(path).endswith(".gz") else open
     with opener(path, "rb") as f:
@@ -296,6 +299,12 @@ class SafeUnpickler(pickle.Unpickler):
     3 writes bytes at protocol 2): every other global is refused.
 
     >>> SafeUnpickler(open("data_batch_1", "rb"), encoding="bytes").load()  # doctest: +SKIP
+    >>> import io
+    >>> SafeUnpickler(io.BytesIO(pickle.dumps({b"labels": np.arange(3)}))).load()
+    {b'labels': array([0, 1, 2])}
+    >>> SafeUnpickler(io.BytesIO(pickle.dumps(print))).load()
+    Traceback (most recent call last):
+    _pickle.UnpicklingError: refused global builtins.print (only numpy arrays are admitted)
     """
 
     ALLOWED = {

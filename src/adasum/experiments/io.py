@@ -5,8 +5,14 @@ results.jsonl, report.md, the MNIST-1D cache), and the reader of append-only JSO
 the old file or the new one, never a torn one. A kill in the middle leaves the temporary file;
 the next write to the same path removes the ones whose process is gone.
 
->>> write_atomic(path, lambda f: torch.save(state, f))  # doctest: +SKIP
->>> write_text_atomic(path, json.dumps(result))  # doctest: +SKIP
+>>> import tempfile
+>>> folder = Path(tempfile.mkdtemp())
+>>> write_atomic(folder / "state.pt", lambda f: torch.save({"step": 3}, f))
+>>> torch.load(folder / "state.pt")
+{'step': 3}
+>>> write_text_atomic(folder / "result.json", json.dumps({"test_accuracy": 94.6}))
+>>> json.loads((folder / "result.json").read_text())
+{'test_accuracy': 94.6}
 """
 
 from __future__ import annotations

@@ -180,7 +180,13 @@ class DistributedOptimizer(torch.optim.Optimizer):
     optimizer (LR schedulers work on it). ``state_dict()`` holds the wrapped optimizer's state,
     which in delta mode is local to each rank: every rank saves its own.
 
-    >>> opt = DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), mode="gradient")  # doctest: +SKIP
+    On one process (a group of one rank; under torchrun every rank makes the same calls):
+
+    >>> dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    >>> model = torch.nn.Linear(4, 1)
+    >>> opt = DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), mode="gradient")
+    >>> model(torch.randn(8, 4)).pow(2).mean().backward(); opt.step(); opt.zero_grad()
+    >>> dist.destroy_process_group()
     """
 
     # GradScaler.step passes grad_scale and found_inf instead of skipping this step on its own

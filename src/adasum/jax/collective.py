@@ -326,6 +326,15 @@ def all_reduce(tree: Any, axis_name: Any, *, per_leaf: bool = True, accumulate: 
       A pytree like `tree`, identical (bitwise) on every device of the axis.
 
     >>> grads = adasum.jax.all_reduce(grads, "data")   # inside jax.shard_map over "data"  # doctest: +SKIP
+
+    On one CPU device (an axis of size one; on a larger axis every device makes the same call):
+
+    >>> from jax.sharding import Mesh, PartitionSpec
+    >>> mesh = Mesh(jax.devices()[:1], ("data",))
+    >>> combine = jax.shard_map(lambda g: all_reduce(g, "data"), mesh=mesh, in_specs=PartitionSpec("data"),
+    ...                         out_specs=PartitionSpec("data"))
+    >>> combine(jnp.array([3.0, 4.0]))
+    Array([3., 4.], dtype=float32)
     """
     leaves, treedef = jax.tree.flatten(tree)
     check_leaves(leaves, "adasum.jax.all_reduce")

@@ -130,9 +130,10 @@ def accepts(group: dist.ProcessGroup | None, device: torch.device) -> bool:
 def group_timeout(group: dist.ProcessGroup | None = None) -> timedelta:
     """The timeout `group` was created with (``init_process_group``/``new_group``), or torch's default.
 
-    >>> dist.init_process_group("gloo", timeout=timedelta(seconds=60))  # doctest: +SKIP
-    >>> adasum.group_timeout()  # doctest: +SKIP
+    >>> dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1, timeout=timedelta(seconds=60))
+    >>> adasum.group_timeout()
     datetime.timedelta(seconds=60)
+    >>> dist.destroy_process_group()
     """
     _register_exit_handler()
     pg = group if group is not None else dist.distributed_c10d._get_default_group()
