@@ -134,7 +134,8 @@ CLAIMS = [
         "drift. `ddp`: DDP's own all-reduce; `ddp-adasum`: the hook with `AdasumState()` (batches of 256 MB);\n"
         "`delta`: `DistributedOptimizer(mode=\"delta\")`. ResNet-50: batch 64 per GPU, SGD; the BERT-Large-sized\n"
         "stack (24 layers, hidden 1024, about 335 M parameters): batch 8 x 128 tokens, Adam. DDP's BERT step\n"
-        "runs 77 ms on a quiet host and 85-93 ms on a noisy one; both kinds of run are listed.",
+        "runs 77 ms on a quiet host and 85-93 ms on a noisy one; both kinds of run are listed. Adasum ran on the\n"
+        "symmetric-memory transport, the default inside one host when these rows were taken.",
         "python benchmarks/bench_e2e.py --models bert --steps 30 --warmup 5      # one process per GPU\n"
         "python benchmarks/bench_e2e.py --models resnet50 --steps 30 --warmup 5",
         "e2e.jsonl",
@@ -161,13 +162,13 @@ CLAIMS = [
     ),
     Claim(
         "The collective: `adasum.all_reduce` against NCCL's all_reduce of the same bytes",
-        "`adasum.all_reduce(list)` with default arguments (on NCCL inside one host the symmetric-memory\n"
-        "transport with the push protocol), timed with CUDA events between barriers, inputs restored before\n"
-        "each call, slowest rank, medians of 10, alternated with NCCL's `all_reduce` of the same bytes in the\n"
-        "same process group. Repeated calls replay one captured CUDA graph (1 host launch per call). Times are\n"
-        "the last run's; `ratio over runs` spans every run of this code. ResNet-50 and BERT-Large are lists of\n"
-        "their 161 and 391 parameter tensors.",
-        "python benchmarks/bench_collective.py --backend nccl --transports default --check --dtypes fp32,bf16 \\\n"
+        "`adasum.all_reduce(list)` on the symmetric-memory transport with the push protocol (the default on\n"
+        "NCCL inside one host when these rows were taken), timed with CUDA events between barriers, inputs\n"
+        "restored before each call, slowest rank, medians of 10, alternated with NCCL's `all_reduce` of the same\n"
+        "bytes in the same process group. Repeated calls replay one captured CUDA graph (1 host launch per\n"
+        "call). Times are the last run's; `ratio over runs` spans every run of this code. ResNet-50 and\n"
+        "BERT-Large are lists of their 161 and 391 parameter tensors.",
+        "python benchmarks/bench_collective.py --backend nccl --transports symmetric --check --dtypes fp32,bf16 \\\n"
         "    --exps 20,26,28 --layouts resnet50,bert-large --repeats 10",
         "collective.jsonl",
         lambda rows: collective_runs(rows, PUSH_RUNS),
