@@ -19,6 +19,8 @@
 #   sim           the simulator (64 CNN workers) and the single-process tree            -> sim.jsonl, tree.jsonl
 #   hierarchical  (4 GPUs) hierarchical mode, 2 emulated nodes of 2, against flat Adasum -> hierarchical.jsonl
 #   profile       torch.profiler of the collective at 2^26 fp32 and the ResNet-50 layout -> profile_*.log
+#   worlds        the NCCL tests of the slice-parallel schedule, then the collective with defaults (and
+#                 its memory) at P = 4, 3 and 2 where the GPUs exist                     -> collective.jsonl, worlds.log
 #
 # NVLink multicast stays off (NCCL_NVLS_ENABLE=0 and torch symmetric memory's multicast), as in
 # every recorded row. LABEL names the rows of collective/transports.
@@ -63,10 +65,21 @@ for step in ${*:-env tests collective e2e}; do
       timeout 120 $PY benchmarks/bench_tree.py --device cuda --workers 64 --layout resnet50 --out "$OUT/tree.jsonl" 2>&1 | quiet | tee -a "$OUT/sim.log" ;;
     hierarchical)
       timeout 300 $PY benchmarks/bench_hierarchical.py --world 4 --local-size 2 --out "$OUT/hierarchical.jsonl" 2>&1 | quiet | tee -a "$OUT/hierarchical.log" ;;
+    worlds)
+      gpus=$(nvidia-smi -L | wc -l)
+      ADASUM_TEST_BACKEND=nccl timeout 240 $PY -m pytest -q -x -m nccl -p no:cacheprovider tests/test_slices.py 2>&1 \
+        | tail -15 | tee -a "$OUT/worlds.log"
+      for run in "4 default,symmetric" "3 default" "2 slices,symmetric"; do
+        read -r world transports <<< "$run"
+        [ "$gpus" -ge "$world" ] || continue
+        timeout 200 $PY benchmarks/bench_collective.py --backend nccl --world "$world" --transports "$transports" --dtypes fp32,bf16 \
+          --exps 20,24,26,28 --layouts resnet50,bert-large --out "$OUT/collective.jsonl" 2>&1 | quiet | tee -a "$OUT/worlds.log"
+      done ;;
     profile)
       timeout 200 $PY benchmarks/profile_collective.py --backend nccl --numel 67108864 --rows 20 2>&1 | tail -32 | tee "$OUT/profile_flat.log"
       timeout 200 $PY benchmarks/profile_collective.py --backend nccl --layout resnet50 --rows 20 2>&1 | tail -32 | tee "$OUT/profile_resnet50.log" ;;
     *)
-      echo "unknown step: $step (env tests collective transports e2e hook fsdp jax sim hierarchical profile)" >&2; exit 2 ;;
+      echo "unknown step: $step (env tests collective transports e2e hook fsdp jax sim hierarchical profile worlds)" >&2
+      exit 2 ;;
   esac
 done
