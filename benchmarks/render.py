@@ -28,6 +28,7 @@ LOGGED = {
     ("NVIDIA H200", "torch"): "2.11.0+cu130",
 }
 PUSH_RUNS = ("ADASUM_SYMMETRIC_PUSH=1", "push protocol default, run a", "push protocol default, run b")
+PLACEMENT_RUNS = ("symmetric (VHDD)", "slices, 1 piece(s), copy engines for flat buffers")
 CURRENT_STEPS = "2026-11-26T23:00"  # training-step rows from here on are of the hook with batches of buckets
 
 
@@ -175,6 +176,21 @@ CLAIMS = [
         [("layout", "layout"), ("dtype", "dtype"), ("tensors", "tensors"), ("numel", "values"),
          ("adasum_ms", "adasum ms"), ("allreduce_ms", "all_reduce ms"), ("ratio", "ratio"),
          ("span", "ratio over runs"), ("host_launches", "host launches")],
+    ),
+    Claim(
+        "Two, three and four ranks: the VHDD schedule and the slice-parallel schedule",
+        "`adasum.all_reduce(list)` at P = 2, 3 and 4 on GPUs of one NVLink host, timed as above (medians of 5),\n"
+        "against NCCL's all_reduce of the same bytes in the same run: `symmetric` is the VHDD schedule on symmetric\n"
+        "memory (the default for a power-of-two group), `slices` the slice-parallel schedule (every rank runs the\n"
+        "whole tree on its slice; the default for other group sizes), its flat buffers moved by the copy engines\n"
+        "in one piece per slice. `kept MiB`: device memory the transport keeps after the call.",
+        "python benchmarks/bench_collective.py --backend nccl --world P --transports default,symmetric \\\n"
+        "    --dtypes fp32,bf16 --exps 20,24,26,28 --layouts resnet50,bert-large      # P = 4, 3, 2",
+        "collective.jsonl",
+        lambda rows: [{**r, "adasum_ms": r["adasum_s"] * 1e3, "allreduce_ms": r["allreduce_s"] * 1e3}
+                      for r in rows if r.get("label") in PLACEMENT_RUNS],
+        [("world_size", "P"), ("transport", "transport"), ("layout", "layout"), ("dtype", "dtype"),
+         ("adasum_ms", "adasum ms"), ("allreduce_ms", "all_reduce ms"), ("ratio", "ratio"), ("kept_mib", "kept MiB")],
     ),
     Claim(
         "The bound: each transport's own time for the bytes of a 2-rank Adasum",
