@@ -7,7 +7,7 @@ STAMP := $(VENV)/.installed
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q torch==2.13.0
-	$(PY) -m pip install -q -e '.[test,experiments,lightning,accelerate,jax]'
+	$(PY) -m pip install -q -e '.[test,experiments,tensorboard,lightning,accelerate,jax,docs]'
 	touch $(STAMP)
 
 .PHONY: install test demo bench
@@ -16,6 +16,7 @@ install: $(STAMP)
 test: $(STAMP)
 	$(PY) -m ruff check .
 	$(PY) -m mypy
+	$(PY) -m mkdocs build --strict --quiet --site-dir build/site
 	OMP_NUM_THREADS=1 $(PY) -m pytest -q
 
 # sequential vs Horovod's linearly scaled mean vs Adasum, 16 simulated workers, the embedded digits

@@ -12,6 +12,9 @@ import adasum
 collect_ignore = []
 if importlib.util.find_spec("jax") is None or importlib.util.find_spec("optax") is None:
     collect_ignore.append("src/adasum/jax")
+for extra in ("lightning", "accelerate"):  # likewise the framework integrations without their extras
+    if importlib.util.find_spec(extra) is None:
+        collect_ignore += [f"src/adasum/{extra}.py", f"src/adasum/integrations/{extra}.py"]
 
 
 @pytest.fixture(autouse=True)

@@ -1,17 +1,22 @@
-"""Step time of FSDP2 with Adasum across replicas vs FSDP2's own averaging, under torchrun.
+"""Step time and peak memory of FSDP2 with Adasum across replicas vs FSDP2's own HSDP, under torchrun.
 
-Every rank is one replica with one shard (mesh (world, 1)), bf16 MixedPrecisionPolicy (fp32
-reduction by default, --reduce-dtype bfloat16), a decoder-only transformer (default about 1.04 B
-parameters), AdamW. Variants, each a fresh model:
+The ranks form a ("replicate", "shard") mesh of --mesh REPLICASxSHARDS (default: every rank one
+replica with one shard, WORLDx1); bf16 MixedPrecisionPolicy (fp32 reduction by default,
+--reduce-dtype bfloat16), a decoder-only transformer (default about 1.04 B parameters), AdamW.
+Variants, each a fresh model, run in turn --repeats times (alternated, so drift hits all alike):
 
 * ``native``: native HSDP, ``fully_shard(mesh=mesh)`` on the 2-D mesh (FSDP's own averaging);
 * ``mean``: the same custom-HSDP hook as Adasum (`adasum.fsdp.enable`) with the Mean reducer;
 * ``adasum``: `adasum.fsdp.enable(model, mesh)`.
 
-A step is forward, backward and the optimizer step, timed with CUDA events; a variant's time is
-the median over the timed steps of the slowest rank's step. Rows go to --out (jsonl).
+A step is forward, backward and the optimizer step, timed with CUDA events. A variant's time is
+the median over all its timed steps (every repeat) of the slowest rank's step; its peak memory
+is the largest ``max_memory_allocated`` of any rank. Rows (one per variant and repeat, the card
+named) go to --out (jsonl); a table of medians, ratios to native and peaks ends the output.
 
-    torchrun --nproc-per-node 2 benchmarks/bench_fsdp.py --out benchmarks/results/fsdp.jsonl
+    torchrun --nproc-per-node 2 benchmarks/bench_fsdp.py --repeats 3 --out benchmarks/results/fsdp.jsonl
+    torchrun --nproc-per-node 4 benchmarks/bench_fsdp.py --mesh 4x1 --repeats 3 --out benchmarks/results/fsdp.jsonl
+    torchrun --nproc-per-node 4 benchmarks/bench_fsdp.py --mesh 2x2 --repeats 3 --out benchmarks/results/fsdp.jsonl
     torchrun --nproc-per-node 2 benchmarks/bench_fsdp.py --dry-run      # tiny model on CPU/gloo
 """
 
@@ -87,7 +92,7 @@ def build(variant: str, args, mesh, device):
 
 def time_variant(variant: str, args, mesh, device) -> dict:
     model = build(variant, args, mesh, device)
-    params = sum(p.numel() for p in model.parameters())  # one shard per replica: the whole model
+    params = sum(p.numel() for p in model.parameters())  # DTensors: the whole model's count
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
     g = torch.Generator(device="cpu").manual_seed(dist.get_rank())
     tokens = torch.randint(0, args.vocab, (args.batch, args.seq + 1), generator=g).to(device)
@@ -122,20 +127,52 @@ def time_variant(variant: str, args, mesh, device) -> dict:
         if dist.get_rank() == 0:
             print(f"== profile of 2 steps: {variant} ==")
             print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=args.profile))
-    # the slowest rank's time of each step
-    mine = torch.tensor(times, dtype=torch.float64, device=device)
-    dist.all_reduce(mine, op=dist.ReduceOp.MAX)
-    slowest = mine.tolist()
     del model, opt, logits, loss
     gc.collect()  # the hooks' closures hold the model in a reference cycle
+    peak = torch.cuda.max_memory_allocated(device) if device.type == "cuda" else 0
+    # the slowest rank's time of each step, and the largest peak of any rank
+    mine = torch.tensor([*times, peak], dtype=torch.float64, device=device)
+    dist.all_reduce(mine, op=dist.ReduceOp.MAX)
+    *slowest, peak = mine.tolist()
     if device.type == "cuda":
-        peak = torch.cuda.max_memory_allocated(device) / 2**30
         torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats(device)
-    else:
-        peak = 0.0
     return {"variant": variant, "params": params, "step_s": statistics.median(slowest), "step_times_s": slowest,
-            "peak_gib": round(peak, 2)}
+            "peak_gib": round(peak / 2**30, 3)}
+
+
+def parse_mesh(text: str | None, world: int) -> tuple[int, int]:
+    """(replicas, shards) from "RxS" (default: world x 1); their product must be the world size."""
+    replicas, shards = (world, 1) if text is None else (int(n) for n in text.lower().split("x"))
+    if replicas * shards != world:
+        raise SystemExit(f"--mesh {text}: {replicas} x {shards} ranks, but the world has {world}")
+    return replicas, shards
+
+
+def summary(rows: list[dict]) -> list[dict]:
+    """Per variant: the median of all its timed steps, the range of the repeats' medians, the peak."""
+    out = []
+    for variant in dict.fromkeys(r["variant"] for r in rows):
+        mine = [r for r in rows if r["variant"] == variant]
+        steps = [t for r in mine for t in r["step_times_s"]]
+        out.append({"variant": variant, "step_s": statistics.median(steps), "low_s": min(r["step_s"] for r in mine),
+                    "high_s": max(r["step_s"] for r in mine), "peak_gib": max(r["peak_gib"] for r in mine)})
+    return out
+
+
+def table(summaries: list[dict], card: str, mesh: tuple[int, int], repeats: int) -> str:
+    """A markdown table of the summaries, ratios to native where native ran."""
+    native = next((s for s in summaries if s["variant"] == "native"), None)
+    lines = [f"mesh {mesh[0]} x {mesh[1]} (replicas x shards) on {card}, {repeats} repeat(s), "
+             "medians of the slowest rank's step",
+             "| variant | step (ms) | repeats' medians (ms) | x native | peak (GiB) | peak x native |",
+             "| --- | ---: | ---: | ---: | ---: | ---: |"]
+    for s in summaries:
+        ratio = f"{s['step_s'] / native['step_s']:.3f}" if native else "-"
+        peak_ratio = f"{s['peak_gib'] / native['peak_gib']:.3f}" if native and native["peak_gib"] > 0 else "-"
+        lines.append(f"| {s['variant']} | {s['step_s'] * 1e3:.1f} | {s['low_s'] * 1e3:.1f}-{s['high_s'] * 1e3:.1f} | "
+                     f"{ratio} | {s['peak_gib']:.2f} | {peak_ratio} |")
+    return "\n".join(lines)
 
 
 def main() -> None:
@@ -151,7 +188,9 @@ def main() -> None:
     parser.add_argument("--batch", type=int, default=4)
     parser.add_argument("--warmup", type=int, default=4)
     parser.add_argument("--steps", type=int, default=12)
-    parser.add_argument("--repeats", type=int, default=1, help="run the variants this many times, interleaved")
+    parser.add_argument("--repeats", type=int, default=1, help="run the variants this many times, alternated")
+    parser.add_argument("--mesh", default=None, metavar="RxS",
+                        help="replicas x shards, e.g. 2x2 (default: the world size x 1)")
     parser.add_argument("--out", default=None, help="append rows to this jsonl file (rank 0)")
     parser.add_argument("--profile", type=int, default=0, metavar="ROWS",
                         help="after timing, profile 2 steps per variant and print the top ROWS ops (rank 0)")
@@ -167,37 +206,31 @@ def main() -> None:
     dist.init_process_group("nccl" if cuda else "gloo")
     device = torch.device("cuda", torch.cuda.current_device()) if cuda else torch.device("cpu")
     world = dist.get_world_size()
-    mesh = init_device_mesh(device.type, (world, 1), mesh_dim_names=("replicate", "shard"))
+    replicas, shards = parse_mesh(args.mesh, world)
+    mesh = init_device_mesh(device.type, (replicas, shards), mesh_dim_names=("replicate", "shard"))
+    card = device_name(device)
+    meta = {
+        "benchmark": "fsdp", "device": card, "world": world, "replicas": replicas, "shards": shards,
+        "mesh": f"{replicas}x{shards}", "backend": dist.get_backend(), "torch": torch.__version__,
+        "cuda": torch.version.cuda, "nccl": ".".join(map(str, torch.cuda.nccl.version())) if cuda else None,
+        "driver": driver_version() if cuda else None, "bf16": cuda, "dry_run": args.dry_run,
+        "reduce_dtype": args.reduce_dtype, "layers": args.layers, "dim": args.dim, "seq": args.seq,
+        "batch": args.batch, "warmup": args.warmup, "repeats": args.repeats,
+        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+    }
     rows = []
-    for _ in range(args.repeats):
+    for repeat in range(args.repeats):
         for variant in args.variants.split(","):
-            rows.append(time_variant(variant, args, mesh, device))
+            rows.append({**meta, "repeat": repeat, **time_variant(variant, args, mesh, device)})
             if dist.get_rank() == 0:
-                print(f"{variant}: {rows[-1]['step_s'] * 1e3:.1f} ms/step ({rows[-1]['params'] / 1e9:.3f} B params)",
-                      flush=True)
-    best = {}
-    for row in rows:
-        best.setdefault(row["variant"], []).append(row["step_s"])
-    medians = {v: statistics.median(t) for v, t in best.items()}
+                print(f"{variant}: {rows[-1]['step_s'] * 1e3:.1f} ms/step, peak {rows[-1]['peak_gib']:.2f} GiB "
+                      f"({rows[-1]['params'] / 1e9:.3f} B params)", flush=True)
     if dist.get_rank() == 0:
-        for v in medians:
-            if "native" in medians:
-                print(f"{v}/native: {medians[v] / medians['native']:.3f}")
-            if "mean" in medians and v != "mean":
-                print(f"{v}/mean: {medians[v] / medians['mean']:.3f}")
-        meta = {
-            "benchmark": "fsdp", "device": device_name(device), "world": world, "replicas": world, "shards": 1,
-            "backend": dist.get_backend(), "torch": torch.__version__, "cuda": torch.version.cuda,
-            "nccl": ".".join(map(str, torch.cuda.nccl.version())) if cuda else None,
-            "driver": driver_version() if cuda else None, "bf16": cuda, "dry_run": args.dry_run,
-            "reduce_dtype": args.reduce_dtype,
-            "layers": args.layers, "dim": args.dim, "seq": args.seq, "batch": args.batch, "warmup": args.warmup,
-            "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-        }
         if args.out:
             with open(args.out, "a") as f:
                 for row in rows:
-                    f.write(json.dumps({**meta, **row}) + "\n")
+                    f.write(json.dumps(row) + "\n")
+        print(table(summary(rows), card, (replicas, shards), args.repeats), flush=True)
     dist.destroy_process_group()
 
 

@@ -1,6 +1,8 @@
-"""Profile adasum.all_reduce on 2 local ranks with torch.profiler; rank 0 prints the top kernels.
+"""Profile adasum.all_reduce on local ranks with torch.profiler; rank 0 prints the top kernels.
 
-    python benchmarks/profile_collective.py --backend nccl --numel 16777216 [--layout resnet50]
+    python benchmarks/profile_collective.py --backend nccl --numel 16777216 [--layout resnet50] [--world 3]
+
+With ``ADASUM_CUDA_GRAPHS=0`` every kernel of the call shows on its own.
 """
 
 from __future__ import annotations
@@ -32,14 +34,14 @@ def worker(rank: int, world: int, store: str, args) -> None:
     shapes = LAYOUTS[args.layout]() if args.layout else [(args.numel,)]
     tensors = [torch.randn(s, device=device) for s in shapes]
     for _ in range(3):
-        adasum.all_reduce(tensors)
+        adasum.all_reduce(tensors, transport=args.transport or None)
     if device.type == "cuda":
         torch.cuda.synchronize()
     # host time per call (nothing waits for the device): what the GPU idles for when the host is behind
     host = []
     for _ in range(20):
         t0 = time.perf_counter()
-        adasum.all_reduce(tensors)
+        adasum.all_reduce(tensors, transport=args.transport or None)
         host.append(time.perf_counter() - t0)
     if device.type == "cuda":
         torch.cuda.synchronize()
@@ -49,7 +51,7 @@ def worker(rank: int, world: int, store: str, args) -> None:
         [torch.profiler.ProfilerActivity.CUDA] if device.type == "cuda" else [])
     with torch.profiler.profile(activities=activities) as prof:
         for _ in range(5):
-            adasum.all_reduce(tensors)
+            adasum.all_reduce(tensors, transport=args.transport or None)
         if device.type == "cuda":
             torch.cuda.synchronize()
     if rank == 0:
@@ -68,9 +70,12 @@ def main() -> None:
     p.add_argument("--layout", default="")
     p.add_argument("--rows", type=int, default=25)
     p.add_argument("--trace", default="")
+    p.add_argument("--world", type=int, default=2)
+    p.add_argument("--transport", default="")
     args = p.parse_args()
     with tempfile.TemporaryDirectory() as tmp:
-        mp.start_processes(worker, args=(2, os.path.join(tmp, "s"), args), nprocs=2, start_method="spawn")
+        mp.start_processes(worker, args=(args.world, os.path.join(tmp, "s"), args), nprocs=args.world,
+                           start_method="spawn")
 
 
 if __name__ == "__main__":

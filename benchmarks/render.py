@@ -99,15 +99,21 @@ def ratio_span(values: list[float]) -> str:
 
 def collective_runs(rows: list[dict], labels: tuple[str, ...]) -> list[dict]:
     """One row per (layout, dtype): the last run's times and the ratio's span over every run of `labels`."""
+    chosen = [r for r in rows if r.get("label") in labels and r.get("default")]
+    return runs_per_case(chosen, lambda r: (r["layout"], r["dtype"]))
+
+
+def runs_per_case(rows: list[dict], case: Callable[[dict], tuple]) -> list[dict]:
+    """One row per `case`: its last run's times and the ratio's span over all its runs."""
     runs: dict[tuple, list[dict]] = defaultdict(list)
     for r in rows:
-        if r.get("label") in labels and r.get("default"):
-            runs[(r["layout"], r["dtype"])].append(r)
+        runs[case(r)].append(r)
     out = []
-    for (layout, dtype), rs in runs.items():
+    for rs in runs.values():
         last = rs[-1]
+        count = f"{len(rs)} runs" if len(rs) > 1 else "1 run"
         out.append({**last, "adasum_ms": last["adasum_s"] * 1e3, "allreduce_ms": last["allreduce_s"] * 1e3,
-                    "ratio": last["ratio"], "span": f"{ratio_span([r['ratio'] for r in rs])} ({len(rs)} runs)"})
+                    "ratio": last["ratio"], "span": f"{ratio_span([r['ratio'] for r in rs])} ({count})"})
     return out
 
 
@@ -187,10 +193,11 @@ CLAIMS = [
         "python benchmarks/bench_collective.py --backend nccl --world P --transports default,symmetric \\\n"
         "    --dtypes fp32,bf16 --exps 20,24,26,28 --layouts resnet50,bert-large      # P = 4, 3, 2",
         "collective.jsonl",
-        lambda rows: [{**r, "adasum_ms": r["adasum_s"] * 1e3, "allreduce_ms": r["allreduce_s"] * 1e3}
-                      for r in rows if r.get("label") in PLACEMENT_RUNS],
+        lambda rows: runs_per_case([r for r in rows if r.get("label") in PLACEMENT_RUNS],
+                                   lambda r: (r["world_size"], r["transport"], r["layout"], r["dtype"])),
         [("world_size", "P"), ("transport", "transport"), ("layout", "layout"), ("dtype", "dtype"),
-         ("adasum_ms", "adasum ms"), ("allreduce_ms", "all_reduce ms"), ("ratio", "ratio"), ("kept_mib", "kept MiB")],
+         ("adasum_ms", "adasum ms"), ("allreduce_ms", "all_reduce ms"), ("ratio", "ratio"),
+         ("span", "ratio over runs"), ("kept_mib", "kept MiB")],
     ),
     Claim(
         "The bound: each transport's own time for the bytes of a 2-rank Adasum",

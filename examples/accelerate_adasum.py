@@ -1,11 +1,13 @@
 """Adasum with Hugging Face Accelerate (optional extra: pip install 'adasum[accelerate]').
 
-    torchrun --nproc-per-node 4 examples/accelerate_adasum.py     # or: accelerate launch ...
+    torchrun --nproc-per-node 4 examples/accelerate_adasum.py
+    accelerate launch --multi_gpu --num_processes 4 examples/accelerate_adasum.py    # on GPUs
 
 ``accelerator.prepare`` wraps the model in DistributedDataParallel when there are several
-processes; register the hook on the prepared model, before the first backward pass.
-(Accelerate's own ``DistributedDataParallelKwargs(comm_hook=...)`` only knows torch's built-in
-hooks.)
+processes; ``adasum.accelerate.enable(model)`` registers the Adasum hook on the prepared model,
+before the first backward pass. On CPU launch with torchrun: ``accelerate launch --cpu`` starts
+one process whatever ``--num_processes`` says (``enable`` then warns that Adasum has nothing to
+combine).
 """
 
 import argparse
@@ -13,9 +15,8 @@ import argparse
 import torch
 import torch.distributed as dist
 from accelerate import Accelerator
-from torch.nn.parallel import DistributedDataParallel as DDP
 
-from adasum.ddp import AdasumState, adasum_hook
+import adasum.accelerate
 
 
 def synthetic_data(steps: int, world: int, batch: int = 32, features: int = 20) -> torch.utils.data.DataLoader:
@@ -39,9 +40,7 @@ def main() -> None:
     opt = torch.optim.SGD(model.parameters(), lr=args.lr)
     data = synthetic_data(args.steps, accelerator.num_processes)
     model, opt, data = accelerator.prepare(model, opt, data)
-    state = AdasumState()
-    if isinstance(model, DDP):
-        model.register_comm_hook(state, adasum_hook)
+    state = adasum.accelerate.enable(model)  # None (with a warning) on one process
 
     for step, (x, y) in enumerate(data):
         loss = torch.nn.functional.mse_loss(model(x), y)
@@ -61,7 +60,8 @@ def main() -> None:
         same = torch.tensor([1.0])
     if accelerator.is_main_process:
         print(f"parameters identical on {accelerator.num_processes} ranks: {bool(same.item())}")
-        print(f"Adasum combined the gradients of {state.iteration} iterations")
+        if state is not None:
+            print(f"Adasum combined the gradients of {state.iteration} iterations")
     accelerator.end_training()
 
 

@@ -1,11 +1,12 @@
 """Adasum in PyTorch Lightning (optional extra: pip install 'adasum[lightning]').
 
-    torchrun --nproc-per-node 4 examples/lightning_adasum.py
+    torchrun --nproc-per-node 4 examples/lightning_adasum.py            # Adasum of the gradients (SGD)
+    torchrun --nproc-per-node 4 examples/lightning_adasum.py --delta    # Adasum of Adam's steps
 
-Lightning's ``DDPStrategy(ddp_comm_hook=..., ddp_comm_state=...)`` registers the hook only when
-training on CUDA (it silently ignores it on CPU). The route that works everywhere: a callback that
-registers the hook on the DDP-wrapped model in ``on_fit_start``, after the strategy has wrapped
-the model and before the first backward pass.
+``import adasum.lightning`` registers two strategy names: ``"ddp_adasum"`` (DDP with Adasum's hook,
+on CPU and GPU) and ``"ddp_adasum_delta"`` (no DDP wrapper; each optimizer runs locally and
+adasum.DistributedOptimizer combines its steps). With a strategy of your own,
+``callbacks=[adasum.lightning.AdasumCallback()]`` registers the hook instead.
 """
 
 import argparse
@@ -14,29 +15,15 @@ import os
 import lightning as L
 import torch
 import torch.distributed as dist
-from lightning.pytorch.strategies import DDPStrategy
-from torch.nn.parallel import DistributedDataParallel as DDP
 
-from adasum.ddp import AdasumState, adasum_hook
-
-
-class AdasumCallback(L.Callback):
-    """Register adasum_hook (with `state`, default AdasumState()) on the strategy's DDP model."""
-
-    def __init__(self, state: AdasumState | None = None) -> None:
-        self.state = state
-
-    def on_fit_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
-        model = trainer.strategy.model
-        if isinstance(model, DDP):
-            self.state = self.state or AdasumState()
-            model.register_comm_hook(self.state, adasum_hook)
+import adasum.lightning  # noqa: F401  (registers "ddp_adasum" and "ddp_adasum_delta")
 
 
 class Regression(L.LightningModule):
-    def __init__(self, lr: float) -> None:
+    def __init__(self, lr: float, adam: bool) -> None:
         super().__init__()
         self.lr = lr
+        self.adam = adam
         self.net = torch.nn.Sequential(torch.nn.Linear(20, 64), torch.nn.ReLU(), torch.nn.Linear(64, 1))
 
     def training_step(self, batch, batch_idx):
@@ -47,6 +34,8 @@ class Regression(L.LightningModule):
         return loss
 
     def configure_optimizers(self):
+        if self.adam:
+            return torch.optim.Adam(self.parameters(), lr=self.lr)
         return torch.optim.SGD(self.parameters(), lr=self.lr)
 
 
@@ -64,17 +53,16 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, default=100)
     parser.add_argument("--lr", type=float, default=0.05)
+    parser.add_argument("--delta", action="store_true", help="Adam, its steps combined (strategy ddp_adasum_delta)")
     args = parser.parse_args()
 
     L.seed_everything(0, verbose=False)
-    module = Regression(args.lr)
-    adasum_callback = AdasumCallback()
+    module = Regression(args.lr, adam=args.delta)
     trainer = L.Trainer(
         accelerator="auto",
         devices=int(os.environ.get("LOCAL_WORLD_SIZE", 1)),
         num_nodes=int(os.environ.get("WORLD_SIZE", 1)) // int(os.environ.get("LOCAL_WORLD_SIZE", 1)),
-        strategy=DDPStrategy(),
-        callbacks=[adasum_callback],
+        strategy="ddp_adasum_delta" if args.delta else "ddp_adasum",
         max_steps=args.steps,
         logger=False,
         enable_checkpointing=False,
@@ -90,7 +78,8 @@ def main() -> None:
     dist.all_reduce(same, op=dist.ReduceOp.MIN)
     if trainer.global_rank == 0:
         print(f"parameters identical on {trainer.world_size} ranks: {bool(same.item())}")
-        print(f"Adasum combined the gradients of {adasum_callback.state.iteration} iterations")
+        if not args.delta:
+            print(f"Adasum combined the gradients of {trainer.strategy.adasum_state.iteration} iterations")
     # shut the process group down before exit: a gloo group torn down by the interpreter's exit can
     # abort the process ("terminate called without an active exception") after a good run
     dist.barrier()

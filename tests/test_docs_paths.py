@@ -6,11 +6,12 @@ import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-DOCS = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
+DOCS = [ROOT / "README.md", *sorted((ROOT / "docs").rglob("*.md"))]
 TOP = ("src/", "docs/", "benchmarks/", "tests/", "examples/")
 # a path in backticks or a markdown link: starts at a top-level folder, no spaces
 NAMED = re.compile(r"(?<![\w/.-])((?:src|docs|benchmarks|tests|examples)/[\w./*{},-]*[\w*}])")
 LINK = re.compile(r"\]\(([^)#\s]+)(?:#[^)]*)?\)")
+OWN = re.compile(r"^https://github\.com/adasum/adasum/(?:blob|tree)/main/(.+)$")  # this repository's own files
 
 
 def expand(path: str) -> list[str]:
@@ -26,7 +27,10 @@ def named_paths(doc: Path) -> set[str]:
     paths = {m.group(1).rstrip(".,") for m in NAMED.finditer(text)}
     for m in LINK.finditer(text):
         target = m.group(1)
-        if "://" not in target and not target.startswith("mailto:"):
+        own = OWN.match(target)
+        if own:
+            paths.add(own.group(1))
+        elif "://" not in target and not target.startswith("mailto:"):
             paths.add(str((doc.parent / target).resolve().relative_to(ROOT)))
     return {p for path in paths for p in expand(path)}
 
@@ -38,6 +42,7 @@ def exists(path: str) -> bool:
 def test_the_check_finds_paths():
     readme = named_paths(ROOT / "README.md")
     assert "docs/benchmarks.md" in readme and any(p.startswith("src/adasum/") for p in readme)
+    assert OWN.match("https://github.com/adasum/adasum/blob/main/docs/x.md").group(1) == "docs/x.md"
     assert expand("a/{b,c}.log") == ["a/b.log", "a/c.log"]
     assert not exists("src/adasum/collectives.py") and exists("src/adasum/collectives/*.py")
 

@@ -1,4 +1,5 @@
-"""adasum.fsdp on gloo: FSDP2 sharded on mesh['shard'], gradients combined across mesh['replicate'].
+"""adasum.fsdp on gloo (or NCCL, ADASUM_TEST_BACKEND=nccl): FSDP2 sharded on mesh['shard'], gradients
+combined across mesh['replicate'].
 
 Each rank also computes, with a plain unsharded copy of the model, the full gradient of every rank's
 batch; the expected gradient of a parameter is the NumPy reference (tests/reference*.py) over the
@@ -18,13 +19,16 @@ import torch.nn as nn
 
 import adasum
 import adasum.fsdp
-from adasum.integrations.fsdp import unit_view
+from adasum.integrations.fsdp import fill_unused_grads, unit_view
 
 import distributed
 from reference import tree as reference_tree
 from reference_adacons import AdaConsReference
 
+pytestmark = pytest.mark.nccl
+
 ROOT = Path(__file__).resolve().parent.parent
+DEVICE = "cuda" if distributed.BACKEND == "nccl" else "cpu"  # the mesh's device type
 U32, U16 = 2.0**-24, 2.0**-8  # unit roundoff of float32 and bfloat16
 
 
@@ -38,22 +42,31 @@ class Block(nn.Module):
 
 
 class Net(nn.Module):
-    """Odd first dims, so that shards are padded; `extra` is used on rank 0 only (an unused parameter)."""
+    """Odd first dims, so that shards are padded; `extra` and `spare` are used on some ranks only, so ranks
+    have different unused parameters in the same step (`uses`)."""
 
     def __init__(self):
         super().__init__()
         self.inp = nn.Linear(6, 5)
         self.blocks = nn.ModuleList([Block(5, 7), Block(5, 3)])
         self.extra = nn.Linear(5, 5)
+        self.spare = nn.Linear(5, 5, bias=False)
         self.out = nn.Linear(5, 3)
 
-    def forward(self, x, use_extra=False):
+    def forward(self, x, use_extra=False, use_spare=False):
         x = self.inp(x)
         for b in self.blocks:
             x = b(x)
         if use_extra:
             x = x + self.extra(x)
+        if use_spare:
+            x = x + self.spare(x)
         return self.out(x)
+
+
+def uses(rank):
+    """Rank 0 uses `extra` only, rank 1 `spare` only, rank 2 both, rank 3 neither."""
+    return {"use_extra": rank % 2 == 0, "use_spare": rank % 3 == 1}
 
 
 def unit_of(name):
@@ -66,7 +79,9 @@ def batch(step, rank, micro=0):
 
 
 def loss_of(model, x, y, rank, dtype):
-    out = model(x.to(dtype), use_extra=rank == 0)
+    device = next(model.parameters()).device  # the CPU, or this rank's GPU on NCCL (the sharded model)
+    x, y = x.to(device), y.to(device)
+    out = model(x.to(dtype), **uses(rank))
     return ((out.float() - y) ** 2).mean()
 
 
@@ -83,21 +98,22 @@ def sharded(mesh, dtype=torch.float32, reduce_dtype=None, reducer="adasum", seed
 
 
 def full_params(model):
-    return {n: p.full_tensor().detach().clone() for n, p in model.named_parameters()}
+    return {n: p.full_tensor().detach().cpu().clone() for n, p in model.named_parameters()}
 
 
 def worker_grads(model, world, step, dtype, micros=1):
-    """Every rank's full gradients from a plain copy of `model`'s current parameters."""
+    """Every rank's full gradients from a plain copy of `model`'s current parameters, on the same device (the
+    same kernels as the sharded model's)."""
     plain = Net()
     plain.load_state_dict(full_params(model))
-    plain = plain.to(dtype)
+    plain = plain.to(device=next(model.parameters()).device, dtype=dtype)
     out = []
     for r in range(world):
         plain.zero_grad()
         for m in range(micros):
             loss_of(plain, *batch(step, r, m), r, dtype).backward()
         # an unused parameter reduces as zeros (set_reduce_scatter_unused_params)
-        out.append({n: (torch.zeros_like(p) if p.grad is None else p.grad).double().numpy().copy()
+        out.append({n: (torch.zeros_like(p) if p.grad is None else p.grad).double().cpu().numpy().copy()
                     for n, p in plain.named_parameters()})
     return out
 
@@ -107,16 +123,30 @@ def replica_means(per_rank, replicas, shards):
             for k in range(replicas)]
 
 
-def adasum_bound(a, b, u):
-    """First-order bound on |result - adasum(a, b)| when a and b carry two roundings each (the shard mean),
-    the coefficients come from float64 sums of those, and the result is computed and rounded in a
-    format of unit roundoff u: 4u(|ca a| + |cb b|) + 4u(|a| + |b|) (coefficient error) + u |result|."""
+def pair_bound(a, b, ea, eb, u):
+    """(adasum(a, b), first-order bound on its error) for inputs a, b known within ea, eb (norms), the
+    coefficients from float64 sums of the perturbed inputs, the result computed and rounded in a format of
+    unit roundoff u: |ca| ea + |cb| eb (the inputs' errors) + (3 ea |b| + eb |a|) / 2|a| + (3 eb |a| + ea |b|) / 2|b|
+    (the coefficients' errors, |<a,b>| <= |a||b|) + 2u (|ca a| + |cb b|) + u |result| (the rounding).
+    An exactly zero side (a parameter no rank of its subtree used) is exact: coefficient 1, no error."""
     na, nb = np.linalg.norm(a), np.linalg.norm(b)
     dot = float(a.reshape(-1) @ b.reshape(-1))
     ca = 1.0 if na == 0 else 1 - dot / (2 * na * na)
     cb = 1.0 if nb == 0 else 1 - dot / (2 * nb * nb)
     out = ca * a + cb * b
-    return u * (4 * (abs(ca) * na + abs(cb) * nb) + 4 * (na + nb) + np.linalg.norm(out))
+    coefficients = (0 if na == 0 else (3 * ea * nb + eb * na) / (2 * na)) + (
+        0 if nb == 0 else (3 * eb * na + ea * nb) / (2 * nb))
+    rounding = 2 * u * (abs(ca) * na + abs(cb) * nb) + u * np.linalg.norm(out)
+    return out, abs(ca) * ea + abs(cb) * eb + coefficients + rounding
+
+
+def adasum_bound(vectors, u):
+    """First-order bound on |result - tree(vectors)| (a power of two of them, Horovod's tree) when each
+    input carries two roundings (the shard mean): `pair_bound` level by level."""
+    level = [(v, 2 * u * np.linalg.norm(v)) for v in vectors]
+    while len(level) > 1:
+        level = [pair_bound(a, b, ea, eb, u) for (a, ea), (b, eb) in zip(level[::2], level[1::2])]
+    return level[0][1]
 
 
 def backward(model, rank, step, dtype, micros=1):
@@ -127,13 +157,13 @@ def backward(model, rank, step, dtype, micros=1):
 
 def check_adasum_step(model, rank, world, shards, step, dtype=torch.float32, u=U32, micros=1):
     expected_by = replica_means(worker_grads(model, world, step, dtype, micros), world // shards, shards)
-    got = {n: p.grad.full_tensor().double().numpy() for n, p in model.named_parameters()}
+    got = {n: p.grad.full_tensor().double().cpu().numpy() for n, p in model.named_parameters()}
     for n in got:
         vectors = [m[n].reshape(-1) for m in expected_by]
         expected = reference_tree(vectors).reshape(got[n].shape)
         err = np.linalg.norm(got[n] - expected)
-        assert err <= adasum_bound(*vectors, u), (step, n, err, adasum_bound(*vectors, u))
-    return b"".join(p.grad.to_local().detach().float().numpy().tobytes() for _, p in model.named_parameters())
+        assert err <= adasum_bound(vectors, u), (step, n, err, adasum_bound(vectors, u))
+    return b"".join(p.grad.to_local().detach().float().cpu().numpy().tobytes() for _, p in model.named_parameters())
 
 
 def sgd(model, lr=0.1):
@@ -143,20 +173,40 @@ def sgd(model, lr=0.1):
             p.grad = None
 
 
+def without_setter(make):
+    """`make()` on a torch without FSDPModule.set_reduce_scatter_unused_params (as torch 2.11)."""
+    from torch.distributed.fsdp import FSDPModule
+
+    setter = FSDPModule.set_reduce_scatter_unused_params
+    del FSDPModule.set_reduce_scatter_unused_params
+    try:
+        return make()
+    finally:
+        FSDPModule.set_reduce_scatter_unused_params = setter
+
+
+def adasum_steps(mesh, rank, world, shards, out):
+    """Adasum, several units, different unused parameters on different ranks, two steps: with FSDP's setter,
+    and without it (adasum.fsdp gives the unused parameters zero gradients itself). One blocking agreement
+    (at enable) either way: the forward's probes find the same layouts."""
+    for name, make in [("adasum", lambda: sharded(mesh)), ("no setter", lambda: without_setter(lambda: sharded(mesh)))]:
+        model, state = make()
+        assert state.fills_unused == (name == "no setter")
+        assert unit_view(model).include_unused != state.fills_unused
+        for step in range(2):
+            backward(model, rank, step, torch.float32)
+            out[(name, step)] = check_adasum_step(model, rank, world, shards, step)
+            sgd(model)
+        assert state.reductions == 6 and state.agreements == 1, state  # 3 units x 2 steps
+
+
 def hsdp_body(rank, world, shards, tmp):
     from torch.distributed.device_mesh import init_device_mesh
 
     replicas = world // shards
-    mesh = init_device_mesh("cpu", (replicas, shards), mesh_dim_names=("replicate", "shard"))
+    mesh = init_device_mesh(DEVICE, (replicas, shards), mesh_dim_names=("replicate", "shard"))
     out = {}
-
-    # Adasum, several units, an unused parameter, two steps
-    model, state = sharded(mesh)
-    for step in range(2):
-        backward(model, rank, step, torch.float32)
-        out[("adasum", step)] = check_adasum_step(model, rank, world, shards, step)
-        sgd(model)
-    assert state.reductions == 6  # 3 units x 2 steps
+    adasum_steps(mesh, rank, world, shards, out)
 
     # gradient accumulation: 2 micro-batches, synchronised on the last
     model, _ = sharded(mesh, seed=1)
@@ -175,7 +225,7 @@ def hsdp_body(rank, world, shards, tmp):
     for step in range(2):
         backward(model, rank, step, torch.float32)
         means = replica_means(worker_grads(model, world, step, torch.float32), replicas, shards)
-        got = {n: p.grad.full_tensor().double().numpy() for n, p in model.named_parameters()}
+        got = {n: p.grad.full_tensor().double().cpu().numpy() for n, p in model.named_parameters()}
         for unit in sorted({unit_of(n) for n in got}):
             names = [n for n in got if unit_of(n) == unit]
             ref = reference.setdefault(unit, AdaConsReference(beta=0.5))([[m[n] for n in names] for m in means])
@@ -183,12 +233,35 @@ def hsdp_body(rank, world, shards, tmp):
             mean_norm = np.sqrt(sum(np.sum(np.mean([m[n] for m in means], axis=0) ** 2) for n in names))
             # |d| terms sum to |m| (weights c_i >= 0 summing to 1): a few float32 roundings of |m| each
             assert err <= 16 * U32 * mean_norm, (step, unit, err, mean_norm)
-        out[("adacons", step)] = b"".join(p.grad.to_local().numpy().tobytes() for p in model.parameters())
+        out[("adacons", step)] = b"".join(p.grad.to_local().cpu().numpy().tobytes() for p in model.parameters())
         sgd(model)
 
     if shards == 2:
+        mean_and_refusal(mesh, rank, world, shards, out)
         out["resume"] = resume_check(mesh, rank, tmp)
     return out
+
+
+class Whole(adasum.Reducer):
+    """A reducer with coefficients of its own and no sharded form."""
+
+    def _all_reduce_flat(self, buffer, sizes, group=None):
+        raise AssertionError("not reached: refused by enable")
+
+
+def mean_and_refusal(mesh, rank, world, shards, out):
+    """Mean runs on the shards directly (element-wise); a reducer without a sharded form is refused."""
+    model, _ = sharded(mesh, reducer="mean", seed=9)
+    backward(model, rank, 3, torch.float32)
+    means = replica_means(worker_grads(model, world, 3, torch.float32), world // shards, shards)
+    for n, p in model.named_parameters():
+        got = p.grad.full_tensor().double().cpu().numpy()
+        expected = np.mean([m[n] for m in means], axis=0)
+        # two roundings of each shard mean, one of the sum over the replicas (the division by 2 is exact)
+        assert np.linalg.norm(got - expected) <= 4 * U32 * np.mean([np.linalg.norm(m[n]) for m in means]), n
+    out["mean"] = b"".join(p.grad.to_local().cpu().numpy().tobytes() for p in model.parameters())
+    with pytest.raises(ValueError, match="would see tensor shards"):
+        adasum.fsdp.enable(_sharded_plain(mesh), mesh, Whole())
 
 
 def train(model, opt, rank, steps):
@@ -232,10 +305,26 @@ def check_replica_groups(results, world, shards):
             assert results[r][key] == results[r % shards][key], (key, r)
 
 
-def test_hsdp_2_replicas_x_2_shards(tmp_path):
-    results = distributed.run(4, hsdp_body, 2, str(tmp_path / "ckpt"), timeout_s=150)
-    check_replica_groups(results, 4, 2)
+@pytest.mark.parametrize("world", distributed.world_sizes(4))
+def test_hsdp_2_replicas_x_2_shards(tmp_path, world):
+    results = distributed.run(world, hsdp_body, 2, str(tmp_path / "ckpt"), timeout_s=150)
+    check_replica_groups(results, world, 2)
     assert all(r["resume"] for r in results)
+
+
+def replicas_body(rank, world):
+    from torch.distributed.device_mesh import init_device_mesh
+
+    mesh = init_device_mesh(DEVICE, (world, 1), mesh_dim_names=("replicate", "shard"))
+    out = {}
+    adasum_steps(mesh, rank, world, 1, out)
+    return out
+
+
+@pytest.mark.parametrize("world", distributed.world_sizes(4))
+def test_hsdp_4_replicas_x_1_shard(world):
+    results = distributed.run(world, replicas_body, timeout_s=120)
+    check_replica_groups(results, world, 1)
 
 
 def setup_body(rank, world):
@@ -244,14 +333,14 @@ def setup_body(rank, world):
     from torch.distributed.fsdp import fully_shard
 
     out = hsdp_body(rank, world, 1, None)
-    mesh = init_device_mesh("cpu", (2, 1), mesh_dim_names=("replicate", "shard"))
+    mesh = init_device_mesh(DEVICE, (2, 1), mesh_dim_names=("replicate", "shard"))
 
     # the accessor reads the layout FSDP really uses: padded dim-0 shard sizes, trainable parameters only
     torch.manual_seed(0)
     model = Net()
     model.inp.bias.requires_grad_(False)
     fully_shard(model, mesh=mesh["shard"])
-    model(torch.zeros(1, 6))  # FSDP names its parameters at the first forward
+    model(torch.zeros(1, 6, device=distributed.device_for(rank)))  # FSDP names its parameters at the first forward
     view = unit_view(model)
     expected = [(n, p.numel()) for n, p in Net().named_parameters() if n != "inp.bias"]
     assert list(view.names) == [n for n, _ in expected]
@@ -261,7 +350,7 @@ def setup_body(rank, world):
     errors = {}
     fresh = Net()
     fully_shard(fresh, mesh=mesh["shard"])  # parameters are DTensors until the first forward
-    flat = init_device_mesh("cpu", (2,))
+    flat = init_device_mesh(DEVICE, (2,))
     for what, call in [
         ("1-D mesh", lambda: adasum.fsdp.enable(model, flat)),
         ("hierarchical", lambda: adasum.fsdp.enable(model, mesh, adasum.Adasum(hierarchical=True, local_size=1))),
@@ -281,16 +370,14 @@ def setup_body(rank, world):
     assert "adasum.DistributedOptimizer" in errors["optimizer"] and "adasum.fsdp.enable" in errors["optimizer"]
     assert "adasum.SlowMo" in errors["slowmo"] and "adasum.fsdp.enable" in errors["slowmo"]
 
-    # a torch without set_reduce_scatter_unused_params (2.11): enable says what the per-unit checks cost
-    from torch.distributed.fsdp import FSDPModule
-
-    setter = FSDPModule.set_reduce_scatter_unused_params
-    del FSDPModule.set_reduce_scatter_unused_params
-    try:
-        with pytest.warns(UserWarning, match="round trip per unit"):
-            adasum.fsdp.enable(_sharded_plain(mesh), mesh)
-    finally:
-        FSDPModule.set_reduce_scatter_unused_params = setter
+    # a layout that changes on one rank after enable: the forward's probe finds it, every rank raises the same error
+    model, state = sharded(mesh, seed=8)
+    if rank == 1:
+        model.out.bias.requires_grad_(False)
+    with pytest.raises(ValueError) as e:
+        loss_of(model, *batch(0, rank), rank, torch.float32).backward()
+    errors["changed"] = str(e.value)
+    assert state.reductions == 0 and state.agreements == 2
 
     # a parameter without gradient on one replica, unused parameters left out: the same error everywhere
     model, _ = sharded(mesh, seed=6)
@@ -298,6 +385,12 @@ def setup_body(rank, world):
     with pytest.raises(ValueError) as e:
         loss_of(model, *batch(0, rank), rank, torch.float32).backward()
     errors["unused"] = str(e.value)
+
+    # FSDP divides after the hook (fp16 reduce dtype): a reducer whose result does not scale with its inputs is refused
+    model, _ = sharded(mesh, reduce_dtype=torch.float16, reducer=adasum.AdaCons(scale="unit"), seed=10)
+    with pytest.raises(ValueError) as e:
+        loss_of(model, *batch(0, rank), rank, torch.float32).backward()
+    errors["not homogeneous"] = str(e.value)
     return out, errors
 
 
@@ -323,6 +416,8 @@ def test_hsdp_2_replicas_x_1_shard():
     errors = [r[1] for r in results]
     assert errors[0] == errors[1]
     assert "differ across ranks" in errors[0]["unused"]
+    assert "gradient layouts differ across ranks" in errors[0]["changed"], errors[0]["changed"]
+    assert "does not scale with its inputs" in errors[0]["not homogeneous"], errors[0]["not homogeneous"]
 
 
 def test_unit_view_fails_loudly_on_changed_torch():
@@ -333,11 +428,27 @@ def test_unit_view_fails_loudly_on_changed_torch():
     with pytest.raises(RuntimeError, match="private state"):
         unit_view(Unit())
 
+    class Group:  # a parameter group without what the stand-in for the setter wraps
+        fsdp_params = ()
+
+    class Older:
+        def _get_fsdp_state(self):
+            return type("State", (), {"_fsdp_param_groups": [Group()]})()
+
+    with pytest.raises(RuntimeError, match="Group.post_backward"):
+        fill_unused_grads(Older())
+
 
 def test_benchmark_dry_run():
+    """The benchmark on CPU/gloo with a tiny model: every variant twice, alternated, then the table."""
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT / "src")}
     command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2"]
-    done = subprocess.run([*command, str(ROOT / "benchmarks" / "bench_fsdp.py"), "--dry-run"],
-                          env=env, capture_output=True, text=True, timeout=240)
+    done = subprocess.run([*command, str(ROOT / "benchmarks" / "bench_fsdp.py"), "--dry-run", "--repeats", "2",
+                           "--mesh", "2x1"], env=env, capture_output=True, text=True, timeout=240)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
-    assert "adasum/mean" in done.stdout
+    lines = done.stdout.splitlines()
+    assert [line.split(":")[0] for line in lines if "ms/step" in line] == ["native", "mean", "adasum"] * 2, lines
+    assert any(line.startswith("mesh 2 x 1 (replicas x shards) on ") for line in lines), lines
+    rows = {line.split("|")[1].strip(): line for line in lines if line.startswith("| ") and "---" not in line}
+    assert set(rows) == {"variant", "native", "mean", "adasum"}, lines
+    assert rows["native"].split("|")[4].strip() == "1.000", rows["native"]

@@ -44,4 +44,4 @@ __all__ = [
     "orthogonality_stacked",
     "reduce",
 ]
-__version__ = "0.1.0"
+__version__ = "0.1.0"  # the one place the version is written: pyproject.toml reads it from here

@@ -12,7 +12,6 @@ rank ends so, with the same line. A failed run (a dead or stalled peer, a non-fi
 from __future__ import annotations
 
 import argparse
-import json
 import logging
 import os
 import sys
@@ -366,20 +365,10 @@ def cmd_compare(args: argparse.Namespace) -> int:
 
 def cmd_report(args: argparse.Namespace) -> int:
     """``adasum report``: one report from several sweep folders; returns the exit status."""
-    from adasum.experiments.io import read_jsonl
-    from adasum.experiments.report import plot, summary_table, write_report
+    from adasum.experiments.report import load_results, plot, summary_table, write_report
 
     _setup_logging(args.quiet, 0)
-    results = []
-    for name in args.results:
-        path = Path(name) / "results.jsonl" if Path(name).is_dir() else Path(name)
-        if not path.is_file():
-            raise ValueError(f"no results file {str(path)!r}")
-        results += read_jsonl(path)
-    if not results:
-        raise ValueError("the results files hold no runs")
-    unique = {json.dumps([r["method"], r["workers"], r["lr"], r["seed"], r.get("config")]): r for r in results}
-    results = list(unique.values())  # a run found in two files counts once
+    results = load_results(args.results)  # one-line errors for malformed rows or mixed settings
     tasks = sorted({str(r.get("task")) for r in results})
     out = _writable_dir(args.out)
     plot(results, out)

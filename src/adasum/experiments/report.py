@@ -1,87 +1,130 @@
-"""Tables and plots from a sweep's results (the dicts that `runner.train` returns), over seeds.
+"""Tables, verdicts and plots from a sweep's results (the dicts that `runner.train` returns), over seeds.
 
 Selection and reporting are kept apart: for each method and worker count the learning rate is
 picked on the mean **validation** accuracy over seeds (a diverged run scores 0); only then is the
-**test** accuracy of that learning rate reported, as the mean over seeds with its 95% interval
-(Student's t over the seeds) and the min-max range. A difference is called better or worse only
-when the two 95% intervals do not overlap; otherwise it is "within spread".
+**test** accuracy of that learning rate reported.
 
-``report.md``: the validated summary, the learning-rate robustness table, every cell.
+A run **failed** when it diverged, ended at chance (the runner's flag), or ended below the midpoint
+between chance and the best run of its cell (method, workers, learning rate), or below a threshold
+the caller sets instead (`fail_below`). Rows say "k/n failed"; their mean, 95% Student-t interval
+(clipped to [0, 100]) and range are over the runs that did not fail.
+
+Two methods are compared **seed by seed** (runs of one seed share data order and initialisation):
+the mean paired difference over the seeds where neither run failed, its 95% t-interval, and a
+p-value that `stats.holm` adjusts over every comparison the report makes. "better" / "worse" only
+where the adjusted p-value is below 0.05; verdicts on fewer than 5 seeds say so.
+
+``report.md``: the summary with its footnote and conclusion, the learning-rate robustness table
+(when more than one rate was run), every cell, every run.
 ``accuracy.png`` / ``loss.png``: test accuracy / loss against epoch (mean over seeds), one line
 per method at its picked learning rate, one panel per worker count, sequential dashed.
 ``orthogonality.png``: the orthogonality diagnostic over training (first seed), same layout.
-``lr.png``: validation accuracy against learning rate (log x, mean and min-max over seeds), one
-panel per worker count.
+``lr.png`` (more than one rate): validation accuracy against learning rate (log x, mean and min-max
+over seeds), one panel per worker count.
+
+>>> results = load_results(["runs/a/results.jsonl", "runs/b/results.jsonl.gz"])  # doctest: +SKIP
+>>> write_report(results, Path("runs/report"))  # doctest: +SKIP
 """
 
 from __future__ import annotations
 
+import json
 import math
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
-from adasum.experiments.io import write_text_atomic
+from adasum.experiments.io import read_jsonl, write_text_atomic
 from adasum.experiments.methods import METHODS
+from adasum.experiments.runner import differences
+from adasum.experiments.stats import ALPHA, FEW_SEEDS, Paired, Stat, holm
 
 Result = dict[str, Any]
+Key = tuple[str, int]  # (method, workers)
 
-# two-sided 95% quantiles of Student's t by degrees of freedom
-_T95 = {1: 12.706, 2: 4.303, 3: 3.182, 4: 2.776, 5: 2.571, 6: 2.447, 7: 2.365, 8: 2.306, 9: 2.262, 10: 2.228,
-        12: 2.179, 15: 2.131, 20: 2.086, 30: 2.042}
+# --- reading: one-line messages for malformed rows, one setting per report ---------------------
 
-
-def t95(df: int) -> float:
-    """The 97.5% quantile of Student's t with `df` degrees of freedom (the table's next smaller df)."""
-    if df >= 60:
-        return 1.96 + 2.4 / df
-    return _T95[max(k for k in _T95 if k <= df)]
-
-
-@dataclass(frozen=True)
-class Stat:
-    """Mean of n values with its 95% interval (t over the values) and their range."""
-
-    mean: float
-    lo: float
-    hi: float
-    min: float
-    max: float
-    n: int
-
-    @classmethod
-    def of(cls, values: Sequence[float]) -> Stat:
-        """The statistics of `values` (class doc)."""
-        values = [float(v) for v in values]
-        n = len(values)
-        mean = sum(values) / n
-        if n < 2:
-            return cls(mean, mean, mean, mean, mean, n)
-        sd = math.sqrt(sum((v - mean) ** 2 for v in values) / (n - 1))
-        half = t95(n - 1) * sd / math.sqrt(n)
-        return cls(mean, mean - half, mean + half, min(values), max(values), n)
-
-    def __str__(self) -> str:
-        if self.n < 2:
-            return f"{self.mean:.2f} (1 seed)"
-        return f"{self.mean:.2f} [{self.lo:.1f}, {self.hi:.1f}]"
+_NUMBER = (int, float)
+_FIELDS: dict[str, tuple[type, ...]] = {
+    "method": (str,), "workers": (int,), "lr": _NUMBER, "effective_lr": _NUMBER, "seed": (int,),
+    "val_accuracy": _NUMBER + (type(None),), "test_accuracy": _NUMBER, "test_loss": _NUMBER,
+    "diverged": (bool,), "collapsed": (bool,), "steps": (int,), "wall_s": _NUMBER, "epochs": (int,),
+    "history": (list,), "orthogonality_trace": (list,), "config": (dict,),
+}
+"""The fields every row of `adasum compare` has, and their JSON types (a NaN loss is a float)."""
+_EPOCH_FIELDS = ("epoch", "test_accuracy", "test_loss")
+_AXES = {"method": None, "workers": None, "lr": None, "seed": None}  # what varies within one sweep
 
 
-def separation(a: Stat, b: Stat) -> str:
-    """"better" / "worse" when a's 95% interval lies above / below b's, else "within spread"."""
-    if a.n < 2 or b.n < 2:
-        return "one seed: no call"
-    if a.lo > b.hi:
-        return "better"
-    if a.hi < b.lo:
-        return "worse"
-    return "within spread"
+def check_row(row: Any, where: str) -> None:
+    """ValueError, in one line naming `where`, unless `row` has every field of a run and their types."""
+    if not isinstance(row, dict):
+        raise ValueError(f"{where}: not a JSON object but {type(row).__name__}")
+    missing = [k for k in _FIELDS if k not in row]
+    if missing:
+        raise ValueError(f"{where}: lacks {', '.join(missing)} (not a row of `adasum compare`, or an older one)")
+    for key, types in _FIELDS.items():
+        value = row[key]
+        if not isinstance(value, types) or (isinstance(value, bool) and bool not in types):
+            raise ValueError(f"{where}: {key} is {value!r}, not {' or '.join(t.__name__ for t in types)}")
+    for epoch in row["history"]:
+        if not isinstance(epoch, dict) or any(k not in epoch for k in _EPOCH_FIELDS):
+            raise ValueError(f"{where}: an epoch of its history lacks one of {', '.join(_EPOCH_FIELDS)}")
+
+
+def setting_differences(a: Result, b: Result) -> list[str]:
+    """``"key a -> b"`` for every field but method, workers, lr and seed in which the two runs' settings
+    differ (the check `compare --resume` makes, plus the number of epochs)."""
+    diff = differences({**a["config"], **_AXES}, {**b["config"], **_AXES})
+    if a.get("epochs") != b.get("epochs"):
+        diff.append(f"epochs {a.get('epochs')!r} -> {b.get('epochs')!r}")
+    return diff
+
+
+def check_one_setting(results: Sequence[Result], sources: Sequence[str] | None = None) -> None:
+    """ValueError naming the differences if the runs were made with more than one setting (task, data,
+    batch size, optimizer, epochs, ...): their comparisons would not mean anything."""
+    for i, row in enumerate(results):
+        diff = setting_differences(results[0], row)
+        if diff:
+            first, other = (sources[0], sources[i]) if sources else ("the first run", f"run {i + 1}")
+            raise ValueError(
+                f"{other} was made with another setting than {first} ({', '.join(diff)}); "
+                "report each setting on its own"
+            )
+
+
+def load_results(paths: Sequence[str | Path]) -> list[Result]:
+    """The runs of the ``results.jsonl[.gz]`` files (or sweep folders) in `paths`, a run found twice
+    counted once. A malformed row, or runs of different settings, end in a one-line ValueError."""
+    results: dict[str, Result] = {}
+    sources: dict[str, str] = {}
+    for name in paths:
+        path = Path(name) / "results.jsonl" if Path(name).is_dir() else Path(name)
+        if not path.is_file():
+            raise ValueError(f"no results file {str(path)!r}")
+        for number, row in enumerate(read_jsonl(path), 1):
+            check_row(row, f"{path}: row {number}")
+            key = json.dumps([row["method"], row["workers"], row["lr"], row["seed"], row["config"]], sort_keys=True)
+            results.setdefault(key, row)
+            sources.setdefault(key, f"{path}: row {number}")
+    if not results:
+        raise ValueError("the results files hold no runs")
+    check_one_setting(list(results.values()), list(sources.values()))
+    return list(results.values())
+
+
+# --- cells, selection, failures ---------------------------------------------------------------
 
 
 def _method_order(name: str) -> int:
     names = list(METHODS)
     return names.index(name) if name in names else len(names)
+
+
+def _ordered(keys):
+    return sorted(keys, key=lambda k: (k[1], _method_order(k[0])) + tuple(k[2:]))
 
 
 def _score(r: Result) -> float:
@@ -97,10 +140,10 @@ def cells(results: Sequence[Result]) -> dict[tuple[str, int, float], list[Result
     return out
 
 
-def picked(results: Sequence[Result]) -> dict[tuple[str, int], list[Result]]:
+def picked(results: Sequence[Result]) -> dict[Key, list[Result]]:
     """Per (method, workers): the runs (one per seed) of the learning rate with the highest mean
     validation accuracy over seeds (ties: the smaller learning rate)."""
-    best: dict[tuple[str, int], tuple[float, float, list[Result]]] = {}
+    best: dict[Key, tuple[float, float, list[Result]]] = {}
     for (method, workers, lr), runs in cells(results).items():
         score = sum(_score(r) for r in runs) / len(runs)
         key = (method, workers)
@@ -109,53 +152,256 @@ def picked(results: Sequence[Result]) -> dict[tuple[str, int], list[Result]]:
     return {key: runs for key, (_, _, runs) in best.items()}
 
 
-def test_stat(runs: Sequence[Result]) -> Stat:
-    """The test-accuracy statistics of `runs`."""
-    return Stat.of([r["test_accuracy"] for r in runs])
+def _several_rates(results: Sequence[Result]) -> bool:
+    """More than one learning rate for some method and worker count (else no robustness views)."""
+    return len(cells(results)) > len({(r["method"], r["workers"]) for r in results})
 
 
-def _flags(runs: Sequence[Result]) -> str:
-    n = len(runs)
-    parts = []
-    for key, word in (("diverged", "diverged"), ("collapsed", "at chance")):
-        k = sum(bool(r.get(key)) for r in runs)
-        if k:
-            parts.append(f"{k}/{n} {word}")
-    return ", ".join(parts)
+def failures(results: Sequence[Result], fail_below: float | None = None) -> dict[int, str]:
+    """Why each failed run failed, by ``id(run)``: "diverged", "at chance" (the runner's flags), or
+    "near chance": test accuracy below the midpoint between chance and the best run of its cell
+    (below `fail_below` percent instead, where given)."""
+    out = {}
+    for runs in cells(results).values():
+        finite = [r["test_accuracy"] for r in runs if not r["diverged"] and math.isfinite(r["test_accuracy"])]
+        best = max(finite, default=math.nan)
+        for r in runs:
+            chance = r.get("chance_accuracy")
+            floor = fail_below if fail_below is not None else (
+                (chance + best) / 2 if chance is not None else -math.inf)
+            if r["diverged"] or not math.isfinite(r["test_accuracy"]):
+                out[id(r)] = "diverged"
+            elif r["collapsed"]:
+                out[id(r)] = "at chance"
+            elif r["test_accuracy"] < floor:
+                out[id(r)] = "near chance" if fail_below is None else f"below {fail_below:g}%"
+    return out
 
 
-def _ordered(keys):
-    return sorted(keys, key=lambda k: (k[1], _method_order(k[0])) + tuple(k[2:]))
+def _failed_text(runs: Sequence[Result], failed: dict[int, str]) -> str:
+    reasons = [failed[id(r)] for r in runs if id(r) in failed]
+    text = f"{len(reasons)}/{len(runs)} failed"
+    if reasons:
+        text += " (" + ", ".join(f"{reasons.count(w)} {w}" for w in sorted(set(reasons))) + ")"
+    return text
 
 
-def summary_table(results: Sequence[Result]) -> str:
-    """Per method and worker count: the learning rate picked on validation and its test accuracy
-    over seeds, against sequential training and Horovod's scaled mean at the same worker count."""
+def _good(runs: Sequence[Result], failed: dict[int, str]) -> list[Result]:
+    return [r for r in runs if id(r) not in failed]
+
+
+def _stat_text(runs: Sequence[Result], failed: dict[int, str]) -> tuple[str, str]:
+    """The test accuracy over the runs that did not fail: mean [95% interval], and min-max."""
+    good = _good(runs, failed)
+    if not good:
+        return "-", "-"
+    stat = Stat.of([r["test_accuracy"] for r in good])
+    return str(stat), f"{stat.min:.1f}-{stat.max:.1f}"
+
+
+# --- paired comparisons ------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Comparison:
+    """`method` against `against` at `workers` workers, seed by seed, over the seeds where neither
+    run failed; `p_holm` is the p-value adjusted over the comparisons of one report."""
+
+    method: str
+    workers: int
+    against: str
+    diff: Paired
+    failed: tuple[int, int]  # (failed, runs) of method
+    against_failed: tuple[int, int]
+    p_holm: float = math.nan
+
+    @property
+    def verdict(self) -> str:
+        """"better", "worse", "no detectable difference" (Holm-corrected) or "no test"."""
+        if math.isnan(self.p_holm):
+            return "no test"
+        if self.p_holm >= ALPHA:
+            return "no detectable difference"
+        return "better" if self.diff.mean > 0 else "worse"
+
+    def cell(self) -> str:
+        """The table cell: difference, verdict, interval, adjusted p, seeds, failures."""
+        d = self.diff
+        if d.n == 0:
+            text = "-: no test (no seed where neither run failed)"
+        elif math.isnan(self.p_holm):
+            text = f"{d.mean:+.2f}: no test (1 seed where neither run failed)"
+        else:
+            few = f", {d.n} seeds" if d.n < FEW_SEEDS else ""
+            text = f"{d.mean:+.2f}: {self.verdict} ([{d.lo:+.1f}, {d.hi:+.1f}], Holm p {self.p_holm:.3g}{few})"
+        if self.failed[0] or self.against_failed[0]:
+            text += f"; failed {self.failed[0]}/{self.failed[1]} vs {self.against_failed[0]}/{self.against_failed[1]}"
+        return text
+
+    def claim(self) -> str:
+        """The comparison in words, for the conclusion."""
+        d = self.diff
+        where = f" at {self.workers} workers" if self.workers > 1 else ""
+        return (f"{self.method}{where} {'above' if d.mean > 0 else 'below'} {_name(self.against)} by "
+                f"{abs(d.mean):.2f} points [{d.lo:+.1f}, {d.hi:+.1f}] on {d.n} seeds")
+
+
+def _name(method: str) -> str:
+    return "sequential training" if method == "sequential" else method
+
+
+def baseline(results: Sequence[Result]) -> str | None:
+    """The averaging method every other is compared against: Horovod's scaled mean, else the mean."""
+    methods = {r["method"] for r in results}
+    return next((m for m in ("mean-scaled", "mean") if m in methods), None)
+
+
+def _references(key: Key, best: dict[Key, list[Result]], base: str | None) -> list[Key]:
+    method, workers = key
+    refs = []
+    if method != "sequential" and ("sequential", 1) in best:
+        refs.append(("sequential", 1))
+    if base is not None and method not in (base, "sequential") and (base, workers) in best:
+        refs.append((base, workers))
+    return refs
+
+
+def _compare(key: Key, runs: list[Result], ref: Key, ref_runs: list[Result], failed: dict[int, str]) -> Comparison:
+    by_seed = {r["seed"]: r for r in ref_runs}
+    pairs = [(r, by_seed[r["seed"]]) for r in runs
+             if r["seed"] in by_seed and id(r) not in failed and id(by_seed[r["seed"]]) not in failed]
+    diff = Paired.of([a["test_accuracy"] for a, _ in pairs], [b["test_accuracy"] for _, b in pairs])
+    count = lambda rs: (sum(id(r) in failed for r in rs), len(rs))  # noqa: E731
+    return Comparison(key[0], key[1], ref[0], diff, count(runs), count(ref_runs))
+
+
+def comparisons(results: Sequence[Result], fail_below: float | None = None) -> list[Comparison]:
+    """Every comparison of the summary, in its order (each method against sequential training and
+    against the averaging baseline at its worker count), with Holm's correction over them."""
     best = picked(results)
-    seq = best.get(("sequential", 1))
-    seq_stat = test_stat(seq) if seq else None
+    failed = failures(results, fail_below)
+    base = baseline(results)
+    found = [_compare(key, best[key], ref, best[ref], failed)
+             for key in _ordered(best) for ref in _references(key, best, base)]
+    return adjust(found)
+
+
+def pair(results: Sequence[Result], key: Key, against: Key, fail_below: float | None = None) -> Comparison:
+    """One comparison the summary does not make (say SlowMo against local SGD), not yet adjusted:
+    pass it to `adjust` with the others of its family."""
+    best = picked(results)
+    return _compare(key, best[key], against, best[against], failures(results, fail_below))
+
+
+def adjust(found: Sequence[Comparison]) -> list[Comparison]:
+    """The comparisons with their p-values adjusted together (Holm): one family, however many reports."""
+    return [replace(c, p_holm=p) for c, p in zip(found, holm([c.diff.p for c in found]))]
+
+
+# --- tables ------------------------------------------------------------------------------------
+
+
+def _lookup(found: Sequence[Comparison]) -> dict[tuple[str, int, str], Comparison]:
+    return {(c.method, c.workers, c.against): c for c in found}
+
+
+def summary_rows(results: Sequence[Result], found: Sequence[Comparison], fail_below: float | None = None) -> str:
+    """The summary table alone: per method and worker count, the learning rate picked on validation,
+    its test accuracy over the runs that did not fail, and the paired comparisons `found`."""
+    best = picked(results)
+    failed = failures(results, fail_below)
+    base = baseline(results)
+    by_key = _lookup(found)
+    lr_head = "lr (picked on val.)" if _several_rates(results) else "lr"
     rows = [
-        "| method | workers | lr (picked on val.) | seeds | val. acc. | test acc. [95% interval] | min-max "
-        "| vs sequential | vs mean-scaled | flags |",
+        f"| method | workers | {lr_head} | seeds | val. acc. | test acc. [95% interval] | min-max | failed "
+        f"| vs sequential | vs {base or 'averaging'} |",
         "| --- | ---: | ---: | ---: | ---: | ---: | ---: | --- | --- | --- |",
     ]
     for key in _ordered(best):
         runs = best[key]
-        stat = test_stat(runs)
-        val = sum(r["val_accuracy"] for r in runs) / len(runs)
-        vs_seq = "-" if seq_stat is None or key[0] == "sequential" else (
-            f"{stat.mean - seq_stat.mean:+.2f}: {separation(stat, seq_stat)}")
-        ms = best.get(("mean-scaled", key[1]))
-        vs_ms = "-" if ms is None or key[0] in ("mean-scaled", "sequential") else (
-            f"{stat.mean - test_stat(ms).mean:+.2f}: {separation(stat, test_stat(ms))}")
+        acc, span = _stat_text(runs, failed)
+        val = sum(_score(r) for r in runs) / len(runs)
+        vs = [by_key.get((*key, ref)) for ref in ("sequential", base)]
         rows.append(
-            f"| {key[0]} | {key[1]} | {runs[0]['lr']:g} | {len(runs)} | {val:.2f} | {stat} | "
-            f"{stat.min:.1f}-{stat.max:.1f} | {vs_seq} | {vs_ms} | {_flags(runs)} |"
+            f"| {key[0]} | {key[1]} | {runs[0]['lr']:g} | {len(runs)} | {val:.2f} | {acc} | {span} | "
+            f"{_failed_text(runs, failed)} | {vs[0].cell() if vs[0] else '-'} | {vs[1].cell() if vs[1] else '-'} |"
         )
     return "\n".join(rows)
 
 
-best_table = summary_table  # the name the CLI printed before seeds
+def footnote(results: Sequence[Result], found: Sequence[Comparison], fail_below: float | None = None) -> str:
+    """What each column of the summary means, and the rules behind its verdicts."""
+    rule = (f"its test accuracy was below {fail_below:g}%" if fail_below is not None else
+            "its test accuracy was below the midpoint between chance and the best run of its cell")
+    tested = sum(not math.isnan(c.p_holm) for c in found)
+    lr = ("the base learning rate, picked per method and worker count on the mean validation accuracy "
+          "over seeds (a diverged run scores 0)") if _several_rates(results) else "the base learning rate"
+    base = baseline(results) or "averaging"
+    return "\n".join([
+        "Columns:",
+        "- *method*: how the workers' updates are combined (sequential: one worker; mean-scaled: Horovod's "
+        "mean with lr x P); *workers*: simulated workers P; *seeds*: runs of the cell, one per seed",
+        f"- *lr*: {lr}",
+        "- *val. acc.*: mean validation accuracy (%) over all its runs",
+        "- *test acc.*: mean test accuracy (%) over the runs that did not fail, with its 95% Student-t "
+        "interval over them, clipped to [0, 100]; *min-max*: their range",
+        "- *failed*: runs that diverged (a NaN/Inf loss, or one far above guessing's), ended at chance (the "
+        "accuracy of always predicting the most frequent class, or a training loss that never fell below "
+        f"guessing's), or ended near chance ({rule})",
+        f"- *vs sequential*, *vs {base}*: the mean paired difference in test accuracy points, seed by seed over "
+        "the seeds where neither run failed; the verdict; the difference's 95% t-interval; its p-value after "
+        f"Holm's correction over the {tested} tested comparison{'s' if tested != 1 else ''} of this table. "
+        f"'better' / 'worse' only where that p-value is below {ALPHA:g}; a verdict on fewer than {FEW_SEEDS} "
+        "seeds names its seeds (with so few a real difference is often missed)",
+    ])
+
+
+def _tested_part(found: Sequence[Comparison]) -> str:
+    tested = [c for c in found if not math.isnan(c.p_holm)]
+    held = [c for c in tested if c.p_holm < ALPHA]
+    if held:
+        claims = "; ".join(c.claim() for c in held[:8]) + (f"; and {len(held) - 8} more" if len(held) > 8 else "")
+        which = f"{len(held)} of the {len(tested)} paired comparisons show a difference" if len(tested) > 1 \
+            else "the one paired comparison shows a difference"
+        return f"{which} after Holm's correction: {claims}"
+    if not tested:
+        return "no comparison can be tested (fewer than 2 seeds where neither run failed)"
+    top = max(tested, key=lambda c: abs(c.diff.mean))
+    if len(tested) > 1:
+        which, top_text = f"none of the {len(tested)} paired comparisons shows", f"the largest: {top.claim()}"
+    else:
+        which, top_text = "the one paired comparison shows no", top.claim()
+    return f"{which} detectable difference after Holm's correction ({top_text}, adjusted p {top.p_holm:.3g})"
+
+
+def _failed_part(results: Sequence[Result], fail_below: float | None) -> str:
+    best = picked(results)
+    failed = failures(results, fail_below)
+    counts = [(key, sum(id(r) in failed for r in best[key]), len(best[key])) for key in _ordered(best)]
+    bad = [f"{m}{f' at {w} workers' if w > 1 else ''} failed in {k} of {n} runs" for (m, w), k, n in counts if k]
+    if not bad:
+        return "no run failed"
+    return ", ".join(bad) + (" and every other row in none" if len(bad) < len(counts) else "")
+
+
+def conclusion(results: Sequence[Result], found: Sequence[Comparison], fail_below: float | None = None) -> str:
+    """The summary's finding in one sentence, from its numbers: failures first, then what the paired
+    comparisons of the runs that did not fail show after Holm's correction."""
+    seeds = len({r["seed"] for r in results})
+    lead = f"With {seeds} seed{'s' if seeds != 1 else ''}" + (
+        f" (fewer than {FEW_SEEDS}: read it as a pilot)" if seeds < FEW_SEEDS else "")
+    failed = _failed_part(results, fail_below)
+    among = "; among the runs that did not fail, " if failed != "no run failed" else ", and "
+    return f"{lead}: {failed}{among}{_tested_part(found)}."
+
+
+def summary_table(results: Sequence[Result], fail_below: float | None = None) -> str:
+    """The summary (`summary_rows`), its footnote and its conclusion, with Holm's correction over the
+    comparisons of this summary."""
+    found = comparisons(results, fail_below)
+    return "\n\n".join([summary_rows(results, found, fail_below), footnote(results, found, fail_below),
+                        "**Conclusion.** " + conclusion(results, found, fail_below)])
 
 
 @dataclass(frozen=True)
@@ -180,7 +426,7 @@ class Robustness:
         return len(self.grid) > 1 and self.best_lr in (self.grid[0], self.grid[-1])
 
 
-def robustness(results: Sequence[Result]) -> dict[tuple[str, int], Robustness]:
+def robustness(results: Sequence[Result]) -> dict[Key, Robustness]:
     """Per (method, workers) cell: how its validation accuracy depends on the learning rate."""
     by_cell = cells(results)
     seq_runs = picked(results).get(("sequential", 1))
@@ -218,65 +464,80 @@ def robustness_table(results: Sequence[Result]) -> str:
     return "\n".join(rows)
 
 
-def cells_table(results: Sequence[Result]) -> str:
-    """Every (method, workers, lr) cell over its seeds."""
+def cells_table(results: Sequence[Result], fail_below: float | None = None) -> str:
+    """Every (method, workers, lr) cell over its seeds (test accuracy over the runs that did not fail)."""
+    failed = failures(results, fail_below)
     rows = [
-        "| method | workers | lr | lr used | seeds | val. acc. | test acc. [95% interval] | min-max | flags |",
+        "| method | workers | lr | lr used | seeds | val. acc. | test acc. [95% interval] | min-max | failed |",
         "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | --- |",
     ]
     by_cell = cells(results)
     for key in _ordered(by_cell):
         runs = by_cell[key]
-        stat = test_stat(runs)
-        val = sum(r["val_accuracy"] for r in runs) / len(runs)
+        acc, span = _stat_text(runs, failed)
+        val = sum(_score(r) for r in runs) / len(runs)
         rows.append(
-            f"| {key[0]} | {key[1]} | {key[2]:g} | {runs[0]['effective_lr']:g} | {len(runs)} | {val:.2f} | {stat} | "
-            f"{stat.min:.1f}-{stat.max:.1f} | {_flags(runs)} |"
+            f"| {key[0]} | {key[1]} | {key[2]:g} | {runs[0]['effective_lr']:g} | {len(runs)} | {val:.2f} | {acc} | "
+            f"{span} | {_failed_text(runs, failed)} |"
         )
     return "\n".join(rows)
 
 
-def table(results: Sequence[Result]) -> str:
+def table(results: Sequence[Result], fail_below: float | None = None) -> str:
     """A markdown table of every run (one row per seed)."""
+    failed = failures(results, fail_below)
     rows = [
         "| method | workers | lr | seed | val. acc. | test acc. | test loss | orthogonality | steps | time (s) "
-        "| flags |",
+        "| failed |",
         "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | --- |",
     ]
     for r in sorted(results, key=lambda r: (r["workers"], _method_order(r["method"]), r["lr"], r["seed"])):
         last_o = r["history"][-1].get("orthogonality") if r["history"] else None
         o = "-" if last_o is None else f"{last_o:.3f}"
+        val = "-" if r["val_accuracy"] is None else f"{r['val_accuracy']:.2f}"
         rows.append(
-            f"| {r['method']} | {r['workers']} | {r['lr']:g} | {r['seed']} | {r['val_accuracy']:.2f} | "
+            f"| {r['method']} | {r['workers']} | {r['lr']:g} | {r['seed']} | {val} | "
             f"{r['test_accuracy']:.2f} | {r['test_loss']:.4f} | {o} | {r['steps']} | {r['wall_s']:.1f} | "
-            f"{_flags([r])} |"
+            f"{failed.get(id(r), '')} |"
         )
     return "\n".join(rows)
 
 
-def write_report(results: Sequence[Result], out: Path, title: str = "Comparison") -> Path:
-    """Write ``out/report.md`` (the tables and the plots) and return its path."""
+def _setting(results: Sequence[Result]) -> str:
     first = results[0] if results else {}
     seeds = sorted({r["seed"] for r in results})
-    setting = (
+    few = f" ({len(seeds)}, fewer than {FEW_SEEDS}: verdicts say so)" if len(seeds) < FEW_SEEDS else ""
+    return (
         f"Task `{first.get('task')}`, model `{first.get('model')}`, optimizer `{first.get('optimizer')}` "
         f"(momentum {first.get('momentum')}), {first.get('batch_size')} examples per worker per step, "
-        f"{first.get('epochs')} epochs, seeds {', '.join(map(str, seeds))}. Accuracy in percent after the last "
-        "epoch. The learning rate of each method and worker count is picked on the mean validation accuracy "
-        "(a split held out of the training data); test accuracy is reported for that learning rate only: "
-        "mean over seeds [95% interval]. 'better'/'worse' only where the 95% intervals do not overlap. "
-        "'lr' is the base learning rate, 'lr used' what the optimizer got (x P for mean-scaled and adacons); "
-        "'at chance' marks runs that ended at the accuracy of always predicting the most frequent class, "
-        "or whose training loss never fell below that of predicting the class frequencies."
+        f"{first.get('epochs')} epochs, seeds {', '.join(map(str, seeds))}{few}. Accuracy in "
+        "percent after the last epoch. Test accuracy is reported for the picked learning rate only; failed "
+        "runs are counted apart and left out of the intervals; methods are compared seed by seed, with "
+        "Holm's correction over the comparisons of the summary (see its footnote). 'lr' is the base "
+        "learning rate, 'lr used' what the optimizer got (x P for mean-scaled and adacons)."
     )
-    text = [
-        f"# {title}", "", setting, "",
-        "## Validated summary", "", summary_table(results), "",
-        "## Learning-rate robustness (validation accuracy, mean over seeds)", "", robustness_table(results), "",
-        "## Every cell", "", cells_table(results), "",
-        "## Every run", "", table(results), "",
+
+
+def write_report(results: Sequence[Result], out: Path, title: str = "Comparison",
+                 fail_below: float | None = None) -> Path:
+    """Write ``out/report.md`` (the tables and the plots) and return its path. Runs of more than one
+    setting are refused (`check_one_setting`)."""
+    check_one_setting(results)
+    several = _several_rates(results)
+    text = [f"# {title}", "", _setting(results), "", "## Summary", "", summary_table(results, fail_below), ""]
+    if several:
+        text += ["## Learning-rate robustness (validation accuracy, mean over seeds)", "",
+                 robustness_table(results), ""]
+    text += [
+        "## Every cell", "", cells_table(results, fail_below), "",
+        "## Every run", "", table(results, fail_below), "",
+        "*orthogonality*: sum_i |g_i|² / |sum_i g_i|² of the workers' gradients at the last step: 1 when they "
+        "are orthogonal (Adasum adds them), 1/P when they are identical (Adasum averages them). "
+        "*failed*: why the run counts as failed (see the summary's footnote).", "",
     ]
-    plots = [p for p in ("lr.png", "accuracy.png", "loss.png", "orthogonality.png") if (out / p).exists()]
+    names = ("lr.png", "accuracy.png", "loss.png", "orthogonality.png") if several else (
+        "accuracy.png", "loss.png", "orthogonality.png")
+    plots = [p for p in names if (out / p).exists()]
     if plots:
         text += ["## Plots", ""] + [f"![{p[:-4]}]({p})" for p in plots] + [""]
     path = out / "report.md"
@@ -285,7 +546,7 @@ def write_report(results: Sequence[Result], out: Path, title: str = "Comparison"
 
 
 def plot(results: Sequence[Result], out: Path) -> list[Path]:
-    """Write the four PNG plots into `out` and return their paths."""
+    """Write the PNG plots into `out` (``lr.png`` only when more than one rate was run); their paths."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -366,6 +627,6 @@ def plot(results: Sequence[Result], out: Path) -> list[Path]:
         for m in names:
             lr_line(ax, m, workers, color=colors[m], label=m)
 
-    panels("val. accuracy (%), min-max", "lr.png", draw_lr, xlabel="base learning rate",
-           logx=True)
+    if _several_rates(results):  # one rate: nothing to show against it
+        panels("val. accuracy (%), min-max", "lr.png", draw_lr, xlabel="base learning rate", logx=True)
     return written

@@ -309,7 +309,7 @@ def _tensorboard_writer(path: Path):
     try:
         from torch.utils.tensorboard import SummaryWriter
     except ImportError:
-        raise ValueError("--tensorboard needs the tensorboard package (pip install tensorboard)") from None
+        raise ValueError("--tensorboard needs the tensorboard extra: pip install 'adasum[tensorboard]'") from None
     return SummaryWriter(str(path))
 
 

@@ -10,8 +10,8 @@ Each `fully_shard` unit reduce-scatters its gradients over the shard group (FSDP
 there), then calls the all-reduce hook that `enable` installs ("custom HSDP", the route torchtitan
 takes for its own replica groups). The hook gets one flat buffer per unit: each parameter's dim-0
 shard, zero-padded to the same length on every shard rank, end to end. It combines that buffer
-across the replicate dimension with the reducer, **per parameter over the whole parameter**, not
-per shard:
+across the replicate dimension with the reducer's sharded form (`Reducer.all_reduce_shards`),
+**per parameter over the whole parameter**, not per shard:
 
 * Adasum: the VHDD tree runs over the replicas holding the same shard (`Placement`), and the
   per-parameter partial ``<a,b>``, ``|a|^2``, ``|b|^2`` of each level are summed over the shard
@@ -23,15 +23,23 @@ per shard:
 * AdaCons: the per-parameter (or whole-unit) ``<g_i, m>``, ``|g_i|^2``, ``|m|^2`` are summed over
   the shard group before the coefficients are computed; its momentum is kept per unit.
 * Sum and Mean are element-wise and run on the shards directly; another `Reducer` is accepted
-  only with one shard per replica (then each buffer holds whole parameters).
+  only with one shard per replica (`Reducer.check_shards`).
 
-Before data moves, all ranks of the mesh check that they have the same layout (dtype and padded
-shard size of every parameter) and raise the same ValueError otherwise: once per backward for all
-units together, at its first reduction (a check per unit would make the host wait for the
-reductions queued before it, and backward would stop overlapping them), or for every reduction of
-a unit whose unused parameters are left out (the layout then depends on the batch). `enable` turns
-on ``set_reduce_scatter_unused_params(True)`` so that a parameter unused by one replica's batch
-still takes part (with a zero gradient, which Adasum leaves out).
+The layout a unit reduces does not depend on the batch: every trainable parameter is in the
+buffer, a parameter without a gradient as zeros (which Adasum's zero guard leaves out exactly),
+and it gets the combined gradient on every rank. `enable` turns on FSDP's
+``set_reduce_scatter_unused_params(True)``, or on a torch without that setter gives such a
+parameter a zero gradient just before FSDP collects the unit's gradients (`fill_unused_grads`).
+
+Before data moves, all ranks of the mesh have the same layouts (dtype and padded shard size of
+every trainable parameter, and FSDP's flags), or raise the same ValueError naming the first
+difference. `enable` checks it (one blocking agreement). Then each forward posts a probe, the
+signature of the layouts all-reduced on the checks' own gloo group without waiting; the
+backward's first reduction reads its result, long arrived: the same layouts everywhere need no
+round trip, a difference makes every rank run the blocking check, which raises. No host round
+trip is left in the reduction path. With ``include_unused=False`` FSDP leaves parameters without
+a gradient out, the layout depends on the batch, and every reduction of a unit checks its buffer
+(a host round trip per unit).
 
 Not supported, refused with a clear error: a 1-D mesh (plain FSDP: there are no replicas to combine
 across; Adasum across the shard ranks themselves, each rank's micro-batch gradient a worker, is a
@@ -40,13 +48,13 @@ later step), native 2-D HSDP (``fully_shard(mesh=mesh)`` hard-codes its averagin
 hierarchical Adasum, and `adasum.DistributedOptimizer` / `adasum.SlowMo` on sharded parameters
 (`check_not_sharded`).
 
-FSDP's private state is read in one place, `unit_view`; a test fails when torch changes it.
+FSDP's private state is read in one section, `unit_view` and, on torches without the setter,
+`fill_unused_grads`; both raise a RuntimeError naming what is missing, at `enable`.
 """
 
 from __future__ import annotations
 
 import io
-import warnings
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -55,16 +63,14 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from adasum.collectives.agreement import agree, describe
-from adasum.collectives.vhdd import Placement, adasum_flat_
-from adasum.kernels import dot_and_norms
-from adasum.reducers import AdaCons, Adasum, Mean, Reducer, Sum, get_reducer
-from adasum.reducers.adacons import scale_segments_
+from adasum.collectives.agreement import _signature, agree
+from adasum.reducers import Reducer, ShardGroups, get_reducer
+from adasum.transport.groups import control_group
 
 DIMS = ("replicate", "shard")
 
 
-# --- FSDP's private state, read in one place ------------------------------------------------------
+# --- FSDP's private state, read in one section ----------------------------------------------------
 
 
 @dataclass(frozen=True)
@@ -133,26 +139,42 @@ def unit_view(module: nn.Module) -> UnitView | None:
     return UnitView(segments, names, reduce_dtype, include_unused, all_reduce, post_divides)
 
 
+def fill_unused_grads(module: nn.Module) -> None:
+    """For torches without ``FSDPModule.set_reduce_scatter_unused_params``: what the setter does.
+
+    Wraps the unit's ``FSDPParamGroup.post_backward`` so that, when the unit reduces, every trainable
+    parameter without a gradient (nor an accumulated one) first gets a zero gradient; FSDP then
+    reduce-scatters it with the others and gives it the combined gradient. The unit's buffer holds
+    every trainable parameter whatever the batch used (``FSDPParam.unsharded_param``,
+    ``unsharded_accumulated_grad``, the group's ``reduce_grads``).
+    """
+    group = _param_group(module)
+    if group is None:
+        return
+    for owner, name in [(group, "post_backward"), (group, "reduce_grads"), (group, "fsdp_params")] + [
+        (p, "unsharded_accumulated_grad") for p in getattr(group, "fsdp_params", ())
+    ]:
+        if not hasattr(owner, name):
+            raise RuntimeError(_MISSING.format(what=f"{type(owner).__name__}.{name}", version=torch.__version__))
+    collect = group.post_backward
+
+    def post_backward(*args: Any) -> Any:
+        if group.reduce_grads:
+            for fsdp_param in group.fsdp_params:
+                if not hasattr(fsdp_param, "_unsharded_param") or fsdp_param.unsharded_accumulated_grad is not None:
+                    continue
+                param = fsdp_param.unsharded_param
+                if param.requires_grad and param.grad is None:
+                    param.grad = torch.zeros_like(param)
+        return collect(*args)
+
+    group.post_backward = post_backward
+
+
 # --- the groups of the mesh ----------------------------------------------------------------------
 
 
-@dataclass(frozen=True)
-class MeshGroups:
-    """The process groups of a ("replicate", "shard") mesh as this rank sees them.
-
-    `group` holds every rank of the mesh (None: the default group); `peers` are the `group` ranks
-    of the replicas holding this rank's shard, in replica order (the Adasum tree's workers).
-    """
-
-    group: dist.ProcessGroup | None
-    replicate: dist.ProcessGroup
-    shard: dist.ProcessGroup
-    peers: tuple[int, ...]
-    replicas: int
-    shards: int
-
-
-def mesh_groups(mesh: Any) -> MeshGroups:
+def mesh_groups(mesh: Any) -> ShardGroups:
     """Check that `mesh` is a 2-D ("replicate", "shard") DeviceMesh and build its groups (collective)."""
     names = tuple(getattr(mesh, "mesh_dim_names", None) or ())
     if mesh.ndim == 1:
@@ -175,66 +197,44 @@ def mesh_groups(mesh: Any) -> MeshGroups:
         return global_rank if group is None else dist.get_group_rank(group, global_rank)
 
     peers = tuple(group_rank(int(ranks[r, mine])) for r in range(replicas))
-    return MeshGroups(group, mesh.get_group("replicate"), mesh.get_group("shard"), peers, int(replicas), int(shards))
+    return ShardGroups(group, mesh.get_group("replicate"), mesh.get_group("shard"), peers, int(replicas), int(shards))
 
 
-# --- per-parameter reductions over shards --------------------------------------------------------
+# --- the layouts the ranks agree on ---------------------------------------------------------------
 
 
-def adacons_shards_(
-    reducer: AdaCons, buffer: torch.Tensor, sizes: Sequence[int], groups: MeshGroups, key: str
-) -> None:
-    """AdaCons across the replicas of a flat buffer of shards, coefficients of the whole parameters.
-
-    As `AdaCons.all_reduce_flat` over the replicate group, except that each replica's partial
-    ``<g_i, m>``, ``|g_i|^2``, ``|m|^2`` per segment are first summed over its shard group.
-    """
-    replicas = groups.replicas
-    mean = buffer.clone()
-    dist.all_reduce(mean, group=groups.replicate)
-    mean.div_(replicas)
-    partials = dot_and_norms(buffer, mean, sizes)  # [3, T] float64: <g, m>, |g|^2, |m|^2 over my shards
-    del mean
-    if groups.shards > 1:
-        dist.all_reduce(partials, group=groups.shard)
-    if not reducer.per_tensor:
-        partials = partials.sum(1, keepdim=True)
-    gathered = [torch.empty_like(partials) for _ in range(replicas)]
-    dist.all_gather(gathered, partials, group=groups.replicate)
-    stacked = torch.stack(gathered)  # [N, 3, T], the same on every rank of the mesh
-    weights = reducer._weights(key, stacked[:, 0].T, stacked[:, 1].T, stacked[0, 2])
-    mine = weights[:, dist.get_rank(groups.replicate)]
-    scale_segments_(buffer, mine, sizes)
-    dist.all_reduce(buffer, group=groups.replicate)
+def unit_layout(view: UnitView, include_unused: bool) -> tuple:
+    """What the ranks must share for one unit's reduction: the buffer's dtype, the padded shard size of
+    every trainable parameter, and the flags. Names are left out (FSDP sets them at the first forward)."""
+    return (str(view.dtype).removeprefix("torch."), view.segments, include_unused, view.all_reduce, view.post_divides)
 
 
-def reduce_shards_(reducer: Reducer, buffer: torch.Tensor, sizes: Sequence[int], groups: MeshGroups, key: str) -> None:
-    """Combine a flat buffer of parameter shards across the replicas with `reducer`, per parameter."""
-    if isinstance(reducer, Adasum):
-        segments = list(sizes) if reducer.per_tensor else [buffer.numel()]
-        if groups.shards == 1:  # whole parameters: the replicate group's own tree, its fastest transport
-            adasum_flat_(buffer, segments, groups.replicate)
-        else:
-            adasum_flat_(buffer, segments, groups.group, Placement(groups.peers, 0))
-    elif isinstance(reducer, AdaCons):
-        adacons_shards_(reducer, buffer, sizes, groups, key)
-    else:  # element-wise, or whole parameters (one shard per replica): checked by `enable`
-        # the layout was agreed on across the mesh (`FSDPState`): no second check (a host round trip per unit)
-        reducer.all_reduce_flat(buffer, sizes, groups.replicate, check_layout=False)
+def layout_entries(layouts: dict[str, tuple]) -> list[tuple]:
+    """The units' layouts as entries for `agree`, one per parameter and one of flags per unit, so that
+    an error names the unit and the parameter's index."""
+    entries: list[tuple] = []
+    for key, (dtype, segments, include_unused, all_reduce, post_divides) in layouts.items():
+        entries += [(key, f"parameter {i}", dtype, n) for i, n in enumerate(segments)]
+        flags = (f"include_unused={include_unused}", f"all_reduce={all_reduce}", f"post_divides={post_divides}")
+        entries.append((key, *flags))
+    return entries
 
 
-def check_reducer(reducer: Reducer, shards: int) -> None:
-    """Raise ValueError for a reducer that cannot combine parameter shards per parameter."""
-    if isinstance(reducer, Adasum) and reducer.hierarchical:
-        raise ValueError(
-            "hierarchical Adasum does not apply to adasum.fsdp: the shard dimension already plays the node's part "
-            "(shard means are combined across replicas); pass reducer='adasum'"
-        )
-    if not isinstance(reducer, (Adasum, AdaCons, Sum, Mean)) and shards > 1:
-        raise ValueError(
-            f"{reducer!r} would see parameter shards, not whole parameters: adasum.fsdp runs Adasum, AdaCons, Sum "
-            "and Mean per parameter over shards; other reducers need one shard per replica"
-        )
+class _Probe:
+    """The signature of the units' layouts, all-reduced (MAX of it and of its negation) on the checks'
+    gloo group without waiting: posted at the forward, waited on at the backward's first reduction."""
+
+    def __init__(self, layouts: dict[str, tuple], group: dist.ProcessGroup | None) -> None:
+        self.layouts = layouts
+        sig = _signature(list(layouts.items()))
+        self._values = torch.tensor([sig, -sig], dtype=torch.int64)
+        self._work = dist.all_reduce(self._values, op=dist.ReduceOp.MAX, group=control_group(group), async_op=True)
+
+    def same_everywhere(self) -> bool:
+        """Whether every rank of the group posted the same layouts (the same answer on every rank)."""
+        self._work.wait()
+        high, neg_low = self._values.tolist()
+        return high == -neg_low
 
 
 # --- the hook ------------------------------------------------------------------------------------
@@ -245,73 +245,109 @@ class FSDPState:
 
     ``state_dict()`` holds the reducer's state (AdaCons' momentum) and the number of reductions, so
     it can go into ``torch.distributed.checkpoint.save`` next to the model and the optimizer.
+    `agreements` counts the blocking layout checks across the mesh (module doc: one at `enable`,
+    then one only where a probe finds ranks that differ, and one per reduction of a unit whose
+    unused parameters are left out).
     """
 
-    def __init__(self, reducer: Reducer, groups: MeshGroups, units: Sequence[tuple[str, nn.Module]] = ()) -> None:
+    def __init__(
+        self,
+        reducer: Reducer,
+        groups: ShardGroups,
+        units: Sequence[tuple[str, nn.Module]] = (),
+        fills_unused: bool = False,
+    ) -> None:
         self.reducer = reducer
         self.groups = groups
         self.units = list(units)
+        self.fills_unused = fills_unused  # `fill_unused_grads` stands in for FSDP's setter
         self.reductions = 0
-        self._checked = False  # the model's layout agreed on for the current backward
+        self.agreements = 0
+        self._agreed: dict[str, tuple] = {}  # each unit's layout, the same on every rank
+        self._probe: _Probe | None = None
+
+    def _layouts(self) -> dict[str, tuple]:
+        """This rank's layout of every unit with trainable parameters (host only: FSDP's state)."""
+        out = {}
+        for key, unit in self.units:
+            view = unit_view(unit)
+            if view is not None:
+                out[key] = unit_layout(view, view.include_unused or self.fills_unused)
+        return out
+
+    def agree_layouts(self) -> None:
+        """The blocking check: every rank of the mesh has the same units' layouts, or the same
+        ValueError on every rank names the first difference (collective)."""
+        layouts = self._layouts()
+        self.agreements += 1
+        agree(layout_entries(layouts), None, self.groups.group, "the FSDP units' gradient layouts", "adasum.fsdp")
+        self._agreed = layouts
 
     def new_step(self, *_: Any) -> None:
-        """Forget the agreed layout (a forward pre-hook of the model): the next backward checks again."""
-        self._checked = False
+        """The model's forward pre-hook: post this step's probe of the layouts (no wait)."""
+        if torch.is_grad_enabled() and dist.get_world_size(self.groups.group) > 1:
+            self._probe = _Probe(self._layouts(), self.groups.group)
 
-    def _check_model(self) -> None:
-        """One check across the mesh of every unit's layout and flags (one host synchronisation per backward,
-        at its first reduction: a check per unit would stall the stream of reductions behind it)."""
-        layout = []
-        for _, unit in self.units:
-            view = unit_view(unit)
-            if view is None or not view.segments:
-                continue
-            layout += [torch.empty(n, dtype=view.dtype, device="meta") for n in view.segments]
-            flags = (int(view.include_unused), int(view.all_reduce))  # any difference shows in the check
-            layout.append(torch.empty(flags, dtype=torch.int8, device="meta"))
-        # a description (meta tensors: dtypes and sizes), not data: agreed on without the input checks
-        group = self.groups.group
-        agree(describe(layout), None, group, "the FSDP units' gradients", "adasum.fsdp")
-        self._checked = True
+    def _check_probe(self) -> None:
+        """At a backward's first reduction: the forward's probe found the same layouts on every rank
+        (taken as agreed, no round trip), or every rank runs the blocking check, which names the difference."""
+        probe, self._probe = self._probe, None
+        if probe is None:
+            return
+        if probe.same_everywhere():
+            self._agreed = probe.layouts
+        else:
+            self.agree_layouts()
 
     def reduce_unit(self, unit: nn.Module, key: str, buffer: torch.Tensor) -> None:
-        """The all-reduce hook of one unit: check the layout across the mesh, then combine."""
+        """The all-reduce hook of one unit: the layout agreed across the mesh, then combine."""
         view = unit_view(unit)
         if view is None:
             return
+        sizes = list(view.segments)
+        fits = sum(sizes) == buffer.numel() and buffer.dtype == view.dtype
+        include_unused = view.include_unused or self.fills_unused
+        if include_unused:  # the layout follows from the parameters alone
+            self._check_probe()
+            if self._agreed.get(key) != unit_layout(view, include_unused) or not fits:
+                raise RuntimeError(
+                    f"adasum.fsdp: unit {key!r}'s gradient layout changed between the forward and its reduction, "
+                    "or its buffer is not the layout FSDP's state describes"
+                )
+        else:
+            self._agree_buffer(key, buffer, sizes, fits)
+        self._refuse_flags(view, key)
+        self.reducer.all_reduce_shards(buffer, sizes, self.groups, key=key)
+        self.reductions += 1
+
+    def _agree_buffer(self, key: str, buffer: torch.Tensor, sizes: list[int], fits: bool) -> None:
+        """Unused parameters left out: the layout depends on the batch, so this very buffer is checked."""
+        layout = [(key, f"parameter {i}", str(buffer.dtype), n) for i, n in enumerate(sizes)] if fits else []
+        layout.append((key, "elements", str(buffer.dtype), buffer.numel()))
+        self.agreements += 1
+        agree(layout, None, self.groups.group, f"unit {key!r}'s gradients", "adasum.fsdp")
+        if not fits:  # the same on every rank (the layouts agree)
+            raise ValueError(
+                f"adasum.fsdp: unit {key!r} reduced {buffer.numel()} gradient elements, its trainable parameters "
+                f"have {sum(sizes)}: some parameter got no gradient in this backward. Call "
+                "model.set_reduce_scatter_unused_params(True) (adasum.fsdp.enable does) so that every replica "
+                "reduces the same layout"
+            )
+
+    def _refuse_flags(self, view: UnitView, key: str) -> None:
+        """FSDP settings the hook cannot serve (agreed on across the mesh: the same error everywhere)."""
         if not view.all_reduce:
             raise ValueError(
                 f"adasum.fsdp: set_requires_all_reduce(False) on unit {key!r} is not supported (FSDP would add the "
                 "next step's combined gradient to this step's uncombined one); accumulate with "
                 "set_requires_gradient_sync(False) instead"
             )
-        if view.post_divides and isinstance(self.reducer, AdaCons) and self.reducer.scale == "unit":
+        if view.post_divides and not self.reducer.homogeneous:
             raise ValueError(
-                "AdaCons(scale='unit') with FSDP dividing after the hook (fp16 reduce dtype or forced sum "
-                "reductions) would come out divided by the shard count; use a float32 or bfloat16 reduce dtype"
+                f"{self.reducer!r} with FSDP dividing after the hook (fp16 reduce dtype or forced sum reductions) "
+                "would come out divided by the shard count (its result does not scale with its inputs); use a "
+                "float32 or bfloat16 reduce dtype"
             )
-        sizes = list(view.segments)
-        fits = sum(sizes) == buffer.numel() and buffer.dtype == view.dtype
-        if view.include_unused:
-            # the layout follows from the parameters alone: checked once per backward, for every unit
-            if not self._checked:
-                self._check_model()
-            if not fits:
-                raise RuntimeError(f"adasum.fsdp: unit {key!r}'s buffer is not the layout FSDP's state describes")
-        else:  # the layout depends on which parameters got gradients: check this very buffer
-            layout = [torch.empty(n, dtype=buffer.dtype, device="meta") for n in sizes] if fits else []
-            layout.append(torch.empty(buffer.numel(), dtype=buffer.dtype, device="meta"))
-            group = self.groups.group
-            agree(describe(layout), None, group, f"unit {key!r}'s gradients", "adasum.fsdp")
-            if not fits:  # the same on every rank (the layouts agree)
-                raise ValueError(
-                    f"adasum.fsdp: unit {key!r} reduced {buffer.numel()} gradient elements, its trainable parameters "
-                    f"have {sum(sizes)}: some parameter got no gradient in this backward. Call "
-                    "model.set_reduce_scatter_unused_params(True) (adasum.fsdp.enable does) so that every replica "
-                    "reduces the same layout"
-                )
-        reduce_shards_(self.reducer, buffer, sizes, self.groups, key)
-        self.reductions += 1
 
     def state_dict(self) -> dict[str, Any]:
         """The reducer's state, serialised (its keys are only known after the first step) and the count."""
@@ -337,7 +373,7 @@ def _units(model: nn.Module) -> list[tuple[str, Any]]:  # (name, a module that i
     return [(name or "<root>", m) for name, m in model.named_modules() if isinstance(m, FSDPModule)]
 
 
-def _check_sharding(model: nn.Module, mesh: Any, groups: MeshGroups) -> None:
+def _check_sharding(model: nn.Module, mesh: Any, groups: ShardGroups) -> None:
     """Every parameter sharded by `fully_shard` on mesh['shard'] (public DTensor attributes only)."""
     from torch.distributed.tensor import DTensor
 
@@ -384,30 +420,26 @@ def enable(
         )
     groups = mesh_groups(mesh)
     reducer = get_reducer(reducer)
-    check_reducer(reducer, groups.shards)
+    reducer.check_shards(groups.shards)
     units = _units(model)
     if not units:
         raise ValueError(
             "adasum.fsdp.enable: the model has no fully_shard unit; call fully_shard(..., mesh=mesh['shard'])"
         )
     _check_sharding(model, mesh, groups)
-    if include_unused and not hasattr(FSDPModule, "set_reduce_scatter_unused_params"):
-        warnings.warn(
-            f"adasum.fsdp: torch {torch.__version__} has no FSDPModule.set_reduce_scatter_unused_params, so FSDP "
-            "leaves parameters without a gradient out of the reduced buffer and each unit's layout can change from "
-            "batch to batch: the ranks agree on it at every unit's reduction (a host round trip per unit) instead "
-            "of once per backward. torch 2.13 has the setter and checks once per backward.",
-            stacklevel=2,
-        )
-    state = FSDPState(reducer, groups, units)
-    model.register_forward_pre_hook(state.new_step)
+    setter = hasattr(FSDPModule, "set_reduce_scatter_unused_params")
+    state = FSDPState(reducer, groups, units, fills_unused=include_unused and not setter)
     for name, unit in units:
         unit_view(unit)  # fails now, not in backward, if torch's state is not what we read
-        if include_unused and hasattr(unit, "set_reduce_scatter_unused_params"):
+        if include_unused and setter:
             unit.set_reduce_scatter_unused_params(True)
+        elif include_unused:
+            fill_unused_grads(unit)
 
         def hook(buffer: torch.Tensor, unit: nn.Module = unit, key: str = name) -> None:
             state.reduce_unit(unit, key, buffer)
 
         unit.set_all_reduce_hook(hook)
+    state.agree_layouts()
+    model.register_forward_pre_hook(state.new_step)
     return state

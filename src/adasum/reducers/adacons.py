@@ -58,7 +58,7 @@ import torch.distributed as dist
 from adasum.collectives.api import fused_per_dtype
 from adasum.core.operator import ZERO_NORM, check_floating
 from adasum.kernels import dot_and_norms
-from adasum.reducers.base import Reducer, check_workers
+from adasum.reducers.base import Reducer, ShardGroups, check_workers
 from adasum.transport.groups import failures_named
 
 SCALES = ("mean_norm", "unit")
@@ -327,6 +327,43 @@ class AdaCons(Reducer):
                 scale_segments_(flat, mine, segment_sizes)
             with failures_named("adasum.AdaCons.all_reduce", "the weighted-sum all-reduce", group):
                 dist.all_reduce(flat, group=group)
+
+    # -- sharded: `Reducer.all_reduce_shards`
+
+    @property
+    def homogeneous(self) -> bool:
+        """``scale="unit"`` gives ``|d| <= 1`` whatever the inputs' scale."""
+        return self.scale == "mean_norm"
+
+    def check_shards(self, shards: int) -> None:
+        """Any number of shards: the partials are summed over the shard group."""
+
+    def all_reduce_shards(self, buffer, sizes, groups: ShardGroups, *, key=None):
+        """As `all_reduce_flat` over the replicate group, except that each replica's per-tensor partial
+        ``<g_i, m>``, ``|g_i|^2``, ``|m|^2`` are first summed over its shard group (coefficients of the
+        whole tensors). `key` names the momentum state (default: the layout of the shards)."""
+        sizes = [int(n) for n in sizes]
+        key = self._key([(buffer.dtype, n) for n in sizes], key)
+        replicas = groups.replicas
+        mean = buffer.clone()
+        with failures_named("adasum.AdaCons.all_reduce_shards", "the mean all-reduce", groups.replicate):
+            dist.all_reduce(mean, group=groups.replicate)
+        mean.div_(replicas)
+        partials = dot_and_norms(buffer, mean, sizes)  # [3, T] float64: <g, m>, |g|^2, |m|^2 over my shards
+        del mean
+        if groups.shards > 1:
+            with failures_named("adasum.AdaCons.all_reduce_shards", "the shard sums", groups.shard):
+                dist.all_reduce(partials, group=groups.shard)
+        if not self.per_tensor:
+            partials = partials.sum(1, keepdim=True)
+        gathered = [torch.empty_like(partials) for _ in range(replicas)]
+        with failures_named("adasum.AdaCons.all_reduce_shards", "the all-gather of dot products", groups.replicate):
+            dist.all_gather(gathered, partials, group=groups.replicate)
+        stacked = torch.stack(gathered)  # [N, 3, T], the same on every rank of the grid
+        weights = self._weights(key, stacked[:, 0].T, stacked[:, 1].T, stacked[0, 2])
+        scale_segments_(buffer, weights[:, dist.get_rank(groups.replicate)], sizes)
+        with failures_named("adasum.AdaCons.all_reduce_shards", "the weighted-sum all-reduce", groups.replicate):
+            dist.all_reduce(buffer, group=groups.replicate)
 
     # -- state
 

@@ -8,11 +8,11 @@ import torch
 
 from adasum.collectives import hierarchical
 from adasum.collectives.api import adasum_list_, list_transport
-from adasum.collectives.vhdd import adasum_flat_
+from adasum.collectives.vhdd import Placement, adasum_flat_
 from adasum.core.layout import group_by_dtype
 from adasum.core.operator import check_floating
 from adasum.core.reduce import reduce_stacked
-from adasum.reducers.base import Reducer, check_workers
+from adasum.reducers.base import Reducer, ShardGroups, check_workers
 
 
 def _per_dtype_whole(whole: Reducer, per_worker, count: int) -> list[torch.Tensor]:
@@ -95,6 +95,25 @@ class Adasum(Reducer):
             hierarchical.adasum_hierarchical_flat_(buffer, sizes, self._hierarchy(group))
         else:
             adasum_flat_(buffer, sizes, group)
+
+    def check_shards(self, shards: int) -> None:
+        """Raise ValueError for hierarchical Adasum, which does not combine shards (flat Adasum does, per tensor)."""
+        if self.hierarchical:
+            raise ValueError(
+                "hierarchical Adasum does not combine tensor shards: the shard groups already play the nodes' part "
+                "(shard means are combined across replicas); use Adasum() without hierarchical"
+            )
+
+    def all_reduce_shards(self, buffer, sizes, groups: ShardGroups, *, key=None):
+        """The VHDD tree over the replicas holding this rank's shard (`Placement`); each level's per-tensor
+        partial ``<a,b>``, ``|a|^2``, ``|b|^2`` are summed over the shard group too, so every shard applies
+        the coefficients of the whole tensor. One shard per replica: the replicate group's own tree, on
+        the transport `adasum.all_reduce` picks there."""
+        segments = [int(n) for n in sizes] if self.per_tensor else [buffer.numel()]
+        if groups.shards == 1:
+            adasum_flat_(buffer, segments, groups.replicate)
+        else:
+            adasum_flat_(buffer, segments, groups.group, Placement(groups.peers, 0))
 
     def __getstate__(self) -> dict[str, Any]:
         # process groups do not pickle; they are rebuilt on first use

@@ -20,10 +20,19 @@ communication itself (a dead or stalled peer) raises `adasum.CollectiveError` on
 Traits, on the class: ``per_tensor`` (each tensor combined on its own, so a list may be split
 into buckets, or buckets joined; whole-model reducers need every tensor of a dtype in one call),
 ``exact_average`` (the result is the plain mean, so a model can be averaged directly instead of
-its delta) and ``capturable`` (on NCCL a call enqueues its work without waiting on the host, so a
-CUDA graph can capture it: the DDP hook replays the graph of a repeated batch of buckets).
+its delta), ``capturable`` (on NCCL a call enqueues its work without waiting on the host, so a
+CUDA graph can capture it: the DDP hook replays the graph of a repeated batch of buckets),
+``elementwise`` (each element of the result depends on that element of the inputs only) and
+``homogeneous`` (inputs scaled by k > 0 give the result scaled by k).
 A subclass implements `reduce` and `_all_reduce_flat` (and `_all_reduce` to combine across
 dtypes, as AdaCons does); the public methods add the checks.
+
+Sharded form: ``all_reduce_shards(buffer, sizes, groups)`` combines, across the replicas of a
+`ShardGroups` grid, a flat buffer that holds this rank's shard of each tensor, with the
+coefficients of the whole tensors (FSDP2 across replicas, `adasum.fsdp`). ``check_shards(shards)``
+says beforehand whether a reducer can: element-wise reducers run on the shards as they are; a
+reducer with coefficients overrides both (Adasum, AdaCons); any reducer combines whole tensors
+(one shard per replica).
 
 What is combined (gradients, optimizer deltas, model deltas) and what happens afterwards (an
 optimizer step, slow momentum) is the caller's business. Places that combine take a reducer
@@ -34,6 +43,7 @@ object or its name: ``"sum"``, ``"mean"``, ``"adasum"``, ``"adacons"``.
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -44,6 +54,21 @@ from adasum.collectives.api import fused_per_dtype
 from adasum.transport.groups import group_device
 
 
+@dataclass(frozen=True)
+class ShardGroups:
+    """A grid of `replicas` x `shards` ranks, as one rank sees it: each replica holds every tensor,
+    split over the `shards` ranks of its `shard` group; `replicate` holds the ranks with this rank's
+    shard, one per replica. `group` holds every rank of the grid (None: the default group);
+    `peers` are the `group` ranks of `replicate`, in replica order."""
+
+    group: dist.ProcessGroup | None
+    replicate: dist.ProcessGroup
+    shard: dist.ProcessGroup
+    peers: tuple[int, ...]
+    replicas: int
+    shards: int
+
+
 class Reducer:
     """Base class: subclasses implement `reduce` and `_all_reduce_flat` (module doc)."""
 
@@ -52,6 +77,13 @@ class Reducer:
     """Each tensor is combined on its own (a list may be split into buckets without changing the result)."""
     exact_average: bool = False
     """The result is the exact mean of the ranks' copies (a model may be averaged directly)."""
+    elementwise: bool = False
+    """Each element of the result depends on that element of the inputs only (a shard combines on its own)."""
+
+    @property
+    def homogeneous(self) -> bool:
+        """Inputs scaled by k > 0 give the result scaled by k (a caller may divide before or after combining)."""
+        return True
 
     @property
     def capturable(self) -> bool:
@@ -132,6 +164,26 @@ class Reducer:
     ) -> None:
         """Combine a checked flat buffer in place across `group`."""
         raise NotImplementedError(f"{type(self).__name__} implements no distributed form (_all_reduce_flat)")
+
+    def check_shards(self, shards: int) -> None:
+        """Raise ValueError unless `all_reduce_shards` combines tensors split over `shards` ranks per tensor."""
+        if shards > 1 and not self.elementwise:
+            raise ValueError(
+                f"{self!r} would see tensor shards, not whole tensors: it combines shards only with one shard "
+                "per replica (Adasum, AdaCons, Sum and Mean combine shards per tensor)"
+            )
+
+    def all_reduce_shards(
+        self, buffer: torch.Tensor, sizes: Sequence[int], groups: ShardGroups, *, key: str | None = None
+    ) -> None:
+        """In place across the replicas of `groups`: `buffer` holds this rank's shard of each tensor of
+        `sizes` (shard sizes, end to end; zero padding adds nothing), combined per whole tensor.
+
+        Nothing is checked: the caller agreed on the layout across the grid and called `check_shards`.
+        `key` names the state of a reducer that keeps one (AdaCons' momentum). The default serves
+        element-wise reducers and one shard per replica: `_all_reduce_flat` over the replicate group.
+        """
+        self._all_reduce_flat(buffer, [int(n) for n in sizes], groups.replicate)
 
     def setup(self, group: dist.ProcessGroup | None = None) -> None:
         """Collective set-up for `group` (sub-groups, checks), before the first `all_reduce_flat`.

@@ -15,6 +15,7 @@ class Sum(Reducer):
     name = "sum"
     per_tensor = True
     capturable = True
+    elementwise = True
 
     def reduce(self, per_worker):
         """The sum of the workers' copies, tensor by tensor."""
@@ -33,6 +34,7 @@ class Mean(Reducer):
     per_tensor = True
     exact_average = True
     capturable = True
+    elementwise = True
 
     def reduce(self, per_worker):
         """The mean of the workers' copies, tensor by tensor."""

@@ -16,10 +16,11 @@ TRANSPORTS = ("p2p", "collectives", "symmetric", "slices")
 """The transports a caller may name (``transport=``). "slices" is the slice-parallel schedule
 (`adasum.collectives.slices`): on symmetric memory inside one NVLink host, elsewhere on c10d point-to-point."""
 
-NCCL_PREFERENCE = ("slices", "symmetric", "p2p")
-"""The default on NCCL: the first of these the group supports (fastest first, docs/benchmarks.md); "collectives"
-and "symmetric" need a power-of-two group, "slices" and "symmetric" one host with NVLink, "p2p" runs
-everywhere. The test suite puts another transport first to run the NCCL suite on it (``ADASUM_TEST_TRANSPORT``)."""
+NCCL_PREFERENCE = ("symmetric", "slices", "p2p")
+"""The default on NCCL: the first of these the group supports (docs/benchmarks.md: inside one host,
+"symmetric" for power-of-two groups, "slices" for the others); "collectives" and "symmetric" need a power-of-two
+group, "slices" and "symmetric" one host with NVLink, "p2p" runs everywhere. The test suite puts another
+transport first to run the NCCL suite on it (``ADASUM_TEST_TRANSPORT``)."""
 
 
 def select(

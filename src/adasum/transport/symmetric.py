@@ -331,6 +331,23 @@ class SymmetricMemory(Transport):
             _copy(buffer, shared, hi, buffer.numel())
 
 
+def _move(buffer: torch.Tensor | Scattered, lo: int, hi: int, flat: torch.Tensor, layout, store: bool) -> None:
+    """``flat = buffer[lo:hi]`` (`store`) or ``buffer[lo:hi] = flat``, `flat` typically in a peer's memory: a copy
+    by the copy engines where `buffer` is a flat tensor (no multiprocessor is taken from the kernels that run
+    beside it), one Triton kernel through per-tile addresses where it is a `Scattered` list."""
+    if isinstance(buffer, torch.Tensor):
+        if store:
+            flat.copy_(buffer[lo:hi], non_blocking=True)
+        else:
+            buffer[lo:hi].copy_(flat, non_blocking=True)
+        return
+    _, lengths = layout.overlap(lo, hi)
+    if store:
+        triton_kernels.add(_slice(buffer, lo, hi), None, flat, lengths)
+    else:
+        triton_kernels.add(flat, None, _slice(buffer, lo, hi), lengths)
+
+
 def _slice(buffer: torch.Tensor | Scattered, lo: int, hi: int):
     """Positions [lo, hi) of the buffer as the kernels take them: a flat view, or a `Scattered` slice's addresses."""
     return buffer[lo:hi] if isinstance(buffer, torch.Tensor) else buffer.addresses(lo, hi)
@@ -353,12 +370,13 @@ class SymmetricSlices(Transport):
     inside one host. One symmetric buffer per group and dtype holds P receive rows and one output row of
     ``C`` elements each (``(P + 1) C`` at most the memory budget, `adasum.transport.slices.round_elements`).
     Each slice is cut into the same number of pieces on every rank (one per `CHUNK_BYTES` of the longest
-    slice, at most `MAX_CHUNKS`):
+    slice, at most `pieces`):
 
     * scatter: for each piece, rank r stores its copy of that piece of slice j straight from `B` (a flat tensor
       or a `Scattered` list, read in place) into row r of rank j's buffer, peers in the order r + 1, r + 2, ...
       (each rank receives from one peer at a time), then a signal-pad barrier; the schedule's sums of a
-      landed piece run on a side stream while the next piece is stored;
+      landed piece run on a side stream while the next piece is stored. A flat `B`'s own slice serves as its
+      row r where it lies (a list's is staged);
     * the tree runs on the rows;
     * gather: for each piece, the last combination writes it into `B`'s slice and the output row, a barrier,
       then on a side stream rank r loads that piece of every peer's output row straight into `B`, while the
@@ -372,6 +390,9 @@ class SymmetricSlices(Transport):
     name = "slices"
     scattered = True
     timeout = None
+    pieces = 1
+    """Pieces per slice at most (one per `CHUNK_BYTES`): one, since cutting the rounds into 4 pieces with the math
+    of one piece on a side stream measured slower (the kernels beside the moves share the multiprocessors)."""
 
     def __init__(self, group: dist.ProcessGroup | None) -> None:
         super().__init__(group)
@@ -389,11 +410,14 @@ class SymmetricSlices(Transport):
         row = max(hi - lo for lo, hi in bounds)
         self._shared, self._handle = staging(self.group, (self.world + 1) * row, buffer, "slices")
         self._row = row
-        size = bounds[self.rank][1] - bounds[self.rank][0]
-        return [self._shared[j * row : j * row + size] for j in range(self.world)]
+        lo, hi = bounds[self.rank]
+        rows = [self._shared[j * row : j * row + hi - lo] for j in range(self.world)]
+        if isinstance(buffer, torch.Tensor):  # its own copy is read (and overwritten by the tree) where it lies
+            rows[self.rank] = buffer[lo:hi]
+        return rows
 
     def _pieces(self, size: int, element_size: int) -> list[tuple[int, int]]:
-        count = max(1, min(MAX_CHUNKS, self._row * element_size // CHUNK_BYTES))
+        count = max(1, min(self.pieces, self._row * element_size // CHUNK_BYTES))
         return split(0, size, count)
 
     def _order(self) -> list[int]:
@@ -407,17 +431,16 @@ class SymmetricSlices(Transport):
         main = torch.cuda.current_stream(shared.device)
         side = side_stream(shared.device, "copies")
         peers = {j: _peer_view(handle, j, shared.numel(), shared.dtype) for j in self._order()}
-        peers[me] = shared
-        pieces = {j: self._pieces(bounds[j][1] - bounds[j][0], element_size) for j in peers}
+        if not isinstance(buffer, torch.Tensor):  # a list: its own copy is staged in its row like the peers'
+            peers[me] = shared
+        pieces = {j: self._pieces(bounds[j][1] - bounds[j][0], element_size) for j in [me, *peers]}
         mine = pieces[me]
         for c in range(len(mine)):
-            for j in [me, *self._order()]:
+            for j in peers:
                 p0, p1 = pieces[j][c]
                 lo = bounds[j][0]
                 if p1 > p0:
-                    _, lengths = layout.overlap(lo + p0, lo + p1)
-                    triton_kernels.add(_slice(buffer, lo + p0, lo + p1), None, peers[j][me * row + p0 : me * row + p1],
-                                       lengths)
+                    _move(buffer, lo + p0, lo + p1, peers[j][me * row + p0 : me * row + p1], layout, store=True)
             handle.barrier(channel=0)  # piece c of every rank's copy of this rank's slice has landed
             side.wait_stream(main)
             with torch.cuda.stream(side):
@@ -446,7 +469,6 @@ class SymmetricSlices(Transport):
                 for j, view in peers.items():
                     q0, q1 = pieces[j][c]
                     if q1 > q0:
-                        _, lengths = layout.overlap(bounds[j][0] + q0, bounds[j][0] + q1)
-                        triton_kernels.add(view[start + q0 : start + q1], None,
-                                           _slice(buffer, bounds[j][0] + q0, bounds[j][0] + q1), lengths)
+                        _move(buffer, bounds[j][0] + q0, bounds[j][0] + q1, view[start + q0 : start + q1], layout,
+                              store=False)
         main.wait_stream(side)

@@ -1,0 +1,192 @@
+"""adasum.lightning with the real Lightning on 2 gloo processes under torchrun: the callback, the
+"ddp_adasum" strategy and the "ddp_adasum_delta" strategy (Adam) each take a first step equal to
+the NumPy reference applied to every rank's local gradients, and end with bitwise-identical
+parameters; the warnings when they would do nothing (one process, no DDP model)."""
+
+import os
+import subprocess
+import sys
+import warnings
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+pytest.importorskip("lightning")  # the lightning extra (`make install` installs it)
+
+import lightning.pytorch as pl  # noqa: E402
+import torch.distributed as dist  # noqa: E402
+
+import adasum.lightning  # noqa: E402
+
+import reference  # noqa: E402
+
+ROOT = Path(__file__).resolve().parent.parent
+STEPS, LR = 3, 0.05
+
+
+class Tiny(pl.LightningModule):
+    """A two-layer regression that records its parameters around the first step and the local
+    gradients of that step (autograd.grad, which DDP's hooks do not see)."""
+
+    def __init__(self, optimizer: str = "sgd") -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.net = torch.nn.Sequential(torch.nn.Linear(4, 3), torch.nn.Tanh(), torch.nn.Linear(3, 1))
+        self.optimizer = optimizer
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        loss = torch.nn.functional.mse_loss(self.net(x), y)
+        if batch_idx == 0:
+            self.before = [p.detach().clone() for p in self.parameters()]
+            local = torch.autograd.grad(loss, list(self.parameters()), retain_graph=True)
+            self.local = [g.detach().clone() for g in local]
+        return loss
+
+    def on_train_batch_end(self, outputs, batch, batch_idx) -> None:
+        if batch_idx == 0:
+            self.after = [p.detach().clone() for p in self.parameters()]
+
+    def configure_optimizers(self):
+        if self.optimizer == "adam":
+            return torch.optim.Adam(self.parameters(), lr=LR)
+        if self.optimizer == "adam-scheduled":
+            opt = torch.optim.Adam(self.parameters(), lr=LR)
+            return [opt], [torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.5)]
+        return torch.optim.SGD(self.parameters(), lr=LR)
+
+
+def data(world: int) -> torch.utils.data.DataLoader:
+    g = torch.Generator().manual_seed(1)
+    x = torch.randn(STEPS * 4 * world, 4, generator=g)
+    return torch.utils.data.DataLoader(torch.utils.data.TensorDataset(x, x.sum(1, keepdim=True) ** 2), batch_size=4)
+
+
+def fit(module: Tiny, strategy, callbacks=(), devices: int = 2, **options) -> pl.Trainer:
+    trainer = pl.Trainer(
+        accelerator="cpu", devices=devices, strategy=strategy, callbacks=list(callbacks), max_steps=STEPS,
+        logger=False, enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False, **options,
+    )
+    trainer.fit(module, data(devices))
+    return trainer
+
+
+def gathered(tensors: list[torch.Tensor]) -> list[list[np.ndarray]]:
+    """Every rank's copy of `tensors`, as float64 arrays: [rank][tensor]."""
+    out = [None] * dist.get_world_size()
+    dist.all_gather_object(out, [t.double().numpy() for t in tensors])
+    return out
+
+
+def check_first_step(module: Tiny, step_of_gradient) -> None:
+    """The first step moved each parameter by Adasum (per tensor) of the ranks' local steps."""
+    steps = [[step_of_gradient(g.reshape(-1)) for g in grads] for grads in gathered(module.local)]
+    for i, (before, after) in enumerate(zip(module.before, module.after)):
+        expected = before.double().numpy().reshape(-1) + reference.pair(steps[0][i], steps[1][i])
+        np.testing.assert_allclose(after.double().numpy().reshape(-1), expected, rtol=1e-5, atol=1e-6)
+    finals = gathered([torch.cat([p.detach().reshape(-1) for p in module.parameters()])])
+    assert np.array_equal(finals[0][0], finals[1][0]), "parameters differ across ranks"
+
+
+def sgd_step(g: np.ndarray) -> np.ndarray:
+    return -LR * g
+
+
+def adam_first_step(g: np.ndarray) -> np.ndarray:
+    return -LR * g / (np.abs(g) + 1e-8)  # Adam's bias-corrected moments at step 1: m = g, v = g^2
+
+
+def report(route: str) -> None:
+    print(f"[{route}] ok on rank {dist.get_rank()}", flush=True)
+
+
+def job() -> None:
+    """Run under torchrun with 2 processes: every route, checked against the reference."""
+    callback = adasum.lightning.AdasumCallback()
+    module = Tiny()
+    fit(module, "ddp", [callback])
+    check_first_step(module, sgd_step)
+    assert callback.state.iteration == STEPS
+    report("callback")
+
+    module = Tiny()
+    trainer = fit(module, "ddp_adasum")
+    check_first_step(module, sgd_step)
+    assert isinstance(trainer.strategy, adasum.lightning.AdasumDDPStrategy)
+    assert trainer.strategy.adasum_state.iteration == STEPS
+    report("ddp_adasum")
+
+    module = Tiny("adam")
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        trainer = fit(module, "ddp_adasum_delta", [adasum.lightning.AdasumCallback()])
+    check_first_step(module, adam_first_step)
+    assert isinstance(trainer.optimizers[0], adasum.DistributedOptimizer)
+    assert any("not DistributedDataParallel" in str(w.message) for w in caught), [str(w.message) for w in caught]
+    report("ddp_adasum_delta")
+
+    # accumulation, clipping, an LR scheduler and a checkpoint with the wrapper
+    module = Tiny("adam-scheduled")
+    trainer = fit(module, "ddp_adasum_delta", accumulate_grad_batches=2, gradient_clip_val=0.01)
+    # 3 batches an epoch, 2 accumulated: steps at batches 2 and 3 (the epoch's end), then 2 of the
+    # next epoch; the scheduler, stepped once an epoch, has stepped once
+    assert trainer.optimizers[0].param_groups[0]["lr"] == LR / 2
+    finals = gathered([torch.cat([p.detach().reshape(-1) for p in module.parameters()])])
+    assert np.array_equal(finals[0][0], finals[1][0]), "parameters differ across ranks"
+    path = Path(os.environ["CHECKPOINT_DIR"]) / "delta.ckpt"
+    trainer.save_checkpoint(path)
+    assert torch.load(path, weights_only=False)["optimizer_states"][0]["optimizer"]["state"], "no Adam state"
+    report("ddp_adasum_delta options")
+
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        fit(Tiny(), "ddp_adasum", [adasum.lightning.AdasumCallback()])
+    assert any("registers the Adasum hook already" in str(w.message) for w in caught), [str(w.message) for w in caught]
+    report("callback with ddp_adasum")
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+def test_routes_on_two_processes(tmp_path):
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": f"{ROOT / 'src'}{os.pathsep}{ROOT / 'tests'}"}
+    env["CHECKPOINT_DIR"] = str(tmp_path)
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", __file__]
+    done = subprocess.run(command, env=env, capture_output=True, text=True, timeout=240)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    for route in ("callback", "ddp_adasum", "ddp_adasum_delta", "ddp_adasum_delta options", "callback with ddp_adasum"):
+        assert all(f"[{route}] ok on rank {rank}" in done.stdout for rank in (0, 1)), done.stdout
+
+
+@pytest.fixture
+def one_process_group():
+    """Lightning initialises a process group of one in this process: destroyed afterwards."""
+    saved = dict(os.environ)
+    yield
+    if dist.is_initialized():
+        dist.destroy_process_group()
+    os.environ.clear()
+    os.environ.update(saved)
+
+
+@pytest.mark.parametrize("strategy", ["ddp_adasum", "ddp_adasum_delta"])
+def test_strategies_warn_on_one_process(strategy, one_process_group):
+    with pytest.warns(UserWarning, match="only one process, so Adasum has nothing to combine"):
+        fit(Tiny(), strategy, devices=1)
+
+
+def test_callback_warns_on_one_process():
+    with pytest.warns(UserWarning, match="AdasumCallback: only one process"):
+        fit(Tiny(), "auto", [adasum.lightning.AdasumCallback()], devices=1)
+
+
+def test_strategies_refuse_options_that_do_not_apply():
+    with pytest.raises(ValueError, match="pass adasum_state="):
+        adasum.lightning.AdasumDDPStrategy(ddp_comm_hook=lambda state, bucket: None)
+    with pytest.raises(ValueError, match="builds no DDP model"):
+        adasum.lightning.AdasumDeltaStrategy(find_unused_parameters=True)
+
+
+if __name__ == "__main__":
+    job()

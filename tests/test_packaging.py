@@ -1,0 +1,93 @@
+"""The package as published: the wheel's metadata (license file, classifiers, URLs, version), the
+files it ships (py.typed), absolute links in its long description, and the ImportError of every
+module whose optional extra is missing."""
+
+import email
+import importlib
+import re
+import shutil
+import subprocess
+import sys
+import zipfile
+from pathlib import Path
+
+import pytest
+
+import adasum
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+@pytest.fixture(scope="module")
+def wheel(tmp_path_factory) -> zipfile.ZipFile:
+    """``pip wheel . --no-deps`` of a copy of the checkout (the build writes next to the sources)."""
+    tree = tmp_path_factory.mktemp("checkout")
+    for name in ("pyproject.toml", "README.md", "LICENSE"):
+        shutil.copy(ROOT / name, tree / name)
+    shutil.copytree(ROOT / "src", tree / "src", ignore=shutil.ignore_patterns("__pycache__", "*.egg-info"))
+    command = [sys.executable, "-m", "pip", "wheel", ".", "--no-deps", "--no-build-isolation", "-q", "-w", "out"]
+    done = subprocess.run(command, cwd=tree, capture_output=True, text=True, timeout=240)
+    assert done.returncode == 0, done.stderr[-3000:]
+    (path,) = (tree / "out").glob("adasum-*.whl")
+    return zipfile.ZipFile(path)
+
+
+def metadata(wheel: zipfile.ZipFile) -> email.message.Message:
+    (name,) = [n for n in wheel.namelist() if n.endswith(".dist-info/METADATA")]
+    return email.message_from_bytes(wheel.read(name))
+
+
+def test_wheel_metadata(wheel):
+    meta = metadata(wheel)
+    assert meta["Version"] == adasum.__version__
+    assert meta["License-Expression"] == "Apache-2.0"
+    assert meta.get_all("License-File") == ["LICENSE"]
+    classifiers = meta.get_all("Classifier")
+    assert "Typing :: Typed" in classifiers
+    assert any(c.startswith("Topic :: ") for c in classifiers)
+    assert meta["Author"] and meta["Keywords"]
+    urls = dict(u.split(", ", 1) for u in meta.get_all("Project-URL"))
+    assert {"Homepage", "Repository", "Documentation", "Issues", "Changelog"} <= set(urls)
+    assert all(u.startswith("https://") for u in urls.values())
+    names = wheel.namelist()
+    assert "adasum/py.typed" in names
+    assert any(n.endswith(".dist-info/licenses/LICENSE") for n in names)
+    assert {"adasum/lightning.py", "adasum/accelerate.py", "adasum/jax/__init__.py"} <= set(names)
+
+
+def test_long_description_links_are_absolute_and_exist(wheel):
+    """Every link of the README (the long description) works on an index page: an anchor, or an
+    absolute URL; those into the repository name a file that exists in this checkout."""
+    meta = metadata(wheel)
+    repository = dict(u.split(", ", 1) for u in meta.get_all("Project-URL"))["Repository"]
+    links = re.findall(r"\]\(([^)\s]+)\)", meta.get_payload())
+    assert links
+    for link in links:
+        assert link.startswith(("#", "https://")), f"relative link {link!r} breaks on an index page"
+        if link.startswith(repository + "/blob/main/"):
+            path = link[len(repository + "/blob/main/") :].split("#")[0]
+            assert (ROOT / path).is_file(), f"{link} names no file of the repository"
+
+
+@pytest.mark.parametrize(
+    "module, blocked, extra",
+    [("adasum.jax", "jax", "jax"), ("adasum.lightning", "lightning", "lightning"),
+     ("adasum.accelerate", "accelerate", "accelerate")],
+)
+def test_missing_extra_names_it(module, blocked, extra, monkeypatch):
+    monkeypatch.setitem(sys.modules, blocked, None)  # import of `blocked` raises ImportError
+    for name in [n for n in sys.modules if n == module or n.startswith(module + ".")]:
+        monkeypatch.delitem(sys.modules, name)
+    monkeypatch.delitem(sys.modules, module.replace("adasum.", "adasum.integrations."), raising=False)
+    message = re.escape(f"{module} needs {blocked}") + ".*" + re.escape(f": pip install 'adasum[{extra}]'")
+    with pytest.raises(ImportError, match=message):
+        importlib.import_module(module)
+
+
+def test_tensorboard_without_its_extra_names_it(monkeypatch, tmp_path):
+    from adasum.experiments import runner
+
+    monkeypatch.setitem(sys.modules, "torch.utils.tensorboard", None)
+    message = "--tensorboard needs the tensorboard extra: pip install 'adasum[tensorboard]'"
+    with pytest.raises(ValueError, match=re.escape(message)):
+        runner._tensorboard_writer(tmp_path)

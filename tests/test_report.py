@@ -1,0 +1,189 @@
+"""The report's verdicts: paired comparisons by seed with Holm's correction, failed runs counted apart,
+bounded intervals, one setting per report, one-line messages for malformed rows."""
+
+from __future__ import annotations
+
+import json
+import random
+from dataclasses import asdict
+from pathlib import Path
+
+import pytest
+
+from adasum.experiments.cli import main
+from adasum.experiments.report import comparisons, load_results, plot, summary_table, write_report
+from adasum.experiments.runner import RunConfig, identity
+from adasum.experiments.stats import Paired, Stat, holm
+
+
+def run(method: str, workers: int, seed: int, test: float, *, lr: float = 0.05, collapsed: bool = False,
+        diverged: bool = False, **setting) -> dict:
+    """A row as `adasum compare` writes it (validation accuracy = test accuracy)."""
+    config = RunConfig(method=method, workers=workers, lr=lr, seed=seed, **setting)
+    return {"method": method, "workers": workers, "lr": lr, "effective_lr": lr, "seed": seed,
+            "epochs": config.epochs, "val_accuracy": test, "test_accuracy": test, "test_loss": 1.0,
+            "diverged": diverged, "collapsed": collapsed, "steps": 10, "wall_s": 0.1, "chance_accuracy": 10.0,
+            "history": [{"epoch": 1, "test_accuracy": test, "test_loss": 1.0, "orthogonality": None}],
+            "orthogonality_trace": [], "config": identity(asdict(config)), "task": config.task}
+
+
+def write_rows(path: Path, rows: list[dict]) -> Path:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return path
+
+
+def synthetic_study(effect: float, seeds: int = 5, seed_sd: float = 3.0, noise_sd: float = 0.3,
+                    draw: int = 0) -> list[dict]:
+    """Sequential, the scaled mean and Adasum at 8 workers; a seed moves every method alike (seed_sd),
+    each run adds its own noise (noise_sd); Adasum is `effect` points above the scaled mean, which
+    equals sequential training."""
+    rng = random.Random(draw)
+    rows = []
+    for s in range(seeds):
+        shared = 90.0 + rng.gauss(0.0, seed_sd)
+        rows += [run("sequential", 1, s, shared + rng.gauss(0.0, noise_sd)),
+                 run("mean-scaled", 8, s, shared + rng.gauss(0.0, noise_sd)),
+                 run("adasum", 8, s, shared + effect + rng.gauss(0.0, noise_sd))]
+    return rows
+
+
+def found(rows: list[dict]) -> dict[tuple[str, str], object]:
+    return {(c.method, c.against): c for c in comparisons(rows)}
+
+
+def test_a_known_true_difference_is_detected_by_pairing_seeds():
+    rows = synthetic_study(effect=2.0)
+    got = found(rows)
+    win = got[("adasum", "mean-scaled")]
+    assert win.verdict == "better" and win.diff.lo < 2.0 < win.diff.hi and win.diff.n == 5
+    assert got[("mean-scaled", "sequential")].verdict == "no detectable difference"
+    text = summary_table(rows)
+    line = next(x for x in text.splitlines() if x.startswith("| adasum | 8 |"))
+    assert line.count(": better ([+") == 2 and "seeds)" not in line  # 5 seeds: no label
+    assert "3 tested comparisons" in text and "2 of the 3 paired comparisons show a difference" in text
+    # over 20 such studies pairs find the 2 points almost always; non-overlapping intervals over
+    # seeds (3 points of spread) almost never
+    paired = overlap = 0
+    for draw in range(20):
+        rows = synthetic_study(effect=2.0, draw=draw)
+        paired += found(rows)[("adasum", "mean-scaled")].verdict == "better"
+        acc = {m: Stat.of([r["test_accuracy"] for r in rows if r["method"] == m]) for m in ("adasum", "mean-scaled")}
+        overlap += acc["adasum"].lo > acc["mean-scaled"].hi
+    assert paired >= 18 and overlap <= 2, (paired, overlap)
+    # no true difference: nothing is called
+    assert {c.verdict for c in comparisons(synthetic_study(effect=0.0))} == {"no detectable difference"}
+
+
+def test_holm_adjusts_over_the_comparisons_of_one_report():
+    assert holm([0.01, 0.04, 0.03, float("nan")])[:3] == [0.03, 0.06, 0.06]
+    # one raw p of 0.015 among 20 comparisons: significant alone, not after the correction
+    ps = holm([0.015] + [0.5] * 19)
+    assert ps[0] == pytest.approx(0.3) and all(p >= 0.5 for p in ps[1:])
+    d = Paired.of([91.0, 92.0, 93.0, 90.5], [90.0, 90.0, 90.0, 90.0])
+    from scipy import stats
+
+    assert d.p == pytest.approx(stats.ttest_rel([91.0, 92.0, 93.0, 90.5], [90.0] * 4).pvalue)
+    assert Paired.of([91.0, 92.0], [90.0, 91.0]).p == 0.0  # no spread, a difference
+    assert Paired.of([91.0], [90.0]).n == 1 and Paired.of([91.0], [90.0]).p != Paired.of([91.0], [90.0]).p
+
+
+def test_fewer_than_five_seeds_are_labelled():
+    text = summary_table(synthetic_study(effect=3.0, seeds=3))
+    assert "3 seeds)" in text and "With 3 seeds (fewer than 5" in text
+
+
+def test_a_bimodal_cell_counts_failures_apart_with_a_bounded_interval():
+    rows = [run("sequential", 1, s, 95.0 + 0.2 * s) for s in range(5)]
+    rows += [run("adasum", 16, s, 94.0 + 0.1 * s) for s in range(5)]
+    # the scaled mean: two good seeds, two flagged at chance, one at 23.5 % that no flag caught
+    scaled = {0: 9.0, 1: 73.4, 2: 23.5, 3: 11.0, 4: 93.0}
+    rows += [run("mean-scaled", 16, s, acc, collapsed=acc < 12) for s, acc in scaled.items()]
+    text = summary_table(rows)
+    line = next(x for x in text.splitlines() if x.startswith("| mean-scaled | 16 |"))
+    assert "3/5 failed (2 at chance, 1 near chance)" in line
+    good = Stat.of([73.4, 93.0])
+    assert good.hi == 100.0 and good.lo >= 0.0  # 83.2 +- 124 clipped to [0, 100]
+    assert f"{good.mean:.2f} [{good.lo:.1f}, {good.hi:.1f}]" in line and "73.4-93.0" in line
+    adasum = next(x for x in text.splitlines() if x.startswith("| adasum | 16 |"))
+    assert "failed 0/5 vs 3/5" in adasum and "0/5 failed" in adasum
+    assert "mean-scaled at 16 workers failed in 3 of 5 runs and every other row in none" in text
+    # a threshold set by the user replaces the midpoint rule
+    assert "2/5 failed (2 at chance)" in summary_table(rows, fail_below=20.0)
+    assert "4/5 failed (2 at chance, 2 below 80%)" in summary_table(rows, fail_below=80.0)
+
+
+def test_one_learning_rate_hides_the_learning_rate_views(tmp_path):
+    rows = synthetic_study(effect=1.0)
+    assert [p.name for p in plot(rows, tmp_path)] == ["accuracy.png", "loss.png", "orthogonality.png"]
+    report = write_report(rows, tmp_path).read_text()
+    assert "robustness" not in report and "lr.png" not in report and "picked on val." not in report
+    assert "*orthogonality*:" in report and "**Conclusion.**" in report and "Columns:" in report
+    more = rows + [run("adasum", 8, s, 50.0, lr=0.5) for s in range(5)]
+    assert "lr.png" in [p.name for p in plot(more, tmp_path)]
+    assert "## Learning-rate robustness" in write_report(more, tmp_path).read_text()
+
+
+def test_report_refuses_runs_of_different_settings(tmp_path, capsys):
+    a = write_rows(tmp_path / "a" / "results.jsonl", [run("adasum", 4, s, 90.0, epochs=8) for s in range(3)])
+    b = write_rows(tmp_path / "b.jsonl", [run("sequential", 1, s, 91.0, epochs=2, train_limit=512)
+                                          for s in range(3)])
+    assert main(["report", str(a), str(b), "--out", str(tmp_path / "out"), "--quiet"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "another setting" in err[0] and "train_limit None -> 512" in err[0], err
+    assert "epochs 8 -> 2" in err[0] and f"{b}: row 1" in err[0]
+    with pytest.raises(ValueError, match="another setting"):
+        write_report(load_results([a]) + load_results([b]), tmp_path)
+    # the same setting in two files: one report, a run found twice counted once
+    c = write_rows(tmp_path / "c.jsonl", [run("sequential", 1, s, 91.0, epochs=8) for s in range(3)] + [
+        run("adasum", 4, 0, 90.0, epochs=8)])
+    assert len(load_results([a.parent, c])) == 6
+
+
+@pytest.mark.parametrize("damage, named", [
+    (lambda r: r.pop("orthogonality_trace"), "row 2: lacks orthogonality_trace"),
+    (lambda r: r.pop("seed"), "row 2: lacks seed"),
+    (lambda r: r.update(test_accuracy="high"), "row 2: test_accuracy is 'high', not int or float"),
+    (lambda r: r.update(workers=True), "row 2: workers is True, not int"),
+    (lambda r: r["history"][0].pop("test_loss"), "row 2: an epoch of its history lacks"),
+    (lambda r: r.clear() or r.update(text=[1]), "row 2: lacks method"),
+])
+def test_malformed_rows_give_one_line_messages(tmp_path, capsys, damage, named):
+    rows = [run("adasum", 4, s, 90.0) for s in range(3)]
+    damage(rows[1])
+    path = write_rows(tmp_path / "results.jsonl", rows)
+    assert main(["report", str(path), "--out", str(tmp_path / "out"), "--quiet"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and named in err[0] and str(path) in err[0], err
+
+
+def test_bad_json_and_non_objects_give_one_line_messages(tmp_path, capsys):
+    good = json.dumps(run("adasum", 4, 0, 90.0))
+    for text, named in [(f"{good}\n{{not json\n{good}\n", "line 2 is not JSON"),
+                        (f"{good}\n[1, 2]\n", "row 2: not a JSON object but list")]:
+        path = tmp_path / "results.jsonl"
+        path.write_text(text)
+        assert main(["report", str(path), "--out", str(tmp_path / "out"), "--quiet"]) == 2
+        err = capsys.readouterr().err.strip().splitlines()
+        assert len(err) == 1 and named in err[0], err
+
+
+def test_comparisons_outside_the_summary_join_the_family():
+    from adasum.experiments.report import adjust, pair
+
+    rows = synthetic_study(effect=2.0)
+    extra = pair(rows, ("adasum", 8), ("sequential", 1))
+    assert extra.p_holm != extra.p_holm and extra.diff.n == 5  # not adjusted until its family is known
+    family = adjust([*comparisons(rows), extra])
+    assert family[-1].p_holm >= extra.diff.p and family[-1].verdict == "better"
+
+
+def test_the_results_page_is_rendered_from_the_stored_rows():
+    """docs/results.md's tables are what benchmarks/render_results.py makes of benchmarks/results/."""
+    import subprocess
+    import sys
+
+    root = Path(__file__).resolve().parents[1]
+    done = subprocess.run([sys.executable, "benchmarks/render_results.py", "--check"], cwd=root,
+                          capture_output=True, text=True, timeout=240)
+    assert done.returncode == 0, done.stderr[-2000:]
