@@ -241,7 +241,7 @@ CLAIMS = [
         "Median step time (slowest rank) of a 1.04 B-parameter decoder under FSDP2, 2 replicas x 1 shard,\n"
         "bf16 parameters and bf16 reduction, AdamW; `native` is FSDP's 2-D HSDP averaging, `mean` the same hook\n"
         "route as Adasum doing a mean; `ratio` is to `native`. These rows checked each unit's layout at its\n"
-        "reduction, a host round trip on torch 2.11; `adasum.fsdp` now agrees on the layouts at `enable` and\n"
+        "reduction, a host round trip on torch 2.11; `adasum.fsdp` agrees on the layouts at `enable` and\n"
         "probes them without waiting at each forward, which these rows do not measure.",
         "torchrun --nproc-per-node 2 benchmarks/bench_fsdp.py --reduce-dtype bfloat16 --variants native,mean,adasum",
         "fsdp.jsonl",
