@@ -21,7 +21,7 @@ test: $(STAMP)
 
 # sequential vs Horovod's linearly scaled mean vs Adasum, 16 simulated workers, the embedded digits
 demo: $(STAMP)
-	$(PY) -m adasum compare --methods sequential,mean-scaled,adasum --workers 16 --lr 0.05 --epochs 8 --out runs/demo
+	$(PY) -m adasum compare --methods sequential,mean-scaled,adasum --workers 16 --lr 0.05 --epochs 8 --seeds 0,1,2 --overwrite --out runs/demo
 
 bench: $(STAMP)
 	$(PY) benchmarks/bench_collective.py

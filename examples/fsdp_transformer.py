@@ -2,6 +2,9 @@
 
     torchrun --nproc-per-node 4 examples/fsdp_transformer.py              # 2 replicas x 2 shards, CPU/gloo
     torchrun --nproc-per-node 4 examples/fsdp_transformer.py --shards 1   # 4 replicas
+    torchrun --nproc-per-node 3 examples/fsdp_transformer.py              # 3 replicas (an odd count: 1 shard)
+
+--shards must divide the number of processes (default: 2 when it does, else 1).
 
 Parameters are sharded over mesh["shard"] with `fully_shard`; `adasum.fsdp.enable` combines the
 gradients across mesh["replicate"] with Adasum, per parameter. Each rank draws its own batches of
@@ -52,13 +55,17 @@ class Transformer(nn.Module):
 
 def main():
     parser = argparse.ArgumentParser()
-    parser.add_argument("--shards", type=int, default=2)
-    parser.add_argument("--steps", type=int, default=60)
-    parser.add_argument("--lag", type=int, default=2)
+    parser.add_argument("--shards", type=int, default=None, help="ranks per replica (default: 2, or 1 for odd worlds)")
+    parser.add_argument("--steps", type=int, default=60, help="training steps")
+    parser.add_argument("--lag", type=int, default=2, help="the copy task's lag in tokens")
     args = parser.parse_args()
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    shards = args.shards if args.shards is not None else (2 if world % 2 == 0 else 1)
+    if shards < 1 or world % shards:  # checked before the group starts: every rank exits with this line
+        parser.error(f"--shards {shards} must divide the {world} processes into replicas of equal size")
     dist.init_process_group("gloo")
-    rank, world = dist.get_rank(), dist.get_world_size()
-    mesh = init_device_mesh("cpu", (world // args.shards, args.shards), mesh_dim_names=("replicate", "shard"))
+    rank = dist.get_rank()
+    mesh = init_device_mesh("cpu", (world // shards, shards), mesh_dim_names=("replicate", "shard"))
 
     torch.manual_seed(0)  # the same initial model everywhere
     model = Transformer()
@@ -84,7 +91,7 @@ def main():
     dist.all_gather(everyone, full)
     if rank == 0:
         print(f"parameters identical on {world} ranks: {all(torch.equal(full, e) for e in everyone)}")
-        print(f"Adasum combined {state.reductions} unit gradients across {world // args.shards} replicas")
+        print(f"Adasum combined {state.reductions} unit gradients across {world // shards} replicas")
     dist.destroy_process_group()
 
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import gzip
+import logging
 import pickle
 import socket
 import struct
@@ -144,16 +145,26 @@ def test_embedded_digits(digits):
     assert abs(data.train_x.mean().item()) < 0.2  # normalised like Horovod's example
 
 
-def test_mnist1d_is_generated_locally(tmp_path, monkeypatch):
+def test_mnist1d_is_generated_locally(tmp_path, monkeypatch, caplog):
     def no_network(*args, **kwargs):
         raise AssertionError("MNIST-1D tried to use the network")
 
     monkeypatch.setattr(socket, "socket", no_network)
-    data = data_mod._mnist1d(tmp_path, samples=700)
+    with caplog.at_level(logging.INFO, logger="adasum"):
+        data = data_mod._mnist1d(tmp_path, samples=700)
+        generated = [r.getMessage() for r in caplog.records]
+        caplog.clear()
+        again = data_mod._mnist1d(tmp_path, samples=700)  # from the cache
+    assert len(generated) == 1 and generated[0].startswith("generating MNIST-1D")  # not a minute of silence
+    assert caplog.records == []
     assert data.train_x.shape == (600, 1, 40) and data.test_x.shape == (100, 1, 40)
     assert (tmp_path / "mnist1d-700-seed42.npz").exists()
-    again = data_mod._mnist1d(tmp_path, samples=700)  # from the cache
     assert torch.equal(data.train_x, again.train_x)
+
+
+def test_each_task_trains_its_listed_default_model(digits):
+    assert digits.default_model == data_mod.DEFAULT_MODELS["digits"] == "cnn"
+    assert set(data_mod.DEFAULT_MODELS) == set(data_mod.TASKS)
 
 
 def test_text_and_word2vec_corpora():

@@ -19,7 +19,7 @@ from adasum.experiments.cli import main
 SRC = str(Path(__file__).parent.parent / "src")
 # 256 examples / (2 ranks x 8) = 16 steps per epoch, 32 in all; checkpoints every 5 steps
 TRAIN = ["--epochs", "2", "--train-limit", "256", "--batch-size", "8", "--checkpoint-every", "5",
-         "--deterministic", "--resume", "--no-progress", "--quiet", "--seed", "3",
+         "--deterministic", "--resume", "--no-progress", "--quiet", "--seeds", "3",
          "--timeout", "30"]
 
 

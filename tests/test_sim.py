@@ -87,16 +87,21 @@ def real_run(rank: int, world: int, case: tuple) -> list[torch.Tensor]:
 TRAIN_METHODS = ["adasum", "adacons", "adasum-delta", "localsgd", "adasum-localsgd", "slowmo"]
 
 
-def train_config(world: int, method: str = "adasum"):
+def train_config(world: int, method: str = "adasum", model: str = "mlp"):
     from adasum.experiments.runner import RunConfig
 
     # SGD with momentum: per-worker optimizer state in the delta methods. (Adam is checked against
     # the simulator in CASES on random data; on digits its normalised steps amplify the rounding
     # of near-cancelling pixel gradients, batched vs per-rank, beyond any useful tolerance.)
     return RunConfig(
-        method=method, workers=world, lr=0.05, epochs=2, batch_size=8, model="mlp", train_limit=120,
-        optimizer="sgd", momentum=0.5, local_steps=2, slow_momentum=0.5, slow_lr=1.5,
+        method=method, workers=world, lr=0.05, epochs=2, batch_size=8, model=model, train_limit=120,
+        optimizer="sgd", momentum=0.5, local_steps=2, slow_momentum=0.5, slow_lr=1.5, seed=4,
     )
+
+
+# the default CNN has dropout (channels after conv2, units after fc1): each rank's masks must be
+# its simulated worker's
+DROPOUT_METHODS = ["adasum", "localsgd"]
 
 
 def real_train(rank: int, world: int, out: str) -> dict:
@@ -115,6 +120,12 @@ def real_train(rank: int, world: int, out: str) -> dict:
             state = torch.load(Path(out) / method / "checkpoint.pt", weights_only=True)
             result["final_model"] = {k: v.numpy() for k, v in state["engine"]["model"].items()}
         results[method] = result
+    for method in DROPOUT_METHODS:
+        result = train(train_config(world, method, "cnn"), Path(out) / f"cnn-{method}", dataset=data, distributed=True)
+        if rank == 0:
+            state = torch.load(Path(out) / f"cnn-{method}" / "checkpoint.pt", weights_only=True)
+            result["final_model"] = {k: v.numpy() for k, v in state["engine"]["model"].items()}
+        results[f"cnn-{method}"] = result
     try:  # one worker's method on several processes is refused on every rank
         train(train_config(world, "sequential"), dataset=data, distributed=True)
     except ValueError as error:
@@ -225,6 +236,36 @@ def test_torchrun_training_path_matches_the_simulator(gloo_results, method, tmp_
             torch.from_numpy(real[0]["final_model"][name]), value, rtol=1e-5, atol=1e-6, msg=name
         )
         assert not torch.equal(value, initial[name]), f"{method}: {name} did not move"
+
+
+@pytest.mark.parametrize("method", DROPOUT_METHODS)
+def test_torchrun_and_the_simulator_draw_the_same_dropout(gloo_results, method, tmp_path, digits, one_thread):
+    from adasum.experiments.runner import train
+
+    real = gloo_results[0]["train"][f"cnn-{method}"]
+    sim = train(train_config(WORLD, method, "cnn"), tmp_path, dataset=digits)
+    for r, s in zip(real["history"], sim["history"]):
+        assert r["train_loss"] == pytest.approx(s["train_loss"], rel=1e-5)
+    sim_model = torch.load(tmp_path / "checkpoint.pt", weights_only=True)["engine"]["model"]
+    for name, value in sim_model.items():
+        torch.testing.assert_close(
+            torch.from_numpy(real["final_model"][name]), value, rtol=1e-5, atol=1e-6, msg=name
+        )
+
+
+def test_keyed_dropout_masks_are_per_key_and_scaled():
+    from adasum.sim import KeyedDropout
+
+    layer = KeyedDropout(0.5).train()
+    x = torch.ones(4, 1000)
+    first = layer(x)
+    assert set(first.unique().tolist()) == {0.0, 2.0} and abs((first == 0).float().mean().item() - 0.5) < 0.05
+    assert torch.equal(layer(x), first)
+    layer.key.fill_(1)
+    assert not torch.equal(layer(x), first)  # another key, another mask
+    channels = KeyedDropout(0.5, channels=True).train()(torch.ones(8, 6, 5, 5))
+    assert all(len(c.unique()) == 1 for c in channels.flatten(2).unbind(0)[0])  # whole channels
+    assert torch.equal(layer.eval()(x), x)
 
 
 def test_methods_differ_so_the_comparison_means_something():

@@ -46,12 +46,12 @@ def test_seeds_are_a_sweep_axis_and_rows_carry_the_named_fields(tmp_path):
     assert "seeds 0, 1" in report and "| adasum | 2 | 0.05 | 2 |" in report
 
 
-def test_compare_without_seeds_runs_the_default_three(tmp_path, monkeypatch):
+def test_compare_without_seeds_runs_the_default_five(tmp_path, monkeypatch):
     seen = []
     monkeypatch.setattr(compare_mod, "train", lambda config, *a, **k: seen.append(config.seed) or _fake(config))
     monkeypatch.setattr(compare_mod, "plot", lambda results, out: [])
     assert main(["compare", "--methods", "adasum", "--workers", "2", "--out", str(tmp_path), *QUICK]) == 0
-    assert seen == [0, 1, 2]
+    assert seen == [0, 1, 2, 3, 4]
 
 
 def _fake(config: RunConfig, val: float = 50.0, test: float = 50.0) -> dict:

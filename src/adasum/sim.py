@@ -20,11 +20,20 @@ Per-worker copies are stacked as ``[P, ...]`` tensors under one ordinary optimiz
 elementwise optimizers (SGD, Adam, ...) that is exactly P independent optimizers. Optimizers
 whose update couples the elements of a tensor (LAMB's per-tensor trust ratio) would mix the
 workers, so they are refused for ``combine="delta"``.
+
+Random streams per worker. `KeyedDropout` draws its mask from a hash of a key and each element's
+index, and the key of worker ``i`` at step ``s`` is `dropout_key` ``(seed, i, s, layer)``: the
+simulator's worker ``i`` and a real rank ``i`` (``adasum train`` under torchrun) drop the same
+units and end with the same parameters. ``nn.Dropout`` and other random layers draw instead from
+the global generator (``vmap(randomness="different")``), which one process cannot match to
+P processes' generators: those give statistically equivalent, not equal, runs.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+import hashlib
+import math
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -56,6 +65,81 @@ def cross_entropy(output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
     return F.cross_entropy(output.reshape(-1, output.shape[-1]), target.reshape(-1))
 
 
+_MASK32 = 0xFFFFFFFF
+
+
+def _hash32(x: torch.Tensor) -> torch.Tensor:
+    """A 32-bit integer hash of int64 values in [0, 2**32), elementwise (products stay below 2**63)."""
+    for _ in range(2):
+        x = (((x >> 16) ^ x) * 0x45D9F3B) & _MASK32
+    return (x >> 16) ^ x
+
+
+class KeyedDropout(nn.Module):
+    """Dropout whose mask is a function of the `key` buffer and each element's index (a counter-based
+    hash), so that a simulated worker and a real process with the same key drop the same units.
+    With `channels` whole channels are dropped (``nn.Dropout1d``/``nn.Dropout2d``: one draw per
+    sample and channel of a [B, C, ...] input).
+
+    The key is set before each step by `SimulatedWorkers` (one per worker, batched) and by
+    `set_dropout_keys` in a real worker (``dropout_key(seed, rank, step, layer)``). Identity in eval mode.
+
+    >>> layer = KeyedDropout(0.5).train()
+    >>> torch.equal(layer(torch.ones(8)), layer(torch.ones(8)))  # the same key, the same mask
+    True
+    """
+
+    key: torch.Tensor  # a buffer: the layer's key (int64)
+
+    def __init__(self, p: float = 0.5, channels: bool = False) -> None:
+        super().__init__()
+        if not 0 <= p < 1:
+            raise ValueError(f"dropout probability must be in [0, 1), got {p}")
+        self.p, self.channels = p, channels
+        self.register_buffer("key", torch.zeros((), dtype=torch.int64), persistent=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """`x` times the layer's keyed mask, scaled by 1 / (1 - p) (training), else `x`."""
+        if not self.training or self.p == 0:
+            return x
+        shape = (*x.shape[:2], *([1] * (x.dim() - 2))) if self.channels else x.shape
+        index = torch.arange(math.prod(shape), device=x.device, dtype=torch.int64).reshape(shape)
+        bits = _hash32((_hash32(self.key & _MASK32) + index) & _MASK32)
+        keep = (bits.to(torch.float64) / 2**32 >= self.p).to(x.dtype)
+        return x * keep / (1 - self.p)
+
+
+def dropout_key(seed: int, worker: int, step: int, layer: int) -> int:
+    """The key of `layer` (its index among the model's `KeyedDropout` layers) for `worker` at `step`."""
+    digest = hashlib.blake2b(f"{seed}/{worker}/{step}/{layer}".encode(), digest_size=4).digest()
+    return int.from_bytes(digest, "little")
+
+
+def keyed_dropouts(model: nn.Module) -> list[tuple[str, KeyedDropout]]:
+    """The `KeyedDropout` layers of `model` with their names, in module order."""
+    return [(name, m) for name, m in model.named_modules() if isinstance(m, KeyedDropout)]
+
+
+def set_dropout_keys(model: nn.Module, seed: int, worker: int, step: int) -> None:
+    """Set every `KeyedDropout` of `model` to `worker`'s key at `step` (a real worker, before its forward)."""
+    with torch.no_grad():
+        for layer, (_, m) in enumerate(keyed_dropouts(model)):
+            m.key.fill_(dropout_key(seed, worker, step, layer))
+
+
+def _worker_keys(
+    layers: Sequence[tuple[str, KeyedDropout]], seed: int, workers: Iterable[int], step: int, device: torch.device
+) -> dict[str, torch.Tensor]:
+    """{buffer name: [P] keys} of every keyed layer at `step`, for the batched forward."""
+    workers = list(workers)
+    return {
+        f"{name}.key" if name else "key": torch.tensor(
+            [dropout_key(seed, w, step, layer) for w in workers], dtype=torch.int64, device=device
+        )
+        for layer, (name, _) in enumerate(layers)
+    }
+
+
 @dataclass(frozen=True)
 class StepResult:
     """What one simulated step reports: each worker's loss ([P]) and the gradients' orthogonality."""
@@ -74,6 +158,7 @@ class SimulatedWorkers:
     `nonfinite` ("propagate" by default, "raise", "skip"): what a NaN/Inf in any worker's gradients
     does, decided before any worker steps (`adasum.collectives.nonfinite.decide_nonfinite`, with
     workers in place of ranks); skipped steps are counted in ``skipped_steps``.
+    `seed` keys the workers' `KeyedDropout` masks (``dropout_key(seed, worker, step, layer)``).
 
     >>> _ = torch.manual_seed(0)
     >>> sim = SimulatedWorkers(torch.nn.Linear(4, 3), 8, lambda ps: torch.optim.SGD(ps, lr=0.5), reducer="adasum")
@@ -97,6 +182,7 @@ class SimulatedWorkers:
         chunk_size: int | None = None,
         diagnostics: bool = True,
         nonfinite: str = "propagate",
+        seed: int = 0,
     ) -> None:
         check_policy(nonfinite)
         if not isinstance(workers, int) or workers < 1:
@@ -128,6 +214,9 @@ class SimulatedWorkers:
         self.nonfinite = nonfinite
         self.skipped_steps = 0
         self.steps = 0
+        self.draws = 0  # steps begun, skipped ones included: the dropout keys' step
+        self.seed = seed
+        self._keyed = keyed_dropouts(model)
         self.names = [n for n, p in model.named_parameters() if p.requires_grad]
         params = dict(model.named_parameters())
         self._anchor: list[torch.Tensor] = [params[n] for n in self.names]
@@ -156,8 +245,11 @@ class SimulatedWorkers:
         self, inputs: torch.Tensor, targets: torch.Tensor
     ) -> tuple[list[torch.Tensor], torch.Tensor]:
         buffers = dict(self.module.named_buffers())
+        keys = _worker_keys(self._keyed, self.seed, range(self.workers), self.draws, inputs.device)
+        buffers.update(keys)
+        buffer_dims = {name: 0 if name in keys else None for name in buffers}
 
-        def loss(params: dict[str, torch.Tensor], x: torch.Tensor, y: torch.Tensor):
+        def loss(params: dict[str, torch.Tensor], buffers: dict[str, torch.Tensor], x: torch.Tensor, y: torch.Tensor):
             value = self.loss_fn(functional_call(self.module, (params, buffers), (x,)), y)
             return value, value.detach()
 
@@ -169,11 +261,11 @@ class SimulatedWorkers:
             param_dims = 0
         batched = vmap(
             grad(loss, has_aux=True),
-            in_dims=(param_dims, 0, 0),
+            in_dims=(param_dims, buffer_dims, 0, 0),
             randomness="different",
             chunk_size=self.chunk_size,
         )
-        grads, losses = batched(params, inputs, targets)
+        grads, losses = batched(params, buffers, inputs, targets)
         return [grads[n] for n in self.names], losses
 
     def step(self, inputs: torch.Tensor, targets: torch.Tensor) -> StepResult:
@@ -185,6 +277,7 @@ class SimulatedWorkers:
             )
         self.module.train()
         grads, losses = self._per_worker_grads(inputs, targets)
+        self.draws += 1
         diag = orthogonality_stacked(grads) if self.diagnostics and self.workers > 1 else None
         if self.nonfinite != "propagate" and decide_nonfinite(
             self.nonfinite,
@@ -237,6 +330,7 @@ class SimulatedWorkers:
             "reducer": self.reducer.state_dict(),
             "steps": self.steps,
             "skipped_steps": self.skipped_steps,
+            "draws": self.draws,
         }
 
     @torch.no_grad()
@@ -252,6 +346,7 @@ class SimulatedWorkers:
         self.reducer.load_state_dict(state["reducer"])
         self.steps = int(state["steps"])
         self.skipped_steps = int(state.get("skipped_steps", 0))
+        self.draws = int(state.get("draws", self.steps + self.skipped_steps))
 
 
 def _first_nonfinite_stacked(grads: Sequence[torch.Tensor], names: Sequence[str]) -> NonFinite | None:

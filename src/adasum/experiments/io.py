@@ -1,9 +1,14 @@
 """One atomic writer for every file the experiments write whole (checkpoints, result.json,
-results.jsonl, report.md, the MNIST-1D cache), and the reader of append-only JSON-lines files.
+results.jsonl, report.md, the MNIST-1D cache), and the readers of append-only JSON-lines files.
 
 `write_atomic` writes to ``.NAME.tmp<PID>`` in the same folder, then `os.replace`: a reader sees
 the old file or the new one, never a torn one. A kill in the middle leaves the temporary file;
-the next write to the same path removes the ones whose process is gone.
+the next write to the same path removes the ones whose process is gone. A write that fails (a full
+disk, a lost mount) raises `WriteFailed`, one line naming the file and the reason; the file is
+left as it was.
+
+`read_jsonl` and `read_results` raise `ResultsFileError` (a ValueError), one line naming the file,
+the line and what is wrong, for any damage: never a KeyError, TypeError or EOFError from a row.
 
 >>> import tempfile
 >>> folder = Path(tempfile.mkdtemp())
@@ -20,12 +25,22 @@ from __future__ import annotations
 import gzip
 import json
 import logging
+import math
 import os
+import zlib
 from collections.abc import Callable
 from pathlib import Path
-from typing import IO, Any
+from typing import IO, Any, cast
 
 log = logging.getLogger("adasum")
+
+
+class WriteFailed(OSError):  # noqa: N818 (the CLI's one-line errors print this name)
+    """A file could not be written (a full disk, a lost mount); the previous file is intact."""
+
+
+class ResultsFileError(ValueError):
+    """A JSON-lines file (results.jsonl, metrics.jsonl) is damaged or not of the expected shape."""
 
 
 def _temporary(path: Path, pid: int) -> Path:
@@ -74,13 +89,48 @@ def write_atomic(path: str | os.PathLike, write: Callable[[IO[bytes]], Any]) -> 
     tmp = _temporary(path, os.getpid())
     try:
         with open(tmp, "wb") as f:
-            write(f)
+            recorder = _Recorder(f)
+            try:
+                write(cast(IO[bytes], recorder))  # a file object as far as writers go
+            except Exception:  # torch.save turns the file's OSError into an opaque RuntimeError
+                if recorder.error is None:
+                    raise
+                raise _write_failed(path, recorder.error) from None
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, path)
+    except WriteFailed:
+        raise
+    except OSError as error:
+        raise _write_failed(path, error) from None
     finally:
         if tmp.exists():
             tmp.unlink()
+
+
+class _Recorder:
+    """A file object that remembers the first OSError of its writes (what a wrapping writer hides)."""
+
+    def __init__(self, file: IO[bytes]) -> None:
+        self._file = file
+        self.error: OSError | None = None
+
+    def write(self, data: Any) -> int:
+        try:
+            return self._file.write(data)
+        except OSError as error:
+            self.error = self.error or error
+            raise
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._file, name)
+
+
+def _write_failed(path: Path, error: OSError) -> WriteFailed:
+    kept = f"the previous {path.name} is unchanged" if path.exists() else f"{path.name} was not written"
+    failed = WriteFailed(f"cannot write {path}: {error.strerror or error}; {kept}")
+    failed.errno = error.errno
+    return failed
 
 
 def write_text_atomic(path: str | os.PathLike, text: str) -> None:
@@ -97,25 +147,93 @@ def read_jsonl(path: str | os.PathLike) -> list[dict[str, Any]]:
     """The objects of a JSON-lines file that is only ever appended to (gzip-compressed if it ends in ``.gz``).
 
     A torn last line (a kill or a full disk during the append) is dropped with a warning naming the
-    file; a bad line anywhere else is damage, and a one-line ValueError names the file and line.
+    file; a bad line anywhere else, or a line that is not a JSON object, is damage: a one-line
+    `ResultsFileError` names the file and line.
     """
-    path = Path(path)
-    data = path.read_bytes()
-    if path.suffix == ".gz":  # results kept in the repository are compressed (`adasum report runs.jsonl.gz`)
-        data = gzip.decompress(data)
-    lines = data.decode().splitlines()
+    return [row for _, row in _numbered_rows(Path(path))]
+
+
+def _decoded_lines(path: Path) -> list[str]:
+    try:
+        data = path.read_bytes()
+        if path.suffix == ".gz":  # results kept in the repository are compressed (`adasum report runs.jsonl.gz`)
+            data = gzip.decompress(data)
+        return data.decode().splitlines()
+    except (EOFError, zlib.error, gzip.BadGzipFile) as error:
+        raise ResultsFileError(f"{path}: not a complete gzip file ({error or type(error).__name__}); {_FIX}") from None
+    except UnicodeDecodeError as error:
+        raise ResultsFileError(f"{path}: not text (byte {error.start} is not UTF-8); {_FIX}") from None
+
+
+_FIX = "the file is damaged: delete it or use another --out"
+
+
+def _numbered_rows(path: Path) -> list[tuple[int, dict[str, Any]]]:
+    lines = _decoded_lines(path)
     rows = []
     for number, line in enumerate(lines, 1):
         if not line.strip():
             continue
         try:
-            rows.append(json.loads(line))
+            row = json.loads(line)
         except json.JSONDecodeError as error:
             if all(not rest.strip() for rest in lines[number:]):
                 log.warning("%s: dropped its torn last line %d (an interrupted append: %s)", path, number, error.msg)
                 break
-            raise ValueError(
-                f"{path}: line {number} is not JSON ({error.msg}); the file is damaged: "
-                "delete it or use another --out"
-            ) from None
+            raise ResultsFileError(f"{path}: line {number} is not JSON ({error.msg}); {_FIX}") from None
+        if not isinstance(row, dict):
+            raise ResultsFileError(f"{path}: line {number} is a JSON {type(row).__name__}, not an object; {_FIX}")
+        rows.append((number, row))
     return rows
+
+
+def _number(value: Any) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
+def _positive(value: Any) -> bool:
+    return _number(value) and math.isfinite(value) and value > 0
+
+
+def _count(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 0
+
+
+# what every row of a results file must hold, and how each field is checked
+RESULT_FIELDS: dict[str, tuple[Callable[[Any], bool], str]] = {
+    "method": (lambda v: isinstance(v, str) and bool(v), "a method name"),
+    "workers": (lambda v: _count(v) and v >= 1, "an integer >= 1"),
+    "lr": (_positive, "a number > 0"),
+    "seed": (_count, "an integer >= 0"),
+    "epochs": (lambda v: _count(v) and v >= 1, "an integer >= 1"),
+    "val_accuracy": (_number, "a number"),
+    "test_accuracy": (_number, "a number"),
+    "diverged": (lambda v: isinstance(v, bool), "true or false"),
+    "collapsed": (lambda v: isinstance(v, bool), "true or false"),
+    "history": (
+        lambda v: isinstance(v, list) and bool(v) and all(isinstance(h, dict) for h in v),
+        "a non-empty list of epoch records",
+    ),
+    "orthogonality_trace": (lambda v: isinstance(v, list), "a list"),
+    "config": (lambda v: isinstance(v, dict), "an object"),
+}
+
+
+def read_results(path: str | os.PathLike) -> list[dict[str, Any]]:
+    """The rows of a results file (``results.jsonl``, or ``.jsonl.gz``), each checked to hold
+    `RESULT_FIELDS` with values of the right kind; else one-line `ResultsFileError` naming the
+    file, the line and the field.
+
+    >>> rows = read_results("runs/demo/results.jsonl")  # doctest: +SKIP
+    """
+    path = Path(path)
+    rows = _numbered_rows(path)
+    for number, row in rows:
+        for name, (valid, kind) in RESULT_FIELDS.items():
+            if name not in row:
+                raise ResultsFileError(f"{path}: line {number} has no {name!r} (not a result of adasum compare/train)")
+            if not valid(row[name]):
+                raise ResultsFileError(
+                    f"{path}: line {number}: {name!r} is {json.dumps(row[name])[:40]}, not {kind}; {_FIX}"
+                )
+    return [row for _, row in rows]

@@ -29,7 +29,9 @@ slowmo              mean      delta      tau          yes           lr
 
 from __future__ import annotations
 
+import difflib
 import importlib
+from collections.abc import Iterable
 from dataclasses import dataclass
 
 from adasum.reducers import Reducer, get_reducer
@@ -83,8 +85,18 @@ def get_method(name: str) -> Method:
     0.16
     """
     if name not in METHODS:
-        raise ValueError(f"unknown method {name!r}; choose from {', '.join(METHODS)}")
+        raise ValueError(f"unknown method {name!r}{did_you_mean(name, METHODS)}; choose from {', '.join(METHODS)}")
     return METHODS[name]
+
+
+def did_you_mean(word: str, choices: Iterable[str]) -> str:
+    """``" (did you mean 'x'?)"`` for the closest of `choices` to a mistyped `word`, or ``""``.
+
+    >>> did_you_mean("adsum", ["adasum", "mean"])
+    " (did you mean 'adasum'?)"
+    """
+    close = difflib.get_close_matches(word, list(choices), n=1, cutoff=0.6)
+    return f" (did you mean {close[0]!r}?)" if close else ""
 
 
 def parse_methods(text: str) -> list[Method]:

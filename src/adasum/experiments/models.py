@@ -11,6 +11,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from adasum.sim import KeyedDropout
+
 MODELS = ("cnn", "mlp", "resnet", "transformer", "skipgram")
 
 
@@ -28,12 +30,13 @@ class HorovodCNN(nn.Module):
         if len(input_shape) not in (2, 3):
             raise ValueError(f"the CNN needs [C, L] or [C, H, W] inputs, got {input_shape}")
         one_d = len(input_shape) == 2
-        conv, drop = (nn.Conv1d, nn.Dropout1d) if one_d else (nn.Conv2d, nn.Dropout2d)
+        conv = nn.Conv1d if one_d else nn.Conv2d
         self.pool = F.max_pool1d if one_d else F.max_pool2d
         self.conv1 = conv(input_shape[0], 10, kernel_size=5)
         self.conv2 = conv(10, 20, kernel_size=5)
-        self.conv2_drop = drop(dropout)
-        self.dropout = dropout
+        # keyed dropout: simulated workers and torchrun ranks draw the same masks (adasum.sim)
+        self.conv2_drop = KeyedDropout(dropout, channels=True)
+        self.fc1_drop = KeyedDropout(dropout)
         with torch.no_grad():
             features = self._features(torch.zeros(1, *input_shape)).shape[1]
         self.fc1 = nn.Linear(features, 50)
@@ -47,8 +50,7 @@ class HorovodCNN(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """Class logits of a batch of images."""
         x = F.relu(self.fc1(self._features(x)))
-        x = F.dropout(x, self.dropout, training=self.training)
-        return self.fc2(x)
+        return self.fc2(self.fc1_drop(x))
 
 
 class MLP(nn.Module):

@@ -27,14 +27,15 @@ from torch import nn
 from adasum.collectives.nonfinite import POLICIES, apply_nonfinite_policy
 from adasum.diagnostics import Orthogonality, all_reduce_orthogonality
 from adasum.experiments.checkpoint import kill_point, load_checkpoint, save_checkpoint
-from adasum.experiments.data import Dataset, load_task
+from adasum.experiments.data import DEFAULT_MODELS, Dataset, load_task
 from adasum.experiments.io import read_jsonl, write_json_atomic, write_text_atomic
 from adasum.experiments.methods import get_method, method_reducer
 from adasum.experiments.models import build_model
+from adasum.experiments.progress import ProgressBar
 from adasum.integrations.optim import DistributedOptimizer
 from adasum.integrations.slowmo import SlowMo
 from adasum.reducers import Reducer
-from adasum.sim import SimulatedWorkers, StepResult, cross_entropy
+from adasum.sim import SimulatedWorkers, StepResult, cross_entropy, set_dropout_keys
 from adasum.transport.groups import failures_named
 
 log = logging.getLogger("adasum")
@@ -180,10 +181,12 @@ class DistributedWorker:
         slow_lr: float = 1.0,
         diagnostics_every: int = 10,
         nonfinite: str = "propagate",
+        seed: int = 0,
     ) -> None:
         if combine == "gradient" and (local_steps != 1 or slow_momentum is not None):
             raise ValueError("local_steps and slow_momentum need combine='delta'")
         self.model = model
+        self.seed = seed
         self.nonfinite = nonfinite
         self.skipped_steps = 0
         self.names = [n for n, p in model.named_parameters() if p.requires_grad]
@@ -231,6 +234,7 @@ class DistributedWorker:
         """One training step on this rank's batch; the loss is the mean over ranks."""
         self.model.train()
         self.optimizer.zero_grad(set_to_none=False)
+        set_dropout_keys(self.model, self.seed, dist.get_rank(), self.steps)  # the simulator's worker `rank`
         loss = cross_entropy(self.model(inputs[0]), targets[0])
         loss.backward()
         grads = [cast(torch.Tensor, p.grad) for p in self.params]  # every trained parameter has one now
@@ -269,42 +273,6 @@ class DistributedWorker:
         self.skipped_steps = int(state.get("skipped_steps", 0))
 
 
-class ProgressBar:
-    """A rich progress bar over the steps of runs, or nothing when disabled or rich is missing."""
-
-    def __init__(self, enabled: bool) -> None:
-        self._progress = None
-        if enabled:
-            try:
-                from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
-            except ImportError:
-                return
-            self._progress = Progress(
-                TextColumn("{task.description}"),
-                BarColumn(),
-                MofNCompleteColumn(),
-                TimeRemainingColumn(),
-                transient=True,
-            )
-
-    def __enter__(self) -> ProgressBar:
-        if self._progress is not None:
-            self._progress.start()
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        if self._progress is not None:
-            self._progress.stop()
-
-    def task(self, description: str, total: int, completed: int = 0) -> Callable[[int], None]:
-        """A function that advances a new bar by its argument."""
-        if self._progress is None:
-            return lambda n: None
-        progress = self._progress
-        task_id = progress.add_task(description, total=total, completed=completed)
-        return lambda n: progress.advance(task_id, n)
-
-
 def _tensorboard_writer(path: Path):
     try:
         from torch.utils.tensorboard import SummaryWriter
@@ -321,6 +289,27 @@ def _trim_metrics(path: Path, keep_epochs: int | None) -> None:
         write_text_atomic(path, "".join(json.dumps(row) + "\n" for row in kept))
     elif keep_epochs is None and path.exists():
         path.unlink()
+
+
+# what a run writes into its folder; a fresh start replaces them
+RUN_FILES = ("checkpoint.pt", "metrics.jsonl", "result.json")
+
+
+def _start_over(out: Path, resuming: bool, overwrite: bool) -> None:
+    """Before a run starts from step 0 in `out`: ValueError if that would replace a run's files,
+    unless `overwrite` (then they are removed). `resuming`: --resume found no checkpoint."""
+    found = [name for name in RUN_FILES if (out / name).exists() and (out / name).stat().st_size > 0]
+    if found and not overwrite:
+        if resuming:
+            raise ValueError(
+                f"{out} holds {', '.join(found)} but no checkpoint.pt to resume from; "
+                "--overwrite starts the run again and replaces them"
+            )
+        raise ValueError(
+            f"{out} already holds a run ({', '.join(found)}); --resume continues it, --overwrite replaces it"
+        )
+    for name in RUN_FILES:
+        (out / name).unlink(missing_ok=True)
 
 
 def _agree(error: str | None, distributed: bool) -> None:
@@ -440,8 +429,9 @@ class _Run:
         )
         self.engine: SimulatedWorkers | DistributedWorker
         if self.distributed:
-            torch.manual_seed(config.seed * 1000 + self.rank + 1)  # each rank its own dropout
-            self.engine = DistributedWorker(model, optimizer, self.reducer, nonfinite=config.nonfinite, **options)
+            self.engine = DistributedWorker(
+                model, optimizer, self.reducer, nonfinite=config.nonfinite, seed=config.seed, **options
+            )
         else:
             self.engine = SimulatedWorkers(
                 model,
@@ -450,6 +440,7 @@ class _Run:
                 reducer=self.reducer,
                 chunk_size=config.chunk_size,
                 nonfinite=config.nonfinite,
+                seed=config.seed,
                 **options,
             )
         self.names = [n for n, p in model.named_parameters() if p.requires_grad]
@@ -640,6 +631,7 @@ def train(
     progress: ProgressBar | None = None,
     tensorboard: bool = False,
     distributed: bool = False,
+    overwrite: bool = False,
 ) -> dict[str, Any]:
     """Train one run and return its result (also written to ``OUT/result.json``).
 
@@ -649,7 +641,9 @@ def train(
     `out_dir` receives ``metrics.jsonl`` (one line per step and per epoch),
     ``checkpoint.pt`` after every epoch (and every ``config.checkpoint_every`` steps), and
     ``result.json``; `resume` continues from the checkpoint, mid-epoch included, exactly where the
-    uninterrupted run would be (`adasum.experiments.checkpoint`).
+    uninterrupted run would be (`adasum.experiments.checkpoint`). A run that starts from step 0
+    into a folder holding another run's files raises ValueError unless `overwrite` (they are
+    replaced): nothing finished is lost silently.
 
     >>> result = train(RunConfig(method="adasum", workers=16, lr=0.01, epochs=2), "runs/one")  # doctest: +SKIP
     >>> result["val_accuracy"], result["test_accuracy"], result["collapsed"]  # doctest: +SKIP
@@ -664,9 +658,12 @@ def train(
     )
     metrics_path = out / "metrics.jsonl" if out is not None and run.rank == 0 else None
     writer, error = None, None
+    resumed = state.epoch > 0 or state.step > 0
     try:  # what only rank 0 does, and every rank must hear about
+        if out is not None and run.rank == 0 and not resumed:
+            _start_over(out, resume, overwrite)
         if metrics_path is not None:
-            _trim_metrics(metrics_path, state.epoch if resume else None)
+            _trim_metrics(metrics_path, state.epoch if resumed else None)
         if tensorboard and out is not None and run.rank == 0:
             writer = _tensorboard_writer(out / "tensorboard")
     except ValueError as e:
@@ -701,8 +698,12 @@ def _finite_mean(values: list[float]) -> float | None:
 
 
 def identity(config: dict[str, Any]) -> dict[str, Any]:
-    """The fields of a run's configuration that make it that run (all but the RESUMABLE ones)."""
-    return {f.name: config.get(f.name) for f in fields(RunConfig) if f.name not in RESUMABLE}
+    """The fields of a run's configuration that make it that run (all but the RESUMABLE ones); no
+    model stands for the task's default model (``--model cnn`` on digits is the same run)."""
+    values: dict[str, Any] = {f.name: config.get(f.name) for f in fields(RunConfig) if f.name not in RESUMABLE}
+    if values["model"] is None:
+        values["model"] = DEFAULT_MODELS.get(values["task"])
+    return values
 
 
 def differences(saved: dict[str, Any], current: dict[str, Any]) -> list[str]:
