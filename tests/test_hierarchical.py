@@ -140,3 +140,42 @@ def test_bad_placements_raise_on_every_rank():
         assert "not placed node by node" in messages["placement"]
         # node means 0.5 and 2.5 are parallel: their mean
         assert messages["ok"] == [1.5] * 5
+
+
+def exact_body(rank, world, local_size):
+    """Two tiers (slice-parallel inside each emulated node, VHDD across) against the flat tree over every rank."""
+    reducer = adasum.Adasum(hierarchical="exact", local_size=local_size)
+    reducer.setup()
+    out = {}
+    for dtype, bound in ((torch.float32, 1e-6), (torch.float64, 1e-13)):
+        g = torch.Generator().manual_seed(11 + world)
+        data = [[torch.randn(n, generator=g, dtype=torch.float64).to(dtype) for n in SIZES] for _ in range(world)]
+        mine = [t.clone() for t in data[rank]]
+        reducer.all_reduce(mine)
+        for i, t in enumerate(mine):
+            if t.numel():
+                ref = reference_tree([data[r][i].double().numpy() for r in range(world)])
+                assert rel_err(t, ref) < bound, (dtype, i, rel_err(t, ref))
+        single = reducer.reduce(data)  # the single-process form is the flat tree too
+        for t, s in zip(mine, single):
+            assert torch.allclose(t.double(), s.double(), rtol=10 * bound, atol=10 * bound)
+        out[str(dtype)] = torch.cat(mine).numpy().tobytes()
+    return out
+
+
+@pytest.mark.parametrize("local_size, env", [(2, {}), (2, {"ADASUM_MEMORY_MB": "0.002"}), (4, {})])
+def test_exact_two_tiers_equal_the_flat_tree(local_size, env):
+    # 4 ranks as 2 nodes x 2 (rounds too, through a budget of 2 KiB), and as one node of 4
+    distributed.assert_ranks_agree(distributed.run(4, exact_body, local_size, env=env))
+
+
+def exact_refused_body(rank, world):
+    with pytest.raises(ValueError, match="power of two of ranks per node") as caught:
+        adasum.Adasum(hierarchical="exact", local_size=3).setup()
+    return str(caught.value)
+
+
+def test_exact_two_tiers_refuse_other_placements_on_every_rank():
+    distributed.assert_ranks_agree(distributed.run(3, exact_refused_body))
+    with pytest.raises(ValueError, match="hierarchical must be"):
+        adasum.Adasum(hierarchical="yes")

@@ -11,6 +11,7 @@ from adasum.collectives import all_reduce, all_reduce_async, hierarchical
 from adasum.collectives.nonfinite import NonFinite, NonFiniteError, check_finite, find_nonfinite
 from adasum.core.reduce import combine, reduce
 from adasum.diagnostics import Orthogonality, all_reduce_orthogonality, orthogonality, orthogonality_stacked
+from adasum.integrations.broadcast import broadcast_optimizer_state, broadcast_parameters
 from adasum.integrations.optim import DistributedOptimizer
 from adasum.integrations.slowmo import SlowMo
 from adasum.reducers import AdaCons, Adasum, Mean, Reducer, Sum, get_reducer
@@ -33,6 +34,8 @@ __all__ = [
     "all_reduce",
     "all_reduce_async",
     "all_reduce_orthogonality",
+    "broadcast_optimizer_state",
+    "broadcast_parameters",
     "check_finite",
     "combine",
     "ddp",

@@ -19,17 +19,29 @@ Adasum's ``2 (N/L)(N-1)/N``-sized exchanges between nodes.
 Horovod's version silently breaks when local sizes differ, L is not a power of two, or ranks are
 not placed node by node. Here any L works, and the other two raise ValueError on every rank
 (`build_hierarchy` checks LOCAL_WORLD_SIZE, LOCAL_RANK and GROUP_RANK as torchrun sets them).
+
+**Exact two tiers** (``build_hierarchy(..., exact=True)``, `adasum_two_tier_flat_`): the flat tree of
+`adasum.reduce` over every rank, not over node means, in two tiers (SPEC 1.4b). With node-contiguous
+ranks and powers of two for L and N, the flat tree's levels d < L pair ranks inside a node: each node runs
+them with the slice-parallel schedule (`adasum.collectives.slices`: symmetric memory on NVLink, c10d
+elsewhere) on its own ranks, leaving local rank l with slice l of its node's subtree; the levels across
+nodes run as VHDD over the ranks of local rank l (one per node) on that slice, their per-tensor sums added
+over the whole group; then each node gathers its slices. Other placements are refused on every rank.
 """
 
 import os
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import cast
 
 import torch
 import torch.distributed as dist
 
+from adasum.collectives.slices import SliceMover, adasum_slices_
 from adasum.collectives.vhdd import Placement, adasum_flat_
+from adasum.core.layout import Layout
 from adasum.core.reduce import reduce
+from adasum.transport import select
 from adasum.transport.c10d import global_rank
 from adasum.transport.groups import failures_named, group_device
 
@@ -48,6 +60,7 @@ class Hierarchy:
     nodes: int
     node: int
     local_rank: int
+    exact: bool = False  # the flat tree in two tiers (module doc), not Adasum over node means
 
     @property
     def peers(self) -> tuple[int, ...]:
@@ -103,8 +116,12 @@ def check_placement(local_sizes: Sequence[int], local_ranks: Sequence[int], node
     return size
 
 
-def build_hierarchy(group: dist.ProcessGroup | None = None, local_size: int | None = None) -> Hierarchy:
-    """Check the placement and create the intra-node sub-groups; collective over `group`.
+def build_hierarchy(
+    group: dist.ProcessGroup | None = None, local_size: int | None = None, exact: bool = False
+) -> Hierarchy:
+    """Check the placement and create the intra-node sub-groups; collective over `group`. With `exact`, the
+    hierarchy runs the flat tree in two tiers (module doc), which needs powers of two for the local size and
+    the number of nodes.
 
     `local_size` defaults to LOCAL_WORLD_SIZE. Where it equals LOCAL_WORLD_SIZE, the ranks'
     LOCAL_RANK and GROUP_RANK (the node), when set, are checked too. One small all-gather;
@@ -126,6 +143,12 @@ def build_hierarchy(group: dist.ProcessGroup | None = None, local_size: int | No
         dist.all_gather_into_tensor(everyone, torch.tensor(mine, dtype=torch.int64, device=device), group=group)
     info = everyone.view(world, 3).tolist()
     size = check_placement([i[0] for i in info], [i[1] for i in info], [i[2] for i in info])
+    nodes = world // size
+    if exact and size > 1 and (size & (size - 1) or nodes & (nodes - 1)):
+        raise ValueError(
+            f"exact two-tier Adasum needs a power of two of ranks per node and of nodes, got {nodes} nodes of "
+            f"{size} (the flat tree then pairs ranks across nodes; use hierarchical=True or flat Adasum)"
+        )
     rank = dist.get_rank(group)
     node, local_rank = divmod(rank, size)
     local_group = None
@@ -133,14 +156,18 @@ def build_hierarchy(group: dist.ProcessGroup | None = None, local_size: int | No
         members = [global_rank(group, node * size + i) for i in range(size)]
         # only the node's own ranks take part, so building it needs no global order of calls
         local_group = dist.new_group(members, use_local_synchronization=True)
-    return Hierarchy(group, local_group, size, world // size, node, local_rank)
+    return Hierarchy(group, local_group, size, nodes, node, local_rank, exact)
 
 
 def adasum_hierarchical_flat_(buffer: torch.Tensor, sizes: Sequence[int], hierarchy: Hierarchy) -> None:
     """Hierarchical Adasum of a flat buffer across the group, in place; `sizes` as in `adasum_flat_`.
 
-    Every rank ends with ``adasum.reduce`` over the node means, per tensor (module doc).
+    Every rank ends with ``adasum.reduce`` over the node means, per tensor (module doc); with an exact
+    hierarchy, over every rank (`adasum_two_tier_flat_`).
     """
+    if hierarchy.exact:
+        adasum_two_tier_flat_(buffer, sizes, hierarchy)
+        return
     size, numel = hierarchy.local_size, buffer.numel()
     if size == 1:
         adasum_flat_(buffer, sizes, hierarchy.group)
@@ -160,6 +187,25 @@ def adasum_hierarchical_flat_(buffer: torch.Tensor, sizes: Sequence[int], hierar
         dist.all_gather_into_tensor(padded, shard, group=hierarchy.local_group)
     if padded is not buffer:
         buffer.copy_(padded[:numel])
+
+
+def adasum_two_tier_flat_(buffer: torch.Tensor, sizes: Sequence[int], hierarchy: Hierarchy) -> None:
+    """The flat tree of Adasum over every rank of the group, in place, computed in two tiers (module doc):
+    equal to `adasum.reduce` of the ranks' buffers per tensor up to float64 rounding, ranks bitwise equal."""
+    if hierarchy.local_size == 1:
+        adasum_flat_(buffer, sizes, hierarchy.group)
+        return
+    layout = Layout(tuple(int(n) for n in sizes))
+    if layout.numel != buffer.numel():
+        raise ValueError(f"sizes add up to {layout.numel} elements, the buffer has {buffer.numel()}")
+
+    def across(mine: torch.Tensor, offset: int) -> None:
+        if hierarchy.nodes > 1:
+            adasum_flat_(mine, layout.sizes, hierarchy.group, Placement(hierarchy.peers, offset))
+
+    mover = cast(SliceMover, select(hierarchy.local_group, "slices"))
+    with failures_named("adasum.hierarchical", "the two-tier schedule", hierarchy.group):
+        adasum_slices_(buffer, layout, mover, across)
 
 
 def reduce_hierarchical(tensors: Sequence[torch.Tensor], local_size: int) -> torch.Tensor:

@@ -23,7 +23,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from datetime import timedelta
-from typing import Protocol
+from typing import Protocol, cast
 
 import torch
 
@@ -161,9 +161,18 @@ def tree_on_slice_(
     return finish
 
 
-def adasum_slices_(buffer: torch.Tensor | Scattered, layout: Layout, mover: SliceMover) -> None:
+def adasum_slices_(
+    buffer: torch.Tensor | Scattered,
+    layout: Layout,
+    mover: SliceMover,
+    across: Callable[[torch.Tensor, int], None] | None = None,
+) -> None:
     """Adasum of `buffer` (a flat tensor, or a `Scattered` list where ``mover.scattered``) across the mover's
-    group, in place, each tensor of `layout` with its own coefficients (module doc)."""
+    group, in place, each tensor of `layout` with its own coefficients (module doc).
+
+    `across` (flat buffers only): ``across(slice, offset)`` runs on each rank's finished slice (at layout
+    position `offset`) before the gather: the tree's levels above the mover's group (two tiers,
+    `adasum.collectives.hierarchical.adasum_two_tier_flat_`)."""
     world = mover.world
     if world == 1:
         return
@@ -183,4 +192,15 @@ def adasum_slices_(buffer: torch.Tensor | Scattered, layout: Layout, mover: Slic
 
         mover.scatter(buffer, layout, bounds, landed)
         finish = tree_on_slice_(rows, layout, where, tree, mover.all_reduce_sums, (first, end), sums)
-        mover.gather(buffer, layout, bounds, finish)
+        if across is None:
+            mover.gather(buffer, layout, bounds, finish)
+            continue
+        mine = cast(torch.Tensor, buffer)[where[0] : where[1]]  # the two-tier path runs on flat buffers
+        finish(0, where[1] - where[0], [mine])
+        across(mine, where[0])
+
+        def publish(p0: int, p1: int, outs: Sequence, mine: torch.Tensor = mine) -> None:  # this round's
+            for out in outs[1:]:  # the mover's own staging of the result (symmetric memory)
+                out.copy_(mine[p0:p1])
+
+        mover.gather(buffer, layout, bounds, publish)

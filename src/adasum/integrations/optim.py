@@ -12,7 +12,13 @@ keeps the starting weights x0, runs the wrapped optimizer locally, combines the 
 ranks take tau local steps between combinations (local SGD with the reducer of model deltas).
 
 Gradient mode: ``step()`` combines the gradients, then runs the wrapped optimizer (for plain SGD,
-the slides' usage); parameters without a gradient get zeros, as in DDP.
+the slides' usage). The ranks agree on which parameters have a gradient (one small all-reduce on
+the host per step): a parameter whose ``.grad`` is None on every rank keeps None, so the wrapped
+optimizer leaves it alone (no weight decay, no momentum), as plain PyTorch and DDP do; one with a
+gradient on some ranks only is combined with zeros from the others. ``step(closure)`` combines the
+gradients of every closure evaluation (the closure is wrapped), and the wrapped optimizer sees the
+loss averaged over the ranks, so optimizers that evaluate the closure several times (LBFGS) take
+the same decisions on every rank.
 
 GradScaler: ``scaler.step(opt)`` hands this optimizer ``grad_scale`` and ``found_inf`` (the
 ``_step_supports_amp_scaling`` contract) instead of deciding alone; ``step()`` all-reduces the
@@ -37,15 +43,17 @@ final parameters.
 
 from __future__ import annotations
 
+import gc
+import hashlib
 from collections import OrderedDict, deque
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from typing import Any, cast
 
 import torch
 import torch.distributed as dist
 
 from adasum import kernels
-from adasum.collectives.agreement import check_not_sharded, check_same_layout
+from adasum.collectives.agreement import Problem, agree, check_not_sharded, check_same_layout, describe, local_problem
 from adasum.collectives.nonfinite import apply_nonfinite_policy, check_policy, nonfinite_message
 from adasum.core.layout import Scattered, flatten, unflatten_into
 from adasum.reducers import Reducer, get_reducer
@@ -133,6 +141,66 @@ def check_same_parameters(
         )
 
 
+def names_by_parameter(named_parameters: Iterable[tuple[str, torch.Tensor]] | None) -> dict[int, str] | None:
+    """``{id(parameter): name}`` from ``model.named_parameters()`` (Horovod's ``named_parameters=``), or
+    None. A name given twice, or something other than (name, tensor) pairs, raises ValueError."""
+    if named_parameters is None:
+        return None
+    out: dict[int, str] = {}
+    seen: set[str] = set()
+    for item in named_parameters:
+        if not (isinstance(item, tuple) and len(item) == 2 and isinstance(item[0], str)):
+            raise ValueError(
+                "named_parameters must be (name, parameter) pairs, such as model.named_parameters(); "
+                f"got {type(item).__name__}"
+            )
+        name, param = item
+        if name in seen:
+            raise ValueError(f"named_parameters names {name!r} twice")
+        seen.add(name)
+        out.setdefault(id(param), name)
+    return out
+
+
+def ddp_problem(params: list[torch.Tensor], group: dist.ProcessGroup | None) -> Problem | None:
+    """A `Problem` when `params` belong to a DistributedDataParallel model whose process group shares
+    two or more ranks with `group` and which combines gradients itself: DDP averages the gradients in
+    backward, so combining them (or the steps they make) again over those ranks gives DDP's average.
+    Not a problem: a DDP over other ranks (say inside each host, with `group` across hosts), or one
+    given a comm hook of the user's own (not torch's nor adasum's), which decides what DDP combines.
+    Found by looking through the live objects (DDP leaves no mark on the parameters); called at
+    construction and on the first step."""
+    from torch.nn.parallel import DistributedDataParallel
+
+    wanted = {id(p) for p in params}
+    mine = set(dist.get_process_group_ranks(group if group is not None else dist.group.WORLD))
+    for obj in gc.get_objects():
+        if not issubclass(type(obj), DistributedDataParallel):  # type(), not isinstance: no proxy's __class__
+            continue
+        if not any(id(p) in wanted for p in obj.module.parameters()):
+            continue
+        theirs = set(dist.get_process_group_ranks(obj.process_group))
+        if len(mine & theirs) > 1 and _combines(obj):
+            return Problem(
+                "ValueError",
+                "the parameters belong to a DistributedDataParallel model over the same ranks: DDP has "
+                "already averaged the gradients in backward, so combining them again would give DDP's "
+                "average, not the reducer's. Either drop the DDP wrapper (DistributedOptimizer combines "
+                "across ranks itself), or keep DDP with a plain optimizer and register the hook: "
+                "ddp_model.register_comm_hook(adasum.ddp.AdasumState(), adasum.ddp.adasum_hook)",
+            )
+    return None
+
+
+def _combines(ddp: torch.nn.Module) -> bool:
+    """Whether a DDP model combines gradients across its ranks: with no comm hook (its own averaging, or a
+    built-in hook) or a hook from torch's ``ddp_comm_hooks`` or adasum's, yes; with one of the user's own, it is
+    theirs to decide."""
+    hooks = getattr(ddp, "_comm_hooks", [])  # DDP's record of register_comm_hook
+    known = ("torch.distributed.algorithms.ddp_comm_hooks", "adasum.")
+    return not hooks or any(getattr(hook, "__module__", "").startswith(known) for hook, _ in hooks)
+
+
 def optimizer_param_names(optimizer: torch.optim.Optimizer) -> list[str] | None:
     """The parameter names the optimizer was given (``torch.optim.SGD(model.named_parameters())``),
     in param-group order, or None when any group has none."""
@@ -175,10 +243,21 @@ class DistributedOptimizer(torch.optim.Optimizer):
             (`adasum.collectives.nonfinite.apply_nonfinite_policy`). "raise" and "skip" cost one
             8-byte all-reduce and a host synchronisation per step, which stops the host from
             queueing work ahead (docs/benchmarks.md), hence not the default.
+        named_parameters: ``model.named_parameters()`` (as Horovod takes it): the names that error
+            messages give the parameters. Every parameter of the optimizer must be named.
+        sparse_as_dense: turn sparse gradients (``nn.Embedding(sparse=True)``) into dense ones
+            before anything else in ``step()`` (Horovod's option). Without it gradient mode refuses
+            sparse gradients; delta mode steps them locally as they are.
+
+    Parameters of a DistributedDataParallel model over the same ranks are refused (ValueError on
+    every rank, at construction and on the first step): DDP has averaged their gradients already.
 
     ``param_groups``, ``state``, ``defaults``, ``zero_grad()`` pass through to the wrapped
-    optimizer (LR schedulers work on it). ``state_dict()`` holds the wrapped optimizer's state,
-    which in delta mode is local to each rank: every rank saves its own.
+    optimizer (LR schedulers work on it). Hooks registered on the wrapper
+    (``register_step_pre_hook``, ``register_step_post_hook``, the ``state_dict`` and
+    ``load_state_dict`` hooks) run around its own ``step()`` (every call, accumulation passes
+    included), ``state_dict()`` and ``load_state_dict()``. ``state_dict()`` holds the wrapped
+    optimizer's state, which in delta mode is local to each rank: every rank saves its own.
 
     On one process (a group of one rank; under torchrun every rank makes the same calls):
 
@@ -207,6 +286,8 @@ class DistributedOptimizer(torch.optim.Optimizer):
         bucket_cap_mb: float = 25.0,
         check: bool = True,
         nonfinite: str = "propagate",
+        named_parameters: Iterable[tuple[str, torch.Tensor]] | None = None,
+        sparse_as_dense: bool = False,
     ) -> None:
         check_policy(nonfinite)
         if not isinstance(optimizer, torch.optim.Optimizer):
@@ -221,6 +302,15 @@ class DistributedOptimizer(torch.optim.Optimizer):
         if not dist.is_initialized():
             raise RuntimeError("DistributedOptimizer needs torch.distributed to be initialised")
         self.optimizer = optimizer
+        self._names_by_id = names_by_parameter(named_parameters)
+        if self._names_by_id is not None:
+            unnamed = [i for i, p in enumerate(self._params()) if id(p) not in self._names_by_id]
+            if unnamed:
+                raise ValueError(
+                    f"named_parameters names no parameter {unnamed[0]} of the optimizer ({len(unnamed)} unnamed); "
+                    "pass the named_parameters() of the model the optimizer trains"
+                )
+        self.sparse_as_dense = bool(sparse_as_dense)
         self.reducer = get_reducer(reducer)
         self.mode = mode
         self.group = group
@@ -231,7 +321,8 @@ class DistributedOptimizer(torch.optim.Optimizer):
         self.skipped_steps = 0  # steps skipped on every rank under nonfinite="skip"
         self.check = check
         self.bucket_cap_bytes = int(bucket_cap_mb * 2**20) if self.reducer.per_tensor else None
-        self._gradients_checked = False  # gradient mode: the gradients' layout, checked on the first step
+        self._checked_present: tuple[int, ...] | None = None  # gradient mode: the gradients whose layout was checked
+        self._ddp_checked = False  # the first step looks for a DDP wrapper again (one made after construction)
         self._device = group_device(group)
         self._anchor: list[torch.Tensor] | None = None  # delta mode: the round's starting weights
         self._delta_buffers: dict[tuple, torch.Tensor] = {}  # delta mode: `IN_FLIGHT` flat buffers per dtype
@@ -248,6 +339,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
         self._optimizer_state_dict_post_hooks: OrderedDict = OrderedDict()
         self._optimizer_load_state_dict_pre_hooks: OrderedDict = OrderedDict()
         self._optimizer_load_state_dict_post_hooks: OrderedDict = OrderedDict()
+        self._refuse_ddp(self._settings())  # and the settings, the same on every rank
         if check:
             self._check_parameters()
         self.reducer.setup(group)
@@ -278,7 +370,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
         self.optimizer.add_param_group(param_group)
         if self.check:
             added = self.optimizer.param_groups[-1]
-            names = added.get("param_names") or None
+            names = self._names(list(added["params"])) or added.get("param_names") or None
             try:
                 check_same_parameters(
                     list(added["params"]), self.group, names, operation="adasum.DistributedOptimizer.add_param_group"
@@ -288,7 +380,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
                 raise
         self._anchor = None
         self._anchor_mark = None
-        self._gradients_checked = False
+        self._checked_present = None
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         """The wrapped optimizer's zero_grad, except while gradients accumulate."""
@@ -303,11 +395,15 @@ class DistributedOptimizer(torch.optim.Optimizer):
     def _params(self) -> list[torch.Tensor]:
         return [p for group in self.optimizer.param_groups for p in group["params"]]
 
+    @torch.optim.Optimizer.profile_hook_step  # the step hooks registered on the wrapper, as torch runs them
     @torch.no_grad()
     def step(self, closure: Callable[[], Any] | None = None) -> Any:
         """One step: local step and combination of the deltas (delta mode) or combination of the
         gradients and step (gradient mode); nothing but counting on accumulation passes. Skipped
-        on every rank together when GradScaler found inf/NaN on any rank."""
+        on every rank together when GradScaler found inf/NaN on any rank. With a `closure`, gradient
+        mode combines the gradients of each of its evaluations (module doc)."""
+        if closure is not None:
+            self._check_closure_options()
         scaled = hasattr(self, "found_inf")  # set by GradScaler.step for this call only
         if scaled and self.backward_passes_per_step > 1:
             raise ValueError(
@@ -324,21 +420,97 @@ class DistributedOptimizer(torch.optim.Optimizer):
         scale = getattr(self, "grad_scale", None)
         if scaled and scale is not None:
             self._unscale(params, scale)
+        if self.sparse_as_dense:
+            _densify(params)
         if self.nonfinite != "propagate" and self._nonfinite_gradients(params):
             return None
+        if not self._ddp_checked:  # a DDP wrapper made after construction; before anything changes
+            self._refuse_ddp()
+            self._ddp_checked = True
         if self.mode == "gradient":
-            self._combine_gradients(params)
+            if closure is None:
+                self._combine_gradients(params)
+                return self.optimizer.step()
             with torch.enable_grad():
-                return self.optimizer.step(closure) if closure is not None else self.optimizer.step()
+                return self.optimizer.step(self._combining(closure))
         if self._round_step == 0 and not self._anchor_current(params):
             self._save_anchor(params)
         with torch.enable_grad():
-            loss = self.optimizer.step(closure) if closure is not None else self.optimizer.step()
+            loss = self.optimizer.step(self._densifying(closure)) if closure is not None else self.optimizer.step()
         self._round_step += 1
-        if self._round_step == self.local_steps:
+        if self._round_step >= self.local_steps:
             self._combine_deltas(params)
             self._round_step = 0
         return loss
+
+    def _check_closure_options(self) -> None:
+        """Refuse a closure where the wrapper cannot honour it (the same options on every rank give the
+        same error on every rank): gradients accumulated over calls, or a non-finite policy, which
+        looks at the gradients before the closure has made them."""
+        if self.backward_passes_per_step > 1:
+            raise ValueError(
+                "step(closure) with backward_passes_per_step > 1: accumulate inside the closure "
+                "(k backward passes, then return the loss) and use backward_passes_per_step=1"
+            )
+        if self.nonfinite != "propagate":
+            raise ValueError(
+                f"step(closure) with nonfinite={self.nonfinite!r}: the policy checks the gradients before the "
+                "step, and a closure makes them inside it; call backward yourself and then step()"
+            )
+
+    def _combining(self, closure: Callable[[], Any]) -> Callable[[], Any]:
+        """Gradient mode: `closure`, then the combination of the gradients it made; the loss it returns
+        averaged over the ranks (the wrapped optimizer may decide on it: LBFGS's line search)."""
+
+        def combined() -> Any:
+            with torch.enable_grad():
+                loss = closure()
+            with torch.no_grad():
+                params = self._params()
+                if self.sparse_as_dense:
+                    _densify(params)
+                self._combine_gradients(params)
+                return self._mean_loss(loss)
+
+        return combined
+
+    def _densifying(self, closure: Callable[[], Any]) -> Callable[[], Any]:
+        """Delta mode: `closure`, then its sparse gradients made dense under ``sparse_as_dense``."""
+        if not self.sparse_as_dense:
+            return closure
+
+        def densified() -> Any:
+            loss = closure()
+            _densify(self._params())
+            return loss
+
+        return densified
+
+    def _mean_loss(self, loss: Any) -> Any:
+        """The closure's `loss` averaged over the ranks, summed in rank order (bitwise the same on every rank),
+        as a tensor like `loss` (or a float); None when every rank's closure returned None. A loss on some ranks
+        only raises ValueError on every rank."""
+        world = dist.get_world_size(self.group)
+        value = float("nan") if loss is None else float(loss)
+        mine = torch.tensor([value, float(loss is not None)], dtype=torch.float64)
+        everyone = [torch.empty_like(mine) for _ in range(world)]
+        with failures_named("adasum.DistributedOptimizer.step", "the closure's loss all-gather", self.group):
+            dist.all_gather(everyone, mine, group=control_group(self.group))
+        given = [bool(t[1]) for t in everyone]
+        if not any(given):
+            return None
+        if not all(given):
+            raise ValueError(
+                f"adasum.DistributedOptimizer.step: the closure returned a loss on ranks "
+                f"{[r for r, g in enumerate(given) if g]} and None on the others; return the loss on every rank"
+            )
+        total = 0.0
+        for t in everyone:
+            total += float(t[0])
+        mean = total / world
+        if isinstance(loss, torch.Tensor):
+            return torch.tensor(mean, dtype=loss.dtype, device=loss.device)
+        return mean
 
     def last_combined(self) -> list[torch.Tensor] | None:
         """The parameters as of the last combination (the round's starting weights, in the order of
@@ -358,7 +530,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
             self.nonfinite,
             grads,
             self.group,
-            optimizer_param_names(self.optimizer),
+            self._names(),
             operation="adasum.DistributedOptimizer.step",
             what="the gradient of parameter",
         )
@@ -418,23 +590,105 @@ class DistributedOptimizer(torch.optim.Optimizer):
         self._anchor = anchor
 
     def _combine_gradients(self, params: list[torch.Tensor]) -> None:
+        """Combine the gradients of the parameters that have one on any rank (`_present_gradients`); the others
+        keep ``.grad = None`` everywhere, so the wrapped optimizer leaves them alone."""
+        present = self._present_gradients(params)
         grads: list[torch.Tensor] = []
-        for p in params:
-            if p.grad is None:
-                p.grad = torch.zeros_like(p)
-            grads.append(p.grad)
+        for i in present:
+            grad = params[i].grad
+            if grad is None:  # a gradient on other ranks only: this rank contributes zeros
+                grad = params[i].grad = torch.zeros_like(params[i])
+            grads.append(grad)
         operation = "adasum.DistributedOptimizer.step"
-        if not self._gradients_checked:  # once: sparse or misplaced gradients raise on every rank
-            with failures_named(operation, "the gradient layout check", self.group):
-                check_same_layout(grads, self.group, self._device, "gradients", in_place=False, operation=operation)
-            self._gradients_checked = True
+        if self._checked_present != present:  # once per set of gradients (agreed): checked on every rank
+            self._check_gradients(grads, present, operation)
+            self._checked_present = present
         elif any(g.is_sparse for g in grads):
-            raise TypeError(f"{operation}: sparse gradients cannot be combined in gradient mode (use mode='delta')")
+            raise TypeError(f"{operation}: {_sparse_message(self._label(present[0]))}")
         for bucket in buckets(grads, self.bucket_cap_bytes):
             members = [grads[i] for i in bucket]
             flat = flatten(members)
             self.reducer.all_reduce_flat(flat, [g.numel() for g in members], self.group, check_layout=False)
             unflatten_into(flat, members)
+
+    def _present_gradients(self, params: list[torch.Tensor]) -> tuple[int, ...]:
+        """Indices of the parameters with a gradient on at least one rank, the same on every rank.
+
+        Shaped like every check of the control group (`adasum.collectives.agreement.agree`), so that it can pair
+        only with checks: one all-reduce (MAX) of three int64 (a signature of this rank's indices, its negation,
+        a flag); when the ranks' indices differ, a gather of them gives the union. A rank at another check
+        (say `add_param_group` on one rank only) gets a ValueError on both sides instead of a mixed result."""
+        mine = tuple(i for i, p in enumerate(params) if p.grad is not None)
+        if dist.get_world_size(self.group) == 1:
+            return mine
+        description = [("gradient of parameter", i) for i in mine]
+        digest = hashlib.blake2b(repr(description).encode(), digest_size=8).digest()
+        signature = int.from_bytes(digest, "little") >> 2  # 62 bits: its negation fits int64
+        probe = torch.tensor([signature, -signature, 0], dtype=torch.int64)
+        operation = "adasum.DistributedOptimizer.step"
+        control = control_group(self.group)
+        with failures_named(operation, "the gradient presence check", self.group):
+            dist.all_reduce(probe, op=dist.ReduceOp.MAX, group=control)
+            high, neg_low, _ = probe.tolist()
+            if high == -neg_low:
+                return mine
+            everyone: list = [None] * dist.get_world_size(self.group)
+            dist.all_gather_object(everyone, (description, None), group=control)
+        union: set[int] = set()
+        for rank, (theirs, _) in enumerate(everyone):
+            if any(not (isinstance(e, tuple) and e[:1] == ("gradient of parameter",)) for e in theirs):
+                raise ValueError(
+                    f"{operation}: rank {rank} was at another check than step()'s gradient presence check "
+                    "(a collective such as add_param_group called on some ranks only); call step() on every rank"
+                )
+            union.update(i for _, i in theirs)
+        return tuple(sorted(union))
+
+    def _check_gradients(self, grads: list[torch.Tensor], present: tuple[int, ...], operation: str) -> None:
+        """Same layout on every rank and no local problem (sparse, misplaced), or the same error on every rank."""
+        sparse = [i for i, g in zip(present, grads) if g.is_sparse]
+        problem = (
+            Problem("TypeError", _sparse_message(self._label(sparse[0])))
+            if sparse
+            else local_problem(grads, self._device, in_place=False, group=self.group)
+        )
+        with failures_named(operation, "the gradient layout check", self.group):
+            agree(describe(grads), problem, self.group, "gradients", operation)
+
+    def _label(self, index: int) -> str:
+        """Parameter `index` as messages name it: its name when known."""
+        names = self._names()
+        return f"{index} ({names[index]!r})" if names is not None else str(index)
+
+    def _names(self, params: list[torch.Tensor] | None = None) -> list[str] | None:
+        """The names of `params` (default: every parameter, in order): from ``named_parameters=``, else the
+        optimizer's own (built from ``model.named_parameters()``); None when any is unnamed."""
+        if params is None and self._names_by_id is None:
+            return optimizer_param_names(self.optimizer)
+        if self._names_by_id is None:
+            return None
+        names = [self._names_by_id.get(id(p)) for p in (params if params is not None else self._params())]
+        return None if any(n is None for n in names) else names  # type: ignore[return-value]
+
+    def _refuse_ddp(self, settings: list[tuple] | None = None) -> None:
+        """ValueError on every rank when a rank's parameters belong to a DDP model over our ranks (`ddp_problem`),
+        or when ranks give different `settings` (which decide the collectives each step runs)."""
+        operation = "adasum.DistributedOptimizer"
+        with failures_named(operation, "the settings check", self.group):
+            agree(settings or [], ddp_problem(self._params(), self.group), self.group, "settings", operation)
+
+    def _settings(self) -> list[tuple]:
+        """What every rank must set alike: ``(name, value)`` pairs."""
+        return [
+            ("reducer", repr(self.reducer)),
+            ("mode", self.mode),
+            ("local_steps", self.local_steps),
+            ("backward_passes_per_step", self.backward_passes_per_step),
+            ("nonfinite", self.nonfinite),
+            ("bucket_cap_bytes", self.bucket_cap_bytes),
+            ("sparse_as_dense", self.sparse_as_dense),
+            ("grad_scaler", self.grad_scaler is not None),
+        ]
 
     def _combine_deltas(self, params: list[torch.Tensor]) -> None:
         """Set x := x0 + combine(x - x0), bucket by bucket; x0 and the combination agree on every
@@ -506,25 +760,38 @@ class DistributedOptimizer(torch.optim.Optimizer):
 
     def _check_parameters(self) -> None:
         """Same shapes, dtypes and values on every rank (`check_same_parameters`)."""
-        params = self._params()
-        names = optimizer_param_names(self.optimizer)
-        check_same_parameters(params, self.group, names, operation="adasum.DistributedOptimizer")
+        check_same_parameters(self._params(), self.group, self._names(), operation="adasum.DistributedOptimizer")
 
     def state_dict(self) -> dict[str, Any]:
-        """The wrapped optimizer's state, the accumulation counters and, in the middle of a round
-        of local steps, the round's starting weights."""
+        """The wrapped optimizer's state, the accumulation counters, the round's length and, in the middle
+        of a round of local steps, the round's starting weights; the wrapper's state_dict hooks run
+        around it, as torch's optimizers run theirs."""
+        for pre_hook in self._optimizer_state_dict_pre_hooks.values():
+            pre_hook(self)
         anchor = [a.clone() for a in self._anchor] if (self._round_step and self._anchor is not None) else None
-        return {
+        state = {
             "optimizer": self.optimizer.state_dict(),
             "passes": self._passes,
             "round_step": self._round_step,
+            "local_steps": self.local_steps,
+            "backward_passes_per_step": self.backward_passes_per_step,
             "anchor": anchor,
             "reducer": self.reducer.state_dict(),
             "skipped_steps": self.skipped_steps,
         }
+        for post_hook in self._optimizer_state_dict_post_hooks.values():
+            state = post_hook(self, state) or state
+        return state
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        """Restore what `state_dict` saved (on every rank, each its own)."""
+        """Restore what `state_dict` returned. A state saved in the middle of a round of local steps (or
+        of accumulated passes) loads only into a wrapper with the same ``local_steps``
+        (``backward_passes_per_step``): otherwise ValueError, and nothing is changed. Checked on each rank
+        against its own state (every rank loads the state it saved, with the same counters)."""
+        state_dict = state_dict.copy()
+        for pre_hook in self._optimizer_load_state_dict_pre_hooks.values():
+            state_dict = pre_hook(self, state_dict) or state_dict
+        self._check_counters(state_dict)
         self.optimizer.load_state_dict(state_dict["optimizer"])
         self.skipped_steps = int(state_dict.get("skipped_steps", 0))
         self._passes = int(state_dict["passes"])
@@ -536,6 +803,39 @@ class DistributedOptimizer(torch.optim.Optimizer):
             self._new_anchor(params)
             assert self._anchor is not None
             torch._foreach_copy_(self._anchor, [a.to(p.device) for a, p in zip(state_dict["anchor"], params)])
+        for post_hook in self._optimizer_load_state_dict_post_hooks.values():
+            post_hook(self)
+
+    def _check_counters(self, state_dict: dict[str, Any]) -> None:
+        """A saved round (or accumulation) in progress must have the length this wrapper counts to: a round
+        saved at local step 3 and resumed with ``local_steps=2`` would otherwise end at a step no rank reaches."""
+        for counter, length, name in (
+            ("round_step", "local_steps", "local step"),
+            ("passes", "backward_passes_per_step", "backward pass"),
+        ):
+            done, mine = int(state_dict[counter]), getattr(self, length)
+            saved = state_dict.get(length)  # absent from states saved before it was recorded
+            if done and (done >= mine or (saved is not None and int(saved) != mine)):
+                was = f" of {saved}" if saved is not None else ""
+                raise ValueError(
+                    f"adasum.DistributedOptimizer.load_state_dict: the state was saved after {name} {done}{was}, "
+                    f"but this wrapper has {length}={mine}; build the wrapper with the {length} the state was "
+                    "saved with, or resume from a state saved between rounds"
+                )
+
+
+def _sparse_message(label: str) -> str:
+    return (
+        f"the gradient of parameter {label} is sparse; gradient mode combines dense gradients: pass "
+        "sparse_as_dense=True (or use mode='delta', which steps sparse gradients locally)"
+    )
+
+
+def _densify(params: list[torch.Tensor]) -> None:
+    """Sparse gradients made dense, in place of the old ones (``sparse_as_dense``)."""
+    for p in params:
+        if p.grad is not None and p.grad.is_sparse:
+            p.grad = p.grad.to_dense()
 
 
 def _versions(params: list[torch.Tensor]) -> tuple:

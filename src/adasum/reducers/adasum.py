@@ -32,12 +32,18 @@ class Adasum(Reducer):
 
     ``hierarchical=True`` (multi-GPU nodes): mean within each node of `local_size` consecutive
     ranks (default LOCAL_WORLD_SIZE), Adasum across the node means (see `adasum.hierarchical`).
+    ``hierarchical="exact"``: the flat tree over every rank, computed in two tiers (slice-parallel inside
+    each node, VHDD across nodes); needs powers of two for `local_size` and the number of nodes.
     """
 
     name = "adasum"
     exact_average = False
 
-    def __init__(self, per_tensor: bool = True, hierarchical: bool = False, local_size: int | None = None) -> None:
+    def __init__(
+        self, per_tensor: bool = True, hierarchical: bool | str = False, local_size: int | None = None
+    ) -> None:
+        if hierarchical not in (False, True, "exact"):
+            raise ValueError(f"hierarchical must be False, True or 'exact', got {hierarchical!r}")
         self.per_tensor = per_tensor
         self.hierarchical = hierarchical
         self.local_size = local_size
@@ -46,7 +52,7 @@ class Adasum(Reducer):
     def reduce(self, per_worker):
         """Adasum of the workers' copies, tensor by tensor (or whole-model), in one process."""
         count = check_workers(per_worker)
-        if self.hierarchical:
+        if self.hierarchical is True:
             size = self.local_size or hierarchical.local_size_from_env() or 1
             if self.per_tensor:
                 return [hierarchical.reduce_hierarchical([w[i] for w in per_worker], size) for i in range(count)]
@@ -78,7 +84,8 @@ class Adasum(Reducer):
 
     def _hierarchy(self, group):
         if group not in self._hierarchies:
-            self._hierarchies[group] = hierarchical.build_hierarchy(group, self.local_size)
+            exact = self.hierarchical == "exact"
+            self._hierarchies[group] = hierarchical.build_hierarchy(group, self.local_size, exact=exact)
         return self._hierarchies[group]
 
     def _all_reduce(self, tensors, group=None, **options):
@@ -120,5 +127,5 @@ class Adasum(Reducer):
         return {**self.__dict__, "_hierarchies": {}}
 
     def __repr__(self) -> str:
-        extra = f", hierarchical=True, local_size={self.local_size}" if self.hierarchical else ""
+        extra = f", hierarchical={self.hierarchical!r}, local_size={self.local_size}" if self.hierarchical else ""
         return f"Adasum(per_tensor={self.per_tensor}{extra})"

@@ -1,0 +1,164 @@
+"""Start every rank from one rank's model and optimizer state (Horovod's ``broadcast_parameters`` and
+``broadcast_optimizer_state``), so that `adasum.DistributedOptimizer`'s construction check passes.
+
+>>> adasum.broadcast_parameters(model.state_dict(), root=0)  # doctest: +SKIP
+>>> adasum.broadcast_optimizer_state(optimizer, root=0)  # doctest: +SKIP
+
+Both are collective: every rank of the group calls them with the same layout (checked first, one
+small all-reduce: a difference raises the same ValueError on every rank before data moves). Tensors
+travel fused, one broadcast per device and dtype.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from adasum.collectives.agreement import check_same_layout
+from adasum.core.layout import flatten, unflatten_into
+from adasum.integrations.optim import buckets
+from adasum.transport.groups import control_group, failures_named, group_device
+
+__all__ = ["broadcast_optimizer_state", "broadcast_parameters"]
+
+Params = Mapping[str, torch.Tensor] | Iterable[torch.Tensor] | Iterable[tuple[str, torch.Tensor]]
+
+
+def broadcast_parameters(params: Params, root: int = 0, group: dist.ProcessGroup | None = None) -> None:
+    """Copy rank `root`'s values into every rank's tensors, in place.
+
+    Args:
+        params: ``model.state_dict()`` (buffers included: BatchNorm statistics, integer counters),
+            ``model.parameters()`` or ``model.named_parameters()``; a dict is taken in sorted key
+            order, as Horovod does. Tied weights (one tensor under two names) travel once.
+        root: the rank, in `group`, whose values every rank takes.
+        group: the process group (default: the world).
+
+    >>> adasum.broadcast_parameters(model.state_dict(), root=0)  # doctest: +SKIP
+    """
+    tensors = _unique(_tensors(params))
+    operation = "adasum.broadcast_parameters"
+    with torch.no_grad():
+        with failures_named(operation, "the layout check", group):
+            check_same_layout(
+                tensors, group, group_device(group), "tensors", in_place=False, floating=False, operation=operation
+            )
+        _broadcast_tensors(tensors, root, group, operation)
+
+
+def broadcast_optimizer_state(optimizer: Any, root: int = 0, group: dist.ProcessGroup | None = None) -> None:
+    """Give every rank rank `root`'s optimizer state (``state_dict()``, then ``load_state_dict()``):
+    learning rates, momentum buffers, Adam moments and step counters, also where other ranks have no
+    state yet (never stepped). Works on a torch optimizer, an `adasum.DistributedOptimizer` or anything
+    with ``state_dict()`` / ``load_state_dict()``.
+
+    The state's structure goes as one pickled object from `root`, its tensors as fused broadcasts;
+    first every rank checks that all hold parameters of the same shapes and dtypes (ValueError on every
+    rank otherwise), so the state fits everywhere.
+
+    >>> adasum.broadcast_optimizer_state(optimizer, root=0)  # doctest: +SKIP
+    """
+    operation = "adasum.broadcast_optimizer_state"
+    params = [p for g in optimizer.param_groups for p in g["params"]]
+    with failures_named(operation, "the parameter layout check", group):
+        check_same_layout(params, group, group_device(group), "parameters", in_place=False, operation=operation)
+    is_root = dist.get_rank(group) == root
+    tensors: list[torch.Tensor] = []
+    skeleton = _hollow(optimizer.state_dict(), tensors) if is_root else None
+    box = [skeleton]
+    with failures_named(operation, "the state structure broadcast", group):
+        dist.broadcast_object_list(box, group_src=root, group=control_group(group))
+    skeleton = box[0]
+    assert skeleton is not None  # the root's, broadcast to every rank
+    if not is_root:
+        tensors = [torch.empty(shape, dtype=dtype, device=_device(kind, group)) for shape, dtype, kind in skeleton[1]]
+    with torch.no_grad():
+        _broadcast_tensors(tensors, root, group, operation)
+    if not is_root:
+        optimizer.load_state_dict(_fill(skeleton[0], tensors))
+
+
+# -- the state's structure without its tensors
+
+
+class _Slot:
+    """Where tensor `index` of the broadcast goes back into the state."""
+
+    def __init__(self, index: int) -> None:
+        self.index = index
+
+
+def _hollow(state: Any, tensors: list[torch.Tensor]) -> tuple[Any, list[tuple]]:
+    """(the state with each tensor replaced by a `_Slot`, [(shape, dtype, device type), ...]); the tensors are
+    appended to `tensors`."""
+    specs: list[tuple] = []
+
+    def walk(value: Any) -> Any:
+        if isinstance(value, torch.Tensor):
+            tensors.append(value.detach())
+            specs.append((tuple(value.shape), value.dtype, value.device.type))
+            return _Slot(len(tensors) - 1)
+        if isinstance(value, dict):
+            return {k: walk(v) for k, v in value.items()}
+        if isinstance(value, (list, tuple)):
+            return type(value)(walk(v) for v in value)
+        return value
+
+    return walk(state), specs
+
+
+def _fill(state: Any, tensors: list[torch.Tensor]) -> Any:
+    if isinstance(state, _Slot):
+        return tensors[state.index]
+    if isinstance(state, dict):
+        return {k: _fill(v, tensors) for k, v in state.items()}
+    if isinstance(state, (list, tuple)):
+        return type(state)(_fill(v, tensors) for v in state)
+    return state
+
+
+def _device(kind: str, group: dist.ProcessGroup | None) -> torch.device:
+    """A device of type `kind` on this rank (the root's tensor's device type: Adam keeps ``step`` on the CPU)."""
+    home = group_device(group)
+    if kind == home.type:
+        return home
+    return torch.device("cuda", torch.cuda.current_device()) if kind == "cuda" else torch.device(kind)
+
+
+# -- moving tensors
+
+
+def _tensors(params: Params) -> list[torch.Tensor]:
+    if isinstance(params, Mapping):
+        return [params[k] for k in sorted(params)]
+    out = []
+    for item in params:
+        out.append(item[1] if isinstance(item, tuple) else item)
+    return out
+
+
+def _unique(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
+    """Each memory location once (a state dict lists tied weights under each name), in order."""
+    seen: set[tuple] = set()
+    out = []
+    for t in tensors:
+        key = (t.data_ptr(), t.dtype, tuple(t.shape), tuple(t.stride()), t.device)
+        if t.numel() == 0 or key not in seen:
+            seen.add(key)
+            out.append(t)
+    return out
+
+
+def _broadcast_tensors(tensors: list[torch.Tensor], root: int, group: dist.ProcessGroup | None, operation: str) -> None:
+    """Rank `root`'s `tensors` into every rank's, in place: one broadcast per bucket of one device and dtype,
+    through the group's device."""
+    home = group_device(group)
+    for number, bucket in enumerate(buckets(tensors, 64 * 2**20)):
+        members = [tensors[i] for i in bucket]
+        flat = flatten(members).to(home)
+        with failures_named(operation, f"the broadcast of bucket {number}", group):
+            dist.broadcast(flat, group_src=root, group=group)
+        unflatten_into(flat.to(members[0].device), members)

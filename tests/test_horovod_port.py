@@ -1,0 +1,181 @@
+"""Horovod's Adasum training script (its PyTorch MNIST example with ``op=hvd.Adasum``) ported line by line
+to adasum (docs/migrating-from-horovod.md) and trained on 2 gloo ranks, against a single-process
+simulation of both ranks; and the two broadcast helpers on their own."""
+
+import copy
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+import adasum
+
+import distributed
+from reference import tree
+
+CLASSES, FEATURES, MICRO_BATCH = 3, 6, 8
+ROUNDS, PASSES = 8, 2  # optimizer steps; backward passes accumulated per step
+
+
+class Net(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc1 = torch.nn.Linear(FEATURES, 16)
+        self.bn = torch.nn.BatchNorm1d(16)  # buffers: broadcast with the state dict
+        self.fc2 = torch.nn.Linear(16, CLASSES)
+
+    def forward(self, x):
+        return F.log_softmax(self.fc2(torch.relu(self.bn(self.fc1(x)))), dim=1)
+
+
+def shard(rank, step, micro):
+    """Rank `rank`'s micro-batch: three Gaussian blobs, a different draw per rank, step and pass."""
+    g = torch.Generator().manual_seed(10_000 * rank + 100 * step + micro)
+    target = torch.randint(CLASSES, (MICRO_BATCH,), generator=g)
+    centres = torch.eye(CLASSES, FEATURES) * 3.0
+    return centres[target] + torch.randn(MICRO_BATCH, FEATURES, generator=g), target
+
+
+def make_optimizer(params):
+    return torch.optim.SGD(params, lr=0.05, momentum=0.9)
+
+
+def warm_up(model, optimizer):
+    """Rank 0 has already taken one step (so there is momentum state to broadcast); the others have none."""
+    data, target = shard(99, 0, 0)
+    F.nll_loss(model(data), target).backward()
+    optimizer.step()
+    optimizer.zero_grad()
+
+
+def horovod_body(rank, world):
+    # hvd.init()                                                        -> torchrun / init_process_group
+    torch.manual_seed(rank)  # deliberately different initial weights: the broadcast makes them agree
+    model = Net()
+    optimizer = make_optimizer(model.parameters())
+    if rank == 0:
+        warm_up(model, optimizer)
+    # hvd.broadcast_parameters(model.state_dict(), root_rank=0)
+    adasum.broadcast_parameters(model.state_dict(), root=0)
+    # hvd.broadcast_optimizer_state(optimizer, root_rank=0)
+    adasum.broadcast_optimizer_state(optimizer, root=0)
+    # hvd.DistributedOptimizer(optimizer, named_parameters=model.named_parameters(), op=hvd.Adasum,
+    #                          backward_passes_per_step=PASSES)
+    optimizer = adasum.DistributedOptimizer(
+        optimizer, named_parameters=model.named_parameters(), reducer="adasum", backward_passes_per_step=PASSES
+    )
+    losses = []
+    for step in range(ROUNDS):
+        for micro in range(PASSES):
+            data, target = shard(rank, step, micro)
+            optimizer.zero_grad()  # a no-op while passes accumulate
+            loss = F.nll_loss(model(data), target)
+            loss.backward()
+            optimizer.step()
+            losses.append(loss.item())
+    return [p.detach().numpy().copy() for p in model.parameters()], losses
+
+
+def simulate(world):
+    """Both ranks in one process: rank 0's warmed-up start everywhere, per rank PASSES accumulated passes and a
+    local SGD step, the deltas combined by the NumPy reference tree, applied to the common start."""
+    torch.manual_seed(0)
+    start = Net()
+    start_opt = make_optimizer(start.parameters())
+    warm_up(start, start_opt)
+    models = [Net() for _ in range(world)]
+    opts = [make_optimizer(m.parameters()) for m in models]
+    for m, o in zip(models, opts):
+        m.load_state_dict(start.state_dict())
+        o.load_state_dict(copy.deepcopy(start_opt.state_dict()))  # torch would share the momentum buffers
+    for step in range(ROUNDS):
+        x0 = [p.detach().clone() for p in models[0].parameters()]
+        for r, (m, o) in enumerate(zip(models, opts)):
+            o.zero_grad()
+            for micro in range(PASSES):
+                data, target = shard(r, step, micro)
+                F.nll_loss(m(data), target).backward()
+            o.step()
+        with torch.no_grad():
+            for i, base in enumerate(x0):
+                deltas = [(list(m.parameters())[i] - base).double().reshape(-1).numpy() for m in models]
+                combined = torch.from_numpy(tree(deltas)).to(base.dtype).reshape(base.shape)
+                for m in models:
+                    list(m.parameters())[i].copy_(base + combined)
+    return [p.detach() for p in models[0].parameters()]
+
+
+def test_horovod_adasum_example_trains_as_the_reference():
+    world = 2
+    results = distributed.run(world, horovod_body)
+    expected = simulate(world)
+    for params, _ in results:
+        for p, e in zip(params, expected):
+            assert float((torch.from_numpy(p) - e).norm() / e.norm()) < 1e-5
+    assert all((a == b).all() for a, b in zip(results[0][0], results[1][0]))
+    losses = results[0][1]
+    assert sum(losses[-4:]) < 0.5 * sum(losses[:4]), losses  # it learns
+
+
+def broadcast_body(rank, world):
+    """broadcast_parameters: a state dict with buffers (integer ones too) and tied weights, named_parameters()
+    pairs, bare parameters; broadcast_optimizer_state: Adam state onto a rank without any (``step`` stays a CPU
+    tensor), and into a DistributedOptimizer; a layout that differs across ranks is refused on every rank."""
+    torch.manual_seed(rank)
+    model = Net()
+    tied = torch.nn.Sequential(torch.nn.Embedding(4, 3), torch.nn.Linear(3, 4, bias=False))
+    tied[1].weight = tied[0].weight
+    model.bn.num_batches_tracked.fill_(7 * (rank + 1))
+    adasum.broadcast_parameters(model.state_dict(), root=1)
+    adasum.broadcast_parameters(tied.state_dict(), root=1)  # lists the tied weight twice
+    out = {
+        "state": [t.numpy().copy() for t in model.state_dict().values()],
+        "tied": tied[0].weight.detach().numpy().copy(),
+    }
+    assert int(model.bn.num_batches_tracked) == 14
+    adasum.broadcast_parameters(model.parameters(), root=0)  # bare tensors (a generator)
+
+    adam = torch.optim.Adam(model.parameters(), lr=0.01)
+    if rank == 0:
+        F.nll_loss(model(torch.randn(4, FEATURES)), torch.tensor([0, 1, 2, 0])).backward()
+        adam.step()
+    adasum.broadcast_optimizer_state(adam, root=0)
+    state = adam.state_dict()["state"]
+    assert len(state) == 6 and all(s["step"].device.type == "cpu" for s in state.values())
+    out["adam"] = [t.numpy().copy() for s in state.values() for t in s.values()]
+
+    adasum.broadcast_parameters(model.parameters(), root=0)  # Adam moved rank 0's
+    wrapped = adasum.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9), local_steps=2)
+    if rank == 1:
+        wrapped._round_step = 1  # as if loaded mid-round on one rank: the broadcast gives rank 0's counters
+    adasum.broadcast_optimizer_state(wrapped, root=0)
+    assert wrapped._round_step == 0
+
+    bad = torch.zeros(3 if rank == 0 else 4)
+    with pytest.raises(ValueError) as info:
+        adasum.broadcast_parameters([bad], root=0)
+    out["error"] = str(info.value)
+    return out
+
+
+def test_broadcasts():
+    results = distributed.run(2, broadcast_body)
+    for key in ("state", "adam"):
+        assert all((a == b).all() for a, b in zip(results[0][key], results[1][key])), key
+    assert (results[0]["tied"] == results[1]["tied"]).all()
+    assert results[0]["error"] == results[1]["error"]
+    assert "adasum.broadcast_parameters: tensors differ across ranks at index 0" in results[0]["error"]
+
+
+def test_broadcast_on_one_process_changes_nothing():
+    store = dist.HashStore()
+    dist.init_process_group("gloo", store=store, rank=0, world_size=1)
+    try:
+        model = Net()
+        before = [t.clone() for t in model.state_dict().values()]
+        adasum.broadcast_parameters(model.state_dict())
+        adasum.broadcast_optimizer_state(torch.optim.SGD(model.parameters(), lr=0.1))
+        assert all(torch.equal(a, b) for a, b in zip(before, model.state_dict().values()))
+    finally:
+        dist.destroy_process_group()
