@@ -150,8 +150,9 @@ def exact_body(rank, world, local_size):
     for dtype, bound in ((torch.float32, 1e-6), (torch.float64, 1e-13)):
         g = torch.Generator().manual_seed(11 + world)
         data = [[torch.randn(n, generator=g, dtype=torch.float64).to(dtype) for n in SIZES] for _ in range(world)]
-        mine = [t.clone() for t in data[rank]]
+        mine = [t.clone().to(distributed.device_for(rank)) for t in data[rank]]
         reducer.all_reduce(mine)
+        mine = [t.cpu() for t in mine]
         for i, t in enumerate(mine):
             if t.numel():
                 ref = reference_tree([data[r][i].double().numpy() for r in range(world)])
@@ -163,10 +164,12 @@ def exact_body(rank, world, local_size):
     return out
 
 
+@pytest.mark.nccl
+@pytest.mark.parametrize("world", distributed.world_sizes(4))
 @pytest.mark.parametrize("local_size, env", [(2, {}), (2, {"ADASUM_MEMORY_MB": "0.002"}), (4, {})])
-def test_exact_two_tiers_equal_the_flat_tree(local_size, env):
+def test_exact_two_tiers_equal_the_flat_tree(world, local_size, env):
     # 4 ranks as 2 nodes x 2 (rounds too, through a budget of 2 KiB), and as one node of 4
-    distributed.assert_ranks_agree(distributed.run(4, exact_body, local_size, env=env))
+    distributed.assert_ranks_agree(distributed.run(world, exact_body, local_size, env=env))
 
 
 def exact_refused_body(rank, world):

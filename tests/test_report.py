@@ -160,7 +160,7 @@ def test_malformed_rows_give_one_line_messages(tmp_path, capsys, damage, named):
 def test_bad_json_and_non_objects_give_one_line_messages(tmp_path, capsys):
     good = json.dumps(run("adasum", 4, 0, 90.0))
     for text, named in [(f"{good}\n{{not json\n{good}\n", "line 2 is not JSON"),
-                        (f"{good}\n[1, 2]\n", "row 2: not a JSON object but list")]:
+                        (f"{good}\n[1, 2]\n", "line 2 is a JSON list, not an object")]:
         path = tmp_path / "results.jsonl"
         path.write_text(text)
         assert main(["report", str(path), "--out", str(tmp_path / "out"), "--quiet"]) == 2

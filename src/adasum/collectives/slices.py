@@ -50,6 +50,9 @@ class SliceMover(Protocol):
     def round_elements(self, element_size: int) -> int | None:
         """The most elements one round should hold (None: no limit)."""
 
+    def reserve(self, row: int, like) -> None:
+        """Room for rows of `row` elements like `like`: the largest round of a layout, before its first round."""
+
     def rows(self, buffer, bounds: Sequence[tuple[int, int]]) -> list[torch.Tensor]:
         """Where every rank's copy of this rank's slice lands: `world` flat tensors in rank order (scratch)."""
 
@@ -179,10 +182,10 @@ def adasum_slices_(
     tree = Tree(world)
     first_pairs = level_pairs(tree)[0]
     capacity = mover.round_elements(buffer.element_size())
-    for first, end, lo, hi in rounds(layout.sizes, capacity):
-        if hi == lo:
-            continue
-        bounds = split(lo, hi, world)
+    cut = [(first, end, split(lo, hi, world)) for first, end, lo, hi in rounds(layout.sizes, capacity) if hi > lo]
+    if cut:
+        mover.reserve(max(b - a for _, _, bounds in cut for a, b in bounds), buffer)
+    for first, end, bounds in cut:
         where = bounds[mover.rank]
         rows = mover.rows(buffer, bounds)
         sums = torch.zeros((len(first_pairs), 3, end - first), dtype=torch.float64, device=rows[0].device)

@@ -27,10 +27,14 @@ layout larger than they hold runs in rounds of whole tensors through them; a sin
 makes a round of its own, and the buffers grow to it."""
 
 
+def memory_budget_bytes() -> int:
+    """`MEMORY_BUDGET_MB` in bytes, or ``ADASUM_MEMORY_MB``'s."""
+    return int(float(os.environ.get("ADASUM_MEMORY_MB", MEMORY_BUDGET_MB)) * (1 << 20))
+
+
 def round_elements(world: int, rows: int, element_size: int) -> int:
     """The most elements a round may hold when a mover keeps `rows` rows of one slice each within the budget."""
-    budget = int(float(os.environ.get("ADASUM_MEMORY_MB", MEMORY_BUDGET_MB)) * (1 << 20))
-    row = budget // (rows * element_size) - 16  # the slices' aligned cuts make them up to 16 elements longer
+    row = memory_budget_bytes() // (rows * element_size) - 16  # the aligned cuts make slices up to 16 longer
     return max(1, world * row)
 
 
@@ -50,6 +54,10 @@ class C10dSlices(Transport):
     def round_elements(self, element_size: int) -> int:
         """The most elements one round holds within the memory budget."""
         return round_elements(self.world, self.world, element_size)
+
+    def reserve(self, row: int, like: torch.Tensor) -> None:
+        """Grow the receive workspace to rows of `row` elements like `like` before a layout's first round."""
+        self._workspace(self.world * row, like)
 
     def _workspace(self, numel: int, like: torch.Tensor) -> torch.Tensor:
         rows = self._rows

@@ -59,7 +59,7 @@ from adasum.kernels import combine_from_sums
 from adasum.kernels import triton as triton_kernels
 from adasum.transport.base import GatherStep, Level, Transport, split
 from adasum.transport.groups import side_stream
-from adasum.transport.slices import round_elements
+from adasum.transport.slices import memory_budget_bytes, round_elements
 
 try:  # pragma: no cover - CUDA builds only
     import torch.distributed._symmetric_memory as symm_mem
@@ -109,9 +109,16 @@ def release() -> None:
     _remote.clear()
 
 
-def staging(group: dist.ProcessGroup | None, numel: int, like: torch.Tensor | Scattered, purpose: str = "stage"):
+def staging(
+    group: dist.ProcessGroup | None,
+    numel: int,
+    like: torch.Tensor | Scattered,
+    purpose: str = "stage",
+    most: int | None = None,
+):
     """(S, handle): this group's symmetric buffer for `like`'s dtype and `purpose` ("stage": ``S``;
-    "receive": the push protocol's ``R``), at least `numel` elements.
+    "receive": the push protocol's ``R``; "slices": the slice-parallel mover's rows, in bytes), at least `numel`
+    elements; a growth doubles the capacity, but not past `most` elements (unless `numel` needs it).
     Growing it is collective (a rendezvous): every rank asks for the same sizes in the same order.
 
     An outgrown buffer is kept, not freed, until `release`: CUDA graphs captured on it (an earlier,
@@ -126,7 +133,7 @@ def staging(group: dist.ProcessGroup | None, numel: int, like: torch.Tensor | Sc
             raise RuntimeError("adasum: the symmetric buffer cannot grow during CUDA graph capture")
         capacity = max(numel, 1 << 20)
         if entry is not None:
-            capacity = max(capacity, 2 * entry[0].numel())
+            capacity = max(capacity, min(2 * entry[0].numel(), most if most is not None else 1 << 62))
             _retired.append(entry)
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
@@ -137,6 +144,11 @@ def staging(group: dist.ProcessGroup | None, numel: int, like: torch.Tensor | Sc
         entry = (buffer, handle)
         _buffers[key] = entry
     return entry
+
+
+def _bytes_like(like) -> torch.Tensor:
+    """An empty byte tensor on `like`'s device: what `staging` takes for a buffer of bytes."""
+    return torch.empty(0, dtype=torch.uint8, device=like.device)
 
 
 def _peer_view(handle, peer: int, numel: int, dtype: torch.dtype) -> torch.Tensor:
@@ -405,10 +417,19 @@ class SymmetricSlices(Transport):
         """The most elements one round holds within the memory budget (P receive rows and an output row)."""
         return round_elements(self.world, self.world + 1, element_size)
 
+    def reserve(self, row: int, like) -> None:
+        """Make the buffer hold rows of `row` elements like `like` (the largest round of a layout, asked for before
+        its first round, so that a layout grows the buffer once). One buffer of bytes serves every dtype."""
+        size = like.element_size()
+        budget = memory_budget_bytes()
+        staging(self.group, (self.world + 1) * row * size, _bytes_like(like), "slices", most=budget - budget % 16)
+
     def rows(self, buffer, bounds):
         """The P receive rows in this group's symmetric buffer (grown collectively when needed)."""
         row = max(hi - lo for lo, hi in bounds)
-        self._shared, self._handle = staging(self.group, (self.world + 1) * row, buffer, "slices")
+        size = buffer.element_size()
+        raw, self._handle = staging(self.group, (self.world + 1) * row * size, _bytes_like(buffer), "slices")
+        self._shared = raw[: raw.numel() - raw.numel() % size].view(buffer.dtype)
         self._row = row
         lo, hi = bounds[self.rank]
         rows = [self._shared[j * row : j * row + hi - lo] for j in range(self.world)]
