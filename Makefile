@@ -15,6 +15,7 @@ install: $(STAMP)
 
 test: $(STAMP)
 	$(PY) -m ruff check .
+	$(PY) -m mypy
 	$(PY) -m mkdocs build --strict --quiet --site-dir build/site
 	OMP_NUM_THREADS=1 $(PY) -m pytest -q
 

@@ -196,7 +196,7 @@ def time_model(name: str, args, device: torch.device, rank: int) -> dict[str, li
     gc.collect()
     if device.type == "cuda":
         # not adasum.release(): it is for teardown; with it here, the next model's first
-        # steps hung on 2 x H100 (benchmarks/results/gpu-session5-call5-6.log)
+        # steps hung on 2 x H100 (benchmarks/results/2026-11-26-2xH100-e2e-variants-in-turn.log)
         torch.cuda.empty_cache()
     return out
 

@@ -1,7 +1,12 @@
-"""Render benchmarks/results/*.jsonl into docs/benchmarks.md (tables only; the prose around them
-lives in benchmarks/notes.md and is copied in as it is).
+"""Render docs/benchmarks.md from benchmarks/results/*.jsonl: one table per claim, each with its machine
+(card, driver, torch, NCCL) and the command that reproduces it, then benchmarks/notes.md (where the time
+goes) as it is.
 
     python benchmarks/render.py
+
+A claim's rows are selected by `Claim.select` (the runs of the code as it is now); older rows stay in the
+jsonl files and are not shown. Drivers that a run did not record in its rows are taken from the header
+of its log (`LOGGED`).
 """
 
 from __future__ import annotations
@@ -9,9 +14,22 @@ from __future__ import annotations
 import json
 import os
 from collections import defaultdict
+from collections.abc import Callable
+from dataclasses import dataclass, field
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
+
+# machine facts a run printed in its log but did not write into its rows: (card prefix, field) -> value
+LOGGED = {
+    ("NVIDIA H100", "driver"): "580.159.04",
+    ("NVIDIA H200", "driver"): "580.159.04",
+    ("NVIDIA H200", "nccl"): "2.28.9",
+    ("NVIDIA H200", "torch"): "2.11.0+cu130",
+}
+PUSH_RUNS = ("ADASUM_SYMMETRIC_PUSH=1", "push protocol default, run a", "push protocol default, run b")
+PLACEMENT_RUNS = ("symmetric (VHDD)", "slices, 1 piece(s), copy engines for flat buffers")
+CURRENT_STEPS = "2026-11-26T23:00"  # training-step rows from here on are of the hook with batches of buckets
 
 
 def load(name: str) -> list[dict]:
@@ -19,173 +37,298 @@ def load(name: str) -> list[dict]:
     if not os.path.exists(path):
         return []
     with open(path) as f:
-        return [json.loads(line) for line in f if line.strip()]
+        return [r for r in (json.loads(line) for line in f if line.strip()) if not r.get("dry_run")]
 
 
-def ms(seconds: float | None) -> str:
-    return "" if seconds is None else f"{seconds * 1e3:.3f}"
+def cell(value: object, key: str = "") -> str:
+    if value is None:
+        return ""
+    if isinstance(value, float):
+        return f"{value:.3f}" if "ratio" in key else f"{value:.4g}"
+    if isinstance(value, int) and not isinstance(value, bool):
+        return f"{value:,}"
+    return str(value)
 
 
-def collective_tables(rows: list[dict]) -> list[str]:
+def table(rows: list[dict], columns: list[tuple[str, str]]) -> list[str]:
+    """A markdown table of `rows`; `columns` are (key, heading)."""
+    out = ["| " + " | ".join(h for _, h in columns) + " |", "| " + " | ".join("---" for _ in columns) + " |"]
+    out += ["| " + " | ".join(cell(r.get(k), k) for k, _ in columns) + " |" for r in rows]
+    return out + [""]
+
+
+def machine(rows: list[dict]) -> str:
+    """The card, driver, torch and NCCL (or JAX) versions of `rows`, one line."""
+    cards = sorted({r.get("device", "") for r in rows})
+    world = sorted({r.get("world_size") or r.get("world") or r.get("devices") or r.get("gpus") or 1 for r in rows})
+    parts = [" / ".join(cards) + (f", {'/'.join(map(str, world))} ranks" if world != [1] else ", one device")]
+    for key, name in (("driver", "driver"), ("torch", "torch"), ("nccl", "NCCL"), ("triton", "Triton"), ("jax", "JAX")):
+        values = sorted({str(r[key]) for r in rows if r.get(key)})
+        if not values:
+            values = sorted({LOGGED[(c[:11], key)] for c in cards if (c[:11], key) in LOGGED})
+        if values:
+            parts.append(f"{name} {'/'.join(values)}")
+    dates = sorted({str(r.get("date", ""))[:10] for r in rows if r.get("date")})
+    return "; ".join(parts) + (f"; measured {', '.join(dates)}" if dates else "")
+
+
+@dataclass
+class Claim:
+    title: str
+    text: str
+    command: str
+    file: str
+    select: Callable[[list[dict]], list[dict]]
+    columns: list[tuple[str, str]]
+    rows: list[dict] = field(default_factory=list)
+
+    def render(self) -> list[str]:
+        rows = self.select(load(self.file))
+        if not rows:
+            return [f"## {self.title}", "", "(no rows)", ""]
+        return [
+            f"## {self.title}", "", self.text, "", f"Machine: {machine(rows)}.", "",
+            "```bash", self.command, "```", "", *table(rows, self.columns),
+        ]
+
+
+def ratio_span(values: list[float]) -> str:
+    lo, hi = min(values), max(values)
+    return f"{lo:.2f}" if f"{lo:.2f}" == f"{hi:.2f}" else f"{lo:.2f}-{hi:.2f}"
+
+
+def collective_runs(rows: list[dict], labels: tuple[str, ...]) -> list[dict]:
+    """One row per (layout, dtype): the last run's times and the ratio's span over every run of `labels`."""
+    chosen = [r for r in rows if r.get("label") in labels and r.get("default")]
+    return runs_per_case(chosen, lambda r: (r["layout"], r["dtype"]))
+
+
+def runs_per_case(rows: list[dict], case: Callable[[dict], tuple]) -> list[dict]:
+    """One row per `case`: its last run's times and the ratio's span over all its runs."""
+    runs: dict[tuple, list[dict]] = defaultdict(list)
+    for r in rows:
+        runs[case(r)].append(r)
     out = []
-    groups: dict[tuple, list[dict]] = defaultdict(list)
-    for r in rows:
-        groups[(r["device"], r["backend"], r["world_size"], r.get("label") or "", r.get("torch"), r.get("nccl"),
-                r.get("driver"), r["date"])].append(r)
-    for (device, backend, world, label, torch_v, nccl, driver, date), rs in groups.items():
-        versions = f"torch {torch_v}" + (f", NCCL {nccl}" if nccl else "") + (f", driver {driver}" if driver else "")
-        out.append(f"### {device}: {backend}, {world} ranks ({date})\n")
-        out.append(f"{versions}. {label}\n")
-        if any("transport" in r for r in rs):  # issue 13 rows: per transport, CUDA events, host launches
-            out.append(
-                "| layout | dtype | tensors | values | transport | adasum ms | all_reduce ms | ratio | launches |"
-            )
-            out.append("| --- | --- | ---: | ---: | --- | ---: | ---: | ---: | ---: |")
-            for r in rs:
-                name = r["transport"] + (" (default)" if r.get("default") else "")
-                out.append(
-                    f"| {r['layout']} | {r['dtype']} | {r['tensors']} | {r['numel']:,} | {name} | {ms(r['adasum_s'])} "
-                    f"| {ms(r['allreduce_s'])} | {r['ratio']:.2f} | {r.get('host_launches') or ''} |"
-                )
-            out.append("")
-            continue
-        out.append(
-            "| layout | dtype | tensors | values | adasum ms | all_reduce ms | ratio "
-            "| flat-buffer adasum ms | flat ratio |"
-        )
-        out.append("| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |")
-        for r in rs:
-            flat = r.get("adasum_flat_s")
-            flat_ratio = "" if flat is None else f"{flat / r['allreduce_s']:.2f}"
-            out.append(
-                f"| {r['layout']} | {r['dtype']} | {r['tensors']} | {r['numel']:,} | {ms(r['adasum_s'])} | "
-                f"{ms(r['allreduce_s'])} | {r['ratio']:.2f} | {ms(flat)} | "
-                f"{flat_ratio} |"
-            )
-        out.append("")
+    for rs in runs.values():
+        last = rs[-1]
+        count = f"{len(rs)} runs" if len(rs) > 1 else "1 run"
+        out.append({**last, "adasum_ms": last["adasum_s"] * 1e3, "allreduce_ms": last["allreduce_s"] * 1e3,
+                    "ratio": last["ratio"], "span": f"{ratio_span([r['ratio'] for r in rs])} ({count})"})
     return out
 
 
-def generic_table(rows: list[dict], columns: list[str]) -> list[str]:
-    if not rows:
-        return ["(no rows yet)", ""]
-    out = ["| " + " | ".join(columns) + " |", "| " + " | ".join("---" for _ in columns) + " |"]
-    for r in rows:
-        cells = []
-        for c in columns:
-            v = r.get(c, "")
-            v = "" if v is None else v
-            if isinstance(v, float):
-                v = f"{v:.4g}"
-            cells.append(str(v))
-        out.append("| " + " | ".join(cells) + " |")
-    out.append("")
-    return out
+def with_ratio(rows: list[dict], run_key: Callable[[dict], tuple], is_base: Callable[[dict], bool]) -> list[dict]:
+    """Rows with ``step_ms`` and ``ratio`` to the baseline row of the same run."""
+    base = {run_key(r): r["step_s"] for r in rows if is_base(r)}
+    return [{**r, "step_ms": r["step_s"] * 1e3, "ratio": r["step_s"] / base[run_key(r)] if run_key(r) in base else None}
+            for r in rows]
+
+
+def per_epoch(history: list[list[float]]) -> str:
+    return ", ".join(f"{accuracy:.1f} % / {loss:.3f}" for accuracy, loss in history)
+
+
+def last_per(rows: list[dict], key: Callable[[dict], tuple]) -> list[dict]:
+    latest = {key(r): r for r in rows}
+    return list(latest.values())
+
+
+CLAIMS = [
+    Claim(
+        "Training step: DDP with `adasum_hook`, `DistributedOptimizer` in delta mode",
+        "Median step time over 30 timed steps after 5 (slowest rank); the variants of a model are built side by\n"
+        "side and stepped in turn, so `ratio` (to the `ddp` row of the same run) is measured under the same\n"
+        "drift. `ddp`: DDP's own all-reduce; `ddp-adasum`: the hook with `AdasumState()` (batches of 256 MB);\n"
+        "`delta`: `DistributedOptimizer(mode=\"delta\")`. ResNet-50: batch 64 per GPU, SGD; the BERT-Large-sized\n"
+        "stack (24 layers, hidden 1024, about 335 M parameters): batch 8 x 128 tokens, Adam. DDP's BERT step\n"
+        "runs 77 ms on a quiet host and 85-93 ms on a noisy one; both kinds of run are listed. Adasum ran on the\n"
+        "symmetric-memory transport, the default inside one host when these rows were taken.",
+        "python benchmarks/bench_e2e.py --models bert --steps 30 --warmup 5      # one process per GPU\n"
+        "python benchmarks/bench_e2e.py --models resnet50 --steps 30 --warmup 5",
+        "e2e.jsonl",
+        lambda rows: with_ratio([{**r, "run": r["date"][:16].replace("T", " ")}
+                                 for r in rows if r["date"] >= CURRENT_STEPS],
+                                lambda r: (r["date"], r["model"]), lambda r: r["variant"] == "ddp"),
+        [("run", "run"), ("model", "model"), ("variant", "variant"), ("step_ms", "step ms"), ("ratio", "ratio")],
+    ),
+    Claim(
+        "The hook's batches of buckets",
+        "`benchmarks/profile_hook.py`: the same step with the hook at several batch sizes (`hook-bN`: `batch_mb=N`,\n"
+        "`hook-b0`: bucket by bucket, `hook`: the default 256 MB), a Python hook that only orders a side stream\n"
+        "(`nop`) and DDP, stepped in turn. `backward host ms`: host time of `loss.backward()`; `hook host ms`: host\n"
+        "time inside the hook per step; `batches`: collectives per step over the step's bucket calls.",
+        "python benchmarks/profile_hook.py --model bert --batch-mb 0,64,128,512 --steps 30 --warmup 6\n"
+        "python benchmarks/profile_hook.py --model resnet50 --batch-mb 0 --steps 30 --warmup 6",
+        "hook.jsonl",
+        lambda rows: [{**r, "backward_ms": r["backward_host_s"] * 1e3, "hook_ms": r["hook_host_s"] * 1e3,
+                       "batches": int(r["batches"]), "hook_calls": int(r["hook_calls"])}
+                      for r in with_ratio(rows, lambda r: (r["date"], r["model"]), lambda r: r["variant"] == "ddp")],
+        [("model", "model"), ("variant", "variant"), ("step_ms", "step ms"), ("ratio", "ratio"),
+         ("backward_ms", "backward host ms"), ("hook_ms", "hook host ms"), ("batches", "batches"),
+         ("hook_calls", "bucket calls")],
+    ),
+    Claim(
+        "The collective: `adasum.all_reduce` against NCCL's all_reduce of the same bytes",
+        "`adasum.all_reduce(list)` on the symmetric-memory transport with the push protocol (the default on\n"
+        "NCCL inside one host when these rows were taken), timed with CUDA events between barriers, inputs\n"
+        "restored before each call, slowest rank, medians of 10, alternated with NCCL's `all_reduce` of the same\n"
+        "bytes in the same process group. Repeated calls replay one captured CUDA graph (1 host launch per\n"
+        "call). Times are the last run's; `ratio over runs` spans every run of this code. ResNet-50 and\n"
+        "BERT-Large are lists of their 161 and 391 parameter tensors.",
+        "python benchmarks/bench_collective.py --backend nccl --transports symmetric --check --dtypes fp32,bf16 \\\n"
+        "    --exps 20,26,28 --layouts resnet50,bert-large --repeats 10",
+        "collective.jsonl",
+        lambda rows: collective_runs(rows, PUSH_RUNS),
+        [("layout", "layout"), ("dtype", "dtype"), ("tensors", "tensors"), ("numel", "values"),
+         ("adasum_ms", "adasum ms"), ("allreduce_ms", "all_reduce ms"), ("ratio", "ratio"),
+         ("span", "ratio over runs"), ("host_launches", "host launches")],
+    ),
+    Claim(
+        "Two, three and four ranks: the VHDD schedule and the slice-parallel schedule",
+        "`adasum.all_reduce(list)` at P = 2, 3 and 4 on GPUs of one NVLink host, timed as above (medians of 5),\n"
+        "against NCCL's all_reduce of the same bytes in the same run: `symmetric` is the VHDD schedule on symmetric\n"
+        "memory (the default for a power-of-two group), `slices` the slice-parallel schedule (every rank runs the\n"
+        "whole tree on its slice; the default for other group sizes), its flat buffers moved by the copy engines\n"
+        "in one piece per slice. `kept MiB`: device memory the transport keeps after the call.",
+        "python benchmarks/bench_collective.py --backend nccl --world P --transports default,symmetric \\\n"
+        "    --dtypes fp32,bf16 --exps 20,24,26,28 --layouts resnet50,bert-large      # P = 4, 3, 2",
+        "collective.jsonl",
+        lambda rows: runs_per_case([r for r in rows if r.get("label") in PLACEMENT_RUNS],
+                                   lambda r: (r["world_size"], r["transport"], r["layout"], r["dtype"])),
+        [("world_size", "P"), ("transport", "transport"), ("layout", "layout"), ("dtype", "dtype"),
+         ("adasum_ms", "adasum ms"), ("allreduce_ms", "all_reduce ms"), ("ratio", "ratio"),
+         ("span", "ratio over runs"), ("kept_mib", "kept MiB")],
+    ),
+    Claim(
+        "The bound: each transport's own time for the bytes of a 2-rank Adasum",
+        "Seconds, medians of 9 (CUDA events, slowest rank): NCCL's all_reduce of the whole buffer; one\n"
+        "`batch_isend_irecv` of half the buffer each way; `all_gather_into_tensor` of half; a copy of half read\n"
+        "from the peer's symmetric memory between two signal-pad barriers. Adasum on two ranks moves half the\n"
+        "buffer twice (exchange, then gather), so twice the fastest half is its floor.",
+        "python benchmarks/bench_collective.py --backend nccl --transports default,p2p,collectives,symmetric \\\n"
+        "    --check --probe --dtypes fp32,bf16 --exps 20,26,28 --layouts resnet50,bert-large --repeats 10",
+        "bounds.jsonl",
+        lambda rows: rows,
+        [("dtype", "dtype"), ("numel", "values"), ("nccl_all_reduce", "NCCL all_reduce s"),
+         ("p2p_half", "p2p half s"), ("all_gather_half", "all_gather half s"), ("symm_pull_half", "symmetric half s")],
+    ),
+    Claim(
+        "Correctness per transport",
+        "`--check`: 4 calls on the same tensors (graphs replayed) against `adasum.reduce` in float64; the last\n"
+        "check of each transport and dtype. Relative error 0 means bitwise equal to the single-process result.",
+        "python benchmarks/bench_collective.py --backend nccl --transports default,p2p,collectives,symmetric \\\n"
+        "    --check --dtypes fp32,bf16 --exps 20 --layouts resnet50",
+        "checks.jsonl",
+        lambda rows: last_per(rows, lambda r: (r["transport"], r["dtype"])),
+        [("transport", "transport"), ("dtype", "dtype"), ("rel_err", "relative error"),
+         ("ranks_equal", "ranks bitwise equal"), ("ok", "ok")],
+    ),
+    Claim(
+        "The collective on the CPU (gloo)",
+        "As above, on 2 processes of a 2-core VM over loopback, one thread each (a machine shared with other\n"
+        "jobs: the small sizes are noisy); `flat` is the same collective on one buffer already holding the\n"
+        "layout (a DDP bucket).",
+        "python benchmarks/bench_collective.py      # make bench",
+        "collective.jsonl",
+        lambda rows: [{**r, "adasum_ms": r["adasum_s"] * 1e3, "allreduce_ms": r["allreduce_s"] * 1e3,
+                       "flat_ratio": r["adasum_flat_s"] / r["allreduce_s"] if r.get("adasum_flat_s") else None}
+                      for r in rows if r["backend"] == "gloo"],
+        [("layout", "layout"), ("dtype", "dtype"), ("numel", "values"), ("adasum_ms", "adasum ms"),
+         ("allreduce_ms", "all_reduce ms"), ("ratio", "ratio"), ("flat_ratio", "flat ratio")],
+    ),
+    Claim(
+        "FSDP2 across replicas (`adasum.fsdp.enable`) against FSDP's own replica averaging",
+        "Median step time (slowest rank) of a 1.04 B-parameter decoder under FSDP2, 2 replicas x 1 shard,\n"
+        "bf16 parameters and bf16 reduction, AdamW; `native` is FSDP's 2-D HSDP averaging, `mean` the same hook\n"
+        "route as Adasum doing a mean; `ratio` is to `native`. These rows checked each unit's layout at its\n"
+        "reduction, a host round trip on torch 2.11; `adasum.fsdp` agrees on the layouts at `enable` and\n"
+        "probes them without waiting at each forward, which these rows do not measure.",
+        "torchrun --nproc-per-node 2 benchmarks/bench_fsdp.py --reduce-dtype bfloat16 --variants native,mean,adasum",
+        "fsdp.jsonl",
+        lambda rows: with_ratio([r for r in rows if r["date"] == rows[-1]["date"]],
+                                lambda r: r["date"], lambda r: r["variant"] == "native"),
+        [("params", "parameters"), ("variant", "variant"), ("step_ms", "step ms"), ("ratio", "ratio")],
+    ),
+    Claim(
+        "JAX: `adasum.jax.all_reduce` against `jax.lax.psum` of the same tree",
+        "Seconds, medians of alternating calls after warm-up; `comm floor` is the schedule's communication\n"
+        "alone (no math).",
+        "python benchmarks/bench_jax.py --layouts flat-2^26,bert-large",
+        "jax.jsonl",
+        lambda rows: [{**r, "ratio": r["adasum_s"] / r["psum_s"]} for r in rows if r.get("label", "").startswith("v2")],
+        [("layout", "layout"), ("dtype", "dtype"), ("adasum_s", "adasum s"), ("psum_s", "psum s"),
+         ("ratio", "ratio"), ("comm_floor_s", "comm floor s")],
+    ),
+    Claim(
+        "The simulator",
+        "`adasum.SimulatedWorkers`: 64 workers of the MNIST CNN, 32 examples each, one device.",
+        "python benchmarks/bench_sim.py --device cuda",
+        "sim.jsonl",
+        lambda rows: rows,
+        [("method", "method"), ("workers", "workers"), ("batch_per_worker", "batch per worker"),
+         ("steps_per_s", "steps/s")],
+    ),
+    Claim(
+        "The single-process tree (`adasum.reduce` over stacked workers)",
+        "64 workers' copies of the ResNet-50 layout; `moved` counts the bytes the tree reads and writes,\n"
+        "`effective` each input once; both as fractions of the card's copy bandwidth.",
+        "python benchmarks/bench_tree.py --device cuda --workers 64 --layout resnet50",
+        "tree.jsonl",
+        lambda rows: rows,
+        [("workers", "workers"), ("layout", "layout"), ("numel", "values"), ("tree_s", "tree s"),
+         ("moved_fraction_of_copy", "moved / copy"), ("effective_fraction_of_copy", "effective / copy")],
+    ),
+    Claim(
+        "Four ranks: flat Adasum and hierarchical mode",
+        "4 GPUs of one host; hierarchical mode with 2 emulated nodes of 2 GPUs (mean inside a node, Adasum\n"
+        "across). Seconds, medians; `rel. err.` compares hierarchical mode with its single-process definition\n"
+        "(`reduce_hierarchical`).",
+        "python benchmarks/bench_hierarchical.py --world 4 --local-size 2",
+        "hierarchical.jsonl",
+        lambda rows: rows,
+        [("layout", "layout"), ("numel", "values"), ("flat_adasum_s", "flat adasum s"),
+         ("hierarchical_adasum_s", "hierarchical s"), ("allreduce_s", "NCCL all_reduce s"),
+         ("hierarchical_vs_definition_rel_err", "rel. err.")],
+    ),
+    Claim(
+        "Real multi-GPU training against the simulator (same seeds and data split)",
+        "Test accuracy and train loss after each epoch of `adasum train` on 4 GPUs and of `--simulate 4`.",
+        "torchrun --nproc-per-node 4 -m adasum train --method M --task digits --model cnn --epochs 3 --lr 0.05 \\\n"
+        "    --batch-size 32\n"
+        "python -m adasum train --method M --simulate 4 --device cuda --task digits --model cnn --epochs 3 \\\n"
+        "    --lr 0.05 --batch-size 32",
+        "convergence-4gpu.jsonl",
+        lambda rows: [{**r, **{k: per_epoch(r[k]) for k in ("real", "simulated")}} for r in rows],
+        [("method", "method"), ("lr", "lr"), ("real", "real, per epoch"), ("simulated", "simulated, per epoch")],
+    ),
+]
+
+
+def render() -> str:
+    """The text of docs/benchmarks.md."""
+    lines = [
+        "# Benchmarks",
+        "",
+        "Generated by `python benchmarks/render.py` from `benchmarks/results/*.jsonl`; one table per claim of",
+        "the README, each with its machine and the command that reproduces it (`bash benchmarks/gpu.sh STEP`",
+        "runs them on a GPU host). Adasum and its baseline run alternately in one process group, so their",
+        "ratio is measured in the same run; compare ratios, not absolute times, across tables. NVLink",
+        "multicast (NVLS) was off in every GPU run. Raw logs: `benchmarks/results/*.log`, named by date and",
+        "machine.",
+        "",
+    ]
+    for claim in CLAIMS:
+        lines += claim.render()
+    notes = os.path.join(HERE, "notes.md")
+    if os.path.exists(notes):
+        with open(notes) as f:
+            lines.append(f.read().rstrip())
+    return "\n".join(lines) + "\n"
 
 
 def main() -> None:
-    notes_path = os.path.join(HERE, "notes.md")
-    notes = open(notes_path).read().rstrip() + "\n\n" if os.path.exists(notes_path) else ""
-    lines = ["# Benchmarks", "", "Generated by `python benchmarks/render.py` from `benchmarks/results/*.jsonl`.", ""]
-    lines.append(notes)
-    lines += ["## The collective: adasum.all_reduce against one all_reduce of the same bytes", ""]
-    lines += [
-        "`adasum ms` is the public `adasum.all_reduce` on the layout's list of tensors (fusion copies",
-        "included); `flat-buffer` is the same collective on one buffer already holding the layout (a DDP",
-        "bucket). Medians over the repeats; each repeat is the slowest rank's time.",
-        "",
-    ]
-    lines += collective_tables(load("collective.jsonl"))
-    lines += ["### The bound: each transport's own time for the bytes of a 2-rank Adasum", ""]
-    lines += [
-        "Seconds, medians of 9 (CUDA events, slowest rank): NCCL's all_reduce of the whole buffer; one",
-        "`batch_isend_irecv` of half the buffer each way; `all_gather_into_tensor` of half; a copy of half",
-        "read from the peer's symmetric memory between two signal-pad barriers.",
-        "",
-    ]
-    lines += generic_table(load("bounds.jsonl"), ["device", "dtype", "numel", "nccl_all_reduce", "p2p_half",
-                                                  "all_gather_half", "symm_pull_half", "torch", "nccl", "driver"])
-    lines += ["### Correctness per transport (`--check`: 4 calls on the same tensors, graphs replayed)", ""]
-    lines += generic_table(load("checks.jsonl"), ["device", "transport", "dtype", "rel_err", "ranks_equal", "ok"])
-    lines += ["## End-to-end training steps", ""]
-    lines += [
-        "Median step time over the timed steps (slowest rank), 2 GPUs; `ratio` is against the DDP",
-        "row of the same run. The second run was taken while `DistributedOptimizer` checked for",
-        "non-finite gradients by default (a host synchronisation per step); the others without.",
-        "",
-    ]
-    e2e = load("e2e.jsonl")
-    ddp = {(r["date"], r["model"]): r["step_s"] for r in e2e if r["variant"] == "ddp"}
-    for r in e2e:
-        r["ratio"] = r["step_s"] / ddp[(r["date"], r["model"])] if (r["date"], r["model"]) in ddp else None
-        r["step_ms"] = r["step_s"] * 1e3
-    lines += generic_table(e2e, ["date", "device", "model", "variant", "step_ms", "ratio", "order", "torch", "nccl"])
-    lines += ["## The simulator", ""]
-    lines += generic_table(load("sim.jsonl"), ["device", "method", "workers", "batch", "steps_per_s", "torch"])
-    lines += ["### The single-process tree (`ops.reduce_stacked`)", ""]
-    lines += generic_table(
-        load("tree.jsonl"),
-        [
-            "device",
-            "workers",
-            "layout",
-            "numel",
-            "tree_s",
-            "copy_bandwidth_Bps",
-            "moved_fraction_of_copy",
-            "effective_fraction_of_copy",
-        ],
-    )
-    lines += ["## Hierarchical (emulated nodes on one host) against flat Adasum", ""]
-    lines += generic_table(
-        load("hierarchical.jsonl"),
-        [
-            "device",
-            "world_size",
-            "local_size",
-            "layout",
-            "numel",
-            "flat_adasum_s",
-            "hierarchical_adasum_s",
-            "allreduce_s",
-            "hierarchical_vs_definition_rel_err",
-        ],
-    )
-    lines += ["## Real multi-GPU training against the simulator (same seeds and data split)", ""]
-    lines += ["Per epoch: (test accuracy %, train loss).", ""]
-    lines += generic_table(
-        load("convergence-4gpu.jsonl"), ["device", "gpus", "method", "task", "model", "lr", "real", "simulated"]
-    )
-    lines += ["## FSDP2 across replicas (`adasum.fsdp.enable`) against FSDP's own replica averaging", ""]
-    lines += [
-        "Median step time (slowest rank) of a transformer under FSDP2, 2 replicas x 1 shard, bf16",
-        "parameters; `native` is FSDP's 2-D HSDP averaging, `mean` the same all-reduce hook route as",
-        "Adasum doing a mean; `ratio` is against the `native` row of the same run.",
-        "",
-    ]
-    fsdp = [r for r in load("fsdp.jsonl") if not r.get("dry_run")]
-    native = {(r["date"], r.get("reduce_dtype")): r["step_s"] for r in fsdp if r["variant"] == "native"}
-    for r in fsdp:
-        base = native.get((r["date"], r.get("reduce_dtype")))
-        r["ratio"] = r["step_s"] / base if base else None
-        r["step_ms"] = r["step_s"] * 1e3
-    lines += generic_table(
-        fsdp, ["date", "device", "params", "reduce_dtype", "variant", "step_ms", "ratio", "torch", "nccl", "note"]
-    )
-    lines += ["## JAX: `adasum.jax.all_reduce` against `jax.lax.psum` of the same tree", ""]
-    lines += [
-        "Seconds, medians of alternating calls after warm-up; `psum_s` is `jax.lax.psum` of the same pytree,",
-        "`comm_floor_s` the schedule's communication alone (no math).",
-        "",
-    ]
-    jax_rows = [r for r in load("jax.jsonl") if not r.get("dry_run")]
-    for r in jax_rows:
-        r["ratio"] = r["adasum_s"] / r["psum_s"] if r.get("psum_s") else None
-    lines += generic_table(
-        jax_rows, ["date", "device", "layout", "dtype", "adasum_s", "psum_s", "ratio", "comm_floor_s", "jax", "driver"]
-    )
     with open(os.path.join(ROOT, "docs", "benchmarks.md"), "w") as f:
-        f.write("\n".join(lines))
+        f.write(render())
 
 
 if __name__ == "__main__":

@@ -1,9 +1,9 @@
 #!/usr/bin/env bash
-# The convergence sweeps of docs/results.md (issue 15), resumable: run it again after a timeout or
+# The convergence sweeps of docs/results.md, resumable: run it again after a timeout or
 # a kill and every finished run is kept (`adasum compare --resume` takes exact matches only).
 #
 #   PARALLEL=5 benchmarks/sweeps.sh cpu # the reduced CPU sweep docs/results.md reports (~20 CPU-minutes)
-#   PARALLEL=2 benchmarks/sweeps.sh cpu-mnist1d # the MNIST-1D cells the GPU calls left (2-core machine:
+#   PARALLEL=2 benchmarks/sweeps.sh cpu-mnist1d # the MNIST-1D cells the GPU runs left (2-core machine:
 #                                       # P = 16 AdaCons, P = 32 but the means, P = 64 and 128 four methods on five rates)
 #   benchmarks/sweeps.sh gpu            # the GPU-scale sweep (--device cuda), jobs spread over every GPU
 #   PARALLEL=48 benchmarks/sweeps.sh gpu # 48 jobs at a time (default: 8 per GPU), job k on GPU k % GPUS

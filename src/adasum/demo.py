@@ -52,16 +52,18 @@ def _worker(rank: int, workers: int, store_path: str) -> None:
             f"{float((grads[1] - 2.0 * same).abs().max()):.1e}"
         )
         ref = adasum.reduce(everyone[2])
+        total = sum(everyone[2], torch.zeros_like(ref))
         print(
             f"  independent 5x5      -> adasum.reduce:  max |difference|    = {float((grads[2] - ref).abs().max()):.1e}"
-            f"  (norm: mean {float(sum(everyone[2]).norm() / workers):.2f}, adasum {float(grads[2].norm()):.2f},"
-            f" sum {float(sum(everyone[2]).norm()):.2f})"
+            f"  (norm: mean {float(total.norm() / workers):.2f}, adasum {float(grads[2].norm()):.2f},"
+            f" sum {float(total.norm()):.2f})"
         )
         print(f"  bitwise identical on every rank: {all(torch.equal(r, results[0]) for r in results)}")
     dist.destroy_process_group()
 
 
 def main(argv: list[str] | None = None) -> None:
+    """Run the demonstration (the module doc) from the command line."""
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--workers", type=int, default=4)
     args = parser.parse_args(argv)

@@ -84,6 +84,14 @@ def all_reduce_orthogonality(
     every few steps, not every step, in production runs.
 
     >>> o = all_reduce_orthogonality([p.grad for p in model.parameters()])  # doctest: +SKIP
+
+    On one process (a group of one rank), each tensor is orthogonal to nothing:
+
+    >>> import torch.distributed as dist
+    >>> dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    >>> all_reduce_orthogonality([torch.tensor([1.0, 0.0]), torch.tensor([0.0, 2.0])])
+    Orthogonality(per_tensor=tensor([1., 1.], dtype=torch.float64), model=1.0)
+    >>> dist.destroy_process_group()
     """
     tensors = list(tensors)
     if not tensors:

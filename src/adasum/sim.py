@@ -6,8 +6,7 @@ They are combined by the same reducer objects the distributed path uses
 (``adasum.reducers.get_reducer(name).reduce``), and SlowMo's outer step is
 ``adasum.slowmo.slow_momentum_update``: no method has a second implementation here.
 
-What is combined (the names of `adasum.DistributedOptimizer`'s ``mode``; the plural spellings
-"gradients" and "deltas" are deprecated aliases):
+What is combined (the names of `adasum.DistributedOptimizer`'s ``mode``):
 
 * ``combine="gradient"``: the workers' gradients are reduced and one optimizer steps the one
   model (every real worker would hold the same model and optimizer state).
@@ -44,7 +43,6 @@ from torch import nn
 from torch.func import functional_call, grad, vmap
 
 from adasum.collectives.nonfinite import NonFinite, check_policy, decide_nonfinite
-from adasum.deprecated import warn
 from adasum.diagnostics import Orthogonality, orthogonality_stacked
 from adasum.integrations.slowmo import slow_momentum_update
 from adasum.reducers import Reducer, get_reducer
@@ -60,7 +58,6 @@ ELEMENTWISE_OPTIMIZERS: tuple[type[torch.optim.Optimizer], ...] = (
 )
 
 COMBINE = ("gradient", "delta")
-_OLD_COMBINE = {"gradients": "gradient", "deltas": "delta"}
 
 
 def cross_entropy(output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
@@ -92,6 +89,8 @@ class KeyedDropout(nn.Module):
     True
     """
 
+    key: torch.Tensor  # a buffer: the layer's key (int64)
+
     def __init__(self, p: float = 0.5, channels: bool = False) -> None:
         super().__init__()
         if not 0 <= p < 1:
@@ -100,6 +99,7 @@ class KeyedDropout(nn.Module):
         self.register_buffer("key", torch.zeros((), dtype=torch.int64), persistent=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """`x` times the layer's keyed mask, scaled by 1 / (1 - p) (training), else `x`."""
         if not self.training or self.p == 0:
             return x
         shape = (*x.shape[:2], *([1] * (x.dim() - 2))) if self.channels else x.shape
@@ -185,9 +185,6 @@ class SimulatedWorkers:
         seed: int = 0,
     ) -> None:
         check_policy(nonfinite)
-        if combine in _OLD_COMBINE:
-            warn(f"SimulatedWorkers: combine={combine!r} is deprecated, use {_OLD_COMBINE[combine]!r}")
-            combine = _OLD_COMBINE[combine]
         if not isinstance(workers, int) or workers < 1:
             raise ValueError(f"workers must be an integer >= 1, got {workers!r}")
         if combine not in COMBINE:
@@ -222,7 +219,7 @@ class SimulatedWorkers:
         self._keyed = keyed_dropouts(model)
         self.names = [n for n, p in model.named_parameters() if p.requires_grad]
         params = dict(model.named_parameters())
-        self._anchor = [params[n] for n in self.names]
+        self._anchor: list[torch.Tensor] = [params[n] for n in self.names]
         if combine == "gradient":
             self.stacked: list[torch.Tensor] | None = None
             self.optimizer = optimizer(self._anchor)
@@ -338,6 +335,7 @@ class SimulatedWorkers:
 
     @torch.no_grad()
     def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Restore what `state_dict` saved."""
         self.module.load_state_dict(state["model"])
         self.optimizer.load_state_dict(state["optimizer"])
         if self.stacked is not None:

@@ -55,6 +55,7 @@ class Problem:
     message: str
 
     def exception(self, operation: str, rank: int | None = None) -> Exception:
+        """The exception to raise: `operation`, the message and, when given, the rank."""
         where = f" on rank {rank}" if rank is not None else ""
         kind = TypeError if self.error == "TypeError" else ValueError
         return kind(f"{operation}: {self.message}{where}")
@@ -69,14 +70,14 @@ def _span(t: torch.Tensor) -> tuple[int, int]:
     if t.numel() == 0:
         return (0, 0)
     size = t.element_size()
-    last = sum((n - 1) * s for n, s in zip(t.shape, t.stride()))
-    start = t.storage_offset() * size
+    last = int(sum((n - 1) * s for n, s in zip(t.shape, t.stride())))
+    start = int(t.storage_offset()) * size
     return start, start + (last + 1) * size
 
 
 def _elements(t: torch.Tensor) -> torch.Tensor:
-    """The storage element offsets `t` covers."""
-    base = torch.arange(t.storage_offset() + sum((n - 1) * s for n, s in zip(t.shape, t.stride())) + 1)
+    """The storage element offsets `t` covers (only called for tensors whose spans overlap)."""
+    base = torch.arange(int(t.storage_offset()) + int(sum((n - 1) * s for n, s in zip(t.shape, t.stride()))) + 1)
     return torch.as_strided(base, t.shape, t.stride(), t.storage_offset()).reshape(-1)
 
 

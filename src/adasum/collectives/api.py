@@ -60,6 +60,16 @@ def all_reduce(
     >>> grads = [p.grad for p in model.parameters()]  # doctest: +SKIP
     >>> adasum.all_reduce(grads)  # doctest: +SKIP
     >>> adasum.all_reduce(grads, nonfinite="raise")  # doctest: +SKIP
+
+    On one process (a group of one rank; under torchrun every rank makes the same calls):
+
+    >>> import torch.distributed as dist
+    >>> dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    >>> grads = [torch.tensor([3.0, 4.0]), torch.ones(2, 2)]
+    >>> adasum.all_reduce(grads, nonfinite="raise")
+    >>> grads[0]                                                   # one rank: nothing to combine
+    tensor([3., 4.])
+    >>> dist.destroy_process_group()
     """
     operation = "adasum.all_reduce"
     tensors = tensor_list(tensors, operation)
@@ -158,10 +168,10 @@ def fused_per_dtype(
     workspace = communicator(group).workspace
     groups = list(group_by_dtype(tensors).values())
     if together:
-        members = [[tensors[i] for i in indices] for indices in groups]
-        flats = [flatten(m, workspace.get("fusion", sum(t.numel() for t in m), m[0])) for m in members]
-        combine(flats, [[t.numel() for t in m] for m in members], groups)
-        for flat, m in zip(flats, members):
+        per_dtype = [[tensors[i] for i in indices] for indices in groups]
+        flats = [flatten(m, workspace.get("fusion", sum(t.numel() for t in m), m[0])) for m in per_dtype]
+        combine(flats, [[t.numel() for t in m] for m in per_dtype], groups)
+        for flat, m in zip(flats, per_dtype):
             unflatten_into(flat, m)
         return
     for indices in groups:

@@ -31,11 +31,12 @@ over the whole group; then each node gathers its slices. Other placements are re
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import cast
 
 import torch
 import torch.distributed as dist
 
-from adasum.collectives.slices import adasum_slices_
+from adasum.collectives.slices import SliceMover, adasum_slices_
 from adasum.collectives.vhdd import Placement, adasum_flat_
 from adasum.core.layout import Layout
 from adasum.kernels.reduce import reduce
@@ -63,6 +64,7 @@ class Hierarchy:
 
     @property
     def peers(self) -> tuple[int, ...]:
+        """The ranks at this rank's local position on every node, in node order."""
         return tuple(n * self.local_size + self.local_rank for n in range(self.nodes))
 
 
@@ -200,7 +202,7 @@ def adasum_two_tier_flat_(buffer: torch.Tensor, sizes: Sequence[int], hierarchy:
         if hierarchy.nodes > 1:
             adasum_flat_(mine, layout.sizes, hierarchy.group, Placement(hierarchy.peers, offset))
 
-    mover = select(hierarchy.local_group, "slices")
+    mover = cast(SliceMover, select(hierarchy.local_group, "slices"))
     with failures_named("adasum.hierarchical", "the two-tier schedule", hierarchy.group):
         adasum_slices_(buffer, layout, mover, across)
 

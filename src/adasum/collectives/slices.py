@@ -22,7 +22,8 @@ larger than the mover's round capacity makes a round of its own (and the mover's
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from typing import Protocol
+from datetime import timedelta
+from typing import Protocol, cast
 
 import torch
 
@@ -44,6 +45,7 @@ class SliceMover(Protocol):
     scattered: bool
     world: int
     rank: int
+    timeout: timedelta | None  # how long a transfer may wait for a peer (None: the group's)
 
     def round_elements(self, element_size: int) -> int | None:
         """The most elements one round should hold (None: no limit)."""
@@ -153,6 +155,7 @@ def tree_on_slice_(
         if depth < len(levels) - 1:
             for pair, pair_sums in zip(pairs, sums):
                 _combine(rows, pair, pair_sums, layout, where, 0, size, tensors[0], [rows[pair[0]][0:size]])
+    assert sums is not None  # every tree has a level
     last, last_sums = levels[-1][0], sums[0]
 
     def finish(p0: int, p1: int, outs: Sequence) -> None:
@@ -187,7 +190,7 @@ def adasum_slices_(
         rows = mover.rows(buffer, bounds)
         sums = torch.zeros((len(first_pairs), 3, end - first), dtype=torch.float64, device=rows[0].device)
 
-        def landed(p0: int, p1: int) -> None:
+        def landed(p0: int, p1: int, rows=rows, where=where, sums=sums, first=first) -> None:  # this round's
             _dots(rows, first_pairs, layout, where, p0, p1, sums, first)
 
         mover.scatter(buffer, layout, bounds, landed)
@@ -195,11 +198,11 @@ def adasum_slices_(
         if across is None:
             mover.gather(buffer, layout, bounds, finish)
             continue
-        mine = buffer[where[0] : where[1]]
+        mine = cast(torch.Tensor, buffer)[where[0] : where[1]]  # the two-tier path runs on flat buffers
         finish(0, where[1] - where[0], [mine])
         across(mine, where[0])
 
-        def publish(p0: int, p1: int, outs: Sequence) -> None:
+        def publish(p0: int, p1: int, outs: Sequence, mine: torch.Tensor = mine) -> None:  # this round's
             for out in outs[1:]:  # the mover's own staging of the result (symmetric memory)
                 out.copy_(mine[p0:p1])
 

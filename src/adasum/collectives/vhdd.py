@@ -35,11 +35,12 @@ from __future__ import annotations
 import functools
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import cast
 
 import torch
 import torch.distributed as dist
 
-from adasum.collectives.slices import adasum_slices_
+from adasum.collectives.slices import SliceMover, adasum_slices_
 from adasum.core.layout import Layout, Scattered
 from adasum.core.tree import Tree
 from adasum.kernels import combine_from_sums, dot_and_norms
@@ -72,7 +73,7 @@ def _fold_(
     row: int,
     group: dist.ProcessGroup | None,
 ) -> None:
-    """buffer := adasum(buffer, other) per tensor, both standing for one worker (the fold).
+    """Fold in place: buffer := adasum(buffer, other) per tensor, both standing for one worker.
 
     `buffer` is elements [offset, offset + numel) of the layout. With `partial_sums` (a zeroed
     float64 [rows, 3, T] array; sliced placements only) the partials are summed over the group in
@@ -172,10 +173,13 @@ def adasum_flat_(
 
     def run() -> None:
         if slice_parallel:
-            with failures_named("adasum.all_reduce", "the slice-parallel schedule", group, transport.timeout):
-                adasum_slices_(buffer, layout, transport)
+            mover = cast(SliceMover, transport)  # transport.name == "slices"
+            with failures_named("adasum.all_reduce", "the slice-parallel schedule", group, mover.timeout):
+                adasum_slices_(buffer, layout, mover)
             return
-        run_schedule(buffer, layout, group, peers, offset, rank, tree, transport, sliced=placement is not None)
+        # a Scattered list stands in for a flat buffer where the transport reads lists in place (checked above)
+        flat = cast(torch.Tensor, buffer)
+        run_schedule(flat, layout, group, peers, offset, rank, tree, transport, sliced=placement is not None)
 
     if buffer.device.type != "cuda":
         run()
@@ -229,7 +233,8 @@ def run_schedule(
         return
 
     workspace = communicator(group).workspace
-    follower = None if tree.follower(me) is None else peers[tree.follower(me)]
+    folded = tree.follower(me)
+    follower = None if folded is None else peers[folded]
     if follower is not None:
         received = workspace.get("recv", buffer.numel(), buffer)
         with step(f"the fold (receiving from rank {follower})"):

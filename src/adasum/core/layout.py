@@ -21,6 +21,7 @@ class Layout:
 
     @cached_property
     def offsets(self) -> tuple[int, ...]:
+        """Where each tensor starts in the flat buffer."""
         out, total = [], 0
         for n in self.sizes:
             out.append(total)
@@ -29,10 +30,12 @@ class Layout:
 
     @cached_property
     def ends(self) -> tuple[int, ...]:
+        """Where each tensor ends (exclusive) in the flat buffer."""
         return tuple(start + n for start, n in zip(self.offsets, self.sizes))
 
     @property
     def numel(self) -> int:
+        """Elements of all the tensors together."""
         return sum(self.sizes)
 
     def overlap(self, lo: int, hi: int) -> tuple[int, list[int]]:
@@ -112,12 +115,15 @@ class Scattered:
         self.key = tuple(t.data_ptr() for t in self.tensors)
 
     def numel(self) -> int:
+        """Elements of all the tensors together, as `torch.Tensor.numel`."""
         return self.layout.numel
 
     def element_size(self) -> int:
+        """Bytes per element, as `torch.Tensor.element_size`."""
         return self.tensors[0].element_size()
 
     def new_zeros(self, *shape, **kwargs) -> torch.Tensor:
+        """A new zero tensor of the tensors' dtype and device, as `torch.Tensor.new_zeros`."""
         return self.tensors[0].new_zeros(*shape, **kwargs)
 
     def pieces(self, lo: int, hi: int) -> list[torch.Tensor]:

@@ -15,6 +15,8 @@ TILE = 16384
 
 @dataclass(frozen=True)
 class Tiles:
+    """The tile table of a layout on the device, for the kernels: each tile a run of at most `TILE` elements
+    inside one segment."""
     starts: torch.Tensor  # int64 [n_tiles]: first element of each tile
     sizes: torch.Tensor  # int64 [n_tiles]: elements in each tile
     segments: torch.Tensor  # int64 [n_tiles]: the segment each tile lies in
@@ -28,7 +30,11 @@ class Tiles:
 @functools.lru_cache(maxsize=1024)
 def table(lengths: tuple[int, ...]) -> tuple[tuple[int, ...], ...]:
     """The tile table on the host: (starts, sizes, segments, first, count) as tuples of ints."""
-    starts, sizes, segments, first, count = [], [], [], [], []
+    starts: list[int] = []
+    sizes: list[int] = []
+    segments: list[int] = []
+    first: list[int] = []
+    count: list[int] = []
     offset = 0
     for seg, n in enumerate(lengths):
         first.append(len(starts))

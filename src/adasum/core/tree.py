@@ -47,6 +47,7 @@ class Tree:
         return rank // 2 if rank < 2 * self.folded else rank - self.folded
 
     def is_leader(self, rank: int) -> bool:
+        """Whether `rank` leads its group (takes part in the levels after the fold)."""
         return self.leader(self.group_of(rank)) == rank
 
     def count(self, first_group: int, num_groups: int) -> int:

@@ -37,6 +37,7 @@ log = logging.getLogger("adasum")
 
 
 class UsageError(Exception):
+    """A bad command line: one line on stderr and exit status 2."""
     pass
 
 
@@ -62,6 +63,7 @@ class Parser(argparse.ArgumentParser):
         super().__init__(*args, **kwargs)
 
     def error(self, message: str):  # one line, no usage block
+        """Raise `UsageError` with `message` and a suggestion for a mistyped choice."""
         choice = re.search(r"invalid choice: '([^']*)' \(choose from (.*)\)", message)
         if choice:
             options = [c.strip().strip("'") for c in choice.group(2).split(",")]
@@ -206,6 +208,7 @@ def _one_seed(text: str) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
+    """The parser of the ``adasum`` command and its subcommands."""
     from adasum import __version__
 
     parser = Parser(prog="adasum", description="Train and compare data-parallel aggregation methods.")
@@ -322,6 +325,7 @@ def _flag(result: dict) -> str:
 
 
 def cmd_train(args: argparse.Namespace) -> int:
+    """``adasum train``: one run; returns the exit status."""
     from adasum.experiments.methods import get_method
     from adasum.experiments.progress import ProgressBar
     from adasum.experiments.runner import train
@@ -428,6 +432,7 @@ def _agreed_output_dir(path: str, rank: int, resume: bool, overwrite: bool) -> P
 
 
 def cmd_compare(args: argparse.Namespace) -> int:
+    """``adasum compare``: a sweep and its report; returns the exit status."""
     from adasum.experiments.compare import compare
     from adasum.experiments.methods import parse_methods
     from adasum.experiments.report import summary_table
@@ -455,6 +460,7 @@ def cmd_compare(args: argparse.Namespace) -> int:
 
 
 def cmd_report(args: argparse.Namespace) -> int:
+    """``adasum report``: one report from several sweep folders; returns the exit status."""
     from adasum.experiments.report import load_results, plot, summary_table, write_report
 
     _setup_logging(args.quiet, 0)

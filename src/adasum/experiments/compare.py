@@ -20,6 +20,7 @@ log = logging.getLogger("adasum")
 
 
 def run_name(method: str, workers: int, lr: float, seed: int = 0) -> str:
+    """The folder name of one run of a sweep."""
     return f"{method}-P{workers}-lr{lr:g}-seed{seed}"
 
 
@@ -131,7 +132,7 @@ def compare(
             name = run_name(config.method, config.workers, config.lr, config.seed)
             row = done.get(name)
             same = row is not None and identity(row["config"]) == identity(asdict(config))
-            if same and row["epochs"] == config.epochs:
+            if same and row is not None and row["epochs"] == config.epochs:
                 bar.skip()
                 result = row
             else:

@@ -88,6 +88,7 @@ class Dataset:
         return tuple(self.train_x.shape[1:])
 
     def to(self, device: torch.device | str) -> Dataset:
+        """The same dataset with every split on `device`."""
         return Dataset(
             self.name,
             self.train_x.to(device),
@@ -209,6 +210,7 @@ def _sklearn_digits() -> Dataset:
 
 
 def default_cache_dir() -> Path:
+    """Where downloaded and generated data is kept (``ADASUM_CACHE``, else ~/.cache/adasum)."""
     return Path(os.environ.get("ADASUM_CACHE", Path.home() / ".cache" / "adasum"))
 
 
@@ -246,8 +248,11 @@ def _mnist1d(cache_dir: str | os.PathLike | None, samples: int = 70000) -> Datas
 def read_idx(path: str | os.PathLike) -> np.ndarray:
     """An array from an idx file (the MNIST format; ``.gz`` files are decompressed).
 
-    >>> read_idx("train-labels-idx1-ubyte").shape  # doctest: +SKIP
-    (60000,)
+    >>> import tempfile
+    >>> path = Path(tempfile.mkdtemp()) / "labels-idx1-ubyte"     # 3 unsigned bytes, one dimension
+    >>> _ = path.write_bytes(bytes([0, 0, 0x08, 1]) + struct.pack(">I", 3) + bytes([7, 2, 1]))
+    >>> read_idx(path)
+    array([7, 2, 1], dtype=uint8)
     """
     opener = gzip.open if str(path).endswith(".gz") else open
     with opener(path, "rb") as f:
@@ -310,6 +315,12 @@ class SafeUnpickler(pickle.Unpickler):
     3 writes bytes at protocol 2): every other global is refused.
 
     >>> SafeUnpickler(open("data_batch_1", "rb"), encoding="bytes").load()  # doctest: +SKIP
+    >>> import io
+    >>> SafeUnpickler(io.BytesIO(pickle.dumps({b"labels": np.arange(3)}))).load()
+    {b'labels': array([0, 1, 2])}
+    >>> SafeUnpickler(io.BytesIO(pickle.dumps(print))).load()
+    Traceback (most recent call last):
+    _pickle.UnpicklingError: refused global builtins.print (only numpy arrays are admitted)
     """
 
     ALLOWED = {
@@ -323,6 +334,7 @@ class SafeUnpickler(pickle.Unpickler):
     }
 
     def find_class(self, module: str, name: str):
+        """Admit only the globals in `ALLOWED`."""
         if (module, name) not in self.ALLOWED:
             raise pickle.UnpicklingError(f"refused global {module}.{name} (only numpy arrays are admitted)")
         return super().find_class(module, name)

@@ -10,8 +10,14 @@ left as it was.
 `read_jsonl` and `read_results` raise `ResultsFileError` (a ValueError), one line naming the file,
 the line and what is wrong, for any damage: never a KeyError, TypeError or EOFError from a row.
 
->>> write_atomic(path, lambda f: torch.save(state, f))  # doctest: +SKIP
->>> write_text_atomic(path, json.dumps(result))  # doctest: +SKIP
+>>> import tempfile
+>>> folder = Path(tempfile.mkdtemp())
+>>> write_atomic(folder / "state.pt", lambda f: torch.save({"step": 3}, f))
+>>> torch.load(folder / "state.pt")
+{'step': 3}
+>>> write_text_atomic(folder / "result.json", json.dumps({"test_accuracy": 94.6}))
+>>> json.loads((folder / "result.json").read_text())
+{'test_accuracy': 94.6}
 """
 
 from __future__ import annotations
@@ -24,12 +30,12 @@ import os
 import zlib
 from collections.abc import Callable
 from pathlib import Path
-from typing import IO, Any
+from typing import IO, Any, cast
 
 log = logging.getLogger("adasum")
 
 
-class WriteFailed(OSError):
+class WriteFailed(OSError):  # noqa: N818 (the CLI's one-line errors print this name)
     """A file could not be written (a full disk, a lost mount); the previous file is intact."""
 
 
@@ -53,7 +59,7 @@ def _alive(pid: int) -> bool:
 
 def remove_stale_temporaries(path: Path) -> list[Path]:
     """Remove ``.NAME.tmp<PID>`` files next to `path` left by writers that no longer run; their paths."""
-    removed = []
+    removed: list[Path] = []
     prefix = f".{path.name}.tmp"
     if not path.parent.is_dir():
         return removed
@@ -85,7 +91,7 @@ def write_atomic(path: str | os.PathLike, write: Callable[[IO[bytes]], Any]) -> 
         with open(tmp, "wb") as f:
             recorder = _Recorder(f)
             try:
-                write(recorder)
+                write(cast(IO[bytes], recorder))  # a file object as far as writers go
             except Exception:  # torch.save turns the file's OSError into an opaque RuntimeError
                 if recorder.error is None:
                     raise
@@ -128,10 +134,12 @@ def _write_failed(path: Path, error: OSError) -> WriteFailed:
 
 
 def write_text_atomic(path: str | os.PathLike, text: str) -> None:
+    """Write `text` to `path` atomically (`write_atomic`)."""
     write_atomic(path, lambda f: f.write(text.encode()))
 
 
 def write_json_atomic(path: str | os.PathLike, obj: Any) -> None:
+    """Write `obj` as indented JSON to `path` atomically."""
     write_text_atomic(path, json.dumps(obj, indent=1) + "\n")
 
 

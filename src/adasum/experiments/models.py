@@ -48,6 +48,7 @@ class HorovodCNN(nn.Module):
         return x.flatten(1)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """Class logits of a batch of images."""
         x = F.relu(self.fc1(self._features(x)))
         return self.fc2(self.fc1_drop(x))
 
@@ -69,10 +70,12 @@ class MLP(nn.Module):
         self.net = nn.Sequential(*layers)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """Class logits of a batch of inputs."""
         return self.net(x)
 
 
 class BasicBlock(nn.Module):
+    """A residual block of two 3x3 convolutions with group norm."""
     def __init__(self, cin: int, cout: int, stride: int) -> None:
         super().__init__()
         self.conv1 = nn.Conv2d(cin, cout, 3, stride, 1, bias=False)
@@ -86,6 +89,7 @@ class BasicBlock(nn.Module):
         )
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """The block's output."""
         out = F.relu(self.norm1(self.conv1(x)))
         return F.relu(self.norm2(self.conv2(out)) + self.shortcut(x))
 
@@ -114,10 +118,12 @@ class SmallResNet(nn.Module):
         self.fc = nn.Linear(cin, classes)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """Class logits of a batch of images."""
         return self.fc(self.layers(self.stem(x)).mean(dim=(2, 3)))
 
 
 class CausalSelfAttention(nn.Module):
+    """Multi-head causal self-attention."""
     # written out (no fused kernels) so that it runs under torch.func.vmap
     def __init__(self, dim: int, heads: int) -> None:
         super().__init__()
@@ -126,6 +132,7 @@ class CausalSelfAttention(nn.Module):
         self.proj = nn.Linear(dim, dim)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """Attention output, the input's shape."""
         b, t, d = x.shape
         q, k, v = self.qkv(x).view(b, t, 3, self.heads, d // self.heads).permute(2, 0, 3, 1, 4)
         scores = (q @ k.transpose(-2, -1)) / math.sqrt(d // self.heads)
@@ -136,6 +143,7 @@ class CausalSelfAttention(nn.Module):
 
 
 class Block(nn.Module):
+    """A pre-norm transformer block: causal self-attention, then an MLP."""
     def __init__(self, dim: int, heads: int) -> None:
         super().__init__()
         self.norm1 = nn.LayerNorm(dim)
@@ -144,6 +152,7 @@ class Block(nn.Module):
         self.mlp = nn.Sequential(nn.Linear(dim, 4 * dim), nn.GELU(), nn.Linear(4 * dim, dim))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """The block's output."""
         x = x + self.attn(self.norm1(x))
         return x + self.mlp(self.norm2(x))
 
@@ -164,6 +173,7 @@ class TransformerLM(nn.Module):
         self.head = nn.Linear(dim, vocab)
 
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        """Next-token logits for every position."""
         x = self.embed(tokens) + self.position[: tokens.shape[-1]]
         return self.head(self.norm(self.blocks(x)))
 
@@ -181,6 +191,7 @@ class SkipGram(nn.Module):
         self.out = nn.Linear(dim, vocab)
 
     def forward(self, words: torch.Tensor) -> torch.Tensor:
+        """Context-word logits of each center word."""
         return self.out(self.embed(words))
 
 

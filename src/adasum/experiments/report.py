@@ -217,6 +217,7 @@ class Comparison:
 
     @property
     def verdict(self) -> str:
+        """"better", "worse", "no detectable difference" (Holm-corrected) or "no test"."""
         if math.isnan(self.p_holm):
             return "no test"
         if self.p_holm >= ALPHA:
@@ -426,6 +427,7 @@ class Robustness:
 
 
 def robustness(results: Sequence[Result]) -> dict[Key, Robustness]:
+    """Per (method, workers) cell: how its validation accuracy depends on the learning rate."""
     by_cell = cells(results)
     seq_runs = picked(results).get(("sequential", 1))
     seq_lr = seq_runs[0]["lr"] if seq_runs else None

@@ -18,7 +18,7 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import asdict, dataclass, fields
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import torch
 import torch.distributed as dist
@@ -191,7 +191,7 @@ class DistributedWorker:
         self.skipped_steps = 0
         self.names = [n for n, p in model.named_parameters() if p.requires_grad]
         self.reducer = reducer
-        self.params = [p for p in model.parameters() if p.requires_grad]
+        self.params: list[torch.Tensor] = [p for p in model.parameters() if p.requires_grad]
         with torch.no_grad():  # every rank starts from rank 0's model (before the wrappers copy it)
             for p in model.state_dict().values():
                 dist.broadcast(p, 0)
@@ -231,12 +231,13 @@ class DistributedWorker:
         return self._agreed
 
     def step(self, inputs: torch.Tensor, targets: torch.Tensor) -> StepResult:
+        """One training step on this rank's batch; the loss is the mean over ranks."""
         self.model.train()
         self.optimizer.zero_grad(set_to_none=False)
         set_dropout_keys(self.model, self.seed, dist.get_rank(), self.steps)  # the simulator's worker `rank`
         loss = cross_entropy(self.model(inputs[0]), targets[0])
         loss.backward()
-        grads = [p.grad for p in self.params]
+        grads = [cast(torch.Tensor, p.grad) for p in self.params]  # every trained parameter has one now
         diag: Orthogonality | None = None
         if self.diagnostics_every and self.steps % self.diagnostics_every == 0 and dist.get_world_size() > 1:
             diag = all_reduce_orthogonality(grads)
@@ -254,6 +255,7 @@ class DistributedWorker:
         return StepResult(mean_loss / dist.get_world_size(), diag)
 
     def state_dict(self) -> dict[str, Any]:
+        """Model, optimizer, reducer state and counters, for a checkpoint."""
         return {
             "model": self.model.state_dict(),
             "optimizer": self.optimizer.state_dict(),
@@ -263,6 +265,7 @@ class DistributedWorker:
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Restore what `state_dict` saved."""
         self.model.load_state_dict(state["model"])
         self.optimizer.load_state_dict(state["optimizer"])
         self.reducer.load_state_dict(state.get("reducer", {}))
@@ -335,6 +338,7 @@ class Chance:
 
     @classmethod
     def of(cls, train_y: torch.Tensor, val_y: torch.Tensor, classes: int) -> Chance:
+        """Chance level of a task from its label frequencies."""
         val = torch.bincount(val_y.reshape(-1).cpu(), minlength=classes).double()
         majority = float(val.max() / val.sum())
         p = torch.bincount(train_y.reshape(-1).cpu(), minlength=classes).double()
@@ -400,6 +404,7 @@ class _Run:
         config = self.config
         base = dataset if dataset is not None else load_task(config.task, config.data_dir)
         self.data = base.with_validation(config.val_fraction).to(self.device)
+        assert self.data.val_x is not None and self.data.val_y is not None  # with_validation split them
         self.train_x, self.train_y = self.data.train_x, self.data.train_y
         if config.train_limit is not None:
             self.train_x, self.train_y = self.train_x[: config.train_limit], self.train_y[: config.train_limit]
@@ -417,7 +422,7 @@ class _Run:
         torch.manual_seed(config.seed)  # the same initial model for every method and worker count
         model = build_model(self.model_name, self.data.input_shape, self.data.classes).to(self.device)
         optimizer = make_optimizer(config, self.lr)
-        options = dict(  # the method, the same for simulated and real workers
+        options: dict[str, Any] = dict(  # the method, the same for simulated and real workers
             combine=self.method.combine,
             local_steps=config.local_steps if self.method.local else 1,
             slow_momentum=config.slow_momentum if self.method.slow_momentum else None,
@@ -515,11 +520,12 @@ class _Run:
             train_loss = finite_mean if finite_mean is not None else float("nan")
         else:
             train_loss = sum(step_losses) / len(step_losses)
+        assert self.data.val_x is not None and self.data.val_y is not None
         val_loss, val_acc = evaluate(self.engine.module, self.data.val_x, self.data.val_y)
         test_loss, test_acc = evaluate(self.engine.module, self.data.test_x, self.data.test_y)
         diverged = self.chance.diverged(train_loss, val_loss, test_loss)
         tensor_o = torch.stack(partial["per_tensor"]).mean(0).tolist() if partial["per_tensor"] else []
-        record = {
+        record: dict[str, Any] = {
             "epoch": epoch + 1,
             "train_loss": train_loss,
             "val_loss": val_loss,
@@ -699,7 +705,7 @@ def _finite_mean(values: list[float]) -> float | None:
 def identity(config: dict[str, Any]) -> dict[str, Any]:
     """The fields of a run's configuration that make it that run (all but the RESUMABLE ones); no
     model stands for the task's default model (``--model cnn`` on digits is the same run)."""
-    values = {f.name: config.get(f.name) for f in fields(RunConfig) if f.name not in RESUMABLE}
+    values: dict[str, Any] = {f.name: config.get(f.name) for f in fields(RunConfig) if f.name not in RESUMABLE}
     if values["model"] is None:
         values["model"] = DEFAULT_MODELS.get(values["task"])
     return values

@@ -48,6 +48,7 @@ class Stat:
 
     @classmethod
     def of(cls, values: Sequence[float], bounds: tuple[float, float] = (0.0, 100.0)) -> Stat:
+        """The statistics of `values` (class doc), the interval clipped to `bounds`."""
         values = [float(v) for v in values]
         if not values:
             raise ValueError("no values")
@@ -74,6 +75,7 @@ class Paired:
 
     @classmethod
     def of(cls, a: Sequence[float], b: Sequence[float]) -> Paired:
+        """The paired comparison of `a` and `b` (class doc)."""
         if len(a) != len(b):
             raise ValueError(f"paired values of unequal length: {len(a)} and {len(b)}")
         d = [float(x) - float(y) for x, y in zip(a, b)]

@@ -72,6 +72,7 @@ def broadcast_optimizer_state(optimizer: Any, root: int = 0, group: dist.Process
     with failures_named(operation, "the state structure broadcast", group):
         dist.broadcast_object_list(box, group_src=root, group=control_group(group))
     skeleton = box[0]
+    assert skeleton is not None  # the root's, broadcast to every rank
     if not is_root:
         tensors = [torch.empty(shape, dtype=dtype, device=_device(kind, group)) for shape, dtype, kind in skeleton[1]]
     with torch.no_grad():

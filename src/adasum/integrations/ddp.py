@@ -13,10 +13,11 @@ combines buckets in batches of at least ``batch_mb`` MB (`AdasumState`, default
 combined, which happens once the batch reaches ``batch_mb``, or at the iteration's last bucket
 (DDP waits for the Futures only after that one). Every parameter keeps its own coefficients, so
 batching changes how many collectives run (the BERT-Large-sized stack of `benchmarks/bench_e2e.py`:
-5 instead of 37 per step), not what they compute. The autograd thread runs the hook, and that
-step is bound by the thread's issuing of work: bucket by bucket the hook took 0.28 ms of host time
-per bucket (10 ms a step) and the step 1.08-1.13 x DDP's; in batches 0.96-1.02 x (2 x H100,
-benchmarks/results/gpu-session7-call*.log). A batch of several buckets is combined as one list of
+5 instead of 37 per step), not what they compute. The autograd thread runs the hook, so on a step
+bound by that thread's issuing of work every collective's host time lengthens the step: larger
+batches mean fewer collectives (docs/benchmarks.md measures batch sizes; beyond about 128 MB the
+gain is within a host's noise, and the symmetric-memory buffers grow with the largest batch).
+A batch of several buckets is combined as one list of
 their segments: in place where the transport reads lists in place (symmetric memory), else fused
 into one buffer (one copy each way). ``batch_mb=0`` combines bucket by bucket.
 
@@ -58,7 +59,6 @@ import torch.distributed as dist
 from adasum.collectives.agreement import agree
 from adasum.collectives.nonfinite import apply_nonfinite_policy, check_policy
 from adasum.collectives.plan import prepare
-from adasum.deprecated import _UNSET, renamed
 from adasum.reducers import Adasum, Reducer, get_reducer
 from adasum.transport.groups import communicator, failures_named, side_stream
 
@@ -75,7 +75,7 @@ class AdasumState:
     means (`adasum.hierarchical`). When torch.distributed is initialised, construction runs the
     reducer's collective set-up (on every rank), so that placement errors surface here.
     The state pickles without its process group (the default group is used after unpickling).
-    ``group`` is the process group (``process_group=`` is its deprecated alias). The hook skips the
+    ``group`` is the process group (default: the world). The hook skips the
     reducer's per-call layout check: DDP verifies the parameters across ranks at construction and
     keeps the buckets identical on every rank.
 
@@ -100,7 +100,7 @@ class AdasumState:
 
     def __init__(
         self,
-        group: dist.ProcessGroup | None = _UNSET,
+        group: dist.ProcessGroup | None = None,
         reducer: str | Reducer = "adasum",
         *,
         hierarchical: bool = False,
@@ -108,9 +108,7 @@ class AdasumState:
         nonfinite: str = "propagate",
         named_parameters: Iterable[tuple[str, torch.Tensor]] | None = None,
         batch_mb: float = BATCH_MB,
-        process_group: dist.ProcessGroup | None = _UNSET,
     ) -> None:
-        group = renamed("AdasumState", "process_group", "group", process_group, group, default=None)
         if nonfinite == "skip":
             raise ValueError(
                 "nonfinite='skip' is not available in a DDP hook (it cannot skip the optimizer step); "
@@ -187,11 +185,11 @@ def bucket_sizes(bucket: dist.GradBucket) -> list[int]:
     buffer = bucket.buffer()
     if buffer.is_sparse:
         raise TypeError("adasum_hook does not support sparse gradients")
-    base, storage = buffer.storage_offset(), buffer.untyped_storage().data_ptr()
+    base, storage = int(buffer.storage_offset()), buffer.untyped_storage().data_ptr()
     sizes: list[int] = []
     position = 0
     for grad in bucket.gradients():
-        start = grad.storage_offset() - base
+        start = int(grad.storage_offset()) - base
         if grad.untyped_storage().data_ptr() != storage or start < position:
             raise RuntimeError("a bucket's gradients are not consecutive views of its buffer")
         if start > position:

@@ -63,7 +63,7 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from adasum.collectives.agreement import _signature, agree
+from adasum.collectives.agreement import agree, signature
 from adasum.reducers import Reducer, ShardGroups, get_reducer
 from adasum.transport.groups import control_group
 
@@ -101,7 +101,7 @@ _MISSING = (
 
 def _param_group(module: nn.Module) -> Any:
     """The single FSDPParamGroup of a `fully_shard` unit (torch >= 2.11: a list of one)."""
-    state = module._get_fsdp_state()
+    state = module._get_fsdp_state()  # type: ignore[operator]  # FSDPModule's: the stubs don't join it with Module
     groups = getattr(state, "_fsdp_param_groups", None)
     if groups is None:  # torch before per-parameter meshes: one optional group
         if not hasattr(state, "_fsdp_param_group"):
@@ -226,7 +226,7 @@ class _Probe:
 
     def __init__(self, layouts: dict[str, tuple], group: dist.ProcessGroup | None) -> None:
         self.layouts = layouts
-        sig = _signature(list(layouts.items()))
+        sig = signature(list(layouts.items()))
         self._values = torch.tensor([sig, -sig], dtype=torch.int64)
         self._work = dist.all_reduce(self._values, op=dist.ReduceOp.MAX, group=control_group(group), async_op=True)
 
@@ -357,6 +357,7 @@ class FSDPState:
         return {"reducer": blob, "reductions": torch.tensor(self.reductions, dtype=torch.int64)}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Restore what `state_dict` saved."""
         blob = state["reducer"]
         blob.seek(0)
         self.reducer.load_state_dict(torch.load(blob, weights_only=True))
@@ -366,7 +367,7 @@ class FSDPState:
         return f"FSDPState(reducer={self.reducer!r}, replicas={self.groups.replicas}, shards={self.groups.shards})"
 
 
-def _units(model: nn.Module) -> list[tuple[str, nn.Module]]:
+def _units(model: nn.Module) -> list[tuple[str, Any]]:  # (name, a module that is an FSDPModule)
     from torch.distributed.fsdp import FSDPModule
 
     return [(name or "<root>", m) for name, m in model.named_modules() if isinstance(m, FSDPModule)]

@@ -32,7 +32,7 @@ def warn_one_process(user: str, launch: str) -> bool:
 
 
 def register_hook(
-    model: torch.nn.Module,
+    model: torch.nn.Module | None,
     state: AdasumState | None,
     named_parameters: Iterable[tuple[str, torch.Tensor]],
     *,

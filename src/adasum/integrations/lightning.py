@@ -61,6 +61,7 @@ class AdasumCallback(pl.Callback):
         self.state = state
 
     def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        """Register the hook on the DDP-wrapped model (or warn that there is none)."""
         if isinstance(trainer.strategy, AdasumDDPStrategy):
             warnings.warn(
                 "adasum.lightning.AdasumCallback: the strategy 'ddp_adasum' registers the Adasum hook already; "
@@ -101,6 +102,7 @@ class AdasumDDPStrategy(DDPStrategy):
         self.adasum_state = adasum_state
 
     def _register_ddp_hooks(self) -> None:
+        assert self.lightning_module is not None  # Lightning sets it before the DDP hooks
         self.adasum_state = register_hook(
             self.model,
             self.adasum_state,
@@ -112,6 +114,7 @@ class AdasumDDPStrategy(DDPStrategy):
 
     @classmethod
     def register_strategies(cls, strategy_registry: Any) -> None:
+        """Register this strategy as ``"ddp_adasum"``."""
         strategy_registry.register(
             "ddp_adasum", cls, description="DDP with Adasum's communication hook on every device", override=True
         )
@@ -147,14 +150,18 @@ class AdasumDeltaStrategy(DDPStrategy):
             raise ValueError(
                 f"AdasumDeltaStrategy builds no DDP model; DDP options {sorted(self._ddp_kwargs)} do not apply"
             )
-        self.optimizer_options = {"reducer": reducer, "local_steps": local_steps, "nonfinite": nonfinite}
+        self.optimizer_options: dict[str, Any] = {
+            "reducer": reducer, "local_steps": local_steps, "nonfinite": nonfinite
+        }
 
     def configure_ddp(self) -> None:
-        # no DDP wrapper: the gradients stay local, DistributedOptimizer combines the steps
+        """No DDP wrapper: the gradients stay local and `DistributedOptimizer` combines the steps."""
         warn_one_process("adasum.lightning.AdasumDeltaStrategy", LAUNCH)
+        assert self.model is not None  # Lightning sets it before configure_ddp
         _sync_module_states(self.model)
 
     def setup_optimizers(self, trainer: pl.Trainer) -> None:
+        """The optimizers, each wrapped in `DistributedOptimizer` (delta mode)."""
         super().setup_optimizers(trainer)
         self.optimizers = [self._wrap(optimizer) for optimizer in self.optimizers]
 
@@ -165,6 +172,7 @@ class AdasumDeltaStrategy(DDPStrategy):
 
     @classmethod
     def register_strategies(cls, strategy_registry: Any) -> None:
+        """Register this strategy as ``"ddp_adasum_delta"``."""
         strategy_registry.register(
             "ddp_adasum_delta",
             cls,

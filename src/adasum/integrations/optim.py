@@ -47,7 +47,7 @@ import gc
 import hashlib
 from collections import OrderedDict, deque
 from collections.abc import Callable, Iterable
-from typing import Any
+from typing import Any, cast
 
 import torch
 import torch.distributed as dist
@@ -56,7 +56,6 @@ from adasum import kernels
 from adasum.collectives.agreement import Problem, agree, check_not_sharded, check_same_layout, describe, local_problem
 from adasum.collectives.nonfinite import apply_nonfinite_policy, check_policy, nonfinite_message
 from adasum.core.layout import Scattered, flatten, unflatten_into
-from adasum.deprecated import _UNSET, renamed
 from adasum.reducers import Reducer, get_reducer
 from adasum.transport.groups import control_group, failures_named, group_device, side_stream
 
@@ -221,7 +220,6 @@ class DistributedOptimizer(torch.optim.Optimizer):
         optimizer: any torch.optim optimizer (SGD, Adam, AdamW, LAMB, ...), on every rank with
             the same parameters in the same order and with the same values.
         reducer: a `Reducer` or its name: "adasum" (default), "mean", "sum", "adacons", ...
-            (``reduce=`` is its deprecated alias).
         mode: "delta" (combine the weight changes of a local step) or "gradient".
         group: the process group (default: the world).
         backward_passes_per_step: ``step()`` and ``zero_grad()`` calls that make one real step;
@@ -243,8 +241,8 @@ class DistributedOptimizer(torch.optim.Optimizer):
             "skip" skips the step on every rank (parameters, optimizer state and the round of
             local steps untouched) and counts it in ``skipped_steps``
             (`adasum.collectives.nonfinite.apply_nonfinite_policy`). "raise" and "skip" cost one
-            8-byte all-reduce and a host synchronisation per step: measured at 6 ms of a 36 ms
-            ResNet-50 step on 2 x H200 (docs/benchmarks.md), hence not the default.
+            8-byte all-reduce and a host synchronisation per step, which stops the host from
+            queueing work ahead (docs/benchmarks.md), hence not the default.
         named_parameters: ``model.named_parameters()`` (as Horovod takes it): the names that error
             messages give the parameters. Every parameter of the optimizer must be named.
         sparse_as_dense: turn sparse gradients (``nn.Embedding(sparse=True)``) into dense ones
@@ -261,17 +259,25 @@ class DistributedOptimizer(torch.optim.Optimizer):
     included), ``state_dict()`` and ``load_state_dict()``. ``state_dict()`` holds the wrapped
     optimizer's state, which in delta mode is local to each rank: every rank saves its own.
 
-    >>> opt = DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), mode="gradient")  # doctest: +SKIP
+    On one process (a group of one rank; under torchrun every rank makes the same calls):
+
+    >>> dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    >>> model = torch.nn.Linear(4, 1)
+    >>> opt = DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), mode="gradient")
+    >>> model(torch.randn(8, 4)).pow(2).mean().backward(); opt.step(); opt.zero_grad()
+    >>> dist.destroy_process_group()
     """
 
     # GradScaler.step passes grad_scale and found_inf instead of skipping this step on its own
     _step_supports_amp_scaling = True
+    found_inf: torch.Tensor  # set by GradScaler.step for one call (no value here: hasattr tells)
+    grad_scale: torch.Tensor | None
 
     def __init__(
         self,
         optimizer: torch.optim.Optimizer,
         *,
-        reducer: str | Reducer = _UNSET,
+        reducer: str | Reducer = "adasum",
         mode: str = "delta",
         group: dist.ProcessGroup | None = None,
         backward_passes_per_step: int = 1,
@@ -282,9 +288,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
         nonfinite: str = "propagate",
         named_parameters: Iterable[tuple[str, torch.Tensor]] | None = None,
         sparse_as_dense: bool = False,
-        reduce: str | Reducer = _UNSET,
     ) -> None:
-        reducer = renamed("DistributedOptimizer", "reduce", "reducer", reduce, reducer, default="adasum")
         check_policy(nonfinite)
         if not isinstance(optimizer, torch.optim.Optimizer):
             raise TypeError(f"optimizer must be a torch.optim.Optimizer, got {type(optimizer).__name__}")
@@ -344,14 +348,17 @@ class DistributedOptimizer(torch.optim.Optimizer):
 
     @property
     def param_groups(self) -> list[dict[str, Any]]:  # type: ignore[override]
+        """The wrapped optimizer's parameter groups."""
         return self.optimizer.param_groups
 
     @property
     def state(self) -> Any:  # type: ignore[override]
+        """The wrapped optimizer's state."""
         return self.optimizer.state
 
     @property
     def defaults(self) -> dict[str, Any]:  # type: ignore[override]
+        """The wrapped optimizer's defaults."""
         return self.optimizer.defaults
 
     def add_param_group(self, param_group: dict[str, Any]) -> None:
@@ -410,8 +417,9 @@ class DistributedOptimizer(torch.optim.Optimizer):
         if scaled and self._agree_on_inf(self.found_inf):
             return None
         params = self._params()
-        if scaled and getattr(self, "grad_scale", None) is not None:
-            self._unscale(params, self.grad_scale)
+        scale = getattr(self, "grad_scale", None)
+        if scaled and scale is not None:
+            self._unscale(params, scale)
         if self.sparse_as_dense:
             _densify(params)
         if self.nonfinite != "propagate" and self._nonfinite_gradients(params):
@@ -563,6 +571,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
     def _save_anchor(self, params: list[torch.Tensor]) -> None:
         if self._anchor is None or len(self._anchor) != len(params):
             self._new_anchor(params)
+        assert self._anchor is not None
         if params:
             torch._foreach_copy_(self._anchor, params)
 
@@ -584,10 +593,12 @@ class DistributedOptimizer(torch.optim.Optimizer):
         """Combine the gradients of the parameters that have one on any rank (`_present_gradients`); the others
         keep ``.grad = None`` everywhere, so the wrapped optimizer leaves them alone."""
         present = self._present_gradients(params)
+        grads: list[torch.Tensor] = []
         for i in present:
-            if params[i].grad is None:  # a gradient on other ranks only: this rank contributes zeros
-                params[i].grad = torch.zeros_like(params[i])
-        grads = [params[i].grad for i in present]
+            grad = params[i].grad
+            if grad is None:  # a gradient on other ranks only: this rank contributes zeros
+                grad = params[i].grad = torch.zeros_like(params[i])
+            grads.append(grad)
         operation = "adasum.DistributedOptimizer.step"
         if self._checked_present != present:  # once per set of gradients (agreed): checked on every rank
             self._check_gradients(grads, present, operation)
@@ -680,7 +691,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
         ]
 
     def _combine_deltas(self, params: list[torch.Tensor]) -> None:
-        """x := x0 + combine(x - x0), bucket by bucket; x0 and the combination agree on every
+        """Set x := x0 + combine(x - x0), bucket by bucket; x0 and the combination agree on every
         rank, so the parameters come out bitwise identical.
 
         On a GPU the buckets are pipelined: the compute stream writes bucket k's deltas while the "comm" side
@@ -694,8 +705,9 @@ class DistributedOptimizer(torch.optim.Optimizer):
         main = torch.cuda.current_stream(device) if comm is not None else None
         pending: deque = deque()
 
-        def apply(members: list[torch.Tensor], anchor: torch.Tensor, flat: torch.Tensor, done) -> None:
+        def apply(members: list[torch.Tensor] | Scattered, anchor: torch.Tensor, flat: torch.Tensor, done) -> None:
             if done is not None:
+                assert main is not None  # there is a side stream
                 main.wait_event(done)
             # one pass: x0 + combined, straight into the parameters and into the anchor (the next round's start)
             kernels.add_into(members, anchor, flat, base_too=True)
@@ -708,7 +720,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
                 self.reducer.all_reduce_flat(flat, sizes, self.group, check_layout=False)
                 apply(members, anchor, flat, None)
                 continue
-            comm.wait_stream(main)
+            comm.wait_stream(cast(torch.cuda.Stream, main))  # the compute stream, set with `comm`
             with torch.cuda.stream(comm):
                 self.reducer.all_reduce_flat(flat, sizes, self.group, check_layout=False)
                 done = comm.record_event()
@@ -789,6 +801,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
         if state_dict["anchor"] is not None:
             params = self._params()
             self._new_anchor(params)
+            assert self._anchor is not None
             torch._foreach_copy_(self._anchor, [a.to(p.device) for a, p in zip(state_dict["anchor"], params)])
         for post_hook in self._optimizer_load_state_dict_post_hooks.values():
             post_hook(self)

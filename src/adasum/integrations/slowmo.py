@@ -22,7 +22,6 @@ import torch.distributed as dist
 
 from adasum.collectives.agreement import agree, check_not_sharded, local_problem
 from adasum.collectives.nonfinite import apply_nonfinite_policy, check_policy
-from adasum.deprecated import _UNSET, renamed, warn
 from adasum.integrations.optim import check_same_parameters, optimizer_param_names
 from adasum.reducers import Mean, Reducer, get_reducer
 from adasum.transport.groups import failures_named, group_device
@@ -69,8 +68,6 @@ def _world_size(group: dist.ProcessGroup | None) -> int:
 class SlowMo:
     """Wrap any torch optimizer (the base algorithm) with SlowMo: `local_steps` base steps, then the
     workers' models are combined and the slow momentum step is taken (module docstring).
-    (``sync_every=`` is the deprecated alias of ``local_steps=``, the name `DistributedOptimizer`
-    and `SimulatedWorkers` use for the same count.)
 
     * ``reducer="mean"`` (default) averages the models exactly; any other reducer (one whose
       ``exact_average`` trait is False: "adasum", "adacons", "sum" or a `Reducer` object) combines
@@ -108,8 +105,8 @@ class SlowMo:
     optimizer was given ``model.named_parameters()``) and the rank. "skip": the round is discarded
     on every rank (every worker restarts from the anchor; slow momentum, anchor and the other
     ranks' state untouched; base-optimizer state holding a NaN/Inf is dropped on the rank that has
-    it) and counted in ``skipped_steps`` (the steps whose sync was skipped; ``skipped_syncs`` is
-    its deprecated alias). "propagate": nothing is checked. The default differs from
+    it) and counted in ``skipped_steps`` (the steps whose sync was skipped). "propagate": nothing
+    is checked. The default differs from
     `DistributedOptimizer`'s "propagate" on purpose: there the check costs a host
     synchronisation on every step; here one per sync, amortised over `local_steps` steps, and a
     non-finite model averaged into every rank would poison the anchor and the slow momentum.
@@ -130,7 +127,7 @@ class SlowMo:
         self,
         optimizer: torch.optim.Optimizer,
         *,
-        local_steps: int = _UNSET,
+        local_steps: int,
         slow_lr: float = 1.0,
         slow_momentum: float = 0.0,
         reducer: str | Reducer = "mean",
@@ -139,11 +136,7 @@ class SlowMo:
         module: torch.nn.Module | None = None,
         nonfinite: str = "raise",
         check: bool = True,
-        sync_every: int = _UNSET,
     ) -> None:
-        local_steps = renamed("SlowMo", "sync_every", "local_steps", sync_every, local_steps)
-        if local_steps is _UNSET:
-            raise TypeError("SlowMo needs local_steps= (the base steps between syncs)")
         check_policy(nonfinite)
         if not isinstance(optimizer, torch.optim.Optimizer):
             raise TypeError(f"SlowMo wraps a torch.optim.Optimizer, got {type(optimizer).__name__}")
@@ -185,13 +178,16 @@ class SlowMo:
 
     @property
     def param_groups(self) -> list[dict[str, Any]]:
+        """The base optimizer's parameter groups (LR schedulers act on them)."""
         return self.optimizer.param_groups
 
     @property
     def state(self) -> Any:
+        """The base optimizer's state."""
         return self.optimizer.state
 
     def zero_grad(self, set_to_none: bool = True) -> None:
+        """The base optimizer's ``zero_grad``."""
         self.optimizer.zero_grad(set_to_none=set_to_none)
 
     # -- the algorithm
@@ -260,18 +256,6 @@ class SlowMo:
         """
         return list(self._anchor) if self._step % self.local_steps else None
 
-    @property
-    def sync_every(self) -> int:
-        """Deprecated alias of `local_steps`."""
-        warn("SlowMo.sync_every is deprecated, use local_steps")
-        return self.local_steps
-
-    @property
-    def skipped_syncs(self) -> int:
-        """Deprecated alias of `skipped_steps`."""
-        warn("SlowMo.skipped_syncs is deprecated, use skipped_steps")
-        return self.skipped_steps
-
     def _nonfinite_round(self) -> bool:
         """Whether this round is discarded: a NaN/Inf in any rank's local model (checked across ranks)."""
         if not apply_nonfinite_policy(
@@ -308,11 +292,12 @@ class SlowMo:
         return [(name, str(b.dtype).removeprefix("torch."), tuple(b.shape), b.device.type)
                 for name, b in self.module.named_buffers() if b.is_floating_point()]  # type: ignore[union-attr]
 
-    def _state_layout(self) -> tuple[list[tuple], list[tuple]]:
+    def _state_layout(self) -> tuple[list[tuple], list[torch.Tensor]]:
         """The base optimizer's floating-point state tensors except step counters, matched by
         parameter (its index and name) and state key: ``(description, tensors)``."""
         names = optimizer_param_names(self.optimizer)
-        description, tensors = [], []
+        description: list[tuple] = []
+        tensors: list[torch.Tensor] = []
         for i, p in enumerate(self._params):
             state = self.optimizer.state.get(p, {})
             label = f"parameter {i}" + (f" ({names[i]!r})" if names is not None else "")
@@ -364,7 +349,7 @@ class SlowMo:
             for mine, theirs in zip(self._momentum, state["momentum"]):
                 mine.copy_(theirs)
         self._step = int(state["step"])
-        self.skipped_steps = int(state.get("skipped_steps", state.get("skipped_syncs", 0)))
+        self.skipped_steps = int(state.get("skipped_steps", 0))
         self.reducer.load_state_dict(state.get("reducer", {}))
 
     def __repr__(self) -> str:

@@ -51,11 +51,11 @@ regular row reduction plus a short segment sum over chunks (no element-wise scat
 def accumulation_dtype(accumulate: Any = None) -> jnp.dtype:
     """The dtype of the dot products: float64 if x64 is enabled, else float32, or `accumulate`."""
     if accumulate is None:
-        return jnp.dtype(jnp.float64 if jax.config.jax_enable_x64 else jnp.float32)
+        return jnp.dtype(jnp.float64 if jax.config.jax_enable_x64 else jnp.float32)  # type: ignore[attr-defined]
     dtype = jnp.dtype(accumulate)
     if dtype not in (jnp.dtype(jnp.float32), jnp.dtype(jnp.float64)):
         raise ValueError(f"accumulate must be float32 or float64, got {dtype}")
-    if dtype == jnp.float64 and not jax.config.jax_enable_x64:
+    if dtype == jnp.float64 and not jax.config.jax_enable_x64:  # type: ignore[attr-defined]
         raise ValueError("accumulate=float64 needs jax.config.update('jax_enable_x64', True)")
     return dtype
 
@@ -143,7 +143,7 @@ def vary(tree: Any, axis_name: Any) -> Any:
             return x
         if hasattr(jax.lax, "pcast"):
             return jax.lax.pcast(x, axis_name, to="varying")
-        return jax.lax.pvary(x, axis_name)
+        return jax.lax.pvary(x, axis_name)  # type: ignore[attr-defined]  # older jax
 
     return jax.tree.map(one, tree)
 
@@ -326,6 +326,15 @@ def all_reduce(tree: Any, axis_name: Any, *, per_leaf: bool = True, accumulate: 
       A pytree like `tree`, identical (bitwise) on every device of the axis.
 
     >>> grads = adasum.jax.all_reduce(grads, "data")   # inside jax.shard_map over "data"  # doctest: +SKIP
+
+    On one CPU device (an axis of size one; on a larger axis every device makes the same call):
+
+    >>> from jax.sharding import Mesh, PartitionSpec
+    >>> mesh = Mesh(jax.devices()[:1], ("data",))
+    >>> combine = jax.shard_map(lambda g: all_reduce(g, "data"), mesh=mesh, in_specs=PartitionSpec("data"),
+    ...                         out_specs=PartitionSpec("data"))
+    >>> combine(jnp.array([3.0, 4.0]))
+    Array([3., 4.], dtype=float32)
     """
     leaves, treedef = jax.tree.flatten(tree)
     check_leaves(leaves, "adasum.jax.all_reduce")

@@ -69,7 +69,7 @@ class AdaConsState(NamedTuple):
     """AdaCons' sorted-coefficient momentum ``[segments, devices]`` and how many updates ran."""
 
     sorted_momentum: jax.Array
-    count: jax.Array
+    count: jax.Array  # type: ignore[assignment]  # optax's name; shadows tuple.count
 
 
 def adacons_weights(

@@ -26,6 +26,7 @@ def _float64_blocks(a: torch.Tensor, b: torch.Tensor, lengths: Sequence[int]):
 
 
 def dot_and_norms(a: torch.Tensor, b: torch.Tensor, lengths: Sequence[int]) -> torch.Tensor:
+    """The three float64 sums ``<a,b>``, ``|a|^2``, ``|b|^2`` of each segment, ``[3, T]``."""
     gram = torch.zeros(len(lengths), 2, 2, dtype=torch.float64)
     for i, _, block in _float64_blocks(a, b, lengths):
         gram[i].addmm_(block, block.t())  # [[|a|^2, <a,b>], [<a,b>, |b|^2]] of the block

@@ -105,6 +105,8 @@ def reduce_stacked(stacked: torch.Tensor, sizes: Sequence[int]) -> torch.Tensor:
         half = groups // 2
         a, b = values[:half].view(-1), values[half:groups].view(-1)
         lengths = sizes * half
+        workers_a: int | torch.Tensor
+        workers_b: int | torch.Tensor
         if counts[:half] == counts[half:groups] and len(set(counts[:half])) == 1:
             workers_a = workers_b = counts[0]
         else:

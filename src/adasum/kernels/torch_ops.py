@@ -22,6 +22,7 @@ def dot_and_norms(a: torch.Tensor, b: torch.Tensor, lengths: Sequence[int]) -> t
 
 
 def scale_add(a, b, coeff_a, coeff_b, lengths: Sequence[int], out: torch.Tensor) -> None:
+    """``out = coeff_a a + coeff_b b`` with one coefficient pair per segment."""
     table = tiles(tuple(lengths), a.device)
     n = a.numel()
     ca = torch.repeat_interleave(coeff_a[table.segments], table.sizes, output_size=n)

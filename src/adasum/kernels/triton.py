@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import os
 from collections.abc import Sequence
+from typing import cast
 
 import torch
 
@@ -216,9 +217,8 @@ if triton is not None:
 def _align(table, *operands) -> int:
     """The vector width the kernels may assume, in elements: 16 bytes' worth for 2-byte dtypes when every tile
     starts and ends on such a boundary and every `TileAddresses` operand is 16-byte aligned, else 1. Without the
-    hint Triton cannot prove alignment from the tile table and moves bf16 2 bytes per instruction; with it, bf16
-    2^28 went from 1.29 x to 1.14 x NCCL's all-reduce on 2 x H100. fp32 keeps 4-byte accesses: 16-byte ones made
-    the NVLink kernels slower (pull 436 against 412 us per 128 MiB piece, 2^28 1.19-1.20 x against 1.17 x).
+    hint Triton cannot prove alignment from the tile table and moves bf16 2 bytes per instruction. fp32 keeps
+    4-byte accesses: 16-byte ones make the NVLink kernels slower (docs/benchmarks.md lists both measurements).
     Flat tensors need no check: Triton marks a pointer 16-byte aligned only when it is.
     ``ADASUM_TRITON_VECTORS=0`` turns vectors off, ``=all`` on for every dtype (for comparisons)."""
     setting = os.environ.get("ADASUM_TRITON_VECTORS", "1")
@@ -290,7 +290,8 @@ def combine(
     if table.n_tiles:
         assert sums.stride(1) == 1 and sums.dtype == torch.float64 and len(more_outs) <= 2
         per_segment = isinstance(workers_a, torch.Tensor)
-        counts = torch.stack([workers_a, workers_b]) if per_segment else sums  # any pointer when unused
+        per_segment_counts = cast(list[torch.Tensor], [workers_a, workers_b])
+        counts = torch.stack(per_segment_counts) if per_segment else sums  # any pointer when unused
         (a_ptr, a_tiles, a_at), (b_ptr, b_tiles, b_at) = _operand(a, like), _operand(b, like)
         out_ptr, out_tiles, out_at = _operand(out, like)
         extra = list(more_outs) + [out_ptr] * (2 - len(more_outs))  # unused pointers when fewer

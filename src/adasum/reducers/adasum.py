@@ -50,6 +50,7 @@ class Adasum(Reducer):
         self._hierarchies: dict[Any, Any] = {}  # per group, built on first use (collective)
 
     def reduce(self, per_worker):
+        """Adasum of the workers' copies, tensor by tensor (or whole-model), in one process."""
         count = check_workers(per_worker)
         if self.hierarchical is True:
             size = self.local_size or hierarchical.local_size_from_env() or 1
@@ -77,6 +78,7 @@ class Adasum(Reducer):
         return not self.hierarchical
 
     def setup(self, group=None):
+        """Build the hierarchical groups (collective) when ``hierarchical=True``."""
         if self.hierarchical:
             self._hierarchy(group)
 
@@ -102,6 +104,7 @@ class Adasum(Reducer):
             adasum_flat_(buffer, sizes, group)
 
     def check_shards(self, shards: int) -> None:
+        """Raise ValueError for hierarchical Adasum, which does not combine shards (flat Adasum does, per tensor)."""
         if self.hierarchical:
             raise ValueError(
                 "hierarchical Adasum does not combine tensor shards: the shard groups already play the nodes' part "

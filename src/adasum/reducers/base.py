@@ -77,14 +77,21 @@ class Reducer:
     """Each tensor is combined on its own (a list may be split into buckets without changing the result)."""
     exact_average: bool = False
     """The result is the exact mean of the ranks' copies (a model may be averaged directly)."""
-    capturable: bool = False
-    """On NCCL a call never waits on the host, so a CUDA graph can capture it (`adasum.transport.graphs`)."""
     elementwise: bool = False
     """Each element of the result depends on that element of the inputs only (a shard combines on its own)."""
-    homogeneous: bool = True
-    """Inputs scaled by k > 0 give the result scaled by k (a caller may divide before or after combining)."""
+
+    @property
+    def homogeneous(self) -> bool:
+        """Inputs scaled by k > 0 give the result scaled by k (a caller may divide before or after combining)."""
+        return True
+
+    @property
+    def capturable(self) -> bool:
+        """On NCCL a call never waits on the host, so a CUDA graph can capture it (`adasum.collectives.graphs`)."""
+        return False
 
     def reduce(self, per_worker: Sequence[Sequence[torch.Tensor]]) -> list[torch.Tensor]:
+        """The combination of `per_worker` (one list of tensors per worker) in one process."""
         raise NotImplementedError
 
     # -- distributed: the public forms check, the protected ones combine
@@ -185,9 +192,11 @@ class Reducer:
         """
 
     def state_dict(self) -> dict[str, Any]:
+        """Cross-call state to checkpoint (none here)."""
         return {}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Restore what `state_dict` saved."""
         pass
 
     def __repr__(self) -> str:

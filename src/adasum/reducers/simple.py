@@ -18,6 +18,7 @@ class Sum(Reducer):
     elementwise = True
 
     def reduce(self, per_worker):
+        """The sum of the workers' copies, tensor by tensor."""
         count = check_workers(per_worker)
         return [torch.stack([w[i] for w in per_worker]).sum(0) for i in range(count)]
 
@@ -36,6 +37,7 @@ class Mean(Reducer):
     elementwise = True
 
     def reduce(self, per_worker):
+        """The mean of the workers' copies, tensor by tensor."""
         count = check_workers(per_worker)
         return [torch.stack([w[i] for w in per_worker]).sum(0) / len(per_worker) for i in range(count)]
 

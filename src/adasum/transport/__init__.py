@@ -18,7 +18,7 @@ TRANSPORTS = ("p2p", "collectives", "symmetric", "slices")
 (`adasum.collectives.slices`): on symmetric memory inside one NVLink host, elsewhere on c10d point-to-point."""
 
 NCCL_PREFERENCE = ("symmetric", "slices", "p2p")
-"""The default on NCCL: the first of these the group supports (order from benchmarks/results: inside one host,
+"""The default on NCCL: the first of these the group supports (docs/benchmarks.md: inside one host,
 "symmetric" for power-of-two groups, "slices" for the others); "collectives" and "symmetric" need a power-of-two
 group, "slices" and "symmetric" one host with NVLink, "p2p" runs everywhere. The test suite puts another
 transport first (`adasum.settings.Settings.transport_first`, ``ADASUM_TEST_TRANSPORT``): `preference`."""

@@ -57,11 +57,13 @@ class Level:
         return (mine, other) if self.lower else (other, mine)
 
     def dot(self, lo: int, hi: int) -> None:
+        """Add the three sums of buffer positions [lo, hi) of `kept` into `sums`."""
         first, lengths = self.overlap(lo, hi)
         if lengths:
             dot_and_norms(*self.pair(lo, hi), lengths, out=self.sums[:, first : first + len(lengths)])
 
     def combine(self, lo: int, hi: int) -> None:
+        """Combine buffer positions [lo, hi) of `kept` in place (`sums` complete)."""
         first, lengths = self.overlap(lo, hi)
         if lengths:
             sums = self.sums[:, first : first + len(lengths)]
@@ -116,15 +118,19 @@ class Transport:
         self.group = group
 
     def exchange(self, send: torch.Tensor | None, recv: torch.Tensor | None, peer: int) -> None:
+        """Send `send` to and receive `recv` from `peer` (either may be None), returning when both are done."""
         raise NotImplementedError
 
     def exchange_and_dot(self, level: Level) -> None:
+        """Swap the level's halves with the partner and add the dot products of `kept` into ``level.sums``."""
         raise NotImplementedError
 
     def all_reduce_sums(self, sums: torch.Tensor) -> None:
+        """SUM all-reduce of the level's small float64 sums over the group."""
         dist.all_reduce(sums, group=self.group)
 
     def combine(self, level: Level) -> None:
+        """Combine the level's `kept` slice in place (on the last level, send it to the partner too)."""
         raise NotImplementedError
 
     def gather(
@@ -158,16 +164,20 @@ class PointToPoint(Transport):
         self.timeout = timeout
 
     def post(self, sends: Sequence[torch.Tensor], recvs: Sequence[torch.Tensor], peer: int) -> tuple[list, list]:
+        """Start the sends and receives with `peer`: (send works, receive works)."""
         raise NotImplementedError
 
     def wait(self, works: Sequence) -> None:
+        """Wait for `works` (within the transport's timeout)."""
         raise NotImplementedError
 
     def exchange(self, send, recv, peer):
+        """One batch each way with `peer`, waited for."""
         sends, recvs = self.post([] if send is None else [send], [] if recv is None else [recv], peer)
         self.wait(sends + recvs)
 
     def pieces(self, level: Level) -> tuple[list[tuple[int, int]], list[tuple[int, int]]]:
+        """The level's `kept` and `given` slices cut into the same number of pieces of at most `piece_bytes`."""
         # Both partners cut the same parent segment into the same number of pieces, so their batches pair up.
         (klo, khi), (glo, ghi) = level.kept, level.given
         size = level.buffer.element_size() * max(khi - klo, ghi - glo)
@@ -175,6 +185,7 @@ class PointToPoint(Transport):
         return split(klo, khi, count), split(glo, ghi, count)
 
     def exchange_and_dot(self, level):
+        """Piece by piece: the dot products of a received piece while the next one moves."""
         kept, given = self.pieces(level)
         klo = level.kept[0]
         posted = [
@@ -187,6 +198,7 @@ class PointToPoint(Transport):
         self.wait([w for send_works, _ in posted for w in send_works])
 
     def combine(self, level):
+        """Piece by piece; on the last level each combined piece goes to the partner while the next is combined."""
         kept, given = self.pieces(level)
         gathers = []
         for (lo, hi), (g0, g1) in zip(kept, given):

@@ -75,12 +75,15 @@ class PointToPointC10d(PointToPoint):
         self._post = post_fn
 
     def post(self, sends, recvs, peer):
+        """One ``batch_isend_irecv`` with `peer`."""
         return self._post(sends, recvs, peer, self.group)
 
     def wait(self, works):
+        """Wait for `works` within the timeout, naming the peer that failed."""
         wait(works, self.timeout)
 
     def gather(self, buffer: torch.Tensor, steps: Sequence[GatherStep], finals=None) -> None:
+        """The gather's levels but the last one, whose swap went out during `combine`."""
         # the last level's swap (steps[0]) went out piece by piece during `combine`
         super().gather(buffer, steps[1:], finals)
 
@@ -93,6 +96,7 @@ class Collectives(PointToPointC10d):
     name = "collectives"
 
     def combine(self, level: Level) -> None:
+        """Combine the level's `kept` pieces; the gather runs after, as one collective."""
         kept, _ = self.pieces(level)
         for lo, hi in kept:
             level.combine(lo, hi)

@@ -30,10 +30,12 @@ _FAILED = object()
 
 
 def enabled(device: torch.device) -> bool:
+    """Whether calls on `device` are captured: a GPU, with the ``cuda_graphs`` setting on."""
     return device.type == "cuda" and current().cuda_graphs
 
 
 def tensor_key(tensors) -> tuple:
+    """What a captured graph of `tensors` depends on: each tensor's address, dtype, shape and strides."""
     return tuple((t.data_ptr(), t.dtype, tuple(t.shape), t.stride()) for t in tensors)
 
 
@@ -92,6 +94,7 @@ class Graphs:
         graph.replay()
 
     def captured(self, key: Hashable) -> bool:
+        """Whether `key` has a captured graph."""
         graph = self._graphs.get(key)
         return graph is not None and graph is not _FAILED
 
@@ -108,5 +111,6 @@ class Graphs:
         return sum(g is not _FAILED for g in self._graphs.values())
 
     def clear(self) -> None:
+        """Forget every graph and sighting."""
         self._graphs.clear()
         self._seen.clear()

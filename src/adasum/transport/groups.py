@@ -13,10 +13,10 @@ a gloo worker thread ("pt_gloo_runloop") is still releasing the work of the last
 tensors, whose Python objects only C++ still holds) when the main thread is already finalising the
 interpreter; releasing them needs the GIL, which a finalising interpreter no longer hands out, and
 the thread is torn down inside a destructor. The window is the few microseconds after a collective
-completes, so it shows when a process exits right after its last collective (measured: 3 of 40
-two-rank runs of a bare ``dist.all_reduce``; 0 of 40 with ``destroy_process_group`` a moment
-later). So the first time adasum works on a process group it registers an exit handler that,
-while the interpreter is still whole, gives gloo's threads a moment (with the GIL released) to
+completes, so it shows when a process exits right after its last collective (a bare
+``dist.all_reduce`` then exit; never with ``destroy_process_group`` a moment later). So the
+first time adasum works on a process group it registers an exit handler that, while the
+interpreter is still whole, gives gloo's threads a moment (with the GIL released) to
 finish releasing their last work, then destroys the process groups if they use gloo only (NCCL
 groups are left to their owner: destroying them at exit can wait on peers that are gone).
 """
@@ -62,6 +62,7 @@ class Workspace:
         self._buffers: dict[tuple[str, torch.dtype], torch.Tensor] = {}
 
     def get(self, name: str, numel: int, like: torch.Tensor) -> torch.Tensor:
+        """A buffer of `numel` elements like `like` for `name` (kept and reused on the CPU, fresh on GPUs)."""
         if like.device.type != "cpu":
             return torch.empty(numel, dtype=like.dtype, device=like.device)
         key = (name, like.dtype)
@@ -275,9 +276,10 @@ def accepts(group: dist.ProcessGroup | None, device: torch.device) -> bool:
 def group_timeout(group: dist.ProcessGroup | None = None) -> timedelta:
     """The timeout `group` was created with (``init_process_group``/``new_group``), or torch's default.
 
-    >>> dist.init_process_group("gloo", timeout=timedelta(seconds=60))  # doctest: +SKIP
-    >>> adasum.group_timeout()  # doctest: +SKIP
+    >>> dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1, timeout=timedelta(seconds=60))
+    >>> adasum.group_timeout()
     datetime.timedelta(seconds=60)
+    >>> dist.destroy_process_group()
     """
     _register_exit_handler()
     pg = group if group is not None else dist.distributed_c10d._get_default_group()

@@ -52,9 +52,11 @@ class C10dSlices(Transport):
         self._rows: torch.Tensor | None = None
 
     def round_elements(self, element_size: int) -> int:
+        """The most elements one round holds within the memory budget."""
         return round_elements(self.world, self.world, element_size)
 
     def reserve(self, row: int, like: torch.Tensor) -> None:
+        """Grow the receive workspace to rows of `row` elements like `like` before a layout's first round."""
         self._workspace(self.world * row, like)
 
     def _workspace(self, numel: int, like: torch.Tensor) -> torch.Tensor:
@@ -70,12 +72,14 @@ class C10dSlices(Transport):
             wait(dist.batch_isend_irecv(ops), self.timeout)
 
     def rows(self, buffer: torch.Tensor, bounds: Sequence[tuple[int, int]]) -> list[torch.Tensor]:
+        """Where every rank's copy of this rank's slice lands: one scratch row per rank."""
         lo, hi = bounds[self.rank]
         size = hi - lo
         space = self._workspace(self.world * size, buffer)
         return [space[j * size : (j + 1) * size] for j in range(self.world)]
 
     def scatter(self, buffer: torch.Tensor, layout: Layout, bounds: Sequence[tuple[int, int]], landed) -> None:
+        """Fill the rows: one batch of sends and receives with every peer, then ``landed`` for the whole slice."""
         lo, hi = bounds[self.rank]
         rows = self.rows(buffer, bounds)
         rows[self.rank].copy_(buffer[lo:hi])
@@ -84,9 +88,13 @@ class C10dSlices(Transport):
         landed(0, hi - lo)
 
     def all_reduce_sums(self, sums: torch.Tensor) -> None:
+        """SUM all-reduce of the small float64 sums over the group."""
         dist.all_reduce(sums, group=self.group)
 
-    def gather(self, buffer: torch.Tensor, layout: Layout, bounds: Sequence[tuple[int, int]], finish) -> None:
+    def gather(  # type: ignore[override]  # a SliceMover's gather, not the VHDD schedule's
+        self, buffer: torch.Tensor, layout: Layout, bounds: Sequence[tuple[int, int]], finish
+    ) -> None:
+        """Write this rank's result slice, then exchange every rank's slice with every peer."""
         lo, hi = bounds[self.rank]
         finish(0, hi - lo, [buffer[lo:hi]])
         peers = [j for j in range(self.world) if j != self.rank]

@@ -28,15 +28,14 @@ copies the partner's combined piece c out of ``S`` while piece c + 1 is combined
 each combination: the partner's piece has landed).
 
 **Push protocol (groups of two, the default there; ``ADASUM_SYMMETRIC_PUSH=0`` keeps the pull above).** The
-pulls read the partner's staged copy at 326 GB/s where the combination's stores reach 354 GB/s (2 x H100),
-and the first staged piece stays exposed. With the push protocol each rank stores the pieces of its given
+pulls read the partner's staged copy more slowly than the combination's stores write into it, and the
+first staged piece stays exposed. With the push protocol each rank stores the pieces of its given
 half straight from `B` into the partner's receive buffer ``R`` (a second symmetric buffer of half the
 size: a region of ``S`` past the buffer would overlap what the partner still copies out of ``S`` after a
 larger call), a barrier follows each piece, and the sums of the kept piece are read locally on a
 side stream while the next piece is pushed; the combination reads the partner's copy there. Nothing is
-staged and no ``theirs`` copy is written; the copy-out of the partner's results stays. Measured on
-2 x H100, alternated twice with the pull in one call: fp32 2^28 1.13-1.14 x NCCL against 1.16 x, 2^26
-1.01-1.03 x against 1.12 x, the BERT-Large layout 1.17-1.20 x against 1.20-1.22 x.
+staged and no ``theirs`` copy is written; the copy-out of the partner's results stays
+(docs/benchmarks.md compares the two protocols).
 
 Every rank must be a leader of the tree (a power-of-two group); NVLink multicast is never used (no
 multimem operations, no multicast objects). Only signal-pad barriers order the ranks; nothing
@@ -50,6 +49,7 @@ import os
 import socket
 import warnings
 from collections.abc import Sequence
+from typing import cast
 
 import torch
 import torch.distributed as dist
@@ -64,14 +64,14 @@ from adasum.transport.slices import memory_budget_bytes, round_elements
 try:  # pragma: no cover - CUDA builds only
     import torch.distributed._symmetric_memory as symm_mem
 except ImportError:  # pragma: no cover
-    symm_mem = None
+    symm_mem = None  # type: ignore[assignment]
 
 CHUNK_BYTES = 32 << 20
 """Bytes per pipelined piece of a staged half, at least (``ADASUM_SYMMETRIC_CHUNK_BYTES`` overrides it;
 ``ADASUM_SYMMETRIC_CHUNKS=0``: never pipelined)."""
 MAX_CHUNKS = 4
-"""Pieces per half at most (``ADASUM_SYMMETRIC_MAX_CHUNKS`` overrides it): each costs one barrier more
-(about 20-40 us on 2 x H100)."""
+"""Pieces per half at most (``ADASUM_SYMMETRIC_MAX_CHUNKS`` overrides it): more pieces overlap more of the
+copies but each costs one barrier more."""
 
 _supported: dict[str, bool] = {}
 _buffers: dict[tuple[str, torch.dtype, str], tuple[torch.Tensor, object]] = {}
@@ -80,7 +80,7 @@ _remote: dict[tuple[int, int, int, torch.dtype], torch.Tensor] = {}
 
 
 def _group_name(group: dist.ProcessGroup | None) -> str:
-    return (group if group is not None else dist.group.WORLD).group_name
+    return (group if group is not None else cast(dist.ProcessGroup, dist.group.WORLD)).group_name
 
 
 def supported(group: dist.ProcessGroup | None) -> bool:
@@ -110,7 +110,11 @@ def release() -> None:
 
 
 def staging(
-    group: dist.ProcessGroup | None, numel: int, like: torch.Tensor, purpose: str = "stage", most: int | None = None
+    group: dist.ProcessGroup | None,
+    numel: int,
+    like: torch.Tensor | Scattered,
+    purpose: str = "stage",
+    most: int | None = None,
 ):
     """(S, handle): this group's symmetric buffer for `like`'s dtype and `purpose` ("stage": ``S``;
     "receive": the push protocol's ``R``; "slices": the slice-parallel mover's rows, in bytes), at least `numel`
@@ -134,9 +138,9 @@ def staging(
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
             if hasattr(symm_mem, "enable_symm_mem_for_group"):
-                symm_mem.enable_symm_mem_for_group(key[0])
+                symm_mem.enable_symm_mem_for_group(key[0])  # type: ignore[arg-type]  # a str is a GroupName
         buffer = symm_mem.empty(capacity, dtype=like.dtype, device=like.device)
-        handle = symm_mem.rendezvous(buffer, key[0])
+        handle = symm_mem.rendezvous(buffer, key[0])  # type: ignore[arg-type]  # a str is a GroupName
         entry = (buffer, handle)
         _buffers[key] = entry
     return entry
@@ -173,9 +177,11 @@ class SymmetricMemory(Transport):
         return self.world == 2 and os.environ.get("ADASUM_SYMMETRIC_PUSH", "1") != "0"
 
     def fusion_buffer(self, numel: int, like: torch.Tensor) -> torch.Tensor:
+        """The group's symmetric staging buffer: a list fused there needs no staging copy."""
         return staging(self.group, numel, like)[0][:numel]
 
     def exchange(self, send, recv, peer):
+        """Not supported: the symmetric transport runs power-of-two groups (no fold)."""
         raise RuntimeError("the symmetric-memory transport runs power-of-two groups only (no fold)")
 
     def _setup(self, buffer: torch.Tensor | Scattered):
@@ -196,6 +202,7 @@ class SymmetricMemory(Transport):
         return list(zip(split(klo, khi, count), split(glo, ghi, count)))
 
     def exchange_and_dot(self, level: Level) -> None:
+        """The level's exchange through symmetric memory (push or pull, pipelined; module doc), sums included."""
         buffer = level.buffer
         shared, handle, staged = self._setup(buffer)
         self._gathered = False
@@ -219,6 +226,7 @@ class SymmetricMemory(Transport):
                 staged_events.append(side.record_event())
         for c, ((k0, k1), _) in enumerate(pieces):
             if staged_events:
+                assert main is not None  # staged on the side stream
                 main.wait_event(staged_events[c])
             handle.barrier(channel=0)  # the partner's copy of this piece is staged
             first, lengths = level.overlap(k0, k1)
@@ -273,6 +281,7 @@ class SymmetricMemory(Transport):
         main.wait_stream(side)
 
     def combine(self, level: Level) -> None:
+        """Combine `kept` and store it into the partner's buffer too."""
         buffer = level.buffer
         shared, handle, staged = self._setup(buffer)
         klo, khi = level.kept
@@ -296,8 +305,8 @@ class SymmetricMemory(Transport):
         theirs = level.theirs[lo - level.kept[0] : hi - level.kept[0]]
         # the partner's copy from the local one the pull kept: reading it over NVLink again, against the
         # direction of this kernel's stores into the partner, measured 1.72 x NCCL at 2^28 fp32 instead of 1.22 x
-        pair = (mine, theirs) if level.lower else (theirs, mine)
-        combine_from_sums(*pair, sums, level.workers_a, level.workers_b, lengths, mine, *outs)
+        a, b = (mine, theirs) if level.lower else (theirs, mine)
+        combine_from_sums(a, b, sums, level.workers_a, level.workers_b, lengths, mine, *outs)
 
     def _pipelined_combine(self, level: Level, shared: torch.Tensor, handle, pieces, staged: bool) -> None:
         """The last level of a group of two in pieces: combine piece c into B and the partner's S, barrier (the
@@ -318,6 +327,7 @@ class SymmetricMemory(Transport):
         self._gathered = True
 
     def gather(self, buffer: torch.Tensor | Scattered, steps: Sequence[GatherStep], finals=None) -> None:
+        """The gather's remaining levels, copying the partner's results out of symmetric memory."""
         if self._gathered:  # the pipelined combination copied the partner's half out already
             self._gathered = False
             return
@@ -360,7 +370,7 @@ def _copy(dst: torch.Tensor | Scattered, src: torch.Tensor | Scattered, lo: int,
     if hi <= lo:
         return
     if isinstance(src, Scattered):
-        src.read_into(dst, lo, hi)
+        src.read_into(cast(torch.Tensor, dst), lo, hi)
     elif isinstance(dst, Scattered):
         dst.write_from(src, lo, hi)
     else:
@@ -404,6 +414,7 @@ class SymmetricSlices(Transport):
         self._shared = self._handle = None
 
     def round_elements(self, element_size: int) -> int:
+        """The most elements one round holds within the memory budget (P receive rows and an output row)."""
         return round_elements(self.world, self.world + 1, element_size)
 
     def reserve(self, row: int, like) -> None:
@@ -414,6 +425,7 @@ class SymmetricSlices(Transport):
         staging(self.group, (self.world + 1) * row * size, _bytes_like(like), "slices", most=budget - budget % 16)
 
     def rows(self, buffer, bounds):
+        """The P receive rows in this group's symmetric buffer (grown collectively when needed)."""
         row = max(hi - lo for lo, hi in bounds)
         size = buffer.element_size()
         raw, self._handle = staging(self.group, (self.world + 1) * row * size, _bytes_like(buffer), "slices")
@@ -433,6 +445,8 @@ class SymmetricSlices(Transport):
         return [(self.rank + step) % self.world for step in range(1, self.world)]
 
     def scatter(self, buffer, layout, bounds, landed):
+        """Store each piece of this rank's copies into the owners' rows, a barrier per piece, then ``landed`` on a
+        side stream."""
         shared, handle, row, me = self._shared, self._handle, self._row, self.rank
         element_size = buffer.element_size()
         main = torch.cuda.current_stream(shared.device)
@@ -455,9 +469,11 @@ class SymmetricSlices(Transport):
         main.wait_stream(side)
 
     def all_reduce_sums(self, sums: torch.Tensor) -> None:
+        """SUM all-reduce of the small float64 sums over the group."""
         dist.all_reduce(sums, group=self.group)
 
     def gather(self, buffer, layout, bounds, finish):
+        """Write this rank's results into its output row, then load every peer's results over NVLink."""
         shared, handle, row, me = self._shared, self._handle, self._row, self.rank
         element_size = buffer.element_size()
         start = self.world * row
