@@ -14,7 +14,8 @@
 #   e2e           training steps, ResNet-50 and the BERT-Large-sized stack: DDP, DDP with
 #                 adasum_hook, DistributedOptimizer(mode="delta"), stepped in turn       -> e2e.jsonl
 #   hook          the hook's host time and its batch sizes on the BERT-sized step        -> hook.jsonl
-#   fsdp          FSDP2 across replicas (1 B parameters, bf16) against FSDP's averaging  -> fsdp.jsonl
+#   fsdp          FSDP2 across replicas (1 B parameters, bf16) against FSDP's averaging, meshes
+#                 2 x 1, 4 x 1 and 2 x 2 where the GPUs exist (REPEATS alternations)     -> fsdp.jsonl
 #   jax           adasum.jax.all_reduce against psum                                    -> jax.jsonl
 #   sim           the simulator (64 CNN workers) and the single-process tree            -> sim.jsonl, tree.jsonl
 #   hierarchical  (4 GPUs) hierarchical mode, 2 emulated nodes of 2, against flat Adasum -> hierarchical.jsonl
@@ -49,15 +50,22 @@ for step in ${*:-env tests collective e2e}; do
     transports)
       collective default,p2p,collectives,symmetric --probe ;;
     e2e)
-      for model in bert resnet50; do  # one process per model
-        timeout 300 $PY benchmarks/bench_e2e.py --models $model --steps 30 --warmup 5 --out "$OUT/e2e.jsonl" 2>&1 | quiet | tee -a "$OUT/e2e.log"
+      for model in bert resnet50; do  # one process per model, every GPU (WORLD to choose)
+        timeout 300 $PY benchmarks/bench_e2e.py --models $model --steps "${STEPS:-30}" --warmup 5 ${WORLD:+--world $WORLD} \
+          --out "$OUT/e2e.jsonl" 2>&1 | quiet | tee -a "$OUT/e2e.log"
       done ;;
     hook)
       timeout 400 $PY benchmarks/profile_hook.py --model bert --batch-mb 0,64,128,512 --steps 30 --warmup 6 \
         --out "$OUT/hook.jsonl" 2>&1 | quiet | tee -a "$OUT/hook.log" ;;
     fsdp)
-      timeout 400 $PY -m torch.distributed.run --standalone --nproc-per-node 2 benchmarks/bench_fsdp.py \
-        --reduce-dtype bfloat16 --variants native,mean,adasum --out "$OUT/fsdp.jsonl" 2>&1 | quiet | tee -a "$OUT/fsdp.log" ;;
+      gpus=$(nvidia-smi -L | wc -l)
+      for mesh in 2x1 4x1 2x2; do
+        ranks=$(( ${mesh%x*} * ${mesh#*x} ))
+        [ "$gpus" -ge "$ranks" ] || continue
+        timeout 300 $PY -m torch.distributed.run --standalone --nproc-per-node "$ranks" benchmarks/bench_fsdp.py \
+          --mesh "$mesh" --repeats "${REPEATS:-2}" --reduce-dtype bfloat16 --variants native,mean,adasum \
+          --out "$OUT/fsdp.jsonl" 2>&1 | quiet | tee -a "$OUT/fsdp.log"
+      done ;;
     jax)
       timeout 300 $PY benchmarks/bench_jax.py --out "$OUT/jax.jsonl" 2>&1 | quiet | tee -a "$OUT/jax.log" ;;
     sim)
@@ -69,7 +77,7 @@ for step in ${*:-env tests collective e2e}; do
       gpus=$(nvidia-smi -L | wc -l)
       ADASUM_TEST_BACKEND=nccl timeout 240 $PY -m pytest -q -x -m nccl -p no:cacheprovider tests/test_slices.py 2>&1 \
         | tail -15 | tee -a "$OUT/worlds.log"
-      for run in "4 default,symmetric" "3 default" "2 slices,symmetric"; do
+      for run in ${WORLDS:-"4 default,slices" "3 default" "2 default,slices"}; do
         read -r world transports <<< "$run"
         [ "$gpus" -ge "$world" ] || continue
         timeout 200 $PY benchmarks/bench_collective.py --backend nccl --world "$world" --transports "$transports" --dtypes fp32,bf16 \

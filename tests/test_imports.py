@@ -23,7 +23,7 @@ BELOW = {
     "jax": {"core"},
 }
 
-READ_THEIR_OWN = {"transport/symmetric.py", "kernels/triton.py"}
+READ_THEIR_OWN: set[str] = set()
 """Library modules that still read their tuning from the environment themselves (docs/settings.md)."""
 
 

@@ -63,6 +63,8 @@ class Settings:
     """Most chunks of a chunked symmetric level (``ADASUM_SYMMETRIC_MAX_CHUNKS``)."""
     triton_vectors: str = "1"
     """The Triton kernels' vector loads: "1" where aligned, "0" never (``ADASUM_TRITON_VECTORS``)."""
+    memory_mb: float = 512.0
+    """Device memory the slice-parallel schedule's buffers may take per GPU, in MiB (``ADASUM_MEMORY_MB``)."""
 
     @classmethod
     def from_env(cls, env: Mapping[str, str] | None = None) -> Settings:
@@ -82,6 +84,7 @@ class Settings:
             symmetric_chunk_bytes=_int(env, "ADASUM_SYMMETRIC_CHUNK_BYTES", 32 << 20),
             symmetric_max_chunks=_int(env, "ADASUM_SYMMETRIC_MAX_CHUNKS", 4),
             triton_vectors=env.get("ADASUM_TRITON_VECTORS", "1"),
+            memory_mb=float(env.get("ADASUM_MEMORY_MB", 512.0)),
         )
 
 

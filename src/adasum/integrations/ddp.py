@@ -72,7 +72,7 @@ class AdasumState:
 
     `reducer` is any `adasum.reducers.Reducer` or its name ("adasum", "mean", "sum", ...);
     ``hierarchical=True`` (with `local_size`, default LOCAL_WORLD_SIZE) selects Adasum over node
-    means (`adasum.hierarchical`). When torch.distributed is initialised, construction runs the
+    means (`adasum.hierarchical`); ``hierarchical="exact"`` the flat tree over every rank in two tiers. When torch.distributed is initialised, construction runs the
     reducer's collective set-up (on every rank), so that placement errors surface here.
     The state pickles without its process group (the default group is used after unpickling).
     ``group`` is the process group (default: the world). The hook skips the
@@ -103,7 +103,7 @@ class AdasumState:
         group: dist.ProcessGroup | None = None,
         reducer: str | Reducer = "adasum",
         *,
-        hierarchical: bool = False,
+        hierarchical: bool | str = False,
         local_size: int | None = None,
         nonfinite: str = "propagate",
         named_parameters: Iterable[tuple[str, torch.Tensor]] | None = None,
@@ -120,10 +120,10 @@ class AdasumState:
         if hierarchical:
             if isinstance(reducer, Reducer) or reducer != "adasum":
                 raise ValueError(
-                    f"hierarchical=True goes with reducer='adasum', got {reducer!r}; "
-                    "pass Adasum(hierarchical=True, local_size=...) as the reducer instead"
+                    f"hierarchical={hierarchical!r} goes with reducer='adasum', got {reducer!r}; "
+                    f"pass Adasum(hierarchical={hierarchical!r}, local_size=...) as the reducer instead"
                 )
-            reducer = Adasum(hierarchical=True, local_size=local_size)
+            reducer = Adasum(hierarchical=hierarchical, local_size=local_size)
         elif local_size is not None:
             raise ValueError("local_size needs hierarchical=True")
         self.group = group

@@ -9,7 +9,6 @@ a call launches two or three kernels and never synchronises the host. Results ar
 
 from __future__ import annotations
 
-import os
 from collections.abc import Sequence
 from typing import cast
 
@@ -22,6 +21,7 @@ except ImportError:  # pragma: no cover - exercised where Triton is missing
     triton = None
 
 from adasum.core.tiles import TILE, tiles
+from adasum.settings import current
 
 BLOCK = 1024
 ITERS = TILE // BLOCK
@@ -221,7 +221,7 @@ def _align(table, *operands) -> int:
     4-byte accesses: 16-byte ones make the NVLink kernels slower (docs/benchmarks.md lists both measurements).
     Flat tensors need no check: Triton marks a pointer 16-byte aligned only when it is.
     ``ADASUM_TRITON_VECTORS=0`` turns vectors off, ``=all`` on for every dtype (for comparisons)."""
-    setting = os.environ.get("ADASUM_TRITON_VECTORS", "1")
+    setting = current().triton_vectors
     tensors = [x for x in operands if isinstance(x, torch.Tensor)]
     size = tensors[0].element_size()
     if setting == "0" or (size >= 4 and setting != "all"):

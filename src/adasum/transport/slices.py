@@ -10,7 +10,6 @@ symmetric memory on NVLink.
 
 from __future__ import annotations
 
-import os
 from collections.abc import Sequence
 from datetime import timedelta
 
@@ -18,18 +17,16 @@ import torch
 import torch.distributed as dist
 
 from adasum.core.layout import Layout
+from adasum.settings import current
 from adasum.transport.base import Transport
 from adasum.transport.c10d import global_rank, wait
 
-MEMORY_BUDGET_MB = 512
-"""Memory a slice-parallel mover's buffers may take per process, in MiB (``ADASUM_MEMORY_MB`` overrides it): a
-layout larger than they hold runs in rounds of whole tensors through them; a single tensor too large for them
-makes a round of its own, and the buffers grow to it."""
-
 
 def memory_budget_bytes() -> int:
-    """`MEMORY_BUDGET_MB` in bytes, or ``ADASUM_MEMORY_MB``'s."""
-    return int(float(os.environ.get("ADASUM_MEMORY_MB", MEMORY_BUDGET_MB)) * (1 << 20))
+    """The memory a slice-parallel mover's buffers may take per process (the ``memory_mb`` setting, 512 MiB by
+    default): a layout larger than they hold runs in rounds of whole tensors through them; a single tensor too
+    large for them makes a round of its own, and the buffers grow to it."""
+    return int(current().memory_mb * (1 << 20))
 
 
 def round_elements(world: int, rows: int, element_size: int) -> int:

@@ -45,7 +45,6 @@ synchronises the host.
 from __future__ import annotations
 
 import contextlib
-import os
 import socket
 import warnings
 from collections.abc import Sequence
@@ -57,6 +56,7 @@ import torch.distributed as dist
 from adasum.core.layout import Scattered
 from adasum.kernels import combine_from_sums
 from adasum.kernels import triton as triton_kernels
+from adasum.settings import current
 from adasum.transport.base import GatherStep, Level, Transport, split
 from adasum.transport.groups import side_stream
 from adasum.transport.slices import memory_budget_bytes, round_elements
@@ -93,7 +93,7 @@ def supported(group: dist.ProcessGroup | None) -> bool:
             symm_mem is not None
             and dist.get_backend(group) == "nccl"
             and triton_kernels.triton is not None
-            and os.environ.get("ADASUM_SYMMETRIC", "1") != "0"
+            and current().symmetric
         )
         hosts: list = [None] * dist.get_world_size(group)
         dist.all_gather_object(hosts, (socket.gethostname(), local), group=group)
@@ -174,7 +174,7 @@ class SymmetricMemory(Transport):
 
     def _push(self) -> bool:
         """Whether the exchange pushes (module doc): a group of two, unless ``ADASUM_SYMMETRIC_PUSH=0``."""
-        return self.world == 2 and os.environ.get("ADASUM_SYMMETRIC_PUSH", "1") != "0"
+        return self.world == 2 and current().symmetric_push
 
     def fusion_buffer(self, numel: int, like: torch.Tensor) -> torch.Tensor:
         """The group's symmetric staging buffer: a list fused there needs no staging copy."""
@@ -195,9 +195,10 @@ class SymmetricMemory(Transport):
         fused into ``S`` (a non-contiguous tensor) runs the same barriers as one whose list is `Scattered`."""
         (klo, khi), (glo, ghi) = level.kept, level.given
         count = 1
-        if self.world == 2 and os.environ.get("ADASUM_SYMMETRIC_CHUNKS", "1") != "0":
-            smallest = int(os.environ.get("ADASUM_SYMMETRIC_CHUNK_BYTES", CHUNK_BYTES))  # tests shrink it
-            most = int(os.environ.get("ADASUM_SYMMETRIC_MAX_CHUNKS", MAX_CHUNKS))
+        settings = current()
+        if self.world == 2 and settings.symmetric_chunks:
+            smallest = settings.symmetric_chunk_bytes  # tests shrink it
+            most = settings.symmetric_max_chunks
             count = max(1, min(most, max(khi - klo, ghi - glo) * level.buffer.element_size() // max(1, smallest)))
         return list(zip(split(klo, khi, count), split(glo, ghi, count)))
 
