@@ -72,7 +72,8 @@ class AdasumState:
 
     `reducer` is any `adasum.reducers.Reducer` or its name ("adasum", "mean", "sum", ...);
     ``hierarchical=True`` (with `local_size`, default LOCAL_WORLD_SIZE) selects Adasum over node
-    means (`adasum.hierarchical`); ``hierarchical="exact"`` the flat tree over every rank in two tiers. When torch.distributed is initialised, construction runs the
+    means (`adasum.hierarchical`); ``hierarchical="exact"`` the flat tree over every rank in two tiers.
+    When torch.distributed is initialised, construction runs the
     reducer's collective set-up (on every rank), so that placement errors surface here.
     The state pickles without its process group (the default group is used after unpickling).
     ``group`` is the process group (default: the world). The hook skips the
