@@ -305,7 +305,7 @@ def worker(rank: int, world: int, store_path: str, args) -> None:
                     f"adasum {a_s * 1e3:8.3f} ms  all_reduce {r_s * 1e3:8.3f} ms  ratio {a_s / r_s:5.2f}  "
                     f"launches {launches}  kept {kept if kept is None else round(kept)} MiB")
                 if device.type == "cuda":  # each transport's kept memory on its own
-                    adasum.collectives.graphs.release()
+                    adasum.release()
                     torch.cuda.empty_cache()
             tensors = saved = flat = None  # free before the next case
             if device.type == "cuda":

@@ -157,7 +157,7 @@ def test_world_size_one_leaves_inputs_unchanged():
 
 
 def _identity_body(rank, world):
-    t = torch.randn(17)
+    t = torch.randn(17).to(distributed.device_for(rank))
     before = t.clone()
     adasum.all_reduce(t)
     return bool(torch.equal(t, before))
