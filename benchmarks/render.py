@@ -28,7 +28,10 @@ LOGGED = {
     ("NVIDIA H200", "torch"): "2.11.0+cu130",
 }
 PUSH_RUNS = ("ADASUM_SYMMETRIC_PUSH=1", "push protocol default, run a", "push protocol default, run b")
-PLACEMENT_RUNS = ("symmetric (VHDD)", "slices, 1 piece(s), copy engines for flat buffers")
+PLACEMENT_RUNS = (
+    "symmetric (VHDD)",
+    "slices with copy engines for flat buffers, a flat buffer's own row in place, one byte buffer sized per layout",
+)
 CURRENT_STEPS = "2026-11-26T23:00"  # training-step rows from here on are of the hook with batches of buckets
 
 
@@ -142,14 +145,16 @@ CLAIMS = [
         "`delta`: `DistributedOptimizer(mode=\"delta\")`. ResNet-50: batch 64 per GPU, SGD; the BERT-Large-sized\n"
         "stack (24 layers, hidden 1024, about 335 M parameters): batch 8 x 128 tokens, Adam. DDP's BERT step\n"
         "runs 77 ms on a quiet host and 85-93 ms on a noisy one; both kinds of run are listed. Adasum ran on the\n"
-        "symmetric-memory transport, the default inside one host when these rows were taken.",
+        "symmetric-memory transport (the default inside one host for groups of two and four). The 4-rank rows\n"
+        "(20 timed steps) ran the code with one communicator per group and a plan per layout.",
         "python benchmarks/bench_e2e.py --models bert --steps 30 --warmup 5      # one process per GPU\n"
         "python benchmarks/bench_e2e.py --models resnet50 --steps 30 --warmup 5",
         "e2e.jsonl",
-        lambda rows: with_ratio([{**r, "run": r["date"][:16].replace("T", " ")}
+        lambda rows: with_ratio([{**r, "run": r["date"][:16].replace("T", " "), "gpus": f"{r['world']} x {r['device']}"}
                                  for r in rows if r["date"] >= CURRENT_STEPS],
                                 lambda r: (r["date"], r["model"]), lambda r: r["variant"] == "ddp"),
-        [("run", "run"), ("model", "model"), ("variant", "variant"), ("step_ms", "step ms"), ("ratio", "ratio")],
+        [("run", "run"), ("gpus", "GPUs"), ("model", "model"), ("variant", "variant"), ("step_ms", "step ms"),
+         ("ratio", "ratio")],
     ),
     Claim(
         "The hook's batches of buckets",
@@ -189,8 +194,9 @@ CLAIMS = [
         "against NCCL's all_reduce of the same bytes in the same run: `symmetric` is the VHDD schedule on symmetric\n"
         "memory (the default for a power-of-two group), `slices` the slice-parallel schedule (every rank runs the\n"
         "whole tree on its slice; the default for other group sizes), its flat buffers moved by the copy engines\n"
-        "in one piece per slice. `kept MiB`: device memory the transport keeps after the call.",
-        "python benchmarks/bench_collective.py --backend nccl --world P --transports default,symmetric \\\n"
+        "in one piece per slice, its own slice read in place, its buffer within a 512 MiB budget (a single tensor\n"
+        "larger than a round: (P+1)/P of it). `kept MiB`: device memory the transport keeps after repeated calls.",
+        "python benchmarks/bench_collective.py --backend nccl --world P --transports default,slices \\\n"
         "    --dtypes fp32,bf16 --exps 20,24,26,28 --layouts resnet50,bert-large      # P = 4, 3, 2",
         "collective.jsonl",
         lambda rows: runs_per_case([r for r in rows if r.get("label") in PLACEMENT_RUNS],
@@ -238,16 +244,19 @@ CLAIMS = [
     ),
     Claim(
         "FSDP2 across replicas (`adasum.fsdp.enable`) against FSDP's own replica averaging",
-        "Median step time (slowest rank) of a 1.04 B-parameter decoder under FSDP2, 2 replicas x 1 shard,\n"
+        "Median step time (slowest rank) of a 1.04 B-parameter decoder under FSDP2 (replicas x shards),\n"
         "bf16 parameters and bf16 reduction, AdamW; `native` is FSDP's 2-D HSDP averaging, `mean` the same hook\n"
-        "route as Adasum doing a mean; `ratio` is to `native`. These rows checked each unit's layout at its\n"
-        "reduction, a host round trip on torch 2.11; `adasum.fsdp` agrees on the layouts at `enable` and\n"
-        "probes them without waiting at each forward, which these rows do not measure.",
-        "torchrun --nproc-per-node 2 benchmarks/bench_fsdp.py --reduce-dtype bfloat16 --variants native,mean,adasum",
+        "route as Adasum doing a mean; `ratio` is to `native` of the same mesh and run, `peak GiB` the largest\n"
+        "peak of any rank. `adasum.fsdp` agrees on the layouts at `enable`, probes them without waiting at each\n"
+        "forward and gives unused parameters zero gradients (torch 2.11 has no reduce-scatter setter): no host\n"
+        "round trip in the reduction path. The 2 x 2 mesh was not run.",
+        "torchrun --nproc-per-node 2 benchmarks/bench_fsdp.py --mesh 2x1 --repeats 3 --reduce-dtype bfloat16\n"
+        "torchrun --nproc-per-node 4 benchmarks/bench_fsdp.py --mesh 4x1 --repeats 3 --reduce-dtype bfloat16",
         "fsdp.jsonl",
-        lambda rows: with_ratio([r for r in rows if r["date"] == rows[-1]["date"]],
-                                lambda r: r["date"], lambda r: r["variant"] == "native"),
-        [("params", "parameters"), ("variant", "variant"), ("step_ms", "step ms"), ("ratio", "ratio")],
+        lambda rows: with_ratio([r for r in rows if "mesh" in r],
+                                lambda r: (r["date"][:13], r["mesh"]), lambda r: r["variant"] == "native"),
+        [("mesh", "mesh"), ("params", "parameters"), ("variant", "variant"), ("step_ms", "step ms"),
+         ("ratio", "ratio"), ("peak_gib", "peak GiB")],
     ),
     Claim(
         "JAX: `adasum.jax.all_reduce` against `jax.lax.psum` of the same tree",
