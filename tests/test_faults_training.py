@@ -235,5 +235,7 @@ def test_dead_or_stalled_peer_in_a_training_step(where, world, action):
             # the first collective of the step is the non-finite check (nonfinite="raise" by default)
             assert r["collective"] and r["message"].startswith("adasum.find_nonfinite"), r
         else:
-            # DDP passes the hook's exception up through backward
-            assert "adasum.all_reduce" in r["message"] and "CollectiveError" in r["error"] + r["message"], r
+            # DDP passes the hook's exception up through backward: the combination's, or the per-call check's when
+            # the stall is met there first (the hook checks each new batch of buckets across ranks)
+            named = "adasum.all_reduce" in r["message"] or r["message"].startswith("adasum_hook on rank")
+            assert named and "CollectiveError" in r["error"] + r["message"], r

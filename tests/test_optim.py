@@ -257,7 +257,7 @@ def error_checks(rank, world):
     return messages
 
 
-@pytest.mark.parametrize("world", [2, 3, 4])
+@pytest.mark.parametrize("world", [2, 3])  # a power of two and a fold; deeper trees: test_collectives
 def test_distributed_optimizer_matches_simulation(world):
     results = distributed.run(world, optim_body, timeout_s=240)
     distributed.assert_ranks_agree(results, skip=("errors",))
