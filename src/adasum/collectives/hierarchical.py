@@ -37,11 +37,10 @@ import torch
 import torch.distributed as dist
 
 from adasum.collectives.slices import SliceMover, adasum_slices_
-from adasum.collectives.vhdd import Placement, adasum_flat_
+from adasum.collectives.vhdd import Placement, adasum_flat_, transport_for
 from adasum.core.layout import Layout
 from adasum.kernels.reduce import reduce
 from adasum.settings import current
-from adasum.transport import select
 from adasum.transport.c10d import global_rank
 from adasum.transport.groups import failures_named, group_device
 
@@ -202,7 +201,8 @@ def adasum_two_tier_flat_(buffer: torch.Tensor, sizes: Sequence[int], hierarchy:
         if hierarchy.nodes > 1:
             adasum_flat_(mine, layout.sizes, hierarchy.group, Placement(hierarchy.peers, offset))
 
-    mover = cast(SliceMover, select(hierarchy.local_group, "slices"))
+    # built once per node group and kept by its communicator, with its buffers (as every transport is)
+    mover = cast(SliceMover, transport_for(hierarchy.local_group, "slices", whole_group=True))
     with failures_named("adasum.hierarchical", "the two-tier schedule", hierarchy.group):
         adasum_slices_(buffer, layout, mover, across)
 

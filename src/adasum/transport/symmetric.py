@@ -380,8 +380,9 @@ def _copy(dst: torch.Tensor | Scattered, src: torch.Tensor | Scattered, lo: int,
 
 class SymmetricSlices(Transport):
     """The slice-parallel schedule's mover (`adasum.collectives.slices`) on symmetric memory, any group size
-    inside one host. One symmetric buffer per group and dtype holds P receive rows and one output row of
-    ``C`` elements each (``(P + 1) C`` at most the memory budget, `adasum.transport.slices.round_elements`).
+    inside one host. One symmetric buffer of bytes per group, viewed in the dtype of the call, holds P receive
+    rows and one output row of ``C`` elements each (``(P + 1) C`` at most the memory budget,
+    `adasum.transport.slices.round_elements`; a tensor larger than a round grows it).
     Each slice is cut into the same number of pieces on every rank (one per `CHUNK_BYTES` of the longest
     slice, at most `pieces`):
 
