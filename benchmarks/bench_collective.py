@@ -17,7 +17,8 @@ after the timed ones: kernel, memcpy and graph launches through the CUDA runtime
 rounding bound) with ranks bitwise equal, over repeated calls (so replayed graphs are checked too).
 ``--probe`` times what each transport's bytes cost alone for the same sizes (the physical bound):
 NCCL all_reduce, one ``batch_isend_irecv`` of half the buffer each way, ``all_gather_into_tensor``
-of half, and a copy of half from the peer's symmetric memory; rows go to
+of half, and a copy of half from the peer's symmetric memory (2 ranks), and at any world size the
+slice-parallel schedule's moves with no Adasum math (`slice_moves_probe`); rows go to
 benchmarks/results/bounds.jsonl. `python benchmarks/render.py` turns the rows into docs/benchmarks.md.
 """
 
@@ -227,6 +228,55 @@ def probe(rank, world, device, exps, dtypes, log) -> list[dict]:
     return rows
 
 
+def slice_moves_probe(rank, world, device, args, log) -> list[dict]:
+    """The slice-parallel schedule's bytes alone, any world size: the symmetric mover's scatter and gather of
+    every round exactly as `adasum.collectives.slices.adasum_slices_` drives them (same rounds, rows, barriers,
+    copy engines for flat buffers and Triton copies for lists), with no Adasum math (each rank's own row is
+    copied to its output row where the last combination would write it), against NCCL all_reduce of the same
+    bytes in the same run."""
+    from adasum.collectives.slices import rounds
+    from adasum.core.layout import Layout, Scattered
+    from adasum.transport.base import split
+    from adasum.transport.symmetric import SymmetricSlices, supported
+
+    if not supported(None):
+        log("probe: symmetric memory unavailable")
+        return []
+    mover = SymmetricSlices(None)
+    rows_out = []
+    for dtype_name in args.dtypes:
+        dtype = DTYPES[dtype_name]
+        for name, shapes in cases(args):
+            tensors = [torch.randn(s, device=device).to(dtype) for s in shapes]
+            numel = sum(t.numel() for t in tensors)
+            flat = torch.randn(numel, device=device).to(dtype)
+            buffer = tensors[0].view(-1) if len(tensors) == 1 else Scattered(tensors)
+            layout = Layout((numel,)) if len(tensors) == 1 else buffer.layout
+            capacity = mover.round_elements(buffer.element_size())
+            cut = [split(lo, hi, world) for _, _, lo, hi in rounds(layout.sizes, capacity) if hi > lo]
+            mover.reserve(max(b - a for bounds in cut for a, b in bounds), buffer)
+
+            def moves():
+                for bounds in cut:
+                    mine = mover.rows(buffer, bounds)[rank]
+                    mover.scatter(buffer, layout, bounds, lambda p0, p1: None)
+
+                    def finish(p0, p1, outs, mine=mine):
+                        for out in outs[1:]:
+                            out.copy_(mine[p0:p1])
+
+                    mover.gather(buffer, layout, bounds, finish)
+
+            (m, a), _ = time_pair([moves, lambda: dist.all_reduce(flat)], lambda: None, device, args.repeats,
+                                  args.warmup)
+            row = {"probe": "slice moves", "dtype": dtype_name, "layout": name, "numel": numel, "rounds": len(cut),
+                   "moves_s": m, "all_reduce_s": a, "ratio": m / a}
+            rows_out.append(row)
+            log(f"probe {dtype_name:5s} {name:16s} slice moves {m * 1e3:7.3f} ms  all_reduce {a * 1e3:7.3f} ms  "
+                f"ratio {m / a:5.2f}  rounds {len(cut)}")
+    return rows_out
+
+
 def worker(rank: int, world: int, store_path: str, args) -> None:
     torch.set_num_threads(1 if args.backend == "gloo" else torch.get_num_threads())
     if args.backend == "nccl":
@@ -262,8 +312,9 @@ def worker(rank: int, world: int, store_path: str, args) -> None:
     if args.check:
         rows = check_transports(rank, world, device, transports, log)
         _write(rank, args.check_out, [{**common, **r} for r in rows])
-    if args.probe and args.backend == "nccl" and world == 2:
-        rows = probe(rank, world, device, args.exps, args.dtypes, log)
+    if args.probe and args.backend == "nccl":
+        rows = probe(rank, world, device, args.exps, args.dtypes, log) if world == 2 else []
+        rows += slice_moves_probe(rank, world, device, args, log)
         _write(rank, args.probe_out, [{**common, **r} for r in rows])
     rows = []
     for dtype_name in args.dtypes:
@@ -348,7 +399,8 @@ def main() -> None:
     p.add_argument("--repeats", type=int, default=9)
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--check", action="store_true", help="check every transport against adasum.reduce first")
-    p.add_argument("--probe", action="store_true", help="time each transport's bytes alone (2 ranks, NCCL)")
+    p.add_argument("--probe", action="store_true",
+                   help="time each transport's bytes alone (NCCL; the slice moves at any world size)")
     p.add_argument("--label", default="")
     p.add_argument("--out", default=os.path.join(here, "results", "collective.jsonl"))
     p.add_argument("--probe-out", default=os.path.join(here, "results", "bounds.jsonl"))
