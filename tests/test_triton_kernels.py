@@ -164,25 +164,6 @@ for lengths, dtypes in (([1024, 0, 32, 64], ALL), ([5, 1029, 3], (torch.float32,
         tk.pull_dot_and_norms(x, y, torch.empty_like(y), lengths, kept, True)
         tk.pull_dot_and_norms(Scattered(parts).addresses(0, n), y, None, lengths, read, True)
         assert torch.equal(kept, read), (lengths, dtype, "sums without the kept copy")
-# the slice-parallel mover's moves of a list: long parts by copies, runs of short ones by one kernel each
-from adasum.settings import override
-from adasum.transport.symmetric import _move
-
-lengths = [40, 3, 0, 5, 64, 64, 2, 100, 1]
-n = sum(lengths)
-for least in (0, 64 * 4, 1):  # every part by Triton; parts of 64+ floats by copies (runs between); every part
-    with override(copy_engine_bytes=least):
-        for lo, hi in ((0, n), (20, 150), (44, 45), (108, n)):
-            source = torch.randn(n, generator=g)
-            parts = [t.clone() for t in source.split(lengths)]
-            flat = torch.full((hi - lo,), float("nan"))
-            _move(Scattered(parts), lo, hi, flat, Scattered(parts).layout, store=True)
-            assert torch.equal(flat, source[lo:hi]), (least, lo, hi, "store")
-            targets = [torch.zeros(k) for k in lengths]
-            _move(Scattered(targets), lo, hi, source[lo:hi].clone(), Scattered(targets).layout, store=False)
-            want = torch.zeros(n)
-            want[lo:hi] = source[lo:hi]
-            assert torch.equal(torch.cat(targets), want), (least, lo, hi, "load")
 print("ok")
 """
 

@@ -65,10 +65,6 @@ class Settings:
     """The Triton kernels' vector loads: "1" where aligned, "0" never (``ADASUM_TRITON_VECTORS``)."""
     memory_mb: float = 512.0
     """Device memory the slice-parallel schedule's buffers may take per GPU, in MiB (``ADASUM_MEMORY_MB``)."""
-    copy_engine_bytes: int = 1 << 20
-    """Parts of a tensor list at least this long (bytes) move between GPUs by the copy engines in the
-    slice-parallel schedule, shorter runs by one Triton kernel each; 0: every part by Triton
-    (``ADASUM_COPY_ENGINE_BYTES``)."""
 
     @classmethod
     def from_env(cls, env: Mapping[str, str] | None = None) -> Settings:
@@ -89,7 +85,6 @@ class Settings:
             symmetric_max_chunks=_int(env, "ADASUM_SYMMETRIC_MAX_CHUNKS", 4),
             triton_vectors=env.get("ADASUM_TRITON_VECTORS", "1"),
             memory_mb=float(env.get("ADASUM_MEMORY_MB", 512.0)),
-            copy_engine_bytes=_int(env, "ADASUM_COPY_ENGINE_BYTES", 1 << 20),
         )
 
 

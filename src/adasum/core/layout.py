@@ -176,7 +176,7 @@ class Scattered:
             addresses = torch.tensor(values, dtype=torch.int64, device=self.device)
             found = TileAddresses(addresses, self.dtype, all(v % 16 == 0 for v in values))
             _addresses[key] = found
-            while len(_addresses) > 4096:
+            while len(_addresses) > 256:
                 _addresses.pop(next(iter(_addresses)))
         return found
 

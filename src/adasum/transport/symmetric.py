@@ -347,32 +347,12 @@ class SymmetricMemory(Transport):
 def _move(buffer: torch.Tensor | Scattered, lo: int, hi: int, flat: torch.Tensor, layout, store: bool) -> None:
     """``flat = buffer[lo:hi]`` (`store`) or ``buffer[lo:hi] = flat``, `flat` typically in a peer's memory: a copy
     by the copy engines where `buffer` is a flat tensor (no multiprocessor is taken from the kernels that run
-    beside it). A `Scattered` list moves its parts of at least ``copy_engine_bytes`` (`adasum.settings`) by the
-    copy engines too, and each run of shorter parts by one Triton kernel through per-tile addresses."""
+    beside it), one Triton kernel through per-tile addresses where it is a `Scattered` list."""
     if isinstance(buffer, torch.Tensor):
         if store:
             flat.copy_(buffer[lo:hi], non_blocking=True)
         else:
             buffer[lo:hi].copy_(flat, non_blocking=True)
-        return
-    least = current().copy_engine_bytes
-    first, lengths = layout.overlap(lo, hi)
-    size = buffer.element_size()
-    run = at = lo  # the run of short parts not yet moved starts at `run`; `at`: the current part's start
-    for i, n in enumerate(lengths):
-        if least and n * size >= least:
-            _move_run(buffer, run, at, flat[run - lo : at - lo], layout, store)
-            inside = at - layout.offsets[first + i]
-            part, there = buffer.tensors[first + i][inside : inside + n], flat[at - lo : at - lo + n]
-            (there if store else part).copy_(part if store else there, non_blocking=True)
-            run = at + n
-        at += n
-    _move_run(buffer, run, hi, flat[run - lo :], layout, store)
-
-
-def _move_run(buffer: Scattered, lo: int, hi: int, flat: torch.Tensor, layout, store: bool) -> None:
-    """`_move` of positions [lo, hi) of a list by one Triton kernel (nothing for an empty run)."""
-    if hi <= lo:
         return
     _, lengths = layout.overlap(lo, hi)
     if store:
