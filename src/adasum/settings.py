@@ -64,7 +64,7 @@ class Settings:
     triton_vectors: str = "1"
     """The Triton kernels' vector loads: "1" where aligned, "0" never (``ADASUM_TRITON_VECTORS``)."""
     memory_mb: float = 512.0
-    """Device memory the slice-parallel schedule's buffers may take per GPU, in MiB (``ADASUM_MEMORY_MB``)."""
+    """Device memory the symmetric-memory transports' buffers may take per GPU, in MiB (``ADASUM_MEMORY_MB``)."""
 
     @classmethod
     def from_env(cls, env: Mapping[str, str] | None = None) -> Settings:

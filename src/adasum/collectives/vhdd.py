@@ -40,7 +40,7 @@ from typing import cast
 import torch
 import torch.distributed as dist
 
-from adasum.collectives.slices import SliceMover, adasum_slices_
+from adasum.collectives.slices import SliceMover, adasum_slices_, rounds
 from adasum.core.layout import Layout, Scattered
 from adasum.core.tree import Tree
 from adasum.kernels import combine_from_sums, dot_and_norms
@@ -177,9 +177,21 @@ def adasum_flat_(
             with failures_named("adasum.all_reduce", "the slice-parallel schedule", group, mover.timeout):
                 adasum_slices_(buffer, layout, mover)
             return
-        # a Scattered list stands in for a flat buffer where the transport reads lists in place (checked above)
-        flat = cast(torch.Tensor, buffer)
-        run_schedule(flat, layout, group, peers, offset, rank, tree, transport, sliced=placement is not None)
+        if placement is not None:
+            run_schedule(cast(torch.Tensor, buffer), layout, group, peers, offset, rank, tree, transport, sliced=True)
+            return
+        # rounds of whole tensors within the transport's memory budget: each an Adasum of its own, since the
+        # coefficients are per tensor (a tensor larger than a round is a round of its own)
+        for first, end, lo, hi in rounds(layout.sizes, transport.round_elements(buffer.element_size())):
+            if hi <= lo:
+                continue
+            if (lo, hi) == (0, buffer.numel()):
+                part, part_layout = buffer, layout
+            else:
+                part_layout = _layout(layout.sizes[first:end])
+                part = Scattered(buffer.tensors[first:end]) if isinstance(buffer, Scattered) else buffer[lo:hi]
+            # a Scattered list stands in for a flat buffer where the transport reads lists in place (checked above)
+            run_schedule(cast(torch.Tensor, part), part_layout, group, peers, 0, rank, tree, transport, sliced=False)
 
     if buffer.device.type != "cuda":
         run()

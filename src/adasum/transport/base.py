@@ -145,6 +145,12 @@ class Transport:
         """Where `adasum.all_reduce` should fuse a list of `numel` elements like `like` (None: anywhere)."""
         return None
 
+    def round_elements(self, element_size: int) -> int | None:
+        """The most elements one run of the schedule should hold, so that the transport's buffers stay within
+        the memory budget (`adasum.settings`, ``memory_mb``): a larger layout runs in rounds of whole tensors
+        (None: no limit)."""
+        return None
+
     def receive_space(self, kept: tuple[int, int], given: tuple[int, int], like) -> torch.Tensor | None:
         """Where the partner's copy of the `kept` slice of a level lands (`Level.theirs`), for a buffer like
         `like` cut into `kept` and `given` (None: anywhere, the schedule's own workspace)."""

@@ -37,6 +37,11 @@ side stream while the next piece is pushed; the combination reads the partner's 
 staged and no ``theirs`` copy is written; the copy-out of the partner's results stays
 (docs/benchmarks.md compares the two protocols).
 
+**Memory budget.** ``S`` and ``R`` hold one run of the schedule, and a layout larger than the budget
+(``memory_mb``, `adasum.settings`; `round_elements`) runs in rounds of whole tensors, each an Adasum of its
+own tensors (`adasum.collectives.vhdd.adasum_flat_`); a single tensor larger than a round is a round of its
+own and the buffers grow to it.
+
 Every rank must be a leader of the tree (a power-of-two group); NVLink multicast is never used (no
 multimem operations, no multicast objects). Only signal-pad barriers order the ranks; nothing
 synchronises the host.
@@ -176,9 +181,18 @@ class SymmetricMemory(Transport):
         """Whether the exchange pushes (module doc): a group of two, unless ``ADASUM_SYMMETRIC_PUSH=0``."""
         return self.world == 2 and current().symmetric_push
 
-    def fusion_buffer(self, numel: int, like: torch.Tensor) -> torch.Tensor:
-        """The group's symmetric staging buffer: a list fused there needs no staging copy."""
+    def fusion_buffer(self, numel: int, like: torch.Tensor) -> torch.Tensor | None:
+        """The group's symmetric staging buffer, where a list fused there needs no staging copy; None (anywhere)
+        for a list larger than a round (`round_elements`), which runs in rounds through a smaller ``S``."""
+        if numel > self.round_elements(like.element_size()):
+            return None
         return staging(self.group, numel, like)[0][:numel]
+
+    def round_elements(self, element_size: int) -> int:
+        """The most elements one run holds within the memory budget: ``S`` holds a run; the partner's copy of a
+        kept half is half of one, in ``R`` (two ranks) or in the schedule's workspace, which an eager call and a
+        captured graph each keep (more ranks)."""
+        return max(1, memory_budget_bytes() // ((2 if self.world == 2 else 3) * element_size))
 
     def exchange(self, send, recv, peer):
         """Not supported: the symmetric transport runs power-of-two groups (no fold)."""
