@@ -219,6 +219,22 @@ CLAIMS = [
          ("p2p_half", "p2p half s"), ("all_gather_half", "all_gather half s"), ("symm_pull_half", "symmetric half s")],
     ),
     Claim(
+        "The memory budget: the symmetric transport in rounds",
+        "`adasum.all_reduce` with defaults (the symmetric transport at P = 2 and 4) under the default 512 MiB budget,\n"
+        "where a layout larger than a round runs in rounds of whole tensors, against the same code with a budget\n"
+        "that never binds (`ADASUM_MEMORY_MB=100000`: one run through buffers as large as the layout), in turn on\n"
+        "one machine; `kept MiB` is the device memory kept after repeated calls (buffers, workspaces, graphs).",
+        "ADASUM_MEMORY_MB=M python benchmarks/bench_collective.py --backend nccl --world P --transports default \\\n"
+        "    --dtypes fp32,bf16 --exps 20,26 --layouts resnet50,bert-large --label \"symmetric within memory_mb M\"",
+        "collective.jsonl",
+        lambda rows: last_per([{**r, "adasum_ms": r["adasum_s"] * 1e3, "allreduce_ms": r["allreduce_s"] * 1e3,
+                                "budget": r["label"].rsplit(" ", 1)[-1]}
+                               for r in rows if r.get("label", "").startswith("symmetric within memory_mb")],
+                              lambda r: (r["world_size"], r["layout"], r["dtype"], r["budget"])),
+        [("world_size", "P"), ("budget", "budget MiB"), ("layout", "layout"), ("dtype", "dtype"),
+         ("adasum_ms", "adasum ms"), ("allreduce_ms", "all_reduce ms"), ("ratio", "ratio"), ("kept_mib", "kept MiB")],
+    ),
+    Claim(
         "The bound of the slice-parallel schedule: its moves alone",
         "The symmetric mover's scatter and gather of every round exactly as the schedule drives them (the same\n"
         "rounds within the memory budget, rows, signal-pad barriers, copy engines for a flat buffer and Triton\n"
