@@ -11,7 +11,9 @@ Variants, each a fresh model, run in turn --repeats times (alternated, so drift 
 
 A step is forward, backward and the optimizer step, timed with CUDA events. A variant's time is
 the median over all its timed steps (every repeat) of the slowest rank's step; its peak memory
-is the largest ``max_memory_allocated`` of any rank. Rows (one per variant and repeat, the card
+is the largest ``max_memory_allocated`` of any rank, and its kept memory the device memory outside the
+caching allocator that stays once its model is gone (symmetric-memory buffers, captured graphs), the
+largest of any rank. Rows (one per variant and repeat, the card
 named) go to --out (jsonl); a table of medians, ratios to native and peaks ends the output.
 
     torchrun --nproc-per-node 2 benchmarks/bench_fsdp.py --repeats 3 --out benchmarks/results/fsdp.jsonl
@@ -90,7 +92,17 @@ def build(variant: str, args, mesh, device):
     return model
 
 
+def free_bytes(device) -> int:
+    """The device's free memory once its work is done and the caching allocator has handed back what it holds."""
+    if device.type != "cuda":
+        return 0
+    torch.cuda.synchronize(device)
+    torch.cuda.empty_cache()
+    return torch.cuda.mem_get_info(device)[0]
+
+
 def time_variant(variant: str, args, mesh, device) -> dict:
+    free_before = free_bytes(device)
     model = build(variant, args, mesh, device)
     params = sum(p.numel() for p in model.parameters())  # DTensors: the whole model's count
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
@@ -130,15 +142,18 @@ def time_variant(variant: str, args, mesh, device) -> dict:
     del model, opt, logits, loss
     gc.collect()  # the hooks' closures hold the model in a reference cycle
     peak = torch.cuda.max_memory_allocated(device) if device.type == "cuda" else 0
-    # the slowest rank's time of each step, and the largest peak of any rank
-    mine = torch.tensor([*times, peak], dtype=torch.float64, device=device)
+    # memory outside the caching allocator that the variant keeps once its model is gone (symmetric-memory
+    # buffers, captured graphs' pools, communicators): not in max_memory_allocated, so reported beside it
+    kept = free_before - free_bytes(device)
+    # the slowest rank's time of each step, and the largest peak and kept memory of any rank
+    mine = torch.tensor([*times, peak, kept], dtype=torch.float64, device=device)
     dist.all_reduce(mine, op=dist.ReduceOp.MAX)
-    *slowest, peak = mine.tolist()
+    *slowest, peak, kept = mine.tolist()
     if device.type == "cuda":
         torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats(device)
     return {"variant": variant, "params": params, "step_s": statistics.median(slowest), "step_times_s": slowest,
-            "peak_gib": round(peak / 2**30, 3)}
+            "peak_gib": round(peak / 2**30, 3), "kept_mib": round(kept / 2**20, 1)}
 
 
 def parse_mesh(text: str | None, world: int) -> tuple[int, int]:
@@ -156,7 +171,8 @@ def summary(rows: list[dict]) -> list[dict]:
         mine = [r for r in rows if r["variant"] == variant]
         steps = [t for r in mine for t in r["step_times_s"]]
         out.append({"variant": variant, "step_s": statistics.median(steps), "low_s": min(r["step_s"] for r in mine),
-                    "high_s": max(r["step_s"] for r in mine), "peak_gib": max(r["peak_gib"] for r in mine)})
+                    "high_s": max(r["step_s"] for r in mine), "peak_gib": max(r["peak_gib"] for r in mine),
+                    "kept_mib": max(r.get("kept_mib", 0.0) for r in mine)})
     return out
 
 
@@ -165,13 +181,13 @@ def table(summaries: list[dict], card: str, mesh: tuple[int, int], repeats: int)
     native = next((s for s in summaries if s["variant"] == "native"), None)
     lines = [f"mesh {mesh[0]} x {mesh[1]} (replicas x shards) on {card}, {repeats} repeat(s), "
              "medians of the slowest rank's step",
-             "| variant | step (ms) | repeats' medians (ms) | x native | peak (GiB) | peak x native |",
-             "| --- | ---: | ---: | ---: | ---: | ---: |"]
+             "| variant | step (ms) | repeats' medians (ms) | x native | peak (GiB) | peak x native | kept (MiB) |",
+             "| --- | ---: | ---: | ---: | ---: | ---: | ---: |"]
     for s in summaries:
         ratio = f"{s['step_s'] / native['step_s']:.3f}" if native else "-"
         peak_ratio = f"{s['peak_gib'] / native['peak_gib']:.3f}" if native and native["peak_gib"] > 0 else "-"
         lines.append(f"| {s['variant']} | {s['step_s'] * 1e3:.1f} | {s['low_s'] * 1e3:.1f}-{s['high_s'] * 1e3:.1f} | "
-                     f"{ratio} | {s['peak_gib']:.2f} | {peak_ratio} |")
+                     f"{ratio} | {s['peak_gib']:.2f} | {peak_ratio} | {s['kept_mib']:.0f} |")
     return "\n".join(lines)
 
 
