@@ -69,33 +69,35 @@ def test_final_slices_tile_the_buffer_in_halving_order():
             assert finals[0] == segment
 
 
-def test_an_outgrown_symmetric_buffer_stays_alive_until_release(monkeypatch):
-    """Captured graphs replay at the addresses of the staging buffer they were captured on: growing
-    the buffer must not free the old one (a replay would store into freed memory), only `release` may."""
-    import weakref
+def fake_symmetric_memory(made: list):
+    """A symmetric-memory backend for `SymmetricPool` that allocates host tensors (kept in `made`)."""
     from types import SimpleNamespace
-
-    from adasum.transport import symmetric
-
-    made = []
 
     def empty(n, dtype, device):
         made.append(torch.empty(n, dtype=dtype, device=device))
         return made[-1]
 
-    fake = SimpleNamespace(empty=empty, rendezvous=lambda buffer, name: SimpleNamespace(name=name))
-    monkeypatch.setattr(symmetric, "symm_mem", fake)
-    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: False)  # CPU builds have no CUDA
-    symmetric.release()
-    group = SimpleNamespace(group_name="fake")
+    return SimpleNamespace(empty=empty, rendezvous=lambda buffer, name: SimpleNamespace(name=name))
+
+
+def test_an_outgrown_symmetric_buffer_stays_alive_until_release():
+    """Captured graphs replay at the addresses of the staging buffer they were captured on: growing
+    the buffer must not free the old one (a replay would store into freed memory), only `release` may."""
+    import weakref
+    from types import SimpleNamespace
+
+    from adasum.transport.symmetric import SymmetricPool
+
+    made: list = []
+    pool = SymmetricPool(SimpleNamespace(group_name="fake"), backend=fake_symmetric_memory(made))
     like = torch.empty(0)
-    first, _ = symmetric.staging(group, 10, like)
+    first, _ = pool.staging(10, like)
     alive = weakref.ref(first)
-    assert symmetric.staging(group, 5, like)[0] is first  # big enough: kept
-    grown, _ = symmetric.staging(group, (1 << 20) + 1, like)
+    assert pool.staging(5, like)[0] is first  # big enough: kept
+    grown, _ = pool.staging((1 << 20) + 1, like)
     assert grown.numel() >= (1 << 20) + 1 and grown is not first
     del first
     made.clear()
     assert alive() is not None  # outgrown, still referenced
-    symmetric.release()
+    pool.release()
     assert alive() is None
