@@ -74,6 +74,7 @@ MAX_CHUNKS = 4
 """Pieces per half at most (``ADASUM_SYMMETRIC_MAX_CHUNKS`` overrides it): more pieces overlap more of the
 copies but each costs one barrier more."""
 
+
 def _group_name(group) -> str:
     return (group if group is not None else cast(dist.ProcessGroup, dist.group.WORLD)).group_name
 
@@ -159,11 +160,15 @@ class SymmetricPool:
 
 
 def pool(group: dist.ProcessGroup | None, backend=None) -> SymmetricPool:
-    """`group`'s `SymmetricPool`, kept by its communicator; made on first use with `backend` (`SymmetricPool`)."""
+    """`group`'s `SymmetricPool`, kept by its communicator; made on first use with `backend` (`SymmetricPool`).
+    A group's memory comes from one backend: another one for a group whose pool exists is a ValueError."""
     comm = communicator(group)
     if comm.symmetric is None:
         comm.symmetric = SymmetricPool(group, backend)
-    return cast(SymmetricPool, comm.symmetric)
+    found = cast(SymmetricPool, comm.symmetric)
+    if backend is not None and found.backend is not backend:
+        raise ValueError("this group's symmetric memory comes from another backend (adasum.release() drops it)")
+    return found
 
 
 def supported(group: dist.ProcessGroup | None) -> bool:
