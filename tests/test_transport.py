@@ -101,3 +101,33 @@ def test_an_outgrown_symmetric_buffer_stays_alive_until_release():
     assert alive() is not None  # outgrown, still referenced
     pool.release()
     assert alive() is None
+
+
+def test_the_symmetric_transports_take_their_memory_backend_and_share_the_groups_pool():
+    """The backend comes through the transport's constructor; both symmetric transports of a group use its one
+    pool, which `adasum.release()` frees; another backend for a group whose pool exists is refused."""
+    import weakref
+
+    import torch.distributed as dist
+
+    import adasum
+    from adasum.transport.groups import communicator
+    from adasum.transport.symmetric import SymmetricMemory, SymmetricSlices
+
+    made: list = []
+    backend = fake_symmetric_memory(made)
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        moving = SymmetricMemory(None, backend=backend)
+        fused = moving.fusion_buffer(10, torch.zeros(1))
+        assert fused.numel() == 10 and fused.data_ptr() == made[0].data_ptr()
+        slices = SymmetricSlices(None, backend=backend)
+        assert slices.pool is moving.pool is communicator(None).symmetric
+        with pytest.raises(ValueError, match="another backend"):
+            SymmetricMemory(None, backend=fake_symmetric_memory([]))
+        alive = weakref.ref(made.pop())
+        del fused, moving, slices
+        adasum.release()
+        assert alive() is None
+    finally:
+        dist.destroy_process_group()
