@@ -65,7 +65,7 @@ class Plan:
     transport: Any = None  # the transport chosen for it, where the entry point picks one
     uses: int = 0
     key: Hashable = None  # what names it in its communicator (and its CUDA graphs, `Communicator.run`)
-    fusion: tuple[str, ...] | None = None  # per dtype: "in place", "view" or "fused" (`collectives.api.fusion`)
+    fusion: tuple[str, ...] | None = None  # per dtype, at its first call: "in place", "view" or "fused" (`api.fusion`)
 
 
 _dtype, _shape, _layout = operator.attrgetter("dtype"), operator.attrgetter("shape"), operator.attrgetter("layout")
