@@ -209,7 +209,7 @@ def probe(rank, world, device, exps, dtypes, log) -> list[dict]:
                 from adasum.transport import symmetric
 
                 if symmetric.supported(None):
-                    shared, handle = symmetric.staging(None, n, x)
+                    shared, handle = symmetric.pool(None).staging(n, x)
                     remote = handle.get_buffer(peer, (n,), dtype, 0)
 
                     def pull():

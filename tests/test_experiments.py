@@ -17,7 +17,7 @@ from adasum.experiments.data import load_task, read_cifar10_dir, read_idx, read_
 from adasum.experiments.methods import METHODS, get_method, method_reducer, parse_methods
 from adasum.experiments.models import MODELS, build_model
 from adasum.experiments.runner import RunConfig, train, worker_batches
-from adasum.reducers.base import _REDUCERS
+from adasum.transport.groups import reducer_names
 
 
 @pytest.fixture(scope="module")
@@ -216,7 +216,7 @@ def test_adacons_missing_is_a_clear_error(monkeypatch):
     def missing(name):
         raise ModuleNotFoundError(f"No module named {name!r}", name=name)
 
-    monkeypatch.delitem(_REDUCERS, "adacons", raising=False)
+    monkeypatch.delitem(reducer_names(), "adacons", raising=False)
     monkeypatch.setattr(importlib, "import_module", missing)
     with pytest.raises(ValueError, match="'adacons' reducer"):
         method_reducer(get_method("adacons"))

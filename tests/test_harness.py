@@ -4,6 +4,7 @@ errors for damaged results files and a full disk; and the command line's convent
 
 from __future__ import annotations
 
+import builtins
 import errno
 import gzip
 import io
@@ -19,7 +20,6 @@ import pytest
 import torch
 
 from adasum.experiments import checkpoint as ckpt
-from adasum.experiments import io as io_mod
 from adasum.experiments.cli import build_parser, main
 from adasum.experiments.progress import ProgressBar
 from adasum.experiments.runner import RunConfig, train
@@ -209,18 +209,24 @@ class _FullDisk(io.BufferedWriter):
         raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
 
 
+def _full_for_checkpoints(real_open):
+    """``open`` on a device that is full for checkpoint files (and their temporaries) only."""
+
+    def opened(path, mode="r", *args, **kwargs):
+        if "checkpoint.pt" in str(path) and "w" in mode:
+            return _FullDisk(io.FileIO(path, "wb"))
+        return real_open(path, mode, *args, **kwargs)
+
+    return opened
+
+
 def test_a_full_disk_during_a_checkpoint_write_is_one_line_and_keeps_the_last(tmp_path, capsys, monkeypatch):
     out = tmp_path / "run"
     assert main(_train_args(out)) == 0
     before = (out / "checkpoint.pt").read_bytes()
     capsys.readouterr()
 
-    def full_for_checkpoints(path, mode="r", *args, **kwargs):
-        if "checkpoint.pt" in str(path) and "w" in mode:
-            return _FullDisk(io.FileIO(path, "wb"))
-        return open(path, mode, *args, **kwargs)
-
-    monkeypatch.setattr(io_mod, "open", full_for_checkpoints, raising=False)
+    monkeypatch.setattr(builtins, "open", _full_for_checkpoints(builtins.open))
     status = main(_train_args(out, "--resume", epochs=2))
     _one_line(capsys, status, 1, "checkpoint.pt", "No space left on device", "unchanged")
     assert (out / "checkpoint.pt").read_bytes() == before
@@ -230,7 +236,7 @@ def test_a_full_disk_during_a_checkpoint_write_is_one_line_and_keeps_the_last(tm
 def _full_disk_on_rank_0(rank: int, world: int, folder: str) -> str:
     path = Path(folder) / "checkpoint.pt"
     if rank == 0:
-        io_mod.open = lambda name, mode="r", *a, **k: _FullDisk(io.FileIO(name, "wb"))  # this process only
+        builtins.open = _full_for_checkpoints(builtins.open)  # this process only
     try:
         ckpt.save_checkpoint(path, {"config": {}, "epoch": 1}, {"engine": {"w": torch.ones(2)}}, distributed=True)
     except OSError as error:

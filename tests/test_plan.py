@@ -3,6 +3,8 @@ communicator of a group owns its state, per group and per thread; `adasum.releas
 nothing behind."""
 
 import threading
+import weakref
+from types import SimpleNamespace
 
 import numpy as np
 import torch
@@ -10,6 +12,7 @@ import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 import adasum
+from adasum.core.layout import Scattered
 from adasum.ddp import AdasumState, adasum_hook
 from adasum.transport import groups, symmetric
 
@@ -43,6 +46,10 @@ def entry_points_body(rank, world):
     before = _built()
     adasum.all_reduce([torch.randn(7, generator=g)])
     built["new layout"] = _built() - before
+    # the list call's plan records the transport chosen and the fusion (two float32 tensors: one flat buffer)
+    plans = groups.communicator(None).plans.values()
+    listed = [p for p in plans if p.config[0] == "adasum.all_reduce" and len(p.description) == 2]
+    built["list plan"] = [(p.transport.name, p.fusion) for p in listed]
 
     torch.manual_seed(0)
     model = DDP(torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Linear(8, 2)), bucket_cap_mb=0.0001)
@@ -62,6 +69,7 @@ def test_each_entry_point_builds_its_plan_once():
     assert results[0] == {
         "all_reduce": 1, "all_reduce_async": 0, "Adasum.all_reduce": 1, "Mean.all_reduce_flat": 1,
         "AdaCons.all_reduce": 1, "new layout": 1, "hook after its first rebuilt step": 0,
+        "list plan": [("p2p", ("fused",))],
     }, results[0]
 
 
@@ -71,7 +79,14 @@ def release_body(rank, world):
     before = len(groups._registry.communicators)
     comm = groups.communicator(None)
     control = comm.control
-    had = (len(comm.plans), len(comm.transports), control is not None)
+    # the group's symmetric memory, on a backend that allocates host memory, and the tile addresses of a list
+    host_memory = SimpleNamespace(empty=lambda n, dtype, device: torch.empty(n, dtype=dtype, device=device),
+                                  rendezvous=lambda buffer, name: SimpleNamespace(name=name))
+    pool = symmetric.pool(None, backend=host_memory)
+    buffer = weakref.ref(pool.staging(16, torch.empty(0))[0])
+    pool.staging(1 << 21, torch.empty(0))  # the first buffer is outgrown, kept for graphs captured on it
+    comm.tiles.get(Scattered([torch.ones(3), torch.ones(5)]), 0, 8)
+    had = (len(comm.plans), len(comm.transports), control is not None, pool.held(), len(comm.tiles))
     adasum.release()
     after = {
         "communicators": len(groups._registry.communicators),
@@ -81,7 +96,10 @@ def release_body(rank, world):
         "control": comm.control,
         "control group alive": control in dist.distributed_c10d._world.pg_map,
         "streams": len(groups._registry.streams),
-        "symmetric buffers": len(symmetric._buffers) + len(symmetric._retired) + len(symmetric._remote),
+        "symmetric memory": comm.symmetric,
+        "symmetric buffers": pool.held(),
+        "outgrown buffer alive": buffer() is not None,
+        "tile addresses": len(comm.tiles),
     }
     t = torch.ones(4) * (rank + 1)
     adasum.all_reduce([t])  # a released group starts afresh on CPU
@@ -92,9 +110,10 @@ def test_release_leaves_nothing_behind():
     results = distributed.run(2, release_body)
     distributed.assert_ranks_agree(results)
     before, had, after, values = results[0]
-    assert before == 1 and had[0] >= 2 and had[1] >= 1 and had[2]
+    assert before == 1 and had[0] >= 2 and had[1] >= 1 and had[2] and had[3] == 2 and had[4] == 1, had
     assert after == {"communicators": 0, "plans": 0, "transports": 0, "graphs": 0, "control": None,
-                     "control group alive": False, "streams": 0, "symmetric buffers": 0}
+                     "control group alive": False, "streams": 0, "symmetric memory": None, "symmetric buffers": 0,
+                     "outgrown buffer alive": False, "tile addresses": 0}
     assert np.allclose(values, reference_tree([np.ones(4), 2 * np.ones(4)]))
 
 

@@ -9,9 +9,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from adasum.experiments import compare as compare_mod
-from adasum.experiments.cli import main
+from adasum.experiments.cli import build_parser, main
+from adasum.experiments.compare import compare
 from adasum.experiments.data import load_task
+from adasum.experiments.methods import parse_methods
 from adasum.experiments.report import picked, robustness, summary_table
 from adasum.experiments.runner import Chance, RunConfig, train
 from adasum.experiments.stats import Stat
@@ -46,11 +47,12 @@ def test_seeds_are_a_sweep_axis_and_rows_carry_the_named_fields(tmp_path):
     assert "seeds 0, 1" in report and "| adasum | 2 | 0.05 | 2 |" in report
 
 
-def test_compare_without_seeds_runs_the_default_five(tmp_path, monkeypatch):
+def test_compare_without_seeds_runs_the_default_five(tmp_path):
+    args = build_parser().parse_args(["compare", "--methods", "adasum", "--workers", "2", "--out", str(tmp_path)])
+    assert args.seeds == [0, 1, 2, 3, 4]
     seen = []
-    monkeypatch.setattr(compare_mod, "train", lambda config, *a, **k: seen.append(config.seed) or _fake(config))
-    monkeypatch.setattr(compare_mod, "plot", lambda results, out: [])
-    assert main(["compare", "--methods", "adasum", "--workers", "2", "--out", str(tmp_path), *QUICK]) == 0
+    compare(parse_methods(args.methods), args.workers, args.lr, RunConfig(epochs=1), tmp_path, seeds=args.seeds,
+            train=lambda config, *a, **k: seen.append(config.seed) or _fake(config), plot=lambda results, out: [])
     assert seen == [0, 1, 2, 3, 4]
 
 
@@ -66,36 +68,32 @@ def _fake(config: RunConfig, val: float = 50.0, test: float = 50.0) -> dict:
             "config": identity(asdict(config)), "task": config.task}
 
 
-def test_resume_skips_exact_matches_only_and_names_what_differs(tmp_path, monkeypatch, capsys):
+def test_resume_skips_exact_matches_only_and_names_what_differs(tmp_path, capsys):
     out = tmp_path / "sweep"
     first = ["compare", "--methods", "adasum", "--workers", "2", "--lr", "0.05", "--seeds", "0", "--out", str(out),
              *QUICK]
     assert main(first) == 0
     before = rows(out)
-    ran = []
-    real_train = compare_mod.train
-    monkeypatch.setattr(compare_mod, "train", lambda config, *a, **k: ran.append(config.seed) or real_train(
-        config, *a, **k))
-    # the same sweep plus seed 1: seed 0 is taken as it is, only seed 1 runs
+    # the same sweep plus seed 1: seed 0 is taken as it is (its row, wall time included, unchanged), only seed 1 runs
     assert main([*first[:-len(QUICK) - 2], "--seeds", "0,1", "--out", str(out), "--resume", *QUICK]) == 0
-    assert ran == [1]
     after = rows(out)
     assert after[0] == before[0] and [r["seed"] for r in after] == [0, 1]
     capsys.readouterr()
-    # another batch size, task or momentum: refused, with the differences named, nothing run
+    # another batch size, task or momentum: refused, with the differences named, nothing run (no file changed)
+    written = {p: p.stat().st_mtime_ns for p in out.rglob("*")}
     for extra, named in [(["--batch-size", "4"], "batch_size 8 -> 4"), (["--task", "sklearn-digits"],
                          "task 'digits' -> 'sklearn-digits'"), (["--momentum", "0.9"], "momentum 0.5 -> 0.9")]:
-        ran.clear()
         args = ["compare", "--methods", "adasum", "--workers", "2", "--lr", "0.05", "--seeds", "0,1",
                 "--out", str(out), "--resume", *QUICK, *extra]
         assert main(args) == 2
         err = capsys.readouterr().err.strip().splitlines()
         assert len(err) == 1 and "another configuration" in err[0] and named in err[0], err
-        assert "adasum-P2-lr0.05-seed0" in err[0] and ran == []
-    # more epochs: not a match, the run continues from its checkpoint
-    ran.clear()
+        assert "adasum-P2-lr0.05-seed0" in err[0]
+        assert {p: p.stat().st_mtime_ns for p in out.rglob("*")} == written
+    # more epochs: not a match, the run continues from its checkpoint (seed 1's row, of another cell, is kept)
     assert main([*first[:-len(QUICK)], "--resume", *QUICK[:-1], "2"]) == 0
-    assert ran == [0] and rows(out)[0]["epochs"] == 2 and len(rows(out)[0]["history"]) == 2
+    again = rows(out)
+    assert again[0]["epochs"] == 2 and len(again[0]["history"]) == 2 and again[1] == after[1]
 
 
 def test_collapse_is_flagged_as_divergence_is(digits):

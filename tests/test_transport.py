@@ -69,33 +69,65 @@ def test_final_slices_tile_the_buffer_in_halving_order():
             assert finals[0] == segment
 
 
-def test_an_outgrown_symmetric_buffer_stays_alive_until_release(monkeypatch):
-    """Captured graphs replay at the addresses of the staging buffer they were captured on: growing
-    the buffer must not free the old one (a replay would store into freed memory), only `release` may."""
-    import weakref
+def fake_symmetric_memory(made: list):
+    """A symmetric-memory backend for `SymmetricPool` that allocates host tensors (kept in `made`)."""
     from types import SimpleNamespace
-
-    from adasum.transport import symmetric
-
-    made = []
 
     def empty(n, dtype, device):
         made.append(torch.empty(n, dtype=dtype, device=device))
         return made[-1]
 
-    fake = SimpleNamespace(empty=empty, rendezvous=lambda buffer, name: SimpleNamespace(name=name))
-    monkeypatch.setattr(symmetric, "symm_mem", fake)
-    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: False)  # CPU builds have no CUDA
-    symmetric.release()
-    group = SimpleNamespace(group_name="fake")
+    return SimpleNamespace(empty=empty, rendezvous=lambda buffer, name: SimpleNamespace(name=name))
+
+
+def test_an_outgrown_symmetric_buffer_stays_alive_until_release():
+    """Captured graphs replay at the addresses of the staging buffer they were captured on: growing
+    the buffer must not free the old one (a replay would store into freed memory), only `release` may."""
+    import weakref
+    from types import SimpleNamespace
+
+    from adasum.transport.symmetric import SymmetricPool
+
+    made: list = []
+    pool = SymmetricPool(SimpleNamespace(group_name="fake"), backend=fake_symmetric_memory(made))
     like = torch.empty(0)
-    first, _ = symmetric.staging(group, 10, like)
+    first, _ = pool.staging(10, like)
     alive = weakref.ref(first)
-    assert symmetric.staging(group, 5, like)[0] is first  # big enough: kept
-    grown, _ = symmetric.staging(group, (1 << 20) + 1, like)
+    assert pool.staging(5, like)[0] is first  # big enough: kept
+    grown, _ = pool.staging((1 << 20) + 1, like)
     assert grown.numel() >= (1 << 20) + 1 and grown is not first
     del first
     made.clear()
     assert alive() is not None  # outgrown, still referenced
-    symmetric.release()
+    pool.release()
     assert alive() is None
+
+
+def test_the_symmetric_transports_take_their_memory_backend_and_share_the_groups_pool():
+    """The backend comes through the transport's constructor; both symmetric transports of a group use its one
+    pool, which `adasum.release()` frees; another backend for a group whose pool exists is refused."""
+    import weakref
+
+    import torch.distributed as dist
+
+    import adasum
+    from adasum.transport.groups import communicator
+    from adasum.transport.symmetric import SymmetricMemory, SymmetricSlices
+
+    made: list = []
+    backend = fake_symmetric_memory(made)
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        moving = SymmetricMemory(None, backend=backend)
+        fused = moving.fusion_buffer(10, torch.zeros(1))
+        assert fused.numel() == 10 and fused.data_ptr() == made[0].data_ptr()
+        slices = SymmetricSlices(None, backend=backend)
+        assert slices.pool is moving.pool is communicator(None).symmetric
+        with pytest.raises(ValueError, match="another backend"):
+            SymmetricMemory(None, backend=fake_symmetric_memory([]))
+        alive = weakref.ref(made.pop())
+        del fused, moving, slices
+        adasum.release()
+        assert alive() is None
+    finally:
+        dist.destroy_process_group()

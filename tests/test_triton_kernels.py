@@ -15,6 +15,7 @@ import torch
 from adasum import kernels as ops
 from adasum.core.operator import coefficients
 from adasum.kernels import triton as tk
+from adasum.kernels.addresses import tile_addresses
 import adasum.core.tiles as tile_tables
 # The interpreter pays per loop iteration of every program, masked or not: tiles of 2048 (2 iterations) instead
 # of 16384 (16) keep every case's structure (segments over several tiles, tile-sized ones, tiny ones) at an
@@ -111,13 +112,13 @@ for number, lengths in enumerate(cases):
                 first, cut = scattered.layout.overlap(lo, hi)
                 theirs, theirs_flat = (torch.full((hi - lo,), float("nan"), dtype=dtype) for _ in range(2))
                 got, want = (torch.zeros(3, len(cut), dtype=torch.float64) for _ in range(2))
-                tk.pull_dot_and_norms(scattered.addresses(lo, hi), b[lo:hi], theirs, cut, got, True)
+                tk.pull_dot_and_norms(tile_addresses(scattered, lo, hi), b[lo:hi], theirs, cut, got, True)
                 tk.pull_dot_and_norms(a[lo:hi].clone(), b[lo:hi], theirs_flat, cut, want, True)
                 assert torch.equal(got, want) and torch.equal(theirs, theirs_flat), (lengths, dtype, lo, hi, "pull")
                 peer_out = torch.full((hi - lo,), float("nan"), dtype=dtype)
                 flat_out = a[lo:hi].clone()
                 tk.combine(flat_out, b[lo:hi], want, 2, 3, cut, flat_out)
-                view = scattered.addresses(lo, hi)
+                view = tile_addresses(scattered, lo, hi)
                 tk.combine(view, b[lo:hi], want, 2, 3, cut, view, peer_out)
                 whole = torch.cat(scattered.tensors)
                 assert torch.equal(whole[lo:hi], flat_out) and torch.equal(peer_out, flat_out), (lengths, dtype)
@@ -148,21 +149,21 @@ for lengths, dtypes in (([1024, 0, 32, 64], ALL), ([5, 1029, 3], (torch.float32,
         tk.add(x, y, out, lengths, subtract=True)
         assert same(out, torch.sub(x, y), dtype), (lengths, dtype, "flat difference")
         parts = [t.clone() for t in x.split(lengths)]
-        tk.add(Scattered(parts).addresses(0, n), y, out, lengths, subtract=True)
+        tk.add(tile_addresses(Scattered(parts), 0, n), y, out, lengths, subtract=True)
         assert same(out, torch.sub(x, y), dtype), (lengths, dtype, "difference of a list in place")
         targets = [torch.full((k,), float("nan"), dtype=dtype) for k in lengths]
-        tk.add(x, y, Scattered(targets).addresses(0, n), lengths)
+        tk.add(x, y, tile_addresses(Scattered(targets), 0, n), lengths)
         assert same(torch.cat(targets), torch.add(x, y), dtype), (lengths, dtype, "sum into a list in place")
         base = x.clone()  # the sum into the list and into x as well, from one pass (delta mode's anchor)
-        tk.add(base, y, Scattered(targets).addresses(0, n), lengths, x_too=True)
+        tk.add(base, y, tile_addresses(Scattered(targets), 0, n), lengths, x_too=True)
         assert torch.equal(base, torch.cat(targets)) and same(base, torch.add(x, y), dtype), (lengths, dtype, "x too")
         copied = torch.full_like(x, float("nan"))
-        tk.add(Scattered(parts).addresses(0, n), None, copied, lengths)  # a copy: the bits as they are
+        tk.add(tile_addresses(Scattered(parts), 0, n), None, copied, lengths)  # a copy: the bits as they are
         assert torch.equal(copied, x), (lengths, dtype, "copy of a list")
         # the sums without keeping the partner's copy (the push protocol reads it where it was pushed)
         kept, read = (torch.zeros(3, len(lengths), dtype=torch.float64) for _ in range(2))
         tk.pull_dot_and_norms(x, y, torch.empty_like(y), lengths, kept, True)
-        tk.pull_dot_and_norms(Scattered(parts).addresses(0, n), y, None, lengths, read, True)
+        tk.pull_dot_and_norms(tile_addresses(Scattered(parts), 0, n), y, None, lengths, read, True)
         assert torch.equal(kept, read), (lengths, dtype, "sums without the kept copy")
 print("ok")
 """
@@ -185,6 +186,7 @@ def test_vector_width_only_where_every_tile_allows_it():
     from adasum.core.layout import Scattered
     from adasum.core.tiles import tiles
     from adasum.kernels import triton as tk
+    from adasum.kernels.addresses import tile_addresses
 
     cpu = torch.device("cpu")
     f32, bf16 = torch.zeros(1), torch.zeros(1, dtype=torch.bfloat16)
@@ -194,12 +196,12 @@ def test_vector_width_only_where_every_tile_allows_it():
     assert tk._align(tiles((16384, 16385, 1), cpu), bf16) == 1  # a tile of odd size
     assert tk._align(tiles((36, 4), cpu), bf16) == 1  # 36 elements: not a multiple of 8 bf16
     aligned = Scattered([torch.zeros(64, dtype=torch.bfloat16), torch.zeros(32, dtype=torch.bfloat16)])
-    assert tk._align(tiles((64, 32), cpu), bf16, aligned.addresses(0, 96)) == 8
-    assert tk._align(tiles((56, 32), cpu), bf16, aligned.addresses(8, 96)) == 8  # 16 bytes in: still aligned
-    assert not aligned.addresses(4, 96).aligned  # 8 bytes in
+    assert tk._align(tiles((64, 32), cpu), bf16, tile_addresses(aligned, 0, 96)) == 8
+    assert tk._align(tiles((56, 32), cpu), bf16, tile_addresses(aligned, 8, 96)) == 8  # 16 bytes in: still aligned
+    assert not tile_addresses(aligned, 4, 96).aligned  # 8 bytes in
     odd = Scattered([torch.zeros(65, dtype=torch.bfloat16)[1:], torch.zeros(32, dtype=torch.bfloat16)])
-    assert not odd.addresses(0, 96).aligned  # the first tensor starts 2 bytes into its storage
-    assert tk._align(tiles((64, 32), cpu), bf16, odd.addresses(0, 96)) == 1
+    assert not tile_addresses(odd, 0, 96).aligned  # the first tensor starts 2 bytes into its storage
+    assert tk._align(tiles((64, 32), cpu), bf16, tile_addresses(odd, 0, 96)) == 1
 
 
 def test_kernels_compile_for_hopper_with_vector_accesses_where_told():

@@ -4,8 +4,9 @@ one flat buffer per dtype and combined with the VHDD schedule (`adasum.collectiv
 from __future__ import annotations
 
 import operator
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Hashable, Sequence
 from dataclasses import dataclass
+from typing import Literal
 
 import torch
 import torch.distributed as dist
@@ -89,11 +90,14 @@ def all_reduce(
     if chosen is None:
         return
 
+    if plan.transport is None:
+        plan.transport = chosen
+        plan.fusion = fusion(tensors, chosen)
+
     def run() -> None:
         adasum_list_(tensors, group, chosen)
 
-    key = ("list", chosen.name, tensor_key(tensors))
-    comm.graphs.run(key, run, group_device(group))
+    key = comm.run(plan.key, tensor_key(tensors), run, group_device(group))
     if comm.graphs.captured(key):
         comm.last = _Last(transport, tensors, tuple(map(_data_ptr, tensors)), tuple(map(_shape, tensors)), key, plan)
 
@@ -125,7 +129,7 @@ class _Last:
     tensors: list
     pointers: tuple
     shapes: tuple
-    key: tuple
+    key: Hashable
     plan: Plan
 
 
@@ -177,18 +181,37 @@ def fused_per_dtype(
     for indices in groups:
         members = [tensors[i] for i in indices]
         numel = sum(t.numel() for t in members)
-        in_place = transport is not None and transport.scattered and len(members) > 1
-        if in_place and all(t.is_contiguous() for t in members):
+        how = _fusion(members, transport)
+        if how == "in place":
             # the transport reads and writes the tensors where they are: no fusion and no copy back
             combine(Scattered(members), [t.numel() for t in members])
             continue
-        if len(members) == 1 and members[0].is_contiguous():
+        if how == "view":
             flat = members[0].view(-1)  # no fusion: no workspace either (a captured graph would keep it)
         else:
-            fusion = transport.fusion_buffer(numel, members[0]) if transport is not None else None
-            flat = flatten(members, fusion if fusion is not None else workspace.get("fusion", numel, members[0]))
+            buffer = transport.fusion_buffer(numel, members[0]) if transport is not None else None
+            flat = flatten(members, buffer if buffer is not None else workspace.get("fusion", numel, members[0]))
         combine(flat, [t.numel() for t in members])
         unflatten_into(flat, members)
+
+
+Fusion = Literal["in place", "view", "fused"]
+
+
+def _fusion(members: Sequence[torch.Tensor], transport: Transport | None) -> Fusion:
+    """How `fused_per_dtype` hands one dtype's tensors to the combination: "in place" (a `Scattered` list, for a
+    transport that reads lists where they lie), "view" (one contiguous tensor, flattened without a copy) or
+    "fused" (copied into a flat buffer: the transport's own where it has one, else the group's workspace)."""
+    if transport is not None and transport.scattered and len(members) > 1 and all(t.is_contiguous() for t in members):
+        return "in place"
+    if len(members) == 1 and members[0].is_contiguous():
+        return "view"
+    return "fused"
+
+
+def fusion(tensors: Sequence[torch.Tensor], transport: Transport | None) -> tuple[Fusion, ...]:
+    """`fused_per_dtype`'s fusion of `tensors` on `transport`, per dtype (in `group_by_dtype` order)."""
+    return tuple(_fusion([tensors[i] for i in indices], transport) for indices in group_by_dtype(tensors).values())
 
 
 def all_reduce_async(

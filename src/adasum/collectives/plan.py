@@ -64,6 +64,8 @@ class Plan:
     disjoint: set = field(default_factory=set)  # addresses and strides found free of shared memory
     transport: Any = None  # the transport chosen for it, where the entry point picks one
     uses: int = 0
+    key: Hashable = None  # what names it in its communicator (and its CUDA graphs, `Communicator.run`)
+    fusion: tuple[str, ...] | None = None  # per dtype, at its first call: "in place", "view" or "fused" (`api.fusion`)
 
 
 _dtype, _shape, _layout = operator.attrgetter("dtype"), operator.attrgetter("shape"), operator.attrgetter("layout")
@@ -91,7 +93,7 @@ def plan_for(comm: Communicator, tensors: Sequence[torch.Tensor], sizes: Sequenc
     plan = comm.plans.get(key)
     if plan is None:
         description = describe_flat(tensors[0], sizes) if sizes is not None else describe(tensors)
-        plan = comm.plans[key] = Plan(config, description, signature([config, *description]))
+        plan = comm.plans[key] = Plan(config, description, signature([config, *description]), key=key)
         comm.plans_built += 1
     plan.uses += 1
     return plan

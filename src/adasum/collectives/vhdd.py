@@ -196,9 +196,11 @@ def adasum_flat_(
     if buffer.device.type != "cuda":
         run()
         return
+    # the schedule's plan (transport, dtype, layout, placement) and where the buffer lies; inside a captured list
+    # call or hook this runs eagerly into that capture (`Communicator.run`)
+    schedule = ("adasum_flat_", transport.name, buffer.dtype, buffer.numel(), layout.sizes, placement)
     where = buffer.key if isinstance(buffer, Scattered) else buffer.data_ptr()
-    key = ("flat", transport.name, where, buffer.dtype, buffer.numel(), layout.sizes, placement)
-    communicator(group).graphs.run(key, run, buffer.device)
+    communicator(group).run(schedule, where, run, buffer.device)
 
 
 def run_schedule(

@@ -10,8 +10,6 @@ from functools import cached_property
 
 import torch
 
-from adasum.core.tiles import table
-
 
 @dataclass(frozen=True)
 class Layout:
@@ -102,8 +100,8 @@ class Scattered:
     kernels load and store through per-tile addresses; `adasum.kernels.triton`).
 
     Slices of it are copied to and from real flat tensors (`read_into`, `write_from`) and named to
-    kernels by `addresses`. The same tensors give the same addresses, so a captured CUDA graph
-    replays correctly while they live; `key` names them for graph keys."""
+    kernels by their tile addresses (`adasum.kernels.addresses`); `key` names the tensors (their
+    addresses) for graph keys and address tables."""
 
     def __init__(self, tensors: Sequence[torch.Tensor]) -> None:
         if not tensors or any(not t.is_contiguous() for t in tensors):
@@ -152,42 +150,3 @@ class Scattered:
         parts, views = self._paired(flat, lo, hi)
         if parts:
             torch._foreach_copy_(parts, views)
-
-    def addresses(self, lo: int, hi: int) -> TileAddresses:
-        """Where each tile of the slice [lo, hi) starts in memory, for the tile table of its overlap
-        lengths (`adasum.core.tiles.tiles`): an int64 tensor on the device, cached per tensors and slice
-        (built on a layout's first, eager call; a CUDA graph capture finds it made)."""
-        key = (self.key, self.layout.sizes, self.dtype, lo, hi)
-        found = _addresses.get(key)
-        if found is None:
-            first, lengths = self.layout.overlap(lo, hi)
-            starts, _, segments, _, _ = table(tuple(lengths))
-            size = self.element_size()
-            values = []
-            seg_start = 0
-            bases = []
-            for i, n in enumerate(lengths):  # address of each segment's first element, its start in the slice
-                inside = max(0, lo - self.layout.offsets[first + i])
-                bases.append((self.tensors[first + i].data_ptr() + inside * size, seg_start))
-                seg_start += n
-            for start, seg in zip(starts, segments):
-                base, begins = bases[seg]
-                values.append(base + (start - begins) * size)
-            addresses = torch.tensor(values, dtype=torch.int64, device=self.device)
-            found = TileAddresses(addresses, self.dtype, all(v % 16 == 0 for v in values))
-            _addresses[key] = found
-            while len(_addresses) > 256:
-                _addresses.pop(next(iter(_addresses)))
-        return found
-
-
-@dataclass(frozen=True)
-class TileAddresses:
-    """A slice of a `Scattered` buffer as kernels take it: the address of each tile's first element."""
-
-    table: torch.Tensor  # int64 [n_tiles], on the device
-    dtype: torch.dtype
-    aligned: bool = False  # every address a multiple of 16 bytes (vector loads and stores)
-
-
-_addresses: dict[tuple, TileAddresses] = {}

@@ -197,7 +197,7 @@ def _common(p: argparse.ArgumentParser) -> None:
     p.add_argument("--quiet", action="store_true", help="log warnings only")
 
 
-DEFAULT_SEEDS = [0, 1, 2, 3, 4]
+DEFAULT_SEEDS = (0, 1, 2, 3, 4)
 
 
 def _one_seed(text: str) -> int:
@@ -240,7 +240,8 @@ def build_parser() -> argparse.ArgumentParser:
     )
     c.add_argument("--out", default="runs/compare", help="output folder")
     c.add_argument(
-        "--seeds", type=_list_of(_seed), default=DEFAULT_SEEDS, help="comma-separated seeds, each a run of every cell"
+        "--seeds", type=_list_of(_seed), default=list(DEFAULT_SEEDS),
+        help="comma-separated seeds, each a run of every cell",
     )
     _common(c)
 

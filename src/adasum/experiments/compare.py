@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import json
 import logging
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import asdict, replace
 from pathlib import Path
 from typing import Any
@@ -91,6 +91,8 @@ def compare(
     resume: bool = False,
     overwrite: bool = False,
     progress: bool | ProgressBar = False,
+    train: Callable[..., dict[str, Any]] = train,
+    plot: Callable[[list[dict[str, Any]], Path], Any] = plot,
 ) -> list[dict[str, Any]]:
     """Run every (method, workers, lr, seed) cell, simulated, and write into `out`: ``results.jsonl``
     (one JSON object per run, appended as runs finish), ``report.md``, ``accuracy.png``,
@@ -106,6 +108,9 @@ def compare(
     was interrupted, continues from its checkpoint. Rows of other cells (other seeds, methods,
     worker counts or learning rates) stay in ``results.jsonl``; the report covers those of them
     with this sweep's configuration. The rows returned are those the report covers.
+
+    `train` runs one cell (`adasum.experiments.runner.train`'s signature; tests count or fake runs) and
+    `plot` draws the figures (`adasum.experiments.report.plot`).
 
     >>> methods = parse_methods("sequential,adasum")  # doctest: +SKIP
     >>> compare(methods, [16], [0.01], RunConfig(epochs=2), "runs/x", seeds=[0, 1, 2])  # doctest: +SKIP

@@ -43,8 +43,10 @@ import re
 import struct
 import sysconfig
 from collections import Counter
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
+from types import MappingProxyType
 
 import numpy as np
 import torch
@@ -56,7 +58,7 @@ log = logging.getLogger("adasum")
 VALIDATION_SEED = 1234  # the validation split is the same for every run, method and seed
 TASKS = ("digits", "sklearn-digits", "mnist1d", "mnist", "fashion-mnist", "cifar10", "text", "word2vec")
 # the model each task trains unless --model says otherwise
-DEFAULT_MODELS = {
+DEFAULT_MODELS: Mapping[str, str] = MappingProxyType({
     "digits": "cnn",
     "sklearn-digits": "mlp",
     "mnist1d": "cnn",
@@ -65,7 +67,7 @@ DEFAULT_MODELS = {
     "cifar10": "resnet",
     "text": "transformer",
     "word2vec": "skipgram",
-}
+})
 
 
 @dataclass

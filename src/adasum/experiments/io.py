@@ -28,8 +28,9 @@ import logging
 import math
 import os
 import zlib
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from pathlib import Path
+from types import MappingProxyType
 from typing import IO, Any, cast
 
 log = logging.getLogger("adasum")
@@ -200,7 +201,7 @@ def _count(value: Any) -> bool:
 
 
 # what every row of a results file must hold, and how each field is checked
-RESULT_FIELDS: dict[str, tuple[Callable[[Any], bool], str]] = {
+RESULT_FIELDS: Mapping[str, tuple[Callable[[Any], bool], str]] = MappingProxyType({
     "method": (lambda v: isinstance(v, str) and bool(v), "a method name"),
     "workers": (lambda v: _count(v) and v >= 1, "an integer >= 1"),
     "lr": (_positive, "a number > 0"),
@@ -216,7 +217,7 @@ RESULT_FIELDS: dict[str, tuple[Callable[[Any], bool], str]] = {
     ),
     "orthogonality_trace": (lambda v: isinstance(v, list), "a list"),
     "config": (lambda v: isinstance(v, dict), "an object"),
-}
+})
 
 
 def read_results(path: str | os.PathLike) -> list[dict[str, Any]]:

@@ -31,8 +31,9 @@ from __future__ import annotations
 
 import difflib
 import importlib
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
+from types import MappingProxyType
 
 from adasum.reducers import Reducer, get_reducer
 
@@ -59,7 +60,7 @@ class Method:
         return lr * workers if self.linear_lr_scaling else lr
 
 
-METHODS: dict[str, Method] = {
+METHODS: Mapping[str, Method] = MappingProxyType({
     m.name: m
     for m in [
         Method("sequential", "mean", single_worker=True, description="one worker, per-worker batch"),
@@ -75,7 +76,7 @@ METHODS: dict[str, Method] = {
         ),
         Method("slowmo", "mean", combine="delta", local=True, slow_momentum=True, description="SlowMo over local SGD"),
     ]
-}
+})
 
 
 def get_method(name: str) -> Method:

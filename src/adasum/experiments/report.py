@@ -30,9 +30,10 @@ from __future__ import annotations
 
 import json
 import math
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, replace
 from pathlib import Path
+from types import MappingProxyType
 from typing import Any
 
 from adasum.experiments.io import read_jsonl, write_text_atomic
@@ -46,15 +47,15 @@ Key = tuple[str, int]  # (method, workers)
 # --- reading: one-line messages for malformed rows, one setting per report ---------------------
 
 _NUMBER = (int, float)
-_FIELDS: dict[str, tuple[type, ...]] = {
+_FIELDS: Mapping[str, tuple[type, ...]] = MappingProxyType({
     "method": (str,), "workers": (int,), "lr": _NUMBER, "effective_lr": _NUMBER, "seed": (int,),
     "val_accuracy": _NUMBER + (type(None),), "test_accuracy": _NUMBER, "test_loss": _NUMBER,
     "diverged": (bool,), "collapsed": (bool,), "steps": (int,), "wall_s": _NUMBER, "epochs": (int,),
     "history": (list,), "orthogonality_trace": (list,), "config": (dict,),
-}
+})
 """The fields every row of `adasum compare` has, and their JSON types (a NaN loss is a float)."""
 _EPOCH_FIELDS = ("epoch", "test_accuracy", "test_loss")
-_AXES = {"method": None, "workers": None, "lr": None, "seed": None}  # what varies within one sweep
+_AXES = MappingProxyType({"method": None, "workers": None, "lr": None, "seed": None})  # what varies within one sweep
 
 
 def check_row(row: Any, where: str) -> None:

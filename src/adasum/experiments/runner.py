@@ -108,7 +108,7 @@ class RunConfig:
 
 
 # keys that may change when a run is resumed
-RESUMABLE = {"epochs", "device", "chunk_size", "data_dir", "nonfinite", "checkpoint_every", "deterministic"}
+RESUMABLE = frozenset({"epochs", "device", "chunk_size", "data_dir", "nonfinite", "checkpoint_every", "deterministic"})
 
 
 def make_optimizer(config: RunConfig, lr: float) -> Callable[[list[torch.Tensor]], torch.optim.Optimizer]:

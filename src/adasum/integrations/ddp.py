@@ -269,7 +269,7 @@ def _take_open_batch(state: AdasumState) -> list[tuple[torch.Tensor, _BucketPlan
 
 def _close_batch(state: AdasumState) -> None:
     """Combine the open batch and complete its Futures (on NCCL: enqueued on the side stream, replayed from a
-    captured graph when the same batch comes again; `graphs.run` runs it eagerly elsewhere)."""
+    captured graph when the same batch comes again; `Communicator.run` runs it eagerly elsewhere)."""
     batch = _take_open_batch(state)
     if not batch:
         return
@@ -283,7 +283,7 @@ def _close_batch(state: AdasumState) -> None:
         state._agreed.add(key)
     with torch.cuda.stream(side) if device.type == "cuda" else contextlib.nullcontext():
         if state.reducer.capturable:
-            communicator(state.group).graphs.run(key, lambda: _combine(state, batch), device)
+            communicator(state.group).run("adasum_hook", key, lambda: _combine(state, batch), device)
         else:
             _combine(state, batch)
         for tensor, _, future in batch:

@@ -57,7 +57,7 @@ from adasum.collectives.agreement import Problem, agree, check_not_sharded, chec
 from adasum.collectives.nonfinite import apply_nonfinite_policy, check_policy, nonfinite_message
 from adasum.core.layout import Scattered, flatten, unflatten_into
 from adasum.reducers import Reducer, get_reducer
-from adasum.transport.groups import control_group, failures_named, group_device, side_stream
+from adasum.transport.groups import communicator, control_group, failures_named, group_device, side_stream
 
 MODES = ("delta", "gradient")
 IN_FLIGHT = 3
@@ -704,18 +704,19 @@ class DistributedOptimizer(torch.optim.Optimizer):
         comm = side_stream(device, "comm") if device is not None and device.type == "cuda" else None
         main = torch.cuda.current_stream(device) if comm is not None else None
         pending: deque = deque()
+        tables = communicator(self.group).tiles  # the buckets' tile addresses, kept between steps
 
         def apply(members: list[torch.Tensor] | Scattered, anchor: torch.Tensor, flat: torch.Tensor, done) -> None:
             if done is not None:
                 assert main is not None  # there is a side stream
                 main.wait_event(done)
             # one pass: x0 + combined, straight into the parameters and into the anchor (the next round's start)
-            kernels.add_into(members, anchor, flat, base_too=True)
+            kernels.add_into(members, anchor, flat, base_too=True, tables=tables)
 
         for number, (members, sizes) in enumerate(self._delta_plan(params)):
             anchor = self._anchor_flats[number]  # the bucket's dtype and device, and its size
             flat = self._delta_buffer(number % IN_FLIGHT, anchor.numel(), anchor)
-            kernels.subtract_into(flat, members, anchor)
+            kernels.subtract_into(flat, members, anchor, tables)
             if comm is None:
                 self.reducer.all_reduce_flat(flat, sizes, self.group, check_layout=False)
                 apply(members, anchor, flat, None)

@@ -14,8 +14,10 @@ from collections.abc import Sequence
 
 import torch
 
+from adasum.core.layout import Scattered
 from adasum.core.operator import coefficients
 from adasum.kernels import cpu, torch_ops
+from adasum.kernels.addresses import AddressTables, tile_addresses
 
 
 def _triton(device: torch.device):
@@ -80,7 +82,7 @@ def combine_from_sums(
     `workers_b` (ints, or int64 tensors with one count per segment), with (c_a, c_b) =
     ``coefficients(sums, w_a, w_b)``. One fused kernel on GPUs with Triton; `out` may alias `a`
     or `b`. `more_outs` (at most two) receive the same values (in the same pass with Triton).
-    With Triton, `a`, `b` and `out` may be `adasum.core.layout.TileAddresses` (slices of a `Scattered` buffer)."""
+    With Triton, `a`, `b` and `out` may be `adasum.kernels.addresses.TileAddresses` (slices of a `Scattered` buffer)."""
     like = next(x for x in (a, b, out) if isinstance(x, torch.Tensor))
     triton_kernels = _triton(like.device)
     if triton_kernels is not None:
@@ -101,12 +103,11 @@ def _combine_unfused(a, b, sums, workers_a, workers_b, lengths, out) -> None:
     scale_add(a, b, coeff_a, coeff_b, lengths, out)
 
 
-def _in_place(tensors, like: torch.Tensor):
+def _in_place(tensors, like: torch.Tensor, tables: AddressTables | None):
     """(Triton kernels, the tensors' `TileAddresses`, the tensors as a list) when one kernel can read or write the
     list where it lies (a GPU with Triton, every tensor contiguous and of `like`'s dtype), else (None, None, the
-    list). `tensors` is a list or a `Scattered` view of one (which a caller may keep between calls)."""
-    from adasum.core.layout import Scattered
-
+    list). `tensors` is a list or a `Scattered` view of one (which a caller may keep between calls); the addresses
+    come from `tables` (kept there) or are built afresh."""
     triton_kernels = _triton(like.device)
     if isinstance(tensors, Scattered):
         listed = tensors.tensors
@@ -116,14 +117,16 @@ def _in_place(tensors, like: torch.Tensor):
             tensors = Scattered(listed)
     if triton_kernels is None or not isinstance(tensors, Scattered) or tensors.dtype != like.dtype:
         return None, None, listed
-    return triton_kernels, tensors.addresses(0, tensors.numel()), listed
+    n = tensors.numel()
+    return triton_kernels, tables.get(tensors, 0, n) if tables is not None else tile_addresses(tensors, 0, n), listed
 
 
-def subtract_into(out: torch.Tensor, tensors, base: torch.Tensor) -> None:
+def subtract_into(out: torch.Tensor, tensors, base: torch.Tensor, tables: AddressTables | None = None) -> None:
     """``out = tensors - base`` with `out` and `base` flat (the tensors end to end, each in its own shape and
     strides; a list or a `Scattered` view), rounded as ``torch.sub`` rounds: one kernel on GPUs with Triton when
-    the tensors are contiguous, one op per tensor otherwise (a channels-last weight is read in its logical order)."""
-    triton_kernels, where, tensors = _in_place(tensors, out)
+    the tensors are contiguous, one op per tensor otherwise (a channels-last weight is read in its logical order).
+    `tables` keeps the list's tile addresses between calls (a group's, `adasum.transport.groups.Communicator`)."""
+    triton_kernels, where, tensors = _in_place(tensors, out, tables)
     sizes = [t.numel() for t in tensors]
     if triton_kernels is not None:
         triton_kernels.add(where, base, out, sizes, subtract=True)
@@ -132,12 +135,14 @@ def subtract_into(out: torch.Tensor, tensors, base: torch.Tensor) -> None:
         torch.sub(t, b.view(t.shape), out=o.view(t.shape))
 
 
-def add_into(tensors, base: torch.Tensor, delta: torch.Tensor, base_too: bool = False) -> None:
+def add_into(
+    tensors, base: torch.Tensor, delta: torch.Tensor, base_too: bool = False, tables: AddressTables | None = None
+) -> None:
     """``tensors = base + delta`` (`base` and `delta` flat, the tensors end to end; a list or a `Scattered`
     view), rounded as ``torch.add`` rounds, and with `base_too` ``base = base + delta`` as well (the same values,
     from the same pass): one kernel on GPUs with Triton when the tensors are contiguous, one op per tensor
-    otherwise."""
-    triton_kernels, where, tensors = _in_place(tensors, base)
+    otherwise. `tables` as in `subtract_into`."""
+    triton_kernels, where, tensors = _in_place(tensors, base, tables)
     sizes = [t.numel() for t in tensors]
     if triton_kernels is not None:
         triton_kernels.add(base, delta, where, sizes, x_too=base_too)

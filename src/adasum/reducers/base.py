@@ -52,6 +52,7 @@ import torch.distributed as dist
 from adasum.collectives.agreement import check_group, tensor_list
 from adasum.collectives.api import fused_per_dtype
 from adasum.collectives.plan import prepare
+from adasum.transport.groups import reducer_names
 
 
 @dataclass(frozen=True)
@@ -219,18 +220,17 @@ def check_workers(per_worker: Sequence[Sequence[torch.Tensor]]) -> int:
     return count
 
 
-_REDUCERS: dict[str, type[Reducer]] = {}
-
-
 def register(name: str, cls: type[Reducer]) -> None:
-    """Make `cls` available by `name` to every place that takes a reducer name."""
-    _REDUCERS[name] = cls
+    """Make `cls` available by `name` to every place that takes a reducer name (kept in the package's one
+    registry, `adasum.transport.groups`)."""
+    reducer_names()[name] = cls
 
 
 def get_reducer(reducer: str | Reducer) -> Reducer:
     """A reducer object from a reducer or its name ("sum", "mean", "adasum", "adacons")."""
     if isinstance(reducer, Reducer):
         return reducer
-    if isinstance(reducer, str) and reducer in _REDUCERS:
-        return _REDUCERS[reducer]()
-    raise ValueError(f"unknown reducer {reducer!r}; choose one of {sorted(_REDUCERS)} or pass a Reducer")
+    names = reducer_names()
+    if isinstance(reducer, str) and reducer in names:
+        return names[reducer]()
+    raise ValueError(f"unknown reducer {reducer!r}; choose one of {sorted(names)} or pass a Reducer")

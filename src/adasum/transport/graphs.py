@@ -4,16 +4,18 @@ A collective on a GPU issues dozens of launches (NCCL calls, Triton kernels, cop
 the host 5-50 us: for small and many-tensor layouts that host work, not the data, sets the time.
 `Graphs.run(key, fn)` runs `fn` eagerly the first time a key is seen (it warms every cache: tile
 tables, staging buffers, NCCL communicators), captures it into a CUDA graph the second time, and
-replays the graph from then on. The key names everything the launches depend on: the tensors'
-addresses, shapes, strides and dtypes, and the transport; so "the same key" means "the same
-launches", and replaying reads whatever the tensors hold now.
+replays the graph from then on. The key names everything the launches depend on: the call's plan
+(its layout and configuration, the transport among them) and the tensors' addresses, shapes,
+strides and dtypes; so "the same key" means "the same launches", and replaying reads whatever the
+tensors hold now. A call made while a run is under way runs eagerly into it (no nested capture).
 
-Each process group's communicator (`adasum.transport.groups.Communicator`) holds one `Graphs`: the
-only capture point of the package. Every rank must take the same path (eager, capture, replay) at
-the same call, as every rank calls with its own copies of the same layout; captures are collective
-(NCCL ops inside a graph pair with their peers' at replay). If capture fails, the key runs eagerly
-from then on. ``ADASUM_CUDA_GRAPHS=0`` turns capture off (`adasum.settings`). Captured graphs are
-released by `adasum.release()` (and by ``torch.distributed.destroy_process_group``).
+Each process group's communicator (`adasum.transport.groups.Communicator`) holds one `Graphs` and
+reaches it through `Communicator.run`, the only capture point of the package. Every rank must take
+the same path (eager, capture, replay) at the same call, as every rank calls with its own copies of
+the same layout; captures are collective (NCCL ops inside a graph pair with their peers' at
+replay). If capture fails, the key runs eagerly from then on. ``ADASUM_CUDA_GRAPHS=0`` turns
+capture off (`adasum.settings`). Captured graphs are released by `adasum.release()` (and by
+``torch.distributed.destroy_process_group``).
 """
 
 from __future__ import annotations
@@ -39,18 +41,61 @@ def tensor_key(tensors) -> tuple:
     return tuple((t.data_ptr(), t.dtype, tuple(t.shape), t.stride()) for t in tensors)
 
 
-class Graphs:
-    """The captured graphs of one process group, by key (module doc)."""
+class CudaCapture:
+    """How `Graphs` captures: CUDA graphs on a GPU. Tests give `Graphs` another object with the same three
+    methods (`enabled`, `capturing`, `capture`) to run its logic on the CPU."""
 
-    def __init__(self) -> None:
+    def enabled(self, device: torch.device) -> bool:
+        """Whether calls on `device` are captured (`enabled`)."""
+        return enabled(device)
+
+    def capturing(self) -> bool:
+        """Whether the current stream is being captured (by anyone: then every call runs into that capture)."""
+        return torch.cuda.is_current_stream_capturing()
+
+    def capture(self, fn: Callable[[], None], device: torch.device):
+        """A graph of `fn`'s launches (with ``replay()``), captured on a side stream that the current stream then
+        waits for; raises if `fn` cannot be captured."""
+        graph = torch.cuda.CUDAGraph()
+        stream = torch.cuda.Stream(device)
+        stream.wait_stream(torch.cuda.current_stream(device))
+        # capture_begin/end rather than torch.cuda.graph(), which synchronises the device and runs the
+        # garbage collector on entry (tens of ms with a large model alive)
+        try:
+            with torch.cuda.stream(stream):
+                graph.capture_begin(capture_error_mode="thread_local")
+                try:
+                    fn()
+                finally:
+                    graph.capture_end()
+        finally:
+            torch.cuda.current_stream(device).wait_stream(stream)
+        return graph
+
+
+class Graphs:
+    """The captured graphs of one process group, by key (module doc). Calls made while one of its runs is
+    under way (a collective inside a captured hook, the schedule inside a captured list call) run eagerly
+    into it: they are neither counted nor captured on their own."""
+
+    def __init__(self, backend: CudaCapture | None = None) -> None:
+        self.backend = backend if backend is not None else CudaCapture()
         self._graphs: OrderedDict[Hashable, object] = OrderedDict()
         self._seen: OrderedDict[Hashable, int] = OrderedDict()
+        self._running = False
 
     def run(self, key: Hashable, fn: Callable[[], None], device: torch.device) -> None:
-        """`fn()` eagerly, captured, or replayed (see the module doc)."""
-        if not enabled(device) or torch.cuda.is_current_stream_capturing():
+        """`fn()` eagerly, captured, or replayed (see the module doc and the class doc)."""
+        if self._running or not self.backend.enabled(device) or self.backend.capturing():
             fn()
             return
+        self._running = True
+        try:
+            self._run(key, fn, device)
+        finally:
+            self._running = False
+
+    def _run(self, key: Hashable, fn: Callable[[], None], device: torch.device) -> None:
         graph = self._graphs.get(key)
         if graph is _FAILED:
             fn()
@@ -66,27 +111,12 @@ class Graphs:
         if sightings < 2:
             fn()
             return
-        self._capture(key, fn, device)
-
-    def _capture(self, key: Hashable, fn: Callable[[], None], device: torch.device) -> None:
-        graph = torch.cuda.CUDAGraph()
-        stream = torch.cuda.Stream(device)
-        stream.wait_stream(torch.cuda.current_stream(device))
-        # capture_begin/end rather than torch.cuda.graph(), which synchronises the device and runs the
-        # garbage collector on entry (tens of ms with a large model alive)
         try:
-            with torch.cuda.stream(stream):
-                graph.capture_begin(capture_error_mode="thread_local")
-                try:
-                    fn()
-                finally:
-                    graph.capture_end()
+            graph = self.backend.capture(fn, device)
         except Exception:  # capture is impossible for this key (an op that cannot be captured): run eagerly
             self._graphs[key] = _FAILED
-            torch.cuda.current_stream(device).wait_stream(stream)
             fn()
             return
-        torch.cuda.current_stream(device).wait_stream(stream)
         self._graphs[key] = graph
         while self.count() > MAX_GRAPHS:  # the oldest goes; its key runs eagerly from then on (no capture thrash)
             oldest = next(k for k, g in self._graphs.items() if g is not _FAILED)
@@ -101,7 +131,7 @@ class Graphs:
     def replay(self, key: Hashable) -> bool:
         """Replay the graph of `key` if there is one (True), else do nothing (False)."""
         graph = self._graphs.get(key)
-        if graph is None or graph is _FAILED or torch.cuda.is_current_stream_capturing():
+        if graph is None or graph is _FAILED or self._running or self.backend.capturing():
             return False
         graph.replay()  # type: ignore[attr-defined]
         return True

@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import atexit
 import re
-import sys
 import threading
 import time
 from collections.abc import Callable, Hashable, Iterator
@@ -36,6 +35,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from adasum.kernels.addresses import AddressTables
 from adasum.transport.graphs import Graphs
 
 
@@ -76,8 +76,10 @@ class Workspace:
 class Communicator:
     """Everything adasum keeps for one process group, made on the group's first collective
     (`communicator`) and dropped by `release`: the transports (built once per name), the checks'
-    control group, the plans per layout (`adasum.collectives.plan`), the
-    captured CUDA graphs, the CPU workspaces, and the fingerprints posted but not yet compared.
+    control group, the plans per layout (`adasum.collectives.plan`), the captured CUDA graphs and
+    their one capture point (`run`), the symmetric memory (`adasum.transport.symmetric.SymmetricPool`),
+    the tile addresses of lists the kernels read in place (`adasum.kernels.addresses.AddressTables`),
+    the CPU workspaces, and the fingerprints posted but not yet compared.
 
     Calls on one group must come from one thread at a time (as torch.distributed's own collectives
     must: their order pairs them across ranks); different groups may run on different threads.
@@ -90,6 +92,8 @@ class Communicator:
         self.plans: dict[Hashable, Any] = {}
         self.plans_built = 0
         self.graphs = Graphs()
+        self.symmetric: Any = None  # the group's `SymmetricPool`, made by its first symmetric transport
+        self.tiles = AddressTables()
         self.workspace = Workspace()
         self.last: Any = None  # the last captured list call: its replay skips the plan look-up
         self.pending: list[Any] = []  # fingerprints posted on the control group, compared at the next call
@@ -100,6 +104,15 @@ class Communicator:
         if found is None:
             found = self.transports[key] = build()
         return found
+
+    def run(self, plan: Hashable, where: Hashable, fn: Callable[[], None], device: torch.device) -> Hashable:
+        """`fn()` eagerly, captured into a CUDA graph, or replayed (`adasum.transport.graphs`): the package's one
+        capture point. `plan` names the call's layout and configuration (`adasum.collectives.plan.Plan.key`, or
+        the schedule's), `where` the tensors (`adasum.transport.graphs.tensor_key`). A call made while another
+        runs (the schedule inside a captured list call or hook) runs eagerly into it. Returns the graph's key."""
+        key = (plan, where)
+        self.graphs.run(key, fn, device)
+        return key
 
     def control_group(self) -> dist.ProcessGroup | None:
         """See `control_group`."""
@@ -113,7 +126,11 @@ class Communicator:
         """Drop everything, and destroy the control group this communicator made (local: no collective)."""
         if self.control is not None and dist.is_initialized():
             _registry.destroy(self.control)
-        self.graphs.clear()
+        self.graphs.clear()  # first: a captured graph loads and stores at the symmetric buffers' addresses
+        if self.symmetric is not None:
+            self.symmetric.release()
+        self.symmetric = None
+        self.tiles.clear()
         self.transports.clear()
         self.plans.clear()
         self.pending.clear()
@@ -123,18 +140,25 @@ class Communicator:
 
 class _Registry:
     """The package's one piece of process-wide mutable state: communicators by process group, side
-    streams by device, and whether the exit handler and the teardown hook are in place."""
+    streams by device, the reducer classes by name (`adasum.reducers.register`), and whether the exit
+    handler and the teardown hook are in place. `release` empties the first two."""
 
     def __init__(self) -> None:
         self.lock = threading.Lock()
         self.communicators: dict[dist.ProcessGroup, Communicator] = {}
         self.streams: dict[tuple[torch.device, str], torch.cuda.Stream] = {}
+        self.reducers: dict[str, type] = {}
         self.exit_handler = False
         self.teardown_hook = False
         self.destroy = dist.destroy_process_group  # torch's own, also once the teardown hook wraps it
 
 
 _registry = _Registry()
+
+
+def reducer_names() -> dict[str, type]:
+    """The reducer classes by name (`adasum.reducers.register` adds to it)."""
+    return _registry.reducers
 
 
 def _resolved(group: dist.ProcessGroup | None) -> dist.ProcessGroup:
@@ -157,9 +181,11 @@ def communicator(group: dist.ProcessGroup | None = None) -> Communicator:
 
 
 def release(group: dist.ProcessGroup | None = None) -> None:
-    """Drop what adasum keeps for process groups: captured CUDA graphs, transports and their symmetric
-    buffers, control groups, plans, workspaces, side streams. Local (no collective). With a
-    `group`, only that group's communicator goes (symmetric buffers are shared and stay).
+    """Drop what adasum keeps for process groups: captured CUDA graphs, then symmetric buffers, then
+    transports, control groups, plans, tile addresses, workspaces, side streams. Local (no collective).
+    With a `group`, only that group's communicator goes; if it holds symmetric memory, every group's
+    captured graphs go first (a graph of one group may point into another's buffers: hierarchical mode's
+    node groups).
 
     For teardown: ``torch.distributed.destroy_process_group`` calls it first (once adasum has worked on
     a group). Collectives after a full release are not supported on GPUs: a benchmark that released
@@ -170,19 +196,23 @@ def release(group: dist.ProcessGroup | None = None) -> None:
     with _registry.lock:
         if group is not None:
             found = _registry.communicators.pop(_resolved(group), None)
-            if found is not None:
-                _synchronize_if(found.graphs.count() > 0)
-                found.clear()
+            if found is None:
+                return
+            shared = found.symmetric is not None and found.symmetric.held() > 0
+            others = list(_registry.communicators.values()) if shared else []
+            _synchronize_if(found.graphs.count() > 0 or any(c.graphs.count() for c in others))
+            for comm in others:
+                comm.graphs.clear()
+            found.clear()
             return
         comms = list(_registry.communicators.values())
         _synchronize_if(any(c.graphs.count() for c in comms))
+        for comm in comms:  # every graph before any buffer (a graph may point into another group's buffers)
+            comm.graphs.clear()
         for comm in comms:
             comm.clear()
         _registry.communicators.clear()
         _registry.streams.clear()
-    symmetric = sys.modules.get("adasum.transport.symmetric")  # holds buffers only once imported (it imports this)
-    if symmetric is not None:
-        symmetric.release()
 
 
 def _synchronize_if(graphs_alive: bool) -> None:

@@ -61,9 +61,10 @@ import torch.distributed as dist
 from adasum.core.layout import Scattered
 from adasum.kernels import combine_from_sums
 from adasum.kernels import triton as triton_kernels
+from adasum.kernels.addresses import AddressTables
 from adasum.settings import current
 from adasum.transport.base import GatherStep, Level, Transport, split
-from adasum.transport.groups import side_stream
+from adasum.transport.groups import communicator, side_stream
 from adasum.transport.slices import memory_budget_bytes, round_elements
 
 try:  # pragma: no cover - CUDA builds only
@@ -78,91 +79,111 @@ MAX_CHUNKS = 4
 """Pieces per half at most (``ADASUM_SYMMETRIC_MAX_CHUNKS`` overrides it): more pieces overlap more of the
 copies but each costs one barrier more."""
 
-_supported: dict[str, bool] = {}
-_buffers: dict[tuple[str, torch.dtype, str], tuple[torch.Tensor, object]] = {}
-_retired: list[tuple[torch.Tensor, object]] = []  # outgrown buffers: captured graphs still hold their addresses
-_remote: dict[tuple[int, int, int, torch.dtype], torch.Tensor] = {}
 
-
-def _group_name(group: dist.ProcessGroup | None) -> str:
+def _group_name(group) -> str:
     return (group if group is not None else cast(dist.ProcessGroup, dist.group.WORLD)).group_name
 
 
+class SymmetricPool:
+    """One process group's symmetric memory: whether the group can run these transports, its symmetric buffers
+    (by dtype and purpose), the buffers they outgrew, and the views of peers' buffers. Owned by the group's
+    `adasum.transport.groups.Communicator` (`pool`) and freed by its teardown (`adasum.release()`), after
+    the captured graphs that point into it.
+
+    `backend` is torch's ``torch.distributed._symmetric_memory`` unless given: an object with ``empty(numel,
+    dtype=, device=)`` and ``rendezvous(buffer, group_name)`` (tests pass one that allocates host memory)."""
+
+    def __init__(self, group, backend=None) -> None:
+        self.group = group
+        self.name = _group_name(group)
+        self.backend = backend if backend is not None else symm_mem
+        self.verdict: bool | None = None
+        self.buffers: dict[tuple[torch.dtype, str], tuple[torch.Tensor, object]] = {}
+        self.retired: list[tuple[torch.Tensor, object]] = []  # outgrown buffers: captured graphs hold their addresses
+        self.remote: dict[tuple[int, int, int, torch.dtype], torch.Tensor] = {}
+
+    def supported(self) -> bool:
+        """Whether the group can run this transport: NCCL, Triton, a symmetric-memory backend, every rank on one
+        host, and ``ADASUM_SYMMETRIC`` not ``0``. The first call is collective (one exchange of host names); the
+        answer is the same on every rank."""
+        if self.verdict is None:
+            local = (
+                self.backend is not None
+                and dist.get_backend(self.group) == "nccl"
+                and triton_kernels.triton is not None
+                and current().symmetric
+            )
+            hosts: list = [None] * dist.get_world_size(self.group)
+            dist.all_gather_object(hosts, (socket.gethostname(), local), group=self.group)
+            self.verdict = all(ok for _, ok in hosts) and len({h for h, _ in hosts}) == 1
+        return self.verdict
+
+    def staging(self, numel: int, like: torch.Tensor | Scattered, purpose: str = "stage", most: int | None = None):
+        """(S, handle): the group's symmetric buffer for `like`'s dtype and `purpose` ("stage": ``S``;
+        "receive": the push protocol's ``R``; "slices": the slice-parallel mover's rows, in bytes), at least
+        `numel` elements; a growth doubles the capacity, but not past `most` elements (unless `numel` needs it).
+        Growing it is collective (a rendezvous): every rank asks for the same sizes in the same order.
+
+        An outgrown buffer is kept, not freed, until `release`: CUDA graphs captured on it (an earlier, smaller
+        layout's) replay loads and stores at its addresses, and freeing it under them writes into freed memory
+        (FSDP2's units of several sizes reach the hook one after another). Capacities double, so the kept ones
+        together are smaller than the buffer in use."""
+        key = (like.dtype, purpose)
+        entry = self.buffers.get(key)
+        if entry is None or entry[0].numel() < numel:
+            if like.device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+                raise RuntimeError("adasum: the symmetric buffer cannot grow during CUDA graph capture")
+            capacity = max(numel, 1 << 20)
+            if entry is not None:
+                capacity = max(capacity, min(2 * entry[0].numel(), most if most is not None else 1 << 62))
+                self.retired.append(entry)
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")
+                if hasattr(self.backend, "enable_symm_mem_for_group"):
+                    self.backend.enable_symm_mem_for_group(self.name)
+            buffer = self.backend.empty(capacity, dtype=like.dtype, device=like.device)
+            entry = self.buffers[key] = (buffer, self.backend.rendezvous(buffer, self.name))
+        return entry
+
+    def peer_view(self, handle, peer: int, numel: int, dtype: torch.dtype) -> torch.Tensor:
+        """`peer`'s buffer of `handle` as a flat tensor of `numel` elements of `dtype` (made once)."""
+        key = (id(handle), peer, numel, dtype)
+        view = self.remote.get(key)
+        if view is None:
+            view = self.remote[key] = handle.get_buffer(peer, (numel,), dtype, 0)
+        return view
+
+    def held(self) -> int:
+        """How many buffers and peer views the pool holds."""
+        return len(self.buffers) + len(self.retired) + len(self.remote)
+
+    def release(self) -> None:
+        """Forget the buffers (after the captured graphs that point into them)."""
+        self.remote.clear()
+        self.buffers.clear()
+        self.retired.clear()
+
+
+def pool(group: dist.ProcessGroup | None, backend=None) -> SymmetricPool:
+    """`group`'s `SymmetricPool`, kept by its communicator; made on first use with `backend` (`SymmetricPool`).
+    A group's memory comes from one backend: another one for a group whose pool exists is a ValueError."""
+    comm = communicator(group)
+    if comm.symmetric is None:
+        comm.symmetric = SymmetricPool(group, backend)
+    found = cast(SymmetricPool, comm.symmetric)
+    if backend is not None and found.backend is not backend:
+        raise ValueError("this group's symmetric memory comes from another backend (adasum.release() drops it)")
+    return found
+
+
 def supported(group: dist.ProcessGroup | None) -> bool:
-    """Whether the group can run this transport: NCCL, Triton, torch's symmetric memory, every
-    rank on one host, and ``ADASUM_SYMMETRIC`` not ``0``. The first call per group is collective
-    (one exchange of host names); the answer is the same on every rank."""
-    name = _group_name(group)
-    if name not in _supported:
-        local = (
-            symm_mem is not None
-            and dist.get_backend(group) == "nccl"
-            and triton_kernels.triton is not None
-            and current().symmetric
-        )
-        hosts: list = [None] * dist.get_world_size(group)
-        dist.all_gather_object(hosts, (socket.gethostname(), local), group=group)
-        _supported[name] = all(ok for _, ok in hosts) and len({h for h, _ in hosts}) == 1
-    return _supported[name]
-
-
-def release() -> None:
-    """Forget the staging buffers (before the process group goes away; `adasum.collectives.graphs.release`
-    drops the captured graphs that point into them first)."""
-    _buffers.clear()
-    _retired.clear()
-    _remote.clear()
-
-
-def staging(
-    group: dist.ProcessGroup | None,
-    numel: int,
-    like: torch.Tensor | Scattered,
-    purpose: str = "stage",
-    most: int | None = None,
-):
-    """(S, handle): this group's symmetric buffer for `like`'s dtype and `purpose` ("stage": ``S``;
-    "receive": the push protocol's ``R``; "slices": the slice-parallel mover's rows, in bytes), at least `numel`
-    elements; a growth doubles the capacity, but not past `most` elements (unless `numel` needs it).
-    Growing it is collective (a rendezvous): every rank asks for the same sizes in the same order.
-
-    An outgrown buffer is kept, not freed, until `release`: CUDA graphs captured on it (an earlier,
-    smaller layout's) replay loads and stores at its addresses, and freeing it under them writes into
-    freed memory (the likely cause of the illegal memory access seen with FSDP2, whose units of
-    several sizes reach the hook one after another). Capacities double,
-    so the kept ones together are smaller than the buffer in use."""
-    key = (_group_name(group), like.dtype, purpose)
-    entry = _buffers.get(key)
-    if entry is None or entry[0].numel() < numel:
-        if torch.cuda.is_current_stream_capturing():
-            raise RuntimeError("adasum: the symmetric buffer cannot grow during CUDA graph capture")
-        capacity = max(numel, 1 << 20)
-        if entry is not None:
-            capacity = max(capacity, min(2 * entry[0].numel(), most if most is not None else 1 << 62))
-            _retired.append(entry)
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")
-            if hasattr(symm_mem, "enable_symm_mem_for_group"):
-                symm_mem.enable_symm_mem_for_group(key[0])  # type: ignore[arg-type]  # a str is a GroupName
-        buffer = symm_mem.empty(capacity, dtype=like.dtype, device=like.device)
-        handle = symm_mem.rendezvous(buffer, key[0])  # type: ignore[arg-type]  # a str is a GroupName
-        entry = (buffer, handle)
-        _buffers[key] = entry
-    return entry
+    """Whether `group` can run the symmetric transports (`SymmetricPool.supported`; collective on first use)."""
+    return pool(group).supported()
 
 
 def _bytes_like(like) -> torch.Tensor:
-    """An empty byte tensor on `like`'s device: what `staging` takes for a buffer of bytes."""
+    """An empty byte tensor on `like`'s device: what `SymmetricPool.staging` takes for a buffer of bytes."""
     return torch.empty(0, dtype=torch.uint8, device=like.device)
-
-
-def _peer_view(handle, peer: int, numel: int, dtype: torch.dtype) -> torch.Tensor:
-    key = (id(handle), peer, numel, dtype)
-    view = _remote.get(key)
-    if view is None:
-        view = handle.get_buffer(peer, (numel,), dtype, 0)
-        _remote[key] = view
-    return view
 
 
 class SymmetricMemory(Transport):
@@ -172,9 +193,11 @@ class SymmetricMemory(Transport):
     timeout = None
     scattered = True  # reads and writes a list of tensors in place (`Scattered`): no fusion copy
 
-    def __init__(self, group: dist.ProcessGroup | None) -> None:
+    def __init__(self, group: dist.ProcessGroup | None, backend=None) -> None:
         super().__init__(group)
         self.world = dist.get_world_size(group)
+        self.pool = pool(group, backend)  # the group's buffers (`backend`: see `SymmetricPool`)
+        self.tiles = communicator(group).tiles  # the group's tile addresses of `Scattered` slices
         self._gathered = False  # the last combination was pipelined and did the gather's copy
 
     def _push(self) -> bool:
@@ -186,7 +209,7 @@ class SymmetricMemory(Transport):
         for a list larger than a round (`round_elements`), which runs in rounds through a smaller ``S``."""
         if numel > self.round_elements(like.element_size()):
             return None
-        return staging(self.group, numel, like)[0][:numel]
+        return self.pool.staging(numel, like)[0][:numel]
 
     def round_elements(self, element_size: int) -> int:
         """The most elements one run holds within the memory budget: ``S`` holds a run; the partner's copy of a
@@ -199,7 +222,7 @@ class SymmetricMemory(Transport):
         raise RuntimeError("the symmetric-memory transport runs power-of-two groups only (no fold)")
 
     def _setup(self, buffer: torch.Tensor | Scattered):
-        shared, handle = staging(self.group, buffer.numel(), buffer)
+        shared, handle = self.pool.staging(buffer.numel(), buffer)
         return shared, handle, isinstance(buffer, torch.Tensor) and shared.data_ptr() == buffer.data_ptr()
 
     def _chunks(self, level: Level) -> list[tuple[tuple[int, int], tuple[int, int]]]:
@@ -227,7 +250,7 @@ class SymmetricMemory(Transport):
         (klo, khi), (glo, ghi) = level.kept, level.given
         first_level = min(klo, glo) == 0 and max(khi, ghi) == buffer.numel()
         pieces = self._chunks(level) if first_level else [((klo, khi), (glo, ghi))]
-        peer = _peer_view(handle, level.peer, shared.numel(), shared.dtype)
+        peer = self.pool.peer_view(handle, level.peer, shared.numel(), shared.dtype)
         main = side = None
         if len(pieces) > 1 and not staged:  # stage piece c + 1 on a side stream while piece c is pulled
             main = torch.cuda.current_stream(shared.device)
@@ -247,14 +270,14 @@ class SymmetricMemory(Transport):
             first, lengths = level.overlap(k0, k1)
             if lengths:
                 triton_kernels.pull_dot_and_norms(
-                    _slice(buffer, k0, k1), peer[k0:k1], level.theirs[k0 - klo : k1 - klo], lengths,
+                    _slice(buffer, k0, k1, self.tiles), peer[k0:k1], level.theirs[k0 - klo : k1 - klo], lengths,
                     level.sums[:, first : first + len(lengths)], level.lower,
                 )
 
     def _receive(self, kept: tuple[int, int], given: tuple[int, int], like):
         """(R, handle): the push protocol's receive buffer. Both partners ask for the larger half, so a growth
         (a rendezvous) happens on both or neither."""
-        return staging(self.group, max(kept[1] - kept[0], given[1] - given[0]), like, "receive")
+        return self.pool.staging(max(kept[1] - kept[0], given[1] - given[0]), like, "receive")
 
     def receive_space(self, kept, given, like):
         """With the push protocol the partner's copy lands in ``R`` (the partner stores it there), so `Level.theirs`
@@ -263,7 +286,7 @@ class SymmetricMemory(Transport):
             return None
         # S before R, as `exchange_and_dot` would: a rank whose list was fused into S grew S already, and growths
         # are rendezvous that must come in the same order on every rank
-        staging(self.group, like.numel(), like)
+        self.pool.staging(like.numel(), like)
         return self._receive(kept, given, like)[0][: kept[1] - kept[0]]
 
     def _push_exchange(self, level: Level) -> None:
@@ -277,20 +300,20 @@ class SymmetricMemory(Transport):
         buffer = level.buffer
         klo, glo = level.kept[0], level.given[0]
         received, handle = self._receive(level.kept, level.given, buffer)
-        peer = _peer_view(handle, level.peer, received.numel(), received.dtype)
+        peer = self.pool.peer_view(handle, level.peer, received.numel(), received.dtype)
         main = torch.cuda.current_stream(received.device)
         side = side_stream(received.device, "copies")
         for (k0, k1), (g0, g1) in self._chunks(level):
             _, given_lengths = level.overlap(g0, g1)
             if given_lengths:
-                triton_kernels.add(_slice(buffer, g0, g1), None, peer[g0 - glo : g1 - glo], given_lengths)
+                triton_kernels.add(_slice(buffer, g0, g1, self.tiles), None, peer[g0 - glo : g1 - glo], given_lengths)
             handle.barrier(channel=0)  # both partners' pushes of this piece have landed
             first, lengths = level.overlap(k0, k1)
             if lengths:
                 side.wait_stream(main)
                 with torch.cuda.stream(side):
                     triton_kernels.pull_dot_and_norms(
-                        _slice(buffer, k0, k1), level.theirs[k0 - klo : k1 - klo], None, lengths,
+                        _slice(buffer, k0, k1, self.tiles), level.theirs[k0 - klo : k1 - klo], None, lengths,
                         level.sums[:, first : first + len(lengths)], level.lower,
                     )
         main.wait_stream(side)
@@ -308,7 +331,7 @@ class SymmetricMemory(Transport):
         if not staged and (not level.last or self.world > 2):
             outs.append(shared[klo:khi])  # what the next level's (or the gather's) partner reads
         if level.last:
-            outs.append(_peer_view(handle, level.peer, shared.numel(), shared.dtype)[klo:khi])
+            outs.append(self.pool.peer_view(handle, level.peer, shared.numel(), shared.dtype)[klo:khi])
         self._combine(level, klo, khi, outs)
 
     def _combine(self, level: Level, lo: int, hi: int, outs: list[torch.Tensor]) -> None:
@@ -316,7 +339,7 @@ class SymmetricMemory(Transport):
         if not lengths:
             return
         sums = level.sums[:, first : first + len(lengths)]
-        mine = _slice(level.buffer, lo, hi)
+        mine = _slice(level.buffer, lo, hi, self.tiles)
         theirs = level.theirs[lo - level.kept[0] : hi - level.kept[0]]
         # the partner's copy from the local one the pull kept: reading it over NVLink again, against the
         # direction of this kernel's stores into the partner, measured 1.72 x NCCL at 2^28 fp32 instead of 1.22 x
@@ -327,7 +350,7 @@ class SymmetricMemory(Transport):
         """The last level of a group of two in pieces: combine piece c into B and the partner's S, barrier (the
         partner's piece c has landed in this rank's S), then copy it out of S into B on a side stream while
         piece c + 1 is combined (nothing to copy when B is S). The gather then has nothing left to do."""
-        peer = _peer_view(handle, level.peer, shared.numel(), shared.dtype)
+        peer = self.pool.peer_view(handle, level.peer, shared.numel(), shared.dtype)
         main = torch.cuda.current_stream(shared.device)
         side = side_stream(shared.device, "copies")
         for (k0, k1), (g0, g1) in pieces:
@@ -349,7 +372,7 @@ class SymmetricMemory(Transport):
         shared, handle, staged = self._setup(buffer)
         handle.barrier(channel=0)  # the partners' stores of the last level have landed
         for step in steps[1:]:
-            peer = _peer_view(handle, step.peer, shared.numel(), shared.dtype)
+            peer = self.pool.peer_view(handle, step.peer, shared.numel(), shared.dtype)
             shared[step.given[0] : step.given[1]].copy_(peer[step.given[0] : step.given[1]])
             handle.barrier(channel=0)
         if not staged:
@@ -358,7 +381,9 @@ class SymmetricMemory(Transport):
             _copy(buffer, shared, hi, buffer.numel())
 
 
-def _move(buffer: torch.Tensor | Scattered, lo: int, hi: int, flat: torch.Tensor, layout, store: bool) -> None:
+def _move(
+    buffer: torch.Tensor | Scattered, lo: int, hi: int, flat: torch.Tensor, layout, store: bool, tables: AddressTables
+) -> None:
     """``flat = buffer[lo:hi]`` (`store`) or ``buffer[lo:hi] = flat``, `flat` typically in a peer's memory: a copy
     by the copy engines where `buffer` is a flat tensor (no multiprocessor is taken from the kernels that run
     beside it), one Triton kernel through per-tile addresses where it is a `Scattered` list."""
@@ -370,14 +395,15 @@ def _move(buffer: torch.Tensor | Scattered, lo: int, hi: int, flat: torch.Tensor
         return
     _, lengths = layout.overlap(lo, hi)
     if store:
-        triton_kernels.add(_slice(buffer, lo, hi), None, flat, lengths)
+        triton_kernels.add(_slice(buffer, lo, hi, tables), None, flat, lengths)
     else:
-        triton_kernels.add(flat, None, _slice(buffer, lo, hi), lengths)
+        triton_kernels.add(flat, None, _slice(buffer, lo, hi, tables), lengths)
 
 
-def _slice(buffer: torch.Tensor | Scattered, lo: int, hi: int):
-    """Positions [lo, hi) of the buffer as the kernels take them: a flat view, or a `Scattered` slice's addresses."""
-    return buffer[lo:hi] if isinstance(buffer, torch.Tensor) else buffer.addresses(lo, hi)
+def _slice(buffer: torch.Tensor | Scattered, lo: int, hi: int, tables: AddressTables):
+    """Positions [lo, hi) of the buffer as the kernels take them: a flat view, or a `Scattered` slice's addresses
+    (kept in `tables`, the group's)."""
+    return buffer[lo:hi] if isinstance(buffer, torch.Tensor) else tables.get(buffer, lo, hi)
 
 
 def _copy(dst: torch.Tensor | Scattered, src: torch.Tensor | Scattered, lo: int, hi: int) -> None:
@@ -422,10 +448,12 @@ class SymmetricSlices(Transport):
     """Pieces per slice at most (one per `CHUNK_BYTES`): one, since cutting the rounds into 4 pieces with the math
     of one piece on a side stream measured slower (the kernels beside the moves share the multiprocessors)."""
 
-    def __init__(self, group: dist.ProcessGroup | None) -> None:
+    def __init__(self, group: dist.ProcessGroup | None, backend=None) -> None:
         super().__init__(group)
         self.world = dist.get_world_size(group)
         self.rank = dist.get_rank(group)
+        self.pool = pool(group, backend)  # the group's buffers (`backend`: see `SymmetricPool`)
+        self.tiles = communicator(group).tiles  # the group's tile addresses of `Scattered` slices
         self._row = 0  # elements per row of the current round
         self._shared = self._handle = None
 
@@ -438,13 +466,13 @@ class SymmetricSlices(Transport):
         its first round, so that a layout grows the buffer once). One buffer of bytes serves every dtype."""
         size = like.element_size()
         budget = memory_budget_bytes()
-        staging(self.group, (self.world + 1) * row * size, _bytes_like(like), "slices", most=budget - budget % 16)
+        self.pool.staging((self.world + 1) * row * size, _bytes_like(like), "slices", most=budget - budget % 16)
 
     def rows(self, buffer, bounds):
         """The P receive rows in this group's symmetric buffer (grown collectively when needed)."""
         row = max(hi - lo for lo, hi in bounds)
         size = buffer.element_size()
-        raw, self._handle = staging(self.group, (self.world + 1) * row * size, _bytes_like(buffer), "slices")
+        raw, self._handle = self.pool.staging((self.world + 1) * row * size, _bytes_like(buffer), "slices")
         self._shared = raw[: raw.numel() - raw.numel() % size].view(buffer.dtype)
         self._row = row
         lo, hi = bounds[self.rank]
@@ -467,7 +495,7 @@ class SymmetricSlices(Transport):
         element_size = buffer.element_size()
         main = torch.cuda.current_stream(shared.device)
         side = side_stream(shared.device, "copies")
-        peers = {j: _peer_view(handle, j, shared.numel(), shared.dtype) for j in self._order()}
+        peers = {j: self.pool.peer_view(handle, j, shared.numel(), shared.dtype) for j in self._order()}
         if not isinstance(buffer, torch.Tensor):  # a list: its own copy is staged in its row like the peers'
             peers[me] = shared
         pieces = {j: self._pieces(bounds[j][1] - bounds[j][0], element_size) for j in [me, *peers]}
@@ -477,7 +505,7 @@ class SymmetricSlices(Transport):
                 p0, p1 = pieces[j][c]
                 lo = bounds[j][0]
                 if p1 > p0:
-                    _move(buffer, lo + p0, lo + p1, peers[j][me * row + p0 : me * row + p1], layout, store=True)
+                    _move(buffer, lo + p0, lo + p1, peers[j][me * row + p0 : me * row + p1], layout, True, self.tiles)
             handle.barrier(channel=0)  # piece c of every rank's copy of this rank's slice has landed
             side.wait_stream(main)
             with torch.cuda.stream(side):
@@ -495,11 +523,11 @@ class SymmetricSlices(Transport):
         start = self.world * row
         main = torch.cuda.current_stream(shared.device)
         side = side_stream(shared.device, "copies")
-        peers = {j: _peer_view(handle, j, shared.numel(), shared.dtype) for j in self._order()}
+        peers = {j: self.pool.peer_view(handle, j, shared.numel(), shared.dtype) for j in self._order()}
         pieces = {j: self._pieces(bounds[j][1] - bounds[j][0], element_size) for j in [me, *peers]}
         lo = bounds[me][0]
         for c, (p0, p1) in enumerate(pieces[me]):
-            finish(p0, p1, [_slice(buffer, lo + p0, lo + p1), shared[start + p0 : start + p1]])
+            finish(p0, p1, [_slice(buffer, lo + p0, lo + p1, self.tiles), shared[start + p0 : start + p1]])
             handle.barrier(channel=0)  # piece c of every rank's result is in its output row
             side.wait_stream(main)
             with torch.cuda.stream(side):
@@ -507,5 +535,5 @@ class SymmetricSlices(Transport):
                     q0, q1 = pieces[j][c]
                     if q1 > q0:
                         _move(buffer, bounds[j][0] + q0, bounds[j][0] + q1, view[start + q0 : start + q1], layout,
-                              store=False)
+                              False, self.tiles)
         main.wait_stream(side)

@@ -1,0 +1,120 @@
+"""The one capture point (`Communicator.run` over `adasum.transport.graphs.Graphs`), run on the CPU with a
+capture that records the calls' launches instead of a CUDA graph: eager on a key's first call, captured on
+its second, replayed from then on; a call made inside a run goes into it; a key whose capture fails runs
+eagerly from then on; graph keys name the plan and the tensors."""
+
+import re
+from pathlib import Path
+from types import SimpleNamespace
+
+import torch
+
+from adasum.transport.graphs import Graphs
+from adasum.transport.groups import Communicator
+
+CPU = torch.device("cpu")
+SRC = Path(__file__).resolve().parents[1] / "src" / "adasum"
+
+
+class RecordingCapture:
+    """Captures by recording the launches `fn` logs (they do not run), replays by logging them again."""
+
+    def __init__(self, log: list) -> None:
+        self.log = log
+        self.active = False
+        self.refuse = False  # the next capture fails, as a capture of an op CUDA graphs cannot hold does
+
+    def enabled(self, device: torch.device) -> bool:
+        return True
+
+    def capturing(self) -> bool:
+        return self.active
+
+    def capture(self, fn, device):
+        start = len(self.log)
+        self.active = True
+        try:
+            if self.refuse:
+                raise RuntimeError("operation not permitted when stream is capturing")
+            fn()
+        finally:
+            self.active = False
+        recorded = self.log[start:]
+        del self.log[start:]
+        return SimpleNamespace(replay=lambda: self.log.extend(f"replay {entry}" for entry in recorded))
+
+
+def _communicator(log: list) -> tuple[Communicator, RecordingCapture]:
+    comm = Communicator(None)
+    backend = RecordingCapture(log)
+    comm.graphs = Graphs(backend)
+    return comm, backend
+
+
+def test_eager_then_captured_then_replayed():
+    log: list = []
+    comm, _ = _communicator(log)
+    for _ in range(4):
+        key = comm.run("plan", (1, 2), lambda: log.append("launch"), CPU)
+    assert log == ["launch", "replay launch", "replay launch", "replay launch"]
+    assert key == ("plan", (1, 2)) and comm.graphs.captured(key) and comm.graphs.count() == 1
+    assert comm.graphs.replay(key) and log[-1] == "replay launch"
+
+
+def test_a_call_inside_a_run_goes_into_it_and_is_not_captured_on_its_own():
+    log: list = []
+    comm, _ = _communicator(log)
+
+    def inner():
+        comm.run("schedule", 7, lambda: log.append("schedule"), CPU)
+
+    def outer():
+        log.append("fusion")
+        inner()
+
+    for _ in range(3):
+        comm.run("list", 7, outer, CPU)
+    assert log == ["fusion", "schedule", "replay fusion", "replay schedule", "replay fusion", "replay schedule"]
+    assert comm.graphs.count() == 1  # the list call's graph holds the schedule's launches
+    del log[:]
+    inner()  # on its own, the schedule is a first sighting: the nested calls were not counted
+    inner()
+    assert log == ["schedule", "replay schedule"]
+
+
+def test_a_key_whose_capture_fails_runs_eagerly_from_then_on():
+    log: list = []
+    comm, backend = _communicator(log)
+    backend.refuse = True
+    for _ in range(4):
+        key = comm.run("plan", 1, lambda: log.append("launch"), CPU)
+    assert log == ["launch"] * 4 and not comm.graphs.captured(key) and comm.graphs.count() == 0
+    assert not comm.graphs.replay(key)
+
+
+def test_graphs_are_keyed_by_plan_and_tensors():
+    log: list = []
+    comm, _ = _communicator(log)
+    for plan, where in [("a", 1), ("b", 1), ("a", 2)] * 2:
+        comm.run(plan, where, lambda p=plan, w=where: log.append(f"{p}{w}"), CPU)
+    assert comm.graphs.count() == 3
+    assert log == ["a1", "b1", "a2", "replay a1", "replay b1", "replay a2"]
+    comm.clear()
+    assert comm.graphs.count() == 0
+
+
+def test_off_the_gpu_every_call_runs_eagerly():
+    comm = Communicator(None)  # the CUDA capture: on the CPU nothing is captured
+    log: list = []
+    for _ in range(3):
+        key = comm.run("plan", 1, lambda: log.append("launch"), CPU)
+    assert log == ["launch"] * 3 and not comm.graphs.captured(key)
+
+
+def test_the_communicator_is_the_only_caller_of_the_graphs():
+    callers = []
+    for path in sorted(SRC.rglob("*.py")):
+        for number, line in enumerate(path.read_text().splitlines(), 1):
+            if re.search(r"graphs\.run\(", line):
+                callers.append(f"{path.relative_to(SRC).as_posix()}:{number}")
+    assert [c.split(":")[0] for c in callers] == ["transport/groups.py"], callers
