@@ -1,0 +1,250 @@
+"""Per-step statistics of the DDP hook, the optimizer and SlowMo (`adasum.core.statistics`): equal on every
+rank, equal to a NumPy reference from the ranks' own gradients, at no extra collective; skipped steps counted;
+the single-process tree records what the distributed one records."""
+
+import math
+
+import numpy as np
+import pytest
+import torch
+from torch.nn.parallel import DistributedDataParallel as DDP
+from torch.profiler import ProfilerActivity, profile
+
+import adasum
+from adasum.core.statistics import StepStatistics, recording, summarize
+from adasum.ddp import AdasumState, adasum_hook
+
+import distributed
+
+
+def make_model():
+    torch.manual_seed(0)
+    return torch.nn.Sequential(torch.nn.Linear(5, 4), torch.nn.Tanh(), torch.nn.Linear(4, 3))
+
+
+def batch(rank, step):
+    g = torch.Generator().manual_seed(100 * step + rank)
+    return torch.randn(6, 5, generator=g), torch.randn(6, 3, generator=g)
+
+
+def loss_of(model, rank, step):
+    x, y = batch(rank, step)
+    return (model(x) - y).pow(2).mean()
+
+
+def local_grads(model, rank, step):
+    """This rank's own gradients (nothing combined): what the reference is computed from."""
+    model.zero_grad()
+    loss_of(model, rank, step).backward()
+    return [p.grad.detach().clone().double().numpy().ravel() for p in model.parameters()]
+
+
+def adasum_reference(per_rank):
+    """SPEC 1.1 and 1.7 for two workers, per tensor in float64: the statistics' definitions."""
+    coefficients, cosines, squares, sums = [], [], 0.0, 0.0
+    for a, b in zip(*per_rank):
+        dot, na, nb = float(a @ b), float(a @ a), float(b @ b)
+        coefficients += [1 - 0.5 * dot / na, 1 - 0.5 * dot / nb]
+        cosines.append(abs(dot) / math.sqrt(na * nb))
+        squares += na + nb
+        sums += float((a + b) @ (a + b))
+    return {
+        "coefficient_min": min(coefficients),
+        "coefficient_max": max(coefficients),
+        "orthogonality": squares / sums,
+        "cosine_abs_mean": float(np.mean(cosines)),
+    }
+
+
+def adacons_reference(per_rank):
+    """The whole-model AdaCons coefficients c_i of SPEC 2 (no momentum), in float64."""
+    g = [np.concatenate(tensors) for tensors in per_rank]
+    m = sum(g) / len(g)
+    a = np.array([float(x @ m) / math.sqrt(float(x @ x)) for x in g])
+    c = np.maximum(a, 0) / np.maximum(a, 0).sum()
+    return {"consensus_weight_min": c.min(), "consensus_weight_max": c.max(), "consensus_weights": list(c)}
+
+
+def assert_close(stats, reference, rel=1e-9):
+    for key, value in reference.items():
+        assert stats[key] == pytest.approx(value, rel=rel), key
+
+
+def collectives(fn):
+    """How many c10d collectives (and point-to-point operations) `fn` runs."""
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        fn()
+    return sum(e.name.startswith("c10d::") for e in prof.events())
+
+
+def hook_body(rank, world):
+    model = make_model()
+    grads = local_grads(model, rank, 1)
+    ddp = DDP(model)
+    state = AdasumState()
+    ddp.register_comm_hook(state, adasum_hook)
+    for _ in range(2):  # DDP rebuilds its buckets after the first iteration; each new batch is checked once
+        loss_of(ddp, rank, 0).backward()
+        ddp.zero_grad()
+    step = collectives(lambda: loss_of(ddp, rank, 1).backward())
+    reading = collectives(state.statistics)
+    bucket = torch.cat([torch.from_numpy(g).float() for g in grads])
+    plain = collectives(lambda: adasum.Adasum().all_reduce_flat(bucket, [g.size for g in grads], check_layout=False))
+    return state.statistics(), grads, (step, reading, plain)
+
+
+def test_hook_statistics_equal_the_reference_on_every_rank_at_no_extra_collective():
+    results = distributed.run(2, hook_body)
+    (stats0, grads0, counts0), (stats1, grads1, counts1) = results
+    assert stats0 == stats1
+    assert stats0["step"] == 3 and stats0["skipped_steps"] == 0
+    assert_close(stats0, adasum_reference([grads0, grads1]))
+    step, reading, plain = counts0
+    assert reading == 0 and step == plain > 0, counts0
+    assert counts1 == counts0
+
+
+def nonfinite_hook_body(rank, world):
+    ddp = DDP(make_model())
+    state = AdasumState(nonfinite="raise")
+    ddp.register_comm_hook(state, adasum_hook)
+    loss_of(ddp, rank, 0).backward()
+    before = state.statistics()
+    ddp.zero_grad()
+    x, y = batch(rank, 1)
+    if rank == 1:
+        x[0, 0] = float("nan")
+    with pytest.raises(adasum.NonFiniteError):
+        (ddp(x) - y).pow(2).mean().backward()
+    return before, state.statistics()
+
+
+def test_hook_counts_the_backward_passes_stopped_by_a_nonfinite_gradient():
+    for before, after in distributed.run(2, nonfinite_hook_body):
+        assert before["skipped_steps"] == 0 and after["skipped_steps"] == 1
+        assert after["coefficient_min"] == before["coefficient_min"]  # the last combined step's, kept
+
+
+def optimizer_body(rank, world, reducer):
+    model = make_model()
+    grads = local_grads(model, rank, 0)
+    opt = adasum.DistributedOptimizer(
+        torch.optim.SGD(model.parameters(), lr=0.1), reducer=reducer, mode="gradient", nonfinite="skip"
+    )
+    empty = opt.statistics()
+    opt.step()  # the gradients local_grads left
+    stats = opt.statistics()
+    assert collectives(opt.statistics) == 0
+    opt.zero_grad()
+    x, y = batch(rank, 1)
+    if rank == 0:
+        x[0, 0] = float("inf")
+    (model(x) - y).pow(2).mean().backward()
+    opt.step()  # skipped on every rank
+    return empty, stats, opt.statistics(), grads
+
+
+@pytest.mark.parametrize("reducer", ["adasum", "adacons"])
+def test_optimizer_statistics_equal_the_reference_and_count_skipped_steps(reducer):
+    (empty, stats0, skipped0, grads0), (_, stats1, skipped1, grads1) = distributed.run(2, optimizer_body, reducer)
+    assert empty == {"step": 0, "skipped_steps": 0}
+    assert stats0 == stats1 and skipped0 == skipped1
+    assert stats0["step"] == 1 and stats0["skipped_steps"] == 0
+    reference = (adasum_reference if reducer == "adasum" else adacons_reference)([grads0, grads1])
+    assert_close(stats0, reference)
+    assert set(stats0) == {"step", "skipped_steps", *reference}
+    assert skipped0 == {**stats0, "skipped_steps": 1}  # the skipped step combined nothing
+
+
+def slowmo_body(rank, world):
+    model = make_model()
+    opt = adasum.SlowMo(torch.optim.SGD(model.parameters(), lr=0.1), local_steps=2, reducer="adasum")
+    anchor = [p.detach().clone() for p in model.parameters()]
+    for step in range(2):
+        opt.zero_grad()
+        loss_of(model, rank, step).backward()
+        if step == 1:
+            deltas = [(p.detach() - a).double().numpy().ravel() for p, a in zip(model.parameters(), anchor)]
+            deltas = [d - 0.1 * p.grad.double().numpy().ravel() for d, p in zip(deltas, model.parameters())]
+        opt.step()
+    return opt.statistics(), deltas
+
+
+def test_slowmo_statistics_are_those_of_the_model_deltas():
+    (stats0, deltas0), (stats1, deltas1) = distributed.run(2, slowmo_body)
+    assert stats0 == stats1 and stats0["step"] == 1
+    assert_close(stats0, adasum_reference([deltas0, deltas1]), rel=1e-4)  # the deltas are rounded to float32
+
+
+def slices_body(rank, world):
+    tensors = [torch.randn(n, generator=torch.Generator().manual_seed(10 * rank + n)) for n in (7, 33, 2)]
+    mine = [t.clone() for t in tensors]
+    with recording() as records:
+        adasum.all_reduce(mine, transport="slices")
+    return summarize(records), tensors
+
+
+def test_the_distributed_tree_records_what_the_single_process_tree_records():
+    results = distributed.run(3, slices_body)
+    per_rank = [tensors for _, tensors in results]
+    with recording() as records:
+        for i in range(3):
+            adasum.reduce([tensors[i] for tensors in per_rank])
+    single = summarize(records)
+    for stats, _ in results:
+        assert stats == pytest.approx(single, rel=1e-10)
+    assert set(single) == {"coefficient_min", "coefficient_max", "orthogonality", "cosine_abs_mean"}
+
+
+def test_recorded_orthogonality_is_the_diagnostic_for_two_workers():
+    g = torch.Generator().manual_seed(3)
+    workers = [[torch.randn(4, generator=g), torch.randn(6, generator=g)] for _ in range(2)]
+    with recording() as records:
+        adasum.Adasum().reduce(workers)
+    assert summarize(records)["orthogonality"] == pytest.approx(adasum.orthogonality(workers).model, rel=1e-12)
+
+
+def test_parallel_and_orthogonal_pairs_give_the_ends_of_the_ranges():
+    a = torch.tensor([1.0, 2.0, 0.0])
+    with recording() as parallel:
+        adasum.reduce([a, a])
+    with recording() as orthogonal:
+        adasum.reduce([a, torch.tensor([0.0, 0.0, 5.0])])
+    assert summarize(parallel) == {
+        "coefficient_min": 0.5,
+        "coefficient_max": 0.5,
+        "orthogonality": 0.5,
+        "cosine_abs_mean": 1.0,
+    }
+    assert summarize(orthogonal) == {
+        "coefficient_min": 1.0,
+        "coefficient_max": 1.0,
+        "orthogonality": 1.0,
+        "cosine_abs_mean": 0.0,
+    }
+
+
+def test_a_replayed_call_keeps_the_records_of_its_last_run():
+    statistics = StepStatistics()
+    a, b = torch.tensor([1.0, 0.0]), torch.tensor([1.0, 1.0])
+    with statistics.call("bucket", a.device):
+        adasum.reduce([a, b])
+    statistics.finish_step()
+    first = statistics.summary()
+    with statistics.call("bucket", a.device):
+        pass  # what a replayed CUDA graph runs of Python
+    statistics.finish_step()
+    assert statistics.summary() == first and statistics.steps == 2
+    with statistics.call("other", a.device):
+        pass
+    statistics.finish_step()
+    assert statistics.summary() == {}
+
+
+def test_a_state_pickles_without_its_records():
+    import pickle
+
+    state = AdasumState()
+    state.skipped_steps = 2
+    copy = pickle.loads(pickle.dumps(state))
+    assert copy.statistics() == {"step": 0, "skipped_steps": 2}
