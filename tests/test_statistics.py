@@ -77,7 +77,7 @@ def collectives(fn):
     return sum(e.name.startswith("c10d::") for e in prof.events())
 
 
-def hook_body(rank, world):
+def hook_part(rank):
     model = make_model()
     grads = local_grads(model, rank, 1)
     ddp = DDP(model)
@@ -93,9 +93,8 @@ def hook_body(rank, world):
     return state.statistics(), grads, (step, reading, plain)
 
 
-def test_hook_statistics_equal_the_reference_on_every_rank_at_no_extra_collective():
-    results = distributed.run(2, hook_body)
-    (stats0, grads0, counts0), (stats1, grads1, counts1) = results
+def test_hook_statistics_equal_the_reference_on_every_rank_at_no_extra_collective(two_ranks):
+    (stats0, grads0, counts0), (stats1, grads1, counts1) = (r["hook"] for r in two_ranks)
     assert stats0 == stats1
     assert stats0["step"] == 3 and stats0["skipped_steps"] == 0
     assert_close(stats0, adasum_reference([grads0, grads1]))
@@ -104,7 +103,7 @@ def test_hook_statistics_equal_the_reference_on_every_rank_at_no_extra_collectiv
     assert counts1 == counts0
 
 
-def nonfinite_hook_body(rank, world):
+def nonfinite_hook_part(rank):
     ddp = DDP(make_model())
     state = AdasumState(nonfinite="raise")
     ddp.register_comm_hook(state, adasum_hook)
@@ -119,13 +118,13 @@ def nonfinite_hook_body(rank, world):
     return before, state.statistics()
 
 
-def test_hook_counts_the_backward_passes_stopped_by_a_nonfinite_gradient():
-    for before, after in distributed.run(2, nonfinite_hook_body):
+def test_hook_counts_the_backward_passes_stopped_by_a_nonfinite_gradient(two_ranks):
+    for before, after in (r["nonfinite hook"] for r in two_ranks):
         assert before["skipped_steps"] == 0 and after["skipped_steps"] == 1
         assert after["coefficient_min"] == before["coefficient_min"]  # the last combined step's, kept
 
 
-def optimizer_body(rank, world, reducer):
+def optimizer_part(rank, reducer):
     model = make_model()
     grads = local_grads(model, rank, 0)
     opt = adasum.DistributedOptimizer(
@@ -145,8 +144,8 @@ def optimizer_body(rank, world, reducer):
 
 
 @pytest.mark.parametrize("reducer", ["adasum", "adacons"])
-def test_optimizer_statistics_equal_the_reference_and_count_skipped_steps(reducer):
-    (empty, stats0, skipped0, grads0), (_, stats1, skipped1, grads1) = distributed.run(2, optimizer_body, reducer)
+def test_optimizer_statistics_equal_the_reference_and_count_skipped_steps(two_ranks, reducer):
+    (empty, stats0, skipped0, grads0), (_, stats1, skipped1, grads1) = (r[reducer] for r in two_ranks)
     assert empty == {"step": 0, "skipped_steps": 0}
     assert stats0 == stats1 and skipped0 == skipped1
     assert stats0["step"] == 1 and stats0["skipped_steps"] == 0
@@ -156,7 +155,7 @@ def test_optimizer_statistics_equal_the_reference_and_count_skipped_steps(reduce
     assert skipped0 == {**stats0, "skipped_steps": 1}  # the skipped step combined nothing
 
 
-def slowmo_body(rank, world):
+def slowmo_part(rank):
     model = make_model()
     opt = adasum.SlowMo(torch.optim.SGD(model.parameters(), lr=0.1), local_steps=2, reducer="adasum")
     anchor = [p.detach().clone() for p in model.parameters()]
@@ -170,8 +169,24 @@ def slowmo_body(rank, world):
     return opt.statistics(), deltas
 
 
-def test_slowmo_statistics_are_those_of_the_model_deltas():
-    (stats0, deltas0), (stats1, deltas1) = distributed.run(2, slowmo_body)
+def two_ranks_body(rank, world):
+    return {
+        "hook": hook_part(rank),  # first: its collectives are counted
+        "nonfinite hook": nonfinite_hook_part(rank),
+        "adasum": optimizer_part(rank, "adasum"),
+        "adacons": optimizer_part(rank, "adacons"),
+        "slowmo": slowmo_part(rank),
+    }
+
+
+@pytest.fixture(scope="module")
+def two_ranks():
+    """The two-rank cases above, in one run of 2 gloo processes (one start-up for all)."""
+    return distributed.run(2, two_ranks_body)
+
+
+def test_slowmo_statistics_are_those_of_the_model_deltas(two_ranks):
+    (stats0, deltas0), (stats1, deltas1) = (r["slowmo"] for r in two_ranks)
     assert stats0 == stats1 and stats0["step"] == 1
     assert_close(stats0, adasum_reference([deltas0, deltas1]), rel=1e-4)  # the deltas are rounded to float32
 
@@ -248,3 +263,25 @@ def test_a_state_pickles_without_its_records():
     state.skipped_steps = 2
     copy = pickle.loads(pickle.dumps(state))
     assert copy.statistics() == {"step": 0, "skipped_steps": 2}
+
+
+def test_coefficients_of_subtrees_weigh_their_workers():
+    """Three workers: the fold (0, 1), then its result (two workers) with worker 2 (one), weights 2/3 and 1/3."""
+    g = torch.Generator().manual_seed(5)
+    workers = [torch.randn(9, generator=g, dtype=torch.float64) for _ in range(3)]
+    a, b, c = (w.numpy() for w in workers)
+
+    def pair(x, y, wx, wy):
+        dot = x @ y
+        cx, cy = 1 - wx * dot / (x @ x), 1 - wy * dot / (y @ y)
+        return cx * x + cy * y, [cx, cy], abs(dot) / np.sqrt((x @ x) * (y @ y))
+
+    folded, first, cos_first = pair(a, b, 0.5, 0.5)
+    _, second, cos_second = pair(folded, c, 2 / 3, 1 / 3)
+    with recording() as records:
+        adasum.reduce(workers)
+    stats = summarize(records)
+    assert stats["coefficient_min"] == pytest.approx(min(first + second), rel=1e-12)
+    assert stats["coefficient_max"] == pytest.approx(max(first + second), rel=1e-12)
+    assert stats["cosine_abs_mean"] == pytest.approx((cos_first + cos_second) / 2, rel=1e-12)
+    assert stats["orthogonality"] == pytest.approx((a @ a + b @ b) / ((a + b) @ (a + b)), rel=1e-12)
