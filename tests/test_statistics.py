@@ -7,6 +7,7 @@ import math
 import numpy as np
 import pytest
 import torch
+import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel as DDP
 from torch.profiler import ProfilerActivity, profile
 
@@ -285,3 +286,53 @@ def test_coefficients_of_subtrees_weigh_their_workers():
     assert stats["coefficient_max"] == pytest.approx(max(first + second), rel=1e-12)
     assert stats["cosine_abs_mean"] == pytest.approx((cos_first + cos_second) / 2, rel=1e-12)
     assert stats["orthogonality"] == pytest.approx((a @ a + b @ b) / ((a + b) @ (a + b)), rel=1e-12)
+
+
+def gathered(tensors):
+    """Every rank's copy of `tensors` (one flat gather), as NumPy float64 arrays per rank: the reference's input."""
+    flat = torch.cat([t.detach().reshape(-1) for t in tensors])
+    everyone = [torch.empty_like(flat) for _ in range(dist.get_world_size())]
+    dist.all_gather(everyone, flat)
+    sizes = [t.numel() for t in tensors]
+    return [[p.double().cpu().numpy() for p in f.split(sizes)] for f in everyone]
+
+
+def device_body(rank, world):
+    """Step after step on the backend's device (NCCL: batches and buckets captured as CUDA graphs at their second
+    sighting, replayed after), the statistics of each step against the reference of that step's local gradients:
+    the DDP hook, and the optimizer in delta mode with buckets of one layout that share delta buffers (the
+    same graph replayed twice in a step)."""
+    device = distributed.device_for(rank)
+    ddp = DDP(make_model().to(device), device_ids=[device.index] if device.type == "cuda" else None)
+    state = AdasumState()
+    ddp.register_comm_hook(state, adasum_hook)
+    plain = make_model().to(device)
+    for step in range(6):
+        plain.zero_grad()
+        x, y = (t.to(device) for t in batch(rank, step))
+        (plain(x) - y).pow(2).mean().backward()
+        reference = adasum_reference(gathered([p.grad for p in plain.parameters()]))
+        ddp.zero_grad()
+        (ddp(x) - y).pow(2).mean().backward()
+        assert_close(state.statistics(), reference, rel=1e-6)
+
+    torch.manual_seed(0)
+    layers = torch.nn.Sequential(*[torch.nn.Linear(8, 8) for _ in range(6)]).to(device)
+    cap = (64 + 8) * 4 / 2**20  # one bucket per layer, all of one layout
+    opt = adasum.DistributedOptimizer(torch.optim.SGD(layers.parameters(), lr=1.0), bucket_cap_mb=cap)
+    g = torch.Generator().manual_seed(rank)
+    for step in range(5):
+        opt.zero_grad()
+        x, y = torch.randn(4, 8, generator=g).to(device), torch.randn(4, 8, generator=g).to(device)
+        (layers(x) - y).pow(2).mean().backward()
+        reference = adasum_reference(gathered([p.grad for p in layers.parameters()]))
+        opt.step()
+        assert_close(opt.statistics(), reference, rel=1e-4)  # the deltas: -grad rounded to float32
+    return state.statistics(), opt.statistics()
+
+
+@pytest.mark.nccl
+@pytest.mark.parametrize("world", distributed.world_sizes(2))
+def test_statistics_step_after_step_on_the_backend_device(world):
+    results = distributed.run(world, device_body)
+    assert all(r == results[0] for r in results)
