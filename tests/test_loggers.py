@@ -1,12 +1,20 @@
-"""The loggers of per-step statistics write files that TensorBoard and MLflow read back, with no network."""
+"""The loggers of per-step statistics write files that TensorBoard and MLflow read back, with no network; the
+Lightning callback hands them to the Trainer's logger."""
 
+import csv
+import os
 import sys
 
+import lightning.pytorch as pl
 import pytest
+import torch
+import torch.distributed as dist
+from lightning.pytorch.loggers import CSVLogger
 from mlflow.tracking import MlflowClient
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 from torch.utils.tensorboard import SummaryWriter
 
+import adasum.lightning
 from adasum.loggers import MLflowLogger, TensorBoardLogger, log_statistics
 
 STEPS = [
@@ -100,3 +108,55 @@ def test_the_source_must_have_statistics():
         log_statistics(SummaryWriter.__new__(SummaryWriter), object(), step=0)
     with pytest.raises(TypeError, match="SummaryWriter or an MLflow run"):
         log_statistics(object(), STEPS[0])
+
+
+class Regression(pl.LightningModule):
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.net = torch.nn.Linear(3, 1)
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        return torch.nn.functional.mse_loss(self.net(x), y)
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.1)
+
+
+@pytest.fixture
+def one_process_group():
+    """Lightning initialises a process group of one in this process: destroyed afterwards."""
+    saved = dict(os.environ)
+    yield
+    if dist.is_initialized():
+        dist.destroy_process_group()
+    os.environ.clear()
+    os.environ.update(saved)
+
+
+def test_lightning_callback_logs_the_statistics_through_the_trainers_logger(tmp_path, one_process_group):
+    x = torch.randn(12, 3, generator=torch.Generator().manual_seed(0))
+    trainer = pl.Trainer(
+        accelerator="cpu",
+        devices=1,
+        strategy="ddp_adasum_delta",
+        max_steps=3,
+        log_every_n_steps=1,
+        callbacks=[adasum.lightning.AdasumStatistics()],
+        logger=CSVLogger(tmp_path, name="run", version=0),
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+    )
+    with pytest.warns(UserWarning, match="only one process"):  # the wrapped optimizer combines nothing, but counts
+        trainer.fit(
+            Regression(), torch.utils.data.DataLoader(torch.utils.data.TensorDataset(x, x[:, :1]), batch_size=4)
+        )
+    with open(tmp_path / "run" / "version_0" / "metrics.csv") as f:
+        rows = [r for r in csv.DictReader(f) if r.get("adasum/step")]
+    assert [(int(r["step"]), float(r["adasum/step"]), float(r["adasum/skipped_steps"])) for r in rows] == [
+        (0, 1.0, 0.0),
+        (1, 2.0, 0.0),
+        (2, 3.0, 0.0),
+    ]
