@@ -336,3 +336,32 @@ def device_body(rank, world):
 def test_statistics_step_after_step_on_the_backend_device(world):
     results = distributed.run(world, device_body)
     assert all(r == results[0] for r in results)
+
+
+def hierarchical_body(rank, world):
+    g = torch.Generator().manual_seed(21)
+    data = [[torch.randn(n, generator=g) for n in (5, 40, 3)] for _ in range(world)]
+    out = {}
+    for mode in (True, "exact"):
+        mine = [t.clone() for t in data[rank]]
+        with recording() as records:
+            adasum.Adasum(hierarchical=mode, local_size=2).all_reduce(mine)
+        out[mode] = summarize(records)
+    return out, data
+
+
+def test_hierarchical_statistics_are_the_levels_across_nodes():
+    """4 ranks as 2 nodes x 2: node means (the tree over the means), and the exact two tiers (the levels inside a
+    node are each node's own, so only the level across nodes counts): the same on every rank, and equal to what
+    the single-process trees record at those levels."""
+    results = distributed.run(4, hierarchical_body)
+    data = results[0][1]
+    with recording() as means:
+        adasum.Adasum(hierarchical=True, local_size=2).reduce(data)
+    with recording() as flat:
+        adasum.Adasum().reduce(data)
+    across = [r for r in flat if r.workers == ((2, 2),)]
+    for stats, _ in results:
+        assert stats[True] == pytest.approx(summarize(means), rel=1e-10)
+        assert stats["exact"] == pytest.approx(summarize(across), rel=1e-10)
+    assert "orthogonality" not in results[0][0]["exact"]  # no pair of single workers across nodes

@@ -207,7 +207,8 @@ def adasum_slices_(
             continue
         mine = cast(torch.Tensor, buffer)[where[0] : where[1]]  # the two-tier path runs on flat buffers
         finish(0, where[1] - where[0], [mine])
-        across(mine, where[0])
+        with statistics.workers_per_peer(world):  # a peer across hosts holds the subtree of this host's ranks
+            across(mine, where[0])
 
         def publish(p0: int, p1: int, outs: Sequence, mine: torch.Tensor = mine) -> None:  # this round's
             for out in outs[1:]:  # the mover's own staging of the result (symmetric memory)

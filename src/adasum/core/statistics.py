@@ -63,6 +63,7 @@ class ConsensusWeights:
 Record = LevelSums | ConsensusWeights
 
 _OPEN: ContextVar[tuple[list[Record], ...]] = ContextVar("adasum_statistics_recordings", default=())
+_PER_PEER: ContextVar[int] = ContextVar("adasum_statistics_workers_per_peer", default=1)
 
 
 @contextmanager
@@ -97,8 +98,21 @@ def record(item: Record) -> None:
 
 
 def record_level(sums: torch.Tensor, workers: Sequence[tuple[int, int]]) -> None:
-    """Record one level's summed ``[pairs, 3, T]`` sums and its pairs' worker counts (callers check `active`)."""
-    record(LevelSums(sums, tuple((int(a), int(b)) for a, b in workers)))
+    """Record one level's summed ``[pairs, 3, T]`` sums and its pairs' worker counts (callers check `active`),
+    counted in workers of the whole tree (`workers_per_peer`)."""
+    per_peer = _PER_PEER.get()
+    record(LevelSums(sums, tuple((int(a) * per_peer, int(b) * per_peer) for a, b in workers)))
+
+
+@contextmanager
+def workers_per_peer(count: int) -> Iterator[None]:
+    """Inside the block, each worker of the trees recorded stands for `count` workers: the levels across hosts
+    of the two-tier schedule, whose peers hold the subtrees of a host's `count` ranks."""
+    token = _PER_PEER.set(_PER_PEER.get() * count)
+    try:
+        yield
+    finally:
+        _PER_PEER.reset(token)
 
 
 def _adasum_values(levels: Sequence[LevelSums]) -> dict[str, float]:
