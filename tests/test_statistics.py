@@ -365,3 +365,11 @@ def test_hierarchical_statistics_are_the_levels_across_nodes():
         assert stats[True] == pytest.approx(summarize(means), rel=1e-10)
         assert stats["exact"] == pytest.approx(summarize(across), rel=1e-10)
     assert "orthogonality" not in results[0][0]["exact"]  # no pair of single workers across nodes
+
+
+def test_a_nonfinite_combination_gives_nan():
+    with recording() as records:
+        adasum.reduce([torch.tensor([1.0, float("nan")]), torch.tensor([1.0, 2.0])])
+    stats = summarize(records)
+    assert set(stats) == {"coefficient_min", "coefficient_max", "orthogonality", "cosine_abs_mean"}
+    assert all(math.isnan(v) for v in stats.values())

@@ -33,6 +33,7 @@ AdaCons; nothing for Sum and Mean). A NaN or Inf in the combined tensors makes t
 
 from __future__ import annotations
 
+import math
 from collections.abc import Hashable, Iterator, Sequence
 from contextlib import contextmanager
 from contextvars import ContextVar
@@ -119,8 +120,10 @@ def _adasum_values(levels: Sequence[LevelSums]) -> dict[str, float]:
     coefficient_min, coefficient_max = float("inf"), float("-inf")
     pooled = torch.zeros(2, dtype=torch.float64)  # sum (|a|^2 + |b|^2), sum |a + b|^2 over single-worker pairs
     cosine_sum, cosine_count = 0.0, 0
+    finite = True
     for level in levels:
         sums = level.sums.detach().to("cpu", torch.float64)
+        finite = finite and bool(torch.isfinite(sums).all())
         counts = torch.tensor(level.workers, dtype=torch.float64).reshape(-1, 2, 1)  # [pairs, 2, 1]
         total = counts.sum(1)
         coeff_a, coeff_b = coefficients(sums.transpose(0, 1), counts[:, 0] / total, counts[:, 1] / total)
@@ -144,15 +147,18 @@ def _adasum_values(levels: Sequence[LevelSums]) -> dict[str, float]:
         out["orthogonality"] = float(pooled[0] / pooled[1])
     if cosine_count:
         out["cosine_abs_mean"] = cosine_sum / cosine_count
+    if not finite:  # a NaN or Inf was combined: no comparison above saw it
+        out = dict.fromkeys(("coefficient_min", "coefficient_max", "orthogonality", "cosine_abs_mean"), math.nan)
     return out
 
 
 def _consensus_values(calls: Sequence[ConsensusWeights]) -> dict[str, float | list[float]]:
     weights = [c.weights.detach().to("cpu", torch.float64) for c in calls]
     workers = {w.shape[-1] for w in weights}
+    every = torch.cat([w.reshape(-1) for w in weights])  # torch's min and max keep a NaN
     out: dict[str, float | list[float]] = {
-        "consensus_weight_min": min(float(w.min()) for w in weights),
-        "consensus_weight_max": max(float(w.max()) for w in weights),
+        "consensus_weight_min": float(every.min()),
+        "consensus_weight_max": float(every.max()),
     }
     if len(workers) == 1:  # the same workers in every call (always, but for records of several groups)
         out["consensus_weights"] = torch.cat(weights).mean(0).tolist()
