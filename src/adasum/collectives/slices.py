@@ -27,6 +27,7 @@ from typing import Protocol, cast
 
 import torch
 
+from adasum.core import statistics
 from adasum.core.layout import Layout, Scattered
 from adasum.core.tree import Tree
 from adasum.kernels import combine_from_sums, dot_and_norms
@@ -138,11 +139,14 @@ def tree_on_slice_(
     all_reduce_sums: Callable[[torch.Tensor], None],
     tensors: tuple[int, int],
     first_sums: torch.Tensor | None = None,
+    record: bool = True,
 ) -> Callable[[int, int, Sequence], None]:
     """Step 2 of the module doc on one rank's slice but the last combination: `rows[j]` holds rank j's copy of
     positions `where` of `layout` (overwritten); `tensors` is the round's (first, end) tensor range, the
     columns of the sums. `first_sums`: the first level's partial sums, already added up over the slice.
-    Returns ``finish(p0, p1, outs)``, which writes positions [p0, p1) of the result into `outs`."""
+    `record`: the sums are the whole group's (not one tier's), so a statistics recording may take them
+    (`adasum.core.statistics`). Returns ``finish(p0, p1, outs)``, which writes positions [p0, p1) of the result
+    into `outs`."""
     levels = level_pairs(tree)
     width = tensors[1] - tensors[0]
     size = where[1] - where[0]
@@ -152,6 +156,8 @@ def tree_on_slice_(
             sums = torch.zeros((len(pairs), 3, width), dtype=torch.float64, device=rows[0].device)
             _dots(rows, pairs, layout, where, 0, size, sums, tensors[0])
         all_reduce_sums(sums)
+        if record and statistics.active():
+            statistics.record_level(sums, [(workers_a, workers_b) for _, _, workers_a, workers_b in pairs])
         if depth < len(levels) - 1:
             for pair, pair_sums in zip(pairs, sums):
                 _combine(rows, pair, pair_sums, layout, where, 0, size, tensors[0], [rows[pair[0]][0:size]])
@@ -194,13 +200,15 @@ def adasum_slices_(
             _dots(rows, first_pairs, layout, where, p0, p1, sums, first)
 
         mover.scatter(buffer, layout, bounds, landed)
-        finish = tree_on_slice_(rows, layout, where, tree, mover.all_reduce_sums, (first, end), sums)
+        # two tiers (`across`): the mover's sums are one host's, the levels across hosts record theirs
+        finish = tree_on_slice_(rows, layout, where, tree, mover.all_reduce_sums, (first, end), sums, across is None)
         if across is None:
             mover.gather(buffer, layout, bounds, finish)
             continue
         mine = cast(torch.Tensor, buffer)[where[0] : where[1]]  # the two-tier path runs on flat buffers
         finish(0, where[1] - where[0], [mine])
-        across(mine, where[0])
+        with statistics.workers_per_peer(world):  # a peer across hosts holds the subtree of this host's ranks
+            across(mine, where[0])
 
         def publish(p0: int, p1: int, outs: Sequence, mine: torch.Tensor = mine) -> None:  # this round's
             for out in outs[1:]:  # the mover's own staging of the result (symmetric memory)

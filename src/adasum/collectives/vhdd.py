@@ -41,6 +41,7 @@ import torch
 import torch.distributed as dist
 
 from adasum.collectives.slices import SliceMover, adasum_slices_, rounds
+from adasum.core import statistics
 from adasum.core.layout import Layout, Scattered
 from adasum.core.tree import Tree
 from adasum.kernels import combine_from_sums, dot_and_norms
@@ -64,6 +65,18 @@ def _halves(lo: int, hi: int, lower: bool) -> tuple[tuple[int, int], tuple[int, 
     return ((lo, mid), (mid, hi)) if lower else ((mid, hi), (lo, mid))
 
 
+def _record_level(sums: torch.Tensor, tree: Tree, d: int) -> None:
+    """Record level `d`'s sums, summed over the group, where statistics are recorded (`adasum.core.statistics`)."""
+    if statistics.active():
+        statistics.record_level(sums, [(tree.count(b, d), tree.count(b + d, d)) for b in range(0, tree.groups, 2 * d)])
+
+
+def _record_fold(sums: torch.Tensor) -> None:
+    """Record the fold's sums (pairs of single workers), summed over the group (sliced placements only)."""
+    if statistics.active():
+        statistics.record_level(sums, [(1, 1)] * len(sums))
+
+
 def _fold_(
     buffer: torch.Tensor,
     other: torch.Tensor,
@@ -84,6 +97,7 @@ def _fold_(
     if partial_sums is not None:
         partial_sums[row, :, first : first + len(lengths)] = sums
         dist.all_reduce(partial_sums, group=group)
+        _record_fold(partial_sums)
         sums = partial_sums[row, :, first : first + len(lengths)]
     combine_from_sums(buffer, other, sums, 1, 1, lengths, out=buffer)
 
@@ -237,11 +251,13 @@ def run_schedule(
         with step(f"the fold (sending to rank {leader})"):
             transport.exchange(buffer, None, leader)
             if sliced_fold:
-                transport.all_reduce_sums(fold_sums())
+                transport.all_reduce_sums(sums := fold_sums())
+                _record_fold(sums)
         for i, d in enumerate(levels):
             blocks = tree.groups // (2 * d)
             with step(f"the dot-product all-reduce at {level_name(i)}"):
-                transport.all_reduce_sums(buffer.new_zeros((blocks, *partial_shape), dtype=torch.float64))
+                transport.all_reduce_sums(sums := buffer.new_zeros((blocks, *partial_shape), dtype=torch.float64))
+            _record_level(sums, tree, d)
         with step(f"the fold (receiving the result from rank {leader})"):
             transport.exchange(None, buffer, leader)
         return
@@ -257,7 +273,8 @@ def run_schedule(
             _fold_(buffer, received, layout, offset, fold_sums() if sliced_fold else None, me, group)
         del received
     elif sliced_fold:
-        transport.all_reduce_sums(fold_sums())
+        transport.all_reduce_sums(sums := fold_sums())
+        _record_fold(sums)
 
     def overlap(lo: int, hi: int) -> tuple[int, list[int]]:
         return layout.overlap(offset + lo, offset + hi)
@@ -282,6 +299,7 @@ def run_schedule(
             transport.exchange_and_dot(level)
         with step(f"the dot-product all-reduce at {level_name(i)}"):
             transport.all_reduce_sums(sums)
+        _record_level(sums, tree, d)
         with step(f"the gather exchange at {level_name(i)} with rank {peer}" if level.last else "the combination"):
             transport.combine(level)
         gather_steps.append(GatherStep(kept, given, peer))

@@ -34,6 +34,11 @@ It composes with what DDP offers: bucket rebuilding after the first iteration, `
 ``fp16_compress_wrapper`` / ``bf16_compress_wrapper``. Gradients are not divided by the world
 size before the hook (DDP leaves that to hooks): Adasum needs no division.
 
+**Statistics.** ``state.statistics()`` returns the last iteration's Adasum coefficient range and
+orthogonality (or AdaCons' consensus weights) as a dict of numbers, the same on every rank: the
+collectives compute them anyway (`adasum.core.statistics`), so the hook keeps references to them
+and adds no collective and no host synchronisation; reading them waits for the device once.
+
 The batch limit decides which collectives run, so it must be the same on every rank: `AdasumState`
 checks it across the group at construction (one small all-reduce; the first bucket does it for a state
 made before the process group or unpickled) and raises the same ValueError on every rank where it
@@ -57,8 +62,9 @@ import torch
 import torch.distributed as dist
 
 from adasum.collectives.agreement import agree
-from adasum.collectives.nonfinite import apply_nonfinite_policy, check_policy
+from adasum.collectives.nonfinite import NonFiniteError, apply_nonfinite_policy, check_policy
 from adasum.collectives.plan import prepare
+from adasum.core.statistics import StepStatistics
 from adasum.reducers import Adasum, Reducer, get_reducer
 from adasum.transport.groups import communicator, failures_named, side_stream
 
@@ -130,6 +136,7 @@ class AdasumState:
         self.group = group
         self.reducer = get_reducer(reducer)
         self.iteration = 0
+        self.skipped_steps = 0  # backward passes stopped by NonFiniteError (nonfinite="raise")
         self.nonfinite = nonfinite
         self.names = {id(p): n for n, p in named_parameters} if named_parameters is not None else {}
         self._batch_mb = float(batch_mb)
@@ -162,14 +169,39 @@ class AdasumState:
         self._learning: weakref.WeakValueDictionary = weakref.WeakValueDictionary()
         self._open: list[tuple[torch.Tensor, _BucketPlan, torch.futures.Future]] = []  # the open batch
         self._open_bytes = 0
+        self._statistics = StepStatistics()  # the last iteration's records (device tensors: not pickled)
+
+    def statistics(self) -> dict[str, float | int | list[float]]:
+        """The last iteration's statistics, identical on every rank (no collective; reading waits for the device):
+
+        * ``step``: iterations combined so far (`iteration`); the values below are of the last one.
+        * ``skipped_steps``: backward passes stopped by `adasum.NonFiniteError` under ``nonfinite="raise"``
+          (the steps a training loop that catches it skips).
+        * Adasum: ``coefficient_min``, ``coefficient_max`` (the range of the per-tensor coefficients
+          ``1 - w <a,b> / |a|^2`` applied at every level of the tree: 1 summed, 1/2 averaged), ``orthogonality``
+          (``sum |g_i|^2 / |sum g_i|^2`` of the tree's pairs of single workers: 1 orthogonal, 1/2 equal) and
+          ``cosine_abs_mean`` (the mean ``|cos|`` between the two sides of every pair and tensor).
+        * AdaCons: ``consensus_weight_min``, ``consensus_weight_max``, ``consensus_weights`` (per worker).
+
+        `adasum.core.statistics` defines each value; a key is absent where the reducer computes no such thing
+        (Sum, Mean) or nothing was combined yet. With batches of buckets, the values cover every batch.
+
+        >>> ddp_model(inputs).sum().backward(); state.statistics()  # doctest: +SKIP
+        {'step': 1, 'skipped_steps': 0, 'coefficient_min': 0.51, 'coefficient_max': 0.97, 'orthogonality': 0.62, ...}
+        """
+        return {"step": self.iteration, "skipped_steps": self.skipped_steps, **self._statistics.summary()}
 
     def __getstate__(self) -> dict[str, Any]:
-        skip = ("group", "_batch_checked", "_plans", "_agreed", "_parameters", "_learning", "_open", "_open_bytes")
+        skip = (
+            "group", "_batch_checked", "_plans", "_agreed", "_parameters", "_learning", "_open", "_open_bytes",
+            "_statistics",
+        )
         return {k: v for k, v in self.__dict__.items() if k not in skip}
 
     def __setstate__(self, state: dict[str, Any]) -> None:
         self.__dict__.update(state)
         self.group = None
+        self.skipped_steps = int(state.get("skipped_steps", 0))
         self._batch_mb = float(state.get("_batch_mb", BATCH_MB))  # BATCH_MB: a state pickled before batches existed
         self._reset_caches()
 
@@ -282,10 +314,11 @@ def _close_batch(state: AdasumState) -> None:
         _agree_batch(state, batch)
         state._agreed.add(key)
     with torch.cuda.stream(side) if device.type == "cuda" else contextlib.nullcontext():
-        if state.reducer.capturable:
-            communicator(state.group).run("adasum_hook", key, lambda: _combine(state, batch), device)
-        else:
-            _combine(state, batch)
+        with state._statistics.call(key, device):
+            if state.reducer.capturable:
+                communicator(state.group).run("adasum_hook", key, lambda: _combine(state, batch), device)
+            else:
+                _combine(state, batch)
         for tensor, _, future in batch:
             future.set_result(tensor)
 
@@ -328,10 +361,16 @@ def adasum_hook(state: AdasumState, bucket: dist.GradBucket) -> torch.futures.Fu
     >>> ddp_model.register_comm_hook(AdasumState(), fp16_compress_wrapper(adasum_hook))  # doctest: +SKIP
     """
     buffer = bucket.buffer()
-    if bucket.index() == 0 and state._open:
-        _drop_open_batch(state)
+    if bucket.index() == 0:
+        state._statistics.discard_step()  # what a backward pass that stopped (an error) left
+        if state._open:
+            _drop_open_batch(state)
     if state.nonfinite == "raise":
-        _check_bucket(state, bucket)
+        try:
+            _check_bucket(state, bucket)
+        except NonFiniteError:
+            state.skipped_steps += 1
+            raise
     if not state._batch_checked:
         _check_batch_limit(state, "adasum_hook")
     plan = _plan(state, bucket, buffer)
@@ -347,4 +386,6 @@ def adasum_hook(state: AdasumState, bucket: dist.GradBucket) -> torch.futures.Fu
     state._open_bytes += buffer.numel() * buffer.element_size()
     if last or state._open_bytes >= state._batch_bytes:
         _close_batch(state)
+    if last:
+        state._statistics.finish_step()
     return future

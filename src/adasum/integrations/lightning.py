@@ -13,6 +13,9 @@ Lightning's own launcher with ``devices=N``):
   weights are broadcast once) and every optimizer of ``configure_optimizers`` is wrapped in
   `adasum.DistributedOptimizer` in delta mode: each rank steps locally, the steps are combined.
 
+`AdasumStatistics` logs the per-step statistics of any of the three (``statistics()`` of the hook's
+state or of the wrapped optimizers) through the LightningModule's loggers.
+
 The names are registered with Lightning's strategy registry when this module is imported:
 
 >>> import adasum.lightning
@@ -22,6 +25,7 @@ The names are registered with Lightning's strategy registry when this module is 
 from __future__ import annotations
 
 import warnings
+from collections.abc import Iterator
 from typing import Any
 
 from adasum.extras import require
@@ -35,12 +39,13 @@ from lightning.pytorch.strategies import DDPStrategy, StrategyRegistry  # noqa: 
 
 from adasum.integrations.ddp import AdasumState  # noqa: E402
 from adasum.integrations.glue import register_hook, warn_one_process  # noqa: E402
+from adasum.integrations.loggers import PREFIX, HasStatistics, scalars  # noqa: E402
 from adasum.integrations.optim import DistributedOptimizer  # noqa: E402
 from adasum.reducers import Reducer  # noqa: E402
 
 LAUNCH = "torchrun --nproc-per-node N, or Trainer(devices=N)"
 
-__all__ = ["AdasumCallback", "AdasumDDPStrategy", "AdasumDeltaStrategy"]
+__all__ = ["AdasumCallback", "AdasumDDPStrategy", "AdasumDeltaStrategy", "AdasumStatistics"]
 
 
 class AdasumCallback(pl.Callback):
@@ -179,6 +184,48 @@ class AdasumDeltaStrategy(DDPStrategy):
             description="Adasum of the optimizers' steps (adasum.DistributedOptimizer, delta mode), no DDP wrapper",
             override=True,
         )
+
+
+class AdasumStatistics(pl.Callback):
+    """Log the per-step statistics (`adasum.ddp.AdasumState.statistics`,
+    `adasum.DistributedOptimizer.statistics`) with ``LightningModule.log_dict`` after every
+    `every_n_steps`-th training batch, as ``adasum/<key>`` (`adasum.loggers.scalars`), so that
+    whatever loggers the Trainer has (TensorBoard, CSV, MLflow, W&B) receive them.
+
+    The statistics come from the hook's state of ``"ddp_adasum"`` or of an `AdasumCallback`, and from the
+    `adasum.DistributedOptimizer` optimizers of ``"ddp_adasum_delta"`` (the second and later ones as
+    ``adasum/optimizer_<i>/<key>``). Every rank holds the same values; reading them waits for the device
+    once per logged step, and adds no collective.
+
+    >>> trainer = L.Trainer(strategy="ddp_adasum", callbacks=[AdasumStatistics()])  # doctest: +SKIP
+    """
+
+    def __init__(self, every_n_steps: int = 1) -> None:
+        if every_n_steps < 1:
+            raise ValueError(f"every_n_steps must be >= 1, got {every_n_steps}")
+        self.every_n_steps = every_n_steps
+
+    def on_train_batch_end(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any, batch_idx: int
+    ) -> None:
+        """Log the statistics of every source (class doc)."""
+        if batch_idx % self.every_n_steps:
+            return
+        for prefix, source in sources(trainer):
+            pl_module.log_dict(scalars(source.statistics(), prefix), on_step=True, on_epoch=False)
+
+
+def sources(trainer: pl.Trainer) -> Iterator[tuple[str, HasStatistics]]:
+    """(name prefix, owner of statistics) of a Trainer: the hook's state of "ddp_adasum" or of an
+    `AdasumCallback`, and its `DistributedOptimizer` optimizers."""
+    states = [getattr(trainer.strategy, "adasum_state", None)]
+    states += [c.state for c in getattr(trainer, "callbacks", ()) if isinstance(c, AdasumCallback)]
+    for state in states:
+        if state is not None:
+            yield PREFIX, state
+    wrapped = [opt for opt in trainer.optimizers if isinstance(opt, DistributedOptimizer)]
+    for i, opt in enumerate(wrapped):
+        yield (PREFIX if i == 0 else f"{PREFIX}optimizer_{i}/"), opt
 
 
 AdasumDDPStrategy.register_strategies(StrategyRegistry)

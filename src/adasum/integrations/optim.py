@@ -39,6 +39,10 @@ bucket's deltas and the previous bucket's update run on the compute stream. Afte
 (which builds the buckets' tile tables) ``step()`` does not synchronise the host, unless
 ``nonfinite`` or GradScaler ask for a flag; work enqueued after it on the compute stream sees the
 final parameters.
+
+Statistics: ``opt.statistics()`` returns the last combination's Adasum coefficient range and
+orthogonality (or AdaCons' consensus weights) and the skipped steps, the same on every rank, kept
+from what the combination computes anyway: no collective, no host synchronisation until read.
 """
 
 from __future__ import annotations
@@ -56,6 +60,7 @@ from adasum import kernels
 from adasum.collectives.agreement import Problem, agree, check_not_sharded, check_same_layout, describe, local_problem
 from adasum.collectives.nonfinite import apply_nonfinite_policy, check_policy, nonfinite_message
 from adasum.core.layout import Scattered, flatten, unflatten_into
+from adasum.core.statistics import StepStatistics
 from adasum.reducers import Reducer, get_reducer
 from adasum.transport.groups import communicator, control_group, failures_named, group_device, side_stream
 
@@ -332,6 +337,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
         self._anchor_mark: tuple | None = None  # delta mode: the parameters as the last combination left them
         self._passes = 0  # backward passes accumulated since the last real step
         self._round_step = 0  # local steps taken since the last combination
+        self._statistics = StepStatistics()  # the last combination's records (`statistics`)
         # what torch.optim.Optimizer's own methods expect to find
         self._optimizer_step_pre_hooks: OrderedDict = OrderedDict()
         self._optimizer_step_post_hooks: OrderedDict = OrderedDict()
@@ -512,6 +518,34 @@ class DistributedOptimizer(torch.optim.Optimizer):
             return torch.tensor(mean, dtype=loss.dtype, device=loss.device)
         return mean
 
+    def statistics(self) -> dict[str, float | int | list[float]]:
+        """The last combination's statistics, identical on every rank (no collective; reading waits for the device):
+
+        * ``step``: combinations so far (real steps in gradient mode, rounds of `local_steps` in delta mode; each
+          closure evaluation in gradient mode); the values below are of the last one.
+        * ``skipped_steps``: steps skipped on every rank under ``nonfinite="skip"`` (`skipped_steps`).
+        * Adasum: ``coefficient_min``, ``coefficient_max`` (the range of the per-tensor coefficients
+          ``1 - w <a,b> / |a|^2`` applied at every level of the tree: 1 summed, 1/2 averaged), ``orthogonality``
+          (``sum |g_i|^2 / |sum g_i|^2`` of the tree's pairs of single workers: 1 orthogonal, 1/2 equal) and
+          ``cosine_abs_mean`` (the mean ``|cos|`` between the two sides of every pair and tensor).
+        * AdaCons: ``consensus_weight_min``, ``consensus_weight_max``, ``consensus_weights`` (per worker).
+
+        In delta mode the combined vectors are the weight changes, in gradient mode the gradients.
+        `adasum.core.statistics` defines each value; a key is absent where the reducer computes no such thing
+        (Sum, Mean) or nothing was combined yet.
+
+        >>> opt.step(); opt.statistics()  # doctest: +SKIP
+        {'step': 1, 'skipped_steps': 0, 'coefficient_min': 0.51, 'coefficient_max': 0.97, 'orthogonality': 0.62, ...}
+        """
+        return {"step": self._statistics.steps, "skipped_steps": self.skipped_steps, **self._statistics.summary()}
+
+    def _combine_flat(self, flat: torch.Tensor, sizes: list[int], mode: str) -> None:
+        """The reducer on one bucket's flat buffer, recorded as one call of the combination (`statistics`); the
+        key names what a captured CUDA graph of the call depends on (its buffer and layout)."""
+        key = (mode, flat.data_ptr(), flat.dtype, flat.numel(), tuple(sizes))
+        with self._statistics.call(key, flat.device):
+            self.reducer.all_reduce_flat(flat, sizes, self.group, check_layout=False)
+
     def last_combined(self) -> list[torch.Tensor] | None:
         """The parameters as of the last combination (the round's starting weights, in the order of
         ``param_groups``) while a round of local steps is under way; None when the parameters are
@@ -608,8 +642,9 @@ class DistributedOptimizer(torch.optim.Optimizer):
         for bucket in buckets(grads, self.bucket_cap_bytes):
             members = [grads[i] for i in bucket]
             flat = flatten(members)
-            self.reducer.all_reduce_flat(flat, [g.numel() for g in members], self.group, check_layout=False)
+            self._combine_flat(flat, [g.numel() for g in members], "gradient")
             unflatten_into(flat, members)
+        self._statistics.finish_step()
 
     def _present_gradients(self, params: list[torch.Tensor]) -> tuple[int, ...]:
         """Indices of the parameters with a gradient on at least one rank, the same on every rank.
@@ -718,12 +753,12 @@ class DistributedOptimizer(torch.optim.Optimizer):
             flat = self._delta_buffer(number % IN_FLIGHT, anchor.numel(), anchor)
             kernels.subtract_into(flat, members, anchor, tables)
             if comm is None:
-                self.reducer.all_reduce_flat(flat, sizes, self.group, check_layout=False)
+                self._combine_flat(flat, sizes, "delta")
                 apply(members, anchor, flat, None)
                 continue
             comm.wait_stream(cast(torch.cuda.Stream, main))  # the compute stream, set with `comm`
             with torch.cuda.stream(comm):
-                self.reducer.all_reduce_flat(flat, sizes, self.group, check_layout=False)
+                self._combine_flat(flat, sizes, "delta")
                 done = comm.record_event()
             pending.append((members, anchor, flat, done))
             if len(pending) >= IN_FLIGHT:
@@ -731,6 +766,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
         while pending:
             apply(*pending.popleft())
         self._anchor_mark = _versions(params)
+        self._statistics.finish_step()
 
     def _delta_plan(self, params: list[torch.Tensor]) -> list[tuple[list[torch.Tensor] | Scattered, list[int]]]:
         """Per bucket (as `_new_anchor` cut them): its parameters, as a `Scattered` view when all are contiguous

@@ -22,6 +22,7 @@ import torch.distributed as dist
 
 from adasum.collectives.agreement import agree, check_not_sharded, local_problem
 from adasum.collectives.nonfinite import apply_nonfinite_policy, check_policy
+from adasum.core.statistics import StepStatistics
 from adasum.integrations.optim import check_same_parameters, optimizer_param_names
 from adasum.reducers import Mean, Reducer, get_reducer
 from adasum.transport.groups import failures_named, group_device
@@ -173,6 +174,7 @@ class SlowMo:
             self._anchor = [p.detach().clone() for p in self._params]
             self._momentum = [torch.zeros_like(p) for p in self._params]
         self._step = 0
+        self._statistics = StepStatistics()  # the last sync's records (`statistics`)
 
     # -- pass-through
 
@@ -219,14 +221,16 @@ class SlowMo:
         if world > 1:
             # the layouts were checked at construction (parameters) and just now (state)
             tensors = [p.detach() for p in self._params]  # views: the reducer works in place
-            if self.reducer.exact_average:
-                self.reducer.all_reduce(tensors, self.group, check_layout=False)  # the average of the models
-            else:
-                for x, anchor in zip(tensors, self._anchor):
-                    x.sub_(anchor)
-                self.reducer.all_reduce(tensors, self.group, check_layout=False)
-                for x, anchor in zip(tensors, self._anchor):
-                    x.add_(anchor)
+            with self._statistics.call("sync", tensors[0].device):
+                if self.reducer.exact_average:
+                    self.reducer.all_reduce(tensors, self.group, check_layout=False)  # the average of the models
+                else:
+                    for x, anchor in zip(tensors, self._anchor):
+                        x.sub_(anchor)
+                    self.reducer.all_reduce(tensors, self.group, check_layout=False)
+                    for x, anchor in zip(tensors, self._anchor):
+                        x.add_(anchor)
+            self._statistics.finish_step()
         index = 0
         for group in self.optimizer.param_groups:
             lr = float(group["lr"])
@@ -241,6 +245,18 @@ class SlowMo:
             Mean().all_reduce(state_tensors, self.group, check_layout=False)
         if self.module is not None and world > 1:
             Mean().all_reduce(self._floating_buffers(), self.group, check_layout=False)
+
+    def statistics(self) -> dict[str, float | int | list[float]]:
+        """The last sync's statistics, identical on every rank, kept from what the reducer computes anyway (no
+        collective; reading waits for the device): ``step`` (syncs that combined so far), ``skipped_steps``
+        (syncs skipped under ``nonfinite="skip"``) and, for Adasum of the model deltas or AdaCons, the keys
+        that `adasum.DistributedOptimizer.statistics` describes (`adasum.core.statistics`).
+
+        >>> opt = adasum.SlowMo(torch.optim.SGD(torch.nn.Linear(2, 1).parameters(), lr=0.1), local_steps=2)
+        >>> opt.statistics()                     # nothing combined yet (and one process combines nothing)
+        {'step': 0, 'skipped_steps': 0}
+        """
+        return {"step": self._statistics.steps, "skipped_steps": self.skipped_steps, **self._statistics.summary()}
 
     def last_combined(self) -> list[torch.Tensor] | None:
         """The anchor x_{t,0} (the last slow step's result, the model every worker agrees on) while

@@ -8,6 +8,7 @@ from collections.abc import Sequence
 
 import torch
 
+from adasum.core import statistics
 from adasum.core.operator import check_floating
 from adasum.core.tree import Tree
 from adasum.kernels import combine_from_sums, dot_and_norms
@@ -65,6 +66,12 @@ def reduce(tensors: Sequence[torch.Tensor]) -> torch.Tensor:
     return reduce_stacked(stacked, [first.numel()]).view(first.shape)
 
 
+def _record(sums: torch.Tensor, workers: list[tuple[int, int]]) -> None:
+    """Record a level's ``[3, pairs * T]`` sums as the collectives do, ``[pairs, 3, T]`` (`adasum.core.statistics`)."""
+    if statistics.active():
+        statistics.record_level(sums.reshape(3, len(workers), -1).transpose(0, 1), workers)
+
+
 def _bit_reverse(value: int, bits: int) -> int:
     return int(format(value, f"0{bits}b")[::-1], 2) if bits else 0
 
@@ -93,7 +100,9 @@ def reduce_stacked(stacked: torch.Tensor, sizes: Sequence[int]) -> torch.Tensor:
         pairs = stacked[: 2 * tree.folded].view(tree.folded, 2, n)
         a, b = pairs[:, 0].contiguous().view(-1), pairs[:, 1].contiguous().view(-1)
         lengths = sizes * tree.folded
-        combine_from_sums(a, b, dot_and_norms(a, b, lengths), 1, 1, lengths, out=a)
+        sums = dot_and_norms(a, b, lengths)
+        _record(sums, [(1, 1)] * tree.folded)
+        combine_from_sums(a, b, sums, 1, 1, lengths, out=a)
         rows += list(a.view(tree.folded, n))
     rows += list(stacked[2 * tree.folded :])
     bits = tree.groups.bit_length() - 1
@@ -112,7 +121,9 @@ def reduce_stacked(stacked: torch.Tensor, sizes: Sequence[int]) -> torch.Tensor:
         else:
             workers_a = _segment_counts(tuple(counts[:half]), len(sizes), stacked.device)
             workers_b = _segment_counts(tuple(counts[half:groups]), len(sizes), stacked.device)
-        combine_from_sums(a, b, dot_and_norms(a, b, lengths), workers_a, workers_b, lengths, out=a)
+        sums = dot_and_norms(a, b, lengths)
+        _record(sums, list(zip(counts[:half], counts[half:groups])))
+        combine_from_sums(a, b, sums, workers_a, workers_b, lengths, out=a)
         counts = [x + y for x, y in zip(counts[:half], counts[half:groups])]
         groups = half
     return values[0]

@@ -56,6 +56,7 @@ import torch
 import torch.distributed as dist
 
 from adasum.collectives.api import fused_per_dtype
+from adasum.core import statistics
 from adasum.core.operator import ZERO_NORM, check_floating
 from adasum.kernels import dot_and_norms
 from adasum.reducers.base import Reducer, ShardGroups, check_workers
@@ -129,6 +130,20 @@ def worker_weights(
     return torch.where(nonzero, w, torch.zeros_like(w))
 
 
+def consensus(
+    dots: torch.Tensor, sq_norms: torch.Tensor, state: torch.Tensor | None, beta: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The normalized coefficients ``c`` ([S, N], summing to 1 over the workers) and the new momentum state,
+    from the per-worker ``<g_i, m>`` and ``|g_i|^2``: projections, sort momentum, normalization.
+
+    >>> c, state = consensus(torch.tensor([[3.0, 1.0]]).double(), torch.tensor([[9.0, 1.0]]).double(), None, 0.0)
+    >>> c
+    tensor([[0.5000, 0.5000]], dtype=torch.float64)
+    """
+    smoothed, state = sort_momentum(projections(dots, sq_norms), state, beta)
+    return normalize(smoothed), state
+
+
 def coefficients(
     dots: torch.Tensor,
     sq_norms: torch.Tensor,
@@ -147,8 +162,8 @@ def coefficients(
     >>> w
     tensor([[0.5000, 0.5000]], dtype=torch.float64)
     """
-    smoothed, state = sort_momentum(projections(dots, sq_norms), state, beta)
-    return worker_weights(normalize(smoothed), sq_norms, mean_sq_norm, scale), state
+    c, state = consensus(dots, sq_norms, state, beta)
+    return worker_weights(c, sq_norms, mean_sq_norm, scale), state
 
 
 def scale_segments_(flat: torch.Tensor, weights: torch.Tensor, sizes: Sequence[int]) -> None:
@@ -220,8 +235,10 @@ class AdaCons(Reducer):
                     f"{list(dots.shape)} (the number of workers or tensors changed)"
                 )
             state = state.to(dots.device)
-        weights, self._states[key] = coefficients(dots, sq_norms, mean_sq, state, self.momentum, self.scale)
-        return weights
+        c, self._states[key] = consensus(dots, sq_norms, state, self.momentum)
+        if statistics.active():
+            statistics.record(statistics.ConsensusWeights(c))
+        return worker_weights(c, sq_norms, mean_sq, self.scale)
 
     def _key(self, description: Sequence[tuple[torch.dtype, int]], key: str | None) -> str:
         return key if key is not None else layout_key(description, self.per_tensor)
