@@ -77,7 +77,7 @@ class Communicator:
     """Everything adasum keeps for one process group, made on the group's first collective
     (`communicator`) and dropped by `release`: the transports (built once per name), the checks'
     control group, the plans per layout (`adasum.collectives.plan`), the
-    captured CUDA graphs, the CPU workspaces, and the fingerprints posted but not yet compared.
+    captured CUDA graphs, the CPU workspaces, and the guard thread of the deferred checks (stopped by `clear`).
 
     Calls on one group must come from one thread at a time (as torch.distributed's own collectives
     must: their order pairs them across ranks); different groups may run on different threads.
@@ -92,7 +92,7 @@ class Communicator:
         self.graphs = Graphs()
         self.workspace = Workspace()
         self.last: Any = None  # the last captured list call: its replay skips the plan look-up
-        self.pending: list[Any] = []  # fingerprints posted on the control group, compared at the next call
+        self.guard: Any = None  # the thread that compares deferred checks (`adasum.collectives.guard`)
 
     def transport(self, key: Hashable, build: Callable[[], Any]) -> Any:
         """The transport of `key`, built once (`build()`) for this group."""
@@ -116,7 +116,9 @@ class Communicator:
         self.graphs.clear()
         self.transports.clear()
         self.plans.clear()
-        self.pending.clear()
+        if self.guard is not None:
+            self.guard.stop()
+            self.guard = None
         self.last = None
         self.control = None
 
@@ -209,6 +211,11 @@ def _install_teardown_hook() -> None:
 
 def _destroy_gloo_groups() -> None:
     """At interpreter exit (module doc): let gloo's threads finish, then destroy gloo-only groups."""
+    with _registry.lock:
+        for comm in _registry.communicators.values():
+            if comm.guard is not None:
+                comm.guard.stop()  # its gloo group is gone with its thread
+                comm.guard = None
     time.sleep(EXIT_DRAIN_S)  # releases the GIL: a thread releasing its last work can take it
     with _registry.lock:
         for comm in _registry.communicators.values():
