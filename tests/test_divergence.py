@@ -343,8 +343,8 @@ def test_a_new_layout_on_one_rank_against_a_posted_one_is_named_on_every_rank():
 
 
 def swapped_on_backend_body(rank, world):
-    """Swapped equal-size layouts on the test backend's devices: gloo names the divergent call itself, NCCL the
-    call after it (deferred fingerprints); either way every rank raises the same error within the bound."""
+    """Swapped equal-size layouts on the test backend's devices: gloo names the divergent call itself, NCCL a later
+    call (the guard compares it off the call's path); either way every rank raises the same error within the bound."""
     dev = distributed.device_for(rank)
     a, b = [torch.ones(4, 2, device=dev)], [torch.ones(8, device=dev)]
     adasum.all_reduce(a)
@@ -352,7 +352,9 @@ def swapped_on_backend_body(rank, world):
 
     def diverge_then_go_on():
         adasum.all_reduce(b if rank == world - 1 else a)
-        adasum.all_reduce(a)
+        start = time.monotonic()
+        while time.monotonic() - start < BOUND_S:  # NCCL: a later call raises what the guard found
+            adasum.all_reduce(a)
 
     kind, message, seconds = _error_of(diverge_then_go_on)
     return kind, (message or "").split(" (an earlier call")[0], seconds < BOUND_S
@@ -368,3 +370,31 @@ def test_swapped_layouts_are_named_on_every_rank_of_the_test_backend(world):
     assert kind == "ValueError" and in_time, results[0]
     assert message == (f"adasum.all_reduce: tensors differ across ranks at index 0: rank 0 has float32 [4, 2] on "
                        f"{device}, rank {world - 1} has float32 [8] on {device}"), message
+
+
+def blocked_on_backend_body(rank, world):
+    """Layouts of different sizes, each agreed, then one rank calls the other: gloo names the call itself; on NCCL
+    its kernels wait for sizes no peer sends and the host blocks on the device: the guard names it and aborts the
+    communicator, which ends them, and the next call raises the same error on every rank."""
+    dev = distributed.device_for(rank)
+    a, c = [torch.ones(4, 2, device=dev)], [torch.ones(5, device=dev)]
+    adasum.all_reduce(a)
+    adasum.all_reduce(c)
+    start = time.monotonic()
+    kind, message, _ = _error_of(lambda: adasum.all_reduce(c if rank == world - 1 else a))
+    if kind is None:
+        torch.cuda.synchronize()  # blocked until the guard aborts the communicator
+        kind, message, _ = _error_of(lambda: adasum.all_reduce(a))
+    return kind, (message or "").split(" (a call")[0], time.monotonic() - start < BOUND_S
+
+
+@pytest.mark.nccl
+@pytest.mark.parametrize("world", distributed.world_sizes(2, 4))
+def test_a_divergent_call_that_blocks_on_the_device_is_named_on_every_rank(world):
+    results = distributed.run(world, blocked_on_backend_body)
+    distributed.assert_ranks_agree(results)
+    kind, message, in_time = results[0]
+    device = "cuda" if distributed.BACKEND == "nccl" else "cpu"
+    assert kind == "ValueError" and in_time, results[0]
+    assert message == (f"adasum.all_reduce: tensors differ across ranks at index 0: rank 0 has float32 [4, 2] on "
+                       f"{device}, rank {world - 1} has float32 [5] on {device}"), message

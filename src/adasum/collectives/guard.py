@@ -116,6 +116,7 @@ class Guard:
         a missing peer fails the round within the group's timeout)."""
         self._stopping = True
         self._wake.set()
+        self._raised.set()  # no abort once the group is being released
         self._thread.join(self.timeout.total_seconds() + 5)
 
     def alive(self) -> bool:
