@@ -27,18 +27,22 @@ from adasum.settings import override
 from adasum.transport.groups import communicator, control_group, group_device
 
 
-def per_call_us(fn: Callable[[], object], calls: int, repeats: int) -> float:
-    """Median over `repeats` of the mean time of `calls` back-to-back calls, in µs (ranks start together)."""
-    for _ in range(min(calls, 50)):
-        fn()
-    times = []
-    for _ in range(repeats):
-        dist.barrier()
-        start = time.perf_counter()
-        for _ in range(calls):
-            fn()
-        times.append((time.perf_counter() - start) / calls)
-    return statistics.median(times) * 1e6
+def per_call_us(fns: dict[str, Callable[[], object]], calls: int, repeats: int) -> dict[str, float]:
+    """Per function, the median over `repeats` of the mean time of `calls` back-to-back calls, in µs; the
+    functions take turns within each repeat (a shared machine's drift hits them alike; ranks start together).
+    A function may be a pair (settings to run it under, function)."""
+    times: dict[str, list[float]] = {name: [] for name in fns}
+    for repeat in range(repeats + 1):
+        for name, fn in fns.items():
+            settings, fn = fn if isinstance(fn, tuple) else ({}, fn)
+            with override(**settings):
+                dist.barrier()
+                start = time.perf_counter()
+                for _ in range(calls if repeat else min(calls, 50)):  # the first round warms up
+                    fn()
+                if repeat:
+                    times[name].append((time.perf_counter() - start) / calls)
+    return {name: statistics.median(t) * 1e6 for name, t in times.items()}
 
 
 def probes(tensors: list[torch.Tensor]) -> dict[str, Callable[[], object]]:
@@ -81,22 +85,26 @@ def worker(rank: int, world: int, store: str, args: argparse.Namespace) -> None:
     dev = torch.device("cuda", rank) if args.backend == "nccl" else torch.device("cpu")
     tensors = [torch.randn(n, device=dev) for n in (64, 32, 16, 8)]
     config = ("bench",)
-    rows: list[tuple[str, float]] = []
-    for name, fn in probes(tensors).items():
-        rows.append((name, per_call_us(fn, args.calls, args.repeats)))
-    modes = {"check off": dict(check="none"), "compared before the data": dict(deferred_checks=False),
-             "compared off the path (deferred)": dict(deferred_checks=True)}
-    for mode, kwargs in modes.items():
-        check = kwargs.get("check", "call")
-        settings = {k: v for k, v in kwargs.items() if k != "check"}
-        with override(**settings):
-            rows.append((f"prepare(), {mode}", per_call_us(
-                lambda: prepare(tensors, None, config=config, operation="bench", check=check),
-                args.calls, args.repeats)))
-            rows.append((f"adasum.all_reduce of 4 tensors, {mode}", per_call_us(
-                lambda: adasum.all_reduce(tensors, check_layout=check != "none"), args.calls // 4, args.repeats)))
-            if args.backend == "nccl":
-                torch.cuda.synchronize()
+    rows = list(per_call_us(probes(tensors), args.calls, args.repeats).items())
+    modes = {"check off": ("none", {}), "compared before the data": ("call", dict(deferred_checks=False)),
+             "compared off the path (deferred)": ("call", dict(deferred_checks=True))}
+
+    def prepared(check):
+        return lambda: prepare(tensors, None, config=config, operation="bench", check=check)
+
+    def reduced(check):
+        return lambda: adasum.all_reduce(tensors, check_layout=check != "none")
+
+    timed = per_call_us({f"prepare(), {mode}": (settings, prepared(check)) for mode, (check, settings) in
+                         modes.items()}, args.calls, args.repeats)
+    rows += timed.items()
+    rows.append(("  the deferred check's cost (deferred - off)",
+                 timed["prepare(), compared off the path (deferred)"] - timed["prepare(), check off"]))
+    whole = {f"adasum.all_reduce of 4 tensors, {mode}": (settings, reduced(check)) for mode, (check, settings) in
+             modes.items()}
+    rows += per_call_us(whole, max(args.calls // 10, 1), args.repeats).items()
+    if args.backend == "nccl":
+        torch.cuda.synchronize()
     adasum.release()
     if rank == 0:
         width = max(len(name) for name, _ in rows)

@@ -78,6 +78,10 @@ class Guard:
         self._raised = threading.Event()
         self._idle = False
         self._stopping = False
+        # the round's vector and the gathers' tensors outlive the guard's gloo group: its worker threads never drop
+        # the last reference to a tensor (that needs the interpreter's lock; groups.py's module doc)
+        self._vector = torch.zeros(1 + 4 * SLOTS, dtype=torch.int64)
+        self._kept: list[torch.Tensor] = []
         self._thread = threading.Thread(target=self._run, name="adasum-guard", daemon=True)
         self._thread.start()
 
@@ -163,7 +167,7 @@ class Guard:
 
     def _settle(self, pg: Any, carry: list[_Slot]) -> bool:
         """One round over `carry`'s first slots; False once a fatal error was kept (the thread ends)."""
-        compared, bad, fatal = _round(pg, carry)
+        compared, bad, fatal = _round(pg, carry, self._vector)
         for slot in carry[: compared if bad is None else bad]:
             if slot[4] is not None:
                 slot[4].done.set()
@@ -188,7 +192,8 @@ class Guard:
         plan, what, operation, problem, _ = slot
         note = " (a call already under way on some rank: its result is undefined; destroy the process group)"
         note = note if fatal else ""
-        everyone = _gather(pg, (plan.config, list(plan.description), problem, operation, note), self.world)
+        item = (plan.config, list(plan.description), problem, operation, note)
+        everyone = _gather(pg, item, self.world, self._kept)
         return named_difference(everyone, what)
 
     def _fail(self, error: BaseException, carry: list[_Slot]) -> None:
@@ -208,13 +213,14 @@ class Guard:
         self.abort()
 
 
-def _round(pg: Any, carry: list[_Slot]) -> tuple[int, int | None, bool]:
-    """All-reduce (MAX) the first `SLOTS` slots of `carry`: how many every rank brought, the first of them that
-    differs or has a problem on some rank (None: none), and whether some rank posted that one without waiting."""
+def _round(pg: Any, carry: list[_Slot], vector: torch.Tensor) -> tuple[int, int | None, bool]:
+    """All-reduce (MAX) the first `SLOTS` slots of `carry` in `vector`: how many every rank brought, the first of
+    them that differs or has a problem on some rank (None: none), and whether some rank posted that one without
+    waiting."""
     values = [-min(len(carry), SLOTS)]
     for plan, _, _, problem, waiter in carry[:SLOTS]:
         values += (plan.fingerprint, -plan.fingerprint, problem is not None, waiter is None)
-    vector = torch.zeros(1 + 4 * SLOTS, dtype=torch.int64)
+    vector.zero_()
     vector[: len(values)] = torch.tensor(values, dtype=torch.int64)
     pg.allreduce([vector], _MAX).wait()
     out = vector.tolist()
@@ -230,8 +236,9 @@ _MAX = dist.AllreduceOptions()
 _MAX.reduceOp = dist.ReduceOp.MAX
 
 
-def _gather(pg: Any, item: object, world: int) -> list:
-    """Every rank's `item` (pickled), on a group torch.distributed's object collectives do not know."""
+def _gather(pg: Any, item: object, world: int, kept: list[torch.Tensor]) -> list:
+    """Every rank's `item` (pickled), on a group torch.distributed's object collectives do not know; the tensors
+    sent and received are appended to `kept`."""
     data = torch.frombuffer(bytearray(pickle.dumps(item)), dtype=torch.uint8)
     longest = torch.tensor([data.numel()], dtype=torch.int64)
     pg.allreduce([longest], _MAX).wait()
@@ -239,6 +246,7 @@ def _gather(pg: Any, item: object, world: int) -> list:
     padded[: data.numel()] = data
     everyone = [torch.empty_like(padded) for _ in range(world)]
     pg.allgather([everyone], [padded]).wait()
+    kept += (data, longest, padded, *everyone)
     return [pickle.loads(t.numpy().tobytes()) for t in everyone]  # bytes past a pickle's end are ignored
 
 
