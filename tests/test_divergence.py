@@ -214,9 +214,9 @@ def _guard_threads():
     return [t for t in threading.enumerate() if t.name == "adasum-guard"]
 
 
-def _gan_step(g, d, rank, swapped):
-    """One step of a GAN's two gradient lists (equal total sizes); `swapped` calls them in the other order."""
-    for layout in (d, g) if swapped else (g, d):
+def _gan_step(g, d):
+    """One step of a GAN's two gradient lists (equal total sizes): G's, then D's."""
+    for layout in (g, d):
         adasum.all_reduce(layout)
 
 
@@ -224,17 +224,17 @@ def gan_blocked_body(rank, world):
     """Deferred checks (as on NCCL), run on gloo: G and D agreed, a few matching steps, then rank 1 swaps them
     and no rank calls adasum again (as if blocked on the device): every rank's guard names the divergence within
     the bound, without a next call; blocked past ABORT_AFTER_S, the communicator is aborted (a stand-in here:
-    gloo has none); every later call raises the same error; release ends the thread."""
+    gloo has none) by the guard's thread; every later call raises the same error; release ends the thread."""
     g, d = [torch.ones(4, 2)], [torch.ones(8)]  # one tensor each: gloo aborts on dot products of other sizes
     aborted = []
     with override(deferred_checks=True):
-        _gan_step(g, d, rank, False)
+        _gan_step(g, d)
         guard = groups.communicator(None).guard
-        guard.abort = lambda: aborted.append(time.monotonic())
+        guard.abort = lambda: aborted.append((time.monotonic(), threading.current_thread().name))
         for _ in range(5):
-            _gan_step(g, d, rank, False)
+            _gan_step(g, d)
         start = time.monotonic()
-        _gan_step(g, d, rank, rank == 1)
+        adasum.all_reduce(d if rank == 1 else g)  # the swapped step's first call
         while guard.error is None and time.monotonic() - start < BOUND_S:
             time.sleep(0.01)
         named = time.monotonic() - start
@@ -244,15 +244,16 @@ def gan_blocked_body(rank, world):
         again = _error_of(lambda: adasum.all_reduce([torch.ones(2)]))
     adasum.release()
     return (first[0], first[1], again[:2] == first[:2], named < BOUND_S, len(aborted),
-            aborted[0] - start < BOUND_S if aborted else None, guard.alive(), len(_guard_threads()))
+            aborted[0][0] - start < BOUND_S if aborted else None, aborted[0][1] if aborted else None, guard.alive(),
+            len(_guard_threads()))
 
 
 def test_a_gan_whose_lists_swap_on_one_rank_is_named_on_every_rank_without_a_next_call():
     results = distributed.run(2, gan_blocked_body)
     distributed.assert_ranks_agree([r[:2] for r in results])
-    for kind, message, same_again, named_in_time, aborts, aborted_in_time, alive, threads in results:
+    for kind, message, same_again, named_in_time, aborts, aborted_in_time, by, alive, threads in results:
         assert kind == "ValueError" and same_again and named_in_time, (kind, message)
-        assert aborts == 1 and aborted_in_time and not alive and threads == 0, results
+        assert aborts == 1 and aborted_in_time and by == "adasum-guard" and not alive and threads == 0, results
     assert results[0][1] == (
         "adasum.all_reduce: tensors differ across ranks at index 0: rank 0 has float32 [4, 2] on cpu, rank 1 has "
         "float32 [8] on cpu (a call already under way on some rank: its result is undefined; destroy the process "
@@ -260,30 +261,32 @@ def test_a_gan_whose_lists_swap_on_one_rank_is_named_on_every_rank_without_a_nex
 
 
 def gan_going_on_body(rank, world):
-    """The same divergence, ranks going on calling: a later call raises it on every rank, before the guard would
-    abort anything."""
-    g, d = [torch.ones(4, 2)], [torch.ones(8)]  # one tensor each: gloo aborts on dot products of other sizes
+    """The same divergence, ranks going on: a later call raises it on every rank, and aborts the communicator
+    first (a stand-in here), on the caller's thread.
+    (Each rank waits until its guard holds the error before calling again: on gloo a call whose data goes out
+    after its peer raised would wait for that peer until the group's timeout; on NCCL the abort ends that wait.)"""
+    g, d = [torch.ones(4, 2)], [torch.ones(8)]
     aborted = []
     with override(deferred_checks=True):
-        _gan_step(g, d, rank, False)
+        _gan_step(g, d)
         guard = groups.communicator(None).guard
-        guard.abort = lambda: aborted.append(1)
-        _gan_step(g, d, rank, rank == 1)
+        guard.abort = lambda: aborted.append(threading.current_thread().name)
         start = time.monotonic()
-        kind = message = None
-        while kind is None and time.monotonic() - start < BOUND_S:
-            kind, message, _ = _error_of(lambda: _gan_step(g, d, rank, False))
+        adasum.all_reduce(d if rank == 1 else g)
+        while guard.error is None and time.monotonic() - start < BOUND_S:
+            time.sleep(0.01)
+        kind, message, _ = _error_of(lambda: _gan_step(g, d))
         seconds = time.monotonic() - start
     time.sleep(0.2)
     adasum.release()
-    return kind, message, seconds < BOUND_S, len(aborted), len(_guard_threads())
+    return kind, message, seconds < BOUND_S, aborted, len(_guard_threads())
 
 
 def test_a_gan_whose_lists_swap_is_raised_by_a_later_call_on_every_rank():
     results = distributed.run(2, gan_going_on_body)
     distributed.assert_ranks_agree(results)
-    kind, message, in_time, aborts, threads = results[0]
-    assert kind == "ValueError" and in_time and aborts == 0 and threads == 0, results[0]
+    kind, message, in_time, aborted, threads = results[0]
+    assert kind == "ValueError" and in_time and aborted == ["MainThread"] and threads == 0, results[0]
     assert message.startswith("adasum.all_reduce: tensors differ across ranks at index 0: rank 0 has float32 [4, 2] "
                               "on cpu, rank 1 has float32 [8] on cpu (a call already under way"), message
 
@@ -295,7 +298,7 @@ def matching_body(rank, world):
     calls = 0
     with override(deferred_checks=True):
         for step in range(150):
-            _gan_step(g, d, rank, False)
+            _gan_step(g, d)
             calls += 2
             if step % 50 == 0:
                 adasum.Mean().all_reduce([torch.ones(step + 1)])  # a new layout: waits for its verdict
@@ -313,13 +316,13 @@ def test_matching_calls_raise_nothing_and_are_all_compared():
 def new_layout_on_one_rank_body(rank, world):
     """A layout's first call (compared before its data) on rank 0 against an agreed one that rank 1 posts without
     waiting (`prepare` alone: the check, no data): rank 0's call raises at once, rank 1's next call raises the
-    same error; neither is blocked, so nothing is aborted."""
+    same error; each aborts the communicator (a stand-in) as it raises."""
     config, a = ("test",), [torch.ones(6)]
     aborted = []
     with override(deferred_checks=True):
         prepare(a, None, config=config, operation="test")
         guard = groups.communicator(None).guard
-        guard.abort = lambda: aborted.append(1)
+        guard.abort = lambda: aborted.append(threading.current_thread().name)
         mine = [torch.ones(2, 3)] if rank == 0 else a
         kind, message, seconds = _error_of(lambda: prepare(mine, None, config=config, operation="test"))
         start = time.monotonic()
@@ -329,14 +332,14 @@ def new_layout_on_one_rank_body(rank, world):
             kind, message, _ = _error_of(lambda: prepare(a, None, config=config, operation="test"))
         seconds += time.monotonic() - start
     adasum.release()
-    return kind, message, seconds < BOUND_S, len(aborted), rank == 0 or guard.checked == 1
+    return kind, message, seconds < BOUND_S, aborted, rank == 0 or guard.checked == 1
 
 
 def test_a_new_layout_on_one_rank_against_a_posted_one_is_named_on_every_rank():
     results = distributed.run(2, new_layout_on_one_rank_body)
     distributed.assert_ranks_agree(results)
-    kind, message, in_time, aborts, _ = results[0]
-    assert kind == "ValueError" and in_time and aborts == 0 and all(r[4] for r in results), results
+    kind, message, in_time, aborted, _ = results[0]
+    assert kind == "ValueError" and in_time and aborted == ["MainThread"] and all(r[4] for r in results), results
     assert message == ("test: tensors differ across ranks at index 0: rank 0 has float32 [2, 3] on cpu, rank 1 has "
                        "float32 [6] on cpu (a call already under way on some rank: its result is undefined; destroy "
                        "the process group)"), message

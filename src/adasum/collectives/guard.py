@@ -15,9 +15,10 @@ synchronous check names it: every rank's configuration and description are gathe
 every rank gets the same error (`adasum.collectives.agreement.named_difference`). Where every rank was waiting
 for that slot, nothing moved: the error is raised by the waiting call and the guard goes on. Where some rank
 had posted it without waiting (its data collectives enqueued), the error is *fatal*: it is kept and raised by
-every later call of the group on this rank; and where the data group is NCCL and the error has not been raised
-here within `ABORT_AFTER_S` (the caller is blocked, e.g. on the device behind a collective of a size its peer
-never matches), the guard aborts the group's NCCL communicator, which ends its kernels.
+every later call of the group on this rank, and where the data group is NCCL its communicator is aborted, which
+ends kernels that wait for data no peer sends: by the call that raises the error (first, on the caller's
+thread), or by the guard if no call raised it within `ABORT_AFTER_S` (the caller is blocked, e.g. on the device
+behind such a kernel).
 
 `Guard.stop` (from `adasum.release` and ``destroy_process_group``) lets the thread compare what was posted, then
 joins it.
@@ -43,8 +44,8 @@ SLOTS = 128
 ROUND_PAUSE_S = 0.002
 """Pause between two rounds while no caller waits for a verdict: a round's calls are batched over it."""
 ABORT_AFTER_S = 2.0
-"""How long a fatal divergence waits to be raised by the group's next call before the NCCL communicator is
-aborted (the caller is then taken to be blocked on the device)."""
+"""How long a fatal divergence waits to be raised by the group's next call before the guard aborts the NCCL
+communicator itself (the caller is then taken to be blocked on the device)."""
 
 
 class _Waiter:
@@ -74,6 +75,8 @@ class Guard:
         self.error: BaseException | None = None  # a fatal divergence or a failure of the guard's group
         self.checked = 0  # slots compared and found equal
         self.aborted = False
+        self._fatal = False  # the kept error is a divergence of a call already under way
+        self._abort_lock = threading.Lock()
         self._wake = threading.Event()
         self._raised = threading.Event()
         self._idle = False
@@ -108,11 +111,15 @@ class Guard:
                 self._raise()
         if waiter.error is not None:
             if waiter.error is self.error:
-                self._raised.set()
+                self._raise()
             raise waiter.error
 
     def _raise(self) -> None:
+        """Raise the kept error; after a divergence, abort the NCCL communicator first (here, on the caller's
+        thread, so that no collective of this rank is being enqueued meanwhile)."""
         self._raised.set()
+        if self._fatal:
+            self._abort_once()
         raise self.error  # type: ignore[misc]
 
     def stop(self) -> None:
@@ -178,6 +185,7 @@ class Guard:
         self.checked += bad
         error = self._named(pg, carry[bad], fatal)
         if fatal:
+            self._fatal = True
             self._fail(error, carry)
             self._abort_unless_raised()
             return False
@@ -205,11 +213,14 @@ class Guard:
                 slot[4].done.set()
 
     def _abort_unless_raised(self) -> None:
-        if self.abort is None:
-            return
-        if self._raised.wait(ABORT_AFTER_S) or self._stopping:
-            return
-        self.aborted = True
+        if not self._raised.wait(ABORT_AFTER_S) and not self._stopping:
+            self._abort_once()  # the caller is blocked, likely on the device behind this call's kernels
+
+    def _abort_once(self) -> None:
+        with self._abort_lock:
+            if self.abort is None or self.aborted:
+                return
+            self.aborted = True
         self.abort()
 
 

@@ -26,11 +26,11 @@ How a call's fingerprint is compared (``check="call"``):
   group usable). Later calls do not wait: the call appends its plan (a microsecond or two) and its
   data goes on. A divergent one is named by the thread within milliseconds on every rank; the
   error is kept and raised by every later call of the group on that rank (ValueError, ending
-  ``(a call already under way on some rank: its result is undefined; destroy the process group)``);
-  a rank whose next call does not come within `adasum.collectives.guard.ABORT_AFTER_S` (blocked on
-  the device behind a collective its peers never match) has the group's NCCL communicator aborted,
-  which ends its kernels. Afterwards the process group must be destroyed and training restarted
-  (docs/faults.md).
+  ``(a call already under way on some rank: its result is undefined; destroy the process group)``),
+  and the group's NCCL communicator is aborted, which ends kernels that wait for data no peer sends:
+  by the call that raises the error, or by the guard where no call came within
+  `adasum.collectives.guard.ABORT_AFTER_S` (the rank is blocked on the device behind such a kernel).
+  Afterwards the process group must be destroyed and training restarted (docs/faults.md).
 """
 
 from __future__ import annotations
