@@ -401,3 +401,33 @@ def test_a_divergent_call_that_blocks_on_the_device_is_named_on_every_rank(world
     assert kind == "ValueError" and in_time, results[0]
     assert message == (f"adasum.all_reduce: tensors differ across ranks at index 0: rank 0 has float32 [4, 2] on "
                        f"{device}, rank {world - 1} has float32 [5] on {device}"), message
+
+
+def subgroup_body(rank, world):
+    """Deferred checks on a group of ranks 0 and 1 out of 3: the guard connects the members only (rank 2 never
+    calls), and names a swap on both."""
+    sub = dist.new_group([0, 1])
+    if rank == 2:
+        return None
+    g, d = [torch.ones(4, 2)], [torch.ones(8)]
+    with override(deferred_checks=True):
+        for _ in range(3):
+            adasum.all_reduce(g, group=sub)
+            adasum.all_reduce(d, group=sub)
+        guard = groups.communicator(sub).guard
+        adasum.all_reduce(d if rank == 1 else g, group=sub)
+        start = time.monotonic()
+        while guard.error is None and time.monotonic() - start < BOUND_S:
+            time.sleep(0.01)
+        kind, message, _ = _error_of(lambda: adasum.all_reduce(g, group=sub))
+    adasum.release()
+    return kind, message, len(_guard_threads())
+
+
+def test_deferred_checks_on_a_subgroup_name_a_swap_on_its_members():
+    results = distributed.run(3, subgroup_body)
+    assert results[2] is None and results[0] == results[1], results
+    kind, message, threads = results[0]
+    assert kind == "ValueError" and threads == 0, results[0]
+    assert message.startswith("adasum.all_reduce: tensors differ across ranks at index 0: rank 0 has float32 [4, 2] "
+                              "on cpu, rank 1 has float32 [8] on cpu (a call already under way"), message

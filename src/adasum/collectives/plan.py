@@ -160,6 +160,14 @@ def _deferred(device: torch.device) -> bool:
 
 
 def recheck(plan: Plan, group: dist.ProcessGroup | None, operation: str, what: str = "tensors") -> None:
-    """The cross-rank part of ``check="call"`` for a repeat of an agreed plan on NCCL (a replayed graph, whose
-    plan look-up is skipped): its fingerprint is posted to the group's guard."""
-    guard_of(communicator(group), group).post(plan, what, operation)
+    """The cross-rank part of ``check="call"`` for a repeat of an agreed plan on a GPU (a replayed graph, whose
+    plan look-up is skipped): its fingerprint is posted to the group's guard, or compared at once where checks
+    are not deferred."""
+    if _deferred(_CUDA):
+        guard_of(communicator(group), group).post(plan, what, operation)
+        return
+    with failures_named(operation, "the layout check", group):
+        agree(plan.description, None, group, what, operation, plan.config)
+
+
+_CUDA = torch.device("cuda")
