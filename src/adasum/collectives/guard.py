@@ -75,6 +75,7 @@ class Guard:
         self.error: BaseException | None = None  # a fatal divergence or a failure of the guard's group
         self.checked = 0  # slots compared and found equal
         self.aborted = False
+        self.abort_error: BaseException | None = None
         self._fatal = False  # the kept error is a divergence of a call already under way
         self._abort_lock = threading.Lock()
         self._wake = threading.Event()
@@ -205,8 +206,10 @@ class Guard:
         return named_difference(everyone, what)
 
     def _fail(self, error: BaseException, carry: list[_Slot]) -> None:
-        """Keep `error` for every later call, and hand it to every caller still waiting."""
-        self.error = error
+        """Keep `error` for every later call (the first one kept stays), and hand it to every caller still waiting."""
+        if self.error is None:
+            self.error = error
+        error = self.error
         for slot in [*carry, *self.slots]:
             if slot[4] is not None:
                 slot[4].error = error
@@ -221,7 +224,10 @@ class Guard:
             if self.abort is None or self.aborted:
                 return
             self.aborted = True
-        self.abort()
+        try:
+            self.abort()
+        except Exception as error:  # noqa: BLE001 - the divergence is what is raised; this is kept to be read
+            self.abort_error = error
 
 
 def _round(pg: Any, carry: list[_Slot], vector: torch.Tensor) -> tuple[int, int | None, bool]:
