@@ -288,10 +288,8 @@ def guard_of(comm: Communicator, group: dist.ProcessGroup | None) -> Guard:
 def _nccl_abort(pg: dist.ProcessGroup) -> Callable[[], None] | None:
     """The abort of `pg`'s NCCL backend (None on other backends): ends its kernels, leaves torch's registry of
     groups as it is, so that ``destroy_process_group`` still works."""
-    if dist.get_backend(pg) != "nccl":
-        return None
     try:
         backend = pg._get_backend(torch.device("cuda"))
-    except RuntimeError:
+    except RuntimeError:  # no CUDA backend
         return None
-    return backend.abort
+    return backend.abort if type(backend).__name__ == "ProcessGroupNCCL" else None
