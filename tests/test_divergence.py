@@ -303,14 +303,25 @@ def matching_body(rank, world):
             if step % 50 == 0:
                 adasum.Mean().all_reduce([torch.ones(step + 1)])  # a new layout: waits for its verdict
                 calls += 1
+        # a new layout with a problem on one rank: every rank waits for its verdict, so nothing moved; the guard
+        # goes on
+        t = torch.ones(1).expand(5) if rank == 1 else torch.ones(5)
+        problem = _error_of(lambda: adasum.all_reduce([t]))[:2]
+        for _ in range(10):
+            _gan_step(g, d)
+            calls += 2
         guard = groups.communicator(None).guard
     adasum.release()
-    return guard.error, guard.checked == calls, guard.alive(), len(_guard_threads())
+    return guard.error, guard.checked == calls, guard.alive(), len(_guard_threads()), problem
 
 
 def test_matching_calls_raise_nothing_and_are_all_compared():
     results = distributed.run(2, matching_body)
-    assert all(r == (None, True, False, 0) for r in results), results
+    assert all(r[:4] == (None, True, False, 0) for r in results), results
+    distributed.assert_ranks_agree([r[4] for r in results])
+    kind, message = results[0][4]
+    assert kind == "ValueError" and "tensor 0 has elements that share memory" in message, message
+    assert message.endswith("on rank 1"), message
 
 
 def new_layout_on_one_rank_body(rank, world):
