@@ -41,8 +41,9 @@ from adasum.transport.groups import Communicator, failures_named, group_timeout
 
 SLOTS = 128
 """Calls compared per round at most (a round's vector has 1 + 4 x SLOTS int64)."""
-ROUND_PAUSE_S = 0.002
-"""Pause between two rounds while no caller waits for a verdict: a round's calls are batched over it."""
+ROUND_PAUSE_S = 0.05
+"""Pause between two rounds while no caller waits for a verdict: a round's calls are batched over it (shorter
+pauses name a divergence sooner but take the cores the data exchange runs on more often)."""
 ABORT_AFTER_S = 2.0
 """How long a fatal divergence waits to be raised by the group's next call before the guard aborts the NCCL
 communicator itself (the caller is then taken to be blocked on the device)."""

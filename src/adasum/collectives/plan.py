@@ -24,7 +24,7 @@ How a call's fingerprint is compared (``check="call"``):
   checked call of every rank with its peers' on a gloo group of its own. A plan's first call, and a
   call with a local problem, wait for the verdict (nothing moves before it; an error leaves the
   group usable). Later calls do not wait: the call appends its plan (a few microseconds) and its
-  data goes on. A divergent one is named by the thread within milliseconds on every rank; the
+  data goes on. A divergent one is named by the thread within 0.1 s on every rank; the
   error is kept and raised by every later call of the group on that rank (ValueError, ending
   ``(a call already under way on some rank: its result is undefined; destroy the process group)``),
   and the group's NCCL communicator is aborted, which ends kernels that wait for data no peer sends:
