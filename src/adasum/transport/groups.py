@@ -160,7 +160,8 @@ def communicator(group: dist.ProcessGroup | None = None) -> Communicator:
 
 def release(group: dist.ProcessGroup | None = None) -> None:
     """Drop what adasum keeps for process groups: captured CUDA graphs, transports and their symmetric
-    buffers, control groups, plans, workspaces, side streams. Local (no collective). With a
+    buffers, control groups, plans, workspaces, side streams, and the guard threads of deferred checks (each
+    first compares what it was given with its peers', which gave it the same). Otherwise local (no collective). With a
     `group`, only that group's communicator goes (symmetric buffers are shared and stay).
 
     For teardown: ``torch.distributed.destroy_process_group`` calls it first (once adasum has worked on
@@ -210,7 +211,8 @@ def _install_teardown_hook() -> None:
 
 
 def _destroy_gloo_groups() -> None:
-    """At interpreter exit (module doc): let gloo's threads finish, then destroy gloo-only groups."""
+    """At interpreter exit (module doc): stop the guards of deferred checks, let gloo's threads finish, then destroy
+    gloo-only groups."""
     with _registry.lock:
         for comm in _registry.communicators.values():
             if comm.guard is not None:
