@@ -1,6 +1,7 @@
 """Ranks that diverge after agreed calls, or are configured differently, get the same clear error on
 every rank before data moves: never a silent mix, a hang or an abort (gloo, 2 and 3 ranks)."""
 
+import threading
 import time
 from datetime import timedelta
 
@@ -209,32 +210,155 @@ def test_one_state_on_two_models_is_refused():
     assert kind == "RuntimeError" and "registered on a second DDP model" in message, message
 
 
-def deferred_body(rank, world):
-    """The NCCL way (a repeated call's fingerprint compared at the group's next call), run on gloo: two equal-size
-    layouts agreed, then swapped; the next call raises the same error on every rank."""
-    a, b = [torch.ones(4, 2)], [torch.ones(8)]
+def _guard_threads():
+    return [t for t in threading.enumerate() if t.name == "adasum-guard"]
+
+
+def _gan_step(g, d):
+    """One step of a GAN's two gradient lists (equal total sizes): G's, then D's."""
+    for layout in (g, d):
+        adasum.all_reduce(layout)
+
+
+def gan_blocked_body(rank, world):
+    """Deferred checks (as on NCCL), run on gloo: G and D agreed, a few matching steps, then rank 1 swaps them
+    and no rank calls adasum again (as if blocked on the device): every rank's guard names the divergence within
+    the bound, without a next call; blocked past ABORT_AFTER_S, the communicator is aborted (a stand-in here:
+    gloo has none) by the guard's thread; every later call raises the same error; release ends the thread."""
+    g, d = [torch.ones(4, 2)], [torch.ones(8)]  # one tensor each: gloo aborts on dot products of other sizes
+    aborted = []
     with override(deferred_checks=True):
-        adasum.all_reduce(a)
-        adasum.all_reduce(b)
-        adasum.all_reduce(a)  # agreed: its fingerprint goes out, compared at the next call
-        adasum.all_reduce(b if rank == 1 else a)  # diverges: not caught yet (its data moved)
-        kind, message, seconds = _error_of(lambda: adasum.all_reduce(a))
-    return kind, message, seconds < BOUND_S
+        _gan_step(g, d)
+        guard = groups.communicator(None).guard
+        guard.abort = lambda: aborted.append((time.monotonic(), threading.current_thread().name))
+        for _ in range(5):
+            _gan_step(g, d)
+        start = time.monotonic()
+        adasum.all_reduce(d if rank == 1 else g)  # the swapped step's first call
+        while guard.error is None and time.monotonic() - start < BOUND_S:
+            time.sleep(0.01)
+        named = time.monotonic() - start
+        while not aborted and time.monotonic() - start < BOUND_S:
+            time.sleep(0.05)
+        first = _error_of(lambda: adasum.all_reduce(g))
+        again = _error_of(lambda: adasum.all_reduce([torch.ones(2)]))
+    adasum.release()
+    return (first[0], first[1], again[:2] == first[:2], named < BOUND_S, len(aborted),
+            aborted[0][0] - start < BOUND_S if aborted else None, aborted[0][1] if aborted else None, guard.alive(),
+            len(_guard_threads()))
 
 
-def test_deferred_fingerprints_name_the_divergent_call_at_the_next_call():
-    results = distributed.run(2, deferred_body)
+def test_a_gan_whose_lists_swap_on_one_rank_is_named_on_every_rank_without_a_next_call():
+    results = distributed.run(2, gan_blocked_body)
+    distributed.assert_ranks_agree([r[:2] for r in results])
+    for kind, message, same_again, named_in_time, aborts, aborted_in_time, by, alive, threads in results:
+        assert kind == "ValueError" and same_again and named_in_time, (kind, message)
+        assert aborts == 1 and aborted_in_time and by == "adasum-guard" and not alive and threads == 0, results
+    assert results[0][1] == (
+        "adasum.all_reduce: tensors differ across ranks at index 0: rank 0 has float32 [4, 2] on cpu, rank 1 has "
+        "float32 [8] on cpu (a call already under way on some rank: its result is undefined; destroy the process "
+        "group)"), results[0][1]
+
+
+def gan_going_on_body(rank, world):
+    """The same divergence, ranks going on: a later call raises it on every rank, and aborts the communicator
+    first (a stand-in here), on the caller's thread.
+    (Each rank waits until its guard holds the error before calling again: on gloo a call whose data goes out
+    after its peer raised would wait for that peer until the group's timeout; on NCCL the abort ends that wait.)"""
+    g, d = [torch.ones(4, 2)], [torch.ones(8)]
+    aborted = []
+    with override(deferred_checks=True):
+        _gan_step(g, d)
+        guard = groups.communicator(None).guard
+        guard.abort = lambda: aborted.append(threading.current_thread().name)
+        start = time.monotonic()
+        adasum.all_reduce(d if rank == 1 else g)
+        while guard.error is None and time.monotonic() - start < BOUND_S:
+            time.sleep(0.01)
+        kind, message, _ = _error_of(lambda: _gan_step(g, d))
+        seconds = time.monotonic() - start
+    time.sleep(0.2)
+    adasum.release()
+    return kind, message, seconds < BOUND_S, aborted, len(_guard_threads())
+
+
+def test_a_gan_whose_lists_swap_is_raised_by_a_later_call_on_every_rank():
+    results = distributed.run(2, gan_going_on_body)
     distributed.assert_ranks_agree(results)
-    kind, message, in_time = results[0]
-    assert kind == "ValueError" and in_time, results[0]
-    assert message == ("adasum.all_reduce: tensors differ across ranks at index 0: rank 0 has float32 [4, 2] on cpu, "
-                       "rank 1 has float32 [8] on cpu (an earlier call; its result is undefined: destroy the process "
-                       "group)"), message
+    kind, message, in_time, aborted, threads = results[0]
+    assert kind == "ValueError" and in_time and aborted == ["MainThread"] and threads == 0, results[0]
+    assert message.startswith("adasum.all_reduce: tensors differ across ranks at index 0: rank 0 has float32 [4, 2] "
+                              "on cpu, rank 1 has float32 [8] on cpu (a call already under way"), message
+
+
+def matching_body(rank, world):
+    """Deferred checks over many matching calls, new layouts (compared before their data) among them: nothing is
+    raised, every checked call is compared, and release ends the thread."""
+    g, d = [torch.ones(4, 2)], [torch.ones(8)]  # one tensor each: gloo aborts on dot products of other sizes
+    calls = 0
+    with override(deferred_checks=True):
+        for step in range(150):
+            _gan_step(g, d)
+            calls += 2
+            if step % 50 == 0:
+                adasum.Mean().all_reduce([torch.ones(step + 1)])  # a new layout: waits for its verdict
+                calls += 1
+        # a new layout with a problem on one rank: every rank waits for its verdict, so nothing moved; the guard
+        # goes on
+        t = torch.ones(1).expand(5) if rank == 1 else torch.ones(5)
+        problem = _error_of(lambda: adasum.all_reduce([t]))[:2]
+        for _ in range(10):
+            _gan_step(g, d)
+            calls += 2
+        guard = groups.communicator(None).guard
+    adasum.release()
+    return guard.error, guard.checked == calls, guard.alive(), len(_guard_threads()), problem
+
+
+def test_matching_calls_raise_nothing_and_are_all_compared():
+    results = distributed.run(2, matching_body)
+    assert all(r[:4] == (None, True, False, 0) for r in results), results
+    distributed.assert_ranks_agree([r[4] for r in results])
+    kind, message = results[0][4]
+    assert kind == "ValueError" and "tensor 0 has elements that share memory" in message, message
+    assert message.endswith("on rank 1"), message
+
+
+def new_layout_on_one_rank_body(rank, world):
+    """A layout's first call (compared before its data) on rank 0 against an agreed one that rank 1 posts without
+    waiting (`prepare` alone: the check, no data): rank 0's call raises at once, rank 1's next call raises the
+    same error; each aborts the communicator (a stand-in) as it raises."""
+    config, a = ("test",), [torch.ones(6)]
+    aborted = []
+    with override(deferred_checks=True):
+        prepare(a, None, config=config, operation="test")
+        guard = groups.communicator(None).guard
+        guard.abort = lambda: aborted.append(threading.current_thread().name)
+        mine = [torch.ones(2, 3)] if rank == 0 else a
+        kind, message, seconds = _error_of(lambda: prepare(mine, None, config=config, operation="test"))
+        start = time.monotonic()
+        while kind is None and guard.error is None and time.monotonic() - start < BOUND_S:
+            time.sleep(0.01)
+        if kind is None:
+            kind, message, _ = _error_of(lambda: prepare(a, None, config=config, operation="test"))
+        seconds += time.monotonic() - start
+    adasum.release()
+    return kind, message, seconds < BOUND_S, aborted, rank == 0 or guard.checked == 1
+
+
+def test_a_new_layout_on_one_rank_against_a_posted_one_is_named_on_every_rank():
+    results = distributed.run(2, new_layout_on_one_rank_body)
+    distributed.assert_ranks_agree(results)
+    kind, message, in_time, aborted, _ = results[0]
+    assert kind == "ValueError" and in_time and aborted == ["MainThread"] and all(r[4] for r in results), results
+    assert message == ("test: tensors differ across ranks at index 0: rank 0 has float32 [2, 3] on cpu, rank 1 has "
+                       "float32 [6] on cpu (a call already under way on some rank: its result is undefined; destroy "
+                       "the process group)"), message
 
 
 def swapped_on_backend_body(rank, world):
-    """Swapped equal-size layouts on the test backend's devices: gloo names the divergent call itself, NCCL the
-    call after it (deferred fingerprints); either way every rank raises the same error within the bound."""
+    """Swapped equal-size layouts on the test backend's devices: gloo names the divergent call itself, NCCL a later
+    call (the guard compares it off the call's path); either way every rank raises the same error within the bound."""
     dev = distributed.device_for(rank)
     a, b = [torch.ones(4, 2, device=dev)], [torch.ones(8, device=dev)]
     adasum.all_reduce(a)
@@ -242,7 +366,9 @@ def swapped_on_backend_body(rank, world):
 
     def diverge_then_go_on():
         adasum.all_reduce(b if rank == world - 1 else a)
-        adasum.all_reduce(a)
+        start = time.monotonic()
+        while time.monotonic() - start < BOUND_S:  # NCCL: a later call raises what the guard found
+            adasum.all_reduce(a)
 
     kind, message, seconds = _error_of(diverge_then_go_on)
     return kind, (message or "").split(" (an earlier call")[0], seconds < BOUND_S
@@ -258,3 +384,61 @@ def test_swapped_layouts_are_named_on_every_rank_of_the_test_backend(world):
     assert kind == "ValueError" and in_time, results[0]
     assert message == (f"adasum.all_reduce: tensors differ across ranks at index 0: rank 0 has float32 [4, 2] on "
                        f"{device}, rank {world - 1} has float32 [8] on {device}"), message
+
+
+def blocked_on_backend_body(rank, world):
+    """Layouts of different sizes, each agreed, then one rank calls the other: gloo names the call itself; on NCCL
+    its kernels wait for sizes no peer sends and the host blocks on the device: the guard names it and aborts the
+    communicator, which ends them, and the next call raises the same error on every rank."""
+    dev = distributed.device_for(rank)
+    a, c = [torch.ones(4, 2, device=dev)], [torch.ones(5, device=dev)]
+    adasum.all_reduce(a)
+    adasum.all_reduce(c)
+    start = time.monotonic()
+    kind, message, _ = _error_of(lambda: adasum.all_reduce(c if rank == world - 1 else a))
+    if kind is None:
+        torch.cuda.synchronize()  # blocked until the guard aborts the communicator
+        kind, message, _ = _error_of(lambda: adasum.all_reduce(a))
+    return kind, (message or "").split(" (a call")[0], time.monotonic() - start < BOUND_S
+
+
+@pytest.mark.nccl
+@pytest.mark.parametrize("world", distributed.world_sizes(2, 4))
+def test_a_divergent_call_that_blocks_on_the_device_is_named_on_every_rank(world):
+    results = distributed.run(world, blocked_on_backend_body)
+    distributed.assert_ranks_agree(results)
+    kind, message, in_time = results[0]
+    device = "cuda" if distributed.BACKEND == "nccl" else "cpu"
+    assert kind == "ValueError" and in_time, results[0]
+    assert message == (f"adasum.all_reduce: tensors differ across ranks at index 0: rank 0 has float32 [4, 2] on "
+                       f"{device}, rank {world - 1} has float32 [5] on {device}"), message
+
+
+def subgroup_body(rank, world):
+    """Deferred checks on a group of ranks 0 and 1 out of 3: the guard connects the members only (rank 2 never
+    calls), and names a swap on both."""
+    sub = dist.new_group([0, 1])
+    if rank == 2:
+        return None
+    g, d = [torch.ones(4, 2)], [torch.ones(8)]
+    with override(deferred_checks=True):
+        for _ in range(3):
+            adasum.all_reduce(g, group=sub)
+            adasum.all_reduce(d, group=sub)
+        guard = groups.communicator(sub).guard
+        adasum.all_reduce(d if rank == 1 else g, group=sub)
+        start = time.monotonic()
+        while guard.error is None and time.monotonic() - start < BOUND_S:
+            time.sleep(0.01)
+        kind, message, _ = _error_of(lambda: adasum.all_reduce(g, group=sub))
+    adasum.release()
+    return kind, message, len(_guard_threads())
+
+
+def test_deferred_checks_on_a_subgroup_name_a_swap_on_its_members():
+    results = distributed.run(3, subgroup_body)
+    assert results[2] is None and results[0] == results[1], results
+    kind, message, threads = results[0]
+    assert kind == "ValueError" and threads == 0, results[0]
+    assert message.startswith("adasum.all_reduce: tensors differ across ranks at index 0: rank 0 has float32 [4, 2] "
+                              "on cpu, rank 1 has float32 [8] on cpu (a call already under way"), message

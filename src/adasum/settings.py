@@ -49,7 +49,7 @@ class Settings:
     group_rank: int | None = None
     """This process's node, as torchrun sets it (``GROUP_RANK``)."""
     deferred_checks: bool | None = None
-    """Compare a repeated call's fingerprint at the group's next call instead of before its data (None: on NCCL
+    """Compare a repeated call's fingerprint on the group's guard thread instead of before its data (None: on NCCL
     only, where the host must not wait; `adasum.collectives.plan`)."""
     symmetric: bool = True
     """Symmetric memory may be chosen on NCCL (``ADASUM_SYMMETRIC``)."""

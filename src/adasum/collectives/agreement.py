@@ -321,19 +321,25 @@ def raise_difference(
     note: str = "",
 ) -> None:
     """After fingerprints differed: gather every rank's configuration, description and problem on `control` and
-    raise the same error on every rank, as rank 0 names it: the first difference (ValueError, `difference`, then
-    `note`), or else the lowest rank's problem."""
+    raise the same error on every rank (`named_difference`)."""
     everyone: list = [None] * dist.get_world_size(control)
     dist.all_gather_object(everyone, (config, list(description), problem, operation, note), group=control)
+    raise named_difference(everyone, what)
+
+
+def named_difference(everyone: Sequence[tuple], what: str) -> Exception:
+    """The error of every rank's ``(config, description, problem, operation, note)``, as rank 0 names it (so that
+    every rank raises the very same one): the first difference (ValueError, `difference`, then the note), or else
+    the lowest rank's problem."""
     configs = [c for c, _, _, _, _ in everyone]
     descriptions = [d for _, d, _, _, _ in everyone]
+    operation, note = everyone[0][3], everyone[0][4]
     if any(c != configs[0] for c in configs) or any(d != descriptions[0] for d in descriptions):
-        # named as rank 0 names it, so that every rank raises the very same error
-        raise ValueError(f"{everyone[0][3]}: {difference(configs, descriptions, what)}{everyone[0][4]}")
+        return ValueError(f"{operation}: {difference(configs, descriptions, what)}{note}")
     for rank, (_, _, theirs, _, _) in enumerate(everyone):
         if theirs is not None:
-            raise theirs.exception(everyone[0][3], rank)
-    raise ValueError(f"{operation}: {what} differ across ranks")  # a fingerprint collision cannot get here
+            return theirs.exception(operation, rank)
+    return ValueError(f"{operation}: {what} differ across ranks{note}")  # a fingerprint collision cannot get here
 
 
 def check_same_layout(

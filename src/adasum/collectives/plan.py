@@ -19,13 +19,18 @@ How a call's fingerprint is compared (``check="call"``):
   the checks' own group, before any data moves. Ranks whose layouts or configurations differ, or
   whose calls come in a different order, get the same ValueError on every rank naming the first
   difference and the ranks; nothing was changed.
-* NCCL: the plan's first call is checked as on gloo (a host round trip on the CPU control group,
-  no device synchronisation). Later calls post the fingerprint on the control group without
-  waiting (`_post_fingerprint`) and compare it at the group's next call, before that call's data
-  moves. A divergent call is named there on every rank; its own data collectives were already
-  enqueued: its result is undefined, and if the divergent layouts differ in size its NCCL kernels
-  may never finish, so after the error the process group must be destroyed (on NCCL,
-  ``destroy_process_group`` aborts the communicator) and training restarted (docs/faults.md).
+* NCCL (``deferred_checks``, on by default where the group's device is a GPU): every checked call
+  hands its plan to the group's guard (`adasum.collectives.guard`), a thread that compares the i-th
+  checked call of every rank with its peers' on a gloo group of its own. A plan's first call, and a
+  call with a local problem, wait for the verdict (nothing moves before it; an error leaves the
+  group usable). Later calls do not wait: the call appends its plan (a few microseconds) and its
+  data goes on. A divergent one is named by the thread within 0.1 s on every rank; the
+  error is kept and raised by every later call of the group on that rank (ValueError, ending
+  ``(a call already under way on some rank: its result is undefined; destroy the process group)``),
+  and the group's NCCL communicator is aborted, which ends kernels that wait for data no peer sends:
+  by the call that raises the error, or by the guard where no call came within
+  `adasum.collectives.guard.ABORT_AFTER_S` (the rank is blocked on the device behind such a kernel).
+  Afterwards the process group must be destroyed and training restarted (docs/faults.md).
 """
 
 from __future__ import annotations
@@ -44,9 +49,9 @@ from adasum.collectives.agreement import (
     describe,
     describe_flat,
     local_problem,
-    raise_difference,
     signature,
 )
+from adasum.collectives.guard import guard_of
 from adasum.settings import current
 from adasum.transport.groups import Communicator, communicator, failures_named, group_device
 
@@ -139,54 +144,32 @@ def prepare(
         if problem is not None:
             raise problem.exception(operation, dist.get_rank(group))
         return plan
-    with failures_named(operation, "the layout check", group):
-        settle(comm, group)
-        deferred = current().deferred_checks
-        if plan.agreed and problem is None and (device.type == "cuda" if deferred is None else deferred):
-            _post_fingerprint(comm, plan, group, what, operation)
-        else:
+    if not _deferred(device):
+        with failures_named(operation, "the layout check", group):
             agree(plan.description, problem, group, what, operation, plan.config)
-            plan.agreed = True
+    elif plan.agreed and problem is None:
+        guard_of(comm, group).post(plan, what, operation)  # compared off the call's path
+        return plan
+    else:
+        guard_of(comm, group).check(plan, problem, what, operation)
+    plan.agreed = True
     return plan
 
 
+def _deferred(device: torch.device) -> bool:
+    deferred = current().deferred_checks
+    return device.type == "cuda" if deferred is None else deferred
+
+
 def recheck(plan: Plan, group: dist.ProcessGroup | None, operation: str, what: str = "tensors") -> None:
-    """The cross-rank part of ``check="call"`` for a repeat of an agreed plan on NCCL (a replayed graph, whose
-    plan look-up is skipped): compare the earlier fingerprints, post this one."""
-    comm = communicator(group)
+    """The cross-rank part of ``check="call"`` for a repeat of an agreed plan on a GPU (a replayed graph, whose
+    plan look-up is skipped): its fingerprint is posted to the group's guard, or compared at once where checks
+    are not deferred."""
+    if _deferred(_CUDA):
+        guard_of(communicator(group), group).post(plan, what, operation)
+        return
     with failures_named(operation, "the layout check", group):
-        settle(comm, group)
-        _post_fingerprint(comm, plan, group, what, operation)
+        agree(plan.description, None, group, what, operation, plan.config)
 
 
-@dataclass
-class _Posted:
-    work: Any
-    probe: torch.Tensor
-    plan: Plan
-    what: str
-    operation: str
-
-
-def _post_fingerprint(comm: Communicator, plan: Plan, group: dist.ProcessGroup | None, what: str,
-                      operation: str) -> None:
-    """Start the all-reduce (MAX) of [fingerprint, -fingerprint] on the control group; `settle` compares it."""
-    # three values, as `agree`'s probe: a peer that checks a new layout synchronously pairs with this one
-    probe = torch.tensor([plan.fingerprint, -plan.fingerprint, 0], dtype=torch.int64)
-    work = dist.all_reduce(probe, op=dist.ReduceOp.MAX, group=comm.control_group(), async_op=True)
-    comm.pending.append(_Posted(work, probe, plan, what, operation))
-
-
-def settle(comm: Communicator, group: dist.ProcessGroup | None) -> None:
-    """Compare the fingerprints posted by earlier calls (every rank posted its own before its data, so the
-    waits end at once); on a difference, gather what each rank passed and raise the same ValueError on
-    every rank, naming the first difference (module doc: the state afterwards)."""
-    while comm.pending:
-        posted = comm.pending.pop(0)
-        posted.work.wait()
-        high, neg_low, _ = posted.probe.tolist()
-        if high == -neg_low:
-            continue
-        comm.pending.clear()
-        raise_difference(comm.control_group(), posted.plan.config, posted.plan.description, None, posted.what,
-                         posted.operation, " (an earlier call; its result is undefined: destroy the process group)")
+_CUDA = torch.device("cuda")

@@ -79,7 +79,7 @@ class Communicator:
     control group, the plans per layout (`adasum.collectives.plan`), the captured CUDA graphs and
     their one capture point (`run`), the symmetric memory (`adasum.transport.symmetric.SymmetricPool`),
     the tile addresses of lists the kernels read in place (`adasum.kernels.addresses.AddressTables`),
-    the CPU workspaces, and the fingerprints posted but not yet compared.
+    the CPU workspaces, and the guard thread of the deferred checks (stopped by `clear`).
 
     Calls on one group must come from one thread at a time (as torch.distributed's own collectives
     must: their order pairs them across ranks); different groups may run on different threads.
@@ -96,7 +96,7 @@ class Communicator:
         self.tiles = AddressTables()
         self.workspace = Workspace()
         self.last: Any = None  # the last captured list call: its replay skips the plan look-up
-        self.pending: list[Any] = []  # fingerprints posted on the control group, compared at the next call
+        self.guard: Any = None  # the thread that compares deferred checks (`adasum.collectives.guard`)
 
     def transport(self, key: Hashable, build: Callable[[], Any]) -> Any:
         """The transport of `key`, built once (`build()`) for this group."""
@@ -133,7 +133,9 @@ class Communicator:
         self.tiles.clear()
         self.transports.clear()
         self.plans.clear()
-        self.pending.clear()
+        if self.guard is not None:
+            self.guard.stop()
+            self.guard = None
         self.last = None
         self.control = None
 
@@ -182,10 +184,11 @@ def communicator(group: dist.ProcessGroup | None = None) -> Communicator:
 
 def release(group: dist.ProcessGroup | None = None) -> None:
     """Drop what adasum keeps for process groups: captured CUDA graphs, then symmetric buffers, then
-    transports, control groups, plans, tile addresses, workspaces, side streams. Local (no collective).
-    With a `group`, only that group's communicator goes; if it holds symmetric memory, every group's
-    captured graphs go first (a graph of one group may point into another's buffers: hierarchical mode's
-    node groups).
+    transports, control groups, plans, tile addresses, workspaces, side streams, and the guard threads of
+    deferred checks (each first compares what it was given with its peers', which gave it the same).
+    Otherwise local (no collective). With a `group`, only that group's communicator goes; if it holds
+    symmetric memory, every group's captured graphs go first (a graph of one group may point into another's
+    buffers: hierarchical mode's node groups).
 
     For teardown: ``torch.distributed.destroy_process_group`` calls it first (once adasum has worked on
     a group). Collectives after a full release are not supported on GPUs: a benchmark that released
@@ -238,7 +241,13 @@ def _install_teardown_hook() -> None:
 
 
 def _destroy_gloo_groups() -> None:
-    """At interpreter exit (module doc): let gloo's threads finish, then destroy gloo-only groups."""
+    """At interpreter exit (module doc): stop the guards of deferred checks, let gloo's threads finish, then destroy
+    gloo-only groups."""
+    with _registry.lock:
+        for comm in _registry.communicators.values():
+            if comm.guard is not None:
+                comm.guard.stop()  # its gloo group is gone with its thread
+                comm.guard = None
     time.sleep(EXIT_DRAIN_S)  # releases the GIL: a thread releasing its last work can take it
     with _registry.lock:
         for comm in _registry.communicators.values():

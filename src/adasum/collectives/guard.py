@@ -1,0 +1,296 @@
+"""The guard of a process group's deferred layout checks: a thread that compares, across ranks, the fingerprint
+of every checked call, off the calls' path (`adasum.collectives.plan` says when checks are deferred).
+
+The caller's side costs a list append per call (`Guard.post`); the thread runs *rounds* on a gloo group of its
+own (a ``ProcessGroupGloo`` over the group's store, shared with no other thread, so its collectives pair up
+across ranks in order). A round all-reduces (MAX) a fixed-size int64 vector: minus the number of calls this rank
+brings (at most `SLOTS`), then per call its fingerprint, its negation, a problem flag and a deferred flag. The
+first ``min`` over ranks of those calls are compared slot by slot: the i-th checked call of every rank against
+the i-th of its peers, whatever their history. Rounds follow each other at most every `ROUND_PAUSE_S` unless a
+caller waits for a verdict, so the thread takes the interpreter's lock rarely however fast the calls come.
+
+A call that must be compared before its data (a layout's first call, a local problem; `Guard.check`) posts its
+slot and waits for its verdict. A slot that differs (or has a problem on some rank) is named as the
+synchronous check names it: every rank's configuration and description are gathered on the guard's group and
+every rank gets the same error (`adasum.collectives.agreement.named_difference`). Where every rank was waiting
+for that slot, nothing moved: the error is raised by the waiting call and the guard goes on. Where some rank
+had posted it without waiting (its data collectives enqueued), the error is *fatal*: it is kept and raised by
+every later call of the group on this rank, and where the data group is NCCL its communicator is aborted, which
+ends kernels that wait for data no peer sends: by the call that raises the error (first, on the caller's
+thread), or by the guard if no call raised it within `ABORT_AFTER_S` (the caller is blocked, e.g. on the device
+behind such a kernel).
+
+`Guard.stop` (from `adasum.release` and ``destroy_process_group``) lets the thread compare what was posted, then
+joins it.
+"""
+
+from __future__ import annotations
+
+import pickle
+import threading
+from collections import deque
+from collections.abc import Callable
+from datetime import timedelta
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from adasum.collectives.agreement import Problem, named_difference
+from adasum.transport.groups import Communicator, failures_named, group_timeout
+
+SLOTS = 128
+"""Calls compared per round at most (a round's vector has 1 + 4 x SLOTS int64)."""
+ROUND_PAUSE_S = 0.05
+"""Pause between two rounds while no caller waits for a verdict: a round's calls are batched over it (shorter
+pauses name a divergence sooner but take the cores the data exchange runs on more often)."""
+ABORT_AFTER_S = 2.0
+"""How long a fatal divergence waits to be raised by the group's next call before the guard aborts the NCCL
+communicator itself (the caller is then taken to be blocked on the device)."""
+
+
+class _Waiter:
+    """A caller waiting for the verdict of its slot."""
+
+    __slots__ = ("done", "error")
+
+    def __init__(self) -> None:
+        self.done = threading.Event()
+        self.error: BaseException | None = None
+
+
+# one checked call: (plan, what, operation, problem, waiter); waiter None: posted without waiting
+_Slot = tuple[Any, str, str, "Problem | None", "_Waiter | None"]
+
+
+class Guard:
+    """The thread that compares a group's checked calls across ranks (module doc). Made by `guard_of`."""
+
+    def __init__(self, group: dist.ProcessGroup | None, prefix: str, abort: Callable[[], None] | None) -> None:
+        self.group = group
+        self.rank, self.world = dist.get_rank(group), dist.get_world_size(group)
+        self.timeout: timedelta = group_timeout(group)
+        self.store = dist.PrefixStore(prefix, dist.distributed_c10d._get_default_store())
+        self.abort = abort
+        self.slots: deque[_Slot] = deque()
+        self.error: BaseException | None = None  # a fatal divergence or a failure of the guard's group
+        self.checked = 0  # slots compared and found equal
+        self.aborted = False
+        self.abort_error: BaseException | None = None
+        self._fatal = False  # the kept error is a divergence of a call already under way
+        self._abort_lock = threading.Lock()
+        self._wake = threading.Event()
+        self._raised = threading.Event()
+        self._idle = False
+        self._stopping = False
+        # the round's vector and the gathers' tensors outlive the guard's gloo group: its worker threads never drop
+        # the last reference to a tensor (that needs the interpreter's lock; groups.py's module doc)
+        self._vector = torch.zeros(1 + 4 * SLOTS, dtype=torch.int64)
+        self._kept: list[torch.Tensor] = []
+        self._thread = threading.Thread(target=self._run, name="adasum-guard", daemon=True)
+        self._thread.start()
+
+    # --- the caller's side
+
+    def post(self, plan: Any, what: str, operation: str) -> None:
+        """Compare this call's fingerprint later (its data goes on now); raises a kept error first."""
+        if self.error is not None:
+            self._raise()
+        self.slots.append((plan, what, operation, None, None))
+        if self._idle:
+            self._wake.set()
+
+    def check(self, plan: Any, problem: Problem | None, what: str, operation: str) -> None:
+        """Compare this call's fingerprint and problem across ranks now: returns when every rank's agrees, raises
+        the same error on every rank otherwise."""
+        if self.error is not None:
+            self._raise()
+        waiter = _Waiter()
+        self.slots.append((plan, what, operation, problem, waiter))
+        self._wake.set()
+        while not waiter.done.wait(0.05):
+            if self.error is not None:
+                self._raise()
+        if waiter.error is not None:
+            if waiter.error is self.error:
+                self._raise()
+            raise waiter.error
+
+    def _raise(self) -> None:
+        """Raise the kept error; after a divergence, abort the NCCL communicator first (here, on the caller's
+        thread, so that no collective of this rank is being enqueued meanwhile)."""
+        self._raised.set()
+        if self._fatal:
+            self._abort_once()
+        raise self.error  # type: ignore[misc]
+
+    def stop(self) -> None:
+        """Let the thread compare what was posted, then end it (peers that posted the same calls answer at once;
+        a missing peer fails the round within the group's timeout)."""
+        self._stopping = True
+        self._wake.set()
+        self._raised.set()  # no abort once the group is being released
+        self._thread.join(self.timeout.total_seconds() + 5)
+
+    def alive(self) -> bool:
+        """Whether the thread still runs."""
+        return self._thread.is_alive()
+
+    # --- the thread
+
+    def _run(self) -> None:
+        carry: list[_Slot] = []
+        try:
+            with failures_named("adasum", "the deferred layout check's connection", self.group, self.timeout):
+                pg = dist.ProcessGroupGloo(self.store, self.rank, self.world, self.timeout)
+            while self._next(carry):
+                operation = carry[0][2]
+                with failures_named(operation, "the deferred layout check", self.group, self.timeout):
+                    if not self._settle(pg, carry):
+                        return
+        except BaseException as error:  # noqa: BLE001 - kept, raised by the caller's next call
+            self._fail(error, carry)
+
+    def _take(self, carry: list[_Slot]) -> None:
+        while self.slots and len(carry) < SLOTS:
+            carry.append(self.slots.popleft())
+
+    def _next(self, carry: list[_Slot]) -> bool:
+        """Wait for slots to compare (False: stopping and nothing left), pausing between rounds when no caller
+        waits, so that a round takes every slot posted meanwhile."""
+        self._take(carry)
+        while not carry:
+            if self._stopping:
+                return False
+            self._idle = True
+            if not self.slots:
+                self._wake.wait()
+            self._idle = False
+            self._wake.clear()
+            self._take(carry)
+        if not self._stopping and all(slot[4] is None for slot in carry) and len(carry) < SLOTS:
+            self._wake.wait(ROUND_PAUSE_S)  # a caller that waits sets it
+            self._wake.clear()
+            self._take(carry)
+        return True
+
+    def _settle(self, pg: Any, carry: list[_Slot]) -> bool:
+        """One round over `carry`'s first slots; False once a fatal error was kept (the thread ends)."""
+        compared, bad, fatal = _round(pg, carry, self._vector)
+        for slot in carry[: compared if bad is None else bad]:
+            if slot[4] is not None:
+                slot[4].done.set()
+        if bad is None:
+            self.checked += compared
+            del carry[:compared]
+            return True
+        self.checked += bad
+        error = self._named(pg, carry[bad], fatal)
+        if fatal:
+            self._fatal = True
+            self._fail(error, carry)
+            self._abort_unless_raised()
+            return False
+        waiter = carry[bad][4]  # every rank waits for this slot: nothing moved, the guard goes on
+        if waiter is not None:
+            waiter.error = error
+            waiter.done.set()
+        del carry[: bad + 1]
+        return True
+
+    def _named(self, pg: Any, slot: _Slot, fatal: bool) -> BaseException:
+        plan, what, operation, problem, _ = slot
+        note = " (a call already under way on some rank: its result is undefined; destroy the process group)"
+        note = note if fatal else ""
+        item = (plan.config, list(plan.description), problem, operation, note)
+        everyone = _gather(pg, item, self.world, self._kept)
+        return named_difference(everyone, what)
+
+    def _fail(self, error: BaseException, carry: list[_Slot]) -> None:
+        """Keep `error` for every later call (the first one kept stays), and hand it to every caller still waiting."""
+        if self.error is None:
+            self.error = error
+        error = self.error
+        for slot in [*carry, *self.slots]:
+            if slot[4] is not None:
+                slot[4].error = error
+                slot[4].done.set()
+
+    def _abort_unless_raised(self) -> None:
+        if not self._raised.wait(ABORT_AFTER_S) and not self._stopping:
+            self._abort_once()  # the caller is blocked, likely on the device behind this call's kernels
+
+    def _abort_once(self) -> None:
+        with self._abort_lock:
+            if self.abort is None or self.aborted:
+                return
+            self.aborted = True
+        try:
+            self.abort()
+        except Exception as error:  # noqa: BLE001 - the divergence is what is raised; this is kept to be read
+            self.abort_error = error
+
+
+def _round(pg: Any, carry: list[_Slot], vector: torch.Tensor) -> tuple[int, int | None, bool]:
+    """All-reduce (MAX) the first `SLOTS` slots of `carry` in `vector`: how many every rank brought, the first of
+    them that differs or has a problem on some rank (None: none), and whether some rank posted that one without
+    waiting."""
+    values = [-min(len(carry), SLOTS)]
+    for plan, _, _, problem, waiter in carry[:SLOTS]:
+        values += (plan.fingerprint, -plan.fingerprint, problem is not None, waiter is None)
+    vector.zero_()
+    vector[: len(values)] = torch.tensor(values, dtype=torch.int64)
+    pg.allreduce([vector], _MAX).wait()
+    out = vector.tolist()
+    compared = -out[0]
+    for i in range(compared):
+        high, neg_low, problem, deferred = out[1 + 4 * i : 5 + 4 * i]
+        if high != -neg_low or problem:
+            return compared, i, bool(deferred)
+    return compared, None, False
+
+
+_MAX = dist.AllreduceOptions()
+_MAX.reduceOp = dist.ReduceOp.MAX
+
+
+def _gather(pg: Any, item: object, world: int, kept: list[torch.Tensor]) -> list:
+    """Every rank's `item` (pickled), on a group torch.distributed's object collectives do not know; the tensors
+    sent and received are appended to `kept`."""
+    data = torch.frombuffer(bytearray(pickle.dumps(item)), dtype=torch.uint8)
+    longest = torch.tensor([data.numel()], dtype=torch.int64)
+    pg.allreduce([longest], _MAX).wait()
+    padded = torch.zeros(int(longest), dtype=torch.uint8)
+    padded[: data.numel()] = data
+    everyone = [torch.empty_like(padded) for _ in range(world)]
+    pg.allgather([everyone], [padded]).wait()
+    kept += (data, longest, padded, *everyone)
+    return [pickle.loads(t.numpy().tobytes()) for t in everyone]  # bytes past a pickle's end are ignored
+
+
+# guards made per group name in this process: a group's next guard (after `adasum.release`) rendezvouses on a
+# fresh store prefix, never on the keys of the one before
+_made: dict[str, int] = {}
+_lock = threading.Lock()
+
+
+def guard_of(comm: Communicator, group: dist.ProcessGroup | None) -> Guard:
+    """The guard of `comm`'s group, started on its first deferred check (every rank starts it at the same call:
+    its thread connects to its peers' on a store prefix of the group's name and how many guards it had)."""
+    if comm.guard is None:
+        pg = group if group is not None else dist.distributed_c10d._get_default_group()
+        name = pg.group_name
+        with _lock:
+            made = _made[name] = _made.get(name, -1) + 1
+        comm.guard = Guard(group, f"adasum/guard/{name}/{made}", _nccl_abort(pg))
+    return comm.guard
+
+
+def _nccl_abort(pg: dist.ProcessGroup) -> Callable[[], None] | None:
+    """The abort of `pg`'s NCCL backend (None on other backends): ends its kernels, leaves torch's registry of
+    groups as it is, so that ``destroy_process_group`` still works."""
+    try:
+        backend = pg._get_backend(torch.device("cuda"))
+    except RuntimeError:  # no CUDA backend
+        return None
+    return backend.abort if type(backend).__name__ == "ProcessGroupNCCL" else None
