@@ -37,7 +37,7 @@ import torch
 import torch.distributed as dist
 
 from adasum.collectives.agreement import Problem, named_difference
-from adasum.transport.groups import Communicator, failures_named, group_timeout
+from adasum.transport.groups import Communicator, failures_named, group_timeout, next_guard
 
 SLOTS = 128
 """Calls compared per round at most (a round's vector has 1 + 4 x SLOTS int64)."""
@@ -251,7 +251,7 @@ def _round(pg: Any, carry: list[_Slot], vector: torch.Tensor) -> tuple[int, int 
 
 
 _MAX = dist.AllreduceOptions()
-_MAX.reduceOp = dist.ReduceOp.MAX
+_MAX.reduceOp = dist.ReduceOp.MAX  # type: ignore[assignment]  # torch's stubs name the enum's type apart
 
 
 def _gather(pg: Any, item: object, world: int, kept: list[torch.Tensor]) -> list:
@@ -268,20 +268,13 @@ def _gather(pg: Any, item: object, world: int, kept: list[torch.Tensor]) -> list
     return [pickle.loads(t.numpy().tobytes()) for t in everyone]  # bytes past a pickle's end are ignored
 
 
-# guards made per group name in this process: a group's next guard (after `adasum.release`) rendezvouses on a
-# fresh store prefix, never on the keys of the one before
-_made: dict[str, int] = {}
-_lock = threading.Lock()
-
-
 def guard_of(comm: Communicator, group: dist.ProcessGroup | None) -> Guard:
     """The guard of `comm`'s group, started on its first deferred check (every rank starts it at the same call:
     its thread connects to its peers' on a store prefix of the group's name and how many guards it had)."""
     if comm.guard is None:
         pg = group if group is not None else dist.distributed_c10d._get_default_group()
         name = pg.group_name
-        with _lock:
-            made = _made[name] = _made.get(name, -1) + 1
+        made = next_guard(name)
         comm.guard = Guard(group, f"adasum/guard/{name}/{made}", _nccl_abort(pg))
     return comm.guard
 

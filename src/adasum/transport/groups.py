@@ -142,7 +142,8 @@ class Communicator:
 
 class _Registry:
     """The package's one piece of process-wide mutable state: communicators by process group, side
-    streams by device, the reducer classes by name (`adasum.reducers.register`), and whether the exit
+    streams by device, the reducer classes by name (`adasum.reducers.register`), how many guard threads each
+    group name had (`adasum.collectives.guard`; never emptied), and whether the exit
     handler and the teardown hook are in place. `release` empties the first two."""
 
     def __init__(self) -> None:
@@ -150,12 +151,21 @@ class _Registry:
         self.communicators: dict[dist.ProcessGroup, Communicator] = {}
         self.streams: dict[tuple[torch.device, str], torch.cuda.Stream] = {}
         self.reducers: dict[str, type] = {}
+        self.guards_made: dict[str, int] = {}
         self.exit_handler = False
         self.teardown_hook = False
         self.destroy = dist.destroy_process_group  # torch's own, also once the teardown hook wraps it
 
 
 _registry = _Registry()
+
+
+def next_guard(name: str) -> int:
+    """The number of the next guard thread of the group named `name` in this process (0, 1, ...): a group's next
+    guard (after `adasum.release`) rendezvouses on a fresh store prefix, never on the keys of the one before."""
+    with _registry.lock:
+        made = _registry.guards_made[name] = _registry.guards_made.get(name, -1) + 1
+    return made
 
 
 def reducer_names() -> dict[str, type]:
