@@ -12,6 +12,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 import adasum
 from adasum.collectives import agreement
+from adasum.collectives.guard import LAG
 from adasum.collectives.plan import prepare
 from adasum.ddp import AdasumState, adasum_hook
 from adasum.settings import override
@@ -29,6 +30,16 @@ def _error_of(call):
     except (ValueError, TypeError, RuntimeError) as error:
         return type(error).__name__, str(error), time.monotonic() - start
     return None, None, time.monotonic() - start
+
+
+def _until_raised(call, most: int = 4 * LAG):
+    """Call `call` until it raises (at most `most` times): (kind, message, how many calls, the raising one
+    included). After a fatal divergence every rank raises at the same call, the LAG-th after the divergent one."""
+    for calls in range(1, most + 1):
+        kind, message, _ = _error_of(call)
+        if kind is not None:
+            return kind, message, calls
+    return None, None, most
 
 
 def swapped_body(rank, world, equal_sizes):
@@ -224,7 +235,8 @@ def gan_blocked_body(rank, world):
     """Deferred checks (as on NCCL), run on gloo: G and D agreed, a few matching steps, then rank 1 swaps them
     and no rank calls adasum again (as if blocked on the device): every rank's guard names the divergence within
     the bound, without a next call; blocked past ABORT_AFTER_S, the communicator is aborted (a stand-in here:
-    gloo has none) by the guard's thread; every later call raises the same error; release ends the thread."""
+    gloo has none) by the guard's thread; the LAG-th call after the divergent one raises the same error on every
+    rank; release ends the thread."""
     g, d = [torch.ones(4, 2)], [torch.ones(8)]  # one tensor each: gloo aborts on dot products of other sizes
     aborted = []
     with override(deferred_checks=True):
@@ -240,19 +252,20 @@ def gan_blocked_body(rank, world):
         named = time.monotonic() - start
         while not aborted and time.monotonic() - start < BOUND_S:
             time.sleep(0.05)
-        first = _error_of(lambda: adasum.all_reduce(g))
+        first = _until_raised(lambda: adasum.all_reduce(g))
         again = _error_of(lambda: adasum.all_reduce([torch.ones(2)]))
     adasum.release()
     return (first[0], first[1], again[:2] == first[:2], named < BOUND_S, len(aborted),
             aborted[0][0] - start < BOUND_S if aborted else None, aborted[0][1] if aborted else None, guard.alive(),
-            len(_guard_threads()))
+            len(_guard_threads()), first[2])
 
 
 def test_a_gan_whose_lists_swap_on_one_rank_is_named_on_every_rank_without_a_next_call():
     results = distributed.run(2, gan_blocked_body)
     distributed.assert_ranks_agree([r[:2] for r in results])
-    for kind, message, same_again, named_in_time, aborts, aborted_in_time, by, alive, threads in results:
+    for kind, message, same_again, named_in_time, aborts, aborted_in_time, by, alive, threads, calls in results:
         assert kind == "ValueError" and same_again and named_in_time, (kind, message)
+        assert calls == LAG, calls  # the LAG-th call after the divergent one raises it, on every rank
         assert aborts == 1 and aborted_in_time and by == "adasum-guard" and not alive and threads == 0, results
     assert results[0][1] == (
         "adasum.all_reduce: tensors differ across ranks at index 0: rank 0 has float32 [4, 2] on cpu, rank 1 has "
@@ -261,8 +274,8 @@ def test_a_gan_whose_lists_swap_on_one_rank_is_named_on_every_rank_without_a_nex
 
 
 def gan_going_on_body(rank, world):
-    """The same divergence, ranks going on: a later call raises it on every rank, and aborts the communicator
-    first (a stand-in here), on the caller's thread.
+    """The same divergence, ranks going on: the same later call (the LAG-th after the divergent one) raises it on
+    every rank, and aborts the communicator first (a stand-in here), on the caller's thread.
     (Each rank waits until its guard holds the error before calling again: on gloo a call whose data goes out
     after its peer raised would wait for that peer until the group's timeout; on NCCL the abort ends that wait.)"""
     g, d = [torch.ones(4, 2)], [torch.ones(8)]
@@ -275,18 +288,19 @@ def gan_going_on_body(rank, world):
         adasum.all_reduce(d if rank == 1 else g)
         while guard.error is None and time.monotonic() - start < BOUND_S:
             time.sleep(0.01)
-        kind, message, _ = _error_of(lambda: _gan_step(g, d))
+        kind, message, steps = _until_raised(lambda: _gan_step(g, d))
         seconds = time.monotonic() - start
     time.sleep(0.2)
     adasum.release()
-    return kind, message, seconds < BOUND_S, aborted, len(_guard_threads())
+    return kind, message, seconds < BOUND_S, aborted, len(_guard_threads()), steps
 
 
 def test_a_gan_whose_lists_swap_is_raised_by_a_later_call_on_every_rank():
     results = distributed.run(2, gan_going_on_body)
     distributed.assert_ranks_agree(results)
-    kind, message, in_time, aborted, threads = results[0]
+    kind, message, in_time, aborted, threads, steps = results[0]
     assert kind == "ValueError" and in_time and aborted == ["MainThread"] and threads == 0, results[0]
+    assert steps == LAG // 2, steps  # two calls a step: the LAG-th call after the divergent one is a step's second
     assert message.startswith("adasum.all_reduce: tensors differ across ranks at index 0: rank 0 has float32 [4, 2] "
                               "on cpu, rank 1 has float32 [8] on cpu (a call already under way"), message
 
@@ -326,8 +340,8 @@ def test_matching_calls_raise_nothing_and_are_all_compared():
 
 def new_layout_on_one_rank_body(rank, world):
     """A layout's first call (compared before its data) on rank 0 against an agreed one that rank 1 posts without
-    waiting (`prepare` alone: the check, no data): rank 0's call raises at once, rank 1's next call raises the
-    same error; each aborts the communicator (a stand-in) as it raises."""
+    waiting (`prepare` alone: the check, no data): both go on to the LAG-th call after it, which raises the same
+    error on every rank; each aborts the communicator (a stand-in) as it raises."""
     config, a = ("test",), [torch.ones(6)]
     aborted = []
     with override(deferred_checks=True):
@@ -339,18 +353,21 @@ def new_layout_on_one_rank_body(rank, world):
         start = time.monotonic()
         while kind is None and guard.error is None and time.monotonic() - start < BOUND_S:
             time.sleep(0.01)
+        calls = 1
         if kind is None:
-            kind, message, _ = _error_of(lambda: prepare(a, None, config=config, operation="test"))
+            kind, message, more = _until_raised(lambda: prepare(a, None, config=config, operation="test"))
+            calls += more
         seconds += time.monotonic() - start
     adasum.release()
-    return kind, message, seconds < BOUND_S, aborted, rank == 0 or guard.checked == 1
+    return kind, message, seconds < BOUND_S, aborted, rank == 0 or guard.checked == 1, calls
 
 
 def test_a_new_layout_on_one_rank_against_a_posted_one_is_named_on_every_rank():
     results = distributed.run(2, new_layout_on_one_rank_body)
     distributed.assert_ranks_agree(results)
-    kind, message, in_time, aborted, _ = results[0]
+    kind, message, in_time, aborted, _, calls = results[0]
     assert kind == "ValueError" and in_time and aborted == ["MainThread"] and all(r[4] for r in results), results
+    assert calls == LAG + 1, calls  # the divergent call, then up to the LAG-th after it, on every rank
     assert message == ("test: tensors differ across ranks at index 0: rank 0 has float32 [2, 3] on cpu, rank 1 has "
                        "float32 [6] on cpu (a call already under way on some rank: its result is undefined; destroy "
                        "the process group)"), message
@@ -397,8 +414,8 @@ def blocked_on_backend_body(rank, world):
     start = time.monotonic()
     kind, message, _ = _error_of(lambda: adasum.all_reduce(c if rank == world - 1 else a))
     if kind is None:
-        torch.cuda.synchronize()  # blocked until the guard aborts the communicator
-        kind, message, _ = _error_of(lambda: adasum.all_reduce(a))
+        torch.cuda.synchronize()  # where the data waits for sizes no peer sends: until the guard aborts NCCL
+        kind, message, _ = _until_raised(lambda: adasum.all_reduce(a))
     return kind, (message or "").split(" (a call")[0], time.monotonic() - start < BOUND_S
 
 
@@ -430,15 +447,15 @@ def subgroup_body(rank, world):
         start = time.monotonic()
         while guard.error is None and time.monotonic() - start < BOUND_S:
             time.sleep(0.01)
-        kind, message, _ = _error_of(lambda: adasum.all_reduce(g, group=sub))
+        kind, message, calls = _until_raised(lambda: adasum.all_reduce(g, group=sub))
     adasum.release()
-    return kind, message, len(_guard_threads())
+    return kind, message, len(_guard_threads()), calls
 
 
 def test_deferred_checks_on_a_subgroup_name_a_swap_on_its_members():
     results = distributed.run(3, subgroup_body)
     assert results[2] is None and results[0] == results[1], results
-    kind, message, threads = results[0]
-    assert kind == "ValueError" and threads == 0, results[0]
+    kind, message, threads, calls = results[0]
+    assert kind == "ValueError" and threads == 0 and calls == LAG, results[0]
     assert message.startswith("adasum.all_reduce: tensors differ across ranks at index 0: rank 0 has float32 [4, 2] "
                               "on cpu, rank 1 has float32 [8] on cpu (a call already under way"), message

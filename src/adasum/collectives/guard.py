@@ -14,11 +14,14 @@ slot and waits for its verdict. A slot that differs (or has a problem on some ra
 synchronous check names it: every rank's configuration and description are gathered on the guard's group and
 every rank gets the same error (`adasum.collectives.agreement.named_difference`). Where every rank was waiting
 for that slot, nothing moved: the error is raised by the waiting call and the guard goes on. Where some rank
-had posted it without waiting (its data collectives enqueued), the error is *fatal*: it is kept and raised by
-every later call of the group on this rank, and where the data group is NCCL its communicator is aborted, which
-ends kernels that wait for data no peer sends: by the call that raises the error (first, on the caller's
-thread), or by the guard if no call raised it within `ABORT_AFTER_S` (the caller is blocked, e.g. on the device
-behind such a kernel).
+had posted it without waiting (its data collectives enqueued), the error is *fatal*: it is kept, and every
+rank raises it at the same call, the `LAG`-th after the divergent one (and at every call after it), so that no
+rank enqueues a collective its peers never match: a rank runs at most `LAG` calls ahead of the verdicts (its
+next call waits for the guard beyond that), so every rank reaches that call after the verdict. The calls in
+between run on (their results, like the divergent call's, are undefined). Where the data group is NCCL its
+communicator is aborted, which ends kernels that wait for data no peer sends: by the call that raises the
+error (on the caller's thread), or by the guard if the rank makes no call for `ABORT_AFTER_S` (the caller is
+blocked, e.g. on the device behind such a kernel).
 
 `Guard.stop` (from `adasum.release` and ``destroy_process_group``) lets the thread compare what was posted, then
 joins it.
@@ -44,9 +47,12 @@ SLOTS = 128
 ROUND_PAUSE_S = 0.05
 """Pause between two rounds while no caller waits for a verdict: a round's calls are batched over it (shorter
 pauses name a divergence sooner but take the cores the data exchange runs on more often)."""
+LAG = 2 * SLOTS
+"""Calls a rank may run ahead of the guard's verdicts: its next call waits for the guard beyond that, and a
+divergence found at call i is raised by call ``i + LAG`` on every rank (module doc)."""
 ABORT_AFTER_S = 2.0
-"""How long a fatal divergence waits to be raised by the group's next call before the guard aborts the NCCL
-communicator itself (the caller is then taken to be blocked on the device)."""
+"""How long the guard waits, after a fatal divergence, for a rank that makes no further call (blocked, e.g. on the
+device behind a kernel of the divergent call) before it aborts the NCCL communicator itself."""
 
 
 class _Waiter:
@@ -75,12 +81,15 @@ class Guard:
         self.slots: deque[_Slot] = deque()
         self.error: BaseException | None = None  # a fatal divergence or a failure of the guard's group
         self.checked = 0  # slots compared and found equal
+        self.posted = 0  # slots the caller handed over (the index of the next call's slot)
+        self.raise_at: int | None = None  # after a fatal divergence: the slot from which every call raises it
         self.aborted = False
         self.abort_error: BaseException | None = None
         self._fatal = False  # the kept error is a divergence of a call already under way
         self._abort_lock = threading.Lock()
         self._wake = threading.Event()
         self._raised = threading.Event()
+        self._progress = threading.Event()  # set after each round
         self._idle = False
         self._stopping = False
         # the round's vector and the gathers' tensors outlive the guard's gloo group: its worker threads never drop
@@ -93,28 +102,52 @@ class Guard:
     # --- the caller's side
 
     def post(self, plan: Any, what: str, operation: str) -> None:
-        """Compare this call's fingerprint later (its data goes on now); raises a kept error first."""
-        if self.error is not None:
-            self._raise()
+        """Compare this call's fingerprint later (its data goes on now); raises a kept error first (a fatal one
+        from its call on, module doc). Waits for the guard where this rank would run more than `LAG` calls
+        ahead of its verdicts."""
+        index = self._next_index()
         self.slots.append((plan, what, operation, None, None))
         if self._idle:
             self._wake.set()
+        if self.error is None and index - self.checked >= LAG:
+            self._catch_up(index - LAG)
+
+    def _next_index(self) -> int:
+        """The index of the caller's next slot, after raising a kept error that this call must raise."""
+        index = self.posted
+        if self.error is not None and (self.raise_at is None or index >= self.raise_at):
+            self._raise()
+        self.posted += 1
+        return index
+
+    def _catch_up(self, index: int) -> None:
+        """Wait until the guard has compared slot `index` (or kept an error, or ended)."""
+        self._wake.set()
+        while self.checked <= index and self.error is None and self._thread.is_alive():
+            self._progress.wait(0.05)
+            self._progress.clear()
 
     def check(self, plan: Any, problem: Problem | None, what: str, operation: str) -> None:
         """Compare this call's fingerprint and problem across ranks now: returns when every rank's agrees, raises
         the same error on every rank otherwise."""
-        if self.error is not None:
-            self._raise()
+        index = self._next_index()
+        if self.error is not None:  # a fatal divergence to be raised by a later call: no verdict comes
+            self.slots.append((plan, what, operation, problem, None))
+            return
         waiter = _Waiter()
         self.slots.append((plan, what, operation, problem, waiter))
         self._wake.set()
-        while not waiter.done.wait(0.05):
-            if self.error is not None:
+        while not waiter.done.wait(0.05) and self.error is None:
+            pass
+        if self._fatal:  # a divergence of a call already under way: this call goes on as a posted one would
+            if self.raise_at is not None and index >= self.raise_at:
                 self._raise()
-        if waiter.error is not None:
-            if waiter.error is self.error:
+            return
+        error = waiter.error or self.error
+        if error is not None:
+            if error is self.error:
                 self._raise()
-            raise waiter.error
+            raise error
 
     def _raise(self) -> None:
         """Raise the kept error; after a divergence, abort the NCCL communicator first (here, on the caller's
@@ -183,12 +216,15 @@ class Guard:
         if bad is None:
             self.checked += compared
             del carry[:compared]
+            self._progress.set()
             return True
         self.checked += bad
         error = self._named(pg, carry[bad], fatal)
         if fatal:
+            self.raise_at = self.checked + LAG  # the divergent slot's index + LAG: the same on every rank
             self._fatal = True
             self._fail(error, carry)
+            self._progress.set()
             self._abort_unless_raised()
             return False
         waiter = carry[bad][4]  # every rank waits for this slot: nothing moved, the guard goes on
@@ -217,8 +253,12 @@ class Guard:
                 slot[4].done.set()
 
     def _abort_unless_raised(self) -> None:
-        if not self._raised.wait(ABORT_AFTER_S) and not self._stopping:
-            self._abort_once()  # the caller is blocked, likely on the device behind this call's kernels
+        seen = -1
+        while not self._raised.wait(ABORT_AFTER_S) and not self._stopping:
+            if self.posted == seen:
+                self._abort_once()  # no call for ABORT_AFTER_S: blocked, likely on the device behind a kernel
+                return
+            seen = self.posted  # the caller goes on towards the call that raises the error
 
     def _abort_once(self) -> None:
         with self._abort_lock:

@@ -25,11 +25,12 @@ How a call's fingerprint is compared (``check="call"``):
   call with a local problem, wait for the verdict (nothing moves before it; an error leaves the
   group usable). Later calls do not wait: the call appends its plan (a few microseconds) and its
   data goes on. A divergent one is named by the thread within 0.1 s on every rank; the
-  error is kept and raised by every later call of the group on that rank (ValueError, ending
-  ``(a call already under way on some rank: its result is undefined; destroy the process group)``),
-  and the group's NCCL communicator is aborted, which ends kernels that wait for data no peer sends:
-  by the call that raises the error, or by the guard where no call came within
-  `adasum.collectives.guard.ABORT_AFTER_S` (the rank is blocked on the device behind such a kernel).
+  error is kept and raised on every rank by the same later call, the `adasum.collectives.guard.LAG`-th
+  after the divergent one, and every call after it (ValueError, ending ``(a call already under way on
+  some rank: its result is undefined; destroy the process group)``), so that no rank enqueues a
+  collective its peers never match; the group's NCCL communicator is aborted, which ends kernels that
+  wait for data no peer sends: by the call that raises the error, or by the guard where the rank made
+  no call for `adasum.collectives.guard.ABORT_AFTER_S` (it is blocked on the device behind such a kernel).
   Afterwards the process group must be destroyed and training restarted (docs/faults.md).
 """
 
