@@ -120,15 +120,17 @@ def _batch(worker, step):
 
 
 def ddp_hook_check(rank, world):
-    """AdaCons as a DDP communication hook (one bucket: whole model) equals its single-process form."""
-    model = torch.nn.parallel.DistributedDataParallel(_model())
+    """AdaCons as a DDP communication hook (one bucket: whole model) equals its single-process form (the model on
+    the test backend's device; the single-process replicas on the CPU)."""
+    device = distributed.device_for(rank)
+    model = torch.nn.parallel.DistributedDataParallel(_model().to(device))
     model.register_comm_hook(adasum.AdaCons(momentum=0.9), _adacons_hook)
     single = adasum.AdaCons(momentum=0.9)
     replicas = [_model() for _ in range(world)]
     results = []
     for step in range(3):
         x, y = _batch(rank, step)
-        torch.nn.functional.mse_loss(model(x), y).backward()
+        torch.nn.functional.mse_loss(model(x.to(device)), y.to(device)).backward()
         grads = []
         for w, replica in enumerate(replicas):
             replica.zero_grad()
@@ -138,13 +140,13 @@ def ddp_hook_check(rank, world):
         expected = single.reduce(grads, key="bucket-0")
         with torch.no_grad():
             for p, e in zip(model.parameters(), expected):
-                assert rel_err(p.grad, e) < 1e-5, (step, rel_err(p.grad, e))
+                assert rel_err(p.grad.cpu(), e) < 1e-5, (step, rel_err(p.grad.cpu(), e))
                 p -= 0.1 * p.grad
                 p.grad = None
             for replica in replicas:
                 for q, e in zip(replica.parameters(), expected):
                     q -= 0.1 * e
-        results.append(b"".join(p.detach().numpy().tobytes() for p in model.parameters()))
+        results.append(b"".join(p.detach().cpu().numpy().tobytes() for p in model.parameters()))
     return b"".join(results)
 
 
