@@ -1,4 +1,5 @@
-"""Run a test body in real gloo (or NCCL) processes: spawned, one FileStore per run, OMP_NUM_THREADS=1.
+"""Run a test body in real gloo (or NCCL) processes: started by a fork server, one FileStore per run,
+OMP_NUM_THREADS=1.
 
 The body is a module-level function ``body(rank, world_size, *args)``; whatever it returns comes back
 to the test, one entry per rank, and an exception in any rank fails the test with that rank's traceback.
@@ -97,6 +98,15 @@ def _collect(procs, results, timeout_s: float, allow_exit: bool) -> dict:
     return got
 
 
+def _context():
+    """Ranks are forks of a server process that imported torch once, not of pytest's process: none inherits a
+    thread, a process group or a CUDA context, and none pays torch's import (on a 2-core machine most of a small
+    test's time); each rank imports its test module and adasum itself, after its environment is set."""
+    ctx = mp.get_context("forkserver")
+    ctx.set_forkserver_preload(["torch", "torch.distributed", "numpy"])
+    return ctx
+
+
 def run(
     world_size: int,
     body,
@@ -111,7 +121,7 @@ def run(
     With `allow_exit`, a rank that exits without a result gives an `Exited` entry instead of failing.
     """
     backend = backend or BACKEND
-    ctx = mp.get_context("spawn")
+    ctx = _context()
     results = ctx.Queue()
     env = {"OMP_NUM_THREADS": "1", **(env or {})}
     with tempfile.TemporaryDirectory() as tmp:
