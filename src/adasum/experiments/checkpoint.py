@@ -87,18 +87,29 @@ def save_checkpoint(path: Path, common: dict[str, Any], local: dict[str, Any], *
     gathered: list[Any] | None = [None] * world if rank == 0 else None
     with failures_named("adasum train", "the gather of every rank's checkpoint part", None):
         dist.gather_object(local, gathered, dst=0)
-    verdict: list[str | None] = [None]
-    if rank == 0:
-        assert gathered is not None
-        try:
-            save_atomic({**common, **gathered[0], "ranks": gathered, "world_size": world, "kind": "torchrun"}, path)
-        except WriteFailed as error:
-            verdict[0] = str(error)
+
+    def write() -> None:
+        assert gathered is not None  # rank 0's
+        save_atomic({**common, **gathered[0], "ranks": gathered, "world_size": world, "kind": "torchrun"}, path)
+
     # every rank stops with rank 0's error, instead of going on to wait for a peer that left
-    with failures_named("adasum train", "the checkpoint's verdict across ranks", None):
+    on_rank_zero(write, WriteFailed, "the checkpoint's verdict across ranks")
+
+
+def on_rank_zero(action: Callable[[], object], error: type[Exception], what: str) -> None:
+    """Run `action` on rank 0 (its result is not kept) and tell every rank how it went: an `error` it raises is
+    raised again, with the same one-line message, on every rank (not on rank 0 alone, with the others waiting for a
+    peer that left). `what` names the broadcast if it fails."""
+    verdict: list[str | None] = [None]
+    if dist.get_rank() == 0:
+        try:
+            action()
+        except error as failed:
+            verdict[0] = str(failed)
+    with failures_named("adasum train", what, None):
         dist.broadcast_object_list(verdict, src=0)
     if verdict[0] is not None:
-        raise WriteFailed(verdict[0])
+        raise error(verdict[0])
 
 
 def read_checkpoint(path: Path, device: torch.device | str = "cpu") -> dict[str, Any]:

@@ -380,7 +380,7 @@ def cmd_train(args: argparse.Namespace) -> int:
     try:
         rank = dist.get_rank()
         _setup_logging(args.quiet, rank)
-        out = _agreed_output_dir(args.out, rank, args.resume, args.overwrite)
+        out = _agreed_output_dir(args.out, args.resume, args.overwrite)
         config = _config(args, workers=dist.get_world_size(), device=device)
         config.validate()
         if dist.get_world_size() == 1:
@@ -412,23 +412,12 @@ ONE_WORKER_HINT = (
 )
 
 
-def _agreed_output_dir(path: str, rank: int, resume: bool, overwrite: bool) -> Path:
+def _agreed_output_dir(path: str, resume: bool, overwrite: bool) -> Path:
     """Rank 0 checks that it can write `path` (it writes every file) and tells every rank, so that
     each raises the same one-line error (not rank 0 alone, with the others waiting in a barrier)."""
-    import torch.distributed as dist
+    from adasum.experiments.checkpoint import on_rank_zero
 
-    from adasum.transport.groups import failures_named
-
-    verdict: list[str | None] = [None]
-    if rank == 0:
-        try:
-            _output_dir(path, resume, overwrite)
-        except ValueError as error:
-            verdict[0] = str(error)
-    with failures_named("adasum train", "the check of --out across ranks", None):
-        dist.broadcast_object_list(verdict, src=0)
-    if verdict[0] is not None:
-        raise ValueError(verdict[0])
+    on_rank_zero(lambda: _output_dir(path, resume, overwrite), ValueError, "the check of --out across ranks")
     return Path(path)
 
 
