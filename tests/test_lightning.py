@@ -159,17 +159,6 @@ def test_routes_on_two_processes(tmp_path):
         assert all(f"[{route}] ok on rank {rank}" in done.stdout for rank in (0, 1)), done.stdout
 
 
-@pytest.fixture
-def one_process_group():
-    """Lightning initialises a process group of one in this process: destroyed afterwards."""
-    saved = dict(os.environ)
-    yield
-    if dist.is_initialized():
-        dist.destroy_process_group()
-    os.environ.clear()
-    os.environ.update(saved)
-
-
 @pytest.mark.parametrize("strategy", ["ddp_adasum", "ddp_adasum_delta"])
 def test_strategies_warn_on_one_process(strategy, one_process_group):
     with pytest.warns(UserWarning, match="only one process, so Adasum has nothing to combine"):

@@ -2,13 +2,11 @@
 Lightning callback hands them to the Trainer's logger."""
 
 import csv
-import os
 import sys
 
 import lightning.pytorch as pl
 import pytest
 import torch
-import torch.distributed as dist
 from lightning.pytorch.loggers import CSVLogger
 from mlflow.tracking import MlflowClient
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
@@ -122,17 +120,6 @@ class Regression(pl.LightningModule):
 
     def configure_optimizers(self):
         return torch.optim.SGD(self.parameters(), lr=0.1)
-
-
-@pytest.fixture
-def one_process_group():
-    """Lightning initialises a process group of one in this process: destroyed afterwards."""
-    saved = dict(os.environ)
-    yield
-    if dist.is_initialized():
-        dist.destroy_process_group()
-    os.environ.clear()
-    os.environ.update(saved)
 
 
 def test_lightning_callback_logs_the_statistics_through_the_trainers_logger(tmp_path, one_process_group):
