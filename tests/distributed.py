@@ -9,6 +9,7 @@ kill a rank on purpose): its entry is then an `Exited` with its exit code.
 
 from __future__ import annotations
 
+import faulthandler
 import os
 import queue
 import tempfile
@@ -51,6 +52,8 @@ def device_for(rank: int) -> torch.device:
 def _worker(rank, world_size, store_path, backend, timeout_s, env, body, args, results):
     os.environ.update(env)
     torch.set_num_threads(1)
+    # a rank still running at its timeout prints every thread's stack (pytest shows it with -s), then goes on
+    faulthandler.dump_traceback_later(timeout_s, exit=False)
     try:
         if backend == "nccl":
             torch.cuda.set_device(device_for(rank))

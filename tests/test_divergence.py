@@ -243,6 +243,7 @@ def gan_blocked_body(rank, world):
         _gan_step(g, d)
         guard = groups.communicator(None).guard
         guard.abort = lambda: aborted.append((time.monotonic(), threading.current_thread().name))
+        guard.drains = lambda seconds: False  # the device behind the divergent call never drains (a stand-in)
         for _ in range(5):
             _gan_step(g, d)
         start = time.monotonic()
@@ -273,9 +274,10 @@ def test_a_gan_whose_lists_swap_on_one_rank_is_named_on_every_rank_without_a_nex
         "group)"), results[0][1]
 
 
-def gan_going_on_body(rank, world):
+def gan_going_on_body(rank, world, drains):
     """The same divergence, ranks going on: the same later call (the LAG-th after the divergent one) raises it on
-    every rank, and aborts the communicator first (a stand-in here), on the caller's thread.
+    every rank; where the device does not drain (`drains` False, a stand-in: gloo has no device) it first aborts
+    the communicator (a stand-in too), on the caller's thread, and where it drains it leaves it alone.
     (Each rank waits until its guard holds the error before calling again: on gloo a call whose data goes out
     after its peer raised would wait for that peer until the group's timeout; on NCCL the abort ends that wait.)"""
     g, d = [torch.ones(4, 2)], [torch.ones(8)]
@@ -284,6 +286,7 @@ def gan_going_on_body(rank, world):
         _gan_step(g, d)
         guard = groups.communicator(None).guard
         guard.abort = lambda: aborted.append(threading.current_thread().name)
+        guard.drains = lambda seconds: drains
         start = time.monotonic()
         adasum.all_reduce(d if rank == 1 else g)
         while guard.error is None and time.monotonic() - start < BOUND_S:
@@ -295,11 +298,13 @@ def gan_going_on_body(rank, world):
     return kind, message, seconds < BOUND_S, aborted, len(_guard_threads()), steps
 
 
-def test_a_gan_whose_lists_swap_is_raised_by_a_later_call_on_every_rank():
-    results = distributed.run(2, gan_going_on_body)
+@pytest.mark.parametrize("drains", [False, True])
+def test_a_gan_whose_lists_swap_is_raised_by_a_later_call_on_every_rank(drains):
+    results = distributed.run(2, gan_going_on_body, drains)
     distributed.assert_ranks_agree(results)
     kind, message, in_time, aborted, threads, steps = results[0]
-    assert kind == "ValueError" and in_time and aborted == ["MainThread"] and threads == 0, results[0]
+    assert kind == "ValueError" and in_time and threads == 0, results[0]
+    assert aborted == ([] if drains else ["MainThread"]), aborted
     assert steps == LAG // 2, steps  # two calls a step: the LAG-th call after the divergent one is a step's second
     assert message.startswith("adasum.all_reduce: tensors differ across ranks at index 0: rank 0 has float32 [4, 2] "
                               "on cpu, rank 1 has float32 [8] on cpu (a call already under way"), message
@@ -341,13 +346,15 @@ def test_matching_calls_raise_nothing_and_are_all_compared():
 def new_layout_on_one_rank_body(rank, world):
     """A layout's first call (compared before its data) on rank 0 against an agreed one that rank 1 posts without
     waiting (`prepare` alone: the check, no data): both go on to the LAG-th call after it, which raises the same
-    error on every rank; each aborts the communicator (a stand-in) as it raises."""
+    error on every rank; each aborts the communicator (a stand-in) as it raises, its device not draining (a
+    stand-in too)."""
     config, a = ("test",), [torch.ones(6)]
     aborted = []
     with override(deferred_checks=True):
         prepare(a, None, config=config, operation="test")
         guard = groups.communicator(None).guard
         guard.abort = lambda: aborted.append(threading.current_thread().name)
+        guard.drains = lambda seconds: False
         mine = [torch.ones(2, 3)] if rank == 0 else a
         kind, message, seconds = _error_of(lambda: prepare(mine, None, config=config, operation="test"))
         start = time.monotonic()

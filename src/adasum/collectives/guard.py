@@ -18,10 +18,12 @@ had posted it without waiting (its data collectives enqueued), the error is *fat
 rank raises it at the same call, the `LAG`-th after the divergent one (and at every call after it), so that no
 rank enqueues a collective its peers never match: a rank runs at most `LAG` calls ahead of the verdicts (its
 next call waits for the guard beyond that), so every rank reaches that call after the verdict. The calls in
-between run on (their results, like the divergent call's, are undefined). Where the data group is NCCL its
-communicator is aborted, which ends kernels that wait for data no peer sends: by the call that raises the
-error (on the caller's thread), or by the guard if the rank makes no call for `ABORT_AFTER_S` (the caller is
-blocked, e.g. on the device behind such a kernel).
+between run on (their results, like the divergent call's, are undefined). Where the data group is NCCL and its
+kernels wait for data no peer sends, its communicator is aborted, which ends them: by the call that raises the
+error (on the caller's thread) if the device has not drained `ABORT_AFTER_S` after it, or by the guard if the
+rank makes no call for `ABORT_AFTER_S` (the caller is blocked, e.g. on the device behind such a kernel). A
+device that drains is left alone: an abort is itself a wait on the device (NCCL frees its memory), and the
+communicator of a divergence whose kernels all ended (layouts of equal sizes) needs none.
 
 `Guard.stop` (from `adasum.release` and ``destroy_process_group``) lets the thread compare what was posted, then
 joins it.
@@ -52,7 +54,8 @@ LAG = 2 * SLOTS
 divergence found at call i is raised by call ``i + LAG`` on every rank (module doc)."""
 ABORT_AFTER_S = 2.0
 """How long the guard waits, after a fatal divergence, for a rank that makes no further call (blocked, e.g. on the
-device behind a kernel of the divergent call) before it aborts the NCCL communicator itself."""
+device behind a kernel of the divergent call) before it aborts the NCCL communicator itself; and how long the call
+that raises the divergence waits for the device to drain before it aborts."""
 
 
 class _Waiter:
@@ -72,12 +75,21 @@ _Slot = tuple[Any, str, str, "Problem | None", "_Waiter | None"]
 class Guard:
     """The thread that compares a group's checked calls across ranks (module doc). Made by `guard_of`."""
 
-    def __init__(self, group: dist.ProcessGroup | None, prefix: str, abort: Callable[[], None] | None) -> None:
+    def __init__(
+        self,
+        group: dist.ProcessGroup | None,
+        prefix: str,
+        abort: Callable[[], None] | None,
+        drains: Callable[[float], bool] | None = None,
+    ) -> None:
         self.group = group
         self.rank, self.world = dist.get_rank(group), dist.get_world_size(group)
         self.timeout: timedelta = group_timeout(group)
         self.store = dist.PrefixStore(prefix, dist.distributed_c10d._get_default_store())
         self.abort = abort
+        # whether this rank's device finishes its queued work within s seconds
+        device = torch.cuda.current_device() if torch.cuda.is_available() and torch.cuda.is_initialized() else None
+        self.drains = drains if drains is not None else (lambda seconds: device_drains(seconds, device))
         self.slots: deque[_Slot] = deque()
         self.error: BaseException | None = None  # a fatal divergence or a failure of the guard's group
         self.checked = 0  # slots compared and found equal
@@ -150,10 +162,11 @@ class Guard:
             raise error
 
     def _raise(self) -> None:
-        """Raise the kept error; after a divergence, abort the NCCL communicator first (here, on the caller's
-        thread, so that no collective of this rank is being enqueued meanwhile)."""
+        """Raise the kept error; after a divergence whose kernels do not end (the device does not drain within
+        `ABORT_AFTER_S`), abort the NCCL communicator first (here, on the caller's thread, so that no collective
+        of this rank is being enqueued meanwhile)."""
         self._raised.set()
-        if self._fatal:
+        if self._fatal and self.abort is not None and not self.aborted and not self.drains(ABORT_AFTER_S):
             self._abort_once()
         raise self.error  # type: ignore[misc]
 
@@ -255,8 +268,8 @@ class Guard:
     def _abort_unless_raised(self) -> None:
         seen = -1
         while not self._raised.wait(ABORT_AFTER_S) and not self._stopping:
-            if self.posted == seen:
-                self._abort_once()  # no call for ABORT_AFTER_S: blocked, likely on the device behind a kernel
+            if self.posted == seen and not self.drains(ABORT_AFTER_S):
+                self._abort_once()  # no call, and the device does not drain: blocked behind a kernel
                 return
             seen = self.posted  # the caller goes on towards the call that raises the error
 
@@ -269,6 +282,21 @@ class Guard:
             self.abort()
         except Exception as error:  # noqa: BLE001 - the divergence is what is raised; this is kept to be read
             self.abort_error = error
+
+
+def device_drains(seconds: float, device: int | None) -> bool:
+    """Whether GPU `device` finishes the work queued on it within `seconds` (True for None: no GPU): a thread
+    of its own synchronises, so a device that never drains leaves that thread waiting, not the caller."""
+    if device is None:
+        return True
+    done = threading.Event()
+
+    def wait() -> None:
+        torch.cuda.synchronize(device)
+        done.set()
+
+    threading.Thread(target=wait, name="adasum-drain", daemon=True).start()
+    return done.wait(seconds)
 
 
 def _round(pg: Any, carry: list[_Slot], vector: torch.Tensor) -> tuple[int, int | None, bool]:

@@ -112,6 +112,15 @@ def _param_group(module: nn.Module) -> Any:
     return groups[0] if groups else None
 
 
+def _used_on_current_stream(buffer: torch.Tensor) -> None:
+    """Tell the caching allocator that the hook's stream uses `buffer`. FSDP allocates it on its reduce-scatter
+    stream and, where the reduce dtype differs from the parameters', frees it right after the hook: without
+    this, the next unit's reduce-scatter (on that stream) may take its memory while the hook's kernels still
+    read and write it (NCCL's own collectives record their stream; the kernels adasum launches do not)."""
+    if buffer.is_cuda and not torch.cuda.is_current_stream_capturing():
+        buffer.record_stream(torch.cuda.current_stream(buffer.device))
+
+
 def unit_view(module: nn.Module) -> UnitView | None:
     """Read one unit's layout and flags from FSDP2's private state; None for a unit without parameters.
 
@@ -317,6 +326,7 @@ class FSDPState:
         else:
             self._agree_buffer(key, buffer, sizes, fits)
         self._refuse_flags(view, key)
+        _used_on_current_stream(buffer)
         self.reducer.all_reduce_shards(buffer, sizes, self.groups, key=key)
         self.reductions += 1
 
