@@ -41,7 +41,14 @@ class RecordingCapture:
             self.active = False
         recorded = self.log[start:]
         del self.log[start:]
-        return SimpleNamespace(replay=lambda: self.log.extend(f"replay {entry}" for entry in recorded))
+        return Recorded(lambda: self.log.extend(f"replay {entry}" for entry in recorded))
+
+
+class Recorded:
+    """A recorded capture: ``replay()`` logs its launches again."""
+
+    def __init__(self, replay) -> None:
+        self.replay = replay
 
 
 def _communicator(log: list) -> tuple[Communicator, RecordingCapture]:
@@ -118,3 +125,40 @@ def test_the_communicator_is_the_only_caller_of_the_graphs():
             if re.search(r"graphs\.run\(", line):
                 callers.append(f"{path.relative_to(SRC).as_posix()}:{number}")
     assert [c.split(":")[0] for c in callers] == ["transport/groups.py"], callers
+
+
+def test_an_outgrown_symmetric_buffer_retires_the_groups_graphs():
+    """A graph loads and stores at the symmetric buffer it was captured on. Ranks capture a key at different calls
+    (keys hold addresses), so after the buffer grows (at the same call on every rank) a graph replayed on the old
+    buffer would meet a peer running the call on the new one: every graph is retired, kept alive, never replayed,
+    and each key starts again from an eager call."""
+    import weakref
+
+    from adasum.transport.symmetric import SymmetricPool
+
+    log: list = []
+    comm, _ = _communicator(log)
+    made: list = []
+    backend = SimpleNamespace(
+        empty=lambda n, dtype, device: made.append(torch.empty(n, dtype=dtype, device=device)) or made[-1],
+        rendezvous=lambda buffer, name: SimpleNamespace(name=name),
+    )
+    pool = SymmetricPool(SimpleNamespace(group_name="fake"), backend, outgrown=comm.retire_graphs)
+    like = torch.empty(0)
+    pool.staging(10, like)
+    for _ in range(3):
+        key = comm.run("plan", (1,), lambda: log.append("launch"), CPU)
+    assert comm.graphs.captured(key) and log == ["launch", "replay launch", "replay launch"]
+    graph = weakref.ref(comm.graphs._graphs[key])
+    comm.last = key
+    pool.staging(5, like)  # fits: nothing changes
+    assert comm.graphs.captured(key) and comm.last == key
+    pool.staging((1 << 20) + 1, like)  # outgrown
+    assert not comm.graphs.captured(key) and comm.graphs.count() == 0 and comm.last is None
+    assert graph() is not None  # retired, alive
+    log.clear()
+    for _ in range(3):
+        comm.run("plan", (1,), lambda: log.append("launch"), CPU)
+    assert log == ["launch", "replay launch", "replay launch"]
+    comm.graphs.clear()
+    assert graph() is None

@@ -28,9 +28,10 @@ How a call's fingerprint is compared (``check="call"``):
   error is kept and raised on every rank by the same later call, the `adasum.collectives.guard.LAG`-th
   after the divergent one, and every call after it (ValueError, ending ``(a call already under way on
   some rank: its result is undefined; destroy the process group)``), so that no rank enqueues a
-  collective its peers never match; the group's NCCL communicator is aborted, which ends kernels that
-  wait for data no peer sends: by the call that raises the error, or by the guard where the rank made
-  no call for `adasum.collectives.guard.ABORT_AFTER_S` (it is blocked on the device behind such a kernel).
+  collective its peers never match; where the device does not drain, the group's NCCL communicator is
+  aborted, which ends kernels that wait for data no peer sends: by the call that raises the error, or by
+  the guard where the rank made no call for `adasum.collectives.guard.ABORT_AFTER_S` (it is blocked on the
+  device behind such a kernel).
   Afterwards the process group must be destroyed and training restarted (docs/faults.md).
 """
 

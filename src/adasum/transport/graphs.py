@@ -16,6 +16,13 @@ the same layout; captures are collective (NCCL ops inside a graph pair with thei
 replay). If capture fails, the key runs eagerly from then on. ``ADASUM_CUDA_GRAPHS=0`` turns
 capture off (`adasum.settings`). Captured graphs are released by `adasum.release()` (and by
 ``torch.distributed.destroy_process_group``).
+
+A key's graph is captured when *this* rank sees it the second time, and keys hold addresses, which differ
+from rank to rank: one rank may replay a call that its peer runs eagerly or captures. That is safe while
+both run against the same symmetric buffers; so when the group's symmetric buffer is outgrown (a collective
+step that every rank takes at the same call), its graphs are retired (`Graphs.retire`): a graph replayed on
+the old buffer against a peer running on the new one would wait at a signal pad the peer never sets (this
+hung FSDP2's reductions, whose buffers the caching allocator places differently on each rank).
 """
 
 from __future__ import annotations
@@ -82,6 +89,7 @@ class Graphs:
         self.backend = backend if backend is not None else CudaCapture()
         self._graphs: OrderedDict[Hashable, object] = OrderedDict()
         self._seen: OrderedDict[Hashable, int] = OrderedDict()
+        self._retired: list[object] = []  # graphs no call replays any more, kept alive until `clear` (`retire`)
         self._running = False
 
     def run(self, key: Hashable, fn: Callable[[], None], device: torch.device) -> None:
@@ -140,7 +148,16 @@ class Graphs:
         """How many graphs are alive."""
         return sum(g is not _FAILED for g in self._graphs.values())
 
+    def retire(self) -> None:
+        """Replay no graph captured so far: every key starts again from its first (eager) call. The graphs stay
+        alive until `clear` (one may still be running on the device). The group's symmetric buffers call this when
+        one is outgrown (`adasum.transport.symmetric.SymmetricPool.staging`)."""
+        self._retired += [g for g in self._graphs.values() if g is not _FAILED]
+        self._graphs.clear()
+        self._seen.clear()
+
     def clear(self) -> None:
         """Forget every graph and sighting."""
         self._graphs.clear()
         self._seen.clear()
+        self._retired.clear()

@@ -114,6 +114,12 @@ class Communicator:
         self.graphs.run(key, fn, device)
         return key
 
+    def retire_graphs(self) -> None:
+        """Replay none of the graphs captured so far (`adasum.transport.graphs.Graphs.retire`), nor the last list
+        call's: the group's symmetric buffer they load and store at was outgrown."""
+        self.graphs.retire()
+        self.last = None
+
     def control_group(self) -> dist.ProcessGroup | None:
         """See `control_group`."""
         if self.group is not None and self.group is not dist.GroupMember.WORLD:

@@ -52,7 +52,7 @@ from __future__ import annotations
 import contextlib
 import socket
 import warnings
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import cast
 
 import torch
@@ -93,10 +93,11 @@ class SymmetricPool:
     `backend` is torch's ``torch.distributed._symmetric_memory`` unless given: an object with ``empty(numel,
     dtype=, device=)`` and ``rendezvous(buffer, group_name)`` (tests pass one that allocates host memory)."""
 
-    def __init__(self, group, backend=None) -> None:
+    def __init__(self, group, backend=None, outgrown: Callable[[], None] | None = None) -> None:
         self.group = group
         self.name = _group_name(group)
         self.backend = backend if backend is not None else symm_mem
+        self.outgrown = outgrown  # called when a buffer is replaced by a larger one (`staging`)
         self.verdict: bool | None = None
         self.buffers: dict[tuple[torch.dtype, str], tuple[torch.Tensor, object]] = {}
         self.retired: list[tuple[torch.Tensor, object]] = []  # outgrown buffers: captured graphs hold their addresses
@@ -125,9 +126,11 @@ class SymmetricPool:
         Growing it is collective (a rendezvous): every rank asks for the same sizes in the same order.
 
         An outgrown buffer is kept, not freed, until `release`: CUDA graphs captured on it (an earlier, smaller
-        layout's) replay loads and stores at its addresses, and freeing it under them writes into freed memory
-        (FSDP2's units of several sizes reach the hook one after another). Capacities double, so the kept ones
-        together are smaller than the buffer in use."""
+        layout's) may still be running, and freeing it under them writes into freed memory (FSDP2's units of
+        several sizes reach the hook one after another). Capacities double, so the kept ones together are smaller
+        than the buffer in use. Those graphs are not replayed again (`outgrown`, the communicator's
+        `retire_graphs`): a peer that had not captured the same call would run it on the new buffer, and the two
+        would wait at different signal pads."""
         key = (like.dtype, purpose)
         entry = self.buffers.get(key)
         if entry is None or entry[0].numel() < numel:
@@ -137,6 +140,8 @@ class SymmetricPool:
             if entry is not None:
                 capacity = max(capacity, min(2 * entry[0].numel(), most if most is not None else 1 << 62))
                 self.retired.append(entry)
+                if self.outgrown is not None:
+                    self.outgrown()
             with warnings.catch_warnings():
                 warnings.simplefilter("ignore")
                 if hasattr(self.backend, "enable_symm_mem_for_group"):
@@ -169,7 +174,7 @@ def pool(group: dist.ProcessGroup | None, backend=None) -> SymmetricPool:
     A group's memory comes from one backend: another one for a group whose pool exists is a ValueError."""
     comm = communicator(group)
     if comm.symmetric is None:
-        comm.symmetric = SymmetricPool(group, backend)
+        comm.symmetric = SymmetricPool(group, backend, outgrown=comm.retire_graphs)
     found = cast(SymmetricPool, comm.symmetric)
     if backend is not None and found.backend is not backend:
         raise ValueError("this group's symmetric memory comes from another backend (adasum.release() drops it)")
