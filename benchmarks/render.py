@@ -278,8 +278,9 @@ CLAIMS = [
     Claim(
         "FSDP2 across replicas (`adasum.fsdp.enable`) against FSDP's own replica averaging",
         "Median step time (slowest rank) of a 1.04 B-parameter decoder under FSDP2 (replicas x shards),\n"
-        "bf16 parameters and bf16 reduction, AdamW; `native` is FSDP's 2-D HSDP averaging, `mean` the same hook\n"
-        "route as Adasum doing a mean; `ratio` is to `native` of the same mesh and run, `peak GiB` the largest\n"
+        "bf16 parameters, the reduction in `reduce` (bf16 or float32), AdamW; `native` is FSDP's 2-D HSDP\n"
+        "averaging, `mean` the same hook route as Adasum doing a mean; each run's variants take turns `--repeats`\n"
+        "times, and `ratio` is to `native` of the same repeat of the same run; `peak GiB` the largest\n"
         "`max_memory_allocated` of any rank, `kept MiB` the device memory outside the caching allocator that the\n"
         "variant keeps (symmetric-memory buffers within the 512 MiB budget, captured graphs; rows without it\n"
         "predate its measurement). `adasum.fsdp` agrees on the layouts at `enable`, probes them without waiting\n"
@@ -289,9 +290,10 @@ CLAIMS = [
         "torchrun --nproc-per-node 4 benchmarks/bench_fsdp.py --mesh 4x1 --repeats 3 --reduce-dtype bfloat16\n"
         "torchrun --nproc-per-node 4 benchmarks/bench_fsdp.py --mesh 2x2 --repeats 3 --reduce-dtype bfloat16",
         "fsdp.jsonl",
-        lambda rows: with_ratio([r for r in rows if "mesh" in r],
-                                lambda r: (r["date"][:13], r["mesh"]), lambda r: r["variant"] == "native"),
-        [("mesh", "mesh"), ("params", "parameters"), ("variant", "variant"), ("step_ms", "step ms"),
+        lambda rows: with_ratio([{**r, "reduce": r.get("reduce_dtype", "float32")} for r in rows if "mesh" in r],
+                                lambda r: (r["date"], r["mesh"], r.get("repeat", 0), r["reduce"]),
+                                lambda r: r["variant"] == "native"),
+        [("mesh", "mesh"), ("params", "parameters"), ("reduce", "reduce"), ("variant", "variant"), ("step_ms", "step ms"),
          ("ratio", "ratio"), ("peak_gib", "peak GiB"), ("kept_mib", "kept MiB")],
     ),
     Claim(
