@@ -43,7 +43,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import adasum  # noqa: E402
 
 from layouts import LAYOUTS  # noqa: E402
-from machine import device_name  # noqa: E402
+from machine import device_name, free_memory  # noqa: E402
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16, "fp64": torch.float64}
 
@@ -88,14 +88,6 @@ def time_pair(fns, restore, device, repeats: int, warmup: int) -> tuple[list[flo
     dist.all_reduce(t, op=dist.ReduceOp.MAX)
     rows = t.tolist()
     return [statistics.median(r) for r in rows], rows
-
-
-def free_memory(device: torch.device) -> int | None:
-    """The device's free bytes (cudaMemGetInfo) once its work is done; None on the CPU."""
-    if device.type != "cuda":
-        return None
-    torch.cuda.synchronize(device)
-    return torch.cuda.mem_get_info(device)[0]
 
 
 def kept_memory(before: int | None, device: torch.device) -> float | None:
@@ -234,9 +226,8 @@ def slice_moves_probe(rank, world, device, args, log) -> list[dict]:
     copy engines for flat buffers and Triton copies for lists), with no Adasum math (each rank's own row is
     copied to its output row where the last combination would write it), against NCCL all_reduce of the same
     bytes in the same run."""
-    from adasum.collectives.slices import rounds
+    from adasum.collectives.slices import slice_rounds
     from adasum.core.layout import Layout, Scattered
-    from adasum.transport.base import split
     from adasum.transport.symmetric import SymmetricSlices, supported
 
     if not supported(None):
@@ -252,12 +243,10 @@ def slice_moves_probe(rank, world, device, args, log) -> list[dict]:
             flat = torch.randn(numel, device=device).to(dtype)
             buffer = tensors[0].view(-1) if len(tensors) == 1 else Scattered(tensors)
             layout = Layout((numel,)) if len(tensors) == 1 else buffer.layout
-            capacity = mover.round_elements(buffer.element_size())
-            cut = [split(lo, hi, world) for _, _, lo, hi in rounds(layout.sizes, capacity) if hi > lo]
-            mover.reserve(max(b - a for bounds in cut for a, b in bounds), buffer)
+            cut = slice_rounds(layout, mover, buffer)
 
             def moves():
-                for bounds in cut:
+                for _, _, bounds in cut:
                     mine = mover.rows(buffer, bounds)[rank]
                     mover.scatter(buffer, layout, bounds, lambda p0, p1: None)
 

@@ -41,7 +41,7 @@ import torch.nn.functional as F
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import adasum.fsdp  # noqa: E402
 
-from machine import device_name  # noqa: E402
+from machine import device_name, free_memory  # noqa: E402
 
 
 class Block(nn.Module):
@@ -92,17 +92,8 @@ def build(variant: str, args, mesh, device):
     return model
 
 
-def free_bytes(device) -> int:
-    """The device's free memory once its work is done and the caching allocator has handed back what it holds."""
-    if device.type != "cuda":
-        return 0
-    torch.cuda.synchronize(device)
-    torch.cuda.empty_cache()
-    return torch.cuda.mem_get_info(device)[0]
-
-
 def time_variant(variant: str, args, mesh, device) -> dict:
-    free_before = free_bytes(device)
+    free_before = free_memory(device, empty_cache=True) or 0
     model = build(variant, args, mesh, device)
     params = sum(p.numel() for p in model.parameters())  # DTensors: the whole model's count
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
@@ -144,7 +135,7 @@ def time_variant(variant: str, args, mesh, device) -> dict:
     peak = torch.cuda.max_memory_allocated(device) if device.type == "cuda" else 0
     # memory outside the caching allocator that the variant keeps once its model is gone (symmetric-memory
     # buffers, captured graphs' pools, communicators): not in max_memory_allocated, so reported beside it
-    kept = free_before - free_bytes(device)
+    kept = free_before - (free_memory(device, empty_cache=True) or 0)
     # the slowest rank's time of each step, and the largest peak and kept memory of any rank
     mine = torch.tensor([*times, peak, kept], dtype=torch.float64, device=device)
     dist.all_reduce(mine, op=dist.ReduceOp.MAX)

@@ -1,4 +1,4 @@
-"""The name benchmark rows give the machine they ran on."""
+"""The name benchmark rows give the machine they ran on, and its free device memory."""
 
 from __future__ import annotations
 
@@ -25,3 +25,14 @@ def device_name(device: torch.device) -> str:
     if device.type == "cuda":
         return torch.cuda.get_device_name(device)
     return f"{cpu_name()} ({os.cpu_count()} cores)"
+
+
+def free_memory(device: torch.device, empty_cache: bool = False) -> int | None:
+    """The device's free bytes (cudaMemGetInfo) once its work is done, after the caching allocator handed back
+    what it holds (`empty_cache`); None on the CPU."""
+    if device.type != "cuda":
+        return None
+    torch.cuda.synchronize(device)
+    if empty_cache:
+        torch.cuda.empty_cache()
+    return torch.cuda.mem_get_info(device)[0]

@@ -293,8 +293,8 @@ CLAIMS = [
         lambda rows: with_ratio([{**r, "reduce": r.get("reduce_dtype", "float32")} for r in rows if "mesh" in r],
                                 lambda r: (r["date"], r["mesh"], r.get("repeat", 0), r["reduce"]),
                                 lambda r: r["variant"] == "native"),
-        [("mesh", "mesh"), ("params", "parameters"), ("reduce", "reduce"), ("variant", "variant"), ("step_ms", "step ms"),
-         ("ratio", "ratio"), ("peak_gib", "peak GiB"), ("kept_mib", "kept MiB")],
+        [("mesh", "mesh"), ("params", "parameters"), ("reduce", "reduce"), ("variant", "variant"),
+         ("step_ms", "step ms"), ("ratio", "ratio"), ("peak_gib", "peak GiB"), ("kept_mib", "kept MiB")],
     ),
     Claim(
         "JAX: `adasum.jax.all_reduce` against `jax.lax.psum` of the same tree",

@@ -90,6 +90,17 @@ def rounds(sizes: Sequence[int], capacity: int | None) -> list[tuple[int, int, i
     return out
 
 
+def slice_rounds(layout: Layout, mover: SliceMover, like) -> list[tuple[int, int, list[tuple[int, int]]]]:
+    """The rounds `adasum_slices_` runs `layout` in on `mover` (`rounds` within the mover's capacity for `like`'s
+    dtype), each as (first tensor, end tensor, every rank's slice of it); the mover's buffers are reserved for
+    the largest slice first, so that a layout grows them once."""
+    capacity = mover.round_elements(like.element_size())
+    cut = [(first, end, split(lo, hi, mover.world)) for first, end, lo, hi in rounds(layout.sizes, capacity) if hi > lo]
+    if cut:
+        mover.reserve(max(b - a for _, _, bounds in cut for a, b in bounds), like)
+    return cut
+
+
 def level_pairs(tree: Tree) -> list[list[tuple[int, int, int, int]]]:
     """The tree's levels as (rank of side a, rank of side b, workers of a, workers of b) per pair: the fold
     (when P is not a power of two), then d = 1, 2, 4, ...; each pair's result replaces side a's vector.
@@ -187,11 +198,7 @@ def adasum_slices_(
         return
     tree = Tree(world)
     first_pairs = level_pairs(tree)[0]
-    capacity = mover.round_elements(buffer.element_size())
-    cut = [(first, end, split(lo, hi, world)) for first, end, lo, hi in rounds(layout.sizes, capacity) if hi > lo]
-    if cut:
-        mover.reserve(max(b - a for _, _, bounds in cut for a, b in bounds), buffer)
-    for first, end, bounds in cut:
+    for first, end, bounds in slice_rounds(layout, mover, buffer):
         where = bounds[mover.rank]
         rows = mover.rows(buffer, bounds)
         sums = torch.zeros((len(first_pairs), 3, end - first), dtype=torch.float64, device=rows[0].device)
