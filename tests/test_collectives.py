@@ -137,7 +137,7 @@ def checks(rank, world):
     return out
 
 
-@pytest.mark.parametrize("world", distributed.world_sizes(1, 2, 3, 4, 5, 8))
+@pytest.mark.parametrize("world", distributed.world_sizes(1, 2, 3, 4, 5, 6, 7, 8))
 def test_all_reduce_matches_reference_and_is_bitwise_identical(world):
     results = distributed.run(world, checks)
     distributed.assert_ranks_agree(results, skip=("errors",))

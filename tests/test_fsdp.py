@@ -20,6 +20,7 @@ import torch.nn as nn
 import adasum
 import adasum.fsdp
 from adasum.integrations.fsdp import fill_unused_grads, unit_view
+from adasum.settings import current, override
 
 import distributed
 from reference import tree as reference_tree
@@ -397,6 +398,19 @@ def setup_body(rank, world):
     with pytest.raises(ValueError) as e:
         loss_of(model, *batch(0, rank), rank, torch.float32).backward()
     errors["not homogeneous"] = str(e.value)
+
+    # the reductions run eagerly, never captured into CUDA graphs (docs/integrations.md: streams and graphs)
+    seen = []
+
+    class Seeing(adasum.Mean):
+        def all_reduce_shards(self, buffer, sizes, groups, *, key=None):
+            seen.append(current().cuda_graphs)
+            super().all_reduce_shards(buffer, sizes, groups, key=key)
+
+    model, _ = sharded(mesh, reducer=Seeing(), seed=11)
+    with override(cuda_graphs=True):
+        loss_of(model, *batch(0, rank), rank, torch.float32).backward()
+    errors["graphs in the hook"] = seen
     return out, errors
 
 
@@ -424,6 +438,7 @@ def test_hsdp_2_replicas_x_1_shard():
     assert "differ across ranks" in errors[0]["unused"]
     assert "gradient layouts differ across ranks" in errors[0]["changed"], errors[0]["changed"]
     assert "does not scale with its inputs" in errors[0]["not homogeneous"], errors[0]["not homogeneous"]
+    assert errors[0]["graphs in the hook"] == [False] * 3, errors[0]["graphs in the hook"]  # three units
 
 
 def test_unit_view_fails_loudly_on_changed_torch():

@@ -164,12 +164,14 @@ def exact_body(rank, world, local_size):
     return out
 
 
+TIERS = [(4, 2, {}), (4, 2, {"ADASUM_MEMORY_MB": "0.002"}), (8, 4, {})]
+"""(ranks, ranks per node, environment): 2 nodes x 2, also in rounds through a budget of 2 KiB, and 2 nodes x 4
+(one node of 4 alone is the schedule, tests/test_slices.py)."""
+
+
 @pytest.mark.nccl
-@pytest.mark.parametrize("world", distributed.world_sizes(4))
-@pytest.mark.parametrize("local_size, env", [(2, {}), (2, {"ADASUM_MEMORY_MB": "0.002"})])
+@pytest.mark.parametrize("world, local_size, env", [t for t in TIERS if distributed.world_sizes(t[0])])
 def test_exact_two_tiers_equal_the_flat_tree(world, local_size, env):
-    # 4 ranks as 2 nodes x 2, also in rounds through a budget of 2 KiB (one node of 4 is the schedule alone,
-    # tests/test_slices.py)
     distributed.assert_ranks_agree(distributed.run(world, exact_body, local_size, env=env))
 
 
