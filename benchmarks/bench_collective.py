@@ -91,9 +91,10 @@ def time_pair(fns, restore, device, repeats: int, warmup: int) -> tuple[list[flo
 
 
 def kept_memory(before: int | None, device: torch.device) -> float | None:
-    """MiB of device memory taken since `before` (`free_memory`) and still held: what adasum keeps beyond the
-    user's tensors after repeated calls (buffers, workspaces, captured graphs, the caching allocator's share),
-    the largest over ranks."""
+    """MiB of device memory taken since `before` (`free_memory`, read after one call of the baseline, so that what
+    NCCL keeps for the same bytes is not counted) and still held: what adasum keeps beyond the user's tensors
+    after repeated calls (buffers, workspaces, captured graphs, the caching allocator's share), the largest over
+    ranks."""
     if before is None:
         return None
     taken = torch.tensor([(before - free_memory(device)) / (1 << 20)], device=device)
@@ -325,6 +326,7 @@ def worker(rank: int, world: int, store_path: str, args) -> None:
                 def run_adasum():
                     adasum.all_reduce(tensors, transport=chosen)
 
+                dist.all_reduce(flat)  # the baseline's first call: what NCCL keeps for these bytes is not adasum's
                 before = free_memory(device)
                 (a_s, r_s), (a_all, r_all) = time_pair(
                     [run_adasum, lambda: dist.all_reduce(flat)], restore, device, repeats, args.warmup
@@ -337,7 +339,7 @@ def worker(rank: int, world: int, store_path: str, args) -> None:
                     "transport": default if name == "default" else name, "default": name == "default",
                     "adasum_s": a_s, "allreduce_s": r_s, "ratio": a_s / r_s, "host_launches": launches,
                     "timer": "cuda-events" if device.type == "cuda" else "host", "repeats": repeats,
-                    "adasum_all_s": a_all, "allreduce_all_s": r_all, "kept_mib": kept,
+                    "adasum_all_s": a_all, "allreduce_all_s": r_all, "kept_mib": kept, "kept_after_baseline": True,
                 }
                 rows.append(row)
                 star = "*" if name == "default" else " "
