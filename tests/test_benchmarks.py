@@ -61,3 +61,19 @@ def test_bench_sim_dry_run_at_64_workers():
     line = printed.strip().splitlines()[-1]
     assert line.startswith("adasum: P=64 x B=32 on ") and line.endswith("examples/s)")
     assert float(line.split(": ")[-1].split()[0]) > 0  # steps/s
+
+
+def test_bench_collective_on_gloo(tmp_path):
+    """The collective benchmark as `make bench` runs it, cut small: every dtype and size is a row with both timings
+    and the ratio between them, the card named, and no kept memory on the CPU."""
+    out = tmp_path / "collective.jsonl"
+    printed = run_script("benchmarks/bench_collective.py", "--backend", "gloo", "--world", "2", "--exps", "8,10",
+                         "--layouts", "", "--dtypes", "fp32,bf16", "--repeats", "2", "--warmup", "1",
+                         "--out", str(out))
+    rows = [json.loads(line) for line in out.read_text().splitlines()]
+    assert [(r["dtype"], r["layout"]) for r in rows] == [(d, f"flat-2^{e}") for d in ("fp32", "bf16") for e in (8, 10)]
+    for r in rows:
+        assert r["world_size"] == 2 and r["backend"] == "gloo" and r["default"] and r["kept_mib"] is None
+        assert r["adasum_s"] > 0 and r["allreduce_s"] > 0 and r["ratio"] == r["adasum_s"] / r["allreduce_s"]
+        assert {"device", "torch", "nccl", "driver"} <= set(r)
+    assert sum("adasum" in line and "ratio" in line for line in printed.splitlines()) == 4, printed
