@@ -160,5 +160,29 @@ def test_an_outgrown_symmetric_buffer_retires_the_groups_graphs():
     for _ in range(3):
         comm.run("plan", (1,), lambda: log.append("launch"), CPU)
     assert log == ["launch", "replay launch", "replay launch"]
+    assert comm.graphs.held()  # what release() waits for the device for
     comm.graphs.clear()
-    assert graph() is None
+    assert graph() is None and not comm.graphs.held()
+
+
+def test_an_outgrown_buffer_retires_the_graphs_of_every_group():
+    """A graph of one group may point into another group's buffers (the two tiers' outer call runs the node group's
+    mover), so a growth retires the graphs of every group's communicator."""
+    import torch.distributed as dist
+
+    from adasum.transport import groups
+
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        log: list = []
+        comms = [groups.communicator(None), groups.communicator(dist.new_group([0]))]
+        for comm in comms:
+            comm.graphs = Graphs(RecordingCapture(log))
+            for _ in range(2):
+                key = comm.run("plan", (1,), lambda: log.append("launch"), CPU)
+            comm.last = key
+            assert comm.graphs.captured(key)
+        groups.retire_graphs()
+        assert all(c.graphs.count() == 0 and c.graphs.held() and c.last is None for c in comms)
+    finally:
+        dist.destroy_process_group()

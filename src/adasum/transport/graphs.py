@@ -19,8 +19,9 @@ capture off (`adasum.settings`). Captured graphs are released by `adasum.release
 
 A key's graph is captured when *this* rank sees it the second time, and keys hold addresses, which differ
 from rank to rank: one rank may replay a call that its peer runs eagerly or captures. That is safe while
-both run against the same symmetric buffers; so when the group's symmetric buffer is outgrown (a collective
-step that every rank takes at the same call), its graphs are retired (`Graphs.retire`): a graph replayed on
+both run against the same symmetric buffers; so when a symmetric buffer is outgrown (a collective step that
+every rank of its group takes at the same call), every group's graphs are retired (`Graphs.retire`; a graph
+of one group may point into another's buffers, as the two tiers' do): a graph replayed on
 the old buffer against a peer running on the new one would wait at a signal pad the peer never sets (this
 hung FSDP2's reductions, whose buffers the caching allocator places differently on each rank).
 """
@@ -145,8 +146,12 @@ class Graphs:
         return True
 
     def count(self) -> int:
-        """How many graphs are alive."""
+        """How many graphs are alive and replayed (retired ones not counted)."""
         return sum(g is not _FAILED for g in self._graphs.values())
+
+    def held(self) -> bool:
+        """Whether any graph is alive, retired ones included (one may still be running on the device)."""
+        return self.count() > 0 or bool(self._retired)
 
     def retire(self) -> None:
         """Replay no graph captured so far: every key starts again from its first (eager) call. The graphs stay

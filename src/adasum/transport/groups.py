@@ -116,7 +116,7 @@ class Communicator:
 
     def retire_graphs(self) -> None:
         """Replay none of the graphs captured so far (`adasum.transport.graphs.Graphs.retire`), nor the last list
-        call's: the group's symmetric buffer they load and store at was outgrown."""
+        call's: a symmetric buffer they may load and store at was outgrown (`retire_graphs`)."""
         self.graphs.retire()
         self.last = None
 
@@ -174,6 +174,16 @@ def next_guard(name: str) -> int:
     return made
 
 
+def retire_graphs() -> None:
+    """Every group's `Communicator.retire_graphs`: a symmetric buffer was outgrown, and a graph of one group may
+    point into another's buffers (the two tiers' outer call runs the node group's mover). Retiring is local and
+    only costs a capture again; it never makes a rank's launches differ from its peers'."""
+    with _registry.lock:
+        comms = list(_registry.communicators.values())
+    for comm in comms:
+        comm.retire_graphs()
+
+
 def reducer_names() -> dict[str, type]:
     """The reducer classes by name (`adasum.reducers.register` adds to it)."""
     return _registry.reducers
@@ -219,13 +229,13 @@ def release(group: dist.ProcessGroup | None = None) -> None:
                 return
             shared = found.symmetric is not None and found.symmetric.held() > 0
             others = list(_registry.communicators.values()) if shared else []
-            _synchronize_if(found.graphs.count() > 0 or any(c.graphs.count() for c in others))
+            _synchronize_if(found.graphs.held() or any(c.graphs.held() for c in others))
             for comm in others:
                 comm.graphs.clear()
             found.clear()
             return
         comms = list(_registry.communicators.values())
-        _synchronize_if(any(c.graphs.count() for c in comms))
+        _synchronize_if(any(c.graphs.held() for c in comms))
         for comm in comms:  # every graph before any buffer (a graph may point into another group's buffers)
             comm.graphs.clear()
         for comm in comms:

@@ -64,7 +64,7 @@ from adasum.kernels import triton as triton_kernels
 from adasum.kernels.addresses import AddressTables
 from adasum.settings import current
 from adasum.transport.base import GatherStep, Level, Transport, split
-from adasum.transport.groups import communicator, side_stream
+from adasum.transport.groups import communicator, retire_graphs, side_stream
 from adasum.transport.slices import memory_budget_bytes, round_elements
 
 try:  # pragma: no cover - CUDA builds only
@@ -128,9 +128,9 @@ class SymmetricPool:
         An outgrown buffer is kept, not freed, until `release`: CUDA graphs captured on it (an earlier, smaller
         layout's) may still be running, and freeing it under them writes into freed memory (FSDP2's units of
         several sizes reach the hook one after another). Capacities double, so the kept ones together are smaller
-        than the buffer in use. Those graphs are not replayed again (`outgrown`, the communicator's
-        `retire_graphs`): a peer that had not captured the same call would run it on the new buffer, and the two
-        would wait at different signal pads."""
+        than the buffer in use. Those graphs are not replayed again (`outgrown`: every group's graphs are retired,
+        `adasum.transport.groups.retire_graphs`): a peer that had not captured the same call would run it on the
+        new buffer, and the two would wait at different signal pads."""
         key = (like.dtype, purpose)
         entry = self.buffers.get(key)
         if entry is None or entry[0].numel() < numel:
@@ -174,7 +174,7 @@ def pool(group: dist.ProcessGroup | None, backend=None) -> SymmetricPool:
     A group's memory comes from one backend: another one for a group whose pool exists is a ValueError."""
     comm = communicator(group)
     if comm.symmetric is None:
-        comm.symmetric = SymmetricPool(group, backend, outgrown=comm.retire_graphs)
+        comm.symmetric = SymmetricPool(group, backend, outgrown=retire_graphs)
     found = cast(SymmetricPool, comm.symmetric)
     if backend is not None and found.backend is not backend:
         raise ValueError("this group's symmetric memory comes from another backend (adasum.release() drops it)")
