@@ -247,15 +247,22 @@ def slice_moves_probe(rank, world, device, args, log) -> list[dict]:
             cut = slice_rounds(layout, mover, buffer)
 
             def moves():
-                for _, _, bounds in cut:
-                    mine = mover.rows(buffer, bounds)[rank]
-                    mover.scatter(buffer, layout, bounds, lambda p0, p1: None)
+                for first, _, lo, hi, bounds in cut:
+                    mv, buf, lay = mover, buffer, layout
+                    if bounds is None:  # one tensor larger than a round: the in-place mover
+                        mv = mover.in_place
+                        buf = tensors[first].view(-1) if isinstance(buffer, Scattered) else buffer[lo:hi]
+                        lay, bounds = Layout((buf.numel(),)), mv.cut(buf.numel())
+                    parts = mv.rows(buf, bounds)
+                    mv.scatter(buf, lay, bounds, lambda p0, p1: None)
 
-                    def finish(p0, p1, outs, mine=mine):
-                        for out in outs[1:]:
-                            out.copy_(mine[p0:p1])
+                    def finish(p0, p1, outs, parts=parts):
+                        for start, rows in parts:
+                            if start <= p0 < start + rows[rank].numel():
+                                for out in outs[1:]:
+                                    out.copy_(rows[rank][p0 - start : p1 - start])
 
-                    mover.gather(buffer, layout, bounds, finish)
+                    mv.gather(buf, lay, bounds, finish)
 
             (m, a), _ = time_pair([moves, lambda: dist.all_reduce(flat)], lambda: None, device, args.repeats,
                                   args.warmup)

@@ -130,8 +130,8 @@ def test_the_communicator_is_the_only_caller_of_the_graphs():
 def test_an_outgrown_symmetric_buffer_retires_the_groups_graphs():
     """A graph loads and stores at the symmetric buffer it was captured on. Ranks capture a key at different calls
     (keys hold addresses), so after the buffer grows (at the same call on every rank) a graph replayed on the old
-    buffer would meet a peer running the call on the new one: every graph is retired, kept alive, never replayed,
-    and each key starts again from an eager call."""
+    buffer would meet a peer running the call on the new one: every graph is dropped (the device drained first, so
+    none is running), and so is the outgrown buffer; each key starts again from an eager call."""
     import weakref
 
     from adasum.transport.symmetric import SymmetricPool
@@ -153,16 +153,17 @@ def test_an_outgrown_symmetric_buffer_retires_the_groups_graphs():
     comm.last = key
     pool.staging(5, like)  # fits: nothing changes
     assert comm.graphs.captured(key) and comm.last == key
+    old = weakref.ref(made[-1])
     pool.staging((1 << 20) + 1, like)  # outgrown
     assert not comm.graphs.captured(key) and comm.graphs.count() == 0 and comm.last is None
-    assert graph() is not None  # retired, alive
+    assert graph() is None and not comm.graphs.held()  # dropped
+    made.clear()
+    assert old() is None and len(pool.buffers) == 1  # the outgrown buffer is not kept
     log.clear()
     for _ in range(3):
         comm.run("plan", (1,), lambda: log.append("launch"), CPU)
     assert log == ["launch", "replay launch", "replay launch"]
     assert comm.graphs.held()  # what release() waits for the device for
-    comm.graphs.clear()
-    assert graph() is None and not comm.graphs.held()
 
 
 def test_an_outgrown_buffer_retires_the_graphs_of_every_group():
@@ -183,6 +184,6 @@ def test_an_outgrown_buffer_retires_the_graphs_of_every_group():
             comm.last = key
             assert comm.graphs.captured(key)
         groups.retire_graphs()
-        assert all(c.graphs.count() == 0 and c.graphs.held() and c.last is None for c in comms)
+        assert all(c.graphs.count() == 0 and not c.graphs.held() and c.last is None for c in comms)
     finally:
         dist.destroy_process_group()

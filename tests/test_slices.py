@@ -34,14 +34,21 @@ def _worst_error(got: list[torch.Tensor], data: list[list[torch.Tensor]]) -> flo
     return worst
 
 
+@pytest.mark.parametrize("cut_at", [None, 1000])
 @pytest.mark.parametrize("world", [2, 3, 5, 6, 8])
-def test_tree_on_one_slice_is_the_reference_tree(world):
-    # one process holding the whole buffer as its slice: the small all-reduces have nothing to add
+def test_tree_on_one_slice_is_the_reference_tree(world, cut_at):
+    # one process holding the whole buffer as its slice: the small all-reduces have nothing to add; `cut_at`: the
+    # rows lie in two parts (as an in-place mover's do), and a piece of the last combination spans both
     data = _data(world, world, torch.float64)
     rows = [torch.cat(data[r]) for r in range(world)]
     layout = Layout(tuple(SIZES))
     out = torch.full_like(rows[0], float("nan"))
-    finish = tree_on_slice_(rows, layout, (0, layout.numel), Tree(world), lambda sums: None, (0, len(SIZES)))
+    if cut_at is None:
+        parts = [(0, rows)]
+    else:
+        tails = [row[cut_at:].clone() for row in rows]  # elsewhere in memory, like the spare rows
+        parts = [(0, [row[:cut_at] for row in rows]), (cut_at, tails)]
+    finish = tree_on_slice_(parts, layout, (0, layout.numel), Tree(world), lambda sums: None, (0, len(SIZES)))
     for p0, p1 in ((0, 700), (700, 1500), (1500, layout.numel)):  # the last combination in pieces, as movers run it
         finish(p0, p1, [out[p0:p1]])
     assert _worst_error(list(out.split(SIZES)), data) < BOUNDS[torch.float64]
@@ -109,3 +116,87 @@ def test_slice_parallel_in_rounds_through_a_small_budget(world):
     # a budget of a few KiB: the layout runs in many rounds, and tensors larger than a round make their own
     results = distributed.run(world, slice_parallel, env={"ADASUM_MEMORY_MB": "0.004"})
     distributed.assert_ranks_agree(results)
+
+
+IN_PLACE_SIZES = [20003, 7, 300, 9000, 1]
+"""Under a budget of 0.05 MiB, 20003 and 9000 elements are larger than a round at 2 to 5 ranks (fp32): each runs
+in place, through a ring of pieces, the 20003 with a tail for the last rank's spare rows."""
+
+
+def _kept_bytes(group=None) -> int:
+    """What the group's movers keep: symmetric buffers and c10d workspaces."""
+    from adasum.transport.groups import communicator
+
+    comm = communicator(group)
+    kept = 0
+    if comm.symmetric is not None:
+        kept += sum(b.numel() * b.element_size() for b, _ in comm.symmetric.buffers.values())
+    movers = list(comm.transports.values())
+    movers += [m.in_place for m in movers if m.in_place is not None]
+    for mover in movers:
+        for name in ("_rows", "_space"):
+            space = getattr(mover, name, None)
+            kept += 0 if space is None else space.numel() * space.element_size()
+    return kept
+
+
+def in_place(rank, world, transport):
+    from adasum.transport.slices import buffer_bytes
+
+    dev = distributed.device_for(rank)
+    g = torch.Generator().manual_seed(500 + world)
+    data = [[torch.randn(n, generator=g, dtype=torch.float64).float() for n in IN_PLACE_SIZES] for _ in range(world)]
+    mine = [t.clone().to(dev) for t in data[rank]]
+    for call in range(3):  # repeated calls on the same tensors: captured and replayed graphs on GPUs
+        for t, src in zip(mine, data[rank]):
+            t.copy_(src)
+        adasum.all_reduce(mine, transport=transport)
+    worst = _worst_error(mine, data)
+    assert worst < BOUNDS[torch.float32], worst
+    kept, allowed = _kept_bytes(), buffer_bytes() + buffer_bytes("ring")
+    assert kept <= allowed, (kept, allowed)
+    assert max(IN_PLACE_SIZES) * 4 > allowed  # the largest tensor alone would not have fitted
+    return torch.cat([t.cpu() for t in mine]).view(torch.uint8).numpy().tobytes()
+
+
+@pytest.mark.nccl
+@pytest.mark.parametrize("transport", ["slices", None])
+@pytest.mark.parametrize("world", distributed.world_sizes(2, 3, 4) if distributed.BACKEND == "nccl" else [2, 3, 5])
+def test_tensors_larger_than_a_round_run_in_place_within_the_budget(world, transport):
+    # transport None: the default (on NCCL in one host: the symmetric transport at 2 and 4 ranks, whose VHDD
+    # rounds hand such a tensor to the in-place mover too; on gloo point-to-point, which keeps no buffer)
+    results = distributed.run(world, in_place, transport, env={"ADASUM_MEMORY_MB": "0.05"})
+    distributed.assert_ranks_agree(results)
+
+
+def vhdd_in_place(rank, world):
+    from datetime import timedelta
+
+    from adasum.collectives.vhdd import adasum_flat_
+    from adasum.transport.c10d import PointToPointC10d
+    from adasum.transport.slices import C10dInPlace
+
+    class Budgeted(PointToPointC10d):  # the VHDD schedule's rounds with an in-place mover, as the symmetric one has
+        mover = None
+
+        def round_elements(self, element_size):
+            return 1000
+
+        @property
+        def in_place(self):
+            return self.mover
+
+    transport = Budgeted(None, 1 << 20, timedelta(seconds=60))
+    transport.mover = C10dInPlace(None, timedelta(seconds=60))
+    g = torch.Generator().manual_seed(700 + world)
+    data = [[torch.randn(n, generator=g, dtype=torch.float64) for n in IN_PLACE_SIZES] for _ in range(world)]
+    flat = torch.cat(data[rank])
+    adasum_flat_(flat, IN_PLACE_SIZES, transport=transport)
+    assert transport.mover._space is not None  # the two large tensors went through the in-place mover
+    assert _worst_error(list(flat.split(IN_PLACE_SIZES)), data) < BOUNDS[torch.float64]
+    return flat.numpy().tobytes()
+
+
+@pytest.mark.parametrize("world", [2, 3, 4])
+def test_vhdd_rounds_hand_a_tensor_larger_than_a_round_to_the_in_place_mover(world):
+    distributed.assert_ranks_agree(distributed.run(world, vhdd_in_place))

@@ -80,9 +80,10 @@ def fake_symmetric_memory(made: list):
     return SimpleNamespace(empty=empty, rendezvous=lambda buffer, name: SimpleNamespace(name=name))
 
 
-def test_an_outgrown_symmetric_buffer_stays_alive_until_release():
-    """Captured graphs replay at the addresses of the staging buffer they were captured on: growing
-    the buffer must not free the old one (a replay would store into freed memory), only `release` may."""
+def test_a_symmetric_buffer_grows_within_its_cap_and_the_outgrown_one_is_dropped():
+    """A growth doubles a buffer but never past `most` (unless one call needs more), the first buffer is at least
+    a mebi-element only where `most` allows it, and the outgrown buffer is not kept (the device drained first, and
+    the graphs captured on it were dropped: `test_graphs`)."""
     import weakref
     from types import SimpleNamespace
 
@@ -91,16 +92,18 @@ def test_an_outgrown_symmetric_buffer_stays_alive_until_release():
     made: list = []
     pool = SymmetricPool(SimpleNamespace(group_name="fake"), backend=fake_symmetric_memory(made))
     like = torch.empty(0)
-    first, _ = pool.staging(10, like)
+    first, _ = pool.staging(10, like, most=1000)
+    assert first.numel() == 1000  # the floor of a mebi-element, capped
     alive = weakref.ref(first)
-    assert pool.staging(5, like)[0] is first  # big enough: kept
-    grown, _ = pool.staging((1 << 20) + 1, like)
-    assert grown.numel() >= (1 << 20) + 1 and grown is not first
-    del first
+    assert pool.staging(5, like, most=1000)[0] is first  # big enough: kept
+    grown, _ = pool.staging(1001, like, most=1500)
+    assert grown.numel() == 1500  # doubled, capped at `most`
+    assert pool.staging(4000, like, most=1500)[0].numel() == 4000  # one call needs more than the cap
+    del first, grown
     made.clear()
-    assert alive() is not None  # outgrown, still referenced
+    assert alive() is None and len(pool.buffers) == 1  # outgrown, dropped
     pool.release()
-    assert alive() is None
+    assert not pool.buffers
 
 
 def test_the_symmetric_transports_take_their_memory_backend_and_share_the_groups_pool():

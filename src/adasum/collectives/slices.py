@@ -36,17 +36,25 @@ from adasum.transport.base import split
 Piece = Callable[[int, int], None]
 """Work on positions [p0, p1) of this rank's slice (the schedule's callbacks to the mover)."""
 
+Part = tuple[int, Sequence[torch.Tensor]]
+"""Where every rank's copy of a run of this rank's slice lies: (the run's first position in the slice, one flat
+tensor per rank, in rank order, all as long as the run). A mover's rows are one part, or (the in-place movers,
+module doc) a part in the user's buffer and a short one in the mover's spare rows."""
+
 
 class SliceMover(Protocol):
     """How the bytes of the slice-parallel schedule move (`adasum.transport.slices.C10dSlices`,
     `adasum.transport.symmetric.SymmetricSlices`). A mover may cut the slices into pieces and overlap the
-    callbacks' math on one piece with the transfer of the next."""
+    callbacks' math on one piece with the transfer of the next. `in_place`: the mover that runs a single tensor
+    larger than this mover's rounds (`InPlaceMover`), or None (such a tensor makes a round of its own and the
+    buffers grow to it)."""
 
     name: str
     scattered: bool
     world: int
     rank: int
     timeout: timedelta | None  # how long a transfer may wait for a peer (None: the group's)
+    in_place: InPlaceMover | None
 
     def round_elements(self, element_size: int) -> int | None:
         """The most elements one round should hold (None: no limit)."""
@@ -54,11 +62,12 @@ class SliceMover(Protocol):
     def reserve(self, row: int, like) -> None:
         """Room for rows of `row` elements like `like`: the largest round of a layout, before its first round."""
 
-    def rows(self, buffer, bounds: Sequence[tuple[int, int]]) -> list[torch.Tensor]:
-        """Where every rank's copy of this rank's slice lands: `world` flat tensors in rank order (scratch)."""
+    def rows(self, buffer, bounds: Sequence[tuple[int, int]]) -> list[Part]:
+        """Where every rank's copy of this rank's slice lands (scratch): parts covering the slice in order."""
 
     def scatter(self, buffer, layout: Layout, bounds: Sequence[tuple[int, int]], landed: Piece) -> None:
-        """Fill `rows`; ``landed(p0, p1)`` runs once a piece of every row is complete (the pieces cover the slice)."""
+        """Fill `rows`; ``landed(p0, p1)`` runs once a piece of every row is complete (the pieces cover the slice,
+        each inside one part)."""
 
     def all_reduce_sums(self, sums: torch.Tensor) -> None:
         """SUM all-reduce of a small float64 array over the group."""
@@ -69,6 +78,15 @@ class SliceMover(Protocol):
         """``finish(p0, p1, outs)`` writes the result of a piece of this rank's slice into `outs` (this rank's
         slice of `buffer` there first, then whatever the mover reads it from); then every rank's pieces reach
         `buffer` everywhere."""
+
+
+class InPlaceMover(SliceMover, Protocol):
+    """A mover for one tensor's flat buffer larger than the memory budget (`adasum_in_place_`): the slices are cut
+    by `cut`, and every rank's copy of this rank's slice lands in the buffer itself, where this rank's copies of
+    the other slices were (they have gone to their owners by then), through a ring of pieces of fixed size."""
+
+    def cut(self, numel: int) -> list[tuple[int, int]] | None:
+        """The slices of a buffer of `numel` elements (None: too small to run in place)."""
 
 
 def rounds(sizes: Sequence[int], capacity: int | None) -> list[tuple[int, int, int, int]]:
@@ -90,14 +108,28 @@ def rounds(sizes: Sequence[int], capacity: int | None) -> list[tuple[int, int, i
     return out
 
 
-def slice_rounds(layout: Layout, mover: SliceMover, like) -> list[tuple[int, int, list[tuple[int, int]]]]:
+Round = tuple[int, int, int, int, "list[tuple[int, int]] | None"]
+"""(first tensor, end tensor, first element, end element, every rank's slice; None: one tensor run in place)."""
+
+
+def slice_rounds(layout: Layout, mover: SliceMover, like) -> list[Round]:
     """The rounds `adasum_slices_` runs `layout` in on `mover` (`rounds` within the mover's capacity for `like`'s
-    dtype), each as (first tensor, end tensor, every rank's slice of it); the mover's buffers are reserved for
-    the largest slice first, so that a layout grows them once."""
+    dtype), each with every rank's slice of it; a single tensor larger than the capacity runs in place
+    (`adasum_in_place_`, no slices here) where the mover has an in-place mover for it. The mover's buffers are
+    reserved for the largest slice first, so that a layout grows them once."""
     capacity = mover.round_elements(like.element_size())
-    cut = [(first, end, split(lo, hi, mover.world)) for first, end, lo, hi in rounds(layout.sizes, capacity) if hi > lo]
-    if cut:
-        mover.reserve(max(b - a for _, _, bounds in cut for a, b in bounds), like)
+    cut: list[Round] = []
+    for first, end, lo, hi in rounds(layout.sizes, capacity):
+        if hi <= lo:
+            continue
+        alone = end - first == 1 and capacity is not None and hi - lo > capacity
+        if alone and mover.in_place is not None and mover.in_place.cut(hi - lo) is not None:
+            cut.append((first, end, lo, hi, None))
+        else:
+            cut.append((first, end, lo, hi, split(lo, hi, mover.world)))
+    rows = [b - a for *_, bounds in cut if bounds is not None for a, b in bounds]
+    if rows:
+        mover.reserve(max(rows), like)
     return cut
 
 
@@ -126,24 +158,42 @@ def _columns(layout: Layout, lo: int, hi: int, first_tensor: int) -> tuple[slice
     return slice(first - first_tensor, first - first_tensor + len(lengths)), lengths
 
 
-def _dots(rows, pairs, layout: Layout, where: tuple[int, int], p0: int, p1: int, sums, first_tensor: int) -> None:
+def _within(parts: Sequence[Part], p0: int, p1: int):
+    """(start, rows, lo, hi) for each part that positions [p0, p1) of the slice overlap, [lo, hi) the overlap."""
+    for start, rows in parts:
+        lo, hi = max(p0, start), min(p1, start + rows[0].numel())
+        if hi > lo:
+            yield start, rows, lo, hi
+
+
+def _dots(parts, pairs, layout: Layout, where: tuple[int, int], p0: int, p1: int, sums, first_tensor: int) -> None:
     """Add the pairs' partial sums over positions [p0, p1) of the slice at `where` into `sums` ([pairs, 3, T])."""
-    columns, lengths = _columns(layout, where[0] + p0, where[0] + p1, first_tensor)
-    if lengths:
-        for p, (a, b, _, _) in enumerate(pairs):
-            dot_and_norms(rows[a][p0:p1], rows[b][p0:p1], lengths, out=sums[p, :, columns])
+    for start, rows, lo, hi in _within(parts, p0, p1):
+        columns, lengths = _columns(layout, where[0] + lo, where[0] + hi, first_tensor)
+        if lengths:
+            for p, (a, b, _, _) in enumerate(pairs):
+                dot_and_norms(rows[a][lo - start : hi - start], rows[b][lo - start : hi - start], lengths,
+                              out=sums[p, :, columns])
 
 
-def _combine(rows, pair, sums, layout: Layout, where, p0: int, p1: int, first_tensor: int, outs: Sequence) -> None:
-    """Positions [p0, p1) of one pair's combination (its [3, T] `sums` complete) into `outs`."""
-    columns, lengths = _columns(layout, where[0] + p0, where[0] + p1, first_tensor)
-    if lengths:
+def _combine(
+    parts, pair, sums, layout: Layout, where, p0: int, p1: int, first_tensor: int, outs: Sequence | None
+) -> None:
+    """Positions [p0, p1) of one pair's combination (its [3, T] `sums` complete) into `outs` (None: into the
+    pair's side a). `outs` may be address tables only where [p0, p1) lies in one part."""
+    pieces = list(_within(parts, p0, p1))
+    for start, rows, lo, hi in pieces:
+        columns, lengths = _columns(layout, where[0] + lo, where[0] + hi, first_tensor)
+        if not lengths:
+            continue
         a, b, workers_a, workers_b = pair
-        combine_from_sums(rows[a][p0:p1], rows[b][p0:p1], sums[:, columns], workers_a, workers_b, lengths, *outs)
+        first_a, first_b = rows[a][lo - start : hi - start], rows[b][lo - start : hi - start]
+        targets = [first_a] if outs is None else outs if len(pieces) == 1 else [o[lo - p0 : hi - p0] for o in outs]
+        combine_from_sums(first_a, first_b, sums[:, columns], workers_a, workers_b, lengths, *targets)
 
 
 def tree_on_slice_(
-    rows: Sequence[torch.Tensor],
+    parts: Sequence[Part],
     layout: Layout,
     where: tuple[int, int],
     tree: Tree,
@@ -152,8 +202,8 @@ def tree_on_slice_(
     first_sums: torch.Tensor | None = None,
     record: bool = True,
 ) -> Callable[[int, int, Sequence], None]:
-    """Step 2 of the module doc on one rank's slice but the last combination: `rows[j]` holds rank j's copy of
-    positions `where` of `layout` (overwritten); `tensors` is the round's (first, end) tensor range, the
+    """Step 2 of the module doc on one rank's slice but the last combination: the `parts` hold every rank's copy
+    of positions `where` of `layout` (overwritten); `tensors` is the round's (first, end) tensor range, the
     columns of the sums. `first_sums`: the first level's partial sums, already added up over the slice.
     `record`: the sums are the whole group's (not one tier's), so a statistics recording may take them
     (`adasum.core.statistics`). Returns ``finish(p0, p1, outs)``, which writes positions [p0, p1) of the result
@@ -161,24 +211,75 @@ def tree_on_slice_(
     levels = level_pairs(tree)
     width = tensors[1] - tensors[0]
     size = where[1] - where[0]
+    device = parts[0][1][0].device
     sums = first_sums
     for depth, pairs in enumerate(levels):
         if depth or sums is None:
-            sums = torch.zeros((len(pairs), 3, width), dtype=torch.float64, device=rows[0].device)
-            _dots(rows, pairs, layout, where, 0, size, sums, tensors[0])
+            sums = torch.zeros((len(pairs), 3, width), dtype=torch.float64, device=device)
+            _dots(parts, pairs, layout, where, 0, size, sums, tensors[0])
         all_reduce_sums(sums)
         if record and statistics.active():
             statistics.record_level(sums, [(workers_a, workers_b) for _, _, workers_a, workers_b in pairs])
         if depth < len(levels) - 1:
             for pair, pair_sums in zip(pairs, sums):
-                _combine(rows, pair, pair_sums, layout, where, 0, size, tensors[0], [rows[pair[0]][0:size]])
+                _combine(parts, pair, pair_sums, layout, where, 0, size, tensors[0], None)
     assert sums is not None  # every tree has a level
     last, last_sums = levels[-1][0], sums[0]
 
     def finish(p0: int, p1: int, outs: Sequence) -> None:
-        _combine(rows, last, last_sums, layout, where, p0, p1, tensors[0], outs)
+        _combine(parts, last, last_sums, layout, where, p0, p1, tensors[0], outs)
 
     return finish
+
+
+def _round(buffer, layout: Layout, mover: SliceMover, tensors: tuple[int, int], bounds, across, offset: int) -> None:
+    """One round of `adasum_slices_` (module doc): `bounds` every rank's slice of `buffer` (positions of
+    `layout`), `tensors` the round's tensor range; `offset` where `buffer` starts in the caller's layout (what
+    `across` is told)."""
+    tree = Tree(mover.world)
+    first_pairs = level_pairs(tree)[0]
+    where = bounds[mover.rank]
+    parts = mover.rows(buffer, bounds)
+    sums = torch.zeros((len(first_pairs), 3, tensors[1] - tensors[0]), dtype=torch.float64,
+                       device=parts[0][1][0].device)
+
+    def landed(p0: int, p1: int) -> None:
+        _dots(parts, first_pairs, layout, where, p0, p1, sums, tensors[0])
+
+    mover.scatter(buffer, layout, bounds, landed)
+    # two tiers (`across`): the mover's sums are one host's, the levels across hosts record theirs
+    finish = tree_on_slice_(parts, layout, where, tree, mover.all_reduce_sums, tensors, sums, across is None)
+    if across is None:
+        mover.gather(buffer, layout, bounds, finish)
+        return
+    mine = cast(torch.Tensor, buffer)[where[0] : where[1]]  # the two-tier path runs on flat buffers
+    finish(0, where[1] - where[0], [mine])
+    with statistics.workers_per_peer(mover.world):  # a peer across hosts holds the subtree of this host's ranks
+        across(mine, offset + where[0])
+
+    def publish(p0: int, p1: int, outs: Sequence) -> None:
+        for out in outs[1:]:  # the mover's own staging of the result (symmetric memory)
+            out.copy_(mine[p0:p1])
+
+    mover.gather(buffer, layout, bounds, publish)
+
+
+def adasum_in_place_(
+    flat: torch.Tensor, mover: InPlaceMover, across: Callable[[torch.Tensor, int], None] | None = None,
+    offset: int = 0,
+) -> None:
+    """Adasum of one tensor's flat buffer across the mover's group, in place, with no more memory than the mover's
+    fixed ring (`InPlaceMover`): each rank's copies of the other ranks' slices go to their owners piece by piece,
+    and the owners' copies of this rank's slice land where they were; the tree runs there, and the result reaches
+    every rank the same way. `across`, `offset`: as in `adasum_slices_`, `offset` being where `flat` starts."""
+    bounds = mover.cut(flat.numel())
+    if bounds is None:
+        raise ValueError(f"a buffer of {flat.numel()} elements is too small to run in place over {mover.world} ranks")
+    _round(flat, _one_tensor(flat.numel()), mover, (0, 1), bounds, across, offset)
+
+
+def _one_tensor(numel: int) -> Layout:
+    return Layout((numel,))
 
 
 def adasum_slices_(
@@ -188,37 +289,17 @@ def adasum_slices_(
     across: Callable[[torch.Tensor, int], None] | None = None,
 ) -> None:
     """Adasum of `buffer` (a flat tensor, or a `Scattered` list where ``mover.scattered``) across the mover's
-    group, in place, each tensor of `layout` with its own coefficients (module doc).
+    group, in place, each tensor of `layout` with its own coefficients (module doc); a tensor larger than the
+    mover's rounds runs in place (`adasum_in_place_`, on the mover's `in_place`).
 
     `across` (flat buffers only): ``across(slice, offset)`` runs on each rank's finished slice (at layout
     position `offset`) before the gather: the tree's levels above the mover's group (two tiers,
     `adasum.collectives.hierarchical.adasum_two_tier_flat_`)."""
-    world = mover.world
-    if world == 1:
+    if mover.world == 1:
         return
-    tree = Tree(world)
-    first_pairs = level_pairs(tree)[0]
-    for first, end, bounds in slice_rounds(layout, mover, buffer):
-        where = bounds[mover.rank]
-        rows = mover.rows(buffer, bounds)
-        sums = torch.zeros((len(first_pairs), 3, end - first), dtype=torch.float64, device=rows[0].device)
-
-        def landed(p0: int, p1: int, rows=rows, where=where, sums=sums, first=first) -> None:  # this round's
-            _dots(rows, first_pairs, layout, where, p0, p1, sums, first)
-
-        mover.scatter(buffer, layout, bounds, landed)
-        # two tiers (`across`): the mover's sums are one host's, the levels across hosts record theirs
-        finish = tree_on_slice_(rows, layout, where, tree, mover.all_reduce_sums, (first, end), sums, across is None)
-        if across is None:
-            mover.gather(buffer, layout, bounds, finish)
+    for first, end, lo, hi, bounds in slice_rounds(layout, mover, buffer):
+        if bounds is not None:
+            _round(buffer, layout, mover, (first, end), bounds, across, 0)
             continue
-        mine = cast(torch.Tensor, buffer)[where[0] : where[1]]  # the two-tier path runs on flat buffers
-        finish(0, where[1] - where[0], [mine])
-        with statistics.workers_per_peer(world):  # a peer across hosts holds the subtree of this host's ranks
-            across(mine, where[0])
-
-        def publish(p0: int, p1: int, outs: Sequence, mine: torch.Tensor = mine) -> None:  # this round's
-            for out in outs[1:]:  # the mover's own staging of the result (symmetric memory)
-                out.copy_(mine[p0:p1])
-
-        mover.gather(buffer, layout, bounds, publish)
+        flat = buffer.tensors[first].view(-1) if isinstance(buffer, Scattered) else buffer[lo:hi]
+        adasum_in_place_(flat, cast(InPlaceMover, mover.in_place), across, lo)

@@ -40,7 +40,7 @@ from typing import cast
 import torch
 import torch.distributed as dist
 
-from adasum.collectives.slices import SliceMover, adasum_slices_, rounds
+from adasum.collectives.slices import SliceMover, adasum_in_place_, adasum_slices_, rounds
 from adasum.core import statistics
 from adasum.core.layout import Layout, Scattered
 from adasum.core.tree import Tree
@@ -195,9 +195,16 @@ def adasum_flat_(
             run_schedule(cast(torch.Tensor, buffer), layout, group, peers, offset, rank, tree, transport, sliced=True)
             return
         # rounds of whole tensors within the transport's memory budget: each an Adasum of its own, since the
-        # coefficients are per tensor (a tensor larger than a round is a round of its own)
-        for first, end, lo, hi in rounds(layout.sizes, transport.round_elements(buffer.element_size())):
+        # coefficients are per tensor; a tensor larger than a round runs in place where the transport has an
+        # in-place mover (`adasum_in_place_`), else it is a round of its own
+        capacity = transport.round_elements(buffer.element_size())
+        in_place = transport.in_place
+        for first, end, lo, hi in rounds(layout.sizes, capacity):
             if hi <= lo:
+                continue
+            if capacity is not None and hi - lo > capacity and in_place is not None and in_place.cut(hi - lo):
+                flat = buffer.tensors[first].view(-1) if isinstance(buffer, Scattered) else buffer[lo:hi]
+                adasum_in_place_(flat, in_place)
                 continue
             if (lo, hi) == (0, buffer.numel()):
                 part, part_layout = buffer, layout

@@ -65,7 +65,6 @@ import torch.nn as nn
 
 from adasum.collectives.agreement import agree, signature
 from adasum.reducers import Reducer, ShardGroups, get_reducer
-from adasum.settings import override
 from adasum.transport.groups import control_group
 
 DIMS = ("replicate", "shard")
@@ -328,11 +327,7 @@ class FSDPState:
             self._agree_buffer(key, buffer, sizes, fits)
         self._refuse_flags(view, key)
         _used_on_current_stream(buffer)
-        # eagerly, never captured: FSDP hands a unit's reduce buffer out of the caching allocator, at addresses it
-        # gives to other units and streams, and the schedule captured and replayed at such an address hung the
-        # device (2 replicas x 1 shard, 1 B parameters, bf16 reduce; docs/integrations.md)
-        with override(cuda_graphs=False):
-            self.reducer.all_reduce_shards(buffer, sizes, self.groups, key=key)
+        self.reducer.all_reduce_shards(buffer, sizes, self.groups, key=key)
         self.reductions += 1
 
     def _agree_buffer(self, key: str, buffer: torch.Tensor, sizes: list[int], fits: bool) -> None:

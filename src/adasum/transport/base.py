@@ -28,6 +28,7 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from datetime import timedelta
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -143,6 +144,12 @@ class Transport:
 
     def fusion_buffer(self, numel: int, like: torch.Tensor) -> torch.Tensor | None:
         """Where `adasum.all_reduce` should fuse a list of `numel` elements like `like` (None: anywhere)."""
+        return None
+
+    @property
+    def in_place(self) -> Any:
+        """The mover that runs a single tensor larger than a round in place
+        (`adasum.collectives.slices.InPlaceMover`), or None (such a tensor is a round of its own)."""
         return None
 
     def round_elements(self, element_size: int) -> int | None:

@@ -20,8 +20,8 @@ capture off (`adasum.settings`). Captured graphs are released by `adasum.release
 A key's graph is captured when *this* rank sees it the second time, and keys hold addresses, which differ
 from rank to rank: one rank may replay a call that its peer runs eagerly or captures. That is safe while
 both run against the same symmetric buffers; so when a symmetric buffer is outgrown (a collective step that
-every rank of its group takes at the same call), every group's graphs are retired (`Graphs.retire`; a graph
-of one group may point into another's buffers, as the two tiers' do): a graph replayed on
+every rank of its group takes at the same call), the device is drained and every group's graphs are dropped
+(`Graphs.retire`; a graph of one group may point into another's buffers, as the two tiers' do): a graph replayed on
 the old buffer against a peer running on the new one would wait at a signal pad the peer never sets (this
 hung FSDP2's reductions, whose buffers the caching allocator places differently on each rank).
 """
@@ -90,7 +90,6 @@ class Graphs:
         self.backend = backend if backend is not None else CudaCapture()
         self._graphs: OrderedDict[Hashable, object] = OrderedDict()
         self._seen: OrderedDict[Hashable, int] = OrderedDict()
-        self._retired: list[object] = []  # graphs no call replays any more, kept alive until `clear` (`retire`)
         self._running = False
 
     def run(self, key: Hashable, fn: Callable[[], None], device: torch.device) -> None:
@@ -146,18 +145,17 @@ class Graphs:
         return True
 
     def count(self) -> int:
-        """How many graphs are alive and replayed (retired ones not counted)."""
+        """How many graphs are alive."""
         return sum(g is not _FAILED for g in self._graphs.values())
 
     def held(self) -> bool:
-        """Whether any graph is alive, retired ones included (one may still be running on the device)."""
-        return self.count() > 0 or bool(self._retired)
+        """Whether any graph is alive (one may still be running on the device)."""
+        return self.count() > 0
 
     def retire(self) -> None:
-        """Replay no graph captured so far: every key starts again from its first (eager) call. The graphs stay
-        alive until `clear` (one may still be running on the device). The group's symmetric buffers call this when
-        one is outgrown (`adasum.transport.symmetric.SymmetricPool.staging`)."""
-        self._retired += [g for g in self._graphs.values() if g is not _FAILED]
+        """Drop every graph: every key starts again from its first (eager) call. The caller waited for the device
+        (no graph is running): the group's symmetric buffers call this when one is outgrown
+        (`adasum.transport.symmetric.SymmetricPool.staging`)."""
         self._graphs.clear()
         self._seen.clear()
 
@@ -165,4 +163,3 @@ class Graphs:
         """Forget every graph and sighting."""
         self._graphs.clear()
         self._seen.clear()
-        self._retired.clear()

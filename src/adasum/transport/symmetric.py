@@ -53,19 +53,19 @@ import contextlib
 import socket
 import warnings
 from collections.abc import Callable, Sequence
-from typing import cast
+from typing import Any, cast
 
 import torch
 import torch.distributed as dist
 
-from adasum.core.layout import Scattered
+from adasum.core.layout import Layout, Scattered
 from adasum.kernels import combine_from_sums
 from adasum.kernels import triton as triton_kernels
 from adasum.kernels.addresses import AddressTables
 from adasum.settings import current
 from adasum.transport.base import GatherStep, Level, Transport, split
 from adasum.transport.groups import communicator, retire_graphs, side_stream
-from adasum.transport.slices import memory_budget_bytes, round_elements
+from adasum.transport.slices import InPlace, buffer_bytes, round_elements
 
 try:  # pragma: no cover - CUDA builds only
     import torch.distributed._symmetric_memory as symm_mem
@@ -86,7 +86,7 @@ def _group_name(group) -> str:
 
 class SymmetricPool:
     """One process group's symmetric memory: whether the group can run these transports, its symmetric buffers
-    (by dtype and purpose), the buffers they outgrew, and the views of peers' buffers. Owned by the group's
+    (by dtype and purpose), and the views of peers' buffers. Owned by the group's
     `adasum.transport.groups.Communicator` (`pool`) and freed by its teardown (`adasum.release()`), after
     the captured graphs that point into it.
 
@@ -100,7 +100,6 @@ class SymmetricPool:
         self.outgrown = outgrown  # called when a buffer is replaced by a larger one (`staging`)
         self.verdict: bool | None = None
         self.buffers: dict[tuple[torch.dtype, str], tuple[torch.Tensor, object]] = {}
-        self.retired: list[tuple[torch.Tensor, object]] = []  # outgrown buffers: captured graphs hold their addresses
         self.remote: dict[tuple[int, int, int, torch.dtype], torch.Tensor] = {}
 
     def supported(self) -> bool:
@@ -121,27 +120,33 @@ class SymmetricPool:
 
     def staging(self, numel: int, like: torch.Tensor | Scattered, purpose: str = "stage", most: int | None = None):
         """(S, handle): the group's symmetric buffer for `like`'s dtype and `purpose` ("stage": ``S``;
-        "receive": the push protocol's ``R``; "slices": the slice-parallel mover's rows, in bytes), at least
-        `numel` elements; a growth doubles the capacity, but not past `most` elements (unless `numel` needs it).
-        Growing it is collective (a rendezvous): every rank asks for the same sizes in the same order.
+        "receive": the push protocol's ``R``; "slices": the slice-parallel mover's rows, in bytes; "ring": the
+        in-place mover's ring, in bytes), at least `numel` elements; a growth doubles the capacity, but not past
+        `most` elements (unless `numel` needs it). Growing it is collective (a rendezvous): every rank asks for the
+        same sizes in the same order.
 
-        An outgrown buffer is kept, not freed, until `release`: CUDA graphs captured on it (an earlier, smaller
-        layout's) may still be running, and freeing it under them writes into freed memory (FSDP2's units of
-        several sizes reach the hook one after another). Capacities double, so the kept ones together are smaller
-        than the buffer in use. Those graphs are not replayed again (`outgrown`: every group's graphs are retired,
-        `adasum.transport.groups.retire_graphs`): a peer that had not captured the same call would run it on the
-        new buffer, and the two would wait at different signal pads."""
+        A growth first waits for the device (the only wait on the host here): kernels and CUDA graphs captured on
+        the outgrown buffer may still be running. Then every group's graphs are dropped (`outgrown`,
+        `adasum.transport.groups.retire_graphs`: a graph of one group may point into another's buffers), and so is
+        the outgrown buffer with its peers' views: nothing keeps memory for an earlier, smaller layout. A graph
+        replayed on the old buffer would also meet a peer that had not captured the same call (keys hold
+        addresses) running it on the new buffer, and the two would wait at different signal pads."""
         key = (like.dtype, purpose)
         entry = self.buffers.get(key)
         if entry is None or entry[0].numel() < numel:
             if like.device.type == "cuda" and torch.cuda.is_current_stream_capturing():
                 raise RuntimeError("adasum: the symmetric buffer cannot grow during CUDA graph capture")
-            capacity = max(numel, 1 << 20)
+            most = most if most is not None else 1 << 62
+            capacity = max(numel, min(1 << 20, most))
             if entry is not None:
-                capacity = max(capacity, min(2 * entry[0].numel(), most if most is not None else 1 << 62))
-                self.retired.append(entry)
+                capacity = max(capacity, min(2 * entry[0].numel(), most))
+                if like.device.type == "cuda":
+                    torch.cuda.synchronize(like.device)
                 if self.outgrown is not None:
                     self.outgrown()
+                del self.buffers[key]
+                self.remote = {k: v for k, v in self.remote.items() if k[0] != id(entry[1])}
+                entry = None
             with warnings.catch_warnings():
                 warnings.simplefilter("ignore")
                 if hasattr(self.backend, "enable_symm_mem_for_group"):
@@ -160,13 +165,12 @@ class SymmetricPool:
 
     def held(self) -> int:
         """How many buffers and peer views the pool holds."""
-        return len(self.buffers) + len(self.retired) + len(self.remote)
+        return len(self.buffers) + len(self.remote)
 
     def release(self) -> None:
         """Forget the buffers (after the captured graphs that point into them)."""
         self.remote.clear()
         self.buffers.clear()
-        self.retired.clear()
 
 
 def pool(group: dist.ProcessGroup | None, backend=None) -> SymmetricPool:
@@ -214,20 +218,29 @@ class SymmetricMemory(Transport):
         for a list larger than a round (`round_elements`), which runs in rounds through a smaller ``S``."""
         if numel > self.round_elements(like.element_size()):
             return None
-        return self.pool.staging(numel, like)[0][:numel]
+        return self._stage(numel, like)[0][:numel]
 
     def round_elements(self, element_size: int) -> int:
         """The most elements one run holds within the memory budget: ``S`` holds a run; the partner's copy of a
         kept half is half of one, in ``R`` (two ranks) or in the schedule's workspace, which an eager call and a
         captured graph each keep (more ranks)."""
-        return max(1, memory_budget_bytes() // ((2 if self.world == 2 else 3) * element_size))
+        return max(1, buffer_bytes() // ((2 if self.world == 2 else 3) * element_size))
+
+    @property
+    def in_place(self) -> SymmetricInPlace:
+        """The mover of a single tensor larger than a round (`SymmetricInPlace`, made on first use)."""
+        return in_place_mover(self.group)
+
+    def _stage(self, numel: int, like, purpose: str = "stage"):
+        """The group's buffer of `purpose` (`SymmetricPool.staging`), its growth capped at a round."""
+        return self.pool.staging(numel, like, purpose, most=self.round_elements(like.element_size()))
 
     def exchange(self, send, recv, peer):
         """Not supported: the symmetric transport runs power-of-two groups (no fold)."""
         raise RuntimeError("the symmetric-memory transport runs power-of-two groups only (no fold)")
 
     def _setup(self, buffer: torch.Tensor | Scattered):
-        shared, handle = self.pool.staging(buffer.numel(), buffer)
+        shared, handle = self._stage(buffer.numel(), buffer)
         return shared, handle, isinstance(buffer, torch.Tensor) and shared.data_ptr() == buffer.data_ptr()
 
     def _chunks(self, level: Level) -> list[tuple[tuple[int, int], tuple[int, int]]]:
@@ -282,7 +295,7 @@ class SymmetricMemory(Transport):
     def _receive(self, kept: tuple[int, int], given: tuple[int, int], like):
         """(R, handle): the push protocol's receive buffer. Both partners ask for the larger half, so a growth
         (a rendezvous) happens on both or neither."""
-        return self.pool.staging(max(kept[1] - kept[0], given[1] - given[0]), like, "receive")
+        return self._stage(max(kept[1] - kept[0], given[1] - given[0]), like, "receive")
 
     def receive_space(self, kept, given, like):
         """With the push protocol the partner's copy lands in ``R`` (the partner stores it there), so `Level.theirs`
@@ -291,7 +304,7 @@ class SymmetricMemory(Transport):
             return None
         # S before R, as `exchange_and_dot` would: a rank whose list was fused into S grew S already, and growths
         # are rendezvous that must come in the same order on every rank
-        self.pool.staging(like.numel(), like)
+        self._stage(like.numel(), like)
         return self._receive(kept, given, like)[0][: kept[1] - kept[0]]
 
     def _push_exchange(self, level: Level) -> None:
@@ -470,8 +483,13 @@ class SymmetricSlices(Transport):
         """Make the buffer hold rows of `row` elements like `like` (the largest round of a layout, asked for before
         its first round, so that a layout grows the buffer once). One buffer of bytes serves every dtype."""
         size = like.element_size()
-        budget = memory_budget_bytes()
+        budget = buffer_bytes()
         self.pool.staging((self.world + 1) * row * size, _bytes_like(like), "slices", most=budget - budget % 16)
+
+    @property
+    def in_place(self) -> SymmetricInPlace:
+        """The mover of a single tensor larger than a round (`SymmetricInPlace`, made on first use)."""
+        return in_place_mover(self.group)
 
     def rows(self, buffer, bounds):
         """The P receive rows in this group's symmetric buffer (grown collectively when needed)."""
@@ -484,7 +502,7 @@ class SymmetricSlices(Transport):
         rows = [self._shared[j * row : j * row + hi - lo] for j in range(self.world)]
         if isinstance(buffer, torch.Tensor):  # its own copy is read (and overwritten by the tree) where it lies
             rows[self.rank] = buffer[lo:hi]
-        return rows
+        return [(0, rows)]
 
     def _pieces(self, size: int, element_size: int) -> list[tuple[int, int]]:
         count = max(1, min(self.pieces, self._row * element_size // CHUNK_BYTES))
@@ -542,3 +560,125 @@ class SymmetricSlices(Transport):
                         _move(buffer, bounds[j][0] + q0, bounds[j][0] + q1, view[start + q0 : start + q1], layout,
                               False, self.tiles)
         main.wait_stream(side)
+
+
+class SymmetricInPlace(InPlace, Transport):
+    """`InPlace` on symmetric memory: a single tensor larger than the rounds runs with no buffer sized to it. The
+    group's ring (a symmetric buffer of `buffer_bytes` ("ring"), made once) holds two slots of P rows of a piece
+    each, and P + 1 spare rows (the tails of the last slice: one from each rank, and the last rank's result).
+
+    * scatter, piece c (slot c mod 2): rank r stores its copy of piece c of slice j straight from `B` into row r
+      of the slot on rank j, for every j != r; a signal-pad barrier; then, on a side stream, it copies rows j of
+      its own slot into `B` where its copies of the slices j were, and adds the piece's sums, while piece c + 1 is
+      stored. A slot is stored into again two pieces later, after a barrier that every rank passes once its copies
+      out of it are done (the side stream joins before each barrier).
+    * gather, piece c: the last combination writes the result into `B`'s slice and row r of the slot (this rank's
+      output row); a barrier; then, on a side stream, rank r loads row j of every peer's slot into `B`'s slice j,
+      while piece c + 1 is combined.
+
+    Nothing synchronises the host; the copies by the copy engines where `B` is a flat tensor (it always is: one
+    tensor)."""
+
+    timeout = None
+
+    def __init__(self, group: dist.ProcessGroup | None, backend=None) -> None:
+        Transport.__init__(self, group)
+        InPlace.__init__(self, dist.get_world_size(group), dist.get_rank(group))
+        self.pool = pool(group, backend)
+        self._view: torch.Tensor | None = None
+        self._handle: Any = None
+
+    def _ring(self, like: torch.Tensor) -> tuple[torch.Tensor, int]:
+        """The ring in `like`'s dtype, and the elements of a piece."""
+        width = like.element_size()
+        piece = self.piece_elements(2 * self.world, width)
+        size = buffer_bytes("ring")
+        # the spare rows and two slots of the smallest piece, where the budget is smaller than that
+        size = max(size - size % 16, ((self.world + 1) * self.spare + 2 * self.world * piece) * width)
+        raw, self._handle = self.pool.staging(size, _bytes_like(like), "ring", most=size)
+        view = self._view = raw[: raw.numel() - raw.numel() % width].view(like.dtype)
+        return view, piece
+
+    def _slot_row(self, slot: int, row: int, piece: int) -> int:
+        """Where row `row` of slot `slot` starts in the ring."""
+        return (self.world + 1) * self.spare + (slot * self.world + row) * piece
+
+    def rows(self, buffer: torch.Tensor, bounds: Sequence[tuple[int, int]]):
+        """The rows in `buffer` and the spare rows (`InPlace.parts`)."""
+        ring, _ = self._ring(buffer)
+        spare = [ring[j * self.spare : (j + 1) * self.spare] for j in range(self.world)]
+        return self.parts(buffer, bounds, spare)
+
+    def _peers(self) -> dict[int, torch.Tensor]:
+        assert self._view is not None  # `rows` came first
+        order = [(self.rank + step) % self.world for step in range(1, self.world)]
+        return {j: self.pool.peer_view(self._handle, j, self._view.numel(), self._view.dtype) for j in order}
+
+    def scatter(self, buffer: torch.Tensor, layout: Layout, bounds: Sequence[tuple[int, int]], landed) -> None:
+        """Store this rank's copies into the owners' ring, piece by piece (class doc)."""
+        ring, piece = self._ring(buffer)
+        handle, me, last = self._handle, self.rank, self.world - 1
+        width = bounds[0][1] - bounds[0][0]
+        tail = bounds[last][1] - bounds[last][0] - width
+        peers = self._peers()
+        main = torch.cuda.current_stream(ring.device)
+        side = side_stream(ring.device, "copies")
+        if tail and me != last:  # this rank's copy of the last slice's tail, into the last rank's spare row
+            at = bounds[last][0] + width
+            peers[last][me * self.spare : me * self.spare + tail].copy_(buffer[at : at + tail], non_blocking=True)
+        for c, (p0, p1) in enumerate(self.pieces(width, piece)):
+            for j, view in peers.items():
+                at = self._slot_row(c % 2, me, piece)
+                view[at : at + p1 - p0].copy_(buffer[bounds[j][0] + p0 : bounds[j][0] + p1], non_blocking=True)
+            if c:  # the copies out of the other slot are done before the barrier (a join only once forked: capture)
+                main.wait_stream(side)
+            handle.barrier(channel=0)  # piece c of every copy of this rank's slice has landed
+            side.wait_stream(main)
+            with torch.cuda.stream(side):
+                for j in peers:
+                    at = self._slot_row(c % 2, j, piece)
+                    buffer[bounds[j][0] + p0 : bounds[j][0] + p1].copy_(ring[at : at + p1 - p0])
+                landed(p0, p1)
+        main.wait_stream(side)
+        if tail and me == last:  # the spare rows were stored into before the first barrier
+            landed(width, width + tail)
+
+    def all_reduce_sums(self, sums: torch.Tensor) -> None:
+        """SUM all-reduce of the small float64 sums over the group."""
+        dist.all_reduce(sums, group=self.group)
+
+    def gather(  # type: ignore[override]  # a SliceMover's gather, not the VHDD schedule's
+        self, buffer: torch.Tensor, layout: Layout, bounds: Sequence[tuple[int, int]], finish
+    ) -> None:
+        """Write this rank's results into `B` and its output rows, then load every peer's (class doc)."""
+        ring, piece = self._ring(buffer)
+        handle, me, last = self._handle, self.rank, self.world - 1
+        width = bounds[0][1] - bounds[0][0]
+        tail = bounds[last][1] - bounds[last][0] - width
+        peers = self._peers()
+        main = torch.cuda.current_stream(ring.device)
+        side = side_stream(ring.device, "copies")
+        out_tail = self.world * self.spare  # the last rank's result tail, in its own spare row
+        lo = bounds[me][0]
+        if tail and me == last:
+            finish(width, width + tail, [buffer[lo + width : lo + width + tail], ring[out_tail : out_tail + tail]])
+        for c, (p0, p1) in enumerate(self.pieces(width, piece)):
+            at = self._slot_row(c % 2, me, piece)
+            finish(p0, p1, [buffer[lo + p0 : lo + p1], ring[at : at + p1 - p0]])
+            if c:  # the loads out of peers' other slot are done before the barrier
+                main.wait_stream(side)
+            handle.barrier(channel=0)  # piece c of every rank's result is in its output row
+            side.wait_stream(main)
+            with torch.cuda.stream(side):
+                for j, view in peers.items():
+                    at = self._slot_row(c % 2, j, piece)
+                    buffer[bounds[j][0] + p0 : bounds[j][0] + p1].copy_(view[at : at + p1 - p0], non_blocking=True)
+                if c == 0 and tail and me != last:
+                    at = bounds[last][0] + width
+                    buffer[at : at + tail].copy_(peers[last][out_tail : out_tail + tail], non_blocking=True)
+        main.wait_stream(side)
+
+
+def in_place_mover(group: dist.ProcessGroup | None) -> SymmetricInPlace:
+    """`group`'s `SymmetricInPlace` (one per group, kept by its communicator)."""
+    return cast(SymmetricInPlace, communicator(group).transport(("in place",), lambda: SymmetricInPlace(group)))
