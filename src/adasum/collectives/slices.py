@@ -15,8 +15,15 @@ Per round (a run of whole tensors of the layout, at most what the mover's buffer
 
 The result equals the flat tree's (`adasum.reduce`) up to float64 rounding of the sums; each
 element is computed by one rank and copied, so ranks end bitwise equal. Rounds are independent
-Adasum problems because coefficients are per tensor: a round never cuts a tensor, so a tensor
-larger than the mover's round capacity makes a round of its own (and the mover's buffers grow to it).
+Adasum problems because coefficients are per tensor: a round never cuts a tensor.
+
+A single tensor larger than a round runs **in place** (`adasum_in_place_`, on the mover's
+`in_place`): rank r's copies of the other slices go to their owners piece by piece, and the
+owners' copies of slice r land in r's own buffer where those copies were, through a ring of
+pieces of fixed size; the tree runs there (the last slice's few extra elements in small spare
+rows: `Part`), and the result reaches every rank the same way. So no buffer is ever sized to a
+tensor: the movers keep their rounds' rows and the ring, both within the memory budget
+(`adasum.transport.slices.buffer_bytes`).
 """
 
 from __future__ import annotations
@@ -46,8 +53,7 @@ class SliceMover(Protocol):
     """How the bytes of the slice-parallel schedule move (`adasum.transport.slices.C10dSlices`,
     `adasum.transport.symmetric.SymmetricSlices`). A mover may cut the slices into pieces and overlap the
     callbacks' math on one piece with the transfer of the next. `in_place`: the mover that runs a single tensor
-    larger than this mover's rounds (`InPlaceMover`), or None (such a tensor makes a round of its own and the
-    buffers grow to it)."""
+    larger than this mover's rounds (`InPlaceMover`), or None (such a tensor makes a round of its own)."""
 
     name: str
     scattered: bool

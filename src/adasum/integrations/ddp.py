@@ -88,7 +88,7 @@ class AdasumState:
 
     ``batch_mb`` (default `BATCH_MB`; 0: bucket by bucket): with a per-tensor reducer, buckets are
     combined in batches of at least this many MB (module doc); the symmetric-memory transport's staging
-    buffers grow to the largest batch (1.5 x to 3 x its size per GPU). Reducers that combine several
+    buffers grow with the largest batch, within the memory budget (``memory_mb``). Reducers that combine several
     tensors with shared coefficients (``per_tensor=False``: AdaCons' default, whole-model Adasum)
     always go bucket by bucket.
 

@@ -5,7 +5,8 @@ slice reaches its owner, and how the owner's result reaches every rank.
 timeout): the scatter is one batch of sends and receives with every peer into a receive workspace
 of ``P x slice`` elements, the gather one batch of the finished slice to every peer.
 `adasum.transport.symmetric.SymmetricSlices` does the same with loads and stores into peers'
-symmetric memory on NVLink.
+symmetric memory on NVLink. Their in-place movers (`C10dInPlace`, `adasum.transport.symmetric.SymmetricInPlace`:
+`InPlace`) run a single tensor larger than a round through a ring of fixed size.
 """
 
 from __future__ import annotations

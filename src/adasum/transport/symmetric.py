@@ -39,8 +39,8 @@ staged and no ``theirs`` copy is written; the copy-out of the partner's results 
 
 **Memory budget.** ``S`` and ``R`` hold one run of the schedule, and a layout larger than the budget
 (``memory_mb``, `adasum.settings`; `round_elements`) runs in rounds of whole tensors, each an Adasum of its
-own tensors (`adasum.collectives.vhdd.adasum_flat_`); a single tensor larger than a round is a round of its
-own and the buffers grow to it.
+own tensors (`adasum.collectives.vhdd.adasum_flat_`); a single tensor larger than a round runs in place
+(`SymmetricInPlace`, through a ring of fixed size), so no buffer grows past the budget.
 
 Every rank must be a leader of the tree (a power-of-two group); NVLink multicast is never used (no
 multimem operations, no multicast objects). Only signal-pad barriers order the ranks; nothing
@@ -440,7 +440,7 @@ class SymmetricSlices(Transport):
     """The slice-parallel schedule's mover (`adasum.collectives.slices`) on symmetric memory, any group size
     inside one host. One symmetric buffer of bytes per group, viewed in the dtype of the call, holds P receive
     rows and one output row of ``C`` elements each (``(P + 1) C`` at most the memory budget,
-    `adasum.transport.slices.round_elements`; a tensor larger than a round grows it).
+    `adasum.transport.slices.round_elements`; a tensor larger than a round runs in place, `SymmetricInPlace`).
     Each slice is cut into the same number of pieces on every rank (one per `CHUNK_BYTES` of the longest
     slice, at most `pieces`):
 
