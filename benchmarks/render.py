@@ -238,11 +238,11 @@ CLAIMS = [
     ),
     Claim(
         "The defaults within the memory budget, a tensor larger than a round run in place",
-        "`adasum.all_reduce(list)` with default arguments under the default 512 MiB budget (the movers' buffers take\n"
-        "480 MiB of it: three quarters for rounds, a quarter for the in-place ring): a layout larger than a round runs\n"
-        "in rounds of whole tensors, and a single tensor larger than a round runs in place (every rank's copies of a\n"
-        "slice land in the owner's own buffer, through the fixed ring), so flat 2^26 fp32 and 2^28 run with no buffer\n"
-        "sized to them. Timed as above (medians of 7, or 5 from 2^24 elements), against NCCL's all_reduce of the same\n"
+        "`adasum.all_reduce(list)` with default arguments under the default 512 MiB budget (the movers' buffers\n"
+        "take 480 MiB of it: three quarters for rounds, a quarter for the in-place ring): a layout larger than a\n"
+        "round runs in rounds of whole tensors, and a single tensor larger than a round runs in place (every rank's\n"
+        "copies of a slice land in the owner's own buffer, through the fixed ring), so flat 2^26 fp32 and 2^28 run\n"
+        "with no buffer sized to them. Timed as above (medians of 7, or 5 from 2^24 elements), against NCCL's all_reduce of the same\n"
         "bytes in the same run; `kept MiB`: device memory kept after repeated calls (buffers, graphs), counted from\n"
         "after one call of NCCL's all_reduce of the same bytes.",
         "python benchmarks/bench_collective.py --backend nccl --world P --dtypes fp32,bf16 --exps 20,24,26,28 \\\n"
