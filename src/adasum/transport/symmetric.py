@@ -33,9 +33,11 @@ first staged piece stays exposed. With the push protocol each rank stores the pi
 half straight from `B` into the partner's receive buffer ``R`` (a second symmetric buffer of half the
 size: a region of ``S`` past the buffer would overlap what the partner still copies out of ``S`` after a
 larger call), a barrier follows each piece, and the sums of the kept piece are read locally on a
-side stream while the next piece is pushed; the combination reads the partner's copy there. Nothing is
-staged and no ``theirs`` copy is written; the copy-out of the partner's results stays
-(docs/benchmarks.md compares the two protocols).
+side stream while the next piece is pushed; the combination reads the partner's copy there, and stores each
+combined piece into the partner's results buffer (a third symmetric buffer of half the size), which the
+partner copies into `B` on a side stream while the next piece is combined. Nothing is staged, no ``theirs``
+copy is written, and no ``S`` is made: ``R`` and the results buffer hold half a run each, so a run is as
+large as the budget (docs/benchmarks.md compares the two protocols).
 
 **Memory budget.** ``S`` and ``R`` hold one run of the schedule, and a layout larger than the budget
 (``memory_mb``, `adasum.settings`; `round_elements`) runs in rounds of whole tensors, each an Adasum of its
@@ -63,7 +65,7 @@ from adasum.kernels import combine_from_sums
 from adasum.kernels import triton as triton_kernels
 from adasum.kernels.addresses import AddressTables
 from adasum.settings import current
-from adasum.transport.base import GatherStep, Level, Transport, split
+from adasum.transport.base import CUT_ALIGN, GatherStep, Level, Transport, split
 from adasum.transport.groups import communicator, retire_graphs, side_stream
 from adasum.transport.slices import InPlace, buffer_bytes, round_elements
 
@@ -215,15 +217,19 @@ class SymmetricMemory(Transport):
 
     def fusion_buffer(self, numel: int, like: torch.Tensor) -> torch.Tensor | None:
         """The group's symmetric staging buffer, where a list fused there needs no staging copy; None (anywhere)
-        for a list larger than a round (`round_elements`), which runs in rounds through a smaller ``S``."""
-        if numel > self.round_elements(like.element_size()):
+        for a list larger than a round (`round_elements`), which runs in rounds through a smaller ``S``, and with
+        the push protocol, which has no ``S``."""
+        if self._push() or numel > self.round_elements(like.element_size()):
             return None
         return self._stage(numel, like)[0][:numel]
 
     def round_elements(self, element_size: int) -> int:
-        """The most elements one run holds within the memory budget: ``S`` holds a run; the partner's copy of a
-        kept half is half of one, in ``R`` (two ranks) or in the schedule's workspace, which an eager call and a
-        captured graph each keep (more ranks)."""
+        """The most elements one run holds within the memory budget: with the push protocol, ``R`` and the
+        results buffer hold half a run each; with the pull protocol ``S`` holds a run, and the partner's copy of a
+        kept half, half of one, lies in ``R`` (two ranks) or in the schedule's workspace, which an eager call and
+        a captured graph each keep (more ranks)."""
+        if self._push():
+            return max(1, buffer_bytes() // element_size - 4 * CUT_ALIGN)
         return max(1, buffer_bytes() // ((2 if self.world == 2 else 3) * element_size))
 
     @property
@@ -232,8 +238,12 @@ class SymmetricMemory(Transport):
         return in_place_mover(self.group)
 
     def _stage(self, numel: int, like, purpose: str = "stage"):
-        """The group's buffer of `purpose` (`SymmetricPool.staging`), its growth capped at a round."""
-        return self.pool.staging(numel, like, purpose, most=self.round_elements(like.element_size()))
+        """The group's buffer of `purpose` (`SymmetricPool.staging`), its growth capped at a round (``S``) or at
+        the larger half of one (the push protocol's ``R`` and results)."""
+        most = self.round_elements(like.element_size())
+        if purpose != "stage":
+            most = (most + 1) // 2 + 2 * CUT_ALIGN
+        return self.pool.staging(numel, like, purpose, most=most)
 
     def exchange(self, send, recv, peer):
         """Not supported: the symmetric transport runs power-of-two groups (no fold)."""
@@ -260,11 +270,11 @@ class SymmetricMemory(Transport):
     def exchange_and_dot(self, level: Level) -> None:
         """The level's exchange through symmetric memory (push or pull, pipelined; module doc), sums included."""
         buffer = level.buffer
-        shared, handle, staged = self._setup(buffer)
         self._gathered = False
         if self._push():
             self._push_exchange(level)
             return
+        shared, handle, staged = self._setup(buffer)
         (klo, khi), (glo, ghi) = level.kept, level.given
         first_level = min(klo, glo) == 0 and max(khi, ghi) == buffer.numel()
         pieces = self._chunks(level) if first_level else [((klo, khi), (glo, ghi))]
@@ -302,9 +312,6 @@ class SymmetricMemory(Transport):
         is ``R``'s head; the pull protocol keeps it in the schedule's workspace."""
         if not self._push():
             return None
-        # S before R, as `exchange_and_dot` would: a rank whose list was fused into S grew S already, and growths
-        # are rendezvous that must come in the same order on every rank
-        self._stage(like.numel(), like)
         return self._receive(kept, given, like)[0][: kept[1] - kept[0]]
 
     def _push_exchange(self, level: Level) -> None:
@@ -338,6 +345,9 @@ class SymmetricMemory(Transport):
 
     def combine(self, level: Level) -> None:
         """Combine `kept` and store it into the partner's buffer too."""
+        if self._push():
+            self._push_combine(level)
+            return
         buffer = level.buffer
         shared, handle, staged = self._setup(buffer)
         klo, khi = level.kept
@@ -363,6 +373,28 @@ class SymmetricMemory(Transport):
         # direction of this kernel's stores into the partner, measured 1.72 x NCCL at 2^28 fp32 instead of 1.22 x
         a, b = (mine, theirs) if level.lower else (theirs, mine)
         combine_from_sums(a, b, sums, level.workers_a, level.workers_b, lengths, mine, *outs)
+
+    def _push_combine(self, level: Level) -> None:
+        """The push protocol's combination (one level: a group of two), in the exchange's pieces: combine piece c
+        into `B` and into the partner's results buffer (a second symmetric buffer of half a run, as ``R``), barrier
+        (the partner's piece c has landed in this rank's), then copy it into `B` on a side stream while piece
+        c + 1 is combined. The gather then has nothing left to do.
+
+        The results buffer is free when a piece is stored into it: this rank copied it out last in the previous
+        run, before that run's side stream joined, which precedes this run's first barrier."""
+        klo, glo = level.kept[0], level.given[0]
+        results, handle = self._stage(max(level.kept[1] - klo, level.given[1] - glo), level.buffer, "results")
+        peer = self.pool.peer_view(handle, level.peer, results.numel(), results.dtype)
+        main = torch.cuda.current_stream(results.device)
+        side = side_stream(results.device, "copies")
+        for (k0, k1), (g0, g1) in self._chunks(level):
+            self._combine(level, k0, k1, [peer[k0 - klo : k1 - klo]])
+            handle.barrier(channel=0)  # both partners' results of this piece have landed
+            side.wait_event(main.record_event())
+            with torch.cuda.stream(side):
+                _move(level.buffer, g0, g1, results[g0 - glo : g1 - glo], level, False, self.tiles)
+        main.wait_stream(side)
+        self._gathered = True
 
     def _pipelined_combine(self, level: Level, shared: torch.Tensor, handle, pieces, staged: bool) -> None:
         """The last level of a group of two in pieces: combine piece c into B and the partner's S, barrier (the
