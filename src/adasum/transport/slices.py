@@ -92,6 +92,15 @@ class InPlace:
         room = buffer_bytes("ring") // element_size - (self.world + 1) * self.spare
         return max(CUT_ALIGN, room // slots // CUT_ALIGN * CUT_ALIGN)
 
+    def widths(self, bounds: Sequence[tuple[int, int]]) -> tuple[int, int]:
+        """(L, t) of a cut (class doc)."""
+        width = bounds[0][1] - bounds[0][0]
+        return width, bounds[-1][1] - bounds[-1][0] - width
+
+    def all_reduce_sums(self, sums: torch.Tensor) -> None:
+        """SUM all-reduce of the small float64 sums over the group."""
+        dist.all_reduce(sums, group=self.group)  # type: ignore[attr-defined]  # movers are Transports
+
     def pieces(self, width: int, piece: int) -> list[tuple[int, int]]:
         """The L elements of a slice in pieces of `piece` elements."""
         return [(p, min(p + piece, width)) for p in range(0, width, piece)]
@@ -147,9 +156,8 @@ class C10dInPlace(InPlace, Transport):
         into the ring, copy them where the sent ones were; the tails of the last slice first."""
         assert self._parts is not None  # `rows` came first
         me, last = self.rank, self.world - 1
-        width = bounds[0][1] - bounds[0][0]
+        width, tail = self.widths(bounds)
         peers = [j for j in range(self.world) if j != me]
-        tail = bounds[last][1] - bounds[last][0] - width
         if tail:  # every rank's copy of the last slice's tail goes to the spare rows of the last rank
             spare = self._parts[1][1] if me == last else []
             self._batch([] if me == last else [(buffer[bounds[last][0] + width : bounds[last][1]], last)],
@@ -165,10 +173,6 @@ class C10dInPlace(InPlace, Transport):
             landed(p0, p1)
         if tail and me == last:
             landed(width, width + tail)
-
-    def all_reduce_sums(self, sums: torch.Tensor) -> None:
-        """SUM all-reduce of the small float64 sums over the group."""
-        dist.all_reduce(sums, group=self.group)
 
     def gather(  # type: ignore[override]  # a SliceMover's gather, not the VHDD schedule's
         self, buffer: torch.Tensor, layout: Layout, bounds: Sequence[tuple[int, int]], finish

@@ -617,7 +617,6 @@ class SymmetricInPlace(InPlace, Transport):
         Transport.__init__(self, group)
         InPlace.__init__(self, dist.get_world_size(group), dist.get_rank(group))
         self.pool = pool(group, backend)
-        self._view: torch.Tensor | None = None
         self._handle: Any = None
 
     def _ring(self, like: torch.Tensor) -> tuple[torch.Tensor, int]:
@@ -628,8 +627,7 @@ class SymmetricInPlace(InPlace, Transport):
         # the spare rows and two slots of the smallest piece, where the budget is smaller than that
         size = max(size - size % 16, ((self.world + 1) * self.spare + 2 * self.world * piece) * width)
         raw, self._handle = self.pool.staging(size, _bytes_like(like), "ring", most=size)
-        view = self._view = raw[: raw.numel() - raw.numel() % width].view(like.dtype)
-        return view, piece
+        return raw[: raw.numel() - raw.numel() % width].view(like.dtype), piece
 
     def _slot_row(self, slot: int, row: int, piece: int) -> int:
         """Where row `row` of slot `slot` starts in the ring."""
@@ -641,20 +639,19 @@ class SymmetricInPlace(InPlace, Transport):
         spare = [ring[j * self.spare : (j + 1) * self.spare] for j in range(self.world)]
         return self.parts(buffer, bounds, spare)
 
-    def _peers(self) -> dict[int, torch.Tensor]:
-        assert self._view is not None  # `rows` came first
+    def _start(self, buffer: torch.Tensor):
+        """(the ring, a piece's elements, the peers' rings in the order r + 1, r + 2, ..., the current stream, the
+        side stream) for a scatter or gather of `buffer`."""
+        ring, piece = self._ring(buffer)
         order = [(self.rank + step) % self.world for step in range(1, self.world)]
-        return {j: self.pool.peer_view(self._handle, j, self._view.numel(), self._view.dtype) for j in order}
+        peers = {j: self.pool.peer_view(self._handle, j, ring.numel(), ring.dtype) for j in order}
+        return ring, piece, peers, torch.cuda.current_stream(ring.device), side_stream(ring.device, "copies")
 
     def scatter(self, buffer: torch.Tensor, layout: Layout, bounds: Sequence[tuple[int, int]], landed) -> None:
         """Store this rank's copies into the owners' ring, piece by piece (class doc)."""
-        ring, piece = self._ring(buffer)
+        ring, piece, peers, main, side = self._start(buffer)
         handle, me, last = self._handle, self.rank, self.world - 1
-        width = bounds[0][1] - bounds[0][0]
-        tail = bounds[last][1] - bounds[last][0] - width
-        peers = self._peers()
-        main = torch.cuda.current_stream(ring.device)
-        side = side_stream(ring.device, "copies")
+        width, tail = self.widths(bounds)
         if tail and me != last:  # this rank's copy of the last slice's tail, into the last rank's spare row
             at = bounds[last][0] + width
             peers[last][me * self.spare : me * self.spare + tail].copy_(buffer[at : at + tail], non_blocking=True)
@@ -675,21 +672,13 @@ class SymmetricInPlace(InPlace, Transport):
         if tail and me == last:  # the spare rows were stored into before the first barrier
             landed(width, width + tail)
 
-    def all_reduce_sums(self, sums: torch.Tensor) -> None:
-        """SUM all-reduce of the small float64 sums over the group."""
-        dist.all_reduce(sums, group=self.group)
-
     def gather(  # type: ignore[override]  # a SliceMover's gather, not the VHDD schedule's
         self, buffer: torch.Tensor, layout: Layout, bounds: Sequence[tuple[int, int]], finish
     ) -> None:
         """Write this rank's results into `B` and its output rows, then load every peer's (class doc)."""
-        ring, piece = self._ring(buffer)
+        ring, piece, peers, main, side = self._start(buffer)
         handle, me, last = self._handle, self.rank, self.world - 1
-        width = bounds[0][1] - bounds[0][0]
-        tail = bounds[last][1] - bounds[last][0] - width
-        peers = self._peers()
-        main = torch.cuda.current_stream(ring.device)
-        side = side_stream(ring.device, "copies")
+        width, tail = self.widths(bounds)
         out_tail = self.world * self.spare  # the last rank's result tail, in its own spare row
         lo = bounds[me][0]
         if tail and me == last:
