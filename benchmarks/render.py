@@ -194,8 +194,9 @@ CLAIMS = [
         "against NCCL's all_reduce of the same bytes in the same run: `symmetric` is the VHDD schedule on symmetric\n"
         "memory (the default for a power-of-two group), `slices` the slice-parallel schedule (every rank runs the\n"
         "whole tree on its slice; the default for other group sizes), its flat buffers moved by the copy engines\n"
-        "in one piece per slice, its own slice read in place, its buffer within a 512 MiB budget (a single tensor\n"
-        "larger than a round: (P+1)/P of it). `kept MiB`: device memory the transport keeps after repeated calls\n"
+        "in one piece per slice, its own slice read in place, its buffer within a 512 MiB budget (when these rows\n"
+        "were taken a single tensor larger than a round grew it to (P+1)/P of the tensor; such a tensor now runs in\n"
+        "place: the defaults' table below). `kept MiB`: device memory the transport keeps after repeated calls\n"
         "(counted from after one call of NCCL's all_reduce of the same bytes in rows with `kept_after_baseline`;\n"
         "earlier rows count what that first call kept too).",
         "python benchmarks/bench_collective.py --backend nccl --world P --transports default,slices \\\n"
