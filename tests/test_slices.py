@@ -161,16 +161,17 @@ def in_place(rank, world, transport):
 
 IN_PLACE_CASES = (
     [(w, t) for w in distributed.world_sizes(2, 3, 4) for t in ("slices", None)] if distributed.BACKEND == "nccl"
-    else [(2, "slices"), (3, "slices"), (5, "slices"), (7, "slices"), (2, None)]
+    else [(2, "slices"), (3, "slices"), (7, "slices")]
 )
-"""(ranks, transport): on gloo the slice-parallel mover at 2 to 7 ranks (a job restarted on 7), and the default."""
+"""(ranks, transport): on NCCL the slice-parallel mover and the default (whose VHDD rounds run such a tensor in place
+too); on gloo the slice-parallel mover at 2, 3 and 7 ranks (a job restarted on 7; the default there, point-to-point,
+keeps no buffer)."""
 
 
 @pytest.mark.nccl
 @pytest.mark.parametrize("world, transport", IN_PLACE_CASES)
 def test_tensors_larger_than_a_round_run_in_place_within_the_budget(world, transport):
-    # transport None: the default (on NCCL in one host: the symmetric transport at 2 and 4 ranks, whose VHDD
-    # rounds hand such a tensor to the in-place mover too; on gloo point-to-point, which keeps no buffer)
+    # transport None (NCCL): the default in one host, the symmetric transport at 2 and 4 ranks
     results = distributed.run(world, in_place, transport, env={"ADASUM_MEMORY_MB": "0.05"})
     distributed.assert_ranks_agree(results)
 
@@ -203,6 +204,6 @@ def vhdd_in_place(rank, world):
     return flat.numpy().tobytes()
 
 
-@pytest.mark.parametrize("world", [2, 3, 4])
+@pytest.mark.parametrize("world", [2, 3])
 def test_vhdd_rounds_hand_a_tensor_larger_than_a_round_to_the_in_place_mover(world):
     distributed.assert_ranks_agree(distributed.run(world, vhdd_in_place))
