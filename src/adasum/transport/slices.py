@@ -50,6 +50,20 @@ def round_elements(world: int, rows: int, element_size: int) -> int:
     return max(1, world * row)
 
 
+def batch(
+    group: dist.ProcessGroup | None,
+    timeout: timedelta | None,
+    sends: Sequence[tuple[torch.Tensor, int]],
+    recvs: Sequence[tuple[torch.Tensor, int]],
+) -> None:
+    """One batch of point-to-point sends and receives of (tensor, group rank) pairs (empty ones left out), waited
+    for within `timeout` (None: on the stream, NCCL)."""
+    ops = [dist.P2POp(dist.isend, t, global_rank(group, p), group) for t, p in sends if t.numel()]
+    ops += [dist.P2POp(dist.irecv, t, global_rank(group, p), group) for t, p in recvs if t.numel()]
+    if ops:
+        wait(dist.batch_isend_irecv(ops), timeout)
+
+
 class InPlace:
     """What the in-place movers share (`adasum.collectives.slices.InPlaceMover`): the cut and where the rows lie.
 
@@ -139,10 +153,7 @@ class C10dInPlace(InPlace, Transport):
         return space
 
     def _batch(self, sends, recvs) -> None:
-        ops = [dist.P2POp(dist.isend, t, global_rank(self.group, p), self.group) for t, p in sends if t.numel()]
-        ops += [dist.P2POp(dist.irecv, t, global_rank(self.group, p), self.group) for t, p in recvs if t.numel()]
-        if ops:
-            wait(dist.batch_isend_irecv(ops), self.timeout)
+        batch(self.group, self.timeout, sends, recvs)
 
     def rows(self, buffer: torch.Tensor, bounds: Sequence[tuple[int, int]]):
         """The rows in `buffer` and the spare rows (`InPlace.parts`)."""
@@ -221,10 +232,7 @@ class C10dSlices(Transport):
         return rows[:numel]
 
     def _batch(self, sends: Sequence[tuple[torch.Tensor, int]], recvs: Sequence[tuple[torch.Tensor, int]]) -> None:
-        ops = [dist.P2POp(dist.isend, t, global_rank(self.group, p), self.group) for t, p in sends if t.numel()]
-        ops += [dist.P2POp(dist.irecv, t, global_rank(self.group, p), self.group) for t, p in recvs if t.numel()]
-        if ops:
-            wait(dist.batch_isend_irecv(ops), self.timeout)
+        batch(self.group, self.timeout, sends, recvs)
 
     def rows(self, buffer: torch.Tensor, bounds: Sequence[tuple[int, int]]):
         """Where every rank's copy of this rank's slice lands: one scratch row per rank (one part)."""
