@@ -227,7 +227,7 @@ def slice_moves_probe(rank, world, device, args, log) -> list[dict]:
     copy engines for flat buffers and Triton copies for lists), with no Adasum math (each rank's own row is
     copied to its output row where the last combination would write it), against NCCL all_reduce of the same
     bytes in the same run."""
-    from adasum.collectives.slices import slice_rounds
+    from adasum.collectives.slices import round_tensor, slice_rounds
     from adasum.core.layout import Layout, Scattered
     from adasum.transport.symmetric import SymmetricSlices, supported
 
@@ -247,11 +247,11 @@ def slice_moves_probe(rank, world, device, args, log) -> list[dict]:
             cut = slice_rounds(layout, mover, buffer)
 
             def moves():
-                for first, _, lo, hi, bounds in cut:
+                for first, end, lo, hi, bounds in cut:
                     mv, buf, lay = mover, buffer, layout
                     if bounds is None:  # one tensor larger than a round: the in-place mover
                         mv = mover.in_place
-                        buf = tensors[first].view(-1) if isinstance(buffer, Scattered) else buffer[lo:hi]
+                        buf = round_tensor(buffer, first, end, lo, hi)
                         lay, bounds = Layout((buf.numel(),)), mv.cut(buf.numel())
                     parts = mv.rows(buf, bounds)
                     mv.scatter(buf, lay, bounds, lambda p0, p1: None)

@@ -118,9 +118,10 @@ def test_slice_parallel_in_rounds_through_a_small_budget(world):
     distributed.assert_ranks_agree(results)
 
 
-IN_PLACE_SIZES = [20003, 7, 300, 9000, 1]
-"""Under a budget of 0.05 MiB, 20003 and 9000 elements are larger than a round at 2 to 5 ranks (fp32): each runs
-in place, through a ring of pieces, the 20003 with a tail for the last rank's spare rows."""
+IN_PLACE_SIZES = [0, 20003, 7, 300, 0, 9000, 1]
+"""Under a budget of 0.05 MiB, 20003 and 9000 elements are larger than a round at 2 to 7 ranks (fp32): each runs
+in place, through a ring of pieces, the 20003 with a tail for the last rank's spare rows; an empty tensor before
+it rides in its round."""
 
 
 def _kept_bytes(group=None) -> int:

@@ -118,6 +118,21 @@ Round = tuple[int, int, int, int, "list[tuple[int, int]] | None"]
 """(first tensor, end tensor, first element, end element, every rank's slice; None: one tensor run in place)."""
 
 
+def runs_in_place(mover: InPlaceMover | None, capacity: int | None, lo: int, hi: int) -> bool:
+    """Whether a round of `rounds` over elements [lo, hi) runs in place on `mover` (a transport's `in_place`):
+    it is larger than `capacity`, so it holds one tensor with elements (zero-size ones ride along), and the
+    mover can cut it."""
+    return capacity is not None and hi - lo > capacity and mover is not None and mover.cut(hi - lo) is not None
+
+
+def round_tensor(buffer: torch.Tensor | Scattered, first: int, end: int, lo: int, hi: int) -> torch.Tensor:
+    """The flat elements of a round that holds one tensor with elements (`runs_in_place`): ``buffer[lo:hi]``, or
+    that tensor of a `Scattered` list."""
+    if isinstance(buffer, Scattered):
+        return next(t for t in buffer.tensors[first:end] if t.numel()).view(-1)
+    return buffer[lo:hi]
+
+
 def slice_rounds(layout: Layout, mover: SliceMover, like) -> list[Round]:
     """The rounds `adasum_slices_` runs `layout` in on `mover` (`rounds` within the mover's capacity for `like`'s
     dtype), each with every rank's slice of it; a single tensor larger than the capacity runs in place
@@ -126,13 +141,9 @@ def slice_rounds(layout: Layout, mover: SliceMover, like) -> list[Round]:
     capacity = mover.round_elements(like.element_size())
     cut: list[Round] = []
     for first, end, lo, hi in rounds(layout.sizes, capacity):
-        if hi <= lo:
-            continue
-        alone = end - first == 1 and capacity is not None and hi - lo > capacity
-        if alone and mover.in_place is not None and mover.in_place.cut(hi - lo) is not None:
-            cut.append((first, end, lo, hi, None))
-        else:
-            cut.append((first, end, lo, hi, split(lo, hi, mover.world)))
+        if hi > lo:
+            alone = runs_in_place(mover.in_place, capacity, lo, hi)
+            cut.append((first, end, lo, hi, None if alone else split(lo, hi, mover.world)))
     rows = [b - a for *_, bounds in cut if bounds is not None for a, b in bounds]
     if rows:
         mover.reserve(max(rows), like)
@@ -281,11 +292,7 @@ def adasum_in_place_(
     bounds = mover.cut(flat.numel())
     if bounds is None:
         raise ValueError(f"a buffer of {flat.numel()} elements is too small to run in place over {mover.world} ranks")
-    _round(flat, _one_tensor(flat.numel()), mover, (0, 1), bounds, across, offset)
-
-
-def _one_tensor(numel: int) -> Layout:
-    return Layout((numel,))
+    _round(flat, Layout((flat.numel(),)), mover, (0, 1), bounds, across, offset)
 
 
 def adasum_slices_(
@@ -307,5 +314,4 @@ def adasum_slices_(
         if bounds is not None:
             _round(buffer, layout, mover, (first, end), bounds, across, 0)
             continue
-        flat = buffer.tensors[first].view(-1) if isinstance(buffer, Scattered) else buffer[lo:hi]
-        adasum_in_place_(flat, cast(InPlaceMover, mover.in_place), across, lo)
+        adasum_in_place_(round_tensor(buffer, first, end, lo, hi), cast(InPlaceMover, mover.in_place), across, lo)

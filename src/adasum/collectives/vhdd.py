@@ -40,7 +40,14 @@ from typing import cast
 import torch
 import torch.distributed as dist
 
-from adasum.collectives.slices import SliceMover, adasum_in_place_, adasum_slices_, rounds
+from adasum.collectives.slices import (
+    SliceMover,
+    adasum_in_place_,
+    adasum_slices_,
+    round_tensor,
+    rounds,
+    runs_in_place,
+)
 from adasum.core import statistics
 from adasum.core.layout import Layout, Scattered
 from adasum.core.tree import Tree
@@ -202,9 +209,8 @@ def adasum_flat_(
         for first, end, lo, hi in rounds(layout.sizes, capacity):
             if hi <= lo:
                 continue
-            if capacity is not None and hi - lo > capacity and in_place is not None and in_place.cut(hi - lo):
-                flat = buffer.tensors[first].view(-1) if isinstance(buffer, Scattered) else buffer[lo:hi]
-                adasum_in_place_(flat, in_place)
+            if runs_in_place(in_place, capacity, lo, hi):
+                adasum_in_place_(round_tensor(buffer, first, end, lo, hi), in_place)
                 continue
             if (lo, hi) == (0, buffer.numel()):
                 part, part_layout = buffer, layout
