@@ -156,14 +156,14 @@ def test_an_outgrown_symmetric_buffer_retires_the_groups_graphs():
     old = weakref.ref(made[-1])
     pool.staging((1 << 20) + 1, like)  # outgrown
     assert not comm.graphs.captured(key) and comm.graphs.count() == 0 and comm.last is None
-    assert graph() is None and not comm.graphs.held()  # dropped
+    assert graph() is None and comm.graphs.count() == 0  # dropped
     made.clear()
     assert old() is None and len(pool.buffers) == 1  # the outgrown buffer is not kept
     log.clear()
     for _ in range(3):
         comm.run("plan", (1,), lambda: log.append("launch"), CPU)
     assert log == ["launch", "replay launch", "replay launch"]
-    assert comm.graphs.held()  # what release() waits for the device for
+    assert comm.graphs.count() == 1  # what release() waits for the device for
 
 
 def test_an_outgrown_buffer_retires_the_graphs_of_every_group():
@@ -184,6 +184,6 @@ def test_an_outgrown_buffer_retires_the_graphs_of_every_group():
             comm.last = key
             assert comm.graphs.captured(key)
         groups.retire_graphs()
-        assert all(c.graphs.count() == 0 and not c.graphs.held() and c.last is None for c in comms)
+        assert all(c.graphs.count() == 0 and c.last is None for c in comms)
     finally:
         dist.destroy_process_group()

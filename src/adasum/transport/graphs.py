@@ -21,7 +21,8 @@ A key's graph is captured when *this* rank sees it the second time, and keys hol
 from rank to rank: one rank may replay a call that its peer runs eagerly or captures. That is safe while
 both run against the same symmetric buffers; so when a symmetric buffer is outgrown (a collective step that
 every rank of its group takes at the same call), the device is drained and every group's graphs are dropped
-(`Graphs.retire`; a graph of one group may point into another's buffers, as the two tiers' do): a graph replayed on
+(`Graphs.clear`, from `adasum.transport.groups.retire_graphs`; a graph of one group may point into another's
+buffers, as the two tiers' do): a graph replayed on
 the old buffer against a peer running on the new one would wait at a signal pad the peer never sets (this
 hung FSDP2's reductions, whose buffers the caching allocator places differently on each rank).
 """
@@ -147,17 +148,6 @@ class Graphs:
     def count(self) -> int:
         """How many graphs are alive."""
         return sum(g is not _FAILED for g in self._graphs.values())
-
-    def held(self) -> bool:
-        """Whether any graph is alive (one may still be running on the device)."""
-        return self.count() > 0
-
-    def retire(self) -> None:
-        """Drop every graph: every key starts again from its first (eager) call. The caller waited for the device
-        (no graph is running): the group's symmetric buffers call this when one is outgrown
-        (`adasum.transport.symmetric.SymmetricPool.staging`)."""
-        self._graphs.clear()
-        self._seen.clear()
 
     def clear(self) -> None:
         """Forget every graph and sighting."""

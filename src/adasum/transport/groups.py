@@ -115,9 +115,10 @@ class Communicator:
         return key
 
     def retire_graphs(self) -> None:
-        """Replay none of the graphs captured so far (`adasum.transport.graphs.Graphs.retire`), nor the last list
-        call's: a symmetric buffer they may load and store at was outgrown (`retire_graphs`)."""
-        self.graphs.retire()
+        """Drop the graphs captured so far (`adasum.transport.graphs.Graphs.clear`: every key starts again from an
+        eager call), and the last list call's: a symmetric buffer they may load and store at was outgrown, and the
+        device has drained (`retire_graphs`)."""
+        self.graphs.clear()
         self.last = None
 
     def control_group(self) -> dist.ProcessGroup | None:
@@ -229,13 +230,13 @@ def release(group: dist.ProcessGroup | None = None) -> None:
                 return
             shared = found.symmetric is not None and found.symmetric.held() > 0
             others = list(_registry.communicators.values()) if shared else []
-            _synchronize_if(found.graphs.held() or any(c.graphs.held() for c in others))
+            _synchronize_if(found.graphs.count() > 0 or any(c.graphs.count() for c in others))
             for comm in others:
                 comm.graphs.clear()
             found.clear()
             return
         comms = list(_registry.communicators.values())
-        _synchronize_if(any(c.graphs.held() for c in comms))
+        _synchronize_if(any(c.graphs.count() for c in comms))
         for comm in comms:  # every graph before any buffer (a graph may point into another group's buffers)
             comm.graphs.clear()
         for comm in comms:

@@ -30,11 +30,10 @@ each combination: the partner's piece has landed).
 **Push protocol (groups of two, the default there; ``ADASUM_SYMMETRIC_PUSH=0`` keeps the pull above).** The
 pulls read the partner's staged copy more slowly than the combination's stores write into it, and the
 first staged piece stays exposed. With the push protocol each rank stores the pieces of its given
-half straight from `B` into the partner's receive buffer ``R`` (a second symmetric buffer of half the
-size: a region of ``S`` past the buffer would overlap what the partner still copies out of ``S`` after a
-larger call), a barrier follows each piece, and the sums of the kept piece are read locally on a
+half straight from `B` into the partner's receive buffer ``R`` (a symmetric buffer of half a run), a
+barrier follows each piece, and the sums of the kept piece are read locally on a
 side stream while the next piece is pushed; the combination reads the partner's copy there, and stores each
-combined piece into the partner's results buffer (a third symmetric buffer of half the size), which the
+combined piece into the partner's results buffer (a second symmetric buffer of half a run), which the
 partner copies into `B` on a side stream while the next piece is combined. Nothing is staged, no ``theirs``
 copy is written, and no ``S`` is made: ``R`` and the results buffer hold half a run each, so a run is as
 large as the budget (docs/benchmarks.md compares the two protocols).
@@ -376,7 +375,7 @@ class SymmetricMemory(Transport):
 
     def _push_combine(self, level: Level) -> None:
         """The push protocol's combination (one level: a group of two), in the exchange's pieces: combine piece c
-        into `B` and into the partner's results buffer (a second symmetric buffer of half a run, as ``R``), barrier
+        into `B` and into the partner's results buffer (a symmetric buffer of half a run beside ``R``), barrier
         (the partner's piece c has landed in this rank's), then copy it into `B` on a side stream while piece
         c + 1 is combined. The gather then has nothing left to do.
 
