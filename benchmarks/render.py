@@ -306,7 +306,8 @@ CLAIMS = [
         "variant keeps (symmetric-memory buffers within the 512 MiB budget, captured graphs; rows without it\n"
         "predate its measurement). `adasum.fsdp` agrees on the layouts at `enable`, probes them without waiting\n"
         "at each forward and gives unused parameters zero gradients (torch 2.11 has no reduce-scatter setter): no\n"
-        "host round trip in the reduction path.",
+        "host round trip in the reduction path. Rows labelled \"reductions on their own stream\" run the hooks on a\n"
+        "stream of their own (earlier rows: on FSDP's all-reduce stream).",
         "torchrun --nproc-per-node 2 benchmarks/bench_fsdp.py --mesh 2x1 --repeats 3 --reduce-dtype bfloat16\n"
         "torchrun --nproc-per-node 4 benchmarks/bench_fsdp.py --mesh 4x1 --repeats 3 --reduce-dtype bfloat16\n"
         "torchrun --nproc-per-node 4 benchmarks/bench_fsdp.py --mesh 2x2 --repeats 3 --reduce-dtype bfloat16",

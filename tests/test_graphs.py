@@ -187,3 +187,46 @@ def test_an_outgrown_buffer_retires_the_graphs_of_every_group():
         assert all(c.graphs.count() == 0 and c.last is None for c in comms)
     finally:
         dist.destroy_process_group()
+
+
+def test_a_repeat_of_the_same_tensors_replays_before_any_check_of_the_list():
+    """`adasum.all_reduce`'s replay path takes the caller's argument unchecked: the very tensors of the last
+    captured call (a list, a tuple or the one tensor) replay its graph; anything else (a changed shape, a
+    generator, a dict) takes the checked path, whose errors are unchanged."""
+    import pytest
+    import torch.distributed as dist
+
+    import adasum
+    from adasum.collectives import api
+    from adasum.collectives.plan import prepare
+    from adasum.transport import groups
+
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        log: list = []
+        comm = groups.communicator(None)
+        comm.graphs = Graphs(RecordingCapture(log))
+        tensors = [torch.ones(2, 3), torch.ones(4)]
+        config = ("adasum.all_reduce", "transport=None", "nonfinite=propagate")
+        plan = prepare(tensors, None, config=config, operation="adasum.all_reduce", check="none")
+        for _ in range(2):
+            key = comm.run(plan.key, ("tensors",), lambda: log.append("launch"), CPU)
+        pointers, shapes = tuple(map(api._data_ptr, tensors)), tuple(map(api._shape, tensors))
+        comm.last = api._Last(None, tensors, pointers, shapes, key, plan)
+        log.clear()
+        adasum.all_reduce(tensors, check_layout=False)
+        adasum.all_reduce(tuple(tensors), check_layout=False)
+        assert log == ["replay launch", "replay launch"]
+        log.clear()
+        adasum.all_reduce(iter(tensors), check_layout=False)  # not a list: checked, and one rank runs nothing
+        adasum.all_reduce(tensors[:1], check_layout=False)  # other tensors
+        with pytest.raises(TypeError, match="pass list"):
+            adasum.all_reduce({"a": tensors[0]}, check_layout=False)
+        tensors[0].t_()  # the same tensor object and address, another shape
+        adasum.all_reduce(tensors, check_layout=False)
+        assert log == []
+        comm.last = api._Last(None, tensors[1:], (tensors[1].data_ptr(),), (tensors[1].shape,), key, plan)
+        adasum.all_reduce(tensors[1], check_layout=False)  # the one tensor, not in a list
+        assert log == ["replay launch"]
+    finally:
+        dist.destroy_process_group()

@@ -65,7 +65,7 @@ import torch.nn as nn
 
 from adasum.collectives.agreement import agree, signature
 from adasum.reducers import Reducer, ShardGroups, get_reducer
-from adasum.transport.groups import control_group
+from adasum.transport.groups import control_group, side_stream
 
 DIMS = ("replicate", "shard")
 
@@ -439,6 +439,10 @@ def enable(
     _check_sharding(model, mesh, groups)
     setter = hasattr(FSDPModule, "set_reduce_scatter_unused_params")
     state = FSDPState(reducer, groups, units, fills_unused=include_unused and not setter)
+    # the reductions' own stream (FSDP's all-reduce stream otherwise; docs/integrations.md: streams and graphs)
+    options = {}
+    if getattr(mesh, "device_type", "cpu") == "cuda":
+        options["stream"] = side_stream(torch.device("cuda", torch.cuda.current_device()), "fsdp")
     for name, unit in units:
         unit_view(unit)  # fails now, not in backward, if torch's state is not what we read
         if include_unused and setter:
@@ -449,7 +453,7 @@ def enable(
         def hook(buffer: torch.Tensor, unit: nn.Module = unit, key: str = name) -> None:
             state.reduce_unit(unit, key, buffer)
 
-        unit.set_all_reduce_hook(hook)
+        unit.set_all_reduce_hook(hook, **options)
     state.agree_layouts()
     model.register_forward_pre_hook(state.new_step)
     return state
