@@ -70,6 +70,16 @@ def test_layouts_agreed_once_then_swapped_are_named_on_every_rank(world, equal_s
     assert all(r[4] == results[0][4] for r in results)
 
 
+def _with_budget(memory_mb, call):
+    """`call` under another memory budget (one rank's ``ADASUM_MEMORY_MB``), or as it is."""
+    from adasum.settings import override
+
+    if memory_mb is None:
+        return call()
+    with override(memory_mb=memory_mb):
+        return call()
+
+
 def config_body(rank, world):
     """Ranks configured differently: a reducer, a non-finite policy, a reducer option, a transport."""
     out = {}
@@ -82,6 +92,7 @@ def config_body(rank, world):
         "entry point": lambda: (
             adasum.Mean().all_reduce_flat(torch.ones(6), [6]) if last else adasum.Mean().all_reduce(t())
         ),
+        "schedule setting": lambda: _with_budget(64.0 if last else None, lambda: adasum.all_reduce(t())),
     }
     for name, call in cases.items():
         kind, message, seconds = _error_of(call)
@@ -98,6 +109,9 @@ def test_ranks_configured_differently_get_one_error_on_every_rank():
     assert "the configuration differs across ranks: rank 0 has adasum.Adasum.all_reduce Adasum(per_tensor=True) []" \
            ", rank 2 has adasum.Mean.all_reduce Mean() []" in out["reducer"][1]
     assert "nonfinite=propagate" in out["policy"][1] and "nonfinite=raise" in out["policy"][1]
+    assert out["schedule setting"][1].endswith(
+        "the configuration differs across ranks: rank 0 has adasum.all_reduce transport=p2p nonfinite=propagate, "
+        "rank 2 has adasum.all_reduce transport=p2p nonfinite=propagate memory_mb=64.0"), out["schedule setting"]
 
 
 def stride0_body(rank, world):

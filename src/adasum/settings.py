@@ -66,6 +66,17 @@ class Settings:
     memory_mb: float = 512.0
     """Device memory the symmetric-memory transports' buffers may take per GPU, in MiB (``ADASUM_MEMORY_MB``)."""
 
+    @functools.cached_property
+    def shaping(self) -> tuple[str, ...]:
+        """The settings that shape a collective's schedule or its checks (rounds, pieces, protocols, the transport
+        put first, where checks run), as ``name=value`` for each that differs from its default: every rank of a
+        group must have the same (`adasum.collectives.plan.prepare` compares them with the call's configuration),
+        or the ranks would move different pieces in different orders."""
+        defaults = Settings()
+        return tuple(
+            f"{name}={getattr(self, name)}" for name in _SHAPING if getattr(self, name) != getattr(defaults, name)
+        )
+
     @classmethod
     def from_env(cls, env: Mapping[str, str] | None = None) -> Settings:
         """The settings that `env` (default: ``os.environ``) gives; unset variables keep the defaults."""
@@ -87,6 +98,13 @@ class Settings:
             memory_mb=float(env.get("ADASUM_MEMORY_MB", 512.0)),
         )
 
+
+_SHAPING = (
+    "transport_first", "piece_elements", "deferred_checks", "symmetric_push", "symmetric_chunks",
+    "symmetric_chunk_bytes", "symmetric_max_chunks", "memory_mb",
+)
+"""The `Settings.shaping` fields; the others are local (graphs, kernels' vector loads, where this rank is) or agreed
+elsewhere (``symmetric``: `adasum.transport.symmetric.SymmetricPool.supported`)."""
 
 # The settings in force: the process's, read once, unless an `override` block of this thread or task set others.
 _in_force: contextvars.ContextVar[Settings | None] = contextvars.ContextVar("adasum_settings", default=None)

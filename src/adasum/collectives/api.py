@@ -73,14 +73,15 @@ def all_reduce(
     >>> dist.destroy_process_group()
     """
     operation = "adasum.all_reduce"
+    # a repeat of the last captured call: the very tensors it checked (so no type check of the list either)
+    if nonfinite == "propagate" and (group is None or isinstance(group, dist.ProcessGroup)) and dist.is_initialized():
+        if _replayed(communicator(group), group, transport, tensors, check_layout):
+            return
+    tensors = tensor_list(tensors, operation)
     check_group(group, operation)
     if not dist.is_initialized():
         raise RuntimeError("adasum.all_reduce needs torch.distributed to be initialised")
     comm = communicator(group)
-    # a repeat of the last captured call: the very tensors it checked (so no type check of the list either)
-    if nonfinite == "propagate" and _replayed(comm, group, transport, tensors, check_layout):
-        return
-    tensors = tensor_list(tensors, operation)
     check_policy(nonfinite, ("propagate", "raise"))
     single = dist.get_world_size(group) == 1
     chosen = None if single else list_transport(group, transport)

@@ -134,11 +134,12 @@ def prepare(
     """The plan of this call (module doc), after its checks: raises the same error on every rank of `group`
     where ranks differ (with `check`), else this rank's local problem on this rank. `tensors` is the list, or
     ``[buffer]`` with the `sizes` of its segments; `config` names everything besides the layout that must be
-    equal on every rank (the operation, the reducer and its options, the transport, the policies). With
+    equal on every rank (the operation, the reducer and its options, the transport, the policies); the settings
+    that shape the schedule and differ from their defaults join it (`adasum.settings.Settings.shaping`). With
     `sizes`, `tensors` may be several buffers of one dtype whose segments are `sizes` end to end."""
     comm = communicator(group)
     world = dist.get_world_size(group)
-    plan = plan_for(comm, tensors, sizes, config)
+    plan = plan_for(comm, tensors, sizes, config + current().shaping)
     device = group_device(group)
     in_place = in_place and world > 1  # a world of one writes nothing
     problem = _problem(plan, tensors, sizes, device, group, in_place, floating)

@@ -65,6 +65,7 @@ import torch.nn as nn
 
 from adasum.collectives.agreement import agree, signature
 from adasum.reducers import Reducer, ShardGroups, get_reducer
+from adasum.settings import current
 from adasum.transport.groups import control_group, side_stream
 
 DIMS = ("replicate", "shard")
@@ -289,7 +290,8 @@ class FSDPState:
         ValueError on every rank names the first difference (collective)."""
         layouts = self._layouts()
         self.agreements += 1
-        agree(layout_entries(layouts), None, self.groups.group, "the FSDP units' gradient layouts", "adasum.fsdp")
+        agree(layout_entries(layouts), None, self.groups.group, "the FSDP units' gradient layouts", "adasum.fsdp",
+              current().shaping)  # the schedule-shaping settings too (`adasum.settings.Settings.shaping`)
         self._agreed = layouts
 
     def new_step(self, *_: Any) -> None:
