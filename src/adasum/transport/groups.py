@@ -292,7 +292,8 @@ def _register_exit_handler() -> None:
 def side_stream(device: torch.device, purpose: str) -> torch.cuda.Stream:
     """One CUDA stream per device and `purpose`, made on first use: "comm" for collectives that overlap the
     compute stream (the DDP hook, `DistributedOptimizer`), "fsdp" for `adasum.fsdp`'s reductions, "copies" for
-    the symmetric transport's staging copies (which overlap its own kernels, on whatever stream those run)."""
+    the symmetric transport's staging copies (which overlap its own kernels, on whatever stream those run),
+    "pushes" for the in-place mover's stores of results into its peers (`adasum.transport.symmetric`)."""
     key = (torch.device(device), purpose)
     stream = _registry.streams.get(key)
     if stream is None:

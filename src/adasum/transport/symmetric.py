@@ -595,19 +595,22 @@ class SymmetricSlices(Transport):
 
 class SymmetricInPlace(InPlace, Transport):
     """`InPlace` on symmetric memory: a single tensor larger than the rounds runs with no buffer sized to it. The
-    group's ring (a symmetric buffer of `buffer_bytes` ("ring"), made once) holds two slots of P rows of a piece
-    each, and P + 1 spare rows (the tails of the last slice: one from each rank, and the last rank's result).
+    group's ring (a symmetric buffer of `buffer_bytes` ("ring"), made once) holds two slots of P - 1 rows of a
+    piece each (one per peer: rank j's row on rank r is j, less one above r), and P + 1 spare rows (the tails of
+    the last slice: one from each rank, and the last rank's result).
 
-    * scatter, piece c (slot c mod 2): rank r stores its copy of piece c of slice j straight from `B` into row r
-      of the slot on rank j, for every j != r; a signal-pad barrier; then, on a side stream, it copies rows j of
+    * scatter, piece c (slot c mod 2): rank r stores its copy of piece c of slice j straight from `B` into its
+      row of the slot on rank j, for every j != r; a signal-pad barrier; then, on a side stream, it copies rows j of
       its own slot into `B` where its copies of the slices j were, and adds the piece's sums, while piece c + 1 is
       stored. A slot is stored into again two pieces later, after a barrier that every rank passes once its copies
       out of it are done (the side stream joins before each barrier).
-    * gather, piece c: the last combination writes the result into `B`'s slice, and rank r stores it from there
-      into row r of the slot on every peer (the scatter's moves in reverse: on 2 x H200 the copy engines stored a
-      piece of 30 MiB into the peer in 84 us and loaded one from it in 94 us); a barrier; then, on a side
-      stream, it copies rows j of its own slot into `B`'s slices j, while piece c + 1 is combined. The last
-      rank's result tail lands in the peers' last spare row, which only the last rank's scatter uses.
+    * gather, piece c: the last combination writes the result into `B`'s slice; on a second side stream rank r
+      stores it from there into its row of the slot on every peer (the scatter's moves in reverse: on 2 x H200 the
+      copy engines stored a piece of 30 MiB into the peer in 84 us and loaded one from it in 94 us), then a
+      barrier; then, on the first side stream, it copies rows j of its own slot into `B`'s slices j. The
+      combinations run ahead on the current stream, so the stores follow each other with only the barriers
+      between them. The last rank's result tail lands in the peers' last spare row, which only the last
+      rank's scatter uses.
 
     The rings are stored into by the gather after the tree's sums were all-reduced, which every rank joins only
     after its scatter's copies out of its ring. Nothing synchronises the host; the copies by the copy engines
@@ -624,16 +627,17 @@ class SymmetricInPlace(InPlace, Transport):
     def _ring(self, like: torch.Tensor) -> tuple[torch.Tensor, int]:
         """The ring in `like`'s dtype, and the elements of a piece."""
         width = like.element_size()
-        piece = self.piece_elements(2 * self.world, width)
+        piece = self.piece_elements(2 * (self.world - 1), width)
         size = buffer_bytes("ring")
         # the spare rows and two slots of the smallest piece, where the budget is smaller than that
-        size = max(size - size % 16, ((self.world + 1) * self.spare + 2 * self.world * piece) * width)
+        size = max(size - size % 16, ((self.world + 1) * self.spare + 2 * (self.world - 1) * piece) * width)
         raw, self._handle = self.pool.staging(size, _bytes_like(like), "ring", most=size)
         return raw[: raw.numel() - raw.numel() % width].view(like.dtype), piece
 
-    def _slot_row(self, slot: int, row: int, piece: int) -> int:
-        """Where row `row` of slot `slot` starts in the ring."""
-        return (self.world + 1) * self.spare + (slot * self.world + row) * piece
+    def _slot_row(self, slot: int, sender: int, receiver: int, piece: int) -> int:
+        """Where `sender`'s row of slot `slot` starts in `receiver`'s ring."""
+        row = sender - (sender > receiver)
+        return (self.world + 1) * self.spare + (slot * (self.world - 1) + row) * piece
 
     def rows(self, buffer: torch.Tensor, bounds: Sequence[tuple[int, int]]):
         """The rows in `buffer` and the spare rows (`InPlace.parts`)."""
@@ -659,7 +663,7 @@ class SymmetricInPlace(InPlace, Transport):
             peers[last][me * self.spare : me * self.spare + tail].copy_(buffer[at : at + tail], non_blocking=True)
         for c, (p0, p1) in enumerate(self.pieces(width, piece)):
             for j, view in peers.items():
-                at = self._slot_row(c % 2, me, piece)
+                at = self._slot_row(c % 2, me, j, piece)
                 view[at : at + p1 - p0].copy_(buffer[bounds[j][0] + p0 : bounds[j][0] + p1], non_blocking=True)
             if c:  # the copies out of the other slot are done before the barrier (a join only once forked: capture)
                 main.wait_stream(side)
@@ -667,7 +671,7 @@ class SymmetricInPlace(InPlace, Transport):
             side.wait_stream(main)
             with torch.cuda.stream(side):
                 for j in peers:
-                    at = self._slot_row(c % 2, j, piece)
+                    at = self._slot_row(c % 2, j, me, piece)
                     buffer[bounds[j][0] + p0 : bounds[j][0] + p1].copy_(ring[at : at + p1 - p0])
                 landed(p0, p1)
         main.wait_stream(side)
@@ -679,30 +683,36 @@ class SymmetricInPlace(InPlace, Transport):
     ) -> None:
         """Push this rank's results into its peers' rings, and copy theirs out of its own (class doc)."""
         ring, piece, peers, main, side = self._start(buffer)
+        pushes = side_stream(ring.device, "pushes")
         handle, me, last = self._handle, self.rank, self.world - 1
         width, tail = self.widths(bounds)
         out_tail = self.world * self.spare  # where the last rank's result tail lands (a spare row free elsewhere)
         lo = bounds[me][0]
         if tail and me == last:
             finish(width, width + tail, [buffer[lo + width : lo + width + tail]])
-            for view in peers.values():
-                view[out_tail : out_tail + tail].copy_(buffer[lo + width : lo + width + tail], non_blocking=True)
+            pushes.wait_stream(main)
+            with torch.cuda.stream(pushes):
+                for view in peers.values():
+                    view[out_tail : out_tail + tail].copy_(buffer[lo + width : lo + width + tail], non_blocking=True)
         for c, (p0, p1) in enumerate(self.pieces(width, piece)):
-            finish(p0, p1, [buffer[lo + p0 : lo + p1]])
-            at = self._slot_row(c % 2, me, piece)
-            for view in peers.values():
-                view[at : at + p1 - p0].copy_(buffer[lo + p0 : lo + p1], non_blocking=True)
-            if c:  # the copies out of the other slot are done before the barrier
-                main.wait_stream(side)
-            handle.barrier(channel=0)  # piece c of every peer's result has landed in this rank's slot
-            side.wait_stream(main)
+            finish(p0, p1, [buffer[lo + p0 : lo + p1]])  # the next piece's combination follows at once
+            pushes.wait_stream(main)
+            with torch.cuda.stream(pushes):
+                for j, view in peers.items():
+                    at = self._slot_row(c % 2, me, j, piece)
+                    view[at : at + p1 - p0].copy_(buffer[lo + p0 : lo + p1], non_blocking=True)
+                if c:  # the copies out of the other slot are done before the barrier
+                    pushes.wait_stream(side)
+                handle.barrier(channel=0)  # piece c of every peer's result has landed in this rank's slot
+            side.wait_stream(pushes)
             with torch.cuda.stream(side):
                 for j in peers:
-                    at = self._slot_row(c % 2, j, piece)
+                    at = self._slot_row(c % 2, j, me, piece)
                     buffer[bounds[j][0] + p0 : bounds[j][0] + p1].copy_(ring[at : at + p1 - p0])
                 if c == 0 and tail and me != last:
                     at = bounds[last][0] + width
                     buffer[at : at + tail].copy_(ring[out_tail : out_tail + tail])
+        main.wait_stream(pushes)
         main.wait_stream(side)
 
 
