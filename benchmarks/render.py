@@ -243,9 +243,10 @@ CLAIMS = [
         "take 480 MiB of it: three quarters for rounds, a quarter for the in-place ring): a layout larger than a\n"
         "round runs in rounds of whole tensors, and a single tensor larger than a round runs in place (every rank's\n"
         "copies of a slice land in the owner's own buffer, through the fixed ring, and each owner stores its result\n"
-        "into its peers' rings), so flat 2^26 fp32 and 2^28 run with no buffer sized to them. Timed as above (medians of 7, or 5 from 2^24 elements), against NCCL's\n"
-        "all_reduce of the same bytes in the same run; `kept MiB`: device memory kept after repeated calls (buffers,\n"
-        "graphs), counted from after one call of NCCL's all_reduce of the same bytes.",
+        "into its peers' rings), so flat 2^26 fp32 and 2^28 run with no buffer sized to them. Timed as above\n"
+        "(medians of 7, or 5 from 2^24 elements), against NCCL's all_reduce of the same bytes in the same run;\n"
+        "`kept MiB`: device memory kept after repeated calls (buffers, graphs), counted from after one call of\n"
+        "NCCL's all_reduce of the same bytes.",
         "python benchmarks/bench_collective.py --backend nccl --world P --dtypes fp32,bf16 --exps 20,24,26,28 \\\n"
         "    --layouts resnet50,bert-large --repeats 7 --label \"defaults, results stored into the peers\"",
         "collective.jsonl",
