@@ -189,10 +189,15 @@ def test_an_outgrown_buffer_retires_the_graphs_of_every_group():
         dist.destroy_process_group()
 
 
-def test_a_repeat_of_the_same_tensors_replays_before_any_check_of_the_list():
+def test_a_repeat_on_the_same_memory_replays_before_any_check_of_the_list():
     """`adasum.all_reduce`'s replay path takes the caller's argument unchecked: the very tensors of the last
-    captured call (a list, a tuple or the one tensor) replay its graph; anything else (a changed shape, a
-    generator, a dict) takes the checked path, whose errors are unchanged."""
+    captured call (a list, a tuple or the one tensor), or other tensor objects placed where they were with the
+    same dtypes, shapes and strides (new gradients from the caching allocator), replay its graph; anything else
+    (a changed shape or stride, a generator, a dict) takes the checked path, whose errors are unchanged. The last
+    call's tensors are held weakly: dropping them frees them."""
+    import gc
+    import weakref
+
     import pytest
     import torch.distributed as dist
 
@@ -200,6 +205,13 @@ def test_a_repeat_of_the_same_tensors_replays_before_any_check_of_the_list():
     from adasum.collectives import api
     from adasum.collectives.plan import prepare
     from adasum.transport import groups
+
+    def remember(comm, tensors, key, plan):
+        comm.last = api._Last(
+            None, tuple(map(weakref.ref, tensors)), tuple(map(api._data_ptr, tensors)),
+            tuple(map(api._shape, tensors)), tuple(map(api._dtype, tensors)), tuple(map(api._stride, tensors)),
+            tensors[0].device, key, plan,
+        )
 
     dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
     try:
@@ -211,22 +223,28 @@ def test_a_repeat_of_the_same_tensors_replays_before_any_check_of_the_list():
         plan = prepare(tensors, None, config=config, operation="adasum.all_reduce", check="none")
         for _ in range(2):
             key = comm.run(plan.key, ("tensors",), lambda: log.append("launch"), CPU)
-        pointers, shapes = tuple(map(api._data_ptr, tensors)), tuple(map(api._shape, tensors))
-        comm.last = api._Last(None, tensors, pointers, shapes, key, plan)
+        remember(comm, tensors, key, plan)
         log.clear()
         adasum.all_reduce(tensors, check_layout=False)
         adasum.all_reduce(tuple(tensors), check_layout=False)
-        assert log == ["replay launch", "replay launch"]
+        adasum.all_reduce([t.view(t.shape) for t in tensors], check_layout=False)  # other objects, same memory
+        assert log == ["replay launch"] * 3
         log.clear()
         adasum.all_reduce(iter(tensors), check_layout=False)  # not a list: checked, and one rank runs nothing
         adasum.all_reduce(tensors[:1], check_layout=False)  # other tensors
+        adasum.all_reduce([tensors[0].view(3, 2), tensors[1]], check_layout=False)  # same memory, another shape
+        adasum.all_reduce([tensors[0].t().t(), tensors[1].double()], check_layout=False)  # another dtype
         with pytest.raises(TypeError, match="pass list"):
             adasum.all_reduce({"a": tensors[0]}, check_layout=False)
-        tensors[0].t_()  # the same tensor object and address, another shape
+        tensors[0].t_()  # the same tensor object and address, another shape and strides
         adasum.all_reduce(tensors, check_layout=False)
         assert log == []
-        comm.last = api._Last(None, tensors[1:], (tensors[1].data_ptr(),), (tensors[1].shape,), key, plan)
+        remember(comm, tensors[1:], key, plan)
         adasum.all_reduce(tensors[1], check_layout=False)  # the one tensor, not in a list
         assert log == ["replay launch"]
+        held = weakref.ref(tensors[1])
+        del tensors
+        gc.collect()
+        assert held() is None  # the last call does not keep its tensors alive
     finally:
         dist.destroy_process_group()

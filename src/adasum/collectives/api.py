@@ -4,8 +4,10 @@ one flat buffer per dtype and combined with the VHDD schedule (`adasum.collectiv
 from __future__ import annotations
 
 import operator
+import weakref
 from collections.abc import Callable, Hashable, Sequence
 from dataclasses import dataclass
+from itertools import repeat
 from typing import Literal
 
 import torch
@@ -101,7 +103,10 @@ def all_reduce(
 
     key = comm.run(plan.key, tensor_key(tensors), run, group_device(group))
     if comm.graphs.captured(key):
-        comm.last = _Last(transport, tensors, tuple(map(_data_ptr, tensors)), tuple(map(_shape, tensors)), key, plan)
+        comm.last = _Last(
+            transport, tuple(map(weakref.ref, tensors)), tuple(map(_data_ptr, tensors)), tuple(map(_shape, tensors)),
+            tuple(map(_dtype, tensors)), tuple(map(_stride, tensors)), tensors[0].device, key, plan,
+        )
 
 
 def list_transport(group: dist.ProcessGroup | None, name: str | Transport | None = None) -> Transport:
@@ -124,25 +129,49 @@ def adasum_list_(tensors: Sequence[torch.Tensor], group: dist.ProcessGroup | Non
 
 @dataclass(frozen=True)
 class _Last:
-    """The group's last captured list call: a repeat with the very same tensor objects, addresses and shapes (and
-    the same transport keyword) replays its graph without the plan look-up (its checks passed at capture)."""
+    """The group's last captured list call: a repeat on tensors at the same addresses with the same shapes (and the
+    same transport keyword) replays its graph without the plan look-up (its checks passed at capture). The tensors
+    are held weakly: a caller that drops them (``zero_grad(set_to_none=True)``) frees their memory, and the
+    caching allocator may place the next ones there."""
 
     transport: str | Transport | None
-    tensors: list
+    tensors: tuple  # weak references
     pointers: tuple
     shapes: tuple
+    dtypes: tuple
+    strides: tuple
+    device: torch.device
     key: Hashable
     plan: Plan
 
 
-_data_ptr = torch.Tensor.data_ptr
-_shape = operator.attrgetter("shape")
+_data_ptr, _stride = torch.Tensor.data_ptr, torch.Tensor.stride
+_shape, _dtype = operator.attrgetter("shape"), operator.attrgetter("dtype")
+_device, _layout = operator.attrgetter("device"), operator.attrgetter("layout")
+_requires_grad = operator.attrgetter("requires_grad")
+_alive = weakref.ref.__call__
+
+
+def _placed_like(tensors: Sequence, last: _Last) -> bool:
+    """Whether other tensor objects (new gradients that the caching allocator placed where the last call's were)
+    are what the last call's graph was captured on, besides addresses and shapes: dense tensors of the same dtypes
+    and strides on the same device, none a leaf that requires grad (which the checked path refuses)."""
+    if not all(map(isinstance, tensors, repeat(torch.Tensor))):
+        return False
+    if any(layout != torch.strided for layout in set(map(_layout, tensors))):
+        return False
+    if tuple(map(_dtype, tensors)) != last.dtypes or tuple(map(_stride, tensors)) != last.strides:
+        return False
+    if set(map(_device, tensors)) != {last.device}:
+        return False
+    return not (torch.is_grad_enabled() and any(map(_requires_grad, tensors)))
 
 
 def _replayed(comm: Communicator, group, transport, tensors, check_layout: bool) -> bool:
     # host time is what the GPU waits for between calls: C-level maps, not a Python loop (66 against 92 us for
     # 161 tensors); the fingerprint still goes out (`adasum.collectives.plan`). `tensors` is the caller's
-    # argument, unchecked: a tensor, or a list or tuple whose items are the last call's (checked) tensors
+    # argument, unchecked: a tensor, or a list or tuple of the last call's (checked) tensors or of others placed
+    # like them (`_placed_like`)
     last = comm.last
     if last is None or last.transport != transport:
         return False
@@ -150,7 +179,9 @@ def _replayed(comm: Communicator, group, transport, tensors, check_layout: bool)
         tensors = (tensors,)
     elif type(tensors) not in (list, tuple):
         return False
-    if len(last.tensors) != len(tensors) or not all(map(operator.is_, last.tensors, tensors)):
+    if len(last.tensors) != len(tensors):
+        return False
+    if not all(map(operator.is_, map(_alive, last.tensors), tensors)) and not _placed_like(tensors, last):
         return False
     if tuple(map(_data_ptr, tensors)) != last.pointers or tuple(map(_shape, tensors)) != last.shapes:
         return False
