@@ -50,7 +50,9 @@ def all_reduce(
     as one all-gather), "symmetric" (NVLink symmetric memory); None picks the fastest the group
     supports (`adasum.transport.select`); a `adasum.transport.base.Transport` object is used as
     it is (a wrapping transport injects faults in tests). On GPUs, repeated calls on the same tensors replay a
-    captured CUDA graph of the whole call (`adasum.transport.graphs`).
+    captured CUDA graph of the whole call (`adasum.transport.graphs`), and so do calls on new tensors at the same
+    addresses with the same dtypes, shapes and strides (gradients re-made after ``zero_grad(set_to_none=True)``,
+    which the caching allocator places where the last ones were: adasum holds the last call's tensors weakly).
 
     Non-finite inputs: ``nonfinite="propagate"`` (the default) lets them through; a tensor with a
     NaN or Inf on any rank comes out non-finite, identically on every rank. ``"raise"`` first
