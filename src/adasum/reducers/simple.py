@@ -42,6 +42,10 @@ class Mean(Reducer):
         return [torch.stack([w[i] for w in per_worker]).sum(0) / len(per_worker) for i in range(count)]
 
     def _all_reduce_flat(self, buffer, sizes, group=None):
+        if dist.get_backend(group) == "nccl":  # NCCL averages in its own pass (gloo has no AVG)
+            with failures_named("adasum.Mean.all_reduce", "the average all-reduce", group):
+                dist.all_reduce(buffer, op=dist.ReduceOp.AVG, group=group)
+            return
         with failures_named("adasum.Mean.all_reduce", "the sum all-reduce", group):
             dist.all_reduce(buffer, group=group)
         buffer.div_(dist.get_world_size(group))
