@@ -10,8 +10,11 @@ For each case and transport, ``adasum.all_reduce(list_of_tensors)`` (default arg
 warm-up) `--repeats` times. The inputs are restored before each call (outside the timed region);
 each call is timed between barriers, with CUDA events on GPUs (host clock on CPU); a repeat's time
 is the slowest rank's; medians are written as JSON lines to benchmarks/results/collective.jsonl
-with the card, driver, torch and NCCL versions, and the host launches of one call (a profiled call
-after the timed ones: kernel, memcpy and graph launches through the CUDA runtime and driver).
+with the card, driver, torch and NCCL versions, the host launches of one call (a profiled call
+after the timed ones: kernel, memcpy and graph launches through the CUDA runtime and driver), and
+each side's median host time per call (``adasum_host_s``, ``allreduce_host_s``: how long the call
+took to return, the slowest rank's; on a GPU the idle device waits for the part before the first
+launch, which for a list is mostly the replay's per-tensor checks).
 
 ``--check`` first checks every transport against ``adasum.reduce`` of the ranks' inputs (float64
 rounding bound) with ranks bitwise equal, over repeated calls (so replayed graphs are checked too).
@@ -54,39 +57,51 @@ class Timer:
 
     def __init__(self, device: torch.device) -> None:
         self.device = device
+        self.host = 0.0  # the last call's host time: how long `fn` took to return (its launches, on a GPU)
 
     def __call__(self, fn) -> float:
         if self.device.type == "cuda":
             start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
             start.record()
+            t0 = time.perf_counter()
             fn()
+            self.host = time.perf_counter() - t0
             end.record()
             end.synchronize()
             return start.elapsed_time(end) / 1e3
         t0 = time.perf_counter()
         fn()
-        return time.perf_counter() - t0
+        self.host = time.perf_counter() - t0
+        return self.host
 
 
-def time_pair(fns, restore, device, repeats: int, warmup: int) -> tuple[list[float], list[list[float]]]:
+def time_pair(
+    fns, restore, device, repeats: int, warmup: int, host: list[float] | None = None
+) -> tuple[list[float], list[list[float]]]:
     """Each of `fns` alternately, `repeats` times after `warmup`; `restore()` before each call.
-    Returns the medians and all times, each repeat the slowest rank's."""
+    Returns the medians and all times, each repeat the slowest rank's; `host`, where given, gets each fn's median
+    host time, the slowest rank's (how long the call took to return; on a GPU at most what the idle device waited
+    for before the call's first launch, and at least the host's share of a list call's checks)."""
     timer = Timer(device)
     for _ in range(warmup):
         for fn in fns:
             restore()
             fn()
     times: list[list[float]] = [[] for _ in fns]
+    hosts: list[list[float]] = [[] for _ in fns]
     for _ in range(repeats):
-        for fn, out in zip(fns, times):
+        for fn, out, spent in zip(fns, times, hosts):
             restore()
             if device.type == "cuda":
                 torch.cuda.synchronize(device)
             dist.barrier()
             out.append(timer(fn))
-    t = torch.tensor(times, dtype=torch.float64, device=device)
+            spent.append(timer.host)
+    t = torch.tensor([times, hosts], dtype=torch.float64, device=device)
     dist.all_reduce(t, op=dist.ReduceOp.MAX)
-    rows = t.tolist()
+    rows, host_rows = t.tolist()
+    if host is not None:
+        host.extend(statistics.median(r) for r in host_rows)
     return [statistics.median(r) for r in rows], rows
 
 
@@ -335,8 +350,9 @@ def worker(rank: int, world: int, store_path: str, args) -> None:
 
                 dist.all_reduce(flat)  # the baseline's first call: what NCCL keeps for these bytes is not adasum's
                 before = free_memory(device)
+                host: list[float] = []
                 (a_s, r_s), (a_all, r_all) = time_pair(
-                    [run_adasum, lambda: dist.all_reduce(flat)], restore, device, repeats, args.warmup
+                    [run_adasum, lambda: dist.all_reduce(flat)], restore, device, repeats, args.warmup, host
                 )
                 kept = kept_memory(before, device)
                 restore()
@@ -347,12 +363,14 @@ def worker(rank: int, world: int, store_path: str, args) -> None:
                     "adasum_s": a_s, "allreduce_s": r_s, "ratio": a_s / r_s, "host_launches": launches,
                     "timer": "cuda-events" if device.type == "cuda" else "host", "repeats": repeats,
                     "adasum_all_s": a_all, "allreduce_all_s": r_all, "kept_mib": kept, "kept_after_baseline": True,
+                    "adasum_host_s": host[0], "allreduce_host_s": host[1],
                 }
                 rows.append(row)
                 star = "*" if name == "default" else " "
                 log(f"{dtype_name:5s} {layout:14s} {numel:>11d} {row['transport']:12s}{star} "
                     f"adasum {a_s * 1e3:8.3f} ms  all_reduce {r_s * 1e3:8.3f} ms  ratio {a_s / r_s:5.2f}  "
-                    f"launches {launches}  kept {kept if kept is None else round(kept)} MiB")
+                    f"launches {launches}  host {host[0] * 1e6:.0f}/{host[1] * 1e6:.0f} us  "
+                    f"kept {kept if kept is None else round(kept)} MiB")
                 if device.type == "cuda":  # each transport's kept memory on its own
                     adasum.release()
                     torch.cuda.empty_cache()

@@ -75,5 +75,8 @@ def test_bench_collective_on_gloo(tmp_path):
     for r in rows:
         assert r["world_size"] == 2 and r["backend"] == "gloo" and r["default"] and r["kept_mib"] is None
         assert r["adasum_s"] > 0 and r["allreduce_s"] > 0 and r["ratio"] == r["adasum_s"] / r["allreduce_s"]
+        # on the CPU the call's host time is its time (the slowest rank's median of each)
+        assert 0 < r["adasum_host_s"] <= max(r["adasum_all_s"])
+        assert 0 < r["allreduce_host_s"] <= max(r["allreduce_all_s"])
         assert {"device", "torch", "nccl", "driver"} <= set(r)
     assert sum("adasum" in line and "ratio" in line for line in printed.splitlines()) == 4, printed
