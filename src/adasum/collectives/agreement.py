@@ -61,8 +61,10 @@ class Problem:
         return kind(f"{operation}: {self.message}{where}")
 
 
+# the per-tensor reads of the checks, as C-level callables for `map` (plan and api read tensors the same way)
 _layout, _dtype, _device = operator.attrgetter("layout"), operator.attrgetter("dtype"), operator.attrgetter("device")
-_requires_grad = operator.attrgetter("requires_grad")
+_shape, _requires_grad = operator.attrgetter("shape"), operator.attrgetter("requires_grad")
+_data_ptr, _stride = torch.Tensor.data_ptr, torch.Tensor.stride
 
 
 def _span(t: torch.Tensor) -> tuple[int, int]:

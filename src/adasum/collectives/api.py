@@ -13,7 +13,16 @@ from typing import Literal
 import torch
 import torch.distributed as dist
 
-from adasum.collectives.agreement import check_group, tensor_list
+from adasum.collectives.agreement import (
+    _data_ptr,
+    _device,
+    _dtype,
+    _shape,
+    _stride,
+    check_group,
+    local_problem,
+    tensor_list,
+)
 from adasum.collectives.nonfinite import check_finite, check_policy
 from adasum.collectives.plan import Plan, prepare, recheck
 from adasum.collectives.vhdd import adasum_flat_, transport_for
@@ -147,26 +156,21 @@ class _Last:
     plan: Plan
 
 
-_data_ptr, _stride = torch.Tensor.data_ptr, torch.Tensor.stride
-_shape, _dtype = operator.attrgetter("shape"), operator.attrgetter("dtype")
-_device, _layout = operator.attrgetter("device"), operator.attrgetter("layout")
-_requires_grad = operator.attrgetter("requires_grad")
 _alive = weakref.ref.__call__
 
 
 def _placed_like(tensors: Sequence, last: _Last) -> bool:
     """Whether other tensor objects (new gradients that the caching allocator placed where the last call's were)
-    are what the last call's graph was captured on, besides addresses and shapes: dense tensors of the same dtypes
-    and strides on the same device, none a leaf that requires grad (which the checked path refuses)."""
+    are what the last call's graph was captured on, besides addresses and shapes: tensors with no local problem
+    (`local_problem`, the checked path's own; their memory is the last call's, found disjoint then) of the same
+    dtypes and strides on the same device."""
     if not all(map(isinstance, tensors, repeat(torch.Tensor))):
         return False
-    if any(layout != torch.strided for layout in set(map(_layout, tensors))):
+    if local_problem(tensors, last.device, disjoint=True) is not None:
         return False
     if tuple(map(_dtype, tensors)) != last.dtypes or tuple(map(_stride, tensors)) != last.strides:
         return False
-    if set(map(_device, tensors)) != {last.device}:
-        return False
-    return not (torch.is_grad_enabled() and any(map(_requires_grad, tensors)))
+    return set(map(_device, tensors)) == {last.device}
 
 
 def _replayed(comm: Communicator, group, transport, tensors, check_layout: bool) -> bool:

@@ -37,7 +37,6 @@ How a call's fingerprint is compared (``check="call"``):
 
 from __future__ import annotations
 
-import operator
 from collections.abc import Hashable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal
@@ -47,6 +46,11 @@ import torch.distributed as dist
 
 from adasum.collectives.agreement import (
     Problem,
+    _data_ptr,
+    _dtype,
+    _layout,
+    _shape,
+    _stride,
     agree,
     describe,
     describe_flat,
@@ -73,10 +77,6 @@ class Plan:
     uses: int = 0
     key: Hashable = None  # what names it in its communicator (and its CUDA graphs, `Communicator.run`)
     fusion: tuple[str, ...] | None = None  # per dtype, at its first call: "in place", "view" or "fused" (`api.fusion`)
-
-
-_dtype, _shape, _layout = operator.attrgetter("dtype"), operator.attrgetter("shape"), operator.attrgetter("layout")
-_data_ptr, _stride = torch.Tensor.data_ptr, torch.Tensor.stride
 
 
 def _layout_key(tensors: Sequence[torch.Tensor], sizes: Sequence[int] | None) -> tuple:
