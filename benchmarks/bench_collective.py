@@ -60,19 +60,18 @@ class Timer:
         self.host = 0.0  # the last call's host time: how long `fn` took to return (its launches, on a GPU)
 
     def __call__(self, fn) -> float:
-        if self.device.type == "cuda":
+        cuda = self.device.type == "cuda"
+        if cuda:
             start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
             start.record()
-            t0 = time.perf_counter()
-            fn()
-            self.host = time.perf_counter() - t0
-            end.record()
-            end.synchronize()
-            return start.elapsed_time(end) / 1e3
         t0 = time.perf_counter()
         fn()
         self.host = time.perf_counter() - t0
-        return self.host
+        if not cuda:
+            return self.host
+        end.record()
+        end.synchronize()
+        return start.elapsed_time(end) / 1e3
 
 
 def time_pair(
