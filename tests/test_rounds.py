@@ -12,7 +12,7 @@ import torch.distributed as dist
 
 import adasum
 from adasum.collectives.api import list_transport
-from adasum.collectives.slices import rounds
+from adasum.collectives.slices import rounds, runs_in_place
 from adasum.core.tree import Tree
 from test_slices import BOUNDS, SIZES, _data, _worst_error
 
@@ -54,9 +54,8 @@ def in_rounds(rank, world):
             adasum.all_reduce(mine, transport=transport)
             if call == 0 and rank == 0:  # rank 0 leads every level of every round (the first call runs eagerly)
                 # but of a tensor larger than a round where the transport runs one in place (symmetric memory)
-                mover = transport.in_place
-                scheduled = [(lo, hi) for _, _, lo, hi in rounds(SIZES, CAPACITY) if hi > lo and not (
-                    mover is not None and hi - lo > CAPACITY and mover.cut(hi - lo) is not None)]
+                scheduled = [(lo, hi) for _, _, lo, hi in rounds(SIZES, CAPACITY)
+                             if hi > lo and not runs_in_place(transport.in_place, CAPACITY, lo, hi)]
                 assert scheduled
                 assert type(transport).levels_run - before == len(Tree(world).levels()) * len(scheduled)
         worst = _worst_error(mine, data)
