@@ -1,8 +1,8 @@
 """The VHDD schedule in rounds of whole tensors (`adasum.collectives.vhdd.adasum_flat_`), where the transport's
 buffers must stay within the memory budget (`Transport.round_elements`; symmetric memory on NCCL): each round
 an Adasum of its own tensors, so the result is the tree of every tensor, against the independent NumPy
-reference, with ranks bitwise equal. The group's own transport (gloo: point-to-point; NCCL with
-ADASUM_TEST_BACKEND=nccl: symmetric memory) is wrapped to ask for rounds of a few hundred elements."""
+reference, with ranks bitwise equal. The group's VHDD transport (gloo: point-to-point; NCCL with
+ADASUM_TEST_BACKEND=nccl: symmetric memory, "symmetric") is wrapped to ask for rounds of a few hundred elements."""
 
 import copy
 
@@ -42,7 +42,8 @@ def with_rounds(transport, capacity: int):
 
 def in_rounds(rank, world):
     dev = distributed.device_for(rank)
-    transport = with_rounds(list_transport(None), CAPACITY)
+    # the VHDD transport of the group (the default at two ranks; named, since "slices" is the default at more)
+    transport = with_rounds(list_transport(None, "symmetric" if distributed.BACKEND == "nccl" else None), CAPACITY)
     out = {}
     for dtype, bound in BOUNDS.items():
         data = _data(200 + world, world, dtype)

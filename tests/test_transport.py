@@ -134,3 +134,21 @@ def test_the_symmetric_transports_take_their_memory_backend_and_share_the_groups
         assert alive() is None
     finally:
         dist.destroy_process_group()
+
+
+def test_the_slice_movers_output_row_lies_past_every_rounds_receive_rows():
+    """A round's stores into a peer's receive rows start at once, while other ranks may still load the previous
+    round's results from that peer's output row: the output row sits where no round's receive rows reach, in any
+    buffer large enough for the round, however the rounds' rows grow or shrink (a layout's or the next call's)."""
+    from adasum.transport.symmetric import OUTPUT_ALIGN, SymmetricSlices
+
+    g = torch.Generator().manual_seed(0)
+    for world in range(2, 9):
+        mover = SymmetricSlices.__new__(SymmetricSlices)
+        mover.world = world
+        rows = [int(x) for x in torch.randint(1, 5000, (12,), generator=g)] + [1, 4999, 5000]
+        numel = max(mover._bytes(r, 4) for r in rows) // 4 + int(torch.randint(0, 40, (1,), generator=g))
+        for row in rows:
+            start = mover._output_row(numel, row)
+            assert start % OUTPUT_ALIGN == 0 and start + row <= numel, (world, row, numel)
+            assert all(world * other <= start for other in rows), (world, row, numel)

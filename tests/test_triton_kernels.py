@@ -165,6 +165,33 @@ for lengths, dtypes in (([1024, 0, 32, 64], ALL), ([5, 1029, 3], (torch.float32,
         tk.pull_dot_and_norms(x, y, torch.empty_like(y), lengths, kept, True)
         tk.pull_dot_and_norms(tile_addresses(Scattered(parts), 0, n), y, None, lengths, read, True)
         assert torch.equal(kept, read), (lengths, dtype, "sums without the kept copy")
+# several moves in one copy kernel (`CopyTable`): slices of a list into flat rows (a scatter into peers' rows) and
+# flat rows into slices of a list (a gather), tiles dealt in turn; the bits as they are, nothing else written
+from adasum.kernels.addresses import copy_table
+for dtype in (torch.float32, torch.bfloat16):
+    lengths = [5000, 3, 0, 4096, 2048, 7000]
+    n = sum(lengths)
+    x = torch.randn(n, generator=g).to(dtype)
+    parts = [t.clone() for t in x.split(lengths)]
+    source = Scattered([p for p in parts if p.numel()])
+    cuts = [(0, 4000), (4000, 9000), (9000, n)]
+    rows = torch.full((3, 9200), float("nan"), dtype=dtype)
+    moves = [((source, lo, hi), (rows[k], 0, hi - lo)) for k, (lo, hi) in enumerate(cuts)]
+    table = copy_table(moves, torch.device("cpu"))
+    # tiles of at most 2048 inside one tensor each: 2 in the first cut, 1 + 1 + 2 + 1 in the second, 1 + 4 in the last
+    assert table.n == 12 and table.sizes.sum() == n, table.n
+    tk.copy_tiles(table, x)
+    for k, (lo, hi) in enumerate(cuts):
+        assert torch.equal(rows[k, : hi - lo], x[lo:hi]), (dtype, k, "scattered into rows")
+        assert rows[k, hi - lo :].isnan().all(), (dtype, k, "past the run: untouched")
+    targets = [torch.zeros(k, dtype=dtype) for k in lengths if k]
+    back = Scattered(targets)
+    tk.copy_tiles(copy_table([((rows[k], 0, hi - lo), (back, lo, hi)) for k, (lo, hi) in enumerate(cuts)],
+                             torch.device("cpu")), x)
+    assert torch.equal(torch.cat(targets), x), (dtype, "rows into the list")
+    flat = torch.zeros(n, dtype=dtype)
+    tk.copy_tiles(copy_table([((x, 0, 9000), (flat, 1, 9001))], torch.device("cpu")), x)
+    assert torch.equal(flat[1:9001], x[:9000]) and flat[0] == 0 and not flat[9001:].any(), (dtype, "flat to flat")
 print("ok")
 """
 

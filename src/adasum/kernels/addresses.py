@@ -11,10 +11,12 @@ a layout's first, eager call builds its tables and a CUDA graph capture of a lat
 from __future__ import annotations
 
 from collections import OrderedDict
+from collections.abc import Hashable, Sequence
 from dataclasses import dataclass
 
 import torch
 
+from adasum.core import tiles as tile_tables
 from adasum.core.layout import Scattered
 from adasum.core.tiles import table
 
@@ -64,6 +66,109 @@ class AddressTables:
             found = self._tables[key] = tile_addresses(buffer, lo, hi)
             while len(self._tables) > self.MOST:
                 self._tables.popitem(last=False)
+        return found
+
+    def __len__(self) -> int:
+        return len(self._tables)
+
+    def clear(self) -> None:
+        """Forget every table."""
+        self._tables.clear()
+
+
+Run = tuple["torch.Tensor | Scattered", int, int]
+"""Positions [lo, hi) of a flat tensor (a peer's symmetric memory, say) or of a `Scattered` list."""
+
+
+@dataclass(frozen=True)
+class CopyTable:
+    """Tiles to copy, each from one address to another (`adasum.kernels.triton.copy_tiles`): the tiles of several
+    moves in one table, so that one kernel serves them all, dealt in turn (one tile of each move, then the next of
+    each), so that the programs in flight at any time spread over every move's source and target."""
+
+    sources: torch.Tensor  # int64 [n]: each tile's first source element's address
+    targets: torch.Tensor  # int64 [n]: its first target element's address
+    sizes: torch.Tensor  # int64 [n]: elements in each tile
+    n: int
+    dtype: torch.dtype
+    aligned: bool  # every address a multiple of 16 bytes and every size of 16 bytes' worth of elements
+
+
+def run_key(run: Run) -> tuple:
+    """What names a run's memory for `CopyTables`: its tensors' addresses and layout, dtype and positions."""
+    x, lo, hi = run
+    if isinstance(x, Scattered):
+        return (x.key, x.layout.sizes, x.dtype, lo, hi)
+    return (x.data_ptr(), x.dtype, lo, hi)
+
+
+def _spans(run: Run) -> list[tuple[int, int, int]]:
+    """(address, position in the run, elements) of each tile of a run: a `Scattered` run's tiles lie inside one
+    tensor each (`adasum.core.tiles.table`), a flat run's are cut every `TILE` elements."""
+    x, lo, hi = run
+    size = x.element_size()
+    if isinstance(x, torch.Tensor):
+        base = x.data_ptr() + lo * size
+        step = tile_tables.TILE
+        return [(base + p * size, p, min(step, hi - lo - p)) for p in range(0, hi - lo, step)]
+    first, lengths = x.layout.overlap(lo, hi)
+    starts, sizes, segments, _, _ = table(tuple(lengths))
+    bases, seg_start = [], 0
+    for i, n in enumerate(lengths):
+        inside = max(0, lo - x.layout.offsets[first + i])
+        bases.append((x.tensors[first + i].data_ptr() + inside * size, seg_start))
+        seg_start += n
+    return [(bases[seg][0] + (start - bases[seg][1]) * size, start, n)
+            for start, n, seg in zip(starts, sizes, segments)]
+
+
+def copy_table(moves: Sequence[tuple[Run, Run]], device: torch.device) -> CopyTable:
+    """The `CopyTable` of `moves`, each (source run, target run) of equal length, at most one side of each a
+    `Scattered` list (its tiles cut the move; the flat side follows)."""
+    per_move = []
+    dtype = None
+    for source, target in moves:
+        if source[2] - source[1] != target[2] - target[1]:
+            raise ValueError(f"a move copies runs of equal length, got {source[2] - source[1]} and "
+                             f"{target[2] - target[1]}")
+        dtype = source[0].dtype
+        size = source[0].element_size()
+        cut_by_target = isinstance(target[0], Scattered)
+        spans = _spans(target if cut_by_target else source)
+        other = source if cut_by_target else target
+        base = other[0].data_ptr() + other[1] * size if isinstance(other[0], torch.Tensor) else None
+        if base is None:
+            raise ValueError("a move has at most one Scattered side")
+        tiles = [(base + at * size, address, n) if cut_by_target else (address, base + at * size, n)
+                 for address, at, n in spans]
+        per_move.append(tiles)
+    dealt = [tile for turn in range(max((len(t) for t in per_move), default=0))
+             for tiles in per_move if turn < len(tiles) for tile in [tiles[turn]]]
+    width = 16 // (torch.finfo(dtype).bits // 8) if dtype is not None and dtype.is_floating_point else 1
+    aligned = all(s % 16 == 0 and t % 16 == 0 and n % width == 0 for s, t, n in dealt)
+    columns = torch.tensor(dealt or [(0, 0, 0)], dtype=torch.int64).t().contiguous().to(device)
+    return CopyTable(columns[0], columns[1], columns[2], len(dealt), dtype or torch.float32, aligned)
+
+
+class CopyTables:
+    """The `CopyTable`s a mover's calls used, by their moves' `run_key`s and whatever else the caller names (the
+    most recent `MOST`): a layout's first, eager call builds them and a CUDA graph capture finds them made."""
+
+    MOST = 256
+
+    def __init__(self) -> None:
+        self._tables: OrderedDict[Hashable, CopyTable] = OrderedDict()
+
+    def get(self, moves: Sequence[tuple[Run, Run]], device: torch.device, extra: Hashable = ()) -> CopyTable:
+        """The table of `moves` (`copy_table`), built on first use."""
+        key = (tuple((run_key(s), run_key(t)) for s, t in moves), extra)
+        found = self._tables.get(key)
+        if found is None:
+            found = self._tables[key] = copy_table(moves, device)
+            while len(self._tables) > self.MOST:
+                self._tables.popitem(last=False)
+        else:
+            self._tables.move_to_end(key)
         return found
 
     def __len__(self) -> int:

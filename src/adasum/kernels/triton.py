@@ -213,6 +213,23 @@ if triton is not None:
                 if X_TOO:
                     tl.store(x_at + offs, result.to(out_ptr.dtype.element_ty), mask=mask)
 
+    @triton.jit
+    def _copy_tiles_kernel(like_ptr, sources_ptr, targets_ptr, sizes_ptr, BLOCK: tl.constexpr, ITERS: tl.constexpr,
+                           ALIGN: tl.constexpr):
+        # one tile of a `CopyTable`: its elements from one address to another (bits as they are)
+        tile = tl.program_id(0)
+        source = tl.load(sources_ptr + tile).to(tl.pointer_type(like_ptr.dtype.element_ty))
+        target = tl.load(targets_ptr + tile).to(tl.pointer_type(like_ptr.dtype.element_ty))
+        size = tl.load(sizes_ptr + tile)
+        if ALIGN > 1:
+            source = tl.multiple_of(source, 16)
+            target = tl.multiple_of(target, 16)
+            size = tl.multiple_of(size, ALIGN)
+        for i in range(ITERS):
+            offs = i * BLOCK + tl.arange(0, BLOCK)
+            mask = offs < size
+            tl.store(target + offs, tl.load(source + offs, mask=mask), mask=mask)
+
 
 def _align(table, *operands) -> int:
     """The vector width the kernels may assume, in elements: 16 bytes' worth for 2-byte dtypes when every tile
@@ -347,3 +364,17 @@ def add(
             ITERS=ITERS, MODE=0 if y is None else (2 if subtract else 1), X_TILES=x_at, OUT_TILES=out_at,
             ALIGN=_align(table, *operands), X_TOO=x_too,
         )
+
+
+def copy_tiles(table, like: torch.Tensor) -> None:
+    """Every tile of a `adasum.kernels.addresses.CopyTable` copied (bits as they are), in one kernel; `like` a
+    tensor of the table's dtype on its device. Two-byte dtypes move 16 bytes per access where the table is aligned
+    (`_align`'s rule)."""
+    if not table.n:
+        return
+    size = like.element_size()
+    setting = current().triton_vectors
+    vectors = table.aligned and setting != "0" and (size < 4 or setting == "all")
+    _copy_tiles_kernel[(table.n,)](
+        like, table.sources, table.targets, table.sizes, BLOCK=BLOCK, ITERS=ITERS, ALIGN=16 // size if vectors else 1,
+    )
