@@ -106,6 +106,14 @@ def collective_runs(rows: list[dict], labels: tuple[str, ...]) -> list[dict]:
     return runs_per_case(chosen, lambda r: (r["layout"], r["dtype"]))
 
 
+CURRENT_DEFAULTS = {
+    2: "defaults, results stored into the peers",
+    3: "defaults, slices at 3 and 4 ranks, one copy kernel for all peers",
+    4: "defaults, slices at 3 and 4 ranks, one copy kernel for all peers",
+}
+"""The label of the collective's rows that the code of each group size runs now (the defaults' table)."""
+
+
 def runs_per_case(rows: list[dict], case: Callable[[dict], tuple]) -> list[dict]:
     """One row per `case`: its last run's times and the ratio's span over all its runs."""
     runs: dict[tuple, list[dict]] = defaultdict(list)
@@ -246,11 +254,14 @@ CLAIMS = [
         "into its peers' rings), so flat 2^26 fp32 and 2^28 run with no buffer sized to them. Timed as above\n"
         "(medians of 7, or 5 from 2^24 elements), against NCCL's all_reduce of the same bytes in the same run;\n"
         "`kept MiB`: device memory kept after repeated calls (buffers, graphs), counted from after one call of\n"
-        "NCCL's all_reduce of the same bytes.",
+        "NCCL's all_reduce of the same bytes. The rows of each P are the runs of the code that P runs now: at\n"
+        "P = 2 the label \"defaults, results stored into the peers\", at 3 and 4 the label after the slice mover's\n"
+        "one copy kernel for all peers (the code of a two-rank call did not change with it).",
         "python benchmarks/bench_collective.py --backend nccl --world P --dtypes fp32,bf16 --exps 20,24,26,28 \\\n"
-        "    --layouts resnet50,bert-large --repeats 7 --label \"defaults, results stored into the peers\"",
+        "    --layouts resnet50,bert-large --repeats 7 --label \"defaults, results stored into the peers\"  # P = 2\n"
+        "    ... --repeats 5 --label \"defaults, slices at 3 and 4 ranks, one copy kernel for all peers\"  # P = 3, 4",
         "collective.jsonl",
-        lambda rows: runs_per_case([r for r in rows if r.get("label") == "defaults, results stored into the peers"],
+        lambda rows: runs_per_case([r for r in rows if r.get("label") == CURRENT_DEFAULTS.get(r.get("world_size"))],
                                    lambda r: (r["world_size"], r["layout"], r["dtype"])),
         [("world_size", "P"), ("transport", "transport"), ("layout", "layout"), ("dtype", "dtype"),
          ("adasum_ms", "adasum ms"), ("allreduce_ms", "all_reduce ms"), ("ratio", "ratio"),
