@@ -277,7 +277,6 @@ def slice_moves_probe(rank, world, device, args, log) -> list[dict]:
                                     out.copy_(rows[rank][p0 - start : p1 - start])
 
                     mv.gather(buf, lay, bounds, finish)
-                mover.settle()
 
             (m, a), _ = time_pair([moves, lambda: dist.all_reduce(flat)], lambda: None, device, args.repeats,
                                   args.warmup)

@@ -83,10 +83,7 @@ class SliceMover(Protocol):
     ) -> None:
         """``finish(p0, p1, outs)`` writes the result of a piece of this rank's slice into `outs` (this rank's
         slice of `buffer` there first, then whatever the mover reads it from); then every rank's pieces reach
-        `buffer` everywhere (or are on their way there, on a stream the next `scatter` or `settle` joins)."""
-
-    def settle(self) -> None:
-        """Join whatever the last gather left running into the current stream: every result in `buffer`."""
+        `buffer` everywhere."""
 
 
 class InPlaceMover(SliceMover, Protocol):
@@ -295,10 +292,7 @@ def adasum_in_place_(
     bounds = mover.cut(flat.numel())
     if bounds is None:
         raise ValueError(f"a buffer of {flat.numel()} elements is too small to run in place over {mover.world} ranks")
-    try:
-        _round(flat, Layout((flat.numel(),)), mover, (0, 1), bounds, across, offset)
-    finally:
-        mover.settle()
+    _round(flat, Layout((flat.numel(),)), mover, (0, 1), bounds, across, offset)
 
 
 def adasum_slices_(
@@ -316,12 +310,8 @@ def adasum_slices_(
     `adasum.collectives.hierarchical.adasum_two_tier_flat_`)."""
     if mover.world == 1:
         return
-    try:
-        for first, end, lo, hi, bounds in slice_rounds(layout, mover, buffer):
-            if bounds is not None:
-                _round(buffer, layout, mover, (first, end), bounds, across, 0)
-                continue
-            in_place = cast(InPlaceMover, mover.in_place)
-            adasum_in_place_(round_tensor(buffer, first, end, lo, hi), in_place, across, lo)
-    finally:
-        mover.settle()
+    for first, end, lo, hi, bounds in slice_rounds(layout, mover, buffer):
+        if bounds is not None:
+            _round(buffer, layout, mover, (first, end), bounds, across, 0)
+            continue
+        adasum_in_place_(round_tensor(buffer, first, end, lo, hi), cast(InPlaceMover, mover.in_place), across, lo)

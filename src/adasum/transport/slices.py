@@ -115,9 +115,6 @@ class InPlace:
         """SUM all-reduce of the small float64 sums over the group."""
         dist.all_reduce(sums, group=self.group)  # type: ignore[attr-defined]  # movers are Transports
 
-    def settle(self) -> None:
-        """Nothing: the gather leaves nothing running."""
-
     def pieces(self, width: int, piece: int) -> list[tuple[int, int]]:
         """The L elements of a slice in pieces of `piece` elements."""
         return [(p, min(p + piece, width)) for p in range(0, width, piece)]
@@ -256,9 +253,6 @@ class C10dSlices(Transport):
     def all_reduce_sums(self, sums: torch.Tensor) -> None:
         """SUM all-reduce of the small float64 sums over the group."""
         dist.all_reduce(sums, group=self.group)
-
-    def settle(self) -> None:
-        """Nothing: the gather leaves nothing running."""
 
     def gather(  # type: ignore[override]  # a SliceMover's gather, not the VHDD schedule's
         self, buffer: torch.Tensor, layout: Layout, bounds: Sequence[tuple[int, int]], finish

@@ -494,11 +494,9 @@ class SymmetricSlices(Transport):
     against 1.66 x; at P = 3 BERT-Large 1.88 x against 1.60 x) and the same for one flat tensor.
 
     A round's stores into a peer's rows come after that peer passed its last barrier of the previous round's
-    gather, which follows its tree. The gather's loads are left running on the side stream: the next round's
-    stores (into receive rows, which never overlap the output row: `_output_row`) run beside them, NVLink
-    carrying loads in and stores out at once, and the current stream joins them before the next scatter's
-    first barrier (or at the call's end, `settle`). A peer's output row is written after that barrier, which
-    every rank passes only after its loads. Nothing synchronises the host."""
+    gather, which follows its tree; a peer's output row is written after the next scatter's barriers, which
+    every rank passes only after its loads (the side stream joins before the round ends). Nothing synchronises
+    the host."""
 
     name = "slices"
     scattered = True
@@ -516,7 +514,6 @@ class SymmetricSlices(Transport):
         self.copies = CopyTables()  # the tables of the steps' copy kernels, by memory and positions
         self._row = 0  # elements per row of the current round
         self._shared = self._handle = None
-        self._loading = False  # the last gather's loads still run on the side stream (`settle`)
 
     def round_elements(self, element_size: int) -> int:
         """The most elements one round holds within the memory budget (P receive rows and an output row)."""
@@ -587,8 +584,6 @@ class SymmetricSlices(Transport):
                 if p1 > p0:
                     moves.append(((buffer, lo + p0, lo + p1), (view, me * row + p0, me * row + p1)))
             self._moves(moves, shared)
-            if self._loading:  # the last round's loads ran beside these stores; done before the first barrier
-                self.settle()
             handle.barrier(channel=0)  # piece c of every rank's copy of this rank's slice has landed
             side.wait_stream(main)
             with torch.cuda.stream(side):
@@ -620,13 +615,7 @@ class SymmetricSlices(Transport):
                     if q1 > q0:
                         moves.append(((view, start + q0, start + q1), (buffer, bounds[j][0] + q0, bounds[j][0] + q1)))
                 self._moves(moves, shared)
-        self._loading = True  # joined by the next scatter before its first barrier, or by `settle`
-
-    def settle(self) -> None:
-        """Join the last gather's loads into the current stream (the end of a call)."""
-        if self._loading and self._shared is not None:
-            torch.cuda.current_stream(self._shared.device).wait_stream(side_stream(self._shared.device, "copies"))
-        self._loading = False
+        main.wait_stream(side)
 
     def _moves(self, moves, like: torch.Tensor) -> None:
         """Copy each (source run, target run) of `moves`, one side `B` and the other a flat symmetric row, in one
