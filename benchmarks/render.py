@@ -153,8 +153,9 @@ CLAIMS = [
         "`delta`: `DistributedOptimizer(mode=\"delta\")`. ResNet-50: batch 64 per GPU, SGD; the BERT-Large-sized\n"
         "stack (24 layers, hidden 1024, about 335 M parameters): batch 8 x 128 tokens, Adam. DDP's BERT step\n"
         "runs 77 ms on a quiet host and 85-93 ms on a noisy one; both kinds of run are listed. Adasum ran on the\n"
-        "symmetric-memory transport (the default inside one host for groups of two and four). The 4-rank rows\n"
-        "(20 timed steps) ran the code with one communicator per group and a plan per layout.",
+        "symmetric-memory transport inside one host: at two ranks VHDD (\"symmetric\"); the 4-rank rows (20 timed\n"
+        "steps) of 15:55 on the slice-parallel mover with one copy kernel for all peers (the default above two\n"
+        "ranks), the earlier 4-rank rows on VHDD.",
         "python benchmarks/bench_e2e.py --models bert --steps 30 --warmup 5      # one process per GPU\n"
         "python benchmarks/bench_e2e.py --models resnet50 --steps 30 --warmup 5",
         "e2e.jsonl",
@@ -200,9 +201,10 @@ CLAIMS = [
         "Two, three and four ranks: the VHDD schedule and the slice-parallel schedule",
         "`adasum.all_reduce(list)` at P = 2, 3 and 4 on GPUs of one NVLink host, timed as above (medians of 5),\n"
         "against NCCL's all_reduce of the same bytes in the same run: `symmetric` is the VHDD schedule on symmetric\n"
-        "memory (the default for a power-of-two group), `slices` the slice-parallel schedule (every rank runs the\n"
-        "whole tree on its slice; the default for other group sizes), its flat buffers moved by the copy engines\n"
-        "in one piece per slice, its own slice read in place, its buffer within a 512 MiB budget (when these rows\n"
+        "memory (then the default for a power-of-two group; now for two ranks), `slices` the slice-parallel\n"
+        "schedule (every rank runs the whole tree on its slice; then the default for other group sizes, now for\n"
+        "every size above two), its flat buffers moved by the copy engines (now: one copy kernel) in one piece per\n"
+        "slice, its own slice read in place, its buffer within a 512 MiB budget (when these rows\n"
         "were taken a single tensor larger than a round grew it to (P+1)/P of the tensor; such a tensor now runs in\n"
         "place: the defaults' table below). `kept MiB`: device memory the transport keeps after repeated calls\n"
         "(counted from after one call of NCCL's all_reduce of the same bytes in rows with `kept_after_baseline`;\n"
@@ -231,10 +233,10 @@ CLAIMS = [
     ),
     Claim(
         "The memory budget: the symmetric transport in rounds",
-        "`adasum.all_reduce` with defaults (the symmetric transport at P = 2 and 4) under the default 512 MiB budget,\n"
-        "where a layout larger than a round runs in rounds of whole tensors, against the same code with a budget\n"
-        "that never binds (`ADASUM_MEMORY_MB=100000`: one run through buffers as large as the layout), in turn on\n"
-        "one machine; `kept MiB` is the device memory kept after repeated calls (buffers, workspaces, graphs).",
+        "`adasum.all_reduce` with defaults (then the symmetric transport at P = 2 and 4) under the default 512 MiB\n"
+        "budget, where a layout larger than a round runs in rounds of whole tensors, against the same code with a\n"
+        "budget that never binds (`ADASUM_MEMORY_MB=100000`: one run through buffers as large as the layout), in\n"
+        "turn on one machine; `kept MiB` is the device memory kept after repeated calls (buffers, workspaces, graphs).",
         "ADASUM_MEMORY_MB=M python benchmarks/bench_collective.py --backend nccl --world P --transports default \\\n"
         "    --dtypes fp32,bf16 --exps 20,26 --layouts resnet50,bert-large --label \"symmetric within memory_mb M\"",
         "collective.jsonl",
@@ -270,11 +272,12 @@ CLAIMS = [
     Claim(
         "The bound of the slice-parallel schedule: its moves alone",
         "The symmetric mover's scatter and gather of every round exactly as the schedule drives them (the same\n"
-        "rounds within the memory budget, rows, signal-pad barriers, copy engines for a flat buffer and Triton\n"
-        "copies for a list), with no Adasum math, against NCCL's all_reduce of the same bytes in the same run\n"
-        "(medians, CUDA events, slowest rank). `ratio` is the floor of the schedule's ratio in the table above; what\n"
-        "the schedule adds beyond it is the tree on each rank's slice (two float64 passes per level and one small\n"
-        "all-reduce), which runs between the two moves.",
+        "rounds within the memory budget, rows, signal-pad barriers, one copy kernel for every peer's moves of a\n"
+        "step, the in-place mover's copy engines for a tensor larger than a round), with no Adasum math, against\n"
+        "NCCL's all_reduce of the same bytes in the same run (medians, CUDA events, slowest rank; the last run per\n"
+        "case; flat-2^20 runs uncaptured, so host-bound). `ratio` is the floor of the schedule's ratio in the\n"
+        "defaults' table; what the schedule adds beyond it is the tree on each rank's slice (two float64 passes\n"
+        "per level and one small all-reduce), which runs between the two moves.",
         "python benchmarks/bench_collective.py --backend nccl --world P --transports slices --probe \\\n"
         "    --dtypes fp32,bf16 --exps 20,26,28 --layouts resnet50,bert-large      # P = 4, 3",
         "bounds.jsonl",
@@ -319,7 +322,8 @@ CLAIMS = [
         "predate its measurement). `adasum.fsdp` agrees on the layouts at `enable`, probes them without waiting\n"
         "at each forward and gives unused parameters zero gradients (torch 2.11 has no reduce-scatter setter): no\n"
         "host round trip in the reduction path. Rows labelled \"reductions on their own stream\" run the hooks on a\n"
-        "stream of their own (earlier rows: on FSDP's all-reduce stream).",
+        "stream of their own (earlier rows: on FSDP's all-reduce stream); at 4 x 1 the replicate group of four ran\n"
+        "VHDD in the run of 15:32 and the slice-parallel mover (the default above two ranks now) in that of 15:56.",
         "torchrun --nproc-per-node 2 benchmarks/bench_fsdp.py --mesh 2x1 --repeats 3 --reduce-dtype bfloat16\n"
         "torchrun --nproc-per-node 4 benchmarks/bench_fsdp.py --mesh 4x1 --repeats 3 --reduce-dtype bfloat16\n"
         "torchrun --nproc-per-node 4 benchmarks/bench_fsdp.py --mesh 2x2 --repeats 3 --reduce-dtype bfloat16",
