@@ -32,19 +32,7 @@ class TileAddresses:
 
 def tile_addresses(buffer: Scattered, lo: int, hi: int) -> TileAddresses:
     """The `TileAddresses` of positions [lo, hi) of `buffer`, built afresh (`AddressTables` keeps them)."""
-    first, lengths = buffer.layout.overlap(lo, hi)
-    starts, _, segments, _, _ = table(tuple(lengths))
-    size = buffer.element_size()
-    bases = []
-    seg_start = 0
-    for i, n in enumerate(lengths):  # address of each segment's first element, its start in the slice
-        inside = max(0, lo - buffer.layout.offsets[first + i])
-        bases.append((buffer.tensors[first + i].data_ptr() + inside * size, seg_start))
-        seg_start += n
-    values = []
-    for start, seg in zip(starts, segments):
-        base, begins = bases[seg]
-        values.append(base + (start - begins) * size)
+    values = [address for address, _, _ in _spans((buffer, lo, hi))]
     addresses = torch.tensor(values, dtype=torch.int64, device=buffer.device)
     return TileAddresses(addresses, buffer.dtype, all(v % 16 == 0 for v in values))
 
