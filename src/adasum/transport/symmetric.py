@@ -198,6 +198,12 @@ def _bytes_like(like) -> torch.Tensor:
     return torch.empty(0, dtype=torch.uint8, device=like.device)
 
 
+def _group_in_place(transport: Transport) -> SymmetricInPlace:
+    """The mover of a single tensor larger than a round (`SymmetricInPlace`, made on first use): the transport's
+    group's one (`in_place_mover`), for both symmetric transports."""
+    return in_place_mover(transport.group)
+
+
 class SymmetricMemory(Transport):
     """See the module doc."""
 
@@ -233,10 +239,7 @@ class SymmetricMemory(Transport):
             return max(1, buffer_bytes() // element_size - 4 * CUT_ALIGN)
         return max(1, buffer_bytes() // ((2 if self.world == 2 else 3) * element_size))
 
-    @property
-    def in_place(self) -> SymmetricInPlace:
-        """The mover of a single tensor larger than a round (`SymmetricInPlace`, made on first use)."""
-        return in_place_mover(self.group)
+    in_place = property(_group_in_place)
 
     def _stage(self, numel: int, like, purpose: str = "stage"):
         """The group's buffer of `purpose` (`SymmetricPool.staging`), its growth capped at a round (``S``) or at
@@ -526,10 +529,7 @@ class SymmetricSlices(Transport):
         budget = buffer_bytes()
         self.pool.staging(self._bytes(row, size), _bytes_like(like), "slices", most=budget - budget % 16)
 
-    @property
-    def in_place(self) -> SymmetricInPlace:
-        """The mover of a single tensor larger than a round (`SymmetricInPlace`, made on first use)."""
-        return in_place_mover(self.group)
+    in_place = property(_group_in_place)
 
     def rows(self, buffer, bounds):
         """The P receive rows in this group's symmetric buffer (grown collectively when needed)."""
