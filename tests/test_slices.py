@@ -118,6 +118,41 @@ def test_slice_parallel_in_rounds_through_a_small_budget(world):
     distributed.assert_ranks_agree(results)
 
 
+GROWING = [200_000, 900_000, 50_000, 700_000, 300_000, 880_000]
+"""Under a budget of 7.3 MiB (rounds of about a million fp32 elements at 3 and 4 ranks) these make rounds whose rows
+grow and shrink: 50k, 225k, 188k, 75k, 220k elements at 4 ranks. A round's stores into a peer's receive rows start
+at once, while other ranks may still load that peer's previous results: its output row must lie where no round's
+receive rows reach (`SymmetricSlices._output_row`)."""
+
+
+def growing_rounds(rank, world, calls):
+    import hashlib
+
+    dev = distributed.device_for(rank)
+    g = torch.Generator().manual_seed(900 + world)
+    data = [[torch.randn(n, generator=g, dtype=torch.float64).float() for n in GROWING] for _ in range(world)]
+    mine = [t.clone().to(dev) for t in data[rank]]
+    digests = []
+    for _ in range(calls):  # the same inputs each call (an eager call, then captured and replayed graphs on GPUs)
+        for t, src in zip(mine, data[rank]):
+            t.copy_(src)
+        adasum.all_reduce(mine, transport="slices")
+        flat = torch.cat([t.cpu().reshape(-1) for t in mine])
+        digests.append(hashlib.sha256(flat.view(torch.uint8).numpy().tobytes()).hexdigest())
+    assert len(set(digests)) == 1, f"rank {rank}: the calls' results differ: {digests}"
+    worst = _worst_error(mine, data)
+    assert worst < BOUNDS[torch.float32], worst
+    return digests[0]
+
+
+@pytest.mark.nccl
+@pytest.mark.parametrize("world", distributed.world_sizes(3, 4) if distributed.BACKEND == "nccl" else [3])
+def test_rounds_whose_rows_grow_and_shrink_agree_across_ranks_and_calls(world):
+    calls = 8 if distributed.BACKEND == "nccl" else 2
+    results = distributed.run(world, growing_rounds, calls, env={"ADASUM_MEMORY_MB": "7.3"})
+    distributed.assert_ranks_agree(results)
+
+
 IN_PLACE_SIZES = [0, 20003, 7, 300, 0, 9000, 1]
 """Under a budget of 0.05 MiB, 20003 and 9000 elements are larger than a round at 2 to 7 ranks (fp32): each runs
 in place, through a ring of pieces, the 20003 with a tail for the last rank's spare rows; an empty tensor before
