@@ -11,8 +11,9 @@ a layout's first, eager call builds its tables and a CUDA graph capture of a lat
 from __future__ import annotations
 
 from collections import OrderedDict
-from collections.abc import Hashable, Sequence
+from collections.abc import Callable, Hashable, Sequence
 from dataclasses import dataclass
+from typing import cast
 
 import torch
 
@@ -37,31 +38,38 @@ def tile_addresses(buffer: Scattered, lo: int, hi: int) -> TileAddresses:
     return TileAddresses(addresses, buffer.dtype, all(v % 16 == 0 for v in values))
 
 
-class AddressTables:
-    """The `TileAddresses` a group's calls used, by tensors and slice (the most recent `MOST`)."""
+class _Recent:
+    """Values built on first use, by key; the most recently built `MOST` are kept (a group's calls use few)."""
 
     MOST = 256
 
     def __init__(self) -> None:
-        self._tables: OrderedDict[tuple, TileAddresses] = OrderedDict()
+        self._values: OrderedDict[Hashable, object] = OrderedDict()
+
+    def _find(self, key: Hashable, build: Callable[[], object]) -> object:
+        found = self._values.get(key)
+        if found is None:
+            found = self._values[key] = build()
+            while len(self._values) > self.MOST:
+                self._values.popitem(last=False)
+        return found
+
+    def __len__(self) -> int:
+        return len(self._values)
+
+    def clear(self) -> None:
+        """Forget every table."""
+        self._values.clear()
+
+
+class AddressTables(_Recent):
+    """The `TileAddresses` a group's calls used, by tensors and slice (the most recent `MOST`)."""
 
     def get(self, buffer: Scattered, lo: int, hi: int) -> TileAddresses:
         """The `TileAddresses` of positions [lo, hi) of `buffer`, built on first use. The same tensors give
         the same addresses, so a captured CUDA graph that reads them replays correctly while they live."""
         key = (buffer.key, buffer.layout.sizes, buffer.dtype, buffer.device, lo, hi)
-        found = self._tables.get(key)
-        if found is None:
-            found = self._tables[key] = tile_addresses(buffer, lo, hi)
-            while len(self._tables) > self.MOST:
-                self._tables.popitem(last=False)
-        return found
-
-    def __len__(self) -> int:
-        return len(self._tables)
-
-    def clear(self) -> None:
-        """Forget every table."""
-        self._tables.clear()
+        return cast(TileAddresses, self._find(key, lambda: tile_addresses(buffer, lo, hi)))
 
 
 Run = tuple["torch.Tensor | Scattered", int, int]
@@ -78,7 +86,6 @@ class CopyTable:
     targets: torch.Tensor  # int64 [n]: its first target element's address
     sizes: torch.Tensor  # int64 [n]: elements in each tile
     n: int
-    dtype: torch.dtype
     aligned: bool  # every address a multiple of 16 bytes and every size of 16 bytes' worth of elements
 
 
@@ -114,54 +121,32 @@ def copy_table(moves: Sequence[tuple[Run, Run]], device: torch.device) -> CopyTa
     """The `CopyTable` of `moves`, each (source run, target run) of equal length, at most one side of each a
     `Scattered` list (its tiles cut the move; the flat side follows)."""
     per_move = []
-    dtype = None
+    width = 1  # elements in 16 bytes (vector accesses)
     for source, target in moves:
         if source[2] - source[1] != target[2] - target[1]:
             raise ValueError(f"a move copies runs of equal length, got {source[2] - source[1]} and "
                              f"{target[2] - target[1]}")
-        dtype = source[0].dtype
-        size = source[0].element_size()
         cut_by_target = isinstance(target[0], Scattered)
-        spans = _spans(target if cut_by_target else source)
-        other = source if cut_by_target else target
-        base = other[0].data_ptr() + other[1] * size if isinstance(other[0], torch.Tensor) else None
-        if base is None:
+        cut, other = (target, source) if cut_by_target else (source, target)
+        if not isinstance(other[0], torch.Tensor):
             raise ValueError("a move has at most one Scattered side")
-        tiles = [(base + at * size, address, n) if cut_by_target else (address, base + at * size, n)
-                 for address, at, n in spans]
-        per_move.append(tiles)
-    dealt = [tile for turn in range(max((len(t) for t in per_move), default=0))
-             for tiles in per_move if turn < len(tiles) for tile in [tiles[turn]]]
-    width = 16 // (torch.finfo(dtype).bits // 8) if dtype is not None and dtype.is_floating_point else 1
+        size = source[0].element_size()
+        width = max(1, 16 // size)
+        base = other[0].data_ptr() + other[1] * size
+        per_move.append([(base + at * size, address, n) if cut_by_target else (address, base + at * size, n)
+                         for address, at, n in _spans(cut)])
+    dealt = [tiles[turn] for turn in range(max((len(t) for t in per_move), default=0))
+             for tiles in per_move if turn < len(tiles)]
     aligned = all(s % 16 == 0 and t % 16 == 0 and n % width == 0 for s, t, n in dealt)
     columns = torch.tensor(dealt or [(0, 0, 0)], dtype=torch.int64).t().contiguous().to(device)
-    return CopyTable(columns[0], columns[1], columns[2], len(dealt), dtype or torch.float32, aligned)
+    return CopyTable(columns[0], columns[1], columns[2], len(dealt), aligned)
 
 
-class CopyTables:
-    """The `CopyTable`s a mover's calls used, by their moves' `run_key`s and whatever else the caller names (the
-    most recent `MOST`): a layout's first, eager call builds them and a CUDA graph capture finds them made."""
+class CopyTables(_Recent):
+    """The `CopyTable`s a mover's calls used, by their moves' `run_key`s (the most recent `MOST`): a layout's
+    first, eager call builds them and a CUDA graph capture finds them made."""
 
-    MOST = 256
-
-    def __init__(self) -> None:
-        self._tables: OrderedDict[Hashable, CopyTable] = OrderedDict()
-
-    def get(self, moves: Sequence[tuple[Run, Run]], device: torch.device, extra: Hashable = ()) -> CopyTable:
+    def get(self, moves: Sequence[tuple[Run, Run]], device: torch.device) -> CopyTable:
         """The table of `moves` (`copy_table`), built on first use."""
-        key = (tuple((run_key(s), run_key(t)) for s, t in moves), extra)
-        found = self._tables.get(key)
-        if found is None:
-            found = self._tables[key] = copy_table(moves, device)
-            while len(self._tables) > self.MOST:
-                self._tables.popitem(last=False)
-        else:
-            self._tables.move_to_end(key)
-        return found
-
-    def __len__(self) -> int:
-        return len(self._tables)
-
-    def clear(self) -> None:
-        """Forget every table."""
-        self._tables.clear()
+        key = tuple((run_key(source), run_key(target)) for source, target in moves)
+        return cast(CopyTable, self._find(key, lambda: copy_table(moves, device)))

@@ -238,15 +238,21 @@ def _align(table, *operands) -> int:
     4-byte accesses: 16-byte ones make the NVLink kernels slower (docs/benchmarks.md lists both measurements).
     Flat tensors need no check: Triton marks a pointer 16-byte aligned only when it is.
     ``ADASUM_TRITON_VECTORS=0`` turns vectors off, ``=all`` on for every dtype (for comparisons)."""
-    setting = current().triton_vectors
     tensors = [x for x in operands if isinstance(x, torch.Tensor)]
     size = tensors[0].element_size()
-    if setting == "0" or (size >= 4 and setting != "all"):
+    if not _vectors(size):
         return 1
     width = 16 // size
     if table.align % width or not all(x.aligned for x in operands if not isinstance(x, torch.Tensor)):
         return 1
     return width
+
+
+def _vectors(element_size: int) -> bool:
+    """Whether the settings let kernels move elements of `element_size` bytes in 16-byte vectors where aligned
+    (`_align`'s rule: 2-byte dtypes; ``ADASUM_TRITON_VECTORS=0`` none, ``=all`` every dtype)."""
+    setting = current().triton_vectors
+    return setting != "0" and (element_size < 4 or setting == "all")
 
 
 def _rounds(longest: int, block: int) -> int:
@@ -373,8 +379,7 @@ def copy_tiles(table, like: torch.Tensor) -> None:
     if not table.n:
         return
     size = like.element_size()
-    setting = current().triton_vectors
-    vectors = table.aligned and setting != "0" and (size < 4 or setting == "all")
     _copy_tiles_kernel[(table.n,)](
-        like, table.sources, table.targets, table.sizes, BLOCK=BLOCK, ITERS=ITERS, ALIGN=16 // size if vectors else 1,
+        like, table.sources, table.targets, table.sizes, BLOCK=BLOCK, ITERS=ITERS,
+        ALIGN=16 // size if table.aligned and _vectors(size) else 1,
     )
