@@ -669,6 +669,14 @@ class SymmetricInPlace(InPlace, Transport):
         row = sender - (sender > receiver)
         return (self.world + 1) * self.spare + (slot * (self.world - 1) + row) * piece
 
+    def _from_slot(self, ring, buffer: torch.Tensor, bounds, slot: int, p0: int, p1: int, piece: int) -> None:
+        """Copy every peer's row of slot `slot` of this rank's ring into `B`: positions [p0, p1) of that peer's
+        slice (the scatter: the peers' copies of this rank's slice; the gather: their results)."""
+        for step in range(1, self.world):  # the peers in the order r + 1, r + 2, ... (`_start`)
+            j = (self.rank + step) % self.world
+            at = self._slot_row(slot, j, self.rank, piece)
+            buffer[bounds[j][0] + p0 : bounds[j][0] + p1].copy_(ring[at : at + p1 - p0])
+
     def rows(self, buffer: torch.Tensor, bounds: Sequence[tuple[int, int]]):
         """The rows in `buffer` and the spare rows (`InPlace.parts`)."""
         ring, _ = self._ring(buffer)
@@ -700,9 +708,7 @@ class SymmetricInPlace(InPlace, Transport):
             handle.barrier(channel=0)  # piece c of every copy of this rank's slice has landed
             side.wait_stream(main)
             with torch.cuda.stream(side):
-                for j in peers:
-                    at = self._slot_row(c % 2, j, me, piece)
-                    buffer[bounds[j][0] + p0 : bounds[j][0] + p1].copy_(ring[at : at + p1 - p0])
+                self._from_slot(ring, buffer, bounds, c % 2, p0, p1, piece)
                 landed(p0, p1)
         main.wait_stream(side)
         if tail and me == last:  # the spare rows were stored into before the first barrier
@@ -736,9 +742,7 @@ class SymmetricInPlace(InPlace, Transport):
                 handle.barrier(channel=0)  # piece c of every peer's result has landed in this rank's slot
             side.wait_stream(pushes)
             with torch.cuda.stream(side):
-                for j in peers:
-                    at = self._slot_row(c % 2, j, me, piece)
-                    buffer[bounds[j][0] + p0 : bounds[j][0] + p1].copy_(ring[at : at + p1 - p0])
+                self._from_slot(ring, buffer, bounds, c % 2, p0, p1, piece)
                 if c == 0 and tail and me != last:
                     at = bounds[last][0] + width
                     buffer[at : at + tail].copy_(ring[out_tail : out_tail + tail])
