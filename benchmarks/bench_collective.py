@@ -238,11 +238,11 @@ def probe(rank, world, device, exps, dtypes, log) -> list[dict]:
 def slice_moves_probe(rank, world, device, args, log) -> list[dict]:
     """The slice-parallel schedule's bytes alone, any world size: the symmetric mover's scatter and gather of
     every round exactly as `adasum.collectives.slices.adasum_slices_` drives them (same rounds, rows, barriers,
-    copy engines for flat buffers and Triton copies for lists), with no Adasum math (each rank's own row is
-    copied to its output row where the last combination would write it), against NCCL all_reduce of the same
-    bytes in the same run."""
-    from adasum.collectives.slices import round_tensor, slice_rounds
+    copy kernels), with no Adasum math (each rank's own row is copied to the peers' slots that the last
+    combination would store into), against NCCL all_reduce of the same bytes in the same run."""
+    from adasum.collectives.slices import free_rows, round_tensor, slice_rounds
     from adasum.core.layout import Layout, Scattered
+    from adasum.core.tree import Tree
     from adasum.transport.symmetric import SymmetricSlices, supported
 
     if not supported(None):
@@ -276,7 +276,7 @@ def slice_moves_probe(rank, world, device, args, log) -> list[dict]:
                                 for out in outs[1:]:
                                     out.copy_(rows[rank][p0 - start : p1 - start])
 
-                    mv.gather(buf, lay, bounds, finish)
+                    mv.gather(buf, lay, bounds, finish, free_rows(Tree(world)))
 
             (m, a), _ = time_pair([moves, lambda: dist.all_reduce(flat)], lambda: None, device, args.repeats,
                                   args.warmup)

@@ -108,8 +108,8 @@ def collective_runs(rows: list[dict], labels: tuple[str, ...]) -> list[dict]:
 
 CURRENT_DEFAULTS = {
     2: "defaults, results stored into the peers",
-    3: "defaults, slices at 3 and 4 ranks, one copy kernel for all peers",
-    4: "defaults, slices at 3 and 4 ranks, one copy kernel for all peers",
+    3: "defaults, slices gathered by stores into the peers, fused into the last combination",
+    4: "defaults, slices gathered by stores into the peers, fused into the last combination",
 }
 """The label of the collective's rows that the code of each group size runs now (the defaults' table)."""
 

@@ -95,13 +95,13 @@ for number, lengths in enumerate(cases):
             assert torch.equal(theirs, other), (lengths, dtype, "pulled copy")
             assert ((acc - ref).abs() <= sum_bound(a, b, lengths)).all(), (lengths, dtype, lower)
         if number in (1, 3):
-            outs = [torch.full_like(a, float("nan")) for _ in range(3)]
+            outs = [torch.full_like(a, float("nan")) for _ in range(4)]
             tk.combine(a, b, ref, 2, 3, lengths, *outs)
             ca, cb = coefficients(ref, 2 / 5, 3 / 5)
             ops.scale_add(a, b, ca, cb, lengths, want)
             bound = combine_bound(a, b, ca, cb, lengths, want, dtype)
             assert ((outs[0].double() - want.double()).abs() <= bound).all(), (lengths, dtype, "several outputs")
-            assert torch.equal(outs[0], outs[1]) and torch.equal(outs[0], outs[2]), (lengths, dtype)
+            assert all(torch.equal(outs[0], o) for o in outs[1:]), (lengths, dtype)
         # a list of tensors read and written where it lies (Scattered: per-tile addresses), over slices that
         # cut tensors: the same bits as the flat kernels on the same values
         if number in (0, 1, 3) and n and dtype in (torch.float32, torch.bfloat16):
@@ -260,8 +260,9 @@ def test_kernels_compile_for_hopper_with_vector_accesses_where_told():
         pull = {"mine_ptr": "*" + dtype, "peer_ptr": "*" + dtype, "theirs_ptr": "*" + dtype, "out_ptr": "*fp64",
                 "mine_tiles": "*i64", **ints}
         combine = {"a_ptr": "*" + dtype, "b_ptr": "*" + dtype, "out_ptr": "*" + dtype, "out2_ptr": "*" + dtype,
-                   "out3_ptr": "*" + dtype, "sums_ptr": "*fp64", "row_stride": "i64", "workers_a": "i64",
-                   "workers_b": "i64", "segments": "i64", "a_tiles": "*i64", "b_tiles": "*i64", "out_tiles": "*i64",
+                   "out3_ptr": "*" + dtype, "out4_ptr": "*" + dtype, "sums_ptr": "*fp64", "row_stride": "i64",
+                   "workers_a": "i64", "workers_b": "i64", "segments": "i64", "a_tiles": "*i64", "b_tiles": "*i64",
+                   "out_tiles": "*i64",
                    **ints}
         add = {"x_ptr": "*" + dtype, "y_ptr": "*" + dtype, "out_ptr": "*" + dtype, "x_tiles": "*i64",
                "out_tiles": "*i64", **ints}

@@ -79,11 +79,13 @@ class SliceMover(Protocol):
         """SUM all-reduce of a small float64 array over the group."""
 
     def gather(
-        self, buffer, layout: Layout, bounds: Sequence[tuple[int, int]], finish: Callable[[int, int, list], None]
+        self, buffer, layout: Layout, bounds: Sequence[tuple[int, int]], finish: Callable[[int, int, list], None],
+        free: Sequence[int] = (),
     ) -> None:
         """``finish(p0, p1, outs)`` writes the result of a piece of this rank's slice into `outs` (this rank's
-        slice of `buffer` there first, then whatever the mover reads it from); then every rank's pieces reach
-        `buffer` everywhere."""
+        slice of `buffer` there first, then wherever the mover takes it from or sends it to); then every rank's
+        pieces reach `buffer` everywhere. `free`: the rows (by rank) that the schedule no longer reads on any rank
+        once this rank calls `gather` (the mover may land results there)."""
 
 
 class InPlaceMover(SliceMover, Protocol):
@@ -166,6 +168,18 @@ def level_pairs(tree: Tree) -> list[list[tuple[int, int, int, int]]]:
             for base in range(0, tree.groups, 2 * d)
         ])
     return levels
+
+
+def free_rows(tree: Tree) -> list[int]:
+    """The rows (by rank) that the last combination does not read: all but the root pair's. Every rank read them
+    last before the tree's last all-reduce of sums, which no rank passes before every rank has joined it, so they
+    are free on every rank once a rank's last combination starts (a mover's gather may land results there).
+
+    >>> free_rows(Tree(4)), free_rows(Tree(3)), free_rows(Tree(2))
+    ([1, 3], [1], [])
+    """
+    a, b, _, _ = level_pairs(tree)[-1][0]
+    return [j for j in range(tree.workers) if j not in (a, b)]
 
 
 def _columns(layout: Layout, lo: int, hi: int, first_tensor: int) -> tuple[slice, list[int]]:
@@ -264,10 +278,11 @@ def _round(buffer, layout: Layout, mover: SliceMover, tensors: tuple[int, int], 
         _dots(parts, first_pairs, layout, where, p0, p1, sums, tensors[0])
 
     mover.scatter(buffer, layout, bounds, landed)
+    free = free_rows(tree)
     # two tiers (`across`): the mover's sums are one host's, the levels across hosts record theirs
     finish = tree_on_slice_(parts, layout, where, tree, mover.all_reduce_sums, tensors, sums, across is None)
     if across is None:
-        mover.gather(buffer, layout, bounds, finish)
+        mover.gather(buffer, layout, bounds, finish, free)
         return
     mine = cast(torch.Tensor, buffer)[where[0] : where[1]]  # the two-tier path runs on flat buffers
     finish(0, where[1] - where[0], [mine])
@@ -278,7 +293,7 @@ def _round(buffer, layout: Layout, mover: SliceMover, tensors: tuple[int, int], 
         for out in outs[1:]:  # the mover's own staging of the result (symmetric memory)
             out.copy_(mine[p0:p1])
 
-    mover.gather(buffer, layout, bounds, publish)
+    mover.gather(buffer, layout, bounds, publish, free)
 
 
 def adasum_in_place_(

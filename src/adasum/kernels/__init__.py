@@ -81,7 +81,7 @@ def combine_from_sums(
     """``out = c_a a + c_b b`` per segment, `a` standing for `workers_a` workers and `b` for
     `workers_b` (ints, or int64 tensors with one count per segment), with (c_a, c_b) =
     ``coefficients(sums, w_a, w_b)``. One fused kernel on GPUs with Triton; `out` may alias `a`
-    or `b`. `more_outs` (at most two) receive the same values (in the same pass with Triton).
+    or `b`. `more_outs` (at most three) receive the same values (in the same pass with Triton).
     With Triton, `a`, `b` and `out` may be `adasum.kernels.addresses.TileAddresses` (slices of a `Scattered` buffer)."""
     like = next(x for x in (a, b, out) if isinstance(x, torch.Tensor))
     triton_kernels = _triton(like.device)

@@ -107,7 +107,7 @@ if triton is not None:
     @triton.jit(do_not_specialize=["workers_a", "workers_b", "segments"])  # a 1 would become a Python int
     def _combine_kernel(
         a_ptr, b_ptr, sums_ptr, row_stride, workers_a, workers_b, counts_ptr, segments, out_ptr, starts_ptr,
-        sizes_ptr, segs_ptr, out2_ptr, out3_ptr, a_tiles, b_tiles, out_tiles, BLOCK: tl.constexpr,
+        sizes_ptr, segs_ptr, out2_ptr, out3_ptr, out4_ptr, a_tiles, b_tiles, out_tiles, BLOCK: tl.constexpr,
         ITERS: tl.constexpr, PER_SEGMENT: tl.constexpr, OUTS: tl.constexpr, A_TILES: tl.constexpr,
         B_TILES: tl.constexpr, OUT_TILES: tl.constexpr, ALIGN: tl.constexpr,
     ):
@@ -149,6 +149,8 @@ if triton is not None:
                 tl.store(out2_ptr + start + offs, out, mask=mask)
             if OUTS > 2:
                 tl.store(out3_ptr + start + offs, out, mask=mask)
+            if OUTS > 3:
+                tl.store(out4_ptr + start + offs, out, mask=mask)
 
     @triton.jit
     def _pull_tile_sums_kernel(
@@ -305,22 +307,22 @@ def combine(
 ) -> None:
     """``out = c_a * a + c_b * b`` per segment with the coefficients of the segment's `sums`
     (``adasum.core.operator.coefficients``), in float64, stored in out's dtype: one kernel. The worker counts are
-    ints, or int64 tensors with one count per segment. `more_outs` (at most two, of out's dtype and
+    ints, or int64 tensors with one count per segment. `more_outs` (at most three, of out's dtype and
     size) receive the same values in the same pass. `a`, `b` and `out` are flat tensors or `TileAddresses`
     (a slice of `adasum.core.layout.Scattered`, read and written in place); one of a and b is a tensor."""
     like = next(x for x in (a, b, out, *more_outs) if isinstance(x, torch.Tensor))
     table = tiles(tuple(lengths), like.device)
     if table.n_tiles:
-        assert sums.stride(1) == 1 and sums.dtype == torch.float64 and len(more_outs) <= 2
+        assert sums.stride(1) == 1 and sums.dtype == torch.float64 and len(more_outs) <= 3
         per_segment = isinstance(workers_a, torch.Tensor)
         per_segment_counts = cast(list[torch.Tensor], [workers_a, workers_b])
         counts = torch.stack(per_segment_counts) if per_segment else sums  # any pointer when unused
         (a_ptr, a_tiles, a_at), (b_ptr, b_tiles, b_at) = _operand(a, like), _operand(b, like)
         out_ptr, out_tiles, out_at = _operand(out, like)
-        extra = list(more_outs) + [out_ptr] * (2 - len(more_outs))  # unused pointers when fewer
+        extra = list(more_outs) + [out_ptr] * (3 - len(more_outs))  # unused pointers when fewer
         _combine_kernel[(table.n_tiles,)](
             a_ptr, b_ptr, sums, sums.stride(0), 0 if per_segment else workers_a, 0 if per_segment else workers_b,
-            counts, len(lengths), out_ptr, table.starts, table.sizes, table.segments, extra[0], extra[1],
+            counts, len(lengths), out_ptr, table.starts, table.sizes, table.segments, *extra,
             a_tiles, b_tiles, out_tiles, BLOCK=BLOCK, ITERS=ITERS, PER_SEGMENT=per_segment, OUTS=1 + len(more_outs),
             A_TILES=a_at, B_TILES=b_at, OUT_TILES=out_at, ALIGN=_align(table, a, b, out, *more_outs),
         )

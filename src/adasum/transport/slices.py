@@ -186,7 +186,7 @@ class C10dInPlace(InPlace, Transport):
             landed(width, width + tail)
 
     def gather(  # type: ignore[override]  # a SliceMover's gather, not the VHDD schedule's
-        self, buffer: torch.Tensor, layout: Layout, bounds: Sequence[tuple[int, int]], finish
+        self, buffer: torch.Tensor, layout: Layout, bounds: Sequence[tuple[int, int]], finish, free=()
     ) -> None:
         """Write this rank's result slice, then exchange every rank's slice with every peer (each lands where the
         rows were)."""
@@ -255,7 +255,7 @@ class C10dSlices(Transport):
         dist.all_reduce(sums, group=self.group)
 
     def gather(  # type: ignore[override]  # a SliceMover's gather, not the VHDD schedule's
-        self, buffer: torch.Tensor, layout: Layout, bounds: Sequence[tuple[int, int]], finish
+        self, buffer: torch.Tensor, layout: Layout, bounds: Sequence[tuple[int, int]], finish, free=()
     ) -> None:
         """Write this rank's result slice, then exchange every rank's slice with every peer."""
         lo, hi = bounds[self.rank]

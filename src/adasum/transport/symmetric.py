@@ -477,33 +477,40 @@ class SymmetricSlices(Transport):
     inside one host. One symmetric buffer of bytes per group, viewed in the dtype of the call, holds P receive
     rows of ``C`` elements each at its start and one output row at its end (`_output_row`; ``(P + 1) C`` at most
     the memory budget, `adasum.transport.slices.round_elements`; a tensor larger than a round runs in place,
-    `SymmetricInPlace`).
-    Each slice is cut into the same number of pieces on every rank (one per `CHUNK_BYTES` of the longest
-    slice, at most `pieces`):
+    `SymmetricInPlace`). Every move is a store into a peer's memory: NVLink stores measured faster than loads.
 
-    * scatter: for each piece, rank r stores its copy of that piece of every slice j straight from `B` (a flat
-      tensor or a `Scattered` list, read in place) into row r of rank j's buffer, then a signal-pad barrier; the
-      schedule's sums of a landed piece run on a side stream while the next piece is stored. A flat `B`'s own
-      slice serves as its row r where it lies (a list's is staged);
+    * scatter: each slice is cut into the same number of pieces on every rank (one per `CHUNK_BYTES` of the
+      longest slice, at most `pieces`); for each piece, rank r stores its copy of that piece of every slice j
+      straight from `B` (a flat tensor or a `Scattered` list, read in place) into row r of rank j's buffer, then a
+      signal-pad barrier; the schedule's sums of a landed piece run on a side stream while the next piece is
+      stored. A flat `B`'s own slice serves as its row r where it lies (a list's is staged);
     * the tree runs on the rows;
-    * gather: for each piece, the last combination writes it into `B`'s slice and the output row, a barrier,
-      then on a side stream rank r loads that piece of every peer's output row straight into `B`, while the
-      next piece is combined.
+    * gather: the P - 1 slots of a buffer are the rows that the last combination does not read (P - 2: the root
+      pair reads two) and the output row; sender s's slot on rank j is the (s, less one above j)-th. The last
+      combination writes rank r's result into `B`'s slice and, for the first `direct` peers, straight into its
+      slot on them; one copy kernel stores it from `B` into the others'. A barrier; then one kernel copies the
+      peers' results out of r's own slots into `B`; a barrier.
 
     Each step's moves to or from every peer are **one kernel** (`adasum.kernels.triton.copy_tiles`): its tiles
-    are dealt in turn over the peers, so the multiprocessors load from (or store into) all P - 1 peers at once.
-    Moves one peer after another (the copy engines for a flat `B`, one copy kernel per peer for a list) measured
-    slower on 4 x H200 for lists (BERT-Large's layout at P = 4: 1.51 x NCCL against 1.43 x; ResNet-50's: 1.96 x
-    against 1.66 x; at P = 3 BERT-Large 1.88 x against 1.60 x) and the same for one flat tensor.
+    are dealt in turn over the peers, so the multiprocessors store into all P - 1 peers at once. Moves one peer
+    after another (the copy engines for a flat `B`, one copy kernel per peer for a list) measured slower on
+    4 x H200 for lists (BERT-Large's layout at P = 4: 1.51 x NCCL against 1.43 x; ResNet-50's: 1.96 x against
+    1.66 x; at P = 3 BERT-Large 1.88 x against 1.60 x) and the same for one flat tensor. The gather by stores
+    into the slots, the first peers' fused into the last combination, measured against loading every peer's
+    output row: at P = 3 BERT-Large 1.42 x against 1.59 x, flat 2^26 1.25 x against 1.33 x; at P = 4 ResNet-50
+    1.58 x against 1.67 x, flat 2^26 1.29 x against 1.37 x, BERT-Large the same (1.38 x).
 
-    A round's stores into a peer's rows come after that peer passed its last barrier of the previous round's
-    gather, which follows its tree; a peer's output row is written after the next scatter's barriers, which
-    every rank passes only after its loads (the side stream joins before the round ends). Nothing synchronises
-    the host."""
+    The slots are free when the last combination starts: every rank read them last before the tree's last
+    all-reduce of sums, which no rank passes before every rank has joined it. A round's stores into a peer's
+    rows come after that peer's last barrier of the previous round's (or call's) gather, which follows its
+    copies out of its slots. Nothing synchronises the host."""
 
     name = "slices"
     scattered = True
     timeout = None
+    direct = 3
+    """Peers whose slots the last combination stores into itself (the kernel's outputs besides `B`: at most 3); the
+    result reaches the others through one copy kernel."""
     pieces = 1
     """Pieces per slice at most (one per `CHUNK_BYTES`): one, since cutting the rounds into 4 pieces with the math
     of one piece on a side stream measured slower (the kernels beside the moves share the multiprocessors)."""
@@ -551,10 +558,8 @@ class SymmetricSlices(Transport):
     @staticmethod
     def _output_row(numel: int, row: int) -> int:
         """Where the output row of `row` elements starts in a buffer of `numel` elements: at its end, aligned
-        down, the same place for a buffer whatever the rounds' rows. A round's stores into a peer's receive rows,
-        which start at once, never reach the output row that other ranks may still be loading the previous
-        round's (or call's) results from: the receive rows of any round end at ``P row'``, at most the buffer's
-        size less ``row + OUTPUT_ALIGN``."""
+        down, past the receive rows of any round (they end at ``P row'``, at most the buffer's size less
+        ``row + OUTPUT_ALIGN``): a peer's result stored there never reaches a row that the root pair still reads."""
         return (numel - row) // OUTPUT_ALIGN * OUTPUT_ALIGN
 
     def _pieces(self, size: int, element_size: int) -> list[tuple[int, int]]:
@@ -594,28 +599,30 @@ class SymmetricSlices(Transport):
         """SUM all-reduce of the small float64 sums over the group."""
         dist.all_reduce(sums, group=self.group)
 
-    def gather(self, buffer, layout, bounds, finish):
-        """Write this rank's results into its output row, then load every peer's results over NVLink."""
+    def gather(self, buffer, layout, bounds, finish, free=()):
+        """Store this rank's result into every peer's slots, the first `direct` peers' by the last combination
+        itself; then copy the peers' results out of this rank's slots into `B` (class doc). `free`: the receive
+        rows the last combination does not read (P - 2 of them: the schedule's root pair reads two)."""
         shared, handle, row, me = self._shared, self._handle, self._row, self.rank
-        element_size = buffer.element_size()
-        start = self._output_row(shared.numel(), row)
-        main = torch.cuda.current_stream(shared.device)
-        side = side_stream(shared.device, "copies")
+        slots = [k * row for k in free] + [self._output_row(shared.numel(), row)]
+        if len(slots) < self.world - 1:
+            raise ValueError(f"the gather lands {self.world - 1} peers' results in free rows, and {len(free)} are free")
         peers = {j: self.pool.peer_view(handle, j, shared.numel(), shared.dtype) for j in self._order()}
-        pieces = {j: self._pieces(bounds[j][1] - bounds[j][0], element_size) for j in [me, *peers]}
-        lo = bounds[me][0]
-        for c, (p0, p1) in enumerate(pieces[me]):
-            finish(p0, p1, [_slice(buffer, lo + p0, lo + p1, self.tiles), shared[start + p0 : start + p1]])
-            handle.barrier(channel=0)  # piece c of every rank's result is in its output row
-            side.wait_stream(main)
-            with torch.cuda.stream(side):
-                moves = []
-                for j, view in peers.items():
-                    q0, q1 = pieces[j][c]
-                    if q1 > q0:
-                        moves.append(((view, start + q0, start + q1), (buffer, bounds[j][0] + q0, bounds[j][0] + q1)))
-                self._moves(moves, shared)
-        main.wait_stream(side)
+
+        def slot(sender: int, receiver: int) -> int:  # where sender's result lands in receiver's buffer
+            return slots[sender - (sender > receiver)]
+
+        lo, hi = bounds[me]
+        size = hi - lo
+        order = list(peers)
+        direct, rest = order[: self.direct], order[self.direct :]
+        finish(0, size, [_slice(buffer, lo, hi, self.tiles)]
+               + [peers[j][slot(me, j) : slot(me, j) + size] for j in direct])
+        self._moves([((buffer, lo, hi), (peers[j], slot(me, j), slot(me, j) + size)) for j in rest], shared)
+        handle.barrier(channel=0)  # every peer's result is in this rank's slots
+        self._moves([((shared, slot(j, me), slot(j, me) + bounds[j][1] - bounds[j][0]), (buffer, *bounds[j]))
+                     for j in order], shared)
+        handle.barrier(channel=0)  # every rank's slots are read: the next round (or call) may store into them
 
     def _moves(self, moves, like: torch.Tensor) -> None:
         """Copy each (source run, target run) of `moves`, one side `B` and the other a flat symmetric row, in one
@@ -715,7 +722,7 @@ class SymmetricInPlace(InPlace, Transport):
             landed(width, width + tail)
 
     def gather(  # type: ignore[override]  # a SliceMover's gather, not the VHDD schedule's
-        self, buffer: torch.Tensor, layout: Layout, bounds: Sequence[tuple[int, int]], finish
+        self, buffer: torch.Tensor, layout: Layout, bounds: Sequence[tuple[int, int]], finish, free=()
     ) -> None:
         """Push this rank's results into its peers' rings, and copy theirs out of its own (class doc)."""
         ring, piece, peers, main, side = self._start(buffer)
