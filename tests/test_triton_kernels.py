@@ -214,11 +214,18 @@ def test_vector_width_only_where_every_tile_allows_it():
     from adasum.core.tiles import tiles
     from adasum.kernels import triton as tk
     from adasum.kernels.addresses import tile_addresses
+    from adasum.settings import override
 
     cpu = torch.device("cpu")
     f32, bf16 = torch.zeros(1), torch.zeros(1, dtype=torch.bfloat16)
     assert tk._align(tiles((16384, 0, 32, 4096), cpu), bf16) == 8
-    assert tk._align(tiles((16384, 0, 32, 4096), cpu), f32) == 1  # fp32: 4-byte accesses (measured faster)
+    assert tk._align(tiles((16384, 0, 32, 4096), cpu), f32) == 4
+    assert tk._align(tiles((16384, 0, 30, 4096), cpu), f32) == 1  # 30 fp32: not a multiple of 16 bytes
+    with override(triton_vectors="2-byte"):
+        assert tk._align(tiles((16384, 0, 32, 4096), cpu), f32) == 1
+        assert tk._align(tiles((16384, 0, 32, 4096), cpu), bf16) == 8
+    with override(triton_vectors="0"):
+        assert tk._align(tiles((16384, 0, 32, 4096), cpu), bf16) == 1
     assert tk._align(tiles((16384, 16384 + 8, 8), cpu), bf16) == 8
     assert tk._align(tiles((16384, 16385, 1), cpu), bf16) == 1  # a tile of odd size
     assert tk._align(tiles((36, 4), cpu), bf16) == 1  # 36 elements: not a multiple of 8 bf16

@@ -62,7 +62,8 @@ class Settings:
     symmetric_max_chunks: int = 4
     """Most chunks of a chunked symmetric level (``ADASUM_SYMMETRIC_MAX_CHUNKS``)."""
     triton_vectors: str = "1"
-    """The Triton kernels' vector loads: "1" where aligned, "0" never (``ADASUM_TRITON_VECTORS``)."""
+    """The Triton kernels' 16-byte vector accesses: "1" where aligned, "2-byte" only for 2-byte dtypes, "0" never
+    (``ADASUM_TRITON_VECTORS``)."""
     memory_mb: float = 512.0
     """Device memory the symmetric-memory transports' buffers may take per GPU, in MiB (``ADASUM_MEMORY_MB``)."""
 

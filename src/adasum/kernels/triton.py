@@ -234,12 +234,11 @@ if triton is not None:
 
 
 def _align(table, *operands) -> int:
-    """The vector width the kernels may assume, in elements: 16 bytes' worth for 2-byte dtypes when every tile
-    starts and ends on such a boundary and every `TileAddresses` operand is 16-byte aligned, else 1. Without the
-    hint Triton cannot prove alignment from the tile table and moves bf16 2 bytes per instruction. fp32 keeps
-    4-byte accesses: 16-byte ones make the NVLink kernels slower (docs/benchmarks.md lists both measurements).
-    Flat tensors need no check: Triton marks a pointer 16-byte aligned only when it is.
-    ``ADASUM_TRITON_VECTORS=0`` turns vectors off, ``=all`` on for every dtype (for comparisons)."""
+    """The vector width the kernels may assume, in elements: 16 bytes' worth when every tile starts and ends on
+    such a boundary and every `TileAddresses` operand is 16-byte aligned, else 1. Without the hint Triton cannot
+    prove alignment from the tile table and moves bf16 2 bytes per instruction, fp32 4 (docs/benchmarks.md lists
+    the measurements). Flat tensors need no check: Triton marks a pointer 16-byte aligned only when it is.
+    ``ADASUM_TRITON_VECTORS=0`` turns vectors off, ``=2-byte`` keeps them to 2-byte dtypes (for comparisons)."""
     tensors = [x for x in operands if isinstance(x, torch.Tensor)]
     size = tensors[0].element_size()
     if not _vectors(size):
@@ -252,9 +251,9 @@ def _align(table, *operands) -> int:
 
 def _vectors(element_size: int) -> bool:
     """Whether the settings let kernels move elements of `element_size` bytes in 16-byte vectors where aligned
-    (`_align`'s rule: 2-byte dtypes; ``ADASUM_TRITON_VECTORS=0`` none, ``=all`` every dtype)."""
+    (`_align`'s rule: every dtype; ``ADASUM_TRITON_VECTORS=0`` none, ``=2-byte`` 2-byte dtypes only)."""
     setting = current().triton_vectors
-    return setting != "0" and (element_size < 4 or setting == "all")
+    return setting != "0" and (element_size < 4 or setting != "2-byte")
 
 
 def _rounds(longest: int, block: int) -> int:
