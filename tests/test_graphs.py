@@ -9,6 +9,7 @@ from types import SimpleNamespace
 
 import torch
 
+from adasum.transport import graphs as graphs_module
 from adasum.transport.graphs import Graphs
 from adasum.transport.groups import Communicator
 
@@ -65,7 +66,27 @@ def test_eager_then_captured_then_replayed():
         key = comm.run("plan", (1, 2), lambda: log.append("launch"), CPU)
     assert log == ["launch", "replay launch", "replay launch", "replay launch"]
     assert key == ("plan", (1, 2)) and comm.graphs.captured(key) and comm.graphs.count() == 1
-    assert comm.graphs.replay(key) and log[-1] == "replay launch"
+    handle = comm.graphs.handle(key)
+    assert handle is not None and comm.graphs.replay_handle(handle) and log[-1] == "replay launch"
+    del log[:]
+    comm.graphs.clear()  # a handle taken before a graph was dropped replays nothing
+    assert not comm.graphs.replay_handle(handle) and log == [] and comm.graphs.handle(key) is None
+
+
+def test_a_handle_goes_stale_when_the_oldest_graph_is_evicted(monkeypatch):
+    monkeypatch.setattr(graphs_module, "MAX_GRAPHS", 2)
+    log: list = []
+    comm, _ = _communicator(log)
+    handles = []
+    for where in (1, 2, 3):
+        for _ in range(2):  # eager, then captured
+            key = comm.run("plan", where, lambda w=where: log.append(w), CPU)
+        handles.append(comm.graphs.handle(key))
+    # the third capture evicted the first graph: every handle taken before it is stale, the last one is not
+    assert comm.graphs.handle(("plan", 1)) is None and comm.graphs.count() == 2
+    del log[:]
+    assert not comm.graphs.replay_handle(handles[0]) and not comm.graphs.replay_handle(handles[1])
+    assert comm.graphs.replay_handle(handles[2]) and log == ["replay 3"]
 
 
 def test_a_call_inside_a_run_goes_into_it_and_is_not_captured_on_its_own():
@@ -96,7 +117,7 @@ def test_a_key_whose_capture_fails_runs_eagerly_from_then_on():
     for _ in range(4):
         key = comm.run("plan", 1, lambda: log.append("launch"), CPU)
     assert log == ["launch"] * 4 and not comm.graphs.captured(key) and comm.graphs.count() == 0
-    assert not comm.graphs.replay(key)
+    assert comm.graphs.handle(key) is None
 
 
 def test_graphs_are_keyed_by_plan_and_tensors():
@@ -210,7 +231,7 @@ def test_a_repeat_on_the_same_memory_replays_before_any_check_of_the_list():
         comm.last = api._Last(
             None, tuple(map(weakref.ref, tensors)), tuple(map(api._data_ptr, tensors)),
             tuple(map(api._shape, tensors)), tuple(map(api._dtype, tensors)), tuple(map(api._stride, tensors)),
-            tensors[0].device, key, plan,
+            tensors[0].device, comm.graphs.handle(key), plan,
         )
 
     dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import operator
 import weakref
-from collections.abc import Callable, Hashable, Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from itertools import repeat
 from typing import Literal
@@ -113,10 +113,11 @@ def all_reduce(
         adasum_list_(tensors, group, chosen)
 
     key = comm.run(plan.key, tensor_key(tensors), run, group_device(group))
-    if comm.graphs.captured(key):
+    handle = comm.graphs.handle(key)
+    if handle is not None:
         comm.last = _Last(
             transport, tuple(map(weakref.ref, tensors)), tuple(map(_data_ptr, tensors)), tuple(map(_shape, tensors)),
-            tuple(map(_dtype, tensors)), tuple(map(_stride, tensors)), tensors[0].device, key, plan,
+            tuple(map(_dtype, tensors)), tuple(map(_stride, tensors)), tensors[0].device, handle, plan,
         )
 
 
@@ -152,7 +153,7 @@ class _Last:
     dtypes: tuple
     strides: tuple
     device: torch.device
-    key: Hashable
+    graph: tuple  # its graph's `adasum.transport.graphs.Graphs.handle`
     plan: Plan
 
 
@@ -193,7 +194,7 @@ def _replayed(comm: Communicator, group, transport, tensors, check_layout: bool)
         return False
     if check_layout:
         recheck(last.plan, group, "adasum.all_reduce")
-    return comm.graphs.replay(last.key)
+    return comm.graphs.replay_handle(last.graph)
 
 
 def fused_per_dtype(

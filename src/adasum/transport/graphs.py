@@ -92,6 +92,7 @@ class Graphs:
         self._graphs: OrderedDict[Hashable, object] = OrderedDict()
         self._seen: OrderedDict[Hashable, int] = OrderedDict()
         self._running = False
+        self._epoch = 0  # advanced whenever a graph is dropped: a `handle` from before may be stale
 
     def run(self, key: Hashable, fn: Callable[[], None], device: torch.device) -> None:
         """`fn()` eagerly, captured, or replayed (see the module doc and the class doc)."""
@@ -130,6 +131,7 @@ class Graphs:
         while self.count() > MAX_GRAPHS:  # the oldest goes; its key runs eagerly from then on (no capture thrash)
             oldest = next(k for k, g in self._graphs.items() if g is not _FAILED)
             self._graphs[oldest] = _FAILED
+            self._epoch += 1
         graph.replay()
 
     def captured(self, key: Hashable) -> bool:
@@ -137,10 +139,17 @@ class Graphs:
         graph = self._graphs.get(key)
         return graph is not None and graph is not _FAILED
 
-    def replay(self, key: Hashable) -> bool:
-        """Replay the graph of `key` if there is one (True), else do nothing (False)."""
+    def handle(self, key: Hashable) -> tuple[object, int] | None:
+        """What `replay_handle` replays `key`'s graph from without looking the key up again (a key of many tensors
+        costs the host a hash and a deep comparison per look-up), or None where `key` has no graph."""
         graph = self._graphs.get(key)
-        if graph is None or graph is _FAILED or self._running or self.backend.capturing():
+        return None if graph is None or graph is _FAILED else (graph, self._epoch)
+
+    def replay_handle(self, handle: tuple[object, int]) -> bool:
+        """Replay the graph of a `handle` (True), unless a graph was dropped since it was taken or a run or capture
+        is under way (False: then nothing happens)."""
+        graph, epoch = handle
+        if epoch != self._epoch or self._running or self.backend.capturing():
             return False
         graph.replay()  # type: ignore[attr-defined]
         return True
@@ -153,3 +162,4 @@ class Graphs:
         """Forget every graph and sighting."""
         self._graphs.clear()
         self._seen.clear()
+        self._epoch += 1
