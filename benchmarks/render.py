@@ -155,7 +155,7 @@ CLAIMS = [
         "runs 77 ms on a quiet host and 85-93 ms on a noisy one; both kinds of run are listed. Adasum ran on the\n"
         "symmetric-memory transport inside one host: at two ranks VHDD (\"symmetric\"); the 4-rank rows (20 timed\n"
         "steps) of 15:55 on the slice-parallel mover with one copy kernel for all peers (the default above two\n"
-        "ranks), the earlier 4-rank rows on VHDD.",
+        "ranks), those of 17:51 with its gather by stores, the earlier 4-rank rows on VHDD.",
         "python benchmarks/bench_e2e.py --models bert --steps 30 --warmup 5      # one process per GPU\n"
         "python benchmarks/bench_e2e.py --models resnet50 --steps 30 --warmup 5",
         "e2e.jsonl",
@@ -258,10 +258,13 @@ CLAIMS = [
         "`kept MiB`: device memory kept after repeated calls (buffers, graphs), counted from after one call of\n"
         "NCCL's all_reduce of the same bytes. The rows of each P are the runs of the code that P runs now: at\n"
         "P = 2 the label \"defaults, results stored into the peers\", at 3 and 4 the label after the slice mover's\n"
-        "one copy kernel for all peers (the code of a two-rank call did not change with it).",
+        "gather by stores (the code of a two-rank call did not change with it). The fp32 rows predate 16-byte\n"
+        "accesses for fp32 (the settings table at the end has that A/B: 2-4 % faster at 3 ranks, 5 % for\n"
+        "BERT-Large at 2).",
         "python benchmarks/bench_collective.py --backend nccl --world P --dtypes fp32,bf16 --exps 20,24,26,28 \\\n"
         "    --layouts resnet50,bert-large --repeats 7 --label \"defaults, results stored into the peers\"  # P = 2\n"
-        "    ... --repeats 5 --label \"defaults, slices at 3 and 4 ranks, one copy kernel for all peers\"  # P = 3, 4",
+        "    ... --repeats 5 \\\n"
+        "    --label \"defaults, slices gathered by stores into the peers, fused into the last combination\"  # P = 3, 4",
         "collective.jsonl",
         lambda rows: runs_per_case([r for r in rows if r.get("label") == CURRENT_DEFAULTS.get(r.get("world_size"))],
                                    lambda r: (r["world_size"], r["layout"], r["dtype"])),
