@@ -264,7 +264,7 @@ CLAIMS = [
         "python benchmarks/bench_collective.py --backend nccl --world P --dtypes fp32,bf16 --exps 20,24,26,28 \\\n"
         "    --layouts resnet50,bert-large --repeats 7 --label \"defaults, results stored into the peers\"  # P = 2\n"
         "    ... --repeats 5 \\\n"
-        "    --label \"defaults, slices gathered by stores into the peers, fused into the last combination\"  # P = 3, 4",
+        "    --label \"defaults, slices gathered by stores into the peers, fused into the last combination\"  # 3, 4",
         "collective.jsonl",
         lambda rows: runs_per_case([r for r in rows if r.get("label") == CURRENT_DEFAULTS.get(r.get("world_size"))],
                                    lambda r: (r["world_size"], r["layout"], r["dtype"])),
