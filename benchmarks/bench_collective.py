@@ -14,7 +14,7 @@ with the card, driver, torch and NCCL versions, the host launches of one call (a
 after the timed ones: kernel, memcpy and graph launches through the CUDA runtime and driver), and
 each side's median host time per call (``adasum_host_s``, ``allreduce_host_s``: how long the call
 took to return, the slowest rank's; on a GPU the idle device waits for the part before the first
-launch, which for a list is mostly the replay's per-tensor checks).
+launch, which for a list includes the replay's per-tensor checks).
 
 ``--check`` first checks every transport against ``adasum.reduce`` of the ranks' inputs (float64
 rounding bound) with ranks bitwise equal, over repeated calls (so replayed graphs are checked too).
@@ -259,6 +259,7 @@ def slice_moves_probe(rank, world, device, args, log) -> list[dict]:
             buffer = tensors[0].view(-1) if len(tensors) == 1 else Scattered(tensors)
             layout = Layout((numel,)) if len(tensors) == 1 else buffer.layout
             cut = slice_rounds(layout, mover, buffer)
+            free = free_rows(Tree(world))
 
             def moves():
                 for first, end, lo, hi, bounds in cut:
@@ -276,7 +277,7 @@ def slice_moves_probe(rank, world, device, args, log) -> list[dict]:
                                 for out in outs[1:]:
                                     out.copy_(rows[rank][p0 - start : p1 - start])
 
-                    mv.gather(buf, lay, bounds, finish, free_rows(Tree(world)))
+                    mv.gather(buf, lay, bounds, finish, free)
 
             (m, a), _ = time_pair([moves, lambda: dist.all_reduce(flat)], lambda: None, device, args.repeats,
                                   args.warmup)

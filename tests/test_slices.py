@@ -127,9 +127,10 @@ def test_slice_parallel_in_rounds_through_a_small_budget(world):
 
 GROWING = [200_000, 900_000, 50_000, 700_000, 300_000, 880_000]
 """Under a budget of 7.3 MiB (rounds of about a million fp32 elements at 3 and 4 ranks) these make rounds whose rows
-grow and shrink: 50k, 225k, 188k, 75k, 220k elements at 4 ranks. A round's stores into a peer's receive rows start
-at once, while other ranks may still load that peer's previous results: its output row must lie where no round's
-receive rows reach (`SymmetricSlices._output_row`)."""
+grow and shrink: 50k, 225k, 188k, 75k, 220k elements at 4 ranks. The peers store their results into a rank's
+output row while its root pair's rows are still read: the output row must lie where no round's receive rows reach
+(`SymmetricSlices._output_row`), and a round's stores into the rows must wait until every rank has copied the last
+round's results out of them."""
 
 
 def growing_rounds(rank, world, calls):

@@ -25,6 +25,8 @@ from adasum.settings import current
 
 BLOCK = 1024
 ITERS = TILE // BLOCK
+MORE_OUTS = 3
+"""Outputs `combine` writes besides its first, at most (the kernel's out2 to out4)."""
 
 
 def available(device: torch.device) -> bool:
@@ -306,19 +308,19 @@ def combine(
 ) -> None:
     """``out = c_a * a + c_b * b`` per segment with the coefficients of the segment's `sums`
     (``adasum.core.operator.coefficients``), in float64, stored in out's dtype: one kernel. The worker counts are
-    ints, or int64 tensors with one count per segment. `more_outs` (at most three, of out's dtype and
+    ints, or int64 tensors with one count per segment. `more_outs` (at most `MORE_OUTS`, of out's dtype and
     size) receive the same values in the same pass. `a`, `b` and `out` are flat tensors or `TileAddresses`
     (a slice of `adasum.core.layout.Scattered`, read and written in place); one of a and b is a tensor."""
     like = next(x for x in (a, b, out, *more_outs) if isinstance(x, torch.Tensor))
     table = tiles(tuple(lengths), like.device)
     if table.n_tiles:
-        assert sums.stride(1) == 1 and sums.dtype == torch.float64 and len(more_outs) <= 3
+        assert sums.stride(1) == 1 and sums.dtype == torch.float64 and len(more_outs) <= MORE_OUTS
         per_segment = isinstance(workers_a, torch.Tensor)
         per_segment_counts = cast(list[torch.Tensor], [workers_a, workers_b])
         counts = torch.stack(per_segment_counts) if per_segment else sums  # any pointer when unused
         (a_ptr, a_tiles, a_at), (b_ptr, b_tiles, b_at) = _operand(a, like), _operand(b, like)
         out_ptr, out_tiles, out_at = _operand(out, like)
-        extra = list(more_outs) + [out_ptr] * (3 - len(more_outs))  # unused pointers when fewer
+        extra = list(more_outs) + [out_ptr] * (MORE_OUTS - len(more_outs))  # unused pointers when fewer
         _combine_kernel[(table.n_tiles,)](
             a_ptr, b_ptr, sums, sums.stride(0), 0 if per_segment else workers_a, 0 if per_segment else workers_b,
             counts, len(lengths), out_ptr, table.starts, table.sizes, table.segments, *extra,
@@ -375,8 +377,8 @@ def add(
 
 def copy_tiles(table, like: torch.Tensor) -> None:
     """Every tile of a `adasum.kernels.addresses.CopyTable` copied (bits as they are), in one kernel; `like` a
-    tensor of the table's dtype on its device. Two-byte dtypes move 16 bytes per access where the table is aligned
-    (`_align`'s rule)."""
+    tensor of the table's dtype on its device. It moves 16 bytes per access where the table is aligned (`_align`'s
+    rule)."""
     if not table.n:
         return
     size = like.element_size()

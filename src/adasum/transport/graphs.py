@@ -136,8 +136,7 @@ class Graphs:
 
     def captured(self, key: Hashable) -> bool:
         """Whether `key` has a captured graph."""
-        graph = self._graphs.get(key)
-        return graph is not None and graph is not _FAILED
+        return self.handle(key) is not None
 
     def handle(self, key: Hashable) -> tuple[object, int] | None:
         """What `replay_handle` replays `key`'s graph from without looking the key up again (a key of many tensors

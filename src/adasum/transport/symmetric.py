@@ -198,6 +198,12 @@ def _bytes_like(like) -> torch.Tensor:
     return torch.empty(0, dtype=torch.uint8, device=like.device)
 
 
+def _among_peers(sender: int, receiver: int) -> int:
+    """`sender`'s place among `receiver`'s P - 1 peers (ranks in order, the receiver left out): which of the
+    receiver's rows or slots for peers holds what the sender stores there."""
+    return sender - (sender > receiver)
+
+
 def _group_in_place(transport: Transport) -> SymmetricInPlace:
     """The mover of a single tensor larger than a round (`SymmetricInPlace`, made on first use): the transport's
     group's one (`in_place_mover`), for both symmetric transports."""
@@ -508,9 +514,9 @@ class SymmetricSlices(Transport):
     name = "slices"
     scattered = True
     timeout = None
-    direct = 3
-    """Peers whose slots the last combination stores into itself (the kernel's outputs besides `B`: at most 3); the
-    result reaches the others through one copy kernel."""
+    direct = triton_kernels.MORE_OUTS
+    """Peers whose slots the last combination stores into itself (as many as the combination kernel writes outputs
+    besides `B`); the result reaches the others through one copy kernel."""
     pieces = 1
     """Pieces per slice at most (one per `CHUNK_BYTES`): one, since cutting the rounds into 4 pieces with the math
     of one piece on a side stream measured slower (the kernels beside the moves share the multiprocessors)."""
@@ -610,7 +616,7 @@ class SymmetricSlices(Transport):
         peers = {j: self.pool.peer_view(handle, j, shared.numel(), shared.dtype) for j in self._order()}
 
         def slot(sender: int, receiver: int) -> int:  # where sender's result lands in receiver's buffer
-            return slots[sender - (sender > receiver)]
+            return slots[_among_peers(sender, receiver)]
 
         lo, hi = bounds[me]
         size = hi - lo
@@ -673,7 +679,7 @@ class SymmetricInPlace(InPlace, Transport):
 
     def _slot_row(self, slot: int, sender: int, receiver: int, piece: int) -> int:
         """Where `sender`'s row of slot `slot` starts in `receiver`'s ring."""
-        row = sender - (sender > receiver)
+        row = _among_peers(sender, receiver)
         return (self.world + 1) * self.spare + (slot * (self.world - 1) + row) * piece
 
     def _from_slot(self, ring, buffer: torch.Tensor, bounds, slot: int, p0: int, p1: int, piece: int) -> None:
