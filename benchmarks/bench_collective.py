@@ -263,13 +263,13 @@ def slice_moves_probe(rank, world, device, args, log) -> list[dict]:
 
             def moves():
                 for first, end, lo, hi, bounds in cut:
-                    mv, buf, lay = mover, buffer, layout
+                    mv, buf = mover, buffer
                     if bounds is None:  # one tensor larger than a round: the in-place mover
                         mv = mover.in_place
                         buf = round_tensor(buffer, first, end, lo, hi)
-                        lay, bounds = Layout((buf.numel(),)), mv.cut(buf.numel())
+                        bounds = mv.cut(buf.numel())
                     parts = mv.rows(buf, bounds)
-                    mv.scatter(buf, lay, bounds, lambda p0, p1: None)
+                    mv.scatter(buf, bounds, lambda p0, p1: None)
 
                     def finish(p0, p1, outs, parts=parts):
                         for start, rows in parts:
@@ -277,7 +277,7 @@ def slice_moves_probe(rank, world, device, args, log) -> list[dict]:
                                 for out in outs[1:]:
                                     out.copy_(rows[rank][p0 - start : p1 - start])
 
-                    mv.gather(buf, lay, bounds, finish, free)
+                    mv.gather(buf, bounds, finish, free)
 
             (m, a), _ = time_pair([moves, lambda: dist.all_reduce(flat)], lambda: None, device, args.repeats,
                                   args.warmup)

@@ -71,7 +71,7 @@ class SliceMover(Protocol):
     def rows(self, buffer, bounds: Sequence[tuple[int, int]]) -> list[Part]:
         """Where every rank's copy of this rank's slice lands (scratch): parts covering the slice in order."""
 
-    def scatter(self, buffer, layout: Layout, bounds: Sequence[tuple[int, int]], landed: Piece) -> None:
+    def scatter(self, buffer, bounds: Sequence[tuple[int, int]], landed: Piece) -> None:
         """Fill `rows`; ``landed(p0, p1)`` runs once a piece of every row is complete (the pieces cover the slice,
         each inside one part)."""
 
@@ -79,8 +79,7 @@ class SliceMover(Protocol):
         """SUM all-reduce of a small float64 array over the group."""
 
     def gather(
-        self, buffer, layout: Layout, bounds: Sequence[tuple[int, int]], finish: Callable[[int, int, list], None],
-        free: Sequence[int] = (),
+        self, buffer, bounds: Sequence[tuple[int, int]], finish: Callable[[int, int, list], None], free: Sequence[int]
     ) -> None:
         """``finish(p0, p1, outs)`` writes the result of a piece of this rank's slice into `outs` (this rank's
         slice of `buffer` there first, then wherever the mover takes it from or sends it to); then every rank's
@@ -277,12 +276,12 @@ def _round(buffer, layout: Layout, mover: SliceMover, tensors: tuple[int, int], 
     def landed(p0: int, p1: int) -> None:
         _dots(parts, first_pairs, layout, where, p0, p1, sums, tensors[0])
 
-    mover.scatter(buffer, layout, bounds, landed)
+    mover.scatter(buffer, bounds, landed)
     free = free_rows(tree)
     # two tiers (`across`): the mover's sums are one host's, the levels across hosts record theirs
     finish = tree_on_slice_(parts, layout, where, tree, mover.all_reduce_sums, tensors, sums, across is None)
     if across is None:
-        mover.gather(buffer, layout, bounds, finish, free)
+        mover.gather(buffer, bounds, finish, free)
         return
     mine = cast(torch.Tensor, buffer)[where[0] : where[1]]  # the two-tier path runs on flat buffers
     finish(0, where[1] - where[0], [mine])
@@ -293,7 +292,7 @@ def _round(buffer, layout: Layout, mover: SliceMover, tensors: tuple[int, int], 
         for out in outs[1:]:  # the mover's own staging of the result (symmetric memory)
             out.copy_(mine[p0:p1])
 
-    mover.gather(buffer, layout, bounds, publish, free)
+    mover.gather(buffer, bounds, publish, free)
 
 
 def adasum_in_place_(

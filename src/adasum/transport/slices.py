@@ -17,7 +17,6 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
-from adasum.core.layout import Layout
 from adasum.settings import current
 from adasum.transport.base import CUT_ALIGN, Transport
 from adasum.transport.c10d import global_rank, wait
@@ -162,7 +161,7 @@ class C10dInPlace(InPlace, Transport):
         self._parts = self.parts(buffer, bounds, spare)
         return self._parts
 
-    def scatter(self, buffer: torch.Tensor, layout: Layout, bounds: Sequence[tuple[int, int]], landed) -> None:
+    def scatter(self, buffer: torch.Tensor, bounds: Sequence[tuple[int, int]], landed) -> None:
         """Piece by piece: send this rank's copies of the other slices, receive the owners' copies of this rank's
         into the ring, copy them where the sent ones were; the tails of the last slice first."""
         assert self._parts is not None  # `rows` came first
@@ -186,7 +185,7 @@ class C10dInPlace(InPlace, Transport):
             landed(width, width + tail)
 
     def gather(  # type: ignore[override]  # a SliceMover's gather, not the VHDD schedule's
-        self, buffer: torch.Tensor, layout: Layout, bounds: Sequence[tuple[int, int]], finish, free=()
+        self, buffer: torch.Tensor, bounds: Sequence[tuple[int, int]], finish, free: Sequence[int]
     ) -> None:
         """Write this rank's result slice, then exchange every rank's slice with every peer (each lands where the
         rows were)."""
@@ -241,7 +240,7 @@ class C10dSlices(Transport):
         space = self._workspace(self.world * size, buffer)
         return [(0, [space[j * size : (j + 1) * size] for j in range(self.world)])]
 
-    def scatter(self, buffer: torch.Tensor, layout: Layout, bounds: Sequence[tuple[int, int]], landed) -> None:
+    def scatter(self, buffer: torch.Tensor, bounds: Sequence[tuple[int, int]], landed) -> None:
         """Fill the rows: one batch of sends and receives with every peer, then ``landed`` for the whole slice."""
         lo, hi = bounds[self.rank]
         rows = self.rows(buffer, bounds)[0][1]
@@ -255,7 +254,7 @@ class C10dSlices(Transport):
         dist.all_reduce(sums, group=self.group)
 
     def gather(  # type: ignore[override]  # a SliceMover's gather, not the VHDD schedule's
-        self, buffer: torch.Tensor, layout: Layout, bounds: Sequence[tuple[int, int]], finish, free=()
+        self, buffer: torch.Tensor, bounds: Sequence[tuple[int, int]], finish, free: Sequence[int]
     ) -> None:
         """Write this rank's result slice, then exchange every rank's slice with every peer."""
         lo, hi = bounds[self.rank]

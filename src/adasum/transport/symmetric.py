@@ -59,7 +59,7 @@ from typing import Any, cast
 import torch
 import torch.distributed as dist
 
-from adasum.core.layout import Layout, Scattered
+from adasum.core.layout import Scattered
 from adasum.kernels import combine_from_sums
 from adasum.kernels import triton as triton_kernels
 from adasum.kernels.addresses import AddressTables, CopyTables
@@ -575,7 +575,7 @@ class SymmetricSlices(Transport):
     def _order(self) -> list[int]:
         return [(self.rank + step) % self.world for step in range(1, self.world)]
 
-    def scatter(self, buffer, layout, bounds, landed):
+    def scatter(self, buffer, bounds, landed):
         """Store each piece of this rank's copies into the owners' rows, a barrier per piece, then ``landed`` on a
         side stream."""
         shared, handle, row, me = self._shared, self._handle, self._row, self.rank
@@ -605,7 +605,7 @@ class SymmetricSlices(Transport):
         """SUM all-reduce of the small float64 sums over the group."""
         dist.all_reduce(sums, group=self.group)
 
-    def gather(self, buffer, layout, bounds, finish, free=()):
+    def gather(self, buffer, bounds, finish, free):
         """Store this rank's result into every peer's slots, the first `direct` peers' by the last combination
         itself; then copy the peers' results out of this rank's slots into `B` (class doc). `free`: the receive
         rows the last combination does not read (P - 2 of them: the schedule's root pair reads two)."""
@@ -704,7 +704,7 @@ class SymmetricInPlace(InPlace, Transport):
         peers = {j: self.pool.peer_view(self._handle, j, ring.numel(), ring.dtype) for j in order}
         return ring, piece, peers, torch.cuda.current_stream(ring.device), side_stream(ring.device, "copies")
 
-    def scatter(self, buffer: torch.Tensor, layout: Layout, bounds: Sequence[tuple[int, int]], landed) -> None:
+    def scatter(self, buffer: torch.Tensor, bounds: Sequence[tuple[int, int]], landed) -> None:
         """Store this rank's copies into the owners' ring, piece by piece (class doc)."""
         ring, piece, peers, main, side = self._start(buffer)
         handle, me, last = self._handle, self.rank, self.world - 1
@@ -728,7 +728,7 @@ class SymmetricInPlace(InPlace, Transport):
             landed(width, width + tail)
 
     def gather(  # type: ignore[override]  # a SliceMover's gather, not the VHDD schedule's
-        self, buffer: torch.Tensor, layout: Layout, bounds: Sequence[tuple[int, int]], finish, free=()
+        self, buffer: torch.Tensor, bounds: Sequence[tuple[int, int]], finish, free: Sequence[int]
     ) -> None:
         """Push this rank's results into its peers' rings, and copy theirs out of its own (class doc)."""
         ring, piece, peers, main, side = self._start(buffer)
