@@ -3,22 +3,26 @@
 The ranks form a ("replicate", "shard") mesh of --mesh REPLICASxSHARDS (default: every rank one
 replica with one shard, WORLDx1); bf16 MixedPrecisionPolicy (fp32 reduction by default,
 --reduce-dtype bfloat16), a decoder-only transformer (default about 1.04 B parameters), AdamW.
-Variants, each a fresh model, run in turn --repeats times (alternated, so drift hits all alike):
+Every variant's model is built and warmed up in turn, then they take turns step by step (the order rotated
+each round), so drift and noise between steps hit all alike; `--sequential` instead runs one variant's model
+at a time, --repeats times (for a card that cannot hold every variant's model at once):
 
 * ``native``: native HSDP, ``fully_shard(mesh=mesh)`` on the 2-D mesh (FSDP's own averaging);
 * ``mean``: the same custom-HSDP hook as Adasum (`adasum.fsdp.enable`) with the Mean reducer;
 * ``adasum``: `adasum.fsdp.enable(model, mesh)`.
 
 A step is forward, backward and the optimizer step, timed with CUDA events. A variant's time is
-the median over all its timed steps (every repeat) of the slowest rank's step; its peak memory
-is the largest ``max_memory_allocated`` of any rank, and its kept memory the device memory outside the
-caching allocator that stays once its model is gone (symmetric-memory buffers, captured graphs), the
-largest of any rank. Rows (one per variant and repeat, the card
-named) go to --out (jsonl); a table of medians, ratios to native and peaks ends the output.
+the median over all its timed steps (every repeat) of the slowest rank's step, and its ratio to native the
+median over rounds of its step over native's step of the same round (interleaved; sequential: the ratio of
+the medians). Its peak memory is the largest growth of ``max_memory_allocated`` over what was allocated
+before its model was built, of any rank (its own footprint, whatever other models are resident), and its kept
+memory the device memory outside the caching allocator that it took (symmetric-memory buffers, captured
+graphs; sequential: what stays once its model is gone), the largest of any rank. Rows (one per variant and
+repeat, the card named) go to --out (jsonl); a table of medians, ratios to native and peaks ends the output.
 
-    torchrun --nproc-per-node 2 benchmarks/bench_fsdp.py --repeats 3 --out benchmarks/results/fsdp.jsonl
-    torchrun --nproc-per-node 4 benchmarks/bench_fsdp.py --mesh 4x1 --repeats 3 --out benchmarks/results/fsdp.jsonl
-    torchrun --nproc-per-node 4 benchmarks/bench_fsdp.py --mesh 2x2 --repeats 3 --out benchmarks/results/fsdp.jsonl
+    torchrun --nproc-per-node 2 benchmarks/bench_fsdp.py --steps 40 --out benchmarks/results/fsdp.jsonl
+    torchrun --nproc-per-node 4 benchmarks/bench_fsdp.py --mesh 4x1 --steps 40 --out benchmarks/results/fsdp.jsonl
+    torchrun --nproc-per-node 4 benchmarks/bench_fsdp.py --mesh 2x2 --steps 40 --out benchmarks/results/fsdp.jsonl
     torchrun --nproc-per-node 2 benchmarks/bench_fsdp.py --dry-run      # tiny model on CPU/gloo
 """
 
@@ -92,59 +96,112 @@ def build(variant: str, args, mesh, device):
     return model
 
 
-def time_variant(variant: str, args, mesh, device) -> dict:
-    free_before = free_memory(device, empty_cache=True) or 0
+def one_step(model, opt, tokens: torch.Tensor, device: torch.device) -> float:
+    """Forward, backward and the optimizer step; this rank's seconds (CUDA events on a GPU)."""
+    if device.type == "cuda":
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+    else:
+        t0 = time.perf_counter()
+    logits = model(tokens[:, :-1])
+    loss = F.cross_entropy(logits.flatten(0, 1).float(), tokens[:, 1:].flatten())
+    loss.backward()
+    opt.step()
+    opt.zero_grad(set_to_none=True)
+    if device.type == "cuda":
+        end.record()
+        end.synchronize()
+        return start.elapsed_time(end) / 1e3
+    return time.perf_counter() - t0
+
+
+def profile(variant: str, model, opt, tokens: torch.Tensor, rows: int) -> None:
+    """Two more steps under torch.profiler: where the time goes (printed on rank 0)."""
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU,
+                                            torch.profiler.ProfilerActivity.CUDA]) as prof:
+        for _ in range(2):
+            model(tokens[:, :-1]).float().logsumexp(-1).mean().backward()
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+        torch.cuda.synchronize()
+    if dist.get_rank() == 0:
+        print(f"== profile of 2 steps: {variant} ==")
+        print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=rows))
+
+
+def memory(device: torch.device) -> tuple[int, int, int]:
+    """(free device bytes, bytes the caching allocator reserves, bytes it has allocated) once the device is idle,
+    after handing back its unused cache; zeros on the CPU."""
+    if device.type != "cuda":
+        return 0, 0, 0
+    free = free_memory(device, empty_cache=True)
+    return free, torch.cuda.memory_reserved(device), torch.cuda.memory_allocated(device)
+
+
+def slowest(values: list[float], device: torch.device) -> list[float]:
+    """Each value's largest of any rank."""
+    mine = torch.tensor(values, dtype=torch.float64, device=device)
+    dist.all_reduce(mine, op=dist.ReduceOp.MAX)
+    return mine.tolist()
+
+
+def prepared(variant: str, args, mesh, device) -> dict:
+    """`variant`'s model and optimizer after --warmup steps, with its own peak and kept memory (this rank's)."""
+    free, reserved, allocated = memory(device)
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
     model = build(variant, args, mesh, device)
-    params = sum(p.numel() for p in model.parameters())  # DTensors: the whole model's count
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
     g = torch.Generator(device="cpu").manual_seed(dist.get_rank())
     tokens = torch.randint(0, args.vocab, (args.batch, args.seq + 1), generator=g).to(device)
-    times = []
-    for step in range(args.warmup + args.steps):
-        if device.type == "cuda":
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-        else:
-            t0 = time.perf_counter()
-        logits = model(tokens[:, :-1])
-        loss = F.cross_entropy(logits.flatten(0, 1).float(), tokens[:, 1:].flatten())
-        loss.backward()
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-        if device.type == "cuda":
-            end.record()
-            end.synchronize()
-            elapsed = start.elapsed_time(end) / 1e3
-        else:
-            elapsed = time.perf_counter() - t0
-        if step >= args.warmup:
-            times.append(elapsed)
-    if args.profile and device.type == "cuda":  # two more steps under torch.profiler: where the time goes
-        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU,
-                                                torch.profiler.ProfilerActivity.CUDA]) as prof:
-            for _ in range(2):
-                model(tokens[:, :-1]).float().logsumexp(-1).mean().backward()
-                opt.step()
-                opt.zero_grad(set_to_none=True)
-            torch.cuda.synchronize()
-        if dist.get_rank() == 0:
-            print(f"== profile of 2 steps: {variant} ==")
-            print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=args.profile))
-    del model, opt, logits, loss
+    for _ in range(args.warmup):
+        one_step(model, opt, tokens, device)
+    peak = torch.cuda.max_memory_allocated(device) - allocated if device.type == "cuda" else 0
+    free_after, reserved_after, _ = memory(device)
+    kept = (free - free_after) - (reserved_after - reserved)  # taken outside the caching allocator
+    return {"variant": variant, "model": model, "opt": opt, "tokens": tokens, "peak": peak, "kept": kept,
+            "params": sum(p.numel() for p in model.parameters())}  # DTensors: the whole model's count
+
+
+def row(state: dict, times: list[float], device: torch.device, **extra) -> dict:
+    """A variant's row: its slowest-rank step times, and its largest peak and kept memory of any rank."""
+    *times, peak, kept = slowest([*times, state["peak"], state["kept"]], device)
+    return {"variant": state["variant"], "params": state["params"], "step_s": statistics.median(times),
+            "step_times_s": times, "peak_gib": round(peak / 2**30, 3), "kept_mib": round(kept / 2**20, 1), **extra}
+
+
+def interleaved(variants: list[str], args, mesh, device) -> list[dict]:
+    """Every variant's model resident at once, one step of each in turn, the order rotated each round."""
+    states = [prepared(variant, args, mesh, device) for variant in variants]
+    times: list[list[float]] = [[] for _ in states]
+    for round_ in range(args.steps):
+        for i in (*range(round_ % len(states), len(states)), *range(round_ % len(states))):
+            state = states[i]
+            times[i].append(one_step(state["model"], state["opt"], state["tokens"], device))
+    if args.profile and device.type == "cuda":
+        for state in states:
+            profile(state["variant"], state["model"], state["opt"], state["tokens"], args.profile)
+    rows = [row(state, t, device, schedule="interleaved") for state, t in zip(states, times)]
+    native = next((r for r in rows if r["variant"] == "native"), None)
+    for r in rows:
+        if native is not None:  # paired by round: the steps of one round ran within a few hundred ms
+            r["ratio"] = statistics.median(a / b for a, b in zip(r["step_times_s"], native["step_times_s"]))
+    return rows
+
+
+def sequential(variant: str, args, mesh, device) -> dict:
+    """One variant's model alone: warmed up, --steps timed; its kept memory what stays once it is gone."""
+    free_before = free_memory(device, empty_cache=True) or 0
+    state = prepared(variant, args, mesh, device)
+    times = [one_step(state["model"], state["opt"], state["tokens"], device) for _ in range(args.steps)]
+    if args.profile and device.type == "cuda":
+        profile(variant, state["model"], state["opt"], state["tokens"], args.profile)
+    state.pop("model"), state.pop("opt")
     gc.collect()  # the hooks' closures hold the model in a reference cycle
-    peak = torch.cuda.max_memory_allocated(device) if device.type == "cuda" else 0
     # memory outside the caching allocator that the variant keeps once its model is gone (symmetric-memory
     # buffers, captured graphs' pools, communicators): not in max_memory_allocated, so reported beside it
-    kept = free_before - (free_memory(device, empty_cache=True) or 0)
-    # the slowest rank's time of each step, and the largest peak and kept memory of any rank
-    mine = torch.tensor([*times, peak, kept], dtype=torch.float64, device=device)
-    dist.all_reduce(mine, op=dist.ReduceOp.MAX)
-    *slowest, peak, kept = mine.tolist()
-    if device.type == "cuda":
-        torch.cuda.empty_cache()
-        torch.cuda.reset_peak_memory_stats(device)
-    return {"variant": variant, "params": params, "step_s": statistics.median(slowest), "step_times_s": slowest,
-            "peak_gib": round(peak / 2**30, 3), "kept_mib": round(kept / 2**20, 1)}
+    state["kept"] = free_before - (free_memory(device, empty_cache=True) or 0)
+    return row(state, times, device, schedule="sequential")
 
 
 def parse_mesh(text: str | None, world: int) -> tuple[int, int]:
@@ -163,7 +220,8 @@ def summary(rows: list[dict]) -> list[dict]:
         steps = [t for r in mine for t in r["step_times_s"]]
         out.append({"variant": variant, "step_s": statistics.median(steps), "low_s": min(r["step_s"] for r in mine),
                     "high_s": max(r["step_s"] for r in mine), "peak_gib": max(r["peak_gib"] for r in mine),
-                    "kept_mib": max(r.get("kept_mib", 0.0) for r in mine)})
+                    "kept_mib": max(r.get("kept_mib", 0.0) for r in mine),
+                    "ratio": statistics.median(r["ratio"] for r in mine) if all("ratio" in r for r in mine) else None})
     return out
 
 
@@ -175,7 +233,8 @@ def table(summaries: list[dict], card: str, mesh: tuple[int, int], repeats: int)
              "| variant | step (ms) | repeats' medians (ms) | x native | peak (GiB) | peak x native | kept (MiB) |",
              "| --- | ---: | ---: | ---: | ---: | ---: | ---: |"]
     for s in summaries:
-        ratio = f"{s['step_s'] / native['step_s']:.3f}" if native else "-"
+        ratio = s["ratio"] if s["ratio"] is not None else s["step_s"] / native["step_s"] if native else None
+        ratio = "-" if ratio is None else f"{ratio:.3f}"
         peak_ratio = f"{s['peak_gib'] / native['peak_gib']:.3f}" if native and native["peak_gib"] > 0 else "-"
         lines.append(f"| {s['variant']} | {s['step_s'] * 1e3:.1f} | {s['low_s'] * 1e3:.1f}-{s['high_s'] * 1e3:.1f} | "
                      f"{ratio} | {s['peak_gib']:.2f} | {peak_ratio} | {s['kept_mib']:.0f} |")
@@ -194,8 +253,10 @@ def main() -> None:
     parser.add_argument("--seq", type=int, default=1024)
     parser.add_argument("--batch", type=int, default=4)
     parser.add_argument("--warmup", type=int, default=4)
-    parser.add_argument("--steps", type=int, default=12)
-    parser.add_argument("--repeats", type=int, default=1, help="run the variants this many times, alternated")
+    parser.add_argument("--steps", type=int, default=40, help="timed steps (rounds, interleaved) per variant")
+    parser.add_argument("--sequential", action="store_true",
+                        help="one variant's model at a time, --repeats times (alternated), instead of interleaved")
+    parser.add_argument("--repeats", type=int, default=1, help="with --sequential: run the variants this many times")
     parser.add_argument("--mesh", default=None, metavar="RxS",
                         help="replicas x shards, e.g. 2x2 (default: the world size x 1)")
     parser.add_argument("--out", default=None, help="append rows to this jsonl file (rank 0)")
@@ -222,22 +283,27 @@ def main() -> None:
         "cuda": torch.version.cuda, "nccl": ".".join(map(str, torch.cuda.nccl.version())) if cuda else None,
         "driver": driver_version() if cuda else None, "bf16": cuda, "dry_run": args.dry_run,
         "reduce_dtype": args.reduce_dtype, "layers": args.layers, "dim": args.dim, "seq": args.seq,
-        "batch": args.batch, "warmup": args.warmup, "repeats": args.repeats,
+        "batch": args.batch, "warmup": args.warmup, "repeats": args.repeats if args.sequential else 1,
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
     }
+    variants = args.variants.split(",")
+    if args.sequential:
+        runs = [[sequential(variant, args, mesh, device)] for _ in range(args.repeats) for variant in variants]
+    else:
+        runs = [interleaved(variants, args, mesh, device)]
     rows = []
-    for repeat in range(args.repeats):
-        for variant in args.variants.split(","):
-            rows.append({**meta, "repeat": repeat, **time_variant(variant, args, mesh, device)})
+    for repeat, run in enumerate(runs):
+        for r in run:
+            rows.append({**meta, "repeat": repeat // (len(variants) if args.sequential else 1), **r})
             if dist.get_rank() == 0:
-                print(f"{variant}: {rows[-1]['step_s'] * 1e3:.1f} ms/step, peak {rows[-1]['peak_gib']:.2f} GiB "
-                      f"({rows[-1]['params'] / 1e9:.3f} B params)", flush=True)
+                print(f"{r['variant']}: {r['step_s'] * 1e3:.1f} ms/step, peak {r['peak_gib']:.2f} GiB "
+                      f"({r['params'] / 1e9:.3f} B params)", flush=True)
     if dist.get_rank() == 0:
         if args.out:
             with open(args.out, "a") as f:
                 for row in rows:
                     f.write(json.dumps(row) + "\n")
-        print(table(summary(rows), card, (replicas, shards), args.repeats), flush=True)
+        print(table(summary(rows), card, (replicas, shards), meta["repeats"]), flush=True)
     dist.destroy_process_group()
 
 

@@ -7,7 +7,9 @@ replicas' shard means, per parameter (Adasum) or per unit (AdaCons). Ranks of a 
 (same shard, other replica) must hold bitwise-identical shards.
 """
 
+import json
 import os
+import statistics
 import subprocess
 import sys
 from pathlib import Path
@@ -460,16 +462,29 @@ def test_unit_view_fails_loudly_on_changed_torch():
         fill_unused_grads(Older())
 
 
-def test_benchmark_dry_run():
-    """The benchmark on CPU/gloo with a tiny model: every variant twice, alternated, then the table."""
+@pytest.mark.parametrize("schedule", ["interleaved", "sequential"])
+def test_benchmark_dry_run(schedule, tmp_path):
+    """The benchmark on CPU/gloo with a tiny model, every variant's steps interleaved (or each variant alone,
+    twice, alternated), then the table and the rows."""
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT / "src")}
     command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2"]
-    done = subprocess.run([*command, str(ROOT / "benchmarks" / "bench_fsdp.py"), "--dry-run", "--repeats", "2",
-                           "--mesh", "2x1"], env=env, capture_output=True, text=True, timeout=240)
+    how = ["--sequential", "--repeats", "2"] if schedule == "sequential" else []
+    out = tmp_path / "rows.jsonl"
+    done = subprocess.run([*command, str(ROOT / "benchmarks" / "bench_fsdp.py"), "--dry-run", *how, "--mesh", "2x1",
+                           "--out", str(out)], env=env, capture_output=True, text=True, timeout=240)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     lines = done.stdout.splitlines()
-    assert [line.split(":")[0] for line in lines if "ms/step" in line] == ["native", "mean", "adasum"] * 2, lines
+    runs = 2 if schedule == "sequential" else 1
+    assert [line.split(":")[0] for line in lines if "ms/step" in line] == ["native", "mean", "adasum"] * runs, lines
     assert any(line.startswith("mesh 2 x 1 (replicas x shards) on ") for line in lines), lines
     rows = {line.split("|")[1].strip(): line for line in lines if line.startswith("| ") and "---" not in line}
     assert set(rows) == {"variant", "native", "mean", "adasum"}, lines
     assert rows["native"].split("|")[4].strip() == "1.000", rows["native"]
+    records = [json.loads(line) for line in out.read_text().splitlines()]
+    assert [r["variant"] for r in records] == ["native", "mean", "adasum"] * runs
+    assert {r["schedule"] for r in records} == {schedule}
+    assert all(len(r["step_times_s"]) == 2 and r["step_s"] > 0 for r in records), records
+    if schedule == "interleaved":  # each variant's ratio: the median of its steps over native's, round by round
+        native = records[0]["step_times_s"]
+        for r in records:
+            assert r["ratio"] == pytest.approx(statistics.median(a / b for a, b in zip(r["step_times_s"], native)))
