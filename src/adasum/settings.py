@@ -64,9 +64,6 @@ class Settings:
     triton_vectors: str = "1"
     """The Triton kernels' 16-byte vector accesses: "1" where aligned, "2-byte" only for 2-byte dtypes, "0" never
     (``ADASUM_TRITON_VECTORS``)."""
-    copy_programs: int = 0
-    """The most programs (thread blocks) of the symmetric movers' copy kernel; 0: one per tile
-    (``ADASUM_COPY_PROGRAMS``; `adasum.kernels.triton.copy_tiles`)."""
     memory_mb: float = 512.0
     """Device memory the symmetric-memory transports' buffers may take per GPU, in MiB (``ADASUM_MEMORY_MB``)."""
 
@@ -99,7 +96,6 @@ class Settings:
             symmetric_chunk_bytes=_int(env, "ADASUM_SYMMETRIC_CHUNK_BYTES", 32 << 20),
             symmetric_max_chunks=_int(env, "ADASUM_SYMMETRIC_MAX_CHUNKS", 4),
             triton_vectors=env.get("ADASUM_TRITON_VECTORS", "1"),
-            copy_programs=_int(env, "ADASUM_COPY_PROGRAMS", 0),
             memory_mb=float(env.get("ADASUM_MEMORY_MB", 512.0)),
         )
 

@@ -218,25 +218,21 @@ if triton is not None:
                     tl.store(x_at + offs, result.to(out_ptr.dtype.element_ty), mask=mask)
 
     @triton.jit
-    def _copy_tiles_kernel(like_ptr, sources_ptr, targets_ptr, sizes_ptr, n, BLOCK: tl.constexpr,
-                           ITERS: tl.constexpr, ROUNDS: tl.constexpr, ALIGN: tl.constexpr):
-        # tiles of a `CopyTable`, this program's and every grid-th after it (ROUNDS of them, a power of two: few
-        # compilations; past the table's `n` a tile copies nothing): their elements from one address to another
-        # (bits as they are)
-        for k in range(ROUNDS):
-            tile = tl.program_id(0) + k * tl.num_programs(0)
-            inside = tile < n
-            source = tl.load(sources_ptr + tile, mask=inside, other=0).to(tl.pointer_type(like_ptr.dtype.element_ty))
-            target = tl.load(targets_ptr + tile, mask=inside, other=0).to(tl.pointer_type(like_ptr.dtype.element_ty))
-            size = tl.load(sizes_ptr + tile, mask=inside, other=0)
-            if ALIGN > 1:
-                source = tl.multiple_of(source, 16)
-                target = tl.multiple_of(target, 16)
-                size = tl.multiple_of(size, ALIGN)
-            for i in range(ITERS):
-                offs = i * BLOCK + tl.arange(0, BLOCK)
-                mask = offs < size
-                tl.store(target + offs, tl.load(source + offs, mask=mask), mask=mask)
+    def _copy_tiles_kernel(like_ptr, sources_ptr, targets_ptr, sizes_ptr, BLOCK: tl.constexpr, ITERS: tl.constexpr,
+                           ALIGN: tl.constexpr):
+        # one tile of a `CopyTable`: its elements from one address to another (bits as they are)
+        tile = tl.program_id(0)
+        source = tl.load(sources_ptr + tile).to(tl.pointer_type(like_ptr.dtype.element_ty))
+        target = tl.load(targets_ptr + tile).to(tl.pointer_type(like_ptr.dtype.element_ty))
+        size = tl.load(sizes_ptr + tile)
+        if ALIGN > 1:
+            source = tl.multiple_of(source, 16)
+            target = tl.multiple_of(target, 16)
+            size = tl.multiple_of(size, ALIGN)
+        for i in range(ITERS):
+            offs = i * BLOCK + tl.arange(0, BLOCK)
+            mask = offs < size
+            tl.store(target + offs, tl.load(source + offs, mask=mask), mask=mask)
 
 
 def _align(table, *operands) -> int:
@@ -382,15 +378,11 @@ def add(
 def copy_tiles(table, like: torch.Tensor) -> None:
     """Every tile of a `adasum.kernels.addresses.CopyTable` copied (bits as they are), in one kernel; `like` a
     tensor of the table's dtype on its device. It moves 16 bytes per access where the table is aligned (`_align`'s
-    rule). Its grid is one program per tile, or at most ``copy_programs`` programs (`adasum.settings`), each
-    copying every grid-th tile: fewer multiprocessors for the moves, more left to work that runs beside them."""
+    rule)."""
     if not table.n:
         return
     size = like.element_size()
-    cap = current().copy_programs
-    programs = min(table.n, cap) if cap > 0 else table.n
-    _copy_tiles_kernel[(programs,)](
-        like, table.sources, table.targets, table.sizes, table.n, BLOCK=BLOCK, ITERS=ITERS,
-        ROUNDS=_rounds(table.n, programs),
+    _copy_tiles_kernel[(table.n,)](
+        like, table.sources, table.targets, table.sizes, BLOCK=BLOCK, ITERS=ITERS,
         ALIGN=16 // size if table.aligned and _vectors(size) else 1,
     )
