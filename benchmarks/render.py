@@ -107,9 +107,9 @@ def collective_runs(rows: list[dict], labels: tuple[str, ...]) -> list[dict]:
 
 
 CURRENT_DEFAULTS = {
-    2: "defaults, results stored into the peers",
-    3: "defaults, slices gathered by stores into the peers, fused into the last combination",
-    4: "defaults, slices gathered by stores into the peers, fused into the last combination",
+    2: "defaults, 16-byte accesses for every dtype",
+    3: "defaults, 16-byte accesses for every dtype",
+    4: "defaults, 16-byte accesses for every dtype",
 }
 """The label of the collective's rows that the code of each group size runs now (the defaults' table)."""
 
@@ -256,15 +256,12 @@ CLAIMS = [
         "into its peers' rings), so flat 2^26 fp32 and 2^28 run with no buffer sized to them. Timed as above\n"
         "(medians of 7, or 5 from 2^24 elements), against NCCL's all_reduce of the same bytes in the same run;\n"
         "`kept MiB`: device memory kept after repeated calls (buffers, graphs), counted from after one call of\n"
-        "NCCL's all_reduce of the same bytes. The rows of each P are the runs of the code that P runs now: at\n"
-        "P = 2 the label \"defaults, results stored into the peers\", at 3 and 4 the label after the slice mover's\n"
-        "gather by stores (the code of a two-rank call did not change with it). The fp32 rows predate 16-byte\n"
-        "accesses for fp32 (the settings table at the end has that A/B: 2-4 % faster at 3 ranks, 5 % for\n"
-        "BERT-Large at 2).",
+        "NCCL's all_reduce of the same bytes. The rows are the runs of the code that each P runs now (the label\n"
+        "\"defaults, 16-byte accesses for every dtype\"): the push protocol at P = 2, the slice-parallel schedule\n"
+        "with the slice mover's gather by stores at 3 and 4; all on one 4-GPU machine, one P after another.",
         "python benchmarks/bench_collective.py --backend nccl --world P --dtypes fp32,bf16 --exps 20,24,26,28 \\\n"
-        "    --layouts resnet50,bert-large --repeats 7 --label \"defaults, results stored into the peers\"  # P = 2\n"
-        "    ... --repeats 5 \\\n"
-        "    --label \"defaults, slices gathered by stores into the peers, fused into the last combination\"  # 3, 4",
+        "    --layouts resnet50,bert-large --repeats 5 \\\n"
+        "    --label \"defaults, 16-byte accesses for every dtype\"  # P = 2, 3, 4",
         "collective.jsonl",
         lambda rows: runs_per_case([r for r in rows if r.get("label") == CURRENT_DEFAULTS.get(r.get("world_size"))],
                                    lambda r: (r["world_size"], r["layout"], r["dtype"])),
@@ -316,25 +313,26 @@ CLAIMS = [
     ),
     Claim(
         "FSDP2 across replicas (`adasum.fsdp.enable`) against FSDP's own replica averaging",
-        "Median step time (slowest rank) of a 1.04 B-parameter decoder under FSDP2 (replicas x shards),\n"
-        "bf16 parameters, the reduction in `reduce` (bf16 or float32), AdamW; `native` is FSDP's 2-D HSDP\n"
-        "averaging, `mean` the same hook route as Adasum doing a mean; each run's variants take turns `--repeats`\n"
-        "times, and `ratio` is to `native` of the same repeat of the same run; `peak GiB` the largest\n"
-        "`max_memory_allocated` of any rank, `kept MiB` the device memory outside the caching allocator that the\n"
-        "variant keeps (symmetric-memory buffers within the 512 MiB budget, captured graphs; rows without it\n"
-        "predate its measurement). `adasum.fsdp` agrees on the layouts at `enable`, probes them without waiting\n"
-        "at each forward and gives unused parameters zero gradients (torch 2.11 has no reduce-scatter setter): no\n"
-        "host round trip in the reduction path. Rows labelled \"reductions on their own stream\" run the hooks on a\n"
-        "stream of their own (earlier rows: on FSDP's all-reduce stream); at 4 x 1 the replicate group of four ran\n"
-        "VHDD in the run of 15:32 and the slice-parallel mover (the default above two ranks now) in that of 15:56.",
-        "torchrun --nproc-per-node 2 benchmarks/bench_fsdp.py --mesh 2x1 --repeats 3 --reduce-dtype bfloat16\n"
-        "torchrun --nproc-per-node 4 benchmarks/bench_fsdp.py --mesh 4x1 --repeats 3 --reduce-dtype bfloat16\n"
-        "torchrun --nproc-per-node 4 benchmarks/bench_fsdp.py --mesh 2x2 --repeats 3 --reduce-dtype bfloat16",
+        "Step time (slowest rank) of a 1.04 B-parameter decoder under FSDP2 (replicas x shards), bf16 parameters,\n"
+        "the reduction in bf16, AdamW; `native` is FSDP's 2-D HSDP averaging, `mean` the same hook route as Adasum\n"
+        "doing a mean. Every variant's model is resident and the variants take one step each in turn (the order\n"
+        "rotated each round), `steps` rounds after 4 warm-up steps each; `step ms` is the median of a variant's\n"
+        "steps and `ratio` the median over rounds of its step over native's step of the same round. `peak GiB`:\n"
+        "the largest growth of `max_memory_allocated` over what was allocated before the variant's model was\n"
+        "built (its own footprint), any rank; `kept MiB`: the device memory outside the caching allocator that\n"
+        "it took (symmetric-memory buffers within the 512 MiB budget, captured graphs; native's is NCCL's). Rows\n"
+        "of one model at a time (`--sequential`, repeats alternated) are in `benchmarks/results/fsdp.jsonl`: their\n"
+        "repeats' medians spread by up to 20 % on this machine, which the interleaved rounds cancel.\n"
+        "`adasum.fsdp` agrees on the layouts at `enable`, probes them without waiting at each forward and gives\n"
+        "unused parameters zero gradients (torch 2.11 has no reduce-scatter setter): no host round trip in the\n"
+        "reduction path; the reductions run on a stream of their own.",
+        "torchrun --nproc-per-node 2 benchmarks/bench_fsdp.py --mesh 2x1 --steps 60 --reduce-dtype bfloat16\n"
+        "torchrun --nproc-per-node 4 benchmarks/bench_fsdp.py --mesh 4x1 --steps 100 --reduce-dtype bfloat16\n"
+        "torchrun --nproc-per-node 4 benchmarks/bench_fsdp.py --mesh 2x2 --steps 40 --reduce-dtype bfloat16",
         "fsdp.jsonl",
-        lambda rows: with_ratio([{**r, "reduce": r.get("reduce_dtype", "float32")} for r in rows if "mesh" in r],
-                                lambda r: (r["date"], r["mesh"], r.get("repeat", 0), r["reduce"]),
-                                lambda r: r["variant"] == "native"),
-        [("mesh", "mesh"), ("params", "parameters"), ("reduce", "reduce"), ("variant", "variant"),
+        lambda rows: [{**r, "step_ms": r["step_s"] * 1e3, "steps": len(r["step_times_s"])}
+                      for r in rows if r.get("schedule") == "interleaved" and not r.get("dry_run")],
+        [("mesh", "mesh"), ("params", "parameters"), ("variant", "variant"), ("steps", "steps"),
          ("step_ms", "step ms"), ("ratio", "ratio"), ("peak_gib", "peak GiB"), ("kept_mib", "kept MiB")],
     ),
     Claim(
