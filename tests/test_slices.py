@@ -7,9 +7,10 @@ import pytest
 import torch
 
 import adasum
-from adasum.collectives.slices import level_pairs, rounds, tree_on_slice_
+from adasum.collectives.slices import adasum_slices_, level_pairs, rounds, tree_on_slice_
 from adasum.core.layout import Layout
 from adasum.core.tree import Tree
+from adasum.transport.base import split
 
 import distributed
 from reference import tree as reference_tree
@@ -76,6 +77,78 @@ def test_rounds_keep_tensors_whole_and_cover_the_layout():
             assert capacity is None or hi - lo <= capacity or sum(n > 0 for n in sizes[first:end]) == 1
 
 
+class _RecordingMover:
+    """A slice mover of rank 0 of two, in one process, that records the schedule's calls: which round is given
+    rows, scattered, joined and gathered, in what order (the sums are this rank's alone; only the order counts)."""
+
+    name, scattered, world, rank, timeout = "recording", False, 2, 0, None
+
+    def __init__(self, ahead: int, capacity: int, calls: list, in_place=None) -> None:
+        self.ahead, self.capacity, self.calls, self.in_place = ahead, capacity, calls, in_place
+        self.given = 0
+        self.waiting: list[tuple[int, list]] = []
+
+    def round_elements(self, element_size: int) -> int:
+        return self.capacity
+
+    def reserve(self, row: int, like) -> None:
+        self.calls.append("reserve")
+        self.given = 0
+
+    def cut(self, numel: int):
+        return split(0, numel, self.world)
+
+    def rows(self, buffer, bounds):
+        k, self.given = self.given, self.given + 1
+        self.waiting.append((k, list(bounds)))
+        self.calls.append(f"rows {k}")
+        lo, hi = bounds[self.rank]
+        return [(0, [buffer[lo:hi].clone() for _ in range(self.world)])]
+
+    def scatter(self, buffer, bounds, landed):
+        k = self.waiting[-1][0]
+        self.calls.append(f"scatter {k}")
+        landed(0, bounds[self.rank][1] - bounds[self.rank][0])
+        return lambda: self.calls.append(f"join {k}")
+
+    def all_reduce_sums(self, sums) -> None:
+        pass
+
+    def gather(self, buffer, bounds, finish, free) -> None:
+        k, given = self.waiting.pop(0)
+        assert given == list(bounds), (k, given, bounds)  # rounds are gathered in the order they were given rows
+        self.calls.append(f"gather {k}")
+        lo, hi = bounds[self.rank]
+        finish(0, hi - lo, [buffer[lo:hi]])
+
+
+@pytest.mark.parametrize("ahead", [1, 2, 3])
+def test_the_schedule_scatters_rounds_ahead_and_drains_before_a_tensor_run_in_place(ahead):
+    """With a mover that keeps `ahead` rounds in flight, round k + ahead - 1 is scattered before round k's tree
+    (its join) and gather; rounds are gathered in order; a tensor run in place waits for every round before it."""
+    calls: list[str] = []
+    in_place_calls: list[str] = []
+    mover = _RecordingMover(ahead, 8, calls, _RecordingMover(1, 8, in_place_calls))
+    sizes = [3, 4, 2, 5, 1, 30, 3, 3]  # rounds: [3, 4], [2, 5, 1], 30 alone (in place), [3, 3]
+    buffer = torch.randn(sum(sizes))
+    adasum_slices_(buffer, Layout(tuple(sizes)), mover)
+    assert in_place_calls == ["rows 0", "scatter 0", "join 0", "gather 0"]
+    before = ["rows 0", "scatter 0", "join 0", "gather 0", "rows 1", "scatter 1", "join 1", "gather 1"]
+    if ahead > 1:
+        before = ["rows 0", "scatter 0", "rows 1", "scatter 1", "join 0", "gather 0", "join 1", "gather 1"]
+    assert calls == ["reserve", *before, "rows 2", "scatter 2", "join 2", "gather 2"], calls
+    calls.clear()
+    adasum_slices_(torch.randn(25), Layout((5, 5, 5, 5, 5)), mover)  # five rounds of one tensor each
+    order = []
+    for k in range(5):  # round k's tree and gather come once round k + ahead - 1 is scattered, the rest at the end
+        order += [f"rows {k}", f"scatter {k}"]
+        if k >= ahead - 1:
+            order += [f"join {k - ahead + 1}", f"gather {k - ahead + 1}"]
+    for k in range(max(0, 5 - ahead + 1), 5):
+        order += [f"join {k}", f"gather {k}"]
+    assert calls == ["reserve", *order], calls
+
+
 def _bf16_error(got: list[torch.Tensor], data: list[list[torch.Tensor]]) -> float:
     # against `adasum.reduce`, which rounds each level to bf16 as the collective does: the float64 sums differ
     # only by their order, which can move a level's rounding by one unit in the last place (2**-8 relative)
@@ -118,7 +191,7 @@ def test_slice_parallel_matches_reference_and_ranks_agree(world):
 
 
 @pytest.mark.nccl
-@pytest.mark.parametrize("world", distributed.world_sizes(3, 4) if distributed.BACKEND == "nccl" else [4])
+@pytest.mark.parametrize("world", distributed.world_sizes(2, 3, 4) if distributed.BACKEND == "nccl" else [4])
 def test_slice_parallel_in_rounds_through_a_small_budget(world):
     # a budget of a few KiB: the layout runs in many rounds, and tensors larger than a round make their own
     results = distributed.run(world, slice_parallel, env={"ADASUM_MEMORY_MB": "0.004"})
@@ -127,10 +200,10 @@ def test_slice_parallel_in_rounds_through_a_small_budget(world):
 
 GROWING = [200_000, 900_000, 50_000, 700_000, 300_000, 880_000]
 """Under a budget of 7.3 MiB (rounds of about a million fp32 elements at 3 and 4 ranks) these make rounds whose rows
-grow and shrink: 50k, 225k, 188k, 75k, 220k elements at 4 ranks. The peers store their results into a rank's
-output row while its root pair's rows are still read: the output row must lie where no round's receive rows reach
-(`SymmetricSlices._output_row`), and a round's stores into the rows must wait until every rank has copied the last
-round's results out of them."""
+grow and shrink. The peers store their results into a rank's output row while its root pair's rows are still read:
+the output row must lie where no round's receive rows reach (`adasum.transport.symmetric._SliceRound`), and a
+round's stores into a half's rows must wait until every rank has copied the results of the round before that used
+the half out of them (the next round's stores run beside this round's tree)."""
 
 
 def growing_rounds(rank, world, calls):
@@ -154,7 +227,7 @@ def growing_rounds(rank, world, calls):
 
 
 @pytest.mark.nccl
-@pytest.mark.parametrize("world", distributed.world_sizes(3, 4) if distributed.BACKEND == "nccl" else [3])
+@pytest.mark.parametrize("world", distributed.world_sizes(2, 3, 4) if distributed.BACKEND == "nccl" else [3])
 def test_rounds_whose_rows_grow_and_shrink_agree_across_ranks_and_calls(world):
     calls = 8 if distributed.BACKEND == "nccl" else 2
     results = distributed.run(world, growing_rounds, calls, env={"ADASUM_MEMORY_MB": "7.3"})

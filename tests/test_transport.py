@@ -139,16 +139,24 @@ def test_the_symmetric_transports_take_their_memory_backend_and_share_the_groups
 def test_the_slice_movers_output_row_lies_past_every_rounds_receive_rows():
     """A round's stores into a peer's receive rows start at once, while other ranks may still load the previous
     round's results from that peer's output row: the output row sits where no round's receive rows reach, in any
-    buffer large enough for the round, however the rounds' rows grow or shrink (a layout's or the next call's)."""
-    from adasum.transport.symmetric import OUTPUT_ALIGN, SymmetricSlices
+    buffer large enough for the round, however the rounds' rows grow or shrink (a layout's or the next call's); and
+    each half of the buffer (rounds in flight, `SymmetricSlices.ahead`) keeps its rows and output row to itself."""
+    from adasum.transport.symmetric import OUTPUT_ALIGN, SymmetricSlices, _SliceRound
 
     g = torch.Generator().manual_seed(0)
     for world in range(2, 9):
-        mover = SymmetricSlices.__new__(SymmetricSlices)
-        mover.world = world
-        rows = [int(x) for x in torch.randint(1, 5000, (12,), generator=g)] + [1, 4999, 5000]
-        numel = max(mover._bytes(r, 4) for r in rows) // 4 + int(torch.randint(0, 40, (1,), generator=g))
-        for row in rows:
-            start = mover._output_row(numel, row)
-            assert start % OUTPUT_ALIGN == 0 and start + row <= numel, (world, row, numel)
-            assert all(world * other <= start for other in rows), (world, row, numel)
+        for ahead in (1, 2, 3):
+            mover = SymmetricSlices.__new__(SymmetricSlices)
+            mover.world, mover.ahead = world, ahead
+            rows = [int(x) for x in torch.randint(1, 5000, (12,), generator=g)] + [1, 4999, 5000]
+            numel = max(mover._bytes(r, 4) for r in rows) // 4 + int(torch.randint(0, 40, (1,), generator=g))
+            size = numel // ahead // OUTPUT_ALIGN * OUTPUT_ALIGN  # as `SymmetricSlices.rows` cuts the halves
+            for half in range(ahead):
+                base = half * size
+                assert base % OUTPUT_ALIGN == 0 and base + size <= numel, (world, ahead, numel)
+                for row in rows:
+                    state = _SliceRound(torch.empty(0), None, row, half, size)
+                    start = state.output()
+                    assert state.at(0) == base and state.at(world) == base + world * row
+                    assert start % OUTPUT_ALIGN == 0 and start + row <= base + size, (world, ahead, row, numel)
+                    assert all(base + world * other <= start for other in rows), (world, ahead, row, numel)

@@ -61,6 +61,7 @@ class SliceMover(Protocol):
     rank: int
     timeout: timedelta | None  # how long a transfer may wait for a peer (None: the group's)
     in_place: InPlaceMover | None
+    ahead: int  # rounds in flight: with 2, round k + 1 is scattered before round k's tree runs
 
     def round_elements(self, element_size: int) -> int | None:
         """The most elements one round should hold (None: no limit)."""
@@ -69,11 +70,13 @@ class SliceMover(Protocol):
         """Room for rows of `row` elements like `like`: the largest round of a layout, before its first round."""
 
     def rows(self, buffer, bounds: Sequence[tuple[int, int]]) -> list[Part]:
-        """Where every rank's copy of this rank's slice lands (scratch): parts covering the slice in order."""
+        """Where every rank's copy of this rank's slice of the next round lands (scratch): parts covering the slice
+        in order. Rounds are gathered in the order they were given rows."""
 
-    def scatter(self, buffer, bounds: Sequence[tuple[int, int]], landed: Piece) -> None:
-        """Fill `rows`; ``landed(p0, p1)`` runs once a piece of every row is complete (the pieces cover the slice,
-        each inside one part)."""
+    def scatter(self, buffer, bounds: Sequence[tuple[int, int]], landed: Piece) -> Callable[[], None] | None:
+        """Fill the latest `rows`; ``landed(p0, p1)`` runs once a piece of every row is complete (the pieces cover
+        the slice, each inside one part). May return a join, which the schedule calls before the round's tree reads
+        the rows (a mover with rounds ahead moves them beside the work that follows)."""
 
     def all_reduce_sums(self, sums: torch.Tensor) -> None:
         """SUM all-reduce of a small float64 array over the group."""
@@ -262,10 +265,10 @@ def tree_on_slice_(
     return finish
 
 
-def _round(buffer, layout: Layout, mover: SliceMover, tensors: tuple[int, int], bounds, across, offset: int) -> None:
-    """One round of `adasum_slices_` (module doc): `bounds` every rank's slice of `buffer` (positions of
-    `layout`), `tensors` the round's tensor range; `offset` where `buffer` starts in the caller's layout (what
-    `across` is told)."""
+def _start(buffer, layout: Layout, mover: SliceMover, tensors: tuple[int, int], bounds, across, offset: int):
+    """One round of `adasum_slices_` (module doc) up to its scatter: `bounds` every rank's slice of `buffer`
+    (positions of `layout`), `tensors` the round's tensor range; `offset` where `buffer` starts in the caller's
+    layout (what `across` is told). Returns the rest of the round (its tree and gather) to call later."""
     tree = Tree(mover.world)
     first_pairs = level_pairs(tree)[0]
     where = bounds[mover.rank]
@@ -276,23 +279,29 @@ def _round(buffer, layout: Layout, mover: SliceMover, tensors: tuple[int, int], 
     def landed(p0: int, p1: int) -> None:
         _dots(parts, first_pairs, layout, where, p0, p1, sums, tensors[0])
 
-    mover.scatter(buffer, bounds, landed)
-    free = free_rows(tree)
-    # two tiers (`across`): the mover's sums are one host's, the levels across hosts record theirs
-    finish = tree_on_slice_(parts, layout, where, tree, mover.all_reduce_sums, tensors, sums, across is None)
-    if across is None:
-        mover.gather(buffer, bounds, finish, free)
-        return
-    mine = cast(torch.Tensor, buffer)[where[0] : where[1]]  # the two-tier path runs on flat buffers
-    finish(0, where[1] - where[0], [mine])
-    with statistics.workers_per_peer(mover.world):  # a peer across hosts holds the subtree of this host's ranks
-        across(mine, offset + where[0])
+    join = mover.scatter(buffer, bounds, landed)
 
-    def publish(p0: int, p1: int, outs: Sequence) -> None:
-        for out in outs[1:]:  # the mover's own staging of the result (symmetric memory)
-            out.copy_(mine[p0:p1])
+    def rest() -> None:
+        if join is not None:
+            join()
+        free = free_rows(tree)
+        # two tiers (`across`): the mover's sums are one host's, the levels across hosts record theirs
+        finish = tree_on_slice_(parts, layout, where, tree, mover.all_reduce_sums, tensors, sums, across is None)
+        if across is None:
+            mover.gather(buffer, bounds, finish, free)
+            return
+        mine = cast(torch.Tensor, buffer)[where[0] : where[1]]  # the two-tier path runs on flat buffers
+        finish(0, where[1] - where[0], [mine])
+        with statistics.workers_per_peer(mover.world):  # a peer across hosts holds the subtree of this host's ranks
+            across(mine, offset + where[0])
 
-    mover.gather(buffer, bounds, publish, free)
+        def publish(p0: int, p1: int, outs: Sequence) -> None:
+            for out in outs[1:]:  # the mover's own staging of the result (symmetric memory)
+                out.copy_(mine[p0:p1])
+
+        mover.gather(buffer, bounds, publish, free)
+
+    return rest
 
 
 def adasum_in_place_(
@@ -306,7 +315,7 @@ def adasum_in_place_(
     bounds = mover.cut(flat.numel())
     if bounds is None:
         raise ValueError(f"a buffer of {flat.numel()} elements is too small to run in place over {mover.world} ranks")
-    _round(flat, Layout((flat.numel(),)), mover, (0, 1), bounds, across, offset)
+    _start(flat, Layout((flat.numel(),)), mover, (0, 1), bounds, across, offset)()
 
 
 def adasum_slices_(
@@ -324,8 +333,16 @@ def adasum_slices_(
     `adasum.collectives.hierarchical.adasum_two_tier_flat_`)."""
     if mover.world == 1:
         return
+    ahead = 1 if across is not None else mover.ahead
+    started: list[Callable[[], None]] = []  # rounds scattered whose trees and gathers have not run, oldest first
     for first, end, lo, hi, bounds in slice_rounds(layout, mover, buffer):
-        if bounds is not None:
-            _round(buffer, layout, mover, (first, end), bounds, across, 0)
+        if bounds is None:
+            while started:
+                started.pop(0)()
+            adasum_in_place_(round_tensor(buffer, first, end, lo, hi), cast(InPlaceMover, mover.in_place), across, lo)
             continue
-        adasum_in_place_(round_tensor(buffer, first, end, lo, hi), cast(InPlaceMover, mover.in_place), across, lo)
+        started.append(_start(buffer, layout, mover, (first, end), bounds, across, 0))
+        if len(started) >= ahead:  # the next round's scatter is issued: this one's tree and gather run beside it
+            started.pop(0)()
+    while started:
+        started.pop(0)()

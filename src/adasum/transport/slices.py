@@ -75,6 +75,7 @@ class InPlace:
 
     name = "slices"
     scattered = False
+    ahead = 1  # one round in flight (`adasum.collectives.slices.SliceMover`)
 
     def __init__(self, world: int, rank: int) -> None:
         self.world = world
@@ -200,6 +201,7 @@ class C10dSlices(Transport):
 
     name = "slices"
     scattered = False
+    ahead = 1  # one round in flight: a round's receives are waited for before its tree
 
     def __init__(self, group: dist.ProcessGroup | None, timeout: timedelta | None) -> None:
         super().__init__(group)

@@ -53,6 +53,7 @@ from __future__ import annotations
 import contextlib
 import socket
 import warnings
+from collections import deque
 from collections.abc import Callable, Sequence
 from typing import Any, cast
 
@@ -478,18 +479,44 @@ def _copy(dst: torch.Tensor | Scattered, src: torch.Tensor | Scattered, lo: int,
         dst[lo:hi].copy_(src[lo:hi])
 
 
+class _SliceRound:
+    """One round's place in `SymmetricSlices`' buffer: its half (``size`` elements from ``base``), the width of its
+    rows and the buffer's handle. The half holds the P receive rows from its start and the output row at its end,
+    aligned down, past the receive rows of any round of the layout (the half holds ``(P + 1) C + 2 OUTPUT_ALIGN``
+    for the widest, ``C``): a peer's result stored there never reaches a row that the root pair still reads."""
+
+    __slots__ = ("shared", "handle", "row", "base", "size")
+
+    def __init__(self, shared: torch.Tensor, handle, row: int, half: int, size: int) -> None:
+        self.shared, self.handle, self.row = shared, handle, row
+        self.base, self.size = half * size, size
+
+    def at(self, rank: int) -> int:
+        """Where row `rank` starts in the buffer."""
+        return self.base + rank * self.row
+
+    def output(self) -> int:
+        """Where the output row starts in the buffer."""
+        return self.base + (self.size - self.row) // OUTPUT_ALIGN * OUTPUT_ALIGN
+
+
 class SymmetricSlices(Transport):
     """The slice-parallel schedule's mover (`adasum.collectives.slices`) on symmetric memory, any group size
-    inside one host. One symmetric buffer of bytes per group, viewed in the dtype of the call, holds P receive
-    rows of ``C`` elements each at its start and one output row at its end (`_output_row`; ``(P + 1) C`` at most
-    the memory budget, `adasum.transport.slices.round_elements`; a tensor larger than a round runs in place,
-    `SymmetricInPlace`). Every move is a store into a peer's memory: NVLink stores measured faster than loads.
+    inside one host. One symmetric buffer of bytes per group, viewed in the dtype of the call, holds `ahead`
+    halves, and round k of a call takes half k mod `ahead`: P receive rows of ``C`` elements each at its start and
+    one output row at its end (`_SliceRound`; the halves' ``ahead (P + 1) C`` at most the memory budget,
+    `adasum.transport.slices.round_elements`; a tensor larger than a round runs in place, `SymmetricInPlace`).
+    Every move is a store into a peer's memory: NVLink stores measured faster than loads.
 
     * scatter: each slice is cut into the same number of pieces on every rank (one per `CHUNK_BYTES` of the
       longest slice, at most `pieces`); for each piece, rank r stores its copy of that piece of every slice j
-      straight from `B` (a flat tensor or a `Scattered` list, read in place) into row r of rank j's buffer, then a
-      signal-pad barrier; the schedule's sums of a landed piece run on a side stream while the next piece is
-      stored. A flat `B`'s own slice serves as its row r where it lies (a list's is staged);
+      straight from `B` (a flat tensor or a `Scattered` list, read in place) into row r of rank j's half, then a
+      signal-pad barrier (channel 1; the gather's are on channel 0). The stores run on a high-priority stream
+      ("stores") that first waits for what the current stream was given so far: the schedule scatters round
+      k + 1 before it runs round k's tree, so the stores of round k + 1 follow the gather of round k - 1 (the
+      last to read that half) and run beside the tree of round k. The schedule's sums of a landed piece run on a
+      side stream; `scatter` returns the join the schedule calls before the round's tree. A flat `B`'s own slice
+      serves as its row r where it lies (a list's is staged);
     * the tree runs on the rows;
     * gather: the P - 1 slots of a buffer are the rows that the last combination does not read (P - 2: the root
       pair reads two) and the output row; sender s's slot on rank j is the (s, less one above j)-th. The last
@@ -508,8 +535,8 @@ class SymmetricSlices(Transport):
 
     The slots are free when the last combination starts: every rank read them last before the tree's last
     all-reduce of sums, which no rank passes before every rank has joined it. A round's stores into a peer's
-    rows come after that peer's last barrier of the previous round's (or call's) gather, which follows its
-    copies out of its slots. Nothing synchronises the host."""
+    half come after that peer's last barrier of the gather of the round before that used the half (in this call
+    or an earlier one), which follows its copies out of its slots. Nothing synchronises the host."""
 
     name = "slices"
     scattered = True
@@ -517,6 +544,9 @@ class SymmetricSlices(Transport):
     direct = triton_kernels.MORE_OUTS
     """Peers whose slots the last combination stores into itself (as many as the combination kernel writes outputs
     besides `B`); the result reaches the others through one copy kernel."""
+    ahead = 2
+    """Rounds in flight: the buffer holds this many halves, round k takes half k mod `ahead`, and the schedule
+    stores round k + 1 into its half while round k's tree runs (`adasum.collectives.slices`)."""
     pieces = 1
     """Pieces per slice at most (one per `CHUNK_BYTES`): one, since cutting the rounds into 4 pieces with the math
     of one piece on a side stream measured slower (the kernels beside the moves share the multiprocessors)."""
@@ -528,12 +558,12 @@ class SymmetricSlices(Transport):
         self.pool = pool(group, backend)  # the group's buffers (`backend`: see `SymmetricPool`)
         self.tiles = communicator(group).tiles  # the group's tile addresses of `Scattered` slices
         self.copies = CopyTables()  # the tables of the steps' copy kernels, by memory and positions
-        self._row = 0  # elements per row of the current round
-        self._shared = self._handle = None
+        self._issued = 0  # rounds given rows since the layout's `reserve`: round k takes half k mod `ahead`
+        self._rounds: deque[_SliceRound] = deque()  # rounds given rows and not yet gathered, oldest first
 
     def round_elements(self, element_size: int) -> int:
-        """The most elements one round holds within the memory budget (P receive rows and an output row)."""
-        return round_elements(self.world, self.world + 1, element_size)
+        """The most elements one round holds within the memory budget (per half: P receive rows, an output row)."""
+        return round_elements(self.world, self.ahead * (self.world + 1), element_size)
 
     def reserve(self, row: int, like) -> None:
         """Make the buffer hold rows of `row` elements like `like` (the largest round of a layout, asked for before
@@ -541,65 +571,76 @@ class SymmetricSlices(Transport):
         size = like.element_size()
         budget = buffer_bytes()
         self.pool.staging(self._bytes(row, size), _bytes_like(like), "slices", most=budget - budget % 16)
+        self._issued = 0
+        self._rounds.clear()
 
     in_place = property(_group_in_place)
 
     def rows(self, buffer, bounds):
-        """The P receive rows in this group's symmetric buffer (grown collectively when needed)."""
+        """The P receive rows of the next half of this group's symmetric buffer (grown collectively when needed)."""
         row = max(hi - lo for lo, hi in bounds)
         size = buffer.element_size()
-        raw, self._handle = self.pool.staging(self._bytes(row, size), _bytes_like(buffer), "slices")
-        self._shared = raw[: raw.numel() - raw.numel() % size].view(buffer.dtype)
-        self._row = row
+        raw, handle = self.pool.staging(self._bytes(row, size), _bytes_like(buffer), "slices")
+        shared = raw[: raw.numel() - raw.numel() % size].view(buffer.dtype)
+        half = shared.numel() // self.ahead // OUTPUT_ALIGN * OUTPUT_ALIGN
+        state = _SliceRound(shared, handle, row, self._issued % self.ahead, half)
+        self._issued += 1
+        self._rounds.append(state)
         lo, hi = bounds[self.rank]
-        rows = [self._shared[j * row : j * row + hi - lo] for j in range(self.world)]
+        rows = [shared[state.at(j) : state.at(j) + hi - lo] for j in range(self.world)]
         if isinstance(buffer, torch.Tensor):  # its own copy is read (and overwritten by the tree) where it lies
             rows[self.rank] = buffer[lo:hi]
         return [(0, rows)]
 
     def _bytes(self, row: int, element_size: int) -> int:
-        """Bytes of a buffer for rows of `row` elements: P receive rows, the output row and the room to align it."""
-        return ((self.world + 1) * row + OUTPUT_ALIGN) * element_size
+        """Bytes of a buffer for rows of `row` elements: per half, P receive rows, the output row and the room to
+        align the half and its output row."""
+        return self.ahead * ((self.world + 1) * row + 2 * OUTPUT_ALIGN) * element_size
 
-    @staticmethod
-    def _output_row(numel: int, row: int) -> int:
-        """Where the output row of `row` elements starts in a buffer of `numel` elements: at its end, aligned
-        down, past the receive rows of any round (they end at ``P row'``, at most the buffer's size less
-        ``row + OUTPUT_ALIGN``): a peer's result stored there never reaches a row that the root pair still reads."""
-        return (numel - row) // OUTPUT_ALIGN * OUTPUT_ALIGN
-
-    def _pieces(self, size: int, element_size: int) -> list[tuple[int, int]]:
-        count = max(1, min(self.pieces, self._row * element_size // CHUNK_BYTES))
+    def _pieces(self, row: int, size: int, element_size: int) -> list[tuple[int, int]]:
+        count = max(1, min(self.pieces, row * element_size // CHUNK_BYTES))
         return split(0, size, count)
 
     def _order(self) -> list[int]:
         return [(self.rank + step) % self.world for step in range(1, self.world)]
 
     def scatter(self, buffer, bounds, landed):
-        """Store each piece of this rank's copies into the owners' rows, a barrier per piece, then ``landed`` on a
-        side stream."""
-        shared, handle, row, me = self._shared, self._handle, self._row, self.rank
+        """Store each piece of this rank's copies into the owners' rows of the latest round's half, a barrier per
+        piece, then ``landed`` on a side stream: all on streams of their own that wait for what the current stream
+        was given so far (the gather that last read this half among it), not for what it is given later. Returns
+        the join that makes the current stream wait for the landed rows and sums (class doc: rounds ahead)."""
+        state = self._rounds[-1]
+        shared, handle, row, me = state.shared, state.handle, state.row, self.rank
         element_size = buffer.element_size()
         main = torch.cuda.current_stream(shared.device)
+        stores = side_stream(shared.device, "stores")
         side = side_stream(shared.device, "copies")
         peers = {j: self.pool.peer_view(handle, j, shared.numel(), shared.dtype) for j in self._order()}
         if not isinstance(buffer, torch.Tensor):  # a list: its own copy is staged in its row like the peers'
             peers[me] = shared
-        pieces = {j: self._pieces(bounds[j][1] - bounds[j][0], element_size) for j in [me, *peers]}
+        pieces = {j: self._pieces(row, bounds[j][1] - bounds[j][0], element_size) for j in [me, *peers]}
         mine = pieces[me]
+        stores.wait_stream(main)
         for c in range(len(mine)):
             moves = []
             for j, view in peers.items():
                 p0, p1 = pieces[j][c]
                 lo = bounds[j][0]
                 if p1 > p0:
-                    moves.append(((buffer, lo + p0, lo + p1), (view, me * row + p0, me * row + p1)))
-            self._moves(moves, shared)
-            handle.barrier(channel=0)  # piece c of every rank's copy of this rank's slice has landed
-            side.wait_stream(main)
+                    moves.append(((buffer, lo + p0, lo + p1), (view, state.at(me) + p0, state.at(me) + p1)))
+            with torch.cuda.stream(stores):
+                self._moves(moves, shared)
+                handle.barrier(channel=1)  # piece c of every rank's copy of this rank's slice has landed
+            side.wait_stream(stores)
             with torch.cuda.stream(side):
                 landed(*mine[c])
-        main.wait_stream(side)
+        done = torch.cuda.Event()
+        done.record(side)
+
+        def join() -> None:
+            main.wait_event(done)
+
+        return join
 
     def all_reduce_sums(self, sums: torch.Tensor) -> None:
         """SUM all-reduce of the small float64 sums over the group."""
@@ -609,8 +650,9 @@ class SymmetricSlices(Transport):
         """Store this rank's result into every peer's slots, the first `direct` peers' by the last combination
         itself; then copy the peers' results out of this rank's slots into `B` (class doc). `free`: the receive
         rows the last combination does not read (P - 2 of them: the schedule's root pair reads two)."""
-        shared, handle, row, me = self._shared, self._handle, self._row, self.rank
-        slots = [k * row for k in free] + [self._output_row(shared.numel(), row)]
+        state = self._rounds.popleft()
+        shared, handle, me = state.shared, state.handle, self.rank
+        slots = [state.at(k) for k in free] + [state.output()]
         if len(slots) < self.world - 1:
             raise ValueError(f"the gather lands {self.world - 1} peers' results in free rows, and {len(free)} are free")
         peers = {j: self.pool.peer_view(handle, j, shared.numel(), shared.dtype) for j in self._order()}
