@@ -83,16 +83,17 @@ class _RecordingMover:
 
     name, scattered, world, rank, timeout = "recording", False, 2, 0, None
 
-    def __init__(self, ahead: int, capacity: int, calls: list, in_place=None) -> None:
+    def __init__(self, ahead: int, capacity: int, calls: list, in_place=None, whole: int | None = None) -> None:
         self.ahead, self.capacity, self.calls, self.in_place = ahead, capacity, calls, in_place
+        self.whole = capacity if whole is None else whole  # a round's elements with one round in flight
         self.given = 0
         self.waiting: list[tuple[int, list]] = []
 
-    def round_elements(self, element_size: int) -> int:
-        return self.capacity
+    def round_elements(self, element_size: int, ahead: int = 1) -> int:
+        return self.whole if ahead == 1 else self.capacity
 
-    def reserve(self, row: int, like) -> None:
-        self.calls.append("reserve")
+    def reserve(self, row: int, like, ahead: int = 1) -> None:
+        self.calls.append(f"reserve {ahead}")
         self.given = 0
 
     def cut(self, numel: int):
@@ -136,7 +137,7 @@ def test_the_schedule_scatters_rounds_ahead_and_drains_before_a_tensor_run_in_pl
     before = ["rows 0", "scatter 0", "join 0", "gather 0", "rows 1", "scatter 1", "join 1", "gather 1"]
     if ahead > 1:
         before = ["rows 0", "scatter 0", "rows 1", "scatter 1", "join 0", "gather 0", "join 1", "gather 1"]
-    assert calls == ["reserve", *before, "rows 2", "scatter 2", "join 2", "gather 2"], calls
+    assert calls == [f"reserve {ahead}", *before, "rows 2", "scatter 2", "join 2", "gather 2"], calls
     calls.clear()
     adasum_slices_(torch.randn(25), Layout((5, 5, 5, 5, 5)), mover)  # five rounds of one tensor each
     order = []
@@ -146,7 +147,10 @@ def test_the_schedule_scatters_rounds_ahead_and_drains_before_a_tensor_run_in_pl
             order += [f"join {k - ahead + 1}", f"gather {k - ahead + 1}"]
     for k in range(max(0, 5 - ahead + 1), 5):
         order += [f"join {k}", f"gather {k}"]
-    assert calls == ["reserve", *order], calls
+    assert calls == [f"reserve {ahead}", *order], calls
+    calls.clear()  # a layout that fits one round of the whole buffer runs in one, with nothing in flight beside it
+    adasum_slices_(torch.randn(12), Layout((3, 4, 5)), _RecordingMover(ahead, 8, calls, whole=12))
+    assert calls == ["reserve 1", "rows 0", "scatter 0", "join 0", "gather 0"], calls
 
 
 def _bf16_error(got: list[torch.Tensor], data: list[list[torch.Tensor]]) -> float:

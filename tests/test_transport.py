@@ -147,7 +147,7 @@ def test_the_slice_movers_output_row_lies_past_every_rounds_receive_rows():
     for world in range(2, 9):
         for ahead in (1, 2, 3):
             mover = SymmetricSlices.__new__(SymmetricSlices)
-            mover.world, mover.ahead = world, ahead
+            mover.world, mover._halves = world, ahead
             rows = [int(x) for x in torch.randint(1, 5000, (12,), generator=g)] + [1, 4999, 5000]
             numel = max(mover._bytes(r, 4) for r in rows) // 4 + int(torch.randint(0, 40, (1,), generator=g))
             size = numel // ahead // OUTPUT_ALIGN * OUTPUT_ALIGN  # as `SymmetricSlices.rows` cuts the halves

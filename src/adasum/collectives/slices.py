@@ -63,11 +63,12 @@ class SliceMover(Protocol):
     in_place: InPlaceMover | None
     ahead: int  # rounds in flight: with 2, round k + 1 is scattered before round k's tree runs
 
-    def round_elements(self, element_size: int) -> int | None:
-        """The most elements one round should hold (None: no limit)."""
+    def round_elements(self, element_size: int, ahead: int = 1) -> int | None:
+        """The most elements one round should hold with `ahead` rounds in flight (None: no limit)."""
 
-    def reserve(self, row: int, like) -> None:
-        """Room for rows of `row` elements like `like`: the largest round of a layout, before its first round."""
+    def reserve(self, row: int, like, ahead: int = 1) -> None:
+        """Room for rows of `row` elements like `like` for `ahead` rounds in flight: the largest round of a layout,
+        before its first round."""
 
     def rows(self, buffer, bounds: Sequence[tuple[int, int]]) -> list[Part]:
         """Where every rank's copy of this rank's slice of the next round lands (scratch): parts covering the slice
@@ -137,12 +138,19 @@ def round_tensor(buffer: torch.Tensor | Scattered, first: int, end: int, lo: int
     return buffer[lo:hi]
 
 
-def slice_rounds(layout: Layout, mover: SliceMover, like) -> list[Round]:
+def slice_rounds(layout: Layout, mover: SliceMover, like) -> tuple[list[Round], int]:
     """The rounds `adasum_slices_` runs `layout` in on `mover` (`rounds` within the mover's capacity for `like`'s
-    dtype), each with every rank's slice of it; a single tensor larger than the capacity runs in place
-    (`adasum_in_place_`, no slices here) where the mover has an in-place mover for it. The mover's buffers are
-    reserved for the largest slice first, so that a layout grows them once."""
-    capacity = mover.round_elements(like.element_size())
+    dtype), each with every rank's slice of it, and how many of them are in flight: the mover's `ahead`, unless
+    the layout fits one round of the whole buffer (then 1: there is no next round to move beside it). A single
+    tensor larger than the capacity runs in place (`adasum_in_place_`, no slices here) where the mover has an
+    in-place mover for it. The mover's buffers are reserved for the largest slice first, so that a layout grows
+    them once."""
+    ahead = mover.ahead
+    capacity = mover.round_elements(like.element_size(), ahead)
+    if ahead > 1:
+        whole = mover.round_elements(like.element_size(), 1)
+        if whole is None or layout.numel <= whole:
+            ahead, capacity = 1, whole
     cut: list[Round] = []
     for first, end, lo, hi in rounds(layout.sizes, capacity):
         if hi > lo:
@@ -150,8 +158,8 @@ def slice_rounds(layout: Layout, mover: SliceMover, like) -> list[Round]:
             cut.append((first, end, lo, hi, None if alone else split(lo, hi, mover.world)))
     rows = [b - a for *_, bounds in cut if bounds is not None for a, b in bounds]
     if rows:
-        mover.reserve(max(rows), like)
-    return cut
+        mover.reserve(max(rows), like, ahead)
+    return cut, ahead
 
 
 def level_pairs(tree: Tree) -> list[list[tuple[int, int, int, int]]]:
@@ -333,9 +341,11 @@ def adasum_slices_(
     `adasum.collectives.hierarchical.adasum_two_tier_flat_`)."""
     if mover.world == 1:
         return
-    ahead = 1 if across is not None else mover.ahead
+    cut, ahead = slice_rounds(layout, mover, buffer)
+    if across is not None:  # the levels across hosts run between a round's tree and its gather
+        ahead = 1
     started: list[Callable[[], None]] = []  # rounds scattered whose trees and gathers have not run, oldest first
-    for first, end, lo, hi, bounds in slice_rounds(layout, mover, buffer):
+    for first, end, lo, hi, bounds in cut:
         if bounds is None:
             while started:
                 started.pop(0)()

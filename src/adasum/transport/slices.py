@@ -93,11 +93,11 @@ class InPlace:
             return None
         return [(r * width, (r + 1) * width) for r in range(self.world - 1)] + [((self.world - 1) * width, numel)]
 
-    def round_elements(self, element_size: int) -> None:
+    def round_elements(self, element_size: int, ahead: int = 1) -> None:
         """No limit: the ring's size does not depend on the buffer's."""
         return None
 
-    def reserve(self, row: int, like) -> None:
+    def reserve(self, row: int, like, ahead: int = 1) -> None:
         """Nothing: the ring is made on first use, at a fixed size."""
 
     def piece_elements(self, slots: int, element_size: int) -> int:
@@ -211,8 +211,8 @@ class C10dSlices(Transport):
         self._rows: torch.Tensor | None = None
         self._in_place: C10dInPlace | None = None
 
-    def round_elements(self, element_size: int) -> int:
-        """The most elements one round holds within the memory budget."""
+    def round_elements(self, element_size: int, ahead: int = 1) -> int:
+        """The most elements one round holds within the memory budget (one round in flight)."""
         return round_elements(self.world, self.world, element_size)
 
     @property
@@ -222,7 +222,7 @@ class C10dSlices(Transport):
             self._in_place = C10dInPlace(self.group, self.timeout)
         return self._in_place
 
-    def reserve(self, row: int, like: torch.Tensor) -> None:
+    def reserve(self, row: int, like: torch.Tensor, ahead: int = 1) -> None:
         """Grow the receive workspace to rows of `row` elements like `like` before a layout's first round."""
         self._workspace(self.world * row, like)
 

@@ -546,7 +546,8 @@ class SymmetricSlices(Transport):
     besides `B`); the result reaches the others through one copy kernel."""
     ahead = 2
     """Rounds in flight: the buffer holds this many halves, round k takes half k mod `ahead`, and the schedule
-    stores round k + 1 into its half while round k's tree runs (`adasum.collectives.slices`)."""
+    stores round k + 1 into its half while round k's tree runs (`adasum.collectives.slices`); a layout that fits
+    one round of the whole buffer runs in one (`adasum.collectives.slices.slice_rounds`)."""
     pieces = 1
     """Pieces per slice at most (one per `CHUNK_BYTES`): one, since cutting the rounds into 4 pieces with the math
     of one piece on a side stream measured slower (the kernels beside the moves share the multiprocessors)."""
@@ -558,16 +559,20 @@ class SymmetricSlices(Transport):
         self.pool = pool(group, backend)  # the group's buffers (`backend`: see `SymmetricPool`)
         self.tiles = communicator(group).tiles  # the group's tile addresses of `Scattered` slices
         self.copies = CopyTables()  # the tables of the steps' copy kernels, by memory and positions
-        self._issued = 0  # rounds given rows since the layout's `reserve`: round k takes half k mod `ahead`
+        self._halves = 1  # the current layout's rounds in flight (`reserve`): round k takes half k mod this
+        self._issued = 0  # rounds given rows since the layout's `reserve`
         self._rounds: deque[_SliceRound] = deque()  # rounds given rows and not yet gathered, oldest first
 
-    def round_elements(self, element_size: int) -> int:
-        """The most elements one round holds within the memory budget (per half: P receive rows, an output row)."""
-        return round_elements(self.world, self.ahead * (self.world + 1), element_size)
+    def round_elements(self, element_size: int, ahead: int = 1) -> int:
+        """The most elements one round holds within the memory budget with the buffer cut into `ahead` halves (each:
+        P receive rows, an output row)."""
+        return round_elements(self.world, ahead * (self.world + 1), element_size)
 
-    def reserve(self, row: int, like) -> None:
-        """Make the buffer hold rows of `row` elements like `like` (the largest round of a layout, asked for before
-        its first round, so that a layout grows the buffer once). One buffer of bytes serves every dtype."""
+    def reserve(self, row: int, like, ahead: int = 1) -> None:
+        """Make the buffer hold `ahead` halves of rows of `row` elements like `like` (the largest round of a layout,
+        asked for before its first round, so that a layout grows the buffer once). One buffer of bytes serves every
+        dtype."""
+        self._halves = ahead
         size = like.element_size()
         budget = buffer_bytes()
         self.pool.staging(self._bytes(row, size), _bytes_like(like), "slices", most=budget - budget % 16)
@@ -582,8 +587,8 @@ class SymmetricSlices(Transport):
         size = buffer.element_size()
         raw, handle = self.pool.staging(self._bytes(row, size), _bytes_like(buffer), "slices")
         shared = raw[: raw.numel() - raw.numel() % size].view(buffer.dtype)
-        half = shared.numel() // self.ahead // OUTPUT_ALIGN * OUTPUT_ALIGN
-        state = _SliceRound(shared, handle, row, self._issued % self.ahead, half)
+        half = shared.numel() // self._halves // OUTPUT_ALIGN * OUTPUT_ALIGN
+        state = _SliceRound(shared, handle, row, self._issued % self._halves, half)
         self._issued += 1
         self._rounds.append(state)
         lo, hi = bounds[self.rank]
@@ -595,7 +600,7 @@ class SymmetricSlices(Transport):
     def _bytes(self, row: int, element_size: int) -> int:
         """Bytes of a buffer for rows of `row` elements: per half, P receive rows, the output row and the room to
         align the half and its output row."""
-        return self.ahead * ((self.world + 1) * row + 2 * OUTPUT_ALIGN) * element_size
+        return self._halves * ((self.world + 1) * row + 2 * OUTPUT_ALIGN) * element_size
 
     def _pieces(self, row: int, size: int, element_size: int) -> list[tuple[int, int]]:
         count = max(1, min(self.pieces, row * element_size // CHUNK_BYTES))
