@@ -138,14 +138,15 @@ def round_tensor(buffer: torch.Tensor | Scattered, first: int, end: int, lo: int
     return buffer[lo:hi]
 
 
-def slice_rounds(layout: Layout, mover: SliceMover, like) -> tuple[list[Round], int]:
+def slice_rounds(layout: Layout, mover: SliceMover, like, most: int | None = None) -> tuple[list[Round], int]:
     """The rounds `adasum_slices_` runs `layout` in on `mover` (`rounds` within the mover's capacity for `like`'s
-    dtype), each with every rank's slice of it, and how many of them are in flight: the mover's `ahead`, unless
-    the layout fits one round of the whole buffer (then 1: there is no next round to move beside it). A single
+    dtype), each with every rank's slice of it, and how many of them are in flight: the mover's `ahead` (at most
+    `most`), unless the layout fits one round of the whole buffer (then 1: there is no next round to move beside
+    it). A single
     tensor larger than the capacity runs in place (`adasum_in_place_`, no slices here) where the mover has an
     in-place mover for it. The mover's buffers are reserved for the largest slice first, so that a layout grows
     them once."""
-    ahead = mover.ahead
+    ahead = mover.ahead if most is None else min(most, mover.ahead)
     capacity = mover.round_elements(like.element_size(), ahead)
     if ahead > 1:
         whole = mover.round_elements(like.element_size(), 1)
@@ -341,9 +342,8 @@ def adasum_slices_(
     `adasum.collectives.hierarchical.adasum_two_tier_flat_`)."""
     if mover.world == 1:
         return
-    cut, ahead = slice_rounds(layout, mover, buffer)
-    if across is not None:  # the levels across hosts run between a round's tree and its gather
-        ahead = 1
+    # two tiers: the levels across hosts run between a round's tree and its gather, one round at a time
+    cut, ahead = slice_rounds(layout, mover, buffer, None if across is None else 1)
     started: list[Callable[[], None]] = []  # rounds scattered whose trees and gathers have not run, oldest first
     for first, end, lo, hi, bounds in cut:
         if bounds is None:
