@@ -258,7 +258,10 @@ CLAIMS = [
         "`kept MiB`: device memory kept after repeated calls (buffers, graphs), counted from after one call of\n"
         "NCCL's all_reduce of the same bytes. The rows are the runs of the code that each P runs now (the label\n"
         "\"defaults, 16-byte accesses for every dtype\"): the push protocol at P = 2, the slice-parallel schedule\n"
-        "with the slice mover's gather by stores at 3 and 4; all on one 4-GPU machine, one P after another.",
+        "with the slice mover's gather by stores at 3 and 4; all on one 4-GPU machine, one P after another. The\n"
+        "BERT-Large rows at 3 and 4 predate the slice mover's rounds in flight (its layout runs in several rounds;\n"
+        "the others in one): in an A/B of one run at P = 4 they made it 1.36 x against 1.40-1.41 x (fp32) and\n"
+        "1.40 x against 1.42-1.45 x (bf16), at P = 3 1.36 x against 1.36-1.38 x (the settings table at the end).",
         "python benchmarks/bench_collective.py --backend nccl --world P --dtypes fp32,bf16 --exps 20,24,26,28 \\\n"
         "    --layouts resnet50,bert-large --repeats 5 \\\n"
         "    --label \"defaults, 16-byte accesses for every dtype\"  # P = 2, 3, 4",
