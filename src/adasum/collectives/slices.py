@@ -13,6 +13,10 @@ Per round (a run of whole tensors of the layout, at most what the mover's buffer
    whole-tensor sums, and every rank combines its slice with the same coefficients.
 3. The mover hands slice r's result to every rank (`SliceMover.gather`).
 
+A mover may keep rounds in flight (`SliceMover.ahead`; the symmetric one keeps two, in two halves of its
+buffer): the schedule then scatters round k + 1 before it runs round k's tree and gather, so the next round's
+moves run beside this round's math. A layout that fits one round of the whole buffer runs in one.
+
 The result equals the flat tree's (`adasum.reduce`) up to float64 rounding of the sums; each
 element is computed by one rank and copied, so ranks end bitwise equal. Rounds are independent
 Adasum problems because coefficients are per tensor: a round never cuts a tensor.
@@ -142,10 +146,9 @@ def slice_rounds(layout: Layout, mover: SliceMover, like, most: int | None = Non
     """The rounds `adasum_slices_` runs `layout` in on `mover` (`rounds` within the mover's capacity for `like`'s
     dtype), each with every rank's slice of it, and how many of them are in flight: the mover's `ahead` (at most
     `most`), unless the layout fits one round of the whole buffer (then 1: there is no next round to move beside
-    it). A single
-    tensor larger than the capacity runs in place (`adasum_in_place_`, no slices here) where the mover has an
-    in-place mover for it. The mover's buffers are reserved for the largest slice first, so that a layout grows
-    them once."""
+    it). A single tensor larger than the capacity runs in place (`adasum_in_place_`, no slices here) where the
+    mover has an in-place mover for it. The mover's buffers are reserved for the largest slice first, so that a
+    layout grows them once."""
     ahead = mover.ahead if most is None else min(most, mover.ahead)
     capacity = mover.round_elements(like.element_size(), ahead)
     if ahead > 1:
