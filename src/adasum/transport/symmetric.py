@@ -511,12 +511,13 @@ class SymmetricSlices(Transport):
     * scatter: each slice is cut into the same number of pieces on every rank (one per `CHUNK_BYTES` of the
       longest slice, at most `pieces`); for each piece, rank r stores its copy of that piece of every slice j
       straight from `B` (a flat tensor or a `Scattered` list, read in place) into row r of rank j's half, then a
-      signal-pad barrier (channel 1; the gather's are on channel 0). The stores run on a high-priority stream
-      ("stores") that first waits for what the current stream was given so far: the schedule scatters round
-      k + 1 before it runs round k's tree, so the stores of round k + 1 follow the gather of round k - 1 (the
-      last to read that half) and run beside the tree of round k. The schedule's sums of a landed piece run on a
-      side stream; `scatter` returns the join the schedule calls before the round's tree. A flat `B`'s own slice
-      serves as its row r where it lies (a list's is staged);
+      signal-pad barrier. With rounds in flight (a layout of several rounds) the stores and their barriers (on
+      channel 1; the gather's are on channel 0) run on a high-priority stream ("stores") that first waits for
+      what the current stream was given so far: the schedule scatters round k + 1 before it runs round k's tree,
+      so the stores of round k + 1 follow the gather of round k - 1 (the last to read that half) and run beside
+      the tree of round k; a layout of one round stores on the current stream. The schedule's sums of a landed
+      piece run on a side stream; `scatter` returns the join the schedule calls before the round's tree. A flat
+      `B`'s own slice serves as its row r where it lies (a list's is staged);
     * the tree runs on the rows;
     * gather: the P - 1 slots of a buffer are the rows that the last combination does not read (P - 2: the root
       pair reads two) and the output row; sender s's slot on rank j is the (s, less one above j)-th. The last
@@ -613,21 +614,24 @@ class SymmetricSlices(Transport):
 
     def scatter(self, buffer, bounds, landed):
         """Store each piece of this rank's copies into the owners' rows of the latest round's half, a barrier per
-        piece, then ``landed`` on a side stream: all on streams of their own that wait for what the current stream
-        was given so far (the gather that last read this half among it), not for what it is given later. Returns
-        the join that makes the current stream wait for the landed rows and sums (class doc: rounds ahead)."""
+        piece, then ``landed`` on a side stream. With rounds in flight the stores run on a stream of their own
+        that waits for what the current stream was given so far (the gather that last read this half among it),
+        not for what it is given later (class doc); a layout of one round stores on the current stream. Returns
+        the join that makes the current stream wait for the landed rows and sums."""
         state = self._rounds[-1]
         shared, handle, row, me = state.shared, state.handle, state.row, self.rank
         element_size = buffer.element_size()
         main = torch.cuda.current_stream(shared.device)
-        stores = side_stream(shared.device, "stores")
+        in_flight = self._halves > 1
+        stores = side_stream(shared.device, "stores") if in_flight else main
         side = side_stream(shared.device, "copies")
         peers = {j: self.pool.peer_view(handle, j, shared.numel(), shared.dtype) for j in self._order()}
         if not isinstance(buffer, torch.Tensor):  # a list: its own copy is staged in its row like the peers'
             peers[me] = shared
         pieces = {j: self._pieces(row, bounds[j][1] - bounds[j][0], element_size) for j in [me, *peers]}
         mine = pieces[me]
-        stores.wait_stream(main)
+        if in_flight:
+            stores.wait_stream(main)
         for c in range(len(mine)):
             moves = []
             for j, view in peers.items():
@@ -637,7 +641,9 @@ class SymmetricSlices(Transport):
                     moves.append(((buffer, lo + p0, lo + p1), (view, state.at(me) + p0, state.at(me) + p1)))
             with torch.cuda.stream(stores):
                 self._moves(moves, shared)
-                handle.barrier(channel=1)  # piece c of every rank's copy of this rank's slice has landed
+                # piece c of every rank's copy of this rank's slice has landed (a channel apart from the gather's,
+                # which may wait beside it on the current stream)
+                handle.barrier(channel=1 if in_flight else 0)
             side.wait_stream(stores)
             with torch.cuda.stream(side):
                 landed(*mine[c])
