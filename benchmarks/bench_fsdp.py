@@ -146,7 +146,8 @@ def slowest(values: list[float], device: torch.device) -> list[float]:
 
 
 def prepared(variant: str, args, mesh, device) -> dict:
-    """`variant`'s model and optimizer after --warmup steps, with its own peak and kept memory (this rank's)."""
+    """`variant`'s model and optimizer after --warmup steps, with its own peak and kept memory and the free device
+    memory before it was built (this rank's)."""
     free, reserved, allocated = memory(device)
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
@@ -159,7 +160,7 @@ def prepared(variant: str, args, mesh, device) -> dict:
     peak = torch.cuda.max_memory_allocated(device) - allocated if device.type == "cuda" else 0
     free_after, reserved_after, _ = memory(device)
     kept = (free - free_after) - (reserved_after - reserved)  # taken outside the caching allocator
-    return {"variant": variant, "model": model, "opt": opt, "tokens": tokens, "peak": peak, "kept": kept,
+    return {"variant": variant, "model": model, "opt": opt, "tokens": tokens, "peak": peak, "kept": kept, "free": free,
             "params": sum(p.numel() for p in model.parameters())}  # DTensors: the whole model's count
 
 
@@ -191,7 +192,6 @@ def interleaved(variants: list[str], args, mesh, device) -> list[dict]:
 
 def sequential(variant: str, args, mesh, device) -> dict:
     """One variant's model alone: warmed up, --steps timed; its kept memory what stays once it is gone."""
-    free_before = free_memory(device, empty_cache=True) or 0
     state = prepared(variant, args, mesh, device)
     times = [one_step(state["model"], state["opt"], state["tokens"], device) for _ in range(args.steps)]
     if args.profile and device.type == "cuda":
@@ -200,7 +200,7 @@ def sequential(variant: str, args, mesh, device) -> dict:
     gc.collect()  # the hooks' closures hold the model in a reference cycle
     # memory outside the caching allocator that the variant keeps once its model is gone (symmetric-memory
     # buffers, captured graphs' pools, communicators): not in max_memory_allocated, so reported beside it
-    state["kept"] = free_before - (free_memory(device, empty_cache=True) or 0)
+    state["kept"] = state["free"] - memory(device)[0]
     return row(state, times, device, schedule="sequential")
 
 

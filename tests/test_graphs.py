@@ -65,7 +65,7 @@ def test_eager_then_captured_then_replayed():
     for _ in range(4):
         key = comm.run("plan", (1, 2), lambda: log.append("launch"), CPU)
     assert log == ["launch", "replay launch", "replay launch", "replay launch"]
-    assert key == ("plan", (1, 2)) and comm.graphs.captured(key) and comm.graphs.count() == 1
+    assert key == ("plan", (1, 2)) and comm.graphs.handle(key) is not None and comm.graphs.count() == 1
     handle = comm.graphs.handle(key)
     assert handle is not None and comm.graphs.replay_handle(handle) and log[-1] == "replay launch"
     del log[:]
@@ -116,7 +116,7 @@ def test_a_key_whose_capture_fails_runs_eagerly_from_then_on():
     backend.refuse = True
     for _ in range(4):
         key = comm.run("plan", 1, lambda: log.append("launch"), CPU)
-    assert log == ["launch"] * 4 and not comm.graphs.captured(key) and comm.graphs.count() == 0
+    assert log == ["launch"] * 4 and comm.graphs.handle(key) is None and comm.graphs.count() == 0
     assert comm.graphs.handle(key) is None
 
 
@@ -136,7 +136,7 @@ def test_off_the_gpu_every_call_runs_eagerly():
     log: list = []
     for _ in range(3):
         key = comm.run("plan", 1, lambda: log.append("launch"), CPU)
-    assert log == ["launch"] * 3 and not comm.graphs.captured(key)
+    assert log == ["launch"] * 3 and comm.graphs.handle(key) is None
 
 
 def test_the_communicator_is_the_only_caller_of_the_graphs():
@@ -169,14 +169,14 @@ def test_an_outgrown_symmetric_buffer_retires_the_groups_graphs():
     pool.staging(10, like)
     for _ in range(3):
         key = comm.run("plan", (1,), lambda: log.append("launch"), CPU)
-    assert comm.graphs.captured(key) and log == ["launch", "replay launch", "replay launch"]
+    assert comm.graphs.handle(key) is not None and log == ["launch", "replay launch", "replay launch"]
     graph = weakref.ref(comm.graphs._graphs[key])
     comm.last = key
     pool.staging(5, like)  # fits: nothing changes
-    assert comm.graphs.captured(key) and comm.last == key
+    assert comm.graphs.handle(key) is not None and comm.last == key
     old = weakref.ref(made[-1])
     pool.staging((1 << 20) + 1, like)  # outgrown
-    assert not comm.graphs.captured(key) and comm.graphs.count() == 0 and comm.last is None
+    assert comm.graphs.handle(key) is None and comm.graphs.count() == 0 and comm.last is None
     assert graph() is None and comm.graphs.count() == 0  # dropped
     made.clear()
     assert old() is None and len(pool.buffers) == 1  # the outgrown buffer is not kept
@@ -203,7 +203,7 @@ def test_an_outgrown_buffer_retires_the_graphs_of_every_group():
             for _ in range(2):
                 key = comm.run("plan", (1,), lambda: log.append("launch"), CPU)
             comm.last = key
-            assert comm.graphs.captured(key)
+            assert comm.graphs.handle(key) is not None
         groups.retire_graphs()
         assert all(c.graphs.count() == 0 and c.last is None for c in comms)
     finally:

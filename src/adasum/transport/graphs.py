@@ -134,13 +134,9 @@ class Graphs:
             self._epoch += 1
         graph.replay()
 
-    def captured(self, key: Hashable) -> bool:
-        """Whether `key` has a captured graph."""
-        return self.handle(key) is not None
-
     def handle(self, key: Hashable) -> tuple[object, int] | None:
         """What `replay_handle` replays `key`'s graph from without looking the key up again (a key of many tensors
-        costs the host a hash and a deep comparison per look-up), or None where `key` has no graph."""
+        costs the host a hash and a deep comparison per look-up), or None where `key` has no captured graph."""
         graph = self._graphs.get(key)
         return None if graph is None or graph is _FAILED else (graph, self._epoch)
 
