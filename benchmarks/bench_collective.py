@@ -238,11 +238,10 @@ def probe(rank, world, device, exps, dtypes, log) -> list[dict]:
 def slice_moves_probe(rank, world, device, args, log) -> list[dict]:
     """The slice-parallel schedule's bytes alone, any world size: the symmetric mover's scatter and gather of
     every round exactly as `adasum.collectives.slices.adasum_slices_` drives them (same rounds, rows, barriers,
-    copy kernels), with no Adasum math (each rank's own row is copied to the peers' slots that the last
-    combination would store into), against NCCL all_reduce of the same bytes in the same run."""
-    from adasum.collectives.slices import free_rows, round_tensor, slice_rounds
+    copy kernels), with no Adasum math (each rank's own row is copied to the peer's slot that the last pass
+    would store into), against NCCL all_reduce of the same bytes in the same run."""
+    from adasum.collectives.slices import round_tensor, slice_rounds
     from adasum.core.layout import Layout, Scattered
-    from adasum.core.tree import Tree
     from adasum.transport.symmetric import SymmetricSlices, supported
 
     if not supported(None):
@@ -258,8 +257,7 @@ def slice_moves_probe(rank, world, device, args, log) -> list[dict]:
             flat = torch.randn(numel, device=device).to(dtype)
             buffer = tensors[0].view(-1) if len(tensors) == 1 else Scattered(tensors)
             layout = Layout((numel,)) if len(tensors) == 1 else buffer.layout
-            cut = slice_rounds(layout, mover, buffer)
-            free = free_rows(Tree(world))
+            cut, _ = slice_rounds(layout, mover, buffer, 1)  # one round at a time: the moves alone, nothing beside
 
             def moves():
                 for first, end, lo, hi, bounds in cut:
@@ -277,7 +275,7 @@ def slice_moves_probe(rank, world, device, args, log) -> list[dict]:
                                 for out in outs[1:]:
                                     out.copy_(rows[rank][p0 - start : p1 - start])
 
-                    mv.gather(buf, bounds, finish, free)
+                    mv.gather(buf, bounds, finish)
 
             (m, a), _ = time_pair([moves, lambda: dist.all_reduce(flat)], lambda: None, device, args.repeats,
                                   args.warmup)

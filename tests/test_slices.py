@@ -7,9 +7,9 @@ import pytest
 import torch
 
 import adasum
-from adasum.collectives.slices import adasum_slices_, level_pairs, rounds, tree_on_slice_
+from adasum.collectives.slices import adasum_slices_, rounds, tree_on_slice_
 from adasum.core.layout import Layout
-from adasum.core.tree import Tree
+from adasum.core.tree import Tree, level_pairs
 from adasum.transport.base import split
 
 import distributed
@@ -35,12 +35,14 @@ def _worst_error(got: list[torch.Tensor], data: list[list[torch.Tensor]]) -> flo
     return worst
 
 
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
 @pytest.mark.parametrize("cut_at", [None, 1000])
 @pytest.mark.parametrize("world", [2, 3, 5, 6, 8])
-def test_tree_on_one_slice_is_the_reference_tree(world, cut_at):
+def test_tree_on_one_slice_is_the_reference_tree(world, cut_at, dtype):
     # one process holding the whole buffer as its slice: the small all-reduces have nothing to add; `cut_at`: the
-    # rows lie in two parts (as an in-place mover's do), and a piece of the last combination spans both
-    data = _data(world, world, torch.float64)
+    # rows lie in two parts (as an in-place mover's do), and a piece of the last pass spans both. float64 runs
+    # level by level, float32 from the Gram matrices beyond two ranks (`adasum.collectives.slices.by_gram`)
+    data = _data(world, world, dtype)
     rows = [torch.cat(data[r]) for r in range(world)]
     layout = Layout(tuple(SIZES))
     out = torch.full_like(rows[0], float("nan"))
@@ -52,7 +54,7 @@ def test_tree_on_one_slice_is_the_reference_tree(world, cut_at):
     finish = tree_on_slice_(parts, layout, (0, layout.numel), Tree(world), lambda sums: None, (0, len(SIZES)))
     for p0, p1 in ((0, 700), (700, 1500), (1500, layout.numel)):  # the last combination in pieces, as movers run it
         finish(p0, p1, [out[p0:p1]])
-    assert _worst_error(list(out.split(SIZES)), data) < BOUNDS[torch.float64]
+    assert _worst_error(list(out.split(SIZES)), data) < BOUNDS[dtype]
 
 
 def test_level_pairs_cover_every_rank_once_and_carry_worker_counts():
@@ -115,7 +117,7 @@ class _RecordingMover:
     def all_reduce_sums(self, sums) -> None:
         pass
 
-    def gather(self, buffer, bounds, finish, free) -> None:
+    def gather(self, buffer, bounds, finish) -> None:
         k, given = self.waiting.pop(0)
         assert given == list(bounds), (k, given, bounds)  # rounds are gathered in the order they were given rows
         self.calls.append(f"gather {k}")
@@ -153,33 +155,20 @@ def test_the_schedule_scatters_rounds_ahead_and_drains_before_a_tensor_run_in_pl
     assert calls == ["reserve 1", "rows 0", "scatter 0", "join 0", "gather 0"], calls
 
 
-def _bf16_error(got: list[torch.Tensor], data: list[list[torch.Tensor]]) -> float:
-    # against `adasum.reduce`, which rounds each level to bf16 as the collective does: the float64 sums differ
-    # only by their order, which can move a level's rounding by one unit in the last place (2**-8 relative)
-    worst = 0.0
-    for i, t in enumerate(got):
-        ref = adasum.reduce([data[r][i] for r in range(len(data))]).double()
-        if ref.norm() > 0:
-            worst = max(worst, float((t.double().cpu() - ref).norm() / ref.norm()))
-    return worst
-
-
-def slice_parallel(rank, world, direct=None):
-    if direct is not None:  # the peers whose results the last combination stores itself (symmetric memory)
-        from adasum.transport.symmetric import SymmetricSlices
-
-        SymmetricSlices.direct = direct
+def slice_parallel(rank, world):
     dev = distributed.device_for(rank)
     out = {}
-    levels = len(level_pairs(Tree(world)))
-    for dtype, bound in [*BOUNDS.items(), (torch.bfloat16, levels * 2.0**-8)]:
+    # bf16 runs the tree from the Gram matrices (`adasum.collectives.slices.by_gram`; two ranks: one level, the
+    # same formulas): float64 throughout, one rounding to bf16 at the end (relative 2**-9 per element, doubled for
+    # the float32 step), so within 2**-8 of the float64 tree; float32 likewise within BOUNDS; float64 level by level
+    for dtype, bound in [*BOUNDS.items(), (torch.bfloat16, 2.0**-8)]:
         data = _data(100 + world, world, dtype)
         mine = [t.clone().to(dev) for t in data[rank]]
         for call in range(3):  # repeated calls on the same tensors: captured and replayed graphs on GPUs
             for t, src in zip(mine, data[rank]):
                 t.copy_(src)
             adasum.all_reduce(mine, transport="slices")
-        worst = _bf16_error(mine, data) if dtype == torch.bfloat16 else _worst_error(mine, data)
+        worst = _worst_error(mine, data)
         assert worst < bound, (dtype, worst)
         out[str(dtype)] = torch.cat([t.cpu().reshape(-1) for t in mine]).view(torch.uint8).numpy().tobytes()
     return out
@@ -190,8 +179,6 @@ def slice_parallel(rank, world, direct=None):
 def test_slice_parallel_matches_reference_and_ranks_agree(world):
     results = distributed.run(world, slice_parallel)
     distributed.assert_ranks_agree(results)
-    if distributed.BACKEND == "nccl":  # every peer's result through the copy kernel, none by the combination: same bits
-        assert distributed.run(world, slice_parallel, 0) == results
 
 
 @pytest.mark.nccl
@@ -204,10 +191,11 @@ def test_slice_parallel_in_rounds_through_a_small_budget(world):
 
 GROWING = [200_000, 900_000, 50_000, 700_000, 300_000, 880_000]
 """Under a budget of 7.3 MiB (rounds of about a million fp32 elements at 3 and 4 ranks) these make rounds whose rows
-grow and shrink. The peers store their results into a rank's output row while its root pair's rows are still read:
-the output row must lie where no round's receive rows reach (`adasum.transport.symmetric._SliceRound`), and a
-round's stores into a half's rows must wait until every rank has copied the results of the round before that used
-the half out of them (the next round's stores run beside this round's tree)."""
+grow and shrink. A rank's previous rank stores its result into the rank's output row while the rank's last pass
+still reads its receive rows: the output row must lie where no round's receive rows reach
+(`adasum.transport.symmetric._SliceRound`), and a round's stores into a half's rows must wait until every rank has
+copied the results of the round before that used the half out of them (the next round's stores run beside this
+round's tree)."""
 
 
 def growing_rounds(rank, world, calls):

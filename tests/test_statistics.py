@@ -207,8 +207,11 @@ def test_the_distributed_tree_records_what_the_single_process_tree_records():
         for i in range(3):
             adasum.reduce([tensors[i] for tensors in per_rank])
     single = summarize(records)
+    # float32 runs from the Gram matrices (`adasum.collectives.slices.by_gram`): the last level sees the fold's node
+    # unrounded, `reduce` sees it rounded to float32 (2**-24 relative per element), so the sums, and the statistics
+    # (coefficients 1 - w <a,b>/|a|^2 of inputs of similar norms), differ by a few 2**-24
     for stats, _ in results:
-        assert stats == pytest.approx(single, rel=1e-10)
+        assert stats == pytest.approx(single, rel=1e-5)
     assert set(single) == {"coefficient_min", "coefficient_max", "orthogonality", "cosine_abs_mean"}
 
 

@@ -192,6 +192,45 @@ for dtype in (torch.float32, torch.bfloat16):
     flat = torch.zeros(n, dtype=dtype)
     tk.copy_tiles(copy_table([((x, 0, 9000), (flat, 1, 9001))], torch.device("cpu")), x)
     assert torch.equal(flat[1:9001], x[:9000]) and flat[0] == 0 and not flat[9001:].any(), (dtype, "flat to flat")
+# the Gram form of the tree (`adasum.core.gram`): P rows anywhere in memory, the Gram sums, the tree's weights and
+# the weighted sum, against the CPU kernels and the torch form of the weights
+from adasum.core.gram import pair_ops, weights as torch_weights
+from adasum.core.tree import Tree
+from adasum.kernels import cpu as cpu_kernels
+CASES = ((2, torch.float32), (3, torch.bfloat16), (4, torch.float32), (5, torch.float32), (8, torch.bfloat16))
+for world, dtype in CASES:
+    lengths = [5, 0, 4100, 1, 2048, 64]
+    n = sum(lengths)
+    pool = torch.randn(world * (n + 8), generator=g).to(dtype)
+    rows = [pool[k * (n + 8) + 4 * (k % 2) : k * (n + 8) + 4 * (k % 2) + n] for k in range(world)]
+    rows[-1] = torch.randn(n, generator=g).to(dtype)  # one row in another allocation, as a flat B's own row
+    want = cpu_kernels.gram(rows, lengths)
+    got = tk.gram(rows, lengths)
+    # float64 sums of exact products (narrow dtypes): two summation orders differ by at most twice gamma(n+1)
+    magnitude = cpu_kernels.gram([r.abs() for r in rows], lengths)
+    gamma = torch.tensor([(k + 1) * EPS for k in lengths], dtype=torch.float64)
+    assert ((got - want).abs() <= 2 * gamma * magnitude).all(), (world, dtype, "gram")
+    added = tk.gram(rows, lengths, out=want.clone())  # added into `out`
+    assert ((added - 2 * want).abs() <= 4 * gamma * magnitude + 1e-300).all(), (world, dtype, "gram added")
+    w_got, s_got = tk.tree_weights(want, pair_ops(Tree(world)))
+    w_want, s_want = torch_weights(want, Tree(world))
+    assert torch.allclose(w_got, w_want, rtol=1e-12, atol=1e-14), (world, dtype, "weights")
+    assert torch.allclose(s_got, s_want, rtol=1e-12, atol=1e-12), (world, dtype, "pair sums")
+    out = torch.full((n,), float("nan"), dtype=dtype)
+    extra = torch.full((n,), float("nan"), dtype=dtype)
+    tk.weighted_sum(rows, w_want, lengths, out, extra)
+    ref = torch.empty(n, dtype=dtype)
+    cpu_kernels.weighted_sum(rows, w_want, lengths, ref)
+    # float64 sums of P terms in two orders, then a rounding each to the dtype: at most one ulp apart
+    assert torch.equal(out, extra), (world, dtype, "second output")
+    ulp = torch.finfo(dtype).eps * ref.float().abs()
+    assert ((out.float() - ref.float()).abs() <= ulp).all(), (world, dtype, "weighted sum")
+    parts = [t.clone() for t in torch.full((n,), float("nan"), dtype=dtype).split(lengths)]
+    tk.weighted_sum(rows, w_want, lengths, tile_addresses(Scattered(parts), 0, n))
+    assert torch.equal(torch.cat(parts), out), (world, dtype, "weighted sum into a list in place")
+    inplace = [r.clone() for r in rows]
+    tk.weighted_sum(inplace, w_want, lengths, inplace[0])  # into one of the rows it reads
+    assert torch.equal(inplace[0], out), (world, dtype, "weighted sum in place")
 print("ok")
 """
 

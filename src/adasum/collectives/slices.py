@@ -6,18 +6,21 @@ Per round (a run of whole tensors of the layout, at most what the mover's buffer
 1. The round is cut into P aligned slices; rank r owns slice r. The mover brings every rank's
    copy of slice r to rank r (`SliceMover.scatter`: a reduce-scatter without the reduction,
    ``N (P-1)/P`` elements in per rank).
-2. Rank r runs the whole tree on its slice, level by level: the fold of pairs ``(2i, 2i+1)``
-   first when P is not a power of two, then the power-of-two levels. For every pair of a level
-   it adds its slice's share of the per-tensor ``<a,b>``, ``|a|^2``, ``|b|^2`` (float64) into one
-   ``[pairs, 3, T]`` array, one small SUM all-reduce over the group gives every rank the
-   whole-tensor sums, and every rank combines its slice with the same coefficients.
+2. Rank r runs the whole tree on its slice (`adasum.core.gram`): one pass adds its slice's share of every
+   tensor's Gram matrix of the P copies (``<x_i, x_j>``, float64) into one ``[P, P, T]`` array, one small SUM
+   all-reduce over the group gives every rank the whole tensors' Gram matrices, every rank computes from them
+   the tree's coefficients level by level (the fold of pairs ``(2i, 2i+1)`` first when P is not a power of
+   two, then the power-of-two levels) and so the root's weight of each copy, and one pass writes its slice of
+   ``sum_j w_j x_j``. Level by level the tree would take a pass of sums, an all-reduce and a combination pass
+   per level.
 3. The mover hands slice r's result to every rank (`SliceMover.gather`).
 
 A mover may keep rounds in flight (`SliceMover.ahead`; the symmetric one keeps two, in two halves of its
 buffer): the schedule then scatters round k + 1 before it runs round k's tree and gather, so the next round's
 moves run beside this round's math. A layout that fits one round of the whole buffer runs in one.
 
-The result equals the flat tree's (`adasum.reduce`) up to float64 rounding of the sums; each
+The result equals the flat tree's (`adasum.reduce`) in exact arithmetic; numerically, the inner nodes are
+never rounded to the dtype (the result is rounded once, where `adasum.reduce` rounds every level's). Each
 element is computed by one rank and copied, so ranks end bitwise equal. Rounds are independent
 Adasum problems because coefficients are per tensor: a round never cuts a tensor.
 
@@ -40,8 +43,8 @@ import torch
 
 from adasum.core import statistics
 from adasum.core.layout import Layout, Scattered
-from adasum.core.tree import Tree
-from adasum.kernels import combine_from_sums, dot_and_norms
+from adasum.core.tree import Tree, level_pairs
+from adasum.kernels import combine_from_sums, dot_and_norms, gram, tree_weights, weighted_sum
 from adasum.transport.base import split
 
 Piece = Callable[[int, int], None]
@@ -86,13 +89,11 @@ class SliceMover(Protocol):
     def all_reduce_sums(self, sums: torch.Tensor) -> None:
         """SUM all-reduce of a small float64 array over the group."""
 
-    def gather(
-        self, buffer, bounds: Sequence[tuple[int, int]], finish: Callable[[int, int, list], None], free: Sequence[int]
-    ) -> None:
+    def gather(self, buffer, bounds: Sequence[tuple[int, int]], finish: Callable[[int, int, list], None]) -> None:
         """``finish(p0, p1, outs)`` writes the result of a piece of this rank's slice into `outs` (this rank's
         slice of `buffer` there first, then wherever the mover takes it from or sends it to); then every rank's
-        pieces reach `buffer` everywhere. `free`: the rows (by rank) that the schedule no longer reads on any rank
-        once this rank calls `gather` (the mover may land results there)."""
+        pieces reach `buffer` everywhere. `finish` reads every row of its positions (a mover may land peers'
+        results in the rows only once every rank's `finish` is done)."""
 
 
 class InPlaceMover(SliceMover, Protocol):
@@ -166,36 +167,6 @@ def slice_rounds(layout: Layout, mover: SliceMover, like, most: int | None = Non
     return cut, ahead
 
 
-def level_pairs(tree: Tree) -> list[list[tuple[int, int, int, int]]]:
-    """The tree's levels as (rank of side a, rank of side b, workers of a, workers of b) per pair: the fold
-    (when P is not a power of two), then d = 1, 2, 4, ...; each pair's result replaces side a's vector.
-
-    >>> level_pairs(Tree(3))
-    [[(0, 1, 1, 1)], [(0, 2, 2, 1)]]
-    """
-    levels = []
-    if tree.folded:
-        levels.append([(2 * i, 2 * i + 1, 1, 1) for i in range(tree.folded)])
-    for d in tree.levels():
-        levels.append([
-            (tree.leader(base), tree.leader(base + d), tree.count(base, d), tree.count(base + d, d))
-            for base in range(0, tree.groups, 2 * d)
-        ])
-    return levels
-
-
-def free_rows(tree: Tree) -> list[int]:
-    """The rows (by rank) that the last combination does not read: all but the root pair's. Every rank read them
-    last before the tree's last all-reduce of sums, which no rank passes before every rank has joined it, so they
-    are free on every rank once a rank's last combination starts (a mover's gather may land results there).
-
-    >>> free_rows(Tree(4)), free_rows(Tree(3)), free_rows(Tree(2))
-    ([1, 3], [1], [])
-    """
-    a, b, _, _ = level_pairs(tree)[-1][0]
-    return [j for j in range(tree.workers) if j not in (a, b)]
-
-
 def _columns(layout: Layout, lo: int, hi: int, first_tensor: int) -> tuple[slice, list[int]]:
     """The sums columns and the segment lengths of layout positions [lo, hi) (columns count from the round's
     first tensor)."""
@@ -237,6 +208,58 @@ def _combine(
         combine_from_sums(first_a, first_b, sums[:, columns], workers_a, workers_b, lengths, *targets)
 
 
+def _gram(parts, layout: Layout, where: tuple[int, int], p0: int, p1: int, sums, first_tensor: int) -> None:
+    """Add the Gram matrices' partial sums over positions [p0, p1) of the slice at `where` into `sums`
+    ([P, P, T])."""
+    for start, rows, lo, hi in _within(parts, p0, p1):
+        columns, lengths = _columns(layout, where[0] + lo, where[0] + hi, first_tensor)
+        if lengths:
+            gram([row[lo - start : hi - start] for row in rows], lengths, out=sums[:, :, columns])
+
+
+def _weighted(parts, weights, layout: Layout, where, p0: int, p1: int, first_tensor: int, outs: Sequence) -> None:
+    """Positions [p0, p1) of the result, ``sum_j w_j x_j`` with the root's `weights` ([P, T]), into `outs`.
+    `outs` may be address tables only where [p0, p1) lies in one part."""
+    pieces = list(_within(parts, p0, p1))
+    for start, rows, lo, hi in pieces:
+        columns, lengths = _columns(layout, where[0] + lo, where[0] + hi, first_tensor)
+        if not lengths:
+            continue
+        targets = outs if len(pieces) == 1 else [o[lo - p0 : hi - p0] for o in outs]
+        weighted_sum([row[lo - start : hi - start] for row in rows], weights[:, columns], lengths, *targets)
+
+
+def by_gram(dtype: torch.dtype, tree: Tree) -> bool:
+    """Whether the tree on a slice of `dtype` runs from the Gram matrices (`adasum.core.gram`: one pass of sums, one
+    all-reduce, one pass) or level by level (a pass of sums, an all-reduce and a combination per level). The Gram
+    form's error grows as ``eps64 k^2`` where a node nearly cancels (k: the ratio of its terms' magnitudes to
+    its own), the level form's as ``eps k`` with the dtype's eps, since it rounds every node to the dtype: so
+    the Gram form for every dtype narrower than float64, the level form for float64; and the level form for a
+    tree of one level (two ranks), where both are the same formulas and the pair kernels measured faster."""
+    return dtype != torch.float64 and tree.workers > 2
+
+
+def first_sums(tree: Tree, width: int, dtype: torch.dtype, device) -> torch.Tensor:
+    """Zeroed float64 sums for the first pass over a slice of `dtype` (`by_gram`): [P, P, T] Gram matrices, or
+    [pairs, 3, T] for the first level's pairs."""
+    if by_gram(dtype, tree):
+        return torch.zeros((tree.workers, tree.workers, width), dtype=torch.float64, device=device)
+    return torch.zeros((len(level_pairs(tree)[0]), 3, width), dtype=torch.float64, device=device)
+
+
+def add_first_sums(parts, layout: Layout, where: tuple[int, int], tree: Tree, p0: int, p1: int, sums,
+                   first_tensor: int) -> None:
+    """Add positions [p0, p1)'s share of the first pass's sums (`first_sums`) into `sums`."""
+    if by_gram(parts[0][1][0].dtype, tree):
+        _gram(parts, layout, where, p0, p1, sums, first_tensor)
+    else:
+        _dots(parts, level_pairs(tree)[0], layout, where, p0, p1, sums, first_tensor)
+
+
+def _record(sums: torch.Tensor, pairs) -> None:
+    statistics.record_level(sums, [(workers_a, workers_b) for _, _, workers_a, workers_b in pairs])
+
+
 def tree_on_slice_(
     parts: Sequence[Part],
     layout: Layout,
@@ -244,37 +267,50 @@ def tree_on_slice_(
     tree: Tree,
     all_reduce_sums: Callable[[torch.Tensor], None],
     tensors: tuple[int, int],
-    first_sums: torch.Tensor | None = None,
+    sums: torch.Tensor | None = None,
     record: bool = True,
 ) -> Callable[[int, int, Sequence], None]:
-    """Step 2 of the module doc on one rank's slice but the last combination: the `parts` hold every rank's copy
-    of positions `where` of `layout` (overwritten); `tensors` is the round's (first, end) tensor range, the
-    columns of the sums. `first_sums`: the first level's partial sums, already added up over the slice.
-    `record`: the sums are the whole group's (not one tier's), so a statistics recording may take them
-    (`adasum.core.statistics`). Returns ``finish(p0, p1, outs)``, which writes positions [p0, p1) of the result
-    into `outs`."""
-    levels = level_pairs(tree)
+    """Step 2 of the module doc on one rank's slice up to its last pass: the `parts` hold every rank's copy of
+    positions `where` of `layout` (a level-by-level tree overwrites them); `tensors` is the round's (first, end)
+    tensor range, the columns of the sums. `sums`: the first pass's sums (`first_sums`), already added up over the
+    slice. `record`: the sums are the whole group's (not one tier's), so a statistics recording may take every
+    level's (`adasum.core.statistics`). Returns ``finish(p0, p1, outs)``, which writes positions [p0, p1) of the
+    result into `outs` (it reads every row there)."""
     width = tensors[1] - tensors[0]
     size = where[1] - where[0]
-    device = parts[0][1][0].device
-    sums = first_sums
+    if sums is None:
+        sums = first_sums(tree, width, parts[0][1][0].dtype, parts[0][1][0].device)
+        add_first_sums(parts, layout, where, tree, 0, size, sums, tensors[0])
+    levels = level_pairs(tree)
+    if by_gram(parts[0][1][0].dtype, tree):
+        all_reduce_sums(sums)
+        weights, pair_sums = tree_weights(sums, tree)
+        if record and statistics.active():
+            first = 0
+            for pairs in levels:
+                _record(pair_sums[first : first + len(pairs)], pairs)
+                first += len(pairs)
+
+        def finish(p0: int, p1: int, outs: Sequence) -> None:
+            _weighted(parts, weights, layout, where, p0, p1, tensors[0], outs)
+
+        return finish
     for depth, pairs in enumerate(levels):
-        if depth or sums is None:
-            sums = torch.zeros((len(pairs), 3, width), dtype=torch.float64, device=device)
+        if depth:
+            sums = torch.zeros((len(pairs), 3, width), dtype=torch.float64, device=sums.device)
             _dots(parts, pairs, layout, where, 0, size, sums, tensors[0])
         all_reduce_sums(sums)
         if record and statistics.active():
-            statistics.record_level(sums, [(workers_a, workers_b) for _, _, workers_a, workers_b in pairs])
+            _record(sums, pairs)
         if depth < len(levels) - 1:
             for pair, pair_sums in zip(pairs, sums):
                 _combine(parts, pair, pair_sums, layout, where, 0, size, tensors[0], None)
-    assert sums is not None  # every tree has a level
     last, last_sums = levels[-1][0], sums[0]
 
-    def finish(p0: int, p1: int, outs: Sequence) -> None:
+    def finish_level(p0: int, p1: int, outs: Sequence) -> None:
         _combine(parts, last, last_sums, layout, where, p0, p1, tensors[0], outs)
 
-    return finish
+    return finish_level
 
 
 def _start(buffer, layout: Layout, mover: SliceMover, tensors: tuple[int, int], bounds, across, offset: int):
@@ -282,25 +318,22 @@ def _start(buffer, layout: Layout, mover: SliceMover, tensors: tuple[int, int], 
     (positions of `layout`), `tensors` the round's tensor range; `offset` where `buffer` starts in the caller's
     layout (what `across` is told). Returns the rest of the round (its tree and gather) to call later."""
     tree = Tree(mover.world)
-    first_pairs = level_pairs(tree)[0]
     where = bounds[mover.rank]
     parts = mover.rows(buffer, bounds)
-    sums = torch.zeros((len(first_pairs), 3, tensors[1] - tensors[0]), dtype=torch.float64,
-                       device=parts[0][1][0].device)
+    sums = first_sums(tree, tensors[1] - tensors[0], parts[0][1][0].dtype, parts[0][1][0].device)
 
     def landed(p0: int, p1: int) -> None:
-        _dots(parts, first_pairs, layout, where, p0, p1, sums, tensors[0])
+        add_first_sums(parts, layout, where, tree, p0, p1, sums, tensors[0])
 
     join = mover.scatter(buffer, bounds, landed)
 
     def rest() -> None:
         if join is not None:
             join()
-        free = free_rows(tree)
         # two tiers (`across`): the mover's sums are one host's, the levels across hosts record theirs
         finish = tree_on_slice_(parts, layout, where, tree, mover.all_reduce_sums, tensors, sums, across is None)
         if across is None:
-            mover.gather(buffer, bounds, finish, free)
+            mover.gather(buffer, bounds, finish)
             return
         mine = cast(torch.Tensor, buffer)[where[0] : where[1]]  # the two-tier path runs on flat buffers
         finish(0, where[1] - where[0], [mine])
@@ -311,7 +344,7 @@ def _start(buffer, layout: Layout, mover: SliceMover, tensors: tuple[int, int], 
             for out in outs[1:]:  # the mover's own staging of the result (symmetric memory)
                 out.copy_(mine[p0:p1])
 
-        mover.gather(buffer, bounds, publish, free)
+        mover.gather(buffer, bounds, publish)
 
     return rest
 

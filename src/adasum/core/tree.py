@@ -62,3 +62,22 @@ class Tree:
             out.append(d)
             d *= 2
         return out
+
+
+def level_pairs(tree: Tree) -> list[list[tuple[int, int, int, int]]]:
+    """The tree's levels as (rank of side a, rank of side b, workers of a, workers of b) per pair: the fold
+    (when P is not a power of two), then d = 1, 2, 4, ...; each pair's result replaces side a's vector, so the
+    root's ends at rank 0.
+
+    >>> level_pairs(Tree(3))
+    [[(0, 1, 1, 1)], [(0, 2, 2, 1)]]
+    """
+    levels = []
+    if tree.folded:
+        levels.append([(2 * i, 2 * i + 1, 1, 1) for i in range(tree.folded)])
+    for d in tree.levels():
+        levels.append([
+            (tree.leader(base), tree.leader(base + d), tree.count(base, d), tree.count(base + d, d))
+            for base in range(0, tree.groups, 2 * d)
+        ])
+    return levels

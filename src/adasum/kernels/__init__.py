@@ -14,8 +14,10 @@ from collections.abc import Sequence
 
 import torch
 
+from adasum.core.gram import pair_ops, weights
 from adasum.core.layout import Scattered
 from adasum.core.operator import coefficients
+from adasum.core.tree import Tree
 from adasum.kernels import cpu, torch_ops
 from adasum.kernels.addresses import AddressTables, tile_addresses
 
@@ -50,6 +52,45 @@ def dot_and_norms(
     if out is None:
         return sums
     return out.add_(sums)
+
+
+def gram(rows: Sequence[torch.Tensor], lengths: Sequence[int], out: torch.Tensor | None = None) -> torch.Tensor:
+    """Per segment the Gram matrix ``<row_i, row_j>`` of P flat tensors of one dtype (`lengths` as in
+    `dot_and_norms`), in float64, as a [P, P, T] tensor; with `out` the sums are added into it. Triton kernels on
+    GPUs (up to `adasum.kernels.triton.MAX_ROWS` rows), cached float64 blocks and BLAS on the CPU."""
+    triton_kernels = _triton(rows[0].device)
+    if triton_kernels is not None and len(rows) <= triton_kernels.MAX_ROWS:
+        return triton_kernels.gram(rows, lengths, out)
+    sums = cpu.gram(rows, lengths) if rows[0].device.type == "cpu" else torch_ops.gram(rows, lengths)
+    return sums if out is None else out.add_(sums)
+
+
+def tree_weights(gram_sums: torch.Tensor, tree: Tree) -> tuple[torch.Tensor, torch.Tensor]:
+    """`adasum.core.gram.weights` of `tree` from the [P, P, T] float64 Gram sums: (the root's weights [P, T], every
+    pair's sums [P - 1, 3, T]). One Triton kernel on GPUs, torch ops elsewhere."""
+    triton_kernels = _triton(gram_sums.device)
+    if triton_kernels is not None and tree.workers <= triton_kernels.MAX_ROWS:
+        return triton_kernels.tree_weights(gram_sums, pair_ops(tree))
+    return weights(gram_sums, tree)
+
+
+def weighted_sum(
+    rows: Sequence[torch.Tensor], row_weights: torch.Tensor, lengths: Sequence[int], out, *more_outs: torch.Tensor
+) -> None:
+    """``out = sum_j row_weights[j] rows[j]`` per segment (`row_weights` [P, T] float64), computed in float64 and
+    written in out's dtype; `out` may be one of the rows. `more_outs` (at most three) receive the same values (in
+    the same pass with Triton, where `out` may also be `adasum.kernels.addresses.TileAddresses`)."""
+    like = rows[0]
+    triton_kernels = _triton(like.device)
+    if triton_kernels is not None and len(rows) <= triton_kernels.MAX_ROWS:
+        triton_kernels.weighted_sum(rows, row_weights, lengths, out, *more_outs)
+        return
+    if like.device.type == "cpu":
+        cpu.weighted_sum(rows, row_weights, lengths, out)
+    else:
+        torch_ops.weighted_sum(rows, row_weights, lengths, out)
+    for extra in more_outs:
+        extra.copy_(out)
 
 
 def scale_add(

@@ -44,7 +44,9 @@ def reduce(tensors: Sequence[torch.Tensor]) -> torch.Tensor:
 
     For a power of two this is Horovod's binary tree; for any P, parallel inputs give the mean and
     orthogonal inputs the sum (see `adasum.core.tree`). Each level's result is rounded to the
-    dtype, as the collective does. ``adasum.all_reduce`` on P ranks gives the same result.
+    dtype, as the collective's VHDD schedule does; ``adasum.all_reduce`` on P ranks gives the same result
+    (the slice-parallel schedule above two ranks rounds once, from the Gram matrices: the same within the
+    dtype's rounding of the levels, `adasum.core.gram`).
 
     >>> g = torch.tensor([1.0, 2.0])
     >>> adasum.reduce([g, g, g])                                      # parallel: the mean

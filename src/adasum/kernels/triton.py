@@ -9,6 +9,7 @@ a call launches two or three kernels and never synchronises the host. Results ar
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Sequence
 from typing import cast
 
@@ -235,6 +236,157 @@ if triton is not None:
             tl.store(target + offs, tl.load(source + offs, mask=mask), mask=mask)
 
 
+    @triton.jit
+    def _row_offsets(o0, o1, o2, o3, o4, o5, o6, o7, PP: tl.constexpr, ALIGN: tl.constexpr):
+        # the rows' first elements, in elements from the base pointer, as a [PP] vector (rows past P: 0, masked)
+        rows = tl.arange(0, PP)
+        offsets = tl.zeros([PP], dtype=tl.int64) + o0
+        if PP > 1:
+            offsets = tl.where(rows == 1, o1, offsets)
+        if PP > 2:
+            offsets = tl.where(rows == 2, o2, offsets)
+            offsets = tl.where(rows == 3, o3, offsets)
+        if PP > 4:
+            offsets = tl.where(rows == 4, o4, offsets)
+            offsets = tl.where(rows == 5, o5, offsets)
+            offsets = tl.where(rows == 6, o6, offsets)
+            offsets = tl.where(rows == 7, o7, offsets)
+        if ALIGN > 1:  # every row 16-byte aligned (checked on the host)
+            offsets = tl.multiple_of(offsets, ALIGN)
+        return offsets
+
+    @triton.jit(do_not_specialize=["o0", "o1", "o2", "o3", "o4", "o5", "o6", "o7"])
+    def _gram_tile_kernel(
+        base_ptr, o0, o1, o2, o3, o4, o5, o6, o7, starts_ptr, sizes_ptr, out_ptr, P: tl.constexpr,
+        PP: tl.constexpr, BLOCK: tl.constexpr, ITERS: tl.constexpr, ALIGN: tl.constexpr,
+    ):
+        # One tile of P rows (at base + offset_j): the [PP, PP] products summed in float64 over the tile
+        tile = tl.program_id(0)
+        start, size = _tile_extent(starts_ptr, sizes_ptr, tile, ALIGN)
+        rows = tl.arange(0, PP)
+        offsets = _row_offsets(o0, o1, o2, o3, o4, o5, o6, o7, PP, ALIGN)
+        acc = tl.zeros([PP, PP, BLOCK], dtype=tl.float64)
+        for i in range(ITERS):
+            offs = i * BLOCK + tl.arange(0, BLOCK)
+            mask = (rows < P)[:, None] & (offs < size)[None, :]
+            x = tl.load(base_ptr + offsets[:, None] + start + offs[None, :], mask=mask, other=0.0).to(tl.float64)
+            acc += x[:, None, :] * x[None, :, :]
+        sums = tl.sum(acc, axis=2)
+        tl.store(out_ptr + tile * PP * PP + rows[:, None] * PP + rows[None, :], sums)
+
+    @triton.jit
+    def _gram_segments_kernel(
+        tiles_ptr, first_ptr, count_ptr, out_ptr, row_stride, P: tl.constexpr, PP: tl.constexpr,
+        BLOCK: tl.constexpr, ROUNDS: tl.constexpr,
+    ):
+        # a segment's tile sums ([n_tiles, PP, PP]) added in order into out[i, j, seg] (rows i * P + j apart by
+        # row_stride)
+        seg = tl.program_id(0)
+        first = tl.load(first_ptr + seg)
+        count = tl.load(count_ptr + seg)
+        cols = tl.arange(0, PP * PP)
+        acc = tl.zeros([BLOCK, PP * PP], dtype=tl.float64)
+        for r in range(ROUNDS):
+            offs = r * BLOCK + tl.arange(0, BLOCK)
+            acc += tl.load(tiles_ptr + (first + offs)[:, None] * PP * PP + cols[None, :],
+                           mask=(offs < count)[:, None], other=0.0)
+        i, j = cols // PP, cols % PP
+        keep = (i < P) & (j < P)
+        at = out_ptr + (i * P + j) * row_stride + seg
+        tl.store(at, tl.sum(acc, axis=0) + tl.load(at, mask=keep, other=0.0), mask=keep)
+
+    @triton.jit(do_not_specialize=["segments", "row_stride"])
+    def _tree_weights_kernel(
+        gram_ptr, gram_stride, ops_ptr, weights_ptr, row_stride, sums_ptr, segments, P: tl.constexpr,
+        PP: tl.constexpr, OPS: tl.constexpr, BLOCK_T: tl.constexpr,
+    ):
+        # `adasum.core.gram.weights` for BLOCK_T tensors: nodes[t, k, j] is node k's weight of worker j
+        zero_norm = tl.full([], 0x2000000000000000, tl.int64).to(tl.float64, bitcast=True)  # 2**-511
+        t = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
+        live = t < segments
+        ranks = tl.arange(0, PP)
+        k3 = ranks[None, :, None]
+        j3 = ranks[None, None, :]
+        gram = tl.load(gram_ptr + (k3 * P + j3) * gram_stride + t[:, None, None],
+                       mask=live[:, None, None] & (k3 < P) & (j3 < P), other=0.0)
+        nodes = tl.where(k3 == j3, 1.0, 0.0).to(tl.float64) + tl.zeros([BLOCK_T, PP, PP], dtype=tl.float64)
+        for k in tl.static_range(OPS):
+            a = tl.load(ops_ptr + 4 * k)
+            b = tl.load(ops_ptr + 4 * k + 1)
+            count_a = tl.load(ops_ptr + 4 * k + 2).to(tl.float64)
+            count_b = tl.load(ops_ptr + 4 * k + 3).to(tl.float64)
+            side_a = tl.sum(tl.where(k3 == a, nodes, 0.0), axis=1)  # [BLOCK_T, PP]
+            side_b = tl.sum(tl.where(k3 == b, nodes, 0.0), axis=1)
+            g_a = tl.sum(side_a[:, :, None] * gram, axis=1)  # (G W_a)[t, j]: G is symmetric
+            g_b = tl.sum(side_b[:, :, None] * gram, axis=1)
+            dot = tl.sum(g_a * side_b, axis=1)
+            norm_a = tl.sum(g_a * side_a, axis=1)
+            norm_b = tl.sum(g_b * side_b, axis=1)
+            tl.store(sums_ptr + (3 * k) * segments + t, dot, mask=live)
+            tl.store(sums_ptr + (3 * k + 1) * segments + t, norm_a, mask=live)
+            tl.store(sums_ptr + (3 * k + 2) * segments + t, norm_b, mask=live)
+            weight_a = count_a / (count_a + count_b)
+            weight_b = count_b / (count_a + count_b)
+            ca = tl.where(norm_a >= zero_norm, 1.0 - weight_a * dot / tl.where(norm_a >= zero_norm, norm_a, 1.0), 1.0)
+            cb = tl.where(norm_b >= zero_norm, 1.0 - weight_b * dot / tl.where(norm_b >= zero_norm, norm_b, 1.0), 1.0)
+            mixed = ca[:, None] * side_a + cb[:, None] * side_b
+            nodes = tl.where(k3 == a, mixed[:, None, :], nodes)
+        root = tl.sum(tl.where(k3 == 0, nodes, 0.0), axis=1)
+        tl.store(weights_ptr + ranks[None, :] * row_stride + t[:, None], root,
+                 mask=live[:, None] & (ranks[None, :] < P))
+
+    @triton.jit
+    def _pick(j: tl.constexpr, o0, o1, o2, o3, o4, o5, o6, o7):
+        # row j's offset (j known when the kernel compiles)
+        if j == 0:
+            return o0
+        elif j == 1:
+            return o1
+        elif j == 2:
+            return o2
+        elif j == 3:
+            return o3
+        elif j == 4:
+            return o4
+        elif j == 5:
+            return o5
+        elif j == 6:
+            return o6
+        else:
+            return o7
+
+    @triton.jit(do_not_specialize=["o0", "o1", "o2", "o3", "o4", "o5", "o6", "o7", "row_stride"])
+    def _weighted_kernel(
+        base_ptr, o0, o1, o2, o3, o4, o5, o6, o7, weights_ptr, row_stride, starts_ptr, sizes_ptr, segs_ptr,
+        out_ptr, out2_ptr, out3_ptr, out4_ptr, out_tiles, P: tl.constexpr, BLOCK: tl.constexpr, ITERS: tl.constexpr,
+        OUTS: tl.constexpr, OUT_TILES: tl.constexpr, ALIGN: tl.constexpr,
+    ):
+        # out = sum_j w[j, seg] row_j over one tile, in float64, stored in out's dtype (into OUTS buffers); the rows
+        # one after another as 1-D loads (a [P, BLOCK] load reduced over P measured 2-4 x slower, 4.5 x for bf16)
+        tile = tl.program_id(0)
+        start, size = _tile_extent(starts_ptr, sizes_ptr, tile, ALIGN)
+        seg = tl.load(segs_ptr + tile)
+        out_at = _tile_base(out_tiles, tile, out_ptr, start, OUT_TILES, ALIGN)
+        for i in range(ITERS):
+            offs = i * BLOCK + tl.arange(0, BLOCK)
+            mask = offs < size
+            mixed = tl.zeros([BLOCK], dtype=tl.float64)
+            for j in tl.static_range(P):
+                at = base_ptr + _pick(j, o0, o1, o2, o3, o4, o5, o6, o7) + start
+                if ALIGN > 1:
+                    at = tl.multiple_of(at, 16)
+                x = tl.load(at + offs, mask=mask, other=0.0).to(tl.float64)
+                mixed += tl.load(weights_ptr + j * row_stride + seg) * x
+            out = mixed if out_ptr.dtype.element_ty == tl.float64 else mixed.to(tl.float32)
+            out = out.to(out_ptr.dtype.element_ty)
+            tl.store(out_at + offs, out, mask=mask)
+            if OUTS > 1:
+                tl.store(out2_ptr + start + offs, out, mask=mask)
+            if OUTS > 2:
+                tl.store(out3_ptr + start + offs, out, mask=mask)
+            if OUTS > 3:
+                tl.store(out4_ptr + start + offs, out, mask=mask)
+
 def _align(table, *operands) -> int:
     """The vector width the kernels may assume, in elements: 16 bytes' worth when every tile starts and ends on
     such a boundary and every `TileAddresses` operand is 16-byte aligned, else 1. Without the hint Triton cannot
@@ -385,4 +537,103 @@ def copy_tiles(table, like: torch.Tensor) -> None:
     _copy_tiles_kernel[(table.n,)](
         like, table.sources, table.targets, table.sizes, BLOCK=BLOCK, ITERS=ITERS,
         ALIGN=16 // size if table.aligned and _vectors(size) else 1,
+    )
+
+
+MAX_ROWS = 8
+"""The most rows `gram` and `weighted_sum` read in one kernel (a host's GPUs); more go to the torch path."""
+
+
+def _rows(rows: Sequence[torch.Tensor]) -> tuple[torch.Tensor, list[int], bool]:
+    """(the base row, every row's first element in elements from the base's, padded to `MAX_ROWS`, whether every
+    row is 16-byte aligned): the rows of one dtype and device, anywhere in memory."""
+    base = rows[0]
+    size = base.element_size()
+    offsets = []
+    for row in rows:
+        assert row.dtype == base.dtype and row.device == base.device and row.is_contiguous()
+        gap = row.data_ptr() - base.data_ptr()
+        assert gap % size == 0
+        offsets.append(gap // size)
+    aligned = all(row.data_ptr() % 16 == 0 for row in rows)
+    return base, offsets + [0] * (MAX_ROWS - len(offsets)), aligned
+
+
+def _pad(workers: int) -> int:
+    return 1 << max(0, (workers - 1).bit_length())
+
+
+def gram(rows: Sequence[torch.Tensor], lengths: Sequence[int], out: torch.Tensor | None = None) -> torch.Tensor:
+    """Per segment the Gram matrix of the rows (at most `MAX_ROWS` flat tensors of one dtype, anywhere), in
+    float64: ``[P, P, T]``; with `out` (a float64 [P, P, T] view with its last dimension contiguous and rows
+    ``i * P + j`` evenly spaced) the sums are added into it. One program per tile reduces the P x P products in
+    float64, one per segment adds its tiles in order."""
+    workers = len(rows)
+    assert workers <= MAX_ROWS
+    base, offsets, aligned = _rows(rows)
+    table = tiles(tuple(lengths), base.device)
+    segments = len(lengths)
+    if out is None:
+        out = torch.zeros(workers, workers, segments, dtype=torch.float64, device=base.device)
+    assert out.dtype == torch.float64 and out.stride(2) == 1 and out.stride(0) == workers * out.stride(1)
+    if not table.n_tiles:
+        return out
+    padded = _pad(workers)
+    block = 1024 // padded  # with 8 warps at 3 and 4 rows: the fastest of the sizes and warps measured (1 x H200)
+    tile_sums = torch.empty(table.n_tiles, padded, padded, dtype=torch.float64, device=base.device)
+    align = _align(table, base) if aligned else 1
+    _gram_tile_kernel[(table.n_tiles,)](
+        base, *offsets, table.starts, table.sizes, tile_sums, P=workers, PP=padded, BLOCK=block,
+        ITERS=-(-(ITERS * BLOCK) // block), ALIGN=align, num_warps=8 if padded == 4 else 4,
+    )
+    rounds_block = max(16, 4096 // (padded * padded))
+    _gram_segments_kernel[(segments,)](
+        tile_sums, table.first, table.count, out, out.stride(1), P=workers, PP=padded, BLOCK=rounds_block,
+        ROUNDS=_rounds(table.longest, rounds_block),
+    )
+    return out
+
+
+def tree_weights(gram: torch.Tensor, ops: Sequence[tuple[int, int, int, int]]) -> tuple[torch.Tensor, torch.Tensor]:
+    """`adasum.core.gram.weights` in one kernel: (weights [P, T], sums [len(ops), 3, T]) from `gram` ([P, P, T]
+    float64, its last dimension contiguous and rows evenly spaced) and the tree's `ops`
+    (`adasum.core.gram.pair_ops`)."""
+    workers, _, segments = gram.shape
+    assert gram.stride(2) == 1 and gram.stride(0) == workers * gram.stride(1)
+    weights = torch.empty(workers, segments, dtype=torch.float64, device=gram.device)
+    sums = torch.empty(len(ops), 3, segments, dtype=torch.float64, device=gram.device)
+    if segments:
+        table = _ops_table(tuple(ops), gram.device)
+        block = 16
+        _tree_weights_kernel[(-(-segments // block),)](
+            gram, gram.stride(1), table, weights, segments, sums, segments, P=workers, PP=_pad(workers),
+            OPS=len(ops), BLOCK_T=block,
+        )
+    return weights, sums
+
+
+@functools.lru_cache(maxsize=64)
+def _ops_table(ops: tuple[tuple[int, int, int, int], ...], device: torch.device) -> torch.Tensor:
+    """A tree's pairs on the device (cached: made once, never copied again, so a captured call reads it)."""
+    return torch.tensor([x for op in ops for x in op], dtype=torch.int64, device=device)
+
+
+def weighted_sum(rows: Sequence[torch.Tensor], weights: torch.Tensor, lengths: Sequence[int], out,
+                 *more_outs: torch.Tensor) -> None:
+    """``out = sum_j weights[j, seg] rows[j]`` per segment, in float64, stored in out's dtype: one kernel. `rows`
+    as in `gram`; `weights` [P, T] float64 with its last dimension contiguous; `out` a flat tensor (it may be one
+    of the rows) or `TileAddresses`; `more_outs` (at most `MORE_OUTS`) receive the same values in the same pass."""
+    base, offsets, aligned = _rows(rows)
+    table = tiles(tuple(lengths), base.device)
+    if not table.n_tiles:
+        return
+    assert weights.dtype == torch.float64 and weights.stride(1) == 1 and len(more_outs) <= MORE_OUTS
+    out_ptr, out_tiles, out_at = _operand(out, base)
+    extra = list(more_outs) + [out_ptr] * (MORE_OUTS - len(more_outs))
+    block = 2 * BLOCK  # with 8 warps: the fastest of the sizes and warps measured (1 x H200)
+    align = _align(table, base, out, *more_outs) if aligned else 1
+    _weighted_kernel[(table.n_tiles,)](
+        base, *offsets, weights, weights.stride(0), table.starts, table.sizes, table.segments, out_ptr, *extra,
+        out_tiles, P=len(rows), BLOCK=block, ITERS=-(-(ITERS * BLOCK) // block), OUTS=1 + len(more_outs),
+        OUT_TILES=out_at, ALIGN=align, num_warps=8,
     )

@@ -185,9 +185,7 @@ class C10dInPlace(InPlace, Transport):
         if tail and me == last:
             landed(width, width + tail)
 
-    def gather(  # type: ignore[override]  # a SliceMover's gather, not the VHDD schedule's
-        self, buffer: torch.Tensor, bounds: Sequence[tuple[int, int]], finish, free: Sequence[int]
-    ) -> None:
+    def gather(self, buffer: torch.Tensor, bounds: Sequence[tuple[int, int]], finish) -> None:  # type: ignore[override]
         """Write this rank's result slice, then exchange every rank's slice with every peer (each lands where the
         rows were)."""
         lo, hi = bounds[self.rank]
@@ -255,9 +253,7 @@ class C10dSlices(Transport):
         """SUM all-reduce of the small float64 sums over the group."""
         dist.all_reduce(sums, group=self.group)
 
-    def gather(  # type: ignore[override]  # a SliceMover's gather, not the VHDD schedule's
-        self, buffer: torch.Tensor, bounds: Sequence[tuple[int, int]], finish, free: Sequence[int]
-    ) -> None:
+    def gather(self, buffer: torch.Tensor, bounds: Sequence[tuple[int, int]], finish) -> None:  # type: ignore[override]
         """Write this rank's result slice, then exchange every rank's slice with every peer."""
         lo, hi = bounds[self.rank]
         finish(0, hi - lo, [buffer[lo:hi]])

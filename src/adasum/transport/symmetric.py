@@ -483,7 +483,7 @@ class _SliceRound:
     """One round's place in `SymmetricSlices`' buffer: its half (``size`` elements from ``base``), the width of its
     rows and the buffer's handle. The half holds the P receive rows from its start and the output row at its end,
     aligned down, past the receive rows of any round of the layout (the half holds ``(P + 1) C + 2 OUTPUT_ALIGN``
-    for the widest, ``C``): a peer's result stored there never reaches a row that the root pair still reads."""
+    for the widest, ``C``): a peer's result stored there never reaches a row that the last pass still reads."""
 
     __slots__ = ("shared", "handle", "row", "base", "size")
 
@@ -518,33 +518,29 @@ class SymmetricSlices(Transport):
       the tree of round k; a layout of one round stores on the current stream. The schedule's sums of a landed
       piece run on a side stream; `scatter` returns the join the schedule calls before the round's tree. A flat
       `B`'s own slice serves as its row r where it lies (a list's is staged);
-    * the tree runs on the rows;
-    * gather: the P - 1 slots of a buffer are the rows that the last combination does not read (P - 2: the root
-      pair reads two) and the output row; sender s's slot on rank j is the (s, less one above j)-th. The last
-      combination writes rank r's result into `B`'s slice and, for the first `direct` peers, straight into its
-      slot on them; one copy kernel stores it from `B` into the others'. A barrier; then one kernel copies the
-      peers' results out of r's own slots into `B`; a barrier.
+    * the tree runs on the rows; its last pass (`adasum.collectives.slices.tree_on_slice_`) reads every row;
+    * gather: sender s's slot on rank j is j's output row where j is s's next rank (j = s + 1 mod P), else j's
+      receive row s. The last pass writes rank r's result into `B`'s slice and straight into its slot on the
+      next rank (the output row, which no pass reads); a barrier (every rank's last pass is done, so the receive
+      rows are free); one copy kernel stores the result from `B` into the other peers' slots; a barrier; then
+      one kernel copies the peers' results out of r's own slots into `B`; a barrier.
 
     Each step's moves to or from every peer are **one kernel** (`adasum.kernels.triton.copy_tiles`): its tiles
     are dealt in turn over the peers, so the multiprocessors store into all P - 1 peers at once. Moves one peer
     after another (the copy engines for a flat `B`, one copy kernel per peer for a list) measured slower on
     4 x H200 for lists (BERT-Large's layout at P = 4: 1.51 x NCCL against 1.43 x; ResNet-50's: 1.96 x against
     1.66 x; at P = 3 BERT-Large 1.88 x against 1.60 x) and the same for one flat tensor. The gather by stores
-    into the slots, the first peers' fused into the last combination, measured against loading every peer's
-    output row: at P = 3 BERT-Large 1.42 x against 1.59 x, flat 2^26 1.25 x against 1.33 x; at P = 4 ResNet-50
-    1.58 x against 1.67 x, flat 2^26 1.29 x against 1.37 x, BERT-Large the same (1.38 x).
+    into the slots measured faster than loading every peer's output row: at P = 3 BERT-Large 1.42 x against
+    1.59 x, flat 2^26 1.25 x against 1.33 x; at P = 4 ResNet-50 1.58 x against 1.67 x, flat 2^26 1.29 x against
+    1.37 x, BERT-Large the same (1.38 x).
 
-    The slots are free when the last combination starts: every rank read them last before the tree's last
-    all-reduce of sums, which no rank passes before every rank has joined it. A round's stores into a peer's
-    half come after that peer's last barrier of the gather of the round before that used the half (in this call
-    or an earlier one), which follows its copies out of its slots. Nothing synchronises the host."""
+    A round's stores into a peer's half come after that peer's last barrier of the gather of the round before
+    that used the half (in this call or an earlier one), which follows its copies out of its slots. Nothing
+    synchronises the host."""
 
     name = "slices"
     scattered = True
     timeout = None
-    direct = triton_kernels.MORE_OUTS
-    """Peers whose slots the last combination stores into itself (as many as the combination kernel writes outputs
-    besides `B`); the result reaches the others through one copy kernel."""
     ahead = 2
     """Rounds in flight: the buffer holds this many halves, round k takes half k mod `ahead`, and the schedule
     stores round k + 1 into its half while round k's tree runs (`adasum.collectives.slices`); a layout that fits
@@ -659,30 +655,27 @@ class SymmetricSlices(Transport):
         """SUM all-reduce of the small float64 sums over the group."""
         dist.all_reduce(sums, group=self.group)
 
-    def gather(self, buffer, bounds, finish, free):
-        """Store this rank's result into every peer's slots, the first `direct` peers' by the last combination
-        itself; then copy the peers' results out of this rank's slots into `B` (class doc). `free`: the receive
-        rows the last combination does not read (P - 2 of them: the schedule's root pair reads two)."""
+    def gather(self, buffer, bounds, finish):
+        """Store this rank's result into its next peer's output row by the last pass itself; once every rank's last
+        pass is done, into the other peers' receive rows by one copy kernel; then copy the peers' results out of
+        this rank's slots into `B` (class doc)."""
         state = self._rounds.popleft()
         shared, handle, me = state.shared, state.handle, self.rank
-        slots = [state.at(k) for k in free] + [state.output()]
-        if len(slots) < self.world - 1:
-            raise ValueError(f"the gather lands {self.world - 1} peers' results in free rows, and {len(free)} are free")
         peers = {j: self.pool.peer_view(handle, j, shared.numel(), shared.dtype) for j in self._order()}
 
         def slot(sender: int, receiver: int) -> int:  # where sender's result lands in receiver's buffer
-            return slots[_among_peers(sender, receiver)]
+            return state.output() if receiver == (sender + 1) % self.world else state.at(sender)
 
         lo, hi = bounds[me]
         size = hi - lo
-        order = list(peers)
-        direct, rest = order[: self.direct], order[self.direct :]
-        finish(0, size, [_slice(buffer, lo, hi, self.tiles)]
-               + [peers[j][slot(me, j) : slot(me, j) + size] for j in direct])
-        self._moves([((buffer, lo, hi), (peers[j], slot(me, j), slot(me, j) + size)) for j in rest], shared)
+        first, *rest = peers
+        finish(0, size, [_slice(buffer, lo, hi, self.tiles), peers[first][slot(me, first) : slot(me, first) + size]])
+        if rest:
+            handle.barrier(channel=0)  # every rank's last pass is done: its receive rows are free
+            self._moves([((buffer, lo, hi), (peers[j], slot(me, j), slot(me, j) + size)) for j in rest], shared)
         handle.barrier(channel=0)  # every peer's result is in this rank's slots
         self._moves([((shared, slot(j, me), slot(j, me) + bounds[j][1] - bounds[j][0]), (buffer, *bounds[j]))
-                     for j in order], shared)
+                     for j in peers], shared)
         handle.barrier(channel=0)  # every rank's slots are read: the next round (or call) may store into them
 
     def _moves(self, moves, like: torch.Tensor) -> None:
@@ -782,9 +775,7 @@ class SymmetricInPlace(InPlace, Transport):
         if tail and me == last:  # the spare rows were stored into before the first barrier
             landed(width, width + tail)
 
-    def gather(  # type: ignore[override]  # a SliceMover's gather, not the VHDD schedule's
-        self, buffer: torch.Tensor, bounds: Sequence[tuple[int, int]], finish, free: Sequence[int]
-    ) -> None:
+    def gather(self, buffer: torch.Tensor, bounds: Sequence[tuple[int, int]], finish) -> None:  # type: ignore[override]
         """Push this rank's results into its peers' rings, and copy theirs out of its own (class doc)."""
         ring, piece, peers, main, side = self._start(buffer)
         pushes = side_stream(ring.device, "pushes")

@@ -1,0 +1,57 @@
+r"""The tree's coefficients from the Gram matrix of the workers' vectors (SPEC 1.3), for the slice-parallel
+schedule (`adasum.collectives.slices`). Pure math; no communication.
+
+Every node of the tree is a linear combination of the workers' vectors: leaf j is ``x_j``, and a pair gives
+``c_a a + c_b b``. Written as weights over the workers (``node = sum_j W[j] x_j``), every level's ``<a,b>``,
+``|a|^2``, ``|b|^2`` are quadratic forms of the Gram matrix ``G[i, j] = <x_i, x_j>`` (per tensor)::
+
+    <a,b> = W_a^T G W_b,   |a|^2 = W_a^T G W_a,   |b|^2 = W_b^T G W_b
+
+so one pass over the P vectors (G's partial sums over a slice, in float64), one all-reduce of G, this small
+computation per tensor, and one pass (``sum_j w_j x_j`` with the root's weights) give the whole tree; level by
+level it takes a pass of sums, an all-reduce and a combination pass per level. The coefficients are those of
+`adasum.core.operator.coefficients`, zero guard included, level after level; the result equals the
+level-by-level tree in exact arithmetic. Numerically, the inner nodes are never rounded to the tensor's dtype:
+the result is rounded once.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from adasum.core.operator import coefficients
+from adasum.core.tree import Tree, level_pairs
+
+
+def pair_ops(tree: Tree) -> list[tuple[int, int, int, int]]:
+    """The tree's pairs in the order they combine (`level_pairs`, level after level): (node a, node b, workers of
+    a, workers of b), node k being the vector that rank k holds (the pair's result replaces node a). P - 1 pairs;
+    the root ends as node 0.
+
+    >>> pair_ops(Tree(3))
+    [(0, 1, 1, 1), (0, 2, 2, 1)]
+    """
+    return [pair for level in level_pairs(tree) for pair in level]
+
+
+def weights(gram: torch.Tensor, tree: Tree) -> tuple[torch.Tensor, torch.Tensor]:
+    """The root's weights over the workers and every pair's sums, from ``gram`` ([P, P, T] float64: per tensor
+    the Gram matrix of the P workers' vectors): (weights [P, T], sums [P - 1, 3, T]: ``<a,b>``, ``|a|^2``,
+    ``|b|^2`` of each pair of `pair_ops`, in that order)."""
+    workers, _, width = gram.shape
+    if workers != tree.workers:
+        raise ValueError(f"a Gram matrix of {workers} workers for a tree of {tree.workers}")
+    nodes = torch.eye(workers, dtype=torch.float64, device=gram.device).unsqueeze(-1).repeat(1, 1, width)
+    ops = pair_ops(tree)
+    sums = torch.empty(len(ops), 3, width, dtype=torch.float64, device=gram.device)
+    for k, (a, b, workers_a, workers_b) in enumerate(ops):
+        side_a, side_b = nodes[a], nodes[b]  # [P, T]: weights over the workers
+        g_a = torch.einsum("ijt,it->jt", gram, side_a)
+        g_b = torch.einsum("ijt,it->jt", gram, side_b)
+        sums[k, 0] = (g_a * side_b).sum(0)
+        sums[k, 1] = (g_a * side_a).sum(0)
+        sums[k, 2] = (g_b * side_b).sum(0)
+        total = workers_a + workers_b
+        coeff_a, coeff_b = coefficients(sums[k], workers_a / total, workers_b / total)
+        nodes[a] = coeff_a * side_a + coeff_b * side_b
+    return nodes[0], sums
