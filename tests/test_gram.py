@@ -62,3 +62,13 @@ def test_level_sums_are_the_quadratic_forms_of_the_nodes():
         nodes.append(out)
     want = dot_and_norms(nodes[0], nodes[1], [16])
     assert torch.allclose(sums[2], want, rtol=1e-13, atol=0)
+
+
+def test_a_non_finite_copy_makes_the_whole_tensor_nan():
+    # the quadratic forms carry worker 3's NaN into every node's sums (through zero weights): those give NaN
+    # coefficients, never the zero guard's 1, so no element of the tensor comes out finite
+    rows = [torch.ones(5, dtype=torch.float64) for _ in range(4)]
+    rows[3][2] = float("nan")
+    assert torch.isnan(_tree_of(rows)).all()
+    rows[3][2] = float("inf")
+    assert not torch.isfinite(_tree_of(rows)).any()

@@ -316,3 +316,21 @@ def vhdd_in_place(rank, world):
 @pytest.mark.parametrize("world", [2, 3])
 def test_vhdd_rounds_hand_a_tensor_larger_than_a_round_to_the_in_place_mover(world):
     distributed.assert_ranks_agree(distributed.run(world, vhdd_in_place))
+
+
+def non_finite_slices(rank, world):
+    dev = distributed.device_for(rank)
+    tensors = [torch.ones(6, device=dev), torch.ones(4, device=dev), torch.full((3000,), 2.0, device=dev)]
+    if rank == world - 1:
+        tensors[0][2] = float("nan")
+        tensors[2][2999] = float("inf")
+    adasum.all_reduce(tensors, transport="slices")
+    assert torch.isnan(tensors[0]).all() and not torch.isfinite(tensors[2]).any(), tensors
+    assert torch.equal(tensors[1].cpu(), torch.ones(4))  # parallel copies: their mean
+    return [t.cpu().numpy().tobytes() for t in tensors]
+
+
+@pytest.mark.nccl
+@pytest.mark.parametrize("world", distributed.world_sizes(3, 4) if distributed.BACKEND == "nccl" else [3, 4])
+def test_a_non_finite_copy_makes_its_whole_tensor_non_finite_on_every_rank(world):
+    distributed.assert_ranks_agree(distributed.run(world, non_finite_slices))

@@ -231,6 +231,13 @@ for world, dtype in CASES:
     inplace = [r.clone() for r in rows]
     tk.weighted_sum(inplace, w_want, lengths, inplace[0])  # into one of the rows it reads
     assert torch.equal(inplace[0], out), (world, dtype, "weighted sum in place")
+# a worker's NaN reaches every node's sums through zero weights: NaN weights, never the zero guard's 1
+nan_gram = torch.full((4, 4, 2), 6.0, dtype=torch.float64)
+nan_gram[3, :, 0] = float("nan")
+nan_gram[:, 3, 0] = float("nan")
+w_nan, _ = tk.tree_weights(nan_gram, pair_ops(Tree(4)))
+assert torch.isnan(w_nan[:, 0]).all() and torch.isfinite(w_nan[:, 1]).all(), w_nan
+assert torch.equal(w_nan[:, 1:], torch_weights(nan_gram, Tree(4))[0][:, 1:]), "finite column"
 print("ok")
 """
 

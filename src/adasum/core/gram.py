@@ -13,6 +13,11 @@ level it takes a pass of sums, an all-reduce and a combination pass per level. T
 `adasum.core.operator.coefficients`, zero guard included, level after level; the result equals the
 level-by-level tree in exact arithmetic. Numerically, the inner nodes are never rounded to the tensor's dtype:
 the result is rounded once.
+
+Non-finite values: a pair whose sums are not all finite gets NaN coefficients, so a tensor with a NaN or Inf in
+any worker's copy comes out NaN everywhere. (The quadratic forms carry one worker's NaN into every node's sums,
+through zero weights: the zero guard, which reads a NaN norm as zero, would otherwise give such nodes
+coefficient 1 and a finite result where the level-by-level tree gives a non-finite one.)
 """
 
 from __future__ import annotations
@@ -53,5 +58,8 @@ def weights(gram: torch.Tensor, tree: Tree) -> tuple[torch.Tensor, torch.Tensor]
         sums[k, 2] = (g_b * side_b).sum(0)
         total = workers_a + workers_b
         coeff_a, coeff_b = coefficients(sums[k], workers_a / total, workers_b / total)
+        broken = ~torch.isfinite(sums[k]).all(0)  # module doc: non-finite sums give NaN, never the zero guard's 1
+        coeff_a = torch.where(broken, torch.nan, coeff_a)
+        coeff_b = torch.where(broken, torch.nan, coeff_b)
         nodes[a] = coeff_a * side_a + coeff_b * side_b
     return nodes[0], sums

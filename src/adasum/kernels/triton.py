@@ -329,6 +329,11 @@ if triton is not None:
             weight_b = count_b / (count_a + count_b)
             ca = tl.where(norm_a >= zero_norm, 1.0 - weight_a * dot / tl.where(norm_a >= zero_norm, norm_a, 1.0), 1.0)
             cb = tl.where(norm_b >= zero_norm, 1.0 - weight_b * dot / tl.where(norm_b >= zero_norm, norm_b, 1.0), 1.0)
+            # non-finite sums give NaN coefficients, never the zero guard's 1 (`adasum.core.gram`'s module doc)
+            broken = (tl.abs(dot) == float("inf")) | (dot != dot) | (tl.abs(norm_a) == float("inf"))
+            broken = broken | (norm_a != norm_a) | (tl.abs(norm_b) == float("inf")) | (norm_b != norm_b)
+            ca = tl.where(broken, float("nan"), ca)
+            cb = tl.where(broken, float("nan"), cb)
             mixed = ca[:, None] * side_a + cb[:, None] * side_b
             nodes = tl.where(k3 == a, mixed[:, None, :], nodes)
         root = tl.sum(tl.where(k3 == 0, nodes, 0.0), axis=1)
