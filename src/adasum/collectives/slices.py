@@ -11,8 +11,8 @@ Per round (a run of whole tensors of the layout, at most what the mover's buffer
    all-reduce over the group gives every rank the whole tensors' Gram matrices, every rank computes from them
    the tree's coefficients level by level (the fold of pairs ``(2i, 2i+1)`` first when P is not a power of
    two, then the power-of-two levels) and so the root's weight of each copy, and one pass writes its slice of
-   ``sum_j w_j x_j``. Level by level the tree would take a pass of sums, an all-reduce and a combination pass
-   per level.
+   ``sum_j w_j x_j``. Level by level (float64 tensors and two ranks, `by_gram`) the tree takes a pass of
+   sums, an all-reduce and a combination pass per level.
 3. The mover hands slice r's result to every rank (`SliceMover.gather`).
 
 A mover may keep rounds in flight (`SliceMover.ahead`; the symmetric one keeps two, in two halves of its
