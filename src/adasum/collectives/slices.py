@@ -174,22 +174,25 @@ def _columns(layout: Layout, lo: int, hi: int, first_tensor: int) -> tuple[slice
     return slice(first - first_tensor, first - first_tensor + len(lengths)), lengths
 
 
-def _within(parts: Sequence[Part], p0: int, p1: int):
-    """(start, rows, lo, hi) for each part that positions [p0, p1) of the slice overlap, [lo, hi) the overlap."""
-    for start, rows in parts:
-        lo, hi = max(p0, start), min(p1, start + rows[0].numel())
-        if hi > lo:
-            yield start, rows, lo, hi
+def _runs(parts: Sequence[Part], layout: Layout, where: tuple[int, int], p0: int, p1: int, first_tensor: int,
+          outs: Sequence | None = None):
+    """For each part that positions [p0, p1) of the slice at `where` overlap with elements: (every rank's row over
+    the overlap, the sums columns and segment lengths there, `outs` over the overlap). `outs` may be address tables
+    only where [p0, p1) lies in one part (then they are passed on whole)."""
+    pieces = [(start, rows, max(p0, start), min(p1, start + rows[0].numel())) for start, rows in parts]
+    pieces = [piece for piece in pieces if piece[3] > piece[2]]
+    for start, rows, lo, hi in pieces:
+        columns, lengths = _columns(layout, where[0] + lo, where[0] + hi, first_tensor)
+        if lengths:
+            targets = outs if outs is None or len(pieces) == 1 else [o[lo - p0 : hi - p0] for o in outs]
+            yield [row[lo - start : hi - start] for row in rows], columns, lengths, targets
 
 
 def _dots(parts, pairs, layout: Layout, where: tuple[int, int], p0: int, p1: int, sums, first_tensor: int) -> None:
     """Add the pairs' partial sums over positions [p0, p1) of the slice at `where` into `sums` ([pairs, 3, T])."""
-    for start, rows, lo, hi in _within(parts, p0, p1):
-        columns, lengths = _columns(layout, where[0] + lo, where[0] + hi, first_tensor)
-        if lengths:
-            for p, (a, b, _, _) in enumerate(pairs):
-                dot_and_norms(rows[a][lo - start : hi - start], rows[b][lo - start : hi - start], lengths,
-                              out=sums[p, :, columns])
+    for rows, columns, lengths, _ in _runs(parts, layout, where, p0, p1, first_tensor):
+        for p, (a, b, _, _) in enumerate(pairs):
+            dot_and_norms(rows[a], rows[b], lengths, out=sums[p, :, columns])
 
 
 def _combine(
@@ -197,36 +200,24 @@ def _combine(
 ) -> None:
     """Positions [p0, p1) of one pair's combination (its [3, T] `sums` complete) into `outs` (None: into the
     pair's side a). `outs` may be address tables only where [p0, p1) lies in one part."""
-    pieces = list(_within(parts, p0, p1))
-    for start, rows, lo, hi in pieces:
-        columns, lengths = _columns(layout, where[0] + lo, where[0] + hi, first_tensor)
-        if not lengths:
-            continue
-        a, b, workers_a, workers_b = pair
-        first_a, first_b = rows[a][lo - start : hi - start], rows[b][lo - start : hi - start]
-        targets = [first_a] if outs is None else outs if len(pieces) == 1 else [o[lo - p0 : hi - p0] for o in outs]
-        combine_from_sums(first_a, first_b, sums[:, columns], workers_a, workers_b, lengths, *targets)
+    a, b, workers_a, workers_b = pair
+    for rows, columns, lengths, targets in _runs(parts, layout, where, p0, p1, first_tensor, outs):
+        combine_from_sums(rows[a], rows[b], sums[:, columns], workers_a, workers_b, lengths,
+                          *([rows[a]] if targets is None else targets))
 
 
 def _gram(parts, layout: Layout, where: tuple[int, int], p0: int, p1: int, sums, first_tensor: int) -> None:
     """Add the Gram matrices' partial sums over positions [p0, p1) of the slice at `where` into `sums`
     ([P, P, T])."""
-    for start, rows, lo, hi in _within(parts, p0, p1):
-        columns, lengths = _columns(layout, where[0] + lo, where[0] + hi, first_tensor)
-        if lengths:
-            gram([row[lo - start : hi - start] for row in rows], lengths, out=sums[:, :, columns])
+    for rows, columns, lengths, _ in _runs(parts, layout, where, p0, p1, first_tensor):
+        gram(rows, lengths, out=sums[:, :, columns])
 
 
 def _weighted(parts, weights, layout: Layout, where, p0: int, p1: int, first_tensor: int, outs: Sequence) -> None:
     """Positions [p0, p1) of the result, ``sum_j w_j x_j`` with the root's `weights` ([P, T]), into `outs`.
     `outs` may be address tables only where [p0, p1) lies in one part."""
-    pieces = list(_within(parts, p0, p1))
-    for start, rows, lo, hi in pieces:
-        columns, lengths = _columns(layout, where[0] + lo, where[0] + hi, first_tensor)
-        if not lengths:
-            continue
-        targets = outs if len(pieces) == 1 else [o[lo - p0 : hi - p0] for o in outs]
-        weighted_sum([row[lo - start : hi - start] for row in rows], weights[:, columns], lengths, *targets)
+    for rows, columns, lengths, targets in _runs(parts, layout, where, p0, p1, first_tensor, outs):
+        weighted_sum(rows, weights[:, columns], lengths, *targets)
 
 
 def by_gram(dtype: torch.dtype, tree: Tree) -> bool:
