@@ -43,7 +43,6 @@ def scale_add(a, b, coeff_a, coeff_b, lengths: Sequence[int], out: torch.Tensor)
         out[lo : lo + m].copy_(mixed[0, :m])
 
 
-
 def gram(rows: Sequence[torch.Tensor], lengths: Sequence[int]) -> torch.Tensor:
     """Per segment the Gram matrix of the rows (``<row_i, row_j>``), ``[P, P, T]`` float64."""
     out = torch.zeros(len(lengths), len(rows), len(rows), dtype=torch.float64)

@@ -60,6 +60,15 @@ if triton is not None:
         return start, size
 
     @triton.jit
+    def _coefficients(dot, norm_a, norm_b, weight_a, weight_b):
+        # `adasum.core.operator.coefficients`: the zero guard's threshold built from its float64 bits (a Python float
+        # would arrive as float32, where 2**-511 flushes to 0)
+        zero_norm = tl.full([], 0x2000000000000000, tl.int64).to(tl.float64, bitcast=True)  # 2**-511
+        ca = tl.where(norm_a >= zero_norm, 1.0 - weight_a * dot / tl.where(norm_a >= zero_norm, norm_a, 1.0), 1.0)
+        cb = tl.where(norm_b >= zero_norm, 1.0 - weight_b * dot / tl.where(norm_b >= zero_norm, norm_b, 1.0), 1.0)
+        return ca, cb
+
+    @triton.jit
     def _tile_sums_kernel(
         a_ptr, b_ptr, starts_ptr, sizes_ptr, out_ptr, BLOCK: tl.constexpr, ITERS: tl.constexpr, ALIGN: tl.constexpr,
     ):
@@ -118,7 +127,6 @@ if triton is not None:
         # Python floats would arrive as float32 (1/3 inexact, the zero guard 2**-511 flushed to 0),
         # so the weights come as worker counts and the guard is built from its float64 bits.
         # With PER_SEGMENT the counts come per segment from counts_ptr ([2, segments] int64).
-        zero_norm = tl.full([], 0x2000000000000000, tl.int64).to(tl.float64, bitcast=True)  # 2**-511
         tile = tl.program_id(0)
         start, size = _tile_extent(starts_ptr, sizes_ptr, tile, ALIGN)
         seg = tl.load(segs_ptr + tile)
@@ -133,8 +141,7 @@ if triton is not None:
         dot = tl.load(sums_ptr + seg)
         norm_a = tl.load(sums_ptr + row_stride + seg)
         norm_b = tl.load(sums_ptr + 2 * row_stride + seg)
-        ca = tl.where(norm_a >= zero_norm, 1.0 - weight_a * dot / tl.where(norm_a >= zero_norm, norm_a, 1.0), 1.0)
-        cb = tl.where(norm_b >= zero_norm, 1.0 - weight_b * dot / tl.where(norm_b >= zero_norm, norm_b, 1.0), 1.0)
+        ca, cb = _coefficients(dot, norm_a, norm_b, weight_a, weight_b)
         # with X_TILES, X is a `Scattered` buffer's slice: the tile's first element is at x_tiles[tile]
         a_at = _tile_base(a_tiles, tile, a_ptr, start, A_TILES, ALIGN)
         b_at = _tile_base(b_tiles, tile, b_ptr, start, B_TILES, ALIGN)
@@ -237,20 +244,32 @@ if triton is not None:
 
 
     @triton.jit
+    def _pick(j: tl.constexpr, o0, o1, o2, o3, o4, o5, o6, o7):
+        # row j's offset (j known when the kernel compiles)
+        if j == 0:
+            return o0
+        elif j == 1:
+            return o1
+        elif j == 2:
+            return o2
+        elif j == 3:
+            return o3
+        elif j == 4:
+            return o4
+        elif j == 5:
+            return o5
+        elif j == 6:
+            return o6
+        else:
+            return o7
+
+    @triton.jit
     def _row_offsets(o0, o1, o2, o3, o4, o5, o6, o7, PP: tl.constexpr, ALIGN: tl.constexpr):
         # the rows' first elements, in elements from the base pointer, as a [PP] vector (rows past P: 0, masked)
         rows = tl.arange(0, PP)
-        offsets = tl.zeros([PP], dtype=tl.int64) + o0
-        if PP > 1:
-            offsets = tl.where(rows == 1, o1, offsets)
-        if PP > 2:
-            offsets = tl.where(rows == 2, o2, offsets)
-            offsets = tl.where(rows == 3, o3, offsets)
-        if PP > 4:
-            offsets = tl.where(rows == 4, o4, offsets)
-            offsets = tl.where(rows == 5, o5, offsets)
-            offsets = tl.where(rows == 6, o6, offsets)
-            offsets = tl.where(rows == 7, o7, offsets)
+        offsets = tl.zeros([PP], dtype=tl.int64)
+        for j in tl.static_range(PP):
+            offsets = tl.where(rows == j, _pick(j, o0, o1, o2, o3, o4, o5, o6, o7), offsets)
         if ALIGN > 1:  # every row 16-byte aligned (checked on the host)
             offsets = tl.multiple_of(offsets, ALIGN)
         return offsets
@@ -301,7 +320,6 @@ if triton is not None:
         PP: tl.constexpr, OPS: tl.constexpr, BLOCK_T: tl.constexpr,
     ):
         # `adasum.core.gram.weights` for BLOCK_T tensors: nodes[t, k, j] is node k's weight of worker j
-        zero_norm = tl.full([], 0x2000000000000000, tl.int64).to(tl.float64, bitcast=True)  # 2**-511
         t = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
         live = t < segments
         ranks = tl.arange(0, PP)
@@ -327,8 +345,7 @@ if triton is not None:
             tl.store(sums_ptr + (3 * k + 2) * segments + t, norm_b, mask=live)
             weight_a = count_a / (count_a + count_b)
             weight_b = count_b / (count_a + count_b)
-            ca = tl.where(norm_a >= zero_norm, 1.0 - weight_a * dot / tl.where(norm_a >= zero_norm, norm_a, 1.0), 1.0)
-            cb = tl.where(norm_b >= zero_norm, 1.0 - weight_b * dot / tl.where(norm_b >= zero_norm, norm_b, 1.0), 1.0)
+            ca, cb = _coefficients(dot, norm_a, norm_b, weight_a, weight_b)
             # non-finite sums give NaN coefficients, never the zero guard's 1 (`adasum.core.gram`'s module doc)
             broken = (tl.abs(dot) == float("inf")) | (dot != dot) | (tl.abs(norm_a) == float("inf"))
             broken = broken | (norm_a != norm_a) | (tl.abs(norm_b) == float("inf")) | (norm_b != norm_b)
@@ -339,26 +356,6 @@ if triton is not None:
         root = tl.sum(tl.where(k3 == 0, nodes, 0.0), axis=1)
         tl.store(weights_ptr + ranks[None, :] * row_stride + t[:, None], root,
                  mask=live[:, None] & (ranks[None, :] < P))
-
-    @triton.jit
-    def _pick(j: tl.constexpr, o0, o1, o2, o3, o4, o5, o6, o7):
-        # row j's offset (j known when the kernel compiles)
-        if j == 0:
-            return o0
-        elif j == 1:
-            return o1
-        elif j == 2:
-            return o2
-        elif j == 3:
-            return o3
-        elif j == 4:
-            return o4
-        elif j == 5:
-            return o5
-        elif j == 6:
-            return o6
-        else:
-            return o7
 
     @triton.jit(do_not_specialize=["o0", "o1", "o2", "o3", "o4", "o5", "o6", "o7", "row_stride"])
     def _weighted_kernel(
