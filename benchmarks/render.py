@@ -260,8 +260,8 @@ CLAIMS = [
         "4 x H100 (label \"defaults, the tree on a slice from the Gram matrices\": the slice-parallel schedule with\n"
         "its tree from the Gram matrices, one pass of sums, one small all-reduce, one pass); P = 2 and 3 on one\n"
         "4 x H200 machine, one P after another (label \"defaults, 16-byte accesses for every dtype\"): the push\n"
-        "protocol at P = 2, unchanged since; the rows at P = 3 predate the Gram form and the slice mover's rounds\n"
-        "in flight (no 3- or 4-GPU machine was lent for a run of P = 3 since). In an A/B of one run on the\n"
+        "protocol at P = 2, unchanged since; the rows at P = 3 are of the code before the Gram form and the slice\n"
+        "mover's rounds in flight (not measured at P = 3 since). In an A/B of one run on the\n"
         "4 x H100, P = 4, the Gram form against level by level: flat 2^26 fp32 1.20 x against 1.34 x, ResNet-50\n"
         "1.36 x against 1.51 x, BERT-Large 1.34 x against 1.45 x; bf16 1.25 x against 1.34 x, 1.45 x against\n"
         "1.76 x, 1.36 x against 1.48 x (the settings table at the end).",
