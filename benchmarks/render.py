@@ -108,7 +108,7 @@ def collective_runs(rows: list[dict], labels: tuple[str, ...]) -> list[dict]:
 
 CURRENT_DEFAULTS = {
     2: "defaults, 16-byte accesses for every dtype",
-    3: "defaults, 16-byte accesses for every dtype",
+    3: "defaults, the tree on a slice from the Gram matrices",
     4: "defaults, the tree on a slice from the Gram matrices",
 }
 """The label of the collective's rows that the code of each group size runs now (the defaults' table)."""
@@ -256,22 +256,21 @@ CLAIMS = [
         "into its peers' rings), so flat 2^26 fp32 and 2^28 run with no buffer sized to them. Timed as above\n"
         "(medians of 7, or 5 from 2^24 elements), against NCCL's all_reduce of the same bytes in the same run;\n"
         "`kept MiB`: device memory kept after repeated calls (buffers, graphs), counted from after one call of\n"
-        "NCCL's all_reduce of the same bytes. The rows are the runs of the code that each P runs now: P = 4 on\n"
-        "4 x H100 (label \"defaults, the tree on a slice from the Gram matrices\": the slice-parallel schedule with\n"
-        "its tree from the Gram matrices, one pass of sums, one small all-reduce, one pass); P = 2 and 3 on one\n"
-        "4 x H200 machine, one P after another (label \"defaults, 16-byte accesses for every dtype\"): the push\n"
-        "protocol at P = 2, unchanged since; the rows at P = 3 are of the code before the Gram form and the slice\n"
-        "mover's rounds in flight (not measured at P = 3 since). In an A/B of one run on the\n"
-        "4 x H100, P = 4, the Gram form against level by level: flat 2^26 fp32 1.20 x against 1.34 x, ResNet-50\n"
-        "1.36 x against 1.51 x, BERT-Large 1.34 x against 1.45 x; bf16 1.25 x against 1.34 x, 1.45 x against\n"
-        "1.76 x, 1.36 x against 1.48 x (the settings table at the end).",
+        "NCCL's all_reduce of the same bytes. The rows are the runs of the code that each P runs now, one row per\n"
+        "card: P = 3 and 4 (label \"defaults, the tree on a slice from the Gram matrices\": the slice-parallel\n"
+        "schedule with its tree from the Gram matrices, one pass of sums, one small all-reduce, one pass) on 4 x H100\n"
+        "(P = 4) and on 4 x H200 (P = 3, then 4, on one machine); P = 2 on 4 x H200 (label \"defaults, 16-byte\n"
+        "accesses for every dtype\"): the push protocol, unchanged since. In an A/B of one run on the 4 x H100,\n"
+        "P = 4, the Gram form against level by level: flat 2^26 fp32 1.20 x against 1.34 x, ResNet-50 1.36 x against\n"
+        "1.51 x, BERT-Large 1.34 x against 1.45 x; bf16 1.25 x against 1.34 x, 1.45 x against 1.76 x, 1.36 x\n"
+        "against 1.48 x (the settings table at the end).",
         "python benchmarks/bench_collective.py --backend nccl --world P --dtypes fp32,bf16 --exps 20,24,26,28 \\\n"
         "    --layouts resnet50,bert-large --repeats 5 \\\n"
-        "    --label \"defaults, the tree on a slice from the Gram matrices\"  # P = 4 (2, 3: the earlier label)",
+        "    --label \"defaults, the tree on a slice from the Gram matrices\"  # P = 3, 4 (2: the earlier label)",
         "collective.jsonl",
         lambda rows: runs_per_case([r for r in rows if r.get("label") == CURRENT_DEFAULTS.get(r.get("world_size"))],
-                                   lambda r: (r["world_size"], r["layout"], r["dtype"])),
-        [("world_size", "P"), ("transport", "transport"), ("layout", "layout"), ("dtype", "dtype"),
+                                   lambda r: (r["world_size"], r["device"], r["layout"], r["dtype"])),
+        [("world_size", "P"), ("device", "card"), ("transport", "transport"), ("layout", "layout"), ("dtype", "dtype"),
          ("adasum_ms", "adasum ms"), ("allreduce_ms", "all_reduce ms"), ("ratio", "ratio"),
          ("span", "ratio over runs"), ("kept_mib", "kept MiB")],
     ),
