@@ -330,14 +330,16 @@ CLAIMS = [
         "repeats' medians spread by up to 20 % on this machine, which the interleaved rounds cancel.\n"
         "`adasum.fsdp` agrees on the layouts at `enable`, probes them without waiting at each forward and gives\n"
         "unused parameters zero gradients (torch 2.11 has no reduce-scatter setter): no host round trip in the\n"
-        "reduction path; the reductions run on a stream of their own.",
-        "torchrun --nproc-per-node 2 benchmarks/bench_fsdp.py --mesh 2x1 --steps 60 --reduce-dtype bfloat16\n"
-        "torchrun --nproc-per-node 4 benchmarks/bench_fsdp.py --mesh 4x1 --steps 100 --reduce-dtype bfloat16\n"
-        "torchrun --nproc-per-node 4 benchmarks/bench_fsdp.py --mesh 2x2 --steps 40 --reduce-dtype bfloat16",
+        "reduction path; the reductions run on a stream of their own. The rows of 2026-11-28 are of the code now\n"
+        "(the slice-parallel schedule with its tree from the Gram matrices at 4 replicas).",
+        "torchrun --nproc-per-node 2 benchmarks/bench_fsdp.py --mesh 2x1 --steps 100 --reduce-dtype bfloat16\n"
+        "torchrun --nproc-per-node 4 benchmarks/bench_fsdp.py --mesh 4x1 --steps 150 --reduce-dtype bfloat16\n"
+        "torchrun --nproc-per-node 4 benchmarks/bench_fsdp.py --mesh 2x2 --steps 150 --reduce-dtype bfloat16",
         "fsdp.jsonl",
-        lambda rows: [{**r, "step_ms": r["step_s"] * 1e3, "steps": len(r["step_times_s"])}
+        lambda rows: [{**r, "step_ms": r["step_s"] * 1e3, "steps": len(r["step_times_s"]),
+                       "when": str(r.get("date", ""))[:16].replace("T", " ")}
                       for r in rows if r.get("schedule") == "interleaved" and not r.get("dry_run")],
-        [("mesh", "mesh"), ("params", "parameters"), ("variant", "variant"), ("steps", "steps"),
+        [("when", "date"), ("mesh", "mesh"), ("params", "parameters"), ("variant", "variant"), ("steps", "steps"),
          ("step_ms", "step ms"), ("ratio", "ratio"), ("peak_gib", "peak GiB"), ("kept_mib", "kept MiB")],
     ),
     Claim(
