@@ -2,6 +2,8 @@
 (point-to-point; the NCCL-collectives transport's all-gather, which gloo also has) against the
 independent NumPy tree of `reference.py`, ranks bitwise identical; and what `select` accepts."""
 
+import time
+
 import pytest
 import torch
 
@@ -160,3 +162,76 @@ def test_the_slice_movers_output_row_lies_past_every_rounds_receive_rows():
                     assert state.at(0) == base and state.at(world) == base + world * row
                     assert start % OUTPUT_ALIGN == 0 and start + row <= base + size, (world, ahead, row, numel)
                     assert all(base + world * other <= start for other in rows), (world, ahead, row, numel)
+
+
+def test_the_slice_movers_gather_routes_every_result_once_its_rows_are_read():
+    """`SymmetricSlices.gather` on P threads standing in for the ranks (their symmetric buffers CPU tensors, each
+    barrier a thread barrier, each copy kernel its copies in order, random pauses between steps): the last pass
+    (here the sum of the rank's rows) reads every receive row before any peer stores into it, and every rank's `B`
+    ends with every rank's result, for P = 2..6 and rows of odd lengths."""
+    import random
+    import threading
+    from collections import deque
+    from types import SimpleNamespace
+
+    from adasum.transport.symmetric import SymmetricSlices, _SliceRound
+
+    for world in range(2, 7):
+        rows = [5 + 3 * j for j in range(world)]  # slices of different lengths
+        bounds = [(sum(rows[:j]), sum(rows[: j + 1])) for j in range(world)]
+        width = max(rows)
+        g = torch.Generator().manual_seed(world)
+        buffers = [torch.randn(bounds[-1][1], generator=g, dtype=torch.float64) for _ in range(world)]
+        movers = []
+        for rank in range(world):
+            mover = SymmetricSlices.__new__(SymmetricSlices)
+            mover.world, mover.rank, mover._halves = world, rank, 1
+            movers.append(mover)
+        size = movers[0]._bytes(width, 8) // 8
+        shared = [torch.randn(size, generator=g, dtype=torch.float64) for _ in range(world)]
+        state = [_SliceRound(shared[r], None, width, 0, size) for r in range(world)]
+        expected = []
+        for r in range(world):
+            lo, hi = bounds[r]
+            n = hi - lo
+            expected.append(buffers[r][lo:hi] + sum(shared[r][state[r].at(j) : state[r].at(j) + n]
+                                                    for j in range(world) if j != r))
+        barrier = threading.Barrier(world)
+        chance = random.Random(world)
+
+        def pause() -> None:
+            time.sleep(chance.random() * 0.002)
+
+        def moves(pairs, like) -> None:
+            for (src, a, b), (dst, c, d) in pairs:
+                pause()
+                dst[c:d].copy_(src[a:b])
+
+        for r, mover in enumerate(movers):
+            mover.pool = SimpleNamespace(peer_view=lambda handle, j, numel, dtype: shared[j])
+            mover.tiles = None
+            handle = SimpleNamespace(barrier=lambda channel: barrier.wait())
+            mover._rounds = deque([_SliceRound(shared[r], handle, width, 0, size)])
+            mover._moves = moves
+
+        def run(r: int) -> None:
+            lo, hi = bounds[r]
+
+            def finish(p0, p1, outs):  # the last pass: it reads every row of this rank's slice
+                pause()
+                n = hi - lo
+                result = buffers[r][lo:hi] + sum(shared[r][state[r].at(j) : state[r].at(j) + n]
+                                                 for j in range(world) if j != r)
+                for out in outs:
+                    out.copy_(result[p0:p1])
+
+            movers[r].gather(buffers[r], bounds, finish)
+
+        threads = [threading.Thread(target=run, args=(r,)) for r in range(world)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        for r in range(world):
+            for j in range(world):
+                assert torch.equal(buffers[r][bounds[j][0] : bounds[j][1]], expected[j]), (world, r, j)
