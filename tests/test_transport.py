@@ -189,14 +189,16 @@ def test_the_slice_movers_gather_routes_every_result_once_its_rows_are_read():
             movers.append(mover)
         size = movers[0]._bytes(width, 8) // 8
         shared = [torch.randn(size, generator=g, dtype=torch.float64) for _ in range(world)]
-        state = [_SliceRound(shared[r], None, width, 0, size) for r in range(world)]
-        expected = []
-        for r in range(world):
+        barrier = threading.Barrier(world, timeout=30)  # a rank that never arrives breaks it instead of hanging
+        handle = SimpleNamespace(barrier=lambda channel: barrier.wait())
+        state = [_SliceRound(shared[r], handle, width, 0, size) for r in range(world)]
+
+        def last_pass(r: int) -> torch.Tensor:  # rank r's result: its own copy plus every receive row of its slice
             lo, hi = bounds[r]
-            n = hi - lo
-            expected.append(buffers[r][lo:hi] + sum(shared[r][state[r].at(j) : state[r].at(j) + n]
-                                                    for j in range(world) if j != r))
-        barrier = threading.Barrier(world)
+            return buffers[r][lo:hi] + sum(shared[r][state[r].at(j) : state[r].at(j) + hi - lo]
+                                           for j in range(world) if j != r)
+
+        expected = [last_pass(r) for r in range(world)]
         chance = random.Random(world)
 
         def pause() -> None:
@@ -210,18 +212,13 @@ def test_the_slice_movers_gather_routes_every_result_once_its_rows_are_read():
         for r, mover in enumerate(movers):
             mover.pool = SimpleNamespace(peer_view=lambda handle, j, numel, dtype: shared[j])
             mover.tiles = None
-            handle = SimpleNamespace(barrier=lambda channel: barrier.wait())
-            mover._rounds = deque([_SliceRound(shared[r], handle, width, 0, size)])
+            mover._rounds = deque([state[r]])
             mover._moves = moves
 
         def run(r: int) -> None:
-            lo, hi = bounds[r]
-
-            def finish(p0, p1, outs):  # the last pass: it reads every row of this rank's slice
+            def finish(p0, p1, outs):  # the last pass reads every row of this rank's slice
                 pause()
-                n = hi - lo
-                result = buffers[r][lo:hi] + sum(shared[r][state[r].at(j) : state[r].at(j) + n]
-                                                 for j in range(world) if j != r)
+                result = last_pass(r)
                 for out in outs:
                     out.copy_(result[p0:p1])
 
