@@ -213,9 +213,10 @@ def test_an_outgrown_buffer_retires_the_graphs_of_every_group():
 def test_a_repeat_on_the_same_memory_replays_before_any_check_of_the_list():
     """`adasum.all_reduce`'s replay path takes the caller's argument unchecked: the very tensors of the last
     captured call (a list, a tuple or the one tensor), or other tensor objects placed where they were with the
-    same dtypes, shapes and strides (new gradients from the caching allocator), replay its graph; anything else
-    (a changed shape or stride, a generator, a dict) takes the checked path, whose errors are unchanged. The last
-    call's tensors are held weakly: dropping them frees them."""
+    same dtypes, shapes and strides (new gradients from the caching allocator), replay its graph; the very tensors
+    replay it after an in-place change of view over the same memory (each is combined as one vector), not after
+    a change of size; anything else (other objects of another shape or stride, a generator, a dict) takes the
+    checked path, whose errors are unchanged. The last call's tensors are held weakly: dropping them frees them."""
     import gc
     import weakref
 
@@ -230,7 +231,8 @@ def test_a_repeat_on_the_same_memory_replays_before_any_check_of_the_list():
     def remember(comm, tensors, key, plan):
         comm.last = api._Last(
             None, tuple(map(weakref.ref, tensors)), tuple(map(api._data_ptr, tensors)),
-            tuple(map(api._shape, tensors)), tuple(map(api._dtype, tensors)), tuple(map(api._stride, tensors)),
+            tuple(map(api._numel, tensors)), tuple(map(api._shape, tensors)), tuple(map(api._dtype, tensors)),
+            tuple(map(api._stride, tensors)),
             tensors[0].device, comm.graphs.handle(key), plan,
         )
 
@@ -257,9 +259,14 @@ def test_a_repeat_on_the_same_memory_replays_before_any_check_of_the_list():
         adasum.all_reduce([tensors[0].t().t(), tensors[1].double()], check_layout=False)  # another dtype
         with pytest.raises(TypeError, match="pass list"):
             adasum.all_reduce({"a": tensors[0]}, check_layout=False)
-        tensors[0].t_()  # the same tensor object and address, another shape and strides
+        tensors[1].resize_(3)  # the same tensor object and address, fewer elements
         adasum.all_reduce(tensors, check_layout=False)
         assert log == []
+        tensors[1].resize_(4)
+        tensors[0].t_()  # the same tensor object, address and elements, another shape and strides
+        adasum.all_reduce(tensors, check_layout=False)
+        assert log == ["replay launch"]
+        log.clear()
         remember(comm, tensors[1:], key, plan)
         adasum.all_reduce(tensors[1], check_layout=False)  # the one tensor, not in a list
         assert log == ["replay launch"]
