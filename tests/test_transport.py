@@ -167,8 +167,9 @@ def test_the_slice_movers_output_row_lies_past_every_rounds_receive_rows():
 def test_the_slice_movers_gather_routes_every_result_once_its_rows_are_read():
     """`SymmetricSlices.gather` on P threads standing in for the ranks (their symmetric buffers CPU tensors, each
     barrier a thread barrier, each copy kernel its copies in order, random pauses between steps): the last pass
-    (here the sum of the rank's rows) reads every receive row before any peer stores into it, and every rank's `B`
-    ends with every rank's result, for P = 2..6 and rows of odd lengths."""
+    (here the sum of the rank's rows) reads every receive row before any peer stores into it, the previous rank's
+    result is copied out of the output row only once its last pass is done, and every rank's `B` ends with every
+    rank's result, for P = 2..6 and rows of odd lengths."""
     import random
     import threading
     from collections import deque

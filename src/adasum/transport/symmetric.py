@@ -522,8 +522,10 @@ class SymmetricSlices(Transport):
     * gather: sender s's slot on rank j is j's output row where j is s's next rank (j = s + 1 mod P), else j's
       receive row s. The last pass writes rank r's result into `B`'s slice and straight into its slot on the
       next rank (the output row, which no pass reads); a barrier (every rank's last pass is done, so the receive
-      rows are free); one copy kernel stores the result from `B` into the other peers' slots; a barrier; then
-      one kernel copies the peers' results out of r's own slots into `B`; a barrier.
+      rows are free, and r's output row holds the previous rank's result); one copy kernel stores the result from
+      `B` into the other peers' slots and copies the previous rank's result out of r's output row into `B`
+      (`early_copy_out`); a barrier; then one kernel copies the other peers' results out of r's receive rows into
+      `B`; a barrier.
 
     Each step's moves to or from every peer are **one kernel** (`adasum.kernels.triton.copy_tiles`): its tiles
     are dealt in turn over the peers, so the multiprocessors store into all P - 1 peers at once. Moves one peer
@@ -547,6 +549,10 @@ class SymmetricSlices(Transport):
     one round of the whole buffer runs in one (`adasum.collectives.slices.slice_rounds`). On 4 x H200, BERT-Large's
     layout at P = 4 (several rounds): fp32 1.36 x NCCL against 1.40-1.41 x one round at a time, bf16 1.40 x
     against 1.42-1.45 x; at P = 3 fp32 1.36 x against 1.36-1.38 x; the same bits (docs/benchmarks.md)."""
+    early_copy_out = True
+    """Above two ranks, whether the previous rank's result is copied out of the output row by the copy kernel that
+    stores into the other peers (a local copy beside NVLink stores), rather than after the next barrier with the
+    other peers' results."""
     pieces = 1
     """Pieces per slice at most (one per `CHUNK_BYTES`): one, since cutting the rounds into 4 pieces with the math
     of one piece on a side stream measured slower (the kernels beside the moves share the multiprocessors)."""
@@ -669,13 +675,20 @@ class SymmetricSlices(Transport):
         lo, hi = bounds[me]
         size = hi - lo
         first, *rest = peers
+
+        def out(j: int):  # sender j's result, from its slot in this rank's buffer into `B`
+            return (shared, slot(j, me), slot(j, me) + bounds[j][1] - bounds[j][0]), (buffer, *bounds[j])
+
         finish(0, size, [_slice(buffer, lo, hi, self.tiles), peers[first][slot(me, first) : slot(me, first) + size]])
+        early = []
         if rest:
             handle.barrier(channel=0)  # every rank's last pass is done: its receive rows are free
-            self._moves([((buffer, lo, hi), (peers[j], slot(me, j), slot(me, j) + size)) for j in rest], shared)
+            # the previous rank's last pass filled this rank's output row: copied out beside the stores
+            early = [(me - 1) % self.world] if self.early_copy_out else []
+            self._moves([((buffer, lo, hi), (peers[j], slot(me, j), slot(me, j) + size)) for j in rest]
+                        + [out(j) for j in early], shared)
         handle.barrier(channel=0)  # every peer's result is in this rank's slots
-        self._moves([((shared, slot(j, me), slot(j, me) + bounds[j][1] - bounds[j][0]), (buffer, *bounds[j]))
-                     for j in peers], shared)
+        self._moves([out(j) for j in peers if j not in early], shared)
         handle.barrier(channel=0)  # every rank's slots are read: the next round (or call) may store into them
 
     def _moves(self, moves, like: torch.Tensor) -> None:
