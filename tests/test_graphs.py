@@ -171,12 +171,12 @@ def test_an_outgrown_symmetric_buffer_retires_the_groups_graphs():
         key = comm.run("plan", (1,), lambda: log.append("launch"), CPU)
     assert comm.graphs.handle(key) is not None and log == ["launch", "replay launch", "replay launch"]
     graph = weakref.ref(comm.graphs._graphs[key])
-    comm.last = key
+    comm.recent[(1, 0)] = key
     pool.staging(5, like)  # fits: nothing changes
-    assert comm.graphs.handle(key) is not None and comm.last == key
+    assert comm.graphs.handle(key) is not None and comm.recent == {(1, 0): key}
     old = weakref.ref(made[-1])
     pool.staging((1 << 20) + 1, like)  # outgrown
-    assert comm.graphs.handle(key) is None and comm.graphs.count() == 0 and comm.last is None
+    assert comm.graphs.handle(key) is None and comm.graphs.count() == 0 and not comm.recent
     assert graph() is None and comm.graphs.count() == 0  # dropped
     made.clear()
     assert old() is None and len(pool.buffers) == 1  # the outgrown buffer is not kept
@@ -202,21 +202,22 @@ def test_an_outgrown_buffer_retires_the_graphs_of_every_group():
             comm.graphs = Graphs(RecordingCapture(log))
             for _ in range(2):
                 key = comm.run("plan", (1,), lambda: log.append("launch"), CPU)
-            comm.last = key
+            comm.recent[(1, 0)] = key
             assert comm.graphs.handle(key) is not None
         groups.retire_graphs()
-        assert all(c.graphs.count() == 0 and c.last is None for c in comms)
+        assert all(c.graphs.count() == 0 and not c.recent for c in comms)
     finally:
         dist.destroy_process_group()
 
 
 def test_a_repeat_on_the_same_memory_replays_before_any_check_of_the_list():
-    """`adasum.all_reduce`'s replay path takes the caller's argument unchecked: the very tensors of the last
+    """`adasum.all_reduce`'s replay path takes the caller's argument unchecked: the very tensors of a recent
     captured call (a list, a tuple or the one tensor), or other tensor objects placed where they were with the
     same dtypes, shapes and strides (new gradients from the caching allocator), replay its graph; the very tensors
     replay it after an in-place change of view over the same memory (each is combined as one vector), not after
-    a change of size; anything else (other objects of another shape or stride, a generator, a dict) takes the
-    checked path, whose errors are unchanged. The last call's tensors are held weakly: dropping them frees them."""
+    a change of size; the group's `RECENT` latest lists replay, so lists that alternate do; anything else (other
+    objects of another shape or stride, a generator, a dict) takes the checked path, whose errors are unchanged.
+    The recent calls' tensors are held weakly: dropping them frees them."""
     import gc
     import weakref
 
@@ -229,12 +230,12 @@ def test_a_repeat_on_the_same_memory_replays_before_any_check_of_the_list():
     from adasum.transport import groups
 
     def remember(comm, tensors, key, plan):
-        comm.last = api._Last(
+        api.remember(comm, tensors, api._Last(
             None, tuple(map(weakref.ref, tensors)), tuple(map(api._data_ptr, tensors)),
             tuple(map(api._numel, tensors)), tuple(map(api._shape, tensors)), tuple(map(api._dtype, tensors)),
             tuple(map(api._stride, tensors)),
             tensors[0].device, comm.graphs.handle(key), plan,
-        )
+        ))
 
     dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
     try:
@@ -269,10 +270,19 @@ def test_a_repeat_on_the_same_memory_replays_before_any_check_of_the_list():
         log.clear()
         remember(comm, tensors[1:], key, plan)
         adasum.all_reduce(tensors[1], check_layout=False)  # the one tensor, not in a list
-        assert log == ["replay launch"]
+        adasum.all_reduce(tensors, check_layout=False)  # a recent call before it: two lists alternate
+        adasum.all_reduce([tensors[1]], check_layout=False)
+        assert log == ["replay launch"] * 3
+        log.clear()
+        others = [[torch.ones(1)] for _ in range(api.RECENT - 1)]
+        for other in others:
+            remember(comm, other, key, plan)
+        adasum.all_reduce(tensors, check_layout=False)  # the oldest of RECENT + 1: forgotten
+        adasum.all_reduce(others[0], check_layout=False)
+        assert log == ["replay launch"] and len(comm.recent) == api.RECENT
         held = weakref.ref(tensors[1])
         del tensors
         gc.collect()
-        assert held() is None  # the last call does not keep its tensors alive
+        assert held() is None  # the recent calls do not keep their tensors alive
     finally:
         dist.destroy_process_group()

@@ -27,6 +27,7 @@ import atexit
 import re
 import threading
 import time
+from collections import OrderedDict
 from collections.abc import Callable, Hashable, Iterator
 from contextlib import contextmanager
 from datetime import timedelta
@@ -95,7 +96,9 @@ class Communicator:
         self.symmetric: Any = None  # the group's `SymmetricPool`, made by its first symmetric transport
         self.tiles = AddressTables()
         self.workspace = Workspace()
-        self.last: Any = None  # the last captured list call: its replay skips the plan look-up
+        # the recent captured list calls, by (number of tensors, first tensor's address): their replays skip the plan
+        # look-up (`adasum.collectives.api`)
+        self.recent: OrderedDict[tuple[int, int], Any] = OrderedDict()
         self.guard: Any = None  # the thread that compares deferred checks (`adasum.collectives.guard`)
 
     def transport(self, key: Hashable, build: Callable[[], Any]) -> Any:
@@ -116,10 +119,10 @@ class Communicator:
 
     def retire_graphs(self) -> None:
         """Drop the graphs captured so far (`adasum.transport.graphs.Graphs.clear`: every key starts again from an
-        eager call), and the last list call's: a symmetric buffer they may load and store at was outgrown, and the
+        eager call), and the recent list calls': a symmetric buffer they may load and store at was outgrown, and the
         device has drained (`retire_graphs`)."""
         self.graphs.clear()
-        self.last = None
+        self.recent.clear()
 
     def control_group(self) -> dist.ProcessGroup | None:
         """See `control_group`."""
@@ -143,7 +146,7 @@ class Communicator:
         if self.guard is not None:
             self.guard.stop()
             self.guard = None
-        self.last = None
+        self.recent.clear()
         self.control = None
 
 
