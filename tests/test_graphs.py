@@ -230,12 +230,7 @@ def test_a_repeat_on_the_same_memory_replays_before_any_check_of_the_list():
     from adasum.transport import groups
 
     def remember(comm, tensors, key, plan):
-        api.remember(comm, tensors, api._Last(
-            None, tuple(map(weakref.ref, tensors)), tuple(map(api._data_ptr, tensors)),
-            tuple(map(api._numel, tensors)), tuple(map(api._shape, tensors)), tuple(map(api._dtype, tensors)),
-            tuple(map(api._stride, tensors)),
-            tensors[0].device, comm.graphs.handle(key), plan,
-        ))
+        api.remember(comm, api._Last.of(tensors, None, comm.graphs.handle(key), plan))
 
     dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
     try:

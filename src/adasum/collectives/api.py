@@ -119,11 +119,7 @@ def all_reduce(
     key = comm.run(plan.key, tensor_key(tensors), run, group_device(group))
     handle = comm.graphs.handle(key)
     if handle is not None:
-        remember(comm, tensors, _Last(
-            transport, tuple(map(weakref.ref, tensors)), tuple(map(_data_ptr, tensors)), tuple(map(_numel, tensors)),
-            tuple(map(_shape, tensors)), tuple(map(_dtype, tensors)), tuple(map(_stride, tensors)), tensors[0].device,
-            handle, plan,
-        ))
+        remember(comm, _Last.of(tensors, transport, handle, plan))
 
 
 def list_transport(group: dist.ProcessGroup | None, name: str | Transport | None = None) -> Transport:
@@ -143,6 +139,8 @@ def adasum_list_(tensors: Sequence[torch.Tensor], group: dist.ProcessGroup | Non
         tensors, lambda flat, sizes: adasum_flat_(flat, sizes, group, transport=transport), transport, group=group
     )
 
+
+_numel = torch.Tensor.numel
 
 RECENT = 8
 """Captured list calls a group remembers for the replay's fast path (`_replayed`): a step that combines several
@@ -168,16 +166,29 @@ class _Last:
     graph: tuple  # its graph's `adasum.transport.graphs.Graphs.handle`
     plan: Plan
 
+    @classmethod
+    def of(cls, tensors: Sequence[torch.Tensor], transport, graph: tuple, plan: Plan) -> _Last:
+        """The record of a captured call on `tensors` (checked, at least one) with the `transport` keyword."""
+        return cls(
+            transport, tuple(map(weakref.ref, tensors)), tuple(map(_data_ptr, tensors)), tuple(map(_numel, tensors)),
+            tuple(map(_shape, tensors)), tuple(map(_dtype, tensors)), tuple(map(_stride, tensors)), tensors[0].device,
+            graph, plan,
+        )
+
+    @property
+    def key(self) -> tuple[int, int]:
+        """What finds it among the group's recent calls: its number of tensors and the first one's address (a
+        repeat's own key: ``(len(tensors), tensors[0].data_ptr())``)."""
+        return len(self.pointers), self.pointers[0]
+
 
 _alive = weakref.ref.__call__
-_numel = torch.Tensor.numel
 
 
-def remember(comm: Communicator, tensors: Sequence[torch.Tensor], last: _Last) -> None:
-    """Keep `last` among `comm`'s recent list calls (`RECENT`), by its number of tensors and first address."""
-    key = (len(tensors), _data_ptr(tensors[0]))
-    comm.recent[key] = last
-    comm.recent.move_to_end(key)
+def remember(comm: Communicator, last: _Last) -> None:
+    """Keep `last` among `comm`'s recent list calls (`RECENT`), by its `_Last.key`."""
+    comm.recent[last.key] = last
+    comm.recent.move_to_end(last.key)
     while len(comm.recent) > RECENT:
         comm.recent.popitem(last=False)
 
@@ -210,7 +221,7 @@ def _replayed(comm: Communicator, group, transport, tensors, check_layout: bool)
         tensors = (tensors,)
     elif type(tensors) not in (list, tuple) or not tensors or not isinstance(tensors[0], torch.Tensor):
         return False
-    last = comm.recent.get((len(tensors), _data_ptr(tensors[0])))
+    last = comm.recent.get((len(tensors), _data_ptr(tensors[0])))  # a recent call's `_Last.key`
     if last is None or last.transport != transport:
         return False
     same = all(map(operator.is_, map(_alive, last.tensors), tensors))
