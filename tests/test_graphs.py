@@ -44,12 +44,20 @@ class RecordingCapture:
         del self.log[start:]
         return Recorded(lambda: self.log.extend(f"replay {entry}" for entry in recorded))
 
+    def free(self, graph) -> None:
+        graph.freed = True
+
 
 class Recorded:
-    """A recorded capture: ``replay()`` logs its launches again."""
+    """A recorded capture: ``replay()`` logs its launches again, until it is freed."""
 
     def __init__(self, replay) -> None:
-        self.replay = replay
+        self._replay = replay
+        self.freed = False
+
+    def replay(self) -> None:
+        assert not self.freed, "a freed graph replayed"
+        self._replay()
 
 
 def _communicator(log: list) -> tuple[Communicator, RecordingCapture]:
@@ -71,6 +79,7 @@ def test_eager_then_captured_then_replayed():
     del log[:]
     comm.graphs.clear()  # a handle taken before a graph was dropped replays nothing
     assert not comm.graphs.replay_handle(handle) and log == [] and comm.graphs.handle(key) is None
+    assert handle[0].freed  # freed though the handle still refers to it (NCCL's destroy waits for live graphs)
 
 
 def test_a_handle_goes_stale_when_the_oldest_graph_is_evicted(monkeypatch):

@@ -31,6 +31,7 @@ joins it.
 
 from __future__ import annotations
 
+import copy
 import pickle
 import threading
 from collections import deque
@@ -168,7 +169,7 @@ class Guard:
         self._raised.set()
         if self._fatal and self.abort is not None and not self.aborted and not self.drains(ABORT_AFTER_S):
             self._abort_once()
-        raise self.error  # type: ignore[misc]
+        raise _fresh(self.error)  # type: ignore[arg-type]
 
     def stop(self) -> None:
         """Let the thread compare what was posted, then end it (peers that posted the same calls answer at once;
@@ -282,6 +283,15 @@ class Guard:
             self.abort()
         except Exception as error:  # noqa: BLE001 - the divergence is what is raised; this is kept to be read
             self.abort_error = error
+
+
+def _fresh(error: BaseException) -> BaseException:
+    """A copy of the kept `error` to raise: the kept one never takes a caller's traceback, whose frames would keep
+    that call's objects (the caller's tensors, a captured graph) alive as long as the guard, and the guard alive
+    through the frame of its own method (a cycle only the garbage collector frees)."""
+    fresh = copy.copy(error)
+    fresh.__cause__ = error.__cause__
+    return fresh
 
 
 def device_drains(seconds: float, device: int | None) -> bool:

@@ -81,6 +81,11 @@ class CudaCapture:
             torch.cuda.current_stream(device).wait_stream(stream)
         return graph
 
+    def free(self, graph) -> None:
+        """Free `graph`'s device resources now, whatever still refers to it (a traceback's frame may): NCCL waits,
+        in the group's destroy, for every graph that holds its work."""
+        graph.reset()
+
 
 class Graphs:
     """The captured graphs of one process group, by key (module doc). Calls made while one of its runs is
@@ -154,7 +159,11 @@ class Graphs:
         return sum(g is not _FAILED for g in self._graphs.values())
 
     def clear(self) -> None:
-        """Forget every graph and sighting."""
+        """Forget every graph and sighting, and free each graph (`CudaCapture.free`); the callers have drained the
+        device first (`adasum.transport.groups.release`, `retire_graphs`)."""
+        for graph in self._graphs.values():
+            if graph is not _FAILED:
+                self.backend.free(graph)
         self._graphs.clear()
         self._seen.clear()
         self._epoch += 1
