@@ -21,7 +21,9 @@ next call waits for the guard beyond that), so every rank reaches that call afte
 between run on (their results, like the divergent call's, are undefined). Where the data group is NCCL and its
 kernels wait for data no peer sends, its communicator is aborted, which ends them: by the call that raises the
 error (on the caller's thread) if the device has not drained `ABORT_AFTER_S` after it, or by the guard if the
-rank makes no call for `ABORT_AFTER_S` (the caller is blocked, e.g. on the device behind such a kernel). A
+rank makes no call for `ABORT_AFTER_S` (the caller is blocked, e.g. on the device behind such a kernel); the
+rank's next call then raises the error at once, so nothing is enqueued on the aborted communicator (a peer
+still running towards the `LAG`-th call finds its own device blocked there, and aborts too). A
 device that drains is left alone: an abort is itself a wait on the device (NCCL frees its memory), and the
 communicator of a divergence whose kernels all ended (layouts of equal sizes) needs none.
 
@@ -126,9 +128,11 @@ class Guard:
             self._catch_up(index - LAG)
 
     def _next_index(self) -> int:
-        """The index of the caller's next slot, after raising a kept error that this call must raise."""
+        """The index of the caller's next slot, after raising a kept error that this call must raise: from the
+        `raise_at`-th call on, or at once once this rank's communicator was aborted (a collective enqueued or
+        captured on an aborted NCCL communicator waited inside torch, and kept the abort itself from returning)."""
         index = self.posted
-        if self.error is not None and (self.raise_at is None or index >= self.raise_at):
+        if self.error is not None and (self.raise_at is None or index >= self.raise_at or self.aborted):
             self._raise()
         self.posted += 1
         return index
