@@ -206,6 +206,36 @@ def test_repeated_single_tensors_agree_with_reference(world):
     assert all(r[1] == results[0][1] for r in results)
 
 
+def alternating_lists(rank, world):
+    """Two lists called in turn (one per parameter group, say), new values each call: on NCCL both are captured,
+    then each replays from the group's recent lists though the other was called in between."""
+    from adasum.transport import groups
+
+    dev = distributed.device_for(rank)
+    shapes = {"a": [(64, 3, 7), (64,), (300, 20)], "b": [(1000, 10), (4096,), (3, 5)]}
+    lists = {k: [torch.empty(s, device=dev) for s in v] for k, v in shapes.items()}
+    errs, results = [], []
+    for call in range(4):  # eager, captured, replayed twice
+        for j, k in enumerate("ab"):
+            data = worker_data(90 + 2 * call + j, world, shapes[k])
+            for t, d in zip(lists[k], data[rank]):
+                t.copy_(d)
+            adasum.all_reduce(lists[k])
+            errs.append(max(rel_err(t, reference(data, i)) for i, t in enumerate(lists[k])))
+            results.append(b"".join(t.cpu().numpy().tobytes() for t in lists[k]))
+    comm = groups.communicator(None)
+    return errs, results, comm.graphs.count(), len(comm.recent)
+
+
+@pytest.mark.parametrize("world", distributed.world_sizes(2, 3, 4))
+def test_alternating_lists_agree_with_reference_and_replay(world):
+    results = distributed.run(world, alternating_lists)
+    assert max(results[0][0]) < 1e-6, results[0][0]
+    assert all(r[1] == results[0][1] for r in results)
+    captured = 2 if distributed.BACKEND == "nccl" else 0  # no graphs on the CPU
+    assert all(r[2:] == (captured, captured) for r in results), [r[2:] for r in results]
+
+
 def mixed_contiguity(rank, world):
     """Rank 1 passes a transposed (non-contiguous) view where the others pass contiguous tensors: on NCCL
     the symmetric transport then fuses rank 1's list into its staging buffer while the others' lists are
