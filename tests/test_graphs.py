@@ -96,6 +96,8 @@ def test_a_handle_goes_stale_when_the_oldest_graph_is_evicted(monkeypatch):
     del log[:]
     assert not comm.graphs.replay_handle(handles[0]) and not comm.graphs.replay_handle(handles[1])
     assert comm.graphs.replay_handle(handles[2]) and log == ["replay 3"]
+    comm.graphs.clear()  # the evicted graph is freed too while a handle still refers to it
+    assert all(handle[0].freed for handle in handles)
 
 
 def test_a_call_inside_a_run_goes_into_it_and_is_not_captured_on_its_own():

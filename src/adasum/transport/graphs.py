@@ -29,6 +29,7 @@ hung FSDP2's reductions, whose buffers the caching allocator places differently 
 
 from __future__ import annotations
 
+import weakref
 from collections import OrderedDict
 from collections.abc import Callable, Hashable
 
@@ -98,6 +99,7 @@ class Graphs:
         self._seen: OrderedDict[Hashable, int] = OrderedDict()
         self._running = False
         self._epoch = 0  # advanced whenever a graph is dropped: a `handle` from before may be stale
+        self._evicted: weakref.WeakSet = weakref.WeakSet()  # evicted graphs something still refers to (`clear`)
 
     def run(self, key: Hashable, fn: Callable[[], None], device: torch.device) -> None:
         """`fn()` eagerly, captured, or replayed (see the module doc and the class doc)."""
@@ -135,6 +137,7 @@ class Graphs:
         self._graphs[key] = graph
         while self.count() > MAX_GRAPHS:  # the oldest goes; its key runs eagerly from then on (no capture thrash)
             oldest = next(k for k, g in self._graphs.items() if g is not _FAILED)
+            self._evicted.add(self._graphs[oldest])
             self._graphs[oldest] = _FAILED
             self._epoch += 1
         graph.replay()
@@ -159,11 +162,12 @@ class Graphs:
         return sum(g is not _FAILED for g in self._graphs.values())
 
     def clear(self) -> None:
-        """Forget every graph and sighting, and free each graph (`CudaCapture.free`); the callers have drained the
-        device first (`adasum.transport.groups.release`, `retire_graphs`)."""
-        for graph in self._graphs.values():
-            if graph is not _FAILED:
-                self.backend.free(graph)
+        """Forget every graph and sighting, and free each graph (`CudaCapture.free`), evicted ones that something
+        still refers to included; the callers have drained the device first (`adasum.transport.groups.release`,
+        `retire_graphs`)."""
+        for graph in [*(g for g in self._graphs.values() if g is not _FAILED), *self._evicted]:
+            self.backend.free(graph)
+        self._evicted.clear()
         self._graphs.clear()
         self._seen.clear()
         self._epoch += 1
