@@ -274,24 +274,51 @@ if triton is not None:
             offsets = tl.multiple_of(offsets, ALIGN)
         return offsets
 
+    @triton.jit
+    def _zeros(N: tl.constexpr, BLOCK: tl.constexpr):
+        # N float64 accumulators of [BLOCK]
+        accs = ()
+        for _ in tl.static_range(N):
+            accs = accs + (tl.zeros([BLOCK], dtype=tl.float64),)
+        return accs
+
+    @triton.jit
+    def _add_at(accs, k: tl.constexpr, value):
+        # accs[k] += value (a tuple is rebuilt: kernels cannot assign into one)
+        return accs[:k] + (accs[k] + value,) + accs[k + 1 :]
+
     @triton.jit(do_not_specialize=["o0", "o1", "o2", "o3", "o4", "o5", "o6", "o7"])
     def _gram_tile_kernel(
         base_ptr, o0, o1, o2, o3, o4, o5, o6, o7, starts_ptr, sizes_ptr, out_ptr, P: tl.constexpr,
         PP: tl.constexpr, BLOCK: tl.constexpr, ITERS: tl.constexpr, ALIGN: tl.constexpr,
     ):
-        # One tile of P rows (at base + offset_j): the [PP, PP] products summed in float64 over the tile
+        # One tile of P rows (at base + offset_j): the [PP, PP] products summed in float64 over the tile (rows past
+        # P: 0). The rows one after another as 1-D loads and one accumulator per product i <= j (a [PP, BLOCK]
+        # load and a [PP, PP, BLOCK] product measured 1.5-2.3 x slower, far above the rows' memory time)
         tile = tl.program_id(0)
         start, size = _tile_extent(starts_ptr, sizes_ptr, tile, ALIGN)
-        rows = tl.arange(0, PP)
-        offsets = _row_offsets(o0, o1, o2, o3, o4, o5, o6, o7, PP, ALIGN)
-        acc = tl.zeros([PP, PP, BLOCK], dtype=tl.float64)
-        for i in range(ITERS):
-            offs = i * BLOCK + tl.arange(0, BLOCK)
-            mask = (rows < P)[:, None] & (offs < size)[None, :]
-            x = tl.load(base_ptr + offsets[:, None] + start + offs[None, :], mask=mask, other=0.0).to(tl.float64)
-            acc += x[:, None, :] * x[None, :, :]
-        sums = tl.sum(acc, axis=2)
-        tl.store(out_ptr + tile * PP * PP + rows[:, None] * PP + rows[None, :], sums)
+        accs = _zeros(P * P, BLOCK)  # product (i, j) at i * P + j; those with i > j stay unused
+        for it in range(ITERS):
+            offs = it * BLOCK + tl.arange(0, BLOCK)
+            mask = offs < size
+            xs = ()
+            for j in tl.static_range(P):
+                at = base_ptr + _pick(j, o0, o1, o2, o3, o4, o5, o6, o7) + start
+                if ALIGN > 1:
+                    at = tl.multiple_of(at, 16)
+                xs = xs + (tl.load(at + offs, mask=mask, other=0.0).to(tl.float64),)
+            for i in tl.static_range(P):
+                for j in tl.static_range(i, P):
+                    accs = _add_at(accs, i * P + j, xs[i] * xs[j])
+        at = out_ptr + tile * PP * PP
+        for i in tl.static_range(PP):
+            for j in tl.static_range(PP):
+                if i >= P or j >= P:
+                    tl.store(at + i * PP + j, 0.0)
+                elif i <= j:
+                    tl.store(at + i * PP + j, tl.sum(accs[i * P + j], axis=0))
+                else:
+                    tl.store(at + i * PP + j, tl.sum(accs[j * P + i], axis=0))
 
     @triton.jit
     def _gram_segments_kernel(
@@ -542,6 +569,9 @@ def copy_tiles(table, like: torch.Tensor) -> None:
     )
 
 
+GRAM_BLOCK = 512
+"""Elements per row and step of the Gram kernel's programs up to 4 rows (a quarter of it above: 36 accumulators)."""
+
 MAX_ROWS = 8
 """The most rows `gram` and `weighted_sum` read in one kernel (a host's GPUs); more go to the torch path."""
 
@@ -581,12 +611,13 @@ def gram(rows: Sequence[torch.Tensor], lengths: Sequence[int], out: torch.Tensor
     if not table.n_tiles:
         return out
     padded = _pad(workers)
-    block = 1024 // padded  # with 8 warps at 3 and 4 rows: the fastest of the sizes and warps measured (1 x H200)
+    # 4 warps: the fastest of the sizes and warps measured for the rows' kernel (1 x H200, docs/benchmarks.md)
+    block = GRAM_BLOCK if workers <= 4 else GRAM_BLOCK // 4
     tile_sums = torch.empty(table.n_tiles, padded, padded, dtype=torch.float64, device=base.device)
     align = _align(table, base) if aligned else 1
     _gram_tile_kernel[(table.n_tiles,)](
         base, *offsets, table.starts, table.sizes, tile_sums, P=workers, PP=padded, BLOCK=block,
-        ITERS=-(-(ITERS * BLOCK) // block), ALIGN=align, num_warps=8 if padded == 4 else 4,
+        ITERS=-(-(ITERS * BLOCK) // block), ALIGN=align, num_warps=4,
     )
     rounds_block = max(16, 4096 // (padded * padded))
     _gram_segments_kernel[(segments,)](
