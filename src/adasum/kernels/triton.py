@@ -293,8 +293,8 @@ if triton is not None:
         PP: tl.constexpr, BLOCK: tl.constexpr, ITERS: tl.constexpr, ALIGN: tl.constexpr,
     ):
         # One tile of P rows (at base + offset_j): the [PP, PP] products summed in float64 over the tile (rows past
-        # P: 0). The rows one after another as 1-D loads and one accumulator per product i <= j (a [PP, BLOCK]
-        # load and a [PP, PP, BLOCK] product measured 1.5-2.3 x slower, far above the rows' memory time)
+        # P: 0). The rows one after another as 1-D loads and one accumulator per product i <= j: a [PP, BLOCK] load
+        # with [PP, PP, BLOCK] products took well above the rows' memory time (docs/benchmarks.md, settings)
         tile = tl.program_id(0)
         start, size = _tile_extent(starts_ptr, sizes_ptr, tile, ALIGN)
         accs = _zeros(P * P, BLOCK)  # product (i, j) at i * P + j; those with i > j stay unused
