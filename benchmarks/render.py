@@ -150,17 +150,18 @@ CLAIMS = [
         "Median step time over 30 timed steps after 5 (slowest rank); the variants of a model are built side by\n"
         "side and stepped in turn, so `ratio` (to the `ddp` row of the same run) is measured under the same\n"
         "drift. `ddp`: DDP's own all-reduce; `ddp-adasum`: the hook with `AdasumState()` (batches of 256 MB);\n"
-        "`delta`: `DistributedOptimizer(mode=\"delta\")`; `delta-mean` (where listed): the same with `reducer=\"mean\"`,\n"
-        "NCCL's all_reduce of the deltas, the bound of delta mode (its deltas exist only after the whole backward\n"
-        "pass, so their combination overlaps nothing of it). ResNet-50: batch 64 per GPU, SGD; the BERT-Large-sized\n"
-        "stack (24 layers, hidden 1024, about 335 M parameters): batch 8 x 128 tokens, Adam. DDP's BERT step\n"
-        "runs 77 ms on a quiet host and 85-93 ms on a noisy one; both kinds of run are listed. Adasum ran on the\n"
-        "symmetric-memory transport inside one host: at two ranks VHDD (\"symmetric\"); the 4-rank rows (20 timed\n"
-        "steps) of 15:55 on the slice-parallel mover with one copy kernel for all peers (the default above two\n"
-        "ranks), those of 17:51 with its gather by stores, the earlier 4-rank rows on VHDD.",
+        "`delta`: `DistributedOptimizer(mode=\"delta\")`; `delta-mean` (where listed): the same with\n"
+        "`reducer=\"mean\"`, NCCL's all_reduce of the deltas, the bound of delta mode (its deltas exist only after\n"
+        "the whole backward pass, so their combination overlaps nothing of it). ResNet-50: batch 64 per GPU, SGD;\n"
+        "the BERT-Large-sized stack (24 layers, hidden 1024, about 335 M parameters): batch 8 x 128 tokens, Adam.\n"
+        "DDP's BERT step runs 77 ms on a quiet host and 85-93 ms on a noisy one; both kinds of run are listed.\n"
+        "Adasum ran on the symmetric-memory transport inside one host: at two ranks VHDD (\"symmetric\"); the\n"
+        "4-rank rows (20 timed steps) of 15:55 on the slice-parallel mover with one copy kernel for all peers\n"
+        "(the default above two ranks), those of 17:51 with its gather by stores, the earlier 4-rank rows on VHDD.",
         "python benchmarks/bench_e2e.py --models bert --steps 30 --warmup 5      # one process per GPU\n"
         "python benchmarks/bench_e2e.py --models resnet50 --steps 30 --warmup 5\n"
-        "python benchmarks/bench_e2e.py --models bert,resnet50 --variants ddp,ddp-adasum,delta,delta-mean --steps 30 --warmup 5",
+        "python benchmarks/bench_e2e.py --models bert,resnet50 --variants ddp,ddp-adasum,delta,delta-mean \\\n"
+        "    --steps 30 --warmup 5",
         "e2e.jsonl",
         lambda rows: with_ratio([{**r, "run": r["date"][:16].replace("T", " "), "gpus": f"{r['world']} x {r['device']}"}
                                  for r in rows if r["date"] >= CURRENT_STEPS],
