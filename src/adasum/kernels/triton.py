@@ -279,7 +279,7 @@ if triton is not None:
         # N float64 accumulators of [BLOCK]
         accs = ()
         for _ in tl.static_range(N):
-            accs = accs + (tl.zeros([BLOCK], dtype=tl.float64),)
+            accs = accs + (tl.zeros([BLOCK], dtype=tl.float64),)  # type: ignore[assignment]
         return accs
 
     @triton.jit
@@ -306,7 +306,7 @@ if triton is not None:
                 at = base_ptr + _pick(j, o0, o1, o2, o3, o4, o5, o6, o7) + start
                 if ALIGN > 1:
                     at = tl.multiple_of(at, 16)
-                xs = xs + (tl.load(at + offs, mask=mask, other=0.0).to(tl.float64),)
+                xs = xs + (tl.load(at + offs, mask=mask, other=0.0).to(tl.float64),)  # type: ignore[assignment]
             for i in tl.static_range(P):
                 for j in tl.static_range(i, P):
                     accs = _add_at(accs, i * P + j, xs[i] * xs[j])
