@@ -264,15 +264,13 @@ if triton is not None:
             return o7
 
     @triton.jit
-    def _row_offsets(o0, o1, o2, o3, o4, o5, o6, o7, PP: tl.constexpr, ALIGN: tl.constexpr):
-        # the rows' first elements, in elements from the base pointer, as a [PP] vector (rows past P: 0, masked)
-        rows = tl.arange(0, PP)
-        offsets = tl.zeros([PP], dtype=tl.int64)
-        for j in tl.static_range(PP):
-            offsets = tl.where(rows == j, _pick(j, o0, o1, o2, o3, o4, o5, o6, o7), offsets)
-        if ALIGN > 1:  # every row 16-byte aligned (checked on the host)
-            offsets = tl.multiple_of(offsets, ALIGN)
-        return offsets
+    def _row_at(base_ptr, j: tl.constexpr, o0, o1, o2, o3, o4, o5, o6, o7, start, ALIGN: tl.constexpr):
+        # row j's element `start` (row j at base + offset_j); with ALIGN every row is 16-byte aligned (checked on the
+        # host), which lets Triton emit vector loads
+        at = base_ptr + _pick(j, o0, o1, o2, o3, o4, o5, o6, o7) + start
+        if ALIGN > 1:
+            at = tl.multiple_of(at, 16)
+        return at
 
     @triton.jit
     def _zeros(N: tl.constexpr, BLOCK: tl.constexpr):
@@ -303,9 +301,7 @@ if triton is not None:
             mask = offs < size
             xs = ()
             for j in tl.static_range(P):
-                at = base_ptr + _pick(j, o0, o1, o2, o3, o4, o5, o6, o7) + start
-                if ALIGN > 1:
-                    at = tl.multiple_of(at, 16)
+                at = _row_at(base_ptr, j, o0, o1, o2, o3, o4, o5, o6, o7, start, ALIGN)
                 xs = xs + (tl.load(at + offs, mask=mask, other=0.0).to(tl.float64),)  # type: ignore[assignment]
             for i in tl.static_range(P):
                 for j in tl.static_range(i, P):
@@ -401,9 +397,7 @@ if triton is not None:
             mask = offs < size
             mixed = tl.zeros([BLOCK], dtype=tl.float64)
             for j in tl.static_range(P):
-                at = base_ptr + _pick(j, o0, o1, o2, o3, o4, o5, o6, o7) + start
-                if ALIGN > 1:
-                    at = tl.multiple_of(at, 16)
+                at = _row_at(base_ptr, j, o0, o1, o2, o3, o4, o5, o6, o7, start, ALIGN)
                 x = tl.load(at + offs, mask=mask, other=0.0).to(tl.float64)
                 mixed += tl.load(weights_ptr + j * row_stride + seg) * x
             out = mixed if out_ptr.dtype.element_ty == tl.float64 else mixed.to(tl.float32)
