@@ -60,6 +60,7 @@ from machine import device_name  # noqa: E402
 MODELS = ("resnet50", "bert")
 VARIANTS = ("ddp", "ddp-adasum", "delta", "delta-mean")
 DEFAULT_VARIANTS = VARIANTS[:3]
+DELTA_REDUCERS = {"delta": "adasum", "delta-mean": "mean"}  # the delta-mode variants' reducers
 DEFAULT_OUT = Path(__file__).resolve().parent / "results" / "e2e.jsonl"
 
 
@@ -147,13 +148,13 @@ def build_variant(name: str, variant: str, args, device: torch.device, rank: int
     """One (model, variant) ready to train: its step function (zero_grad, forward, backward, step)."""
     model, make_optimizer, x, y, loss_fn = build(name, args.dry_run, device, rank)
     device_ids = [device.index] if device.type == "cuda" else None
-    if variant in ("delta", "delta-mean"):
+    if variant in DELTA_REDUCERS:
         with torch.no_grad():  # DDP broadcasts rank 0's model; without DDP, do it here
             for t in model.state_dict().values():
                 dist.broadcast(t, 0)
         net: nn.Module = model
         optimizer: torch.optim.Optimizer = adasum.DistributedOptimizer(
-            make_optimizer(model.parameters()), reducer="adasum" if variant == "delta" else "mean", mode="delta"
+            make_optimizer(model.parameters()), reducer=DELTA_REDUCERS[variant], mode="delta"
         )
     else:
         net = nn.parallel.DistributedDataParallel(model, device_ids=device_ids)
