@@ -144,8 +144,8 @@ _numel = torch.Tensor.numel
 
 RECENT = 8
 """Captured list calls a group remembers for the replay's fast path (`_replayed`): a step that combines several
-lists (one per parameter group, say) replays each without the plan look-up, which cost the host 4-5 us a tensor on
-4 x H200 (two lists alternated: ResNet-50's at 4 ranks 1.59 ms a call against 0.79 ms replayed)."""
+lists (one per parameter group, say) replays each without the plan look-up, whose host time grows with the number
+of tensors."""
 
 
 @dataclass(frozen=True)
@@ -208,9 +208,9 @@ def _placed_like(tensors: Sequence, last: _Last) -> bool:
 
 
 def _replayed(comm: Communicator, group, transport, tensors, check_layout: bool) -> bool:
-    # host time is what the GPU waits for between calls: C-level maps, not a Python loop (66 against 92 us for
-    # 161 tensors), and numbers of elements rather than shapes for a recent call's own tensors (a shape is a new
-    # torch.Size per tensor: 72 against 37 us for 391 tensors); the fingerprint still goes out
+    # host time is what the GPU waits for between calls: C-level maps, not a Python loop, and numbers of elements
+    # rather than shapes for a recent call's own tensors (a shape is a new torch.Size per tensor; docs/benchmarks.md,
+    # where the time goes); the fingerprint still goes out
     # (`adasum.collectives.plan`). `tensors` is the caller's argument, unchecked: a tensor, or a list or tuple of
     # a recent call's (checked) tensors or of others placed like them (`_placed_like`). The graph reads and writes
     # each tensor as the elements from its address on, so that call's tensors replay it wherever their addresses

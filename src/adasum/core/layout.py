@@ -68,11 +68,10 @@ def flatten(tensors: Sequence[torch.Tensor], out: torch.Tensor | None = None) ->
     if out is None:
         return torch.cat([t.reshape(-1) for t in tensors])
     flat = out[: sum(t.numel() for t in tensors)]
-    if out.device.type != "cuda":  # on the CPU one cat is faster (19 against 22 ms for ResNet-50's 161 tensors)
+    if out.device.type != "cuda":  # on the CPU one cat is faster (docs/benchmarks.md, settings)
         return torch.cat([t.reshape(-1) for t in tensors], out=flat)
-    # on GPUs, batched copies into views of `out`: in a profile on 2 x H100 of the ResNet-50 layout (161 tensors,
-    # 102 MB fp32; benchmarks/results/profile-resnet50.txt) torch.cat(out=) took 181 us per call and this copy,
-    # in the other direction (`unflatten_into`), 98 us for the same bytes
+    # on GPUs, batched copies into views of `out`: in a profile of the ResNet-50 layout (161 tensors) torch.cat(out=)
+    # took about twice as long as this copy in the other direction (`unflatten_into`) for the same bytes
     copy_into(tensors, flat)
     return flat
 

@@ -387,7 +387,7 @@ if triton is not None:
         OUTS: tl.constexpr, OUT_TILES: tl.constexpr, ALIGN: tl.constexpr,
     ):
         # out = sum_j w[j, seg] row_j over one tile, in float64, stored in out's dtype (into OUTS buffers); the rows
-        # one after another as 1-D loads (a [P, BLOCK] load reduced over P measured 2-4 x slower, 4.5 x for bf16)
+        # one after another as 1-D loads, faster than a [P, BLOCK] load reduced over P (docs/benchmarks.md, settings)
         tile = tl.program_id(0)
         start, size = _tile_extent(starts_ptr, sizes_ptr, tile, ALIGN)
         seg = tl.load(segs_ptr + tile)
@@ -605,7 +605,7 @@ def gram(rows: Sequence[torch.Tensor], lengths: Sequence[int], out: torch.Tensor
     if not table.n_tiles:
         return out
     padded = _pad(workers)
-    # 4 warps: the fastest of the sizes and warps measured for the rows' kernel (1 x H200, docs/benchmarks.md)
+    # 4 warps: the fastest of the sizes and warps measured for the rows' kernel (docs/benchmarks.md, settings)
     block = GRAM_BLOCK if workers <= 4 else GRAM_BLOCK // 4
     tile_sums = torch.empty(table.n_tiles, padded, padded, dtype=torch.float64, device=base.device)
     align = _align(table, base) if aligned else 1
@@ -657,7 +657,7 @@ def weighted_sum(rows: Sequence[torch.Tensor], weights: torch.Tensor, lengths: S
     assert weights.dtype == torch.float64 and weights.stride(1) == 1 and len(more_outs) <= MORE_OUTS
     out_ptr, out_tiles, out_at = _operand(out, base)
     extra = list(more_outs) + [out_ptr] * (MORE_OUTS - len(more_outs))
-    block = 2 * BLOCK  # with 8 warps: the fastest of the sizes and warps measured (1 x H200)
+    block = 2 * BLOCK  # with 8 warps: the fastest of the sizes and warps measured (docs/benchmarks.md, settings)
     align = _align(table, base, out, *more_outs) if aligned else 1
     _weighted_kernel[(table.n_tiles,)](
         base, *offsets, weights, weights.stride(0), table.starts, table.sizes, table.segments, out_ptr, *extra,

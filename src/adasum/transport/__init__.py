@@ -25,9 +25,8 @@ runs everywhere. The test suite puts another transport first (`adasum.settings.S
 ``ADASUM_TEST_TRANSPORT``): `preference`."""
 
 DEFAULT_SYMMETRIC_WORLD = 2
-"""The group size "symmetric" (VHDD's levels, one peer at a time) is the default for. At P = 4 "slices" was faster
-on 4 x H200 in one run: BERT-Large's layout 1.43 x NCCL against 1.56 x, a flat 2^26 fp32 1.28 x against 1.79 x,
-ResNet-50's layout 1.66 x against 1.67 x."""
+"""The group size "symmetric" (VHDD's levels, one peer at a time) is the default for; above it "slices" measured
+faster (docs/benchmarks.md, settings)."""
 
 
 def preference() -> tuple[str, ...]:

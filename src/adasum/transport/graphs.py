@@ -1,7 +1,7 @@
 """CUDA-graph capture of whole collectives for repeated calls on the same tensors.
 
 A collective on a GPU issues dozens of launches (NCCL calls, Triton kernels, copies), each costing
-the host 5-50 us: for small and many-tensor layouts that host work, not the data, sets the time.
+the host microseconds: for small and many-tensor layouts that host work, not the data, sets the time.
 `Graphs.run(key, fn)` runs `fn` eagerly the first time a key is seen (it warms every cache: tile
 tables, staging buffers, NCCL communicators), captures it into a CUDA graph the second time, and
 replays the graph from then on. The key names everything the launches depend on: the call's plan

@@ -222,7 +222,7 @@ def release(group: dist.ProcessGroup | None = None) -> None:
 
     For teardown: ``torch.distributed.destroy_process_group`` calls it first (once adasum has worked on
     a group). Collectives after a full release are not supported on GPUs: a benchmark that released
-    between two models and went on training hung in the second model's first steps on 2 x H100.
+    between two models and went on training hung in the second model's first steps.
 
     >>> adasum.release()  # doctest: +SKIP
     """

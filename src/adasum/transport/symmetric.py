@@ -380,8 +380,8 @@ class SymmetricMemory(Transport):
         sums = level.sums[:, first : first + len(lengths)]
         mine = _slice(level.buffer, lo, hi, self.tiles)
         theirs = level.theirs[lo - level.kept[0] : hi - level.kept[0]]
-        # the partner's copy from the local one the pull kept: reading it over NVLink again, against the
-        # direction of this kernel's stores into the partner, measured 1.72 x NCCL at 2^28 fp32 instead of 1.22 x
+        # the partner's copy from the local one the pull kept: reading it over NVLink again would run against the
+        # direction of this kernel's stores into the partner
         a, b = (mine, theirs) if level.lower else (theirs, mine)
         combine_from_sums(a, b, sums, level.workers_a, level.workers_b, lengths, mine, *outs)
 
@@ -529,12 +529,9 @@ class SymmetricSlices(Transport):
 
     Each step's moves to or from every peer are **one kernel** (`adasum.kernels.triton.copy_tiles`): its tiles
     are dealt in turn over the peers, so the multiprocessors store into all P - 1 peers at once. Moves one peer
-    after another (the copy engines for a flat `B`, one copy kernel per peer for a list) measured slower on
-    4 x H200 for lists (BERT-Large's layout at P = 4: 1.51 x NCCL against 1.43 x; ResNet-50's: 1.96 x against
-    1.66 x; at P = 3 BERT-Large 1.88 x against 1.60 x) and the same for one flat tensor. The gather by stores
-    into the slots measured faster than loading every peer's output row: at P = 3 BERT-Large 1.42 x against
-    1.59 x, flat 2^26 1.25 x against 1.33 x; at P = 4 ResNet-50 1.58 x against 1.67 x, flat 2^26 1.29 x against
-    1.37 x, BERT-Large the same (1.38 x).
+    after another (the copy engines for a flat `B`, one copy kernel per peer for a list) measured slower for
+    lists and the same for one flat tensor; the gather by stores into the slots measured faster than loading
+    every peer's output row (docs/benchmarks.md, settings).
 
     A round's stores into a peer's half come after that peer's last barrier of the gather of the round before
     that used the half (in this call or an earlier one), which follows its copies out of its slots. Nothing
@@ -546,9 +543,8 @@ class SymmetricSlices(Transport):
     ahead = 2
     """Rounds in flight: the buffer holds this many halves, round k takes half k mod `ahead`, and the schedule
     stores round k + 1 into its half while round k's tree runs (`adasum.collectives.slices`); a layout that fits
-    one round of the whole buffer runs in one (`adasum.collectives.slices.slice_rounds`). On 4 x H200, BERT-Large's
-    layout at P = 4 (several rounds): fp32 1.36 x NCCL against 1.40-1.41 x one round at a time, bf16 1.40 x
-    against 1.42-1.45 x; at P = 3 fp32 1.36 x against 1.36-1.38 x; the same bits (docs/benchmarks.md)."""
+    one round of the whole buffer runs in one (`adasum.collectives.slices.slice_rounds`). Measured faster than one
+    round at a time for layouts of several rounds, with the same bits (docs/benchmarks.md, settings)."""
     early_copy_out = True
     """Above two ranks, whether the previous rank's result is copied out of the output row by the copy kernel that
     stores into the other peers (a local copy beside NVLink stores), rather than after the next barrier with the
@@ -709,8 +705,8 @@ class SymmetricInPlace(InPlace, Transport):
       stored. A slot is stored into again two pieces later, after a barrier that every rank passes once its copies
       out of it are done (the side stream joins before each barrier).
     * gather, piece c: the last combination writes the result into `B`'s slice; on a second side stream rank r
-      stores it from there into its row of the slot on every peer (the scatter's moves in reverse: on 2 x H200 the
-      copy engines stored a piece of 30 MiB into the peer in 84 us and loaded one from it in 94 us), then a
+      stores it from there into its row of the slot on every peer (the scatter's moves in reverse: the copy
+      engines store into a peer faster than they load from it), then a
       barrier; then, on the first side stream, it copies rows j of its own slot into `B`'s slices j. The
       combinations run ahead on the current stream, so the stores follow each other with only the barriers
       between them. The last rank's result tail lands in the peers' last spare row, which only the last
