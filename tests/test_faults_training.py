@@ -232,7 +232,7 @@ def test_dead_or_stalled_peer_in_a_training_step(where, world, action):
         assert r["seconds"] < NO_HANG_S, r
         assert f"on rank {rank} of {world}" in r["message"] and f"group timeout {TIMEOUT_S} s" in r["message"], r
         if where == "optimizer":
-            # the first collective of the step is the non-finite check (nonfinite="raise" by default)
+            # the first collective of the step is the non-finite check (the test passes nonfinite="raise")
             assert r["collective"] and r["message"].startswith("adasum.find_nonfinite"), r
         else:
             # DDP passes the hook's exception up through backward: the combination's, or the per-call check's when

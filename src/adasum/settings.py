@@ -65,7 +65,9 @@ class Settings:
     """The Triton kernels' 16-byte vector accesses: "1" where aligned, "2-byte" only for 2-byte dtypes, "0" never
     (``ADASUM_TRITON_VECTORS``)."""
     memory_mb: float = 512.0
-    """Device memory the symmetric-memory transports' buffers may take per GPU, in MiB (``ADASUM_MEMORY_MB``)."""
+    """Device memory adasum may keep per process, in MiB (``ADASUM_MEMORY_MB``): every transport's buffers (the
+    symmetric transports' staging, the slice-parallel movers' rows and ring, on symmetric memory or c10d) fit in it,
+    a layout larger than they hold running in rounds (`adasum.transport.slices.memory_budget_bytes`)."""
 
     @functools.cached_property
     def shaping(self) -> tuple[str, ...]:
