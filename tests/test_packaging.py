@@ -91,3 +91,21 @@ def test_tensorboard_without_its_extra_names_it(monkeypatch, tmp_path):
     message = "--tensorboard needs the tensorboard extra: pip install 'adasum[tensorboard]'"
     with pytest.raises(ValueError, match=re.escape(message)):
         runner._tensorboard_writer(tmp_path)
+
+
+def test_optional_modules_load_on_first_access():
+    """``import adasum`` leaves the optional public modules out; ``adasum.<name>`` loads one (a missing extra
+    raising the ImportError that names it); any other unknown name is an AttributeError."""
+    code = (
+        "import sys, adasum\n"
+        "assert not [m for m in adasum.ON_ACCESS if f'adasum.{m}' in sys.modules], sys.modules.keys()\n"
+        "assert adasum.fsdp.enable is sys.modules['adasum.fsdp'].enable\n"
+        "assert callable(adasum.loggers.log_statistics)\n"
+        "sys.modules['jax'] = None\n"
+        "try:\n    adasum.jax\nexcept ImportError as e:\n    assert \"pip install 'adasum[jax]'\" in str(e), e\n"
+        "else:\n    raise AssertionError('adasum.jax without jax')\n"
+        "try:\n    adasum.nope\nexcept AttributeError as e:\n    assert \"no attribute 'nope'\" in str(e), e\n"
+        "else:\n    raise AssertionError('adasum.nope')\n"
+    )
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr

@@ -6,6 +6,9 @@ aggregation) and SlowMo (slow momentum over periodically combined models) on the
 interface.
 """
 
+import importlib
+from types import ModuleType
+
 from adasum import ddp
 from adasum.collectives import all_reduce, all_reduce_async, hierarchical
 from adasum.collectives.nonfinite import NonFinite, NonFiniteError, check_finite, find_nonfinite
@@ -48,4 +51,15 @@ __all__ = [
     "reduce",
     "release",
 ]
+ON_ACCESS = ("accelerate", "fsdp", "jax", "lightning", "loggers")
+"""Public modules that ``import adasum`` leaves out and the first ``adasum.<name>`` loads (their frameworks are
+optional extras: a missing one raises the ImportError that names it, `adasum.extras.require`)."""
+
+
+def __getattr__(name: str) -> ModuleType:
+    if name in ON_ACCESS:
+        return importlib.import_module(f"adasum.{name}")
+    raise AttributeError(f"module 'adasum' has no attribute {name!r}")
+
+
 __version__ = "0.1.0"  # the one place the version is written: pyproject.toml reads it from here
