@@ -266,6 +266,21 @@ def test_a_repeat_on_the_same_memory_replays_before_any_check_of_the_list():
         adasum.all_reduce([tensors[0].t().t(), tensors[1].double()], check_layout=False)  # another dtype
         with pytest.raises(TypeError, match="pass list"):
             adasum.all_reduce({"a": tensors[0]}, check_layout=False)
+        with pytest.raises(TypeError, match="element 1 is a str"):  # the checked path: the first a tensor where the
+            # last call's was, the second not one
+            adasum.all_reduce([tensors[0], "tensor"], check_layout=False)
+
+        def leaf(t):  # a leaf that requires grad, on the memory of `t`
+            return torch.empty(0).set_(t.untyped_storage(), t.storage_offset(), t.shape, t.stride()).requires_grad_()
+
+        other_strides = torch.empty(0).set_(tensors[0].untyped_storage(), 0, (2, 3), (1, 2))  # the same memory
+        adasum.all_reduce([other_strides, tensors[1]], check_layout=False)  # and shape: checked
+        adasum.all_reduce([leaf(t) for t in tensors], check_layout=False)  # the checked path (which refuses one
+        assert log == []  # above one rank)
+        with torch.no_grad():  # nothing records: the write is allowed, as on the checked path
+            adasum.all_reduce([leaf(t) for t in tensors], check_layout=False)
+        assert log == ["replay launch"]
+        log.clear()
         tensors[1].resize_(3)  # the same tensor object and address, fewer elements
         adasum.all_reduce(tensors, check_layout=False)
         assert log == []

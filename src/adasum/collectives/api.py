@@ -7,7 +7,6 @@ import operator
 import weakref
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from itertools import repeat
 from typing import Literal
 
 import torch
@@ -15,12 +14,11 @@ import torch.distributed as dist
 
 from adasum.collectives.agreement import (
     _data_ptr,
-    _device,
     _dtype,
+    _requires_grad,
     _shape,
     _stride,
     check_group,
-    local_problem,
     tensor_list,
 )
 from adasum.collectives.nonfinite import check_finite, check_policy
@@ -162,7 +160,6 @@ class _Last:
     shapes: tuple
     dtypes: tuple
     strides: tuple
-    device: torch.device
     graph: tuple  # its graph's `adasum.transport.graphs.Graphs.handle`
     plan: Plan
 
@@ -171,7 +168,7 @@ class _Last:
         """The record of a captured call on `tensors` (checked, at least one) with the `transport` keyword."""
         return cls(
             transport, tuple(map(weakref.ref, tensors)), tuple(map(_data_ptr, tensors)), tuple(map(_numel, tensors)),
-            tuple(map(_shape, tensors)), tuple(map(_dtype, tensors)), tuple(map(_stride, tensors)), tensors[0].device,
+            tuple(map(_shape, tensors)), tuple(map(_dtype, tensors)), tuple(map(_stride, tensors)),
             graph, plan,
         )
 
@@ -193,28 +190,27 @@ def remember(comm: Communicator, last: _Last) -> None:
         comm.recent.popitem(last=False)
 
 
-def _placed_like(tensors: Sequence, last: _Last) -> bool:
-    """Whether other tensor objects (new gradients that the caching allocator placed where the call `last`'s were)
-    are what its graph was captured on, besides addresses and shapes: tensors with no local problem
-    (`local_problem`, the checked path's own; their memory is that call's, found disjoint then) of the same
-    dtypes and strides on the same device."""
-    if not all(map(isinstance, tensors, repeat(torch.Tensor))):
+def _placed_like(tensors: Sequence[torch.Tensor], last: _Last) -> bool:
+    """Whether other tensor objects at the addresses of the call `last`'s (new gradients that the caching allocator
+    placed where the last ones were) are what its graph was captured on: the same dtypes, shapes and strides, so
+    the same memory, which that call found disjoint and its checks passed on (the dtypes floating, the layouts
+    strided; equal addresses put them on its device: CUDA addresses are unified), and, where autograd records,
+    none that requires grad (the checked path's own refusal of a leaf an in-place write would fail on)."""
+    if tuple(map(_dtype, tensors)) != last.dtypes or tuple(map(_shape, tensors)) != last.shapes:
         return False
-    if local_problem(tensors, last.device, disjoint=True) is not None:
+    if tuple(map(_stride, tensors)) != last.strides:
         return False
-    if tuple(map(_dtype, tensors)) != last.dtypes or tuple(map(_stride, tensors)) != last.strides:
-        return False
-    return set(map(_device, tensors)) == {last.device}
+    return not (torch.is_grad_enabled() and any(map(_requires_grad, tensors)))
 
 
 def _replayed(comm: Communicator, group, transport, tensors, check_layout: bool) -> bool:
     # host time is what the GPU waits for between calls: C-level maps, not a Python loop, and numbers of elements
     # rather than shapes for a recent call's own tensors (a shape is a new torch.Size per tensor; docs/benchmarks.md,
-    # where the time goes); the fingerprint still goes out
-    # (`adasum.collectives.plan`). `tensors` is the caller's argument, unchecked: a tensor, or a list or tuple of
-    # a recent call's (checked) tensors or of others placed like them (`_placed_like`). The graph reads and writes
-    # each tensor as the elements from its address on, so that call's tensors replay it wherever their addresses
-    # and sizes are the same
+    # where the time goes); the addresses first for other objects, which most often differ (`_placed_like` after
+    # them); the fingerprint still goes out (`adasum.collectives.plan`). `tensors` is the caller's argument,
+    # unchecked: a tensor, or a list or tuple of a recent call's (checked) tensors or of others placed like them.
+    # The graph reads and writes each tensor as the elements from its address on, so that call's tensors replay it
+    # wherever their addresses and sizes are the same
     if not comm.recent:
         return False
     if isinstance(tensors, torch.Tensor):
@@ -225,11 +221,12 @@ def _replayed(comm: Communicator, group, transport, tensors, check_layout: bool)
     if last is None or last.transport != transport:
         return False
     same = all(map(operator.is_, map(_alive, last.tensors), tensors))
-    if not same and not _placed_like(tensors, last):
-        return False
-    if tuple(map(_data_ptr, tensors)) != last.pointers:
-        return False
-    if (tuple(map(_numel, tensors)) != last.sizes) if same else (tuple(map(_shape, tensors)) != last.shapes):
+    try:
+        if tuple(map(_data_ptr, tensors)) != last.pointers:
+            return False
+        if not ((tuple(map(_numel, tensors)) == last.sizes) if same else _placed_like(tensors, last)):
+            return False
+    except (TypeError, RuntimeError):  # not a tensor, or one without storage or strides (sparse): the checked path
         return False
     if check_layout:
         recheck(last.plan, group, "adasum.all_reduce")
