@@ -307,3 +307,32 @@ def test_a_repeat_on_the_same_memory_replays_before_any_check_of_the_list():
         assert held() is None  # the recent calls do not keep their tensors alive
     finally:
         dist.destroy_process_group()
+
+
+def test_a_layout_whose_tensors_move_every_call_warns_once():
+    """A repeated call replays its graph only where its tensors lie where they lay: `MOVED_CALLS` calls in a row of
+    one plan at new addresses (each a first sighting, run eagerly) warn once, naming the remedy; calls that come
+    back to one place (captured, then replayed), or alternate between plans, or run where graphs are off, do not."""
+    import warnings
+
+    import pytest
+
+    from adasum.transport import groups
+
+    log: list = []
+    comm, backend = _communicator(log)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # any warning fails these
+        for where in range(3 * groups.MOVED_CALLS):  # two plans in turn, each at new addresses every call
+            comm.run(("plan", where % 2), where, lambda: None, CPU)
+        for _ in range(3 * groups.MOVED_CALLS):  # one place: eager, captured, replayed
+            comm.run("plan", "here", lambda: None, CPU)
+        for where in range(groups.MOVED_CALLS - 1):  # one short of the count, then back to a known place
+            comm.run("plan", ("short", where), lambda: None, CPU)
+        comm.run("plan", "here", lambda: None, CPU)
+        for where in range(3 * groups.MOVED_CALLS):  # graphs off (the CPU): nothing is counted
+            Communicator(None).run("plan", where, lambda: None, CPU)
+    with pytest.warns(RuntimeWarning, match="set_to_none=False") as caught:
+        for where in range(3 * groups.MOVED_CALLS):
+            comm.run("plan", ("moved", where), lambda: None, CPU)
+    assert len(caught) == 1

@@ -63,7 +63,9 @@ def all_reduce(
     the same addresses with the same dtypes, shapes and strides (gradients re-made after
     ``zero_grad(set_to_none=True)``, which the caching allocator places where the last ones were: adasum holds
     the tensors weakly). The group remembers its 8 most recent captured lists (`RECENT`), so a step that combines
-    several lists replays each.
+    several lists replays each. Tensors at new addresses every call (gradients re-made by ``zero_grad()`` that the
+    allocator places elsewhere) run eagerly every call, and a group warns once when that goes on
+    (`adasum.transport.groups.MOVED_CALLS`); ``zero_grad(set_to_none=False)`` keeps gradients where they lie.
 
     Non-finite inputs: ``nonfinite="propagate"`` (the default) lets them through; a tensor with a
     NaN or Inf on any rank comes out non-finite, identically on every rank. ``"raise"`` first

@@ -101,39 +101,40 @@ class Graphs:
         self._epoch = 0  # advanced whenever a graph is dropped: a `handle` from before may be stale
         self._evicted: weakref.WeakSet = weakref.WeakSet()  # evicted graphs something still refers to (`clear`)
 
-    def run(self, key: Hashable, fn: Callable[[], None], device: torch.device) -> None:
-        """`fn()` eagerly, captured, or replayed (see the module doc and the class doc)."""
+    def run(self, key: Hashable, fn: Callable[[], None], device: torch.device) -> bool:
+        """`fn()` eagerly, captured, or replayed (see the module doc and the class doc). Returns whether it ran
+        eagerly as the first sighting of a key that could be captured."""
         if self._running or not self.backend.enabled(device) or self.backend.capturing():
             fn()
-            return
+            return False
         self._running = True
         try:
-            self._run(key, fn, device)
+            return self._run(key, fn, device)
         finally:
             self._running = False
 
-    def _run(self, key: Hashable, fn: Callable[[], None], device: torch.device) -> None:
+    def _run(self, key: Hashable, fn: Callable[[], None], device: torch.device) -> bool:
         graph = self._graphs.get(key)
         if graph is _FAILED:
             fn()
-            return
+            return False
         if graph is not None:
             self._graphs.move_to_end(key)
             graph.replay()  # type: ignore[attr-defined]
-            return
+            return False
         sightings = self._seen.pop(key, 0) + 1
         self._seen[key] = sightings
         while len(self._seen) > 4 * MAX_GRAPHS:
             self._seen.popitem(last=False)
         if sightings < 2:
             fn()
-            return
+            return True
         try:
             graph = self.backend.capture(fn, device)
         except Exception:  # capture is impossible for this key (an op that cannot be captured): run eagerly
             self._graphs[key] = _FAILED
             fn()
-            return
+            return False
         self._graphs[key] = graph
         while self.count() > MAX_GRAPHS:  # the oldest goes; its key runs eagerly from then on (no capture thrash)
             oldest = next(k for k, g in self._graphs.items() if g is not _FAILED)
@@ -141,6 +142,7 @@ class Graphs:
             self._graphs[oldest] = _FAILED
             self._epoch += 1
         graph.replay()
+        return False
 
     def handle(self, key: Hashable) -> tuple[object, int] | None:
         """What `replay_handle` replays `key`'s graph from without looking the key up again (a key of many tensors

@@ -27,6 +27,7 @@ import atexit
 import re
 import threading
 import time
+import warnings
 from collections import OrderedDict
 from collections.abc import Callable, Hashable, Iterator
 from contextlib import contextmanager
@@ -51,6 +52,10 @@ class CollectiveError(RuntimeError):
 
 EXIT_DRAIN_S = 0.05
 """How long the exit handler lets gloo's threads release their last work (microseconds suffice)."""
+
+MOVED_CALLS = 8
+"""Calls in a row of one plan that ran eagerly on tensors at new addresses before a group's communicator warns once
+(`Communicator.run`): a repeated call replays its CUDA graph only where its tensors lie where they lay."""
 
 
 class Workspace:
@@ -100,6 +105,9 @@ class Communicator:
         # look-up (`adasum.collectives.api`)
         self.recent: OrderedDict[tuple[int, int], Any] = OrderedDict()
         self.guard: Any = None  # the thread that compares deferred checks (`adasum.collectives.guard`)
+        # the last capturable call's plan and tensors, and how many calls in a row ran eagerly on that plan with
+        # tensors at new addresses (`run` warns at `MOVED_CALLS`)
+        self._moves: tuple[Hashable, Hashable, int] = (None, None, 0)
 
     def transport(self, key: Hashable, build: Callable[[], Any]) -> Any:
         """The transport of `key`, built once (`build()`) for this group."""
@@ -114,7 +122,16 @@ class Communicator:
         the schedule's), `where` the tensors (`adasum.transport.graphs.tensor_key`). A call made while another
         runs (the schedule inside a captured list call or hook) runs eagerly into it. Returns the graph's key."""
         key = (plan, where)
-        self.graphs.run(key, fn, device)
+        moved = self.graphs.run(key, fn, device) and plan == self._moves[0] and where != self._moves[1]
+        self._moves = (plan, where, self._moves[2] + 1 if moved else 0)
+        if self._moves[2] == MOVED_CALLS:
+            warnings.warn(
+                f"adasum: {MOVED_CALLS} calls in a row of the same layout found its tensors at new addresses, so each "
+                "ran eagerly, with its full host work, rather than replaying a captured CUDA graph; pass the same "
+                "tensors every call (optimizer.zero_grad(set_to_none=False) keeps gradients where they lie), or "
+                "combine through adasum.DistributedOptimizer or the DDP hook, which keep their own buffers",
+                RuntimeWarning, stacklevel=3,
+            )
         return key
 
     def retire_graphs(self) -> None:
