@@ -14,7 +14,10 @@ with the card, driver, torch and NCCL versions, the host launches of one call (a
 after the timed ones: kernel, memcpy and graph launches through the CUDA runtime and driver), and
 each side's median host time per call (``adasum_host_s``, ``allreduce_host_s``: how long the call
 took to return, the slowest rank's; on a GPU the idle device waits for the part before the first
-launch, which for a list includes the replay's per-tensor checks).
+launch, which for a list includes the replay's per-tensor checks). ``--fresh``: the inputs are restored into
+new tensor objects before each call, the old ones dropped first (gradients re-made by a training loop's
+``zero_grad()``, ``set_to_none=True`` by default): the caching allocator puts them back where the old ones lay,
+and a repeated call checks them as new objects at those addresses; rows carry ``"fresh": true``.
 
 ``--check`` first checks every transport against ``adasum.reduce`` of the ranks' inputs (float64
 rounding bound) with ranks bitwise equal, over repeated calls (so replayed graphs are checked too).
@@ -344,6 +347,9 @@ def worker(rank: int, world: int, store_path: str, args) -> None:
             repeats = args.repeats if numel < (1 << 24) else max(5, args.repeats // 2)
 
             def restore():
+                if args.fresh:  # drop every tensor, then make new ones in the same order (module doc)
+                    tensors[:] = [None] * len(tensors)
+                    tensors[:] = [torch.empty_like(t) for t in saved]
                 torch._foreach_copy_(tensors, saved)
 
             for name in transports:
@@ -367,7 +373,7 @@ def worker(rank: int, world: int, store_path: str, args) -> None:
                     "adasum_s": a_s, "allreduce_s": r_s, "ratio": a_s / r_s, "host_launches": launches,
                     "timer": "cuda-events" if device.type == "cuda" else "host", "repeats": repeats,
                     "adasum_all_s": a_all, "allreduce_all_s": r_all, "kept_mib": kept, "kept_after_baseline": True,
-                    "adasum_host_s": host[0], "allreduce_host_s": host[1],
+                    "adasum_host_s": host[0], "allreduce_host_s": host[1], "fresh": args.fresh,
                 }
                 rows.append(row)
                 star = "*" if name == "default" else " "
@@ -421,6 +427,7 @@ def main() -> None:
     p.add_argument("--check", action="store_true", help="check every transport against adasum.reduce first")
     p.add_argument("--probe", action="store_true",
                    help="time each transport's bytes alone (NCCL; the slice moves at any world size)")
+    p.add_argument("--fresh", action="store_true", help="new tensor objects before each call (module doc)")
     p.add_argument("--label", default="")
     p.add_argument("--out", default=os.path.join(here, "results", "collective.jsonl"))
     p.add_argument("--probe-out", default=os.path.join(here, "results", "bounds.jsonl"))

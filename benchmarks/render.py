@@ -282,6 +282,33 @@ CLAIMS = [
          ("span", "ratio over runs"), ("kept_mib", "kept MiB")],
     ),
     Claim(
+        "Lists re-made before every call (gradients after zero_grad)",
+        "`adasum.all_reduce(list)` with default arguments where the list's tensors are new objects before every\n"
+        "call (`--fresh`: dropped, then re-made in the same order, as `zero_grad()` with its default\n"
+        "`set_to_none=True` and the next backward do), against the same objects every call, in one run per card\n"
+        "and P, NCCL's all_reduce of the same bytes beside each; `host us`: the call's host time (adasum / NCCL).\n"
+        "A repeat replays its graph only where the tensors lie where they lay; here the caching allocator put\n"
+        "ResNet-50's re-made tensors elsewhere every call, so each call ran eagerly (the plan look-up and every\n"
+        "launch on the host: 6-16 x NCCL), and BERT-Large's settled after some calls (fp32 1.15-1.17 x, bf16 still\n"
+        "moving); `2026-11-28-2xH200-lists-remade-addresses-probe.log` follows the addresses call by call. A group\n"
+        "warns once when a layout keeps moving (docs/troubleshooting.md); `zero_grad(set_to_none=False)` keeps the\n"
+        "tensors where they lie. Where they settle, new objects are checked by their addresses, dtypes, shapes\n"
+        "and strides before the replay: BERT-Large fp32 488-623 us of host time against 766-1147 us for the whole\n"
+        "local check (label \"list objects: new each call, the whole local check\", the library before this check\n"
+        "was narrowed, run from a copy of it).",
+        "python benchmarks/bench_collective.py --backend nccl --world P --dtypes fp32,bf16 --exps \"\" \\\n"
+        "    --layouts resnet50,bert-large [--fresh] --label \"list objects: ...\"",
+        "collective.jsonl",
+        lambda rows: [{**r, "host": f"{r['adasum_host_s'] * 1e6:.0f} / {r['allreduce_host_s'] * 1e6:.0f}",
+                       "objects": r["label"].removeprefix("list objects: ")}
+                      for r in runs_per_case([r for r in rows if r.get("label", "").startswith("list objects: ")],
+                                             lambda r: (r["world_size"], r["device"], r["label"], r["layout"],
+                                                        r["dtype"]))],
+        [("world_size", "P"), ("device", "card"), ("objects", "objects"), ("layout", "layout"), ("dtype", "dtype"),
+         ("adasum_ms", "adasum ms"), ("allreduce_ms", "all_reduce ms"), ("ratio", "ratio"),
+         ("span", "ratio over runs"), ("host", "host us")],
+    ),
+    Claim(
         "The bound of the slice-parallel schedule: its moves alone",
         "The symmetric mover's scatter and gather of every round exactly as the schedule drives them (the same\n"
         "rounds within the memory budget, rows, signal-pad barriers, one copy kernel for every peer's moves of a\n"
