@@ -309,10 +309,12 @@ def test_a_repeat_on_the_same_memory_replays_before_any_check_of_the_list():
         dist.destroy_process_group()
 
 
-def test_a_layout_whose_tensors_move_every_call_warns_once():
-    """A repeated call replays its graph only where its tensors lie where they lay: `MOVED_CALLS` calls in a row of
-    one plan at new addresses (each a first sighting, run eagerly) warn once, naming the remedy; calls that come
-    back to one place (captured, then replayed), or alternate between plans, or run where graphs are off, do not."""
+def test_a_layout_whose_tensors_are_remade_elsewhere_every_call_warns_once():
+    """A repeated call replays its graph only where its tensors lie where they lay: `MOVED_CALLS` list calls in a
+    row of one layout, each a first sighting run eagerly while the last call's tensors are gone (re-made, as
+    gradients after ``zero_grad()``), warn once, naming the remedy. Other live lists of one layout (per-block calls),
+    calls that come back to one place (captured, then replayed), two layouts in turn, and calls where graphs are
+    off do not count."""
     import warnings
 
     import pytest
@@ -320,19 +322,29 @@ def test_a_layout_whose_tensors_move_every_call_warns_once():
     from adasum.transport import groups
 
     log: list = []
-    comm, backend = _communicator(log)
+    comm, _ = _communicator(log)
+
+    def call(plan, where, tensor):
+        comm.run(plan, where, lambda: None, CPU)
+        comm.note_moves(plan, tensor)
+
+    held = [torch.ones(1) for _ in range(3 * groups.MOVED_CALLS)]
     with warnings.catch_warnings():
         warnings.simplefilter("error")  # any warning fails these
-        for where in range(3 * groups.MOVED_CALLS):  # two plans in turn, each at new addresses every call
-            comm.run(("plan", where % 2), where, lambda: None, CPU)
-        for _ in range(3 * groups.MOVED_CALLS):  # one place: eager, captured, replayed
-            comm.run("plan", "here", lambda: None, CPU)
+        for where, tensor in enumerate(held):  # per-block lists: all alive, each at its own place
+            call("plan", ("block", where), tensor)
+        for where in range(3 * groups.MOVED_CALLS):  # two layouts in turn, re-made every call
+            call(("plan", where % 2), ("turns", where), torch.ones(1))
+        for _ in range(3 * groups.MOVED_CALLS):  # re-made at one place: eager, captured, replayed
+            call("plan", "here", torch.ones(1))
         for where in range(groups.MOVED_CALLS - 1):  # one short of the count, then back to a known place
-            comm.run("plan", ("short", where), lambda: None, CPU)
-        comm.run("plan", "here", lambda: None, CPU)
-        for where in range(3 * groups.MOVED_CALLS):  # graphs off (the CPU): nothing is counted
-            Communicator(None).run("plan", where, lambda: None, CPU)
-    with pytest.warns(RuntimeWarning, match="set_to_none=False") as caught:
+            call("plan", ("short", where), torch.ones(1))
+        call("plan", "here", torch.ones(1))
+        off = Communicator(None)  # graphs off (the CPU): nothing is counted
         for where in range(3 * groups.MOVED_CALLS):
-            comm.run("plan", ("moved", where), lambda: None, CPU)
+            off.run("plan", where, lambda: None, CPU)
+            off.note_moves("plan", torch.ones(1))
+    with pytest.warns(RuntimeWarning, match="set_to_none=False") as caught:
+        for where in range(3 * groups.MOVED_CALLS):  # re-made at new addresses every call
+            call("plan", ("moved", where), torch.ones(1))
     assert len(caught) == 1

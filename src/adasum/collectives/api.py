@@ -117,6 +117,8 @@ def all_reduce(
         adasum_list_(tensors, group, chosen)
 
     key = comm.run(plan.key, tensor_key(tensors), run, group_device(group))
+    if tensors:
+        comm.note_moves(plan.key, tensors[0])
     handle = comm.graphs.handle(key)
     if handle is not None:
         remember(comm, _Last.of(tensors, transport, handle, plan))

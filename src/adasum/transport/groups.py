@@ -28,6 +28,7 @@ import re
 import threading
 import time
 import warnings
+import weakref
 from collections import OrderedDict
 from collections.abc import Callable, Hashable, Iterator
 from contextlib import contextmanager
@@ -54,8 +55,8 @@ EXIT_DRAIN_S = 0.05
 """How long the exit handler lets gloo's threads release their last work (microseconds suffice)."""
 
 MOVED_CALLS = 8
-"""Calls in a row of one plan that ran eagerly on tensors at new addresses before a group's communicator warns once
-(`Communicator.run`): a repeated call replays its CUDA graph only where its tensors lie where they lay."""
+"""List calls in a row of one layout re-made at new addresses (each run eagerly) before a group's communicator warns
+(`Communicator.note_moves`): a repeated call replays its CUDA graph only where its tensors lie where they lay."""
 
 
 class Workspace:
@@ -105,9 +106,10 @@ class Communicator:
         # look-up (`adasum.collectives.api`)
         self.recent: OrderedDict[tuple[int, int], Any] = OrderedDict()
         self.guard: Any = None  # the thread that compares deferred checks (`adasum.collectives.guard`)
-        # the last capturable call's plan and tensors, and how many calls in a row ran eagerly on that plan with
-        # tensors at new addresses (`run` warns at `MOVED_CALLS`)
-        self._moves: tuple[Hashable, Hashable, int] = (None, None, 0)
+        self.first_sight = False  # whether the last `run` ran eagerly as a capturable key's first sighting
+        # the last noted list call's plan, a weak reference to its first tensor, and how many calls in a row of that
+        # plan ran eagerly on tensors re-made at new addresses (`note_moves`)
+        self._moves: tuple[Hashable, Any, int] = (None, None, 0)
 
     def transport(self, key: Hashable, build: Callable[[], Any]) -> Any:
         """The transport of `key`, built once (`build()`) for this group."""
@@ -122,17 +124,26 @@ class Communicator:
         the schedule's), `where` the tensors (`adasum.transport.graphs.tensor_key`). A call made while another
         runs (the schedule inside a captured list call or hook) runs eagerly into it. Returns the graph's key."""
         key = (plan, where)
-        moved = self.graphs.run(key, fn, device) and plan == self._moves[0] and where != self._moves[1]
-        self._moves = (plan, where, self._moves[2] + 1 if moved else 0)
-        if self._moves[2] == MOVED_CALLS:
+        self.first_sight = self.graphs.run(key, fn, device)
+        return key
+
+    def note_moves(self, plan: Hashable, first: torch.Tensor) -> None:
+        """After a list call's `run` (one that took the plan look-up) on tensors whose first is `first`: count it
+        where it ran eagerly as a first sighting of the last noted call's `plan` at new addresses while that call's
+        tensors are gone (re-made, as gradients after ``zero_grad()``; other live lists of one layout, as per-block
+        calls, do not count), and warn once `MOVED_CALLS` such noted calls come in a row: a graph replays only where
+        its tensors lay."""
+        last_plan, last_first, count = self._moves
+        moved = self.first_sight and plan == last_plan and last_first is not None and last_first() is None
+        self._moves = (plan, weakref.ref(first), count + 1 if moved else 0)
+        if moved and count + 1 == MOVED_CALLS:
             warnings.warn(
-                f"adasum: {MOVED_CALLS} calls in a row of the same layout found its tensors at new addresses, so each "
-                "ran eagerly, with its full host work, rather than replaying a captured CUDA graph; pass the same "
-                "tensors every call (optimizer.zero_grad(set_to_none=False) keeps gradients where they lie), or "
+                f"adasum: {MOVED_CALLS} calls in a row of the same layout found its tensors re-made at new addresses, "
+                "so each ran eagerly, with its full host work, rather than replaying a captured CUDA graph; pass the "
+                "same tensors every call (optimizer.zero_grad(set_to_none=False) keeps gradients where they lie), or "
                 "combine through adasum.DistributedOptimizer or the DDP hook, which keep their own buffers",
                 RuntimeWarning, stacklevel=3,
             )
-        return key
 
     def retire_graphs(self) -> None:
         """Drop the graphs captured so far (`adasum.transport.graphs.Graphs.clear`: every key starts again from an
