@@ -26,7 +26,7 @@ from adasum.collectives.plan import Plan, prepare, recheck
 from adasum.collectives.vhdd import adasum_flat_, transport_for
 from adasum.core.layout import Scattered, flatten, group_by_dtype, unflatten_into
 from adasum.transport.base import Transport
-from adasum.transport.graphs import tensor_key
+from adasum.transport.graphs import MAX_GRAPHS, tensor_key
 from adasum.transport.groups import Communicator, communicator, group_device
 
 
@@ -62,10 +62,11 @@ def all_reduce(
     view changed in place over the same memory, ``t_()`` or ``squeeze_()``, replays too), and new tensors at
     the same addresses with the same dtypes, shapes and strides (gradients re-made after
     ``zero_grad(set_to_none=True)``, which the caching allocator places where the last ones were: adasum holds
-    the tensors weakly). The group remembers its 8 most recent captured lists (`RECENT`), so a step that combines
-    several lists replays each. Tensors at new addresses every call (gradients re-made by ``zero_grad()`` that the
-    allocator places elsewhere) run eagerly every call, and a group warns once when that goes on
-    (`adasum.transport.groups.MOVED_CALLS`); ``zero_grad(set_to_none=False)`` keeps gradients where they lie.
+    the tensors weakly). The group remembers as many recent captured lists as it keeps graphs (`RECENT`), so a
+    step that combines several lists (one per block, say) replays each. Tensors at new addresses every call
+    (gradients re-made by ``zero_grad()`` that the allocator places elsewhere) run eagerly every call, and a group
+    warns once when that goes on (`adasum.transport.groups.MOVED_CALLS`); ``zero_grad(set_to_none=False)`` keeps
+    gradients where they lie.
 
     Non-finite inputs: ``nonfinite="propagate"`` (the default) lets them through; a tensor with a
     NaN or Inf on any rank comes out non-finite, identically on every rank. ``"raise"`` first
@@ -144,10 +145,10 @@ def adasum_list_(tensors: Sequence[torch.Tensor], group: dist.ProcessGroup | Non
 
 _numel = torch.Tensor.numel
 
-RECENT = 8
-"""Captured list calls a group remembers for the replay's fast path (`_replayed`): a step that combines several
-lists (one per parameter group, say) replays each without the plan look-up, whose host time grows with the number
-of tensors."""
+RECENT = MAX_GRAPHS
+"""Captured list calls a group remembers for the replay's fast path (`_replayed`), as many as the graphs it keeps: a
+step that combines several lists (one per block or parameter group, say) replays each without the plan look-up,
+whose host time grows with the number of tensors (docs/benchmarks.md, settings)."""
 
 
 @dataclass(frozen=True)
