@@ -19,7 +19,9 @@ Variants:
 * ``delta``: the plain model, ``adasum.DistributedOptimizer(opt, reducer="adasum", mode="delta")``;
 * ``delta-mean`` (not run unless named): the same with ``reducer="mean"``, whose combination is NCCL's
   all_reduce of the deltas: delta mode's own cost, the bound of ``delta`` (the deltas exist only after the
-  whole backward pass and the local step, so no combination of them overlaps the backward pass).
+  whole backward pass and the local step, so no combination of them overlaps the backward pass);
+* ``gradient`` (not run unless named): the plain model, ``adasum.DistributedOptimizer(opt, mode="gradient")``:
+  the gradients combined bucket by bucket in ``step()``, then the local step (Horovod's per-gradient usage).
 
 Models: ResNet-50 (torchvision, 3x224x224 images, batch 64 per GPU, SGD with momentum) and
 24 ``nn.TransformerEncoderLayer`` (hidden 1024, 16 heads, FFN 4096, GELU, post-norm as BERT) with
@@ -58,9 +60,10 @@ from adasum.ddp import AdasumState, adasum_hook  # noqa: E402
 from machine import device_name  # noqa: E402
 
 MODELS = ("resnet50", "bert")
-VARIANTS = ("ddp", "ddp-adasum", "delta", "delta-mean")
+VARIANTS = ("ddp", "ddp-adasum", "delta", "delta-mean", "gradient")
 DEFAULT_VARIANTS = VARIANTS[:3]
-DELTA_REDUCERS = {"delta": "adasum", "delta-mean": "mean"}  # the delta-mode variants' reducers
+WRAPPED = {"delta": ("adasum", "delta"), "delta-mean": ("mean", "delta"), "gradient": ("adasum", "gradient")}
+"""The variants that wrap the optimizer in `adasum.DistributedOptimizer`: (reducer, mode)."""
 DEFAULT_OUT = Path(__file__).resolve().parent / "results" / "e2e.jsonl"
 
 
@@ -148,13 +151,13 @@ def build_variant(name: str, variant: str, args, device: torch.device, rank: int
     """One (model, variant) ready to train: its step function (zero_grad, forward, backward, step)."""
     model, make_optimizer, x, y, loss_fn = build(name, args.dry_run, device, rank)
     device_ids = [device.index] if device.type == "cuda" else None
-    if variant in DELTA_REDUCERS:
+    if variant in WRAPPED:
         with torch.no_grad():  # DDP broadcasts rank 0's model; without DDP, do it here
             for t in model.state_dict().values():
                 dist.broadcast(t, 0)
         net: nn.Module = model
         optimizer: torch.optim.Optimizer = adasum.DistributedOptimizer(
-            make_optimizer(model.parameters()), reducer=DELTA_REDUCERS[variant], mode="delta"
+            make_optimizer(model.parameters()), reducer=WRAPPED[variant][0], mode=WRAPPED[variant][1]
         )
     else:
         net = nn.parallel.DistributedDataParallel(model, device_ids=device_ids)
@@ -295,7 +298,7 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--models", type=_list(MODELS), default=list(MODELS), help="comma-separated: resnet50,bert")
     p.add_argument(
         "--variants", type=_list(VARIANTS), default=list(DEFAULT_VARIANTS),
-        help="comma-separated: ddp,ddp-adasum,delta (default), delta-mean"
+        help="comma-separated: ddp,ddp-adasum,delta (default), delta-mean, gradient"
     )
     p.add_argument("--steps", type=int, default=20, help="timed steps per variant")
     p.add_argument("--warmup", type=int, default=5, help="untimed steps first")

@@ -152,7 +152,9 @@ CLAIMS = [
         "drift. `ddp`: DDP's own all-reduce; `ddp-adasum`: the hook with `AdasumState()` (batches of 256 MB);\n"
         "`delta`: `DistributedOptimizer(mode=\"delta\")`; `delta-mean` (where listed): the same with\n"
         "`reducer=\"mean\"`, NCCL's all_reduce of the deltas, the bound of delta mode (its deltas exist only after\n"
-        "the whole backward pass, so their combination overlaps nothing of it). ResNet-50: batch 64 per GPU, SGD;\n"
+        "the whole backward pass, so their combination overlaps nothing of it); `gradient` (where listed):\n"
+        "`DistributedOptimizer(mode=\"gradient\")`, the gradients combined in `step()`. ResNet-50: batch 64 per\n"
+        "GPU, SGD; "
         "the BERT-Large-sized stack (24 layers, hidden 1024, about 335 M parameters): batch 8 x 128 tokens, Adam.\n"
         "DDP's BERT step runs 77 ms on a quiet host and 85-93 ms on a noisy one; both kinds of run are listed.\n"
         "Adasum ran on the symmetric-memory transport inside one host: at two ranks VHDD (\"symmetric\"); the\n"
@@ -161,7 +163,8 @@ CLAIMS = [
         "python benchmarks/bench_e2e.py --models bert --steps 30 --warmup 5      # one process per GPU\n"
         "python benchmarks/bench_e2e.py --models resnet50 --steps 30 --warmup 5\n"
         "python benchmarks/bench_e2e.py --models bert,resnet50 --variants ddp,ddp-adasum,delta,delta-mean \\\n"
-        "    --steps 30 --warmup 5",
+        "    --steps 30 --warmup 5\n"
+        "python benchmarks/bench_e2e.py --models bert,resnet50 --variants ddp,gradient --steps 20 --warmup 5",
         "e2e.jsonl",
         lambda rows: with_ratio([{**r, "run": r["date"][:16].replace("T", " "), "gpus": f"{r['world']} x {r['device']}"}
                                  for r in rows if r["date"] >= CURRENT_STEPS],

@@ -311,6 +311,23 @@ def device_body(rank, world):
             assert rel(p.cpu(), e) < 1e-5, rel(p.cpu(), e)
         history.append(to_bytes([p.cpu() for p in model.parameters()]))
 
+    # gradient mode on the device: the gradients re-made every step (zero_grad) and copied into the kept flat
+    # buffers, more buckets than buffers, the graphs captured and replayed from the later steps on
+    sim_gradient = Simulation(world, OPTIMIZERS["sgd"], mode="gradient")
+    model_gradient = make_model().to(dev)
+    opt_gradient = adasum.DistributedOptimizer(
+        OPTIMIZERS["sgd"](model_gradient.parameters()), mode="gradient", bucket_cap_mb=1e-4
+    )
+    for step in range(4):
+        expected = sim_gradient.round()
+        opt_gradient.zero_grad()
+        x, y = batch(rank, step)
+        torch.nn.functional.mse_loss(model_gradient(x.to(dev)), y.to(dev)).backward()
+        opt_gradient.step()
+        for p, e in zip(model_gradient.parameters(), expected):
+            assert rel(p.cpu(), e) < 1e-5, rel(p.cpu(), e)
+    history.append(to_bytes([p.cpu() for p in model_gradient.parameters()]))
+
     def conv_run(memory_format):
         torch.manual_seed(0)
         net = torch.nn.Sequential(torch.nn.Conv2d(3, 4, 3), torch.nn.Flatten(), torch.nn.Linear(4 * 4 * 4, 2))
