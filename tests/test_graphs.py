@@ -348,3 +348,34 @@ def test_a_layout_whose_tensors_are_remade_elsewhere_every_call_warns_once():
         for where in range(3 * groups.MOVED_CALLS):  # re-made at new addresses every call
             call("plan", ("moved", where), torch.ones(1))
     assert len(caught) == 1
+
+
+def test_a_graph_keeps_what_its_capture_read_from_a_cache():
+    """A graph holds the addresses its kernels read, not the tensors: a table its capture read from a bounded cache
+    (the group's address tables) lives as long as the graph, though the cache evicts it, and goes with the graph."""
+    import gc
+    import weakref
+
+    from adasum.core.layout import Scattered
+    from adasum.kernels.addresses import AddressTables
+
+    log: list = []
+    comm, _ = _communicator(log)
+    tables = AddressTables()
+    tables.MOST = 1  # the next table evicts the last
+    listed = [torch.ones(4), torch.ones(4)]
+    read: list = []
+
+    def call():
+        read.append(weakref.ref(tables.get(Scattered(listed), 0, 8)))
+        log.append("launch")
+
+    comm.run("plan", "here", call, CPU)  # eager: builds the table
+    comm.run("plan", "here", call, CPU)  # captured: reads it from the cache
+    tables.get(Scattered([torch.ones(2)]), 0, 2)  # another layout's table evicts it from the cache
+    gc.collect()
+    assert read[-1]() is not None  # the graph keeps it
+    assert comm.graphs.count() == 1
+    comm.graphs.clear()
+    gc.collect()
+    assert read[-1]() is None  # gone with the graph

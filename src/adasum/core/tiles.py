@@ -10,6 +10,8 @@ from dataclasses import dataclass
 
 import torch
 
+from adasum.core.keep import kept
+
 TILE = 16384
 
 
@@ -47,9 +49,14 @@ def table(lengths: tuple[int, ...]) -> tuple[tuple[int, ...], ...]:
     return tuple(starts), tuple(sizes), tuple(segments), tuple(first), tuple(count)
 
 
-@functools.lru_cache(maxsize=1024)
 def tiles(lengths: tuple[int, ...], device: torch.device) -> Tiles:
-    """The tile table of segments of `lengths` elements laid end to end, on `device`."""
+    """The tile table of segments of `lengths` elements laid end to end, on `device` (cached; a graph being
+    captured keeps the one it reads, `adasum.core.keep`)."""
+    return kept(_tiles(lengths, device))
+
+
+@functools.lru_cache(maxsize=1024)
+def _tiles(lengths: tuple[int, ...], device: torch.device) -> Tiles:
     starts, sizes, segments, first, count = table(lengths)
 
     def as_tensor(values: tuple[int, ...]) -> torch.Tensor:

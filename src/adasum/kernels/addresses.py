@@ -18,6 +18,7 @@ from typing import cast
 import torch
 
 from adasum.core import tiles as tile_tables
+from adasum.core.keep import kept
 from adasum.core.layout import Scattered
 from adasum.core.tiles import table
 
@@ -52,7 +53,7 @@ class _Recent:
             found = self._values[key] = build()
             while len(self._values) > self.MOST:
                 self._values.popitem(last=False)
-        return found
+        return kept(found)  # an evicted table lives on with the graphs that read it (`adasum.core.keep`)
 
     def __len__(self) -> int:
         return len(self._values)

@@ -21,6 +21,7 @@ try:
 except ImportError:  # pragma: no cover - exercised where Triton is missing
     triton = None
 
+from adasum.core.keep import kept
 from adasum.core.tiles import TILE, tiles
 from adasum.settings import current
 
@@ -639,9 +640,14 @@ def tree_weights(gram: torch.Tensor, ops: Sequence[tuple[int, int, int, int]]) -
     return weights, sums
 
 
-@functools.lru_cache(maxsize=64)
 def _ops_table(ops: tuple[tuple[int, int, int, int], ...], device: torch.device) -> torch.Tensor:
-    """A tree's pairs on the device (cached: made once, never copied again, so a captured call reads it)."""
+    """A tree's pairs on the device (cached: made once, never copied again, so a captured call reads it; the graph
+    keeps it, `adasum.core.keep`)."""
+    return kept(_ops_tensor(ops, device))
+
+
+@functools.lru_cache(maxsize=64)
+def _ops_tensor(ops: tuple[tuple[int, int, int, int], ...], device: torch.device) -> torch.Tensor:
     return torch.tensor([x for op in ops for x in op], dtype=torch.int64, device=device)
 
 

@@ -35,6 +35,7 @@ from collections.abc import Callable, Hashable
 
 import torch
 
+from adasum.core.keep import keeping
 from adasum.settings import current
 
 MAX_GRAPHS = 128  # a BERT-Large DDP model has about 50 buckets; an evicted key is not captured again
@@ -129,12 +130,15 @@ class Graphs:
         if sightings < 2:
             fn()
             return True
+        keep: list = []  # what the capture read from caches, kept with the graph (`adasum.core.keep`)
         try:
-            graph = self.backend.capture(fn, device)
+            with keeping(keep):
+                graph = self.backend.capture(fn, device)
         except Exception:  # capture is impossible for this key (an op that cannot be captured): run eagerly
             self._graphs[key] = _FAILED
             fn()
             return False
+        graph.adasum_keep = keep  # lives and dies with the graph
         self._graphs[key] = graph
         while self.count() > MAX_GRAPHS:  # the oldest goes; its key runs eagerly from then on (no capture thrash)
             oldest = next(k for k, g in self._graphs.items() if g is not _FAILED)

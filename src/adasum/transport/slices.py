@@ -17,6 +17,7 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
+from adasum.core.keep import kept
 from adasum.settings import current
 from adasum.transport.base import CUT_ALIGN, Transport
 from adasum.transport.c10d import global_rank, wait
@@ -150,7 +151,7 @@ class C10dInPlace(InPlace, Transport):
         space = self._space
         if space is None or space.numel() != numel or space.dtype != like.dtype or space.device != like.device:
             space = self._space = torch.empty(numel, dtype=like.dtype, device=like.device)
-        return space
+        return kept(space)  # a graph captured on it keeps it when a larger one replaces it (`adasum.core.keep`)
 
     def _batch(self, sends, recvs) -> None:
         batch(self.group, self.timeout, sends, recvs)
@@ -228,7 +229,7 @@ class C10dSlices(Transport):
         rows = self._rows
         if rows is None or rows.numel() < numel or rows.dtype != like.dtype or rows.device != like.device:
             rows = self._rows = torch.empty(numel, dtype=like.dtype, device=like.device)
-        return rows[:numel]
+        return kept(rows)[:numel]  # a graph captured on it keeps it when a larger one replaces it
 
     def _batch(self, sends: Sequence[tuple[torch.Tensor, int]], recvs: Sequence[tuple[torch.Tensor, int]]) -> None:
         batch(self.group, self.timeout, sends, recvs)
