@@ -21,7 +21,11 @@ Variants:
   all_reduce of the deltas: delta mode's own cost, the bound of ``delta`` (the deltas exist only after the
   whole backward pass and the local step, so no combination of them overlaps the backward pass);
 * ``gradient`` (not run unless named): the plain model, ``adasum.DistributedOptimizer(opt, mode="gradient")``:
-  the gradients combined bucket by bucket in ``step()``, then the local step (Horovod's per-gradient usage).
+  the gradients combined bucket by bucket in ``step()``, then the local step (Horovod's per-gradient usage);
+* ``list`` (not run unless named): the plain model, ``adasum.all_reduce([p.grad for p in params])`` after the
+  backward pass, then the optimizer's step: the bare collective in a training loop, its gradients re-made by
+  ``zero_grad()`` every step; ``list-kept``: the same with ``zero_grad(set_to_none=False)``, which keeps the
+  gradients where they lie.
 
 Models: ResNet-50 (torchvision, 3x224x224 images, batch 64 per GPU, SGD with momentum) and
 24 ``nn.TransformerEncoderLayer`` (hidden 1024, 16 heads, FFN 4096, GELU, post-norm as BERT) with
@@ -60,7 +64,7 @@ from adasum.ddp import AdasumState, adasum_hook  # noqa: E402
 from machine import device_name  # noqa: E402
 
 MODELS = ("resnet50", "bert")
-VARIANTS = ("ddp", "ddp-adasum", "delta", "delta-mean", "gradient")
+VARIANTS = ("ddp", "ddp-adasum", "delta", "delta-mean", "gradient", "list", "list-kept")
 DEFAULT_VARIANTS = VARIANTS[:3]
 WRAPPED = {"delta": ("adasum", "delta"), "delta-mean": ("mean", "delta"), "gradient": ("adasum", "gradient")}
 """The variants that wrap the optimizer in `adasum.DistributedOptimizer`: (reducer, mode)."""
@@ -151,14 +155,14 @@ def build_variant(name: str, variant: str, args, device: torch.device, rank: int
     """One (model, variant) ready to train: its step function (zero_grad, forward, backward, step)."""
     model, make_optimizer, x, y, loss_fn = build(name, args.dry_run, device, rank)
     device_ids = [device.index] if device.type == "cuda" else None
-    if variant in WRAPPED:
+    if variant in WRAPPED or variant.startswith("list"):
         with torch.no_grad():  # DDP broadcasts rank 0's model; without DDP, do it here
             for t in model.state_dict().values():
                 dist.broadcast(t, 0)
         net: nn.Module = model
-        optimizer: torch.optim.Optimizer = adasum.DistributedOptimizer(
-            make_optimizer(model.parameters()), reducer=WRAPPED[variant][0], mode=WRAPPED[variant][1]
-        )
+        optimizer: torch.optim.Optimizer = make_optimizer(model.parameters())
+        if variant in WRAPPED:
+            optimizer = adasum.DistributedOptimizer(optimizer, reducer=WRAPPED[variant][0], mode=WRAPPED[variant][1])
     else:
         net = nn.parallel.DistributedDataParallel(model, device_ids=device_ids)
         if variant == "ddp-adasum":
@@ -167,10 +171,12 @@ def build_variant(name: str, variant: str, args, device: torch.device, rank: int
     autocast = torch.autocast(device.type, dtype=torch.bfloat16, enabled=args.bf16)
 
     def step() -> None:
-        optimizer.zero_grad(set_to_none=True)
+        optimizer.zero_grad(set_to_none=variant != "list-kept")
         with autocast:
             out = net(x)
         loss_fn(out, y).backward()
+        if variant.startswith("list"):
+            adasum.all_reduce([p.grad for p in net.parameters() if p.grad is not None])
         optimizer.step()
 
     return step
@@ -298,7 +304,7 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--models", type=_list(MODELS), default=list(MODELS), help="comma-separated: resnet50,bert")
     p.add_argument(
         "--variants", type=_list(VARIANTS), default=list(DEFAULT_VARIANTS),
-        help="comma-separated: ddp,ddp-adasum,delta (default), delta-mean, gradient"
+        help="comma-separated: ddp,ddp-adasum,delta (default), delta-mean, gradient, list, list-kept"
     )
     p.add_argument("--steps", type=int, default=20, help="timed steps per variant")
     p.add_argument("--warmup", type=int, default=5, help="untimed steps first")

@@ -153,7 +153,9 @@ CLAIMS = [
         "`delta`: `DistributedOptimizer(mode=\"delta\")`; `delta-mean` (where listed): the same with\n"
         "`reducer=\"mean\"`, NCCL's all_reduce of the deltas, the bound of delta mode (its deltas exist only after\n"
         "the whole backward pass, so their combination overlaps nothing of it); `gradient` (where listed):\n"
-        "`DistributedOptimizer(mode=\"gradient\")`, the gradients combined in `step()`. ResNet-50: batch 64 per\n"
+        "`DistributedOptimizer(mode=\"gradient\")`, the gradients combined in `step()`; `list` and `list-kept`\n"
+        "(where listed): `adasum.all_reduce([p.grad ...])` after backward, the gradients re-made by `zero_grad()`\n"
+        "(`list`) or kept with `zero_grad(set_to_none=False)` (`list-kept`). ResNet-50: batch 64 per\n"
         "GPU, SGD; "
         "the BERT-Large-sized stack (24 layers, hidden 1024, about 335 M parameters): batch 8 x 128 tokens, Adam.\n"
         "DDP's BERT step runs 77 ms on a quiet host and 85-93 ms on a noisy one; both kinds of run are listed.\n"
@@ -164,7 +166,9 @@ CLAIMS = [
         "python benchmarks/bench_e2e.py --models resnet50 --steps 30 --warmup 5\n"
         "python benchmarks/bench_e2e.py --models bert,resnet50 --variants ddp,ddp-adasum,delta,delta-mean \\\n"
         "    --steps 30 --warmup 5\n"
-        "python benchmarks/bench_e2e.py --models bert,resnet50 --variants ddp,gradient --steps 20 --warmup 5",
+        "python benchmarks/bench_e2e.py --models bert,resnet50 --variants ddp,gradient --steps 20 --warmup 5\n"
+        "python benchmarks/bench_e2e.py --models bert,resnet50 --variants ddp,list,list-kept,ddp-adasum \\\n"
+        "    --steps 20 --warmup 5",
         "e2e.jsonl",
         lambda rows: with_ratio([{**r, "run": r["date"][:16].replace("T", " "), "gpus": f"{r['world']} x {r['device']}"}
                                  for r in rows if r["date"] >= CURRENT_STEPS],
