@@ -291,6 +291,22 @@ def test_options_are_checked():
         adasum.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=1), mode="gradient", local_steps=2)
 
 
+def steps_against(sim, model, opt, steps, rank, dev):
+    """`steps` steps of `opt` on `dev` against the simulation's rounds (the parameters read after ``step()``, on
+    the compute stream); the parameters' bytes after each step."""
+    history = []
+    for step in range(steps):
+        expected = sim.round()
+        opt.zero_grad()
+        x, y = batch(rank, step)
+        torch.nn.functional.mse_loss(model(x.to(dev)), y.to(dev)).backward()
+        opt.step()
+        for p, e in zip(model.parameters(), expected):
+            assert rel(p.cpu(), e) < 1e-5, rel(p.cpu(), e)
+        history.append(to_bytes([p.cpu() for p in model.parameters()]))
+    return history
+
+
 def device_body(rank, world):
     """Delta mode on the backend's device (a GPU on NCCL: the pipelined buckets, with more buckets than
     buffers in flight), against the CPU simulation; and a channels-last model gives the values of a
@@ -300,33 +316,16 @@ def device_body(rank, world):
     sim = Simulation(world, OPTIMIZERS["adam"])
     model = make_model().to(dev)
     opt = adasum.DistributedOptimizer(OPTIMIZERS["adam"](model.parameters()), bucket_cap_mb=1e-4)
-    history = []
-    for step in range(3):
-        expected = sim.round()
-        opt.zero_grad()
-        x, y = batch(rank, step)
-        torch.nn.functional.mse_loss(model(x.to(dev)), y.to(dev)).backward()
-        opt.step()
-        for p, e in zip(model.parameters(), expected):  # read after step(), on the compute stream
-            assert rel(p.cpu(), e) < 1e-5, rel(p.cpu(), e)
-        history.append(to_bytes([p.cpu() for p in model.parameters()]))
+    history = steps_against(sim, model, opt, 3, rank, dev)
 
-    # gradient mode on the device: the gradients re-made every step (zero_grad) and copied into the kept flat
-    # buffers, more buckets than buffers, the graphs captured and replayed from the later steps on
+    # gradient mode on the device: the gradients re-made every step (zero_grad), many buckets, the graphs captured
+    # and replayed from the later steps on
     sim_gradient = Simulation(world, OPTIMIZERS["sgd"], mode="gradient")
     model_gradient = make_model().to(dev)
     opt_gradient = adasum.DistributedOptimizer(
         OPTIMIZERS["sgd"](model_gradient.parameters()), mode="gradient", bucket_cap_mb=1e-4
     )
-    for step in range(4):
-        expected = sim_gradient.round()
-        opt_gradient.zero_grad()
-        x, y = batch(rank, step)
-        torch.nn.functional.mse_loss(model_gradient(x.to(dev)), y.to(dev)).backward()
-        opt_gradient.step()
-        for p, e in zip(model_gradient.parameters(), expected):
-            assert rel(p.cpu(), e) < 1e-5, rel(p.cpu(), e)
-    history.append(to_bytes([p.cpu() for p in model_gradient.parameters()]))
+    history.append(steps_against(sim_gradient, model_gradient, opt_gradient, 4, rank, dev)[-1])
 
     def conv_run(memory_format):
         torch.manual_seed(0)
