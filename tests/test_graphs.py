@@ -325,8 +325,7 @@ def test_a_layout_whose_tensors_are_remade_elsewhere_every_call_warns_once():
     comm, _ = _communicator(log)
 
     def call(plan, where, tensor):
-        comm.run(plan, where, lambda: None, CPU)
-        comm.note_moves(plan, tensor)
+        comm.run(plan, where, lambda: None, CPU, first=tensor)
 
     held = [torch.ones(1) for _ in range(3 * groups.MOVED_CALLS)]
     with warnings.catch_warnings():
@@ -342,8 +341,7 @@ def test_a_layout_whose_tensors_are_remade_elsewhere_every_call_warns_once():
         call("plan", "here", torch.ones(1))
         off = Communicator(None)  # graphs off (the CPU): nothing is counted
         for where in range(3 * groups.MOVED_CALLS):
-            off.run("plan", where, lambda: None, CPU)
-            off.note_moves("plan", torch.ones(1))
+            off.run("plan", where, lambda: None, CPU, first=torch.ones(1))
     with pytest.warns(RuntimeWarning, match="set_to_none=False") as caught:
         for where in range(3 * groups.MOVED_CALLS):  # re-made at new addresses every call
             call("plan", ("moved", where), torch.ones(1))

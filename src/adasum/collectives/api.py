@@ -117,9 +117,7 @@ def all_reduce(
     def run() -> None:
         adasum_list_(tensors, group, chosen)
 
-    key = comm.run(plan.key, tensor_key(tensors), run, group_device(group))
-    if tensors:
-        comm.note_moves(plan.key, tensors[0])
+    key = comm.run(plan.key, tensor_key(tensors), run, group_device(group), first=tensors[0] if tensors else None)
     handle = comm.graphs.handle(key)
     if handle is not None:
         remember(comm, _Last.of(tensors, transport, handle, plan))

@@ -56,7 +56,7 @@ EXIT_DRAIN_S = 0.05
 
 MOVED_CALLS = 8
 """List calls in a row of one layout re-made at new addresses (each run eagerly) before a group's communicator warns
-(`Communicator.note_moves`): a repeated call replays its CUDA graph only where its tensors lie where they lay."""
+(`Communicator.run`): a repeated call replays its CUDA graph only where its tensors lie where they lay."""
 
 
 class Workspace:
@@ -106,9 +106,8 @@ class Communicator:
         # look-up (`adasum.collectives.api`)
         self.recent: OrderedDict[tuple[int, int], Any] = OrderedDict()
         self.guard: Any = None  # the thread that compares deferred checks (`adasum.collectives.guard`)
-        self.first_sight = False  # whether the last `run` ran eagerly as a capturable key's first sighting
-        # the last noted list call's plan, a weak reference to its first tensor, and how many calls in a row of that
-        # plan ran eagerly on tensors re-made at new addresses (`note_moves`)
+        # the last list call's plan, a weak reference to its first tensor, and how many list calls in a row of that
+        # plan ran eagerly on tensors re-made at new addresses (`run`, `_note_moves`)
         self._moves: tuple[Hashable, Any, int] = (None, None, 0)
 
     def transport(self, key: Hashable, build: Callable[[], Any]) -> Any:
@@ -118,23 +117,28 @@ class Communicator:
             found = self.transports[key] = build()
         return found
 
-    def run(self, plan: Hashable, where: Hashable, fn: Callable[[], None], device: torch.device) -> Hashable:
+    def run(
+        self, plan: Hashable, where: Hashable, fn: Callable[[], None], device: torch.device,
+        first: torch.Tensor | None = None,
+    ) -> Hashable:
         """`fn()` eagerly, captured into a CUDA graph, or replayed (`adasum.transport.graphs`): the package's one
         capture point. `plan` names the call's layout and configuration (`adasum.collectives.plan.Plan.key`, or
         the schedule's), `where` the tensors (`adasum.transport.graphs.tensor_key`). A call made while another
-        runs (the schedule inside a captured list call or hook) runs eagerly into it. Returns the graph's key."""
+        runs (the schedule inside a captured list call or hook) runs eagerly into it. `first`: a list call's first
+        tensor, for the warning on tensors re-made at new addresses (`_note_moves`). Returns the graph's key."""
         key = (plan, where)
-        self.first_sight = self.graphs.run(key, fn, device)
+        first_sight = self.graphs.run(key, fn, device)
+        if first is not None:
+            self._note_moves(plan, first, first_sight)
         return key
 
-    def note_moves(self, plan: Hashable, first: torch.Tensor) -> None:
-        """After a list call's `run` (one that took the plan look-up) on tensors whose first is `first`: count it
-        where it ran eagerly as a first sighting of the last noted call's `plan` at new addresses while that call's
-        tensors are gone (re-made, as gradients after ``zero_grad()``; other live lists of one layout, as per-block
-        calls, do not count), and warn once `MOVED_CALLS` such noted calls come in a row: a graph replays only where
-        its tensors lay."""
+    def _note_moves(self, plan: Hashable, first: torch.Tensor, first_sight: bool) -> None:
+        """Count a list call on tensors whose first is `first` where it ran eagerly as a first sighting
+        (`first_sight`) of the last list call's `plan` at new addresses while that call's tensors are gone
+        (re-made, as gradients after ``zero_grad()``; other live lists of one layout, as per-block calls, do not
+        count), and warn once `MOVED_CALLS` such calls come in a row: a graph replays only where its tensors lay."""
         last_plan, last_first, count = self._moves
-        moved = self.first_sight and plan == last_plan and last_first is not None and last_first() is None
+        moved = first_sight and plan == last_plan and last_first is not None and last_first() is None
         self._moves = (plan, weakref.ref(first), count + 1 if moved else 0)
         if moved and count + 1 == MOVED_CALLS:
             warnings.warn(
@@ -142,7 +146,7 @@ class Communicator:
                 "so each ran eagerly, with its full host work, rather than replaying a captured CUDA graph; pass the "
                 "same tensors every call (optimizer.zero_grad(set_to_none=False) keeps gradients where they lie), or "
                 "combine through adasum.DistributedOptimizer or the DDP hook, which keep their own buffers",
-                RuntimeWarning, stacklevel=3,
+                RuntimeWarning, stacklevel=4,  # the caller of adasum.all_reduce
             )
 
     def retire_graphs(self) -> None:
