@@ -16,8 +16,9 @@ each side's median host time per call (``adasum_host_s``, ``allreduce_host_s``: 
 took to return, the slowest rank's; on a GPU the idle device waits for the part before the first
 launch, which for a list includes the replay's per-tensor checks). ``--fresh``: the inputs are restored into
 new tensor objects before each call, the old ones dropped first (gradients re-made by a training loop's
-``zero_grad()``, ``set_to_none=True`` by default): the caching allocator puts them back where the old ones lay,
-and a repeated call checks them as new objects at those addresses; rows carry ``"fresh": true``.
+``zero_grad()``, ``set_to_none=True`` by default): where the caching allocator puts them back where the old ones
+lay, a repeated call checks them as new objects at those addresses, elsewhere it runs eagerly; rows carry
+``"fresh": true``.
 
 ``--check`` first checks every transport against ``adasum.reduce`` of the ranks' inputs (float64
 rounding bound) with ranks bitwise equal, over repeated calls (so replayed graphs are checked too).

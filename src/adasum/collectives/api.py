@@ -61,7 +61,7 @@ def all_reduce(
     addresses with the same numbers of elements (each tensor is combined as one vector of its elements, so a
     view changed in place over the same memory, ``t_()`` or ``squeeze_()``, replays too), and new tensors at
     the same addresses with the same dtypes, shapes and strides (gradients re-made after
-    ``zero_grad(set_to_none=True)``, which the caching allocator places where the last ones were: adasum holds
+    ``zero_grad(set_to_none=True)`` where the caching allocator places them where the last ones were: adasum holds
     the tensors weakly). The group remembers as many recent captured lists as it keeps graphs (`RECENT`), so a
     step that combines several lists (one per block, say) replays each. Tensors at new addresses every call
     (gradients re-made by ``zero_grad()`` that the allocator places elsewhere) run eagerly every call, and a group
