@@ -328,9 +328,10 @@ def side_stream(device: torch.device, purpose: str) -> torch.cuda.Stream:
     """One CUDA stream per device and `purpose`, made on first use: "comm" for collectives that overlap the
     compute stream (the DDP hook, `DistributedOptimizer`), "fsdp" for `adasum.fsdp`'s reductions, "copies" for
     the symmetric transport's staging copies (which overlap its own kernels, on whatever stream those run),
-    "pushes" for the in-place mover's stores of results into its peers, "stores" for the slice mover's stores of
-    the next round beside the current round's math (`adasum.transport.symmetric`). "stores" has the high priority:
-    a copy kernel beside a kernel bound by local memory overlaps it only when its blocks are scheduled first."""
+    "pushes" for the in-place mover's stores of results into its peers, "signals" for its barriers, "stores" for
+    the slice mover's stores of the next round beside the current round's math (`adasum.transport.symmetric`).
+    "stores" has the high priority: a copy kernel beside a kernel bound by local memory overlaps it only when its
+    blocks are scheduled first."""
     key = (torch.device(device), purpose)
     stream = _registry.streams.get(key)
     if stream is None:

@@ -695,28 +695,35 @@ class SymmetricSlices(Transport):
 
 class SymmetricInPlace(InPlace, Transport):
     """`InPlace` on symmetric memory: a single tensor larger than the rounds runs with no buffer sized to it. The
-    group's ring (a symmetric buffer of `buffer_bytes` ("ring"), made once) holds two slots of P - 1 rows of a
+    group's ring (a symmetric buffer of `buffer_bytes` ("ring"), made once) holds `slots` slots of P - 1 rows of a
     piece each (one per peer: rank j's row on rank r is j, less one above r), and P + 1 spare rows (the tails of
     the last slice: one from each rank, and the last rank's result).
 
-    * scatter, piece c (slot c mod 2): rank r stores its copy of piece c of slice j straight from `B` into its
-      row of the slot on rank j, for every j != r; a signal-pad barrier; then, on a side stream, it copies rows j of
-      its own slot into `B` where its copies of the slices j were, and adds the piece's sums, while piece c + 1 is
-      stored. A slot is stored into again two pieces later, after a barrier that every rank passes once its copies
-      out of it are done (the side stream joins before each barrier).
+    * scatter, piece c (slot c mod `slots`): rank r stores its copy of piece c of slice j straight from `B` into
+      its row of the slot on rank j, for every j != r; then, on a "signals" stream, a signal-pad barrier once its
+      copies out of piece c - 1 are done; then, on a side stream, it copies rows j of its own slot into `B` where
+      its copies of the slices j were, and adds the piece's sums. The stores of piece c + 1 wait for the barrier
+      of piece c + 2 - `slots` (every rank has copied that slot out by then): with two slots, piece c's own, so
+      the ranks keep step; with three, the barriers and the copies out run beside the stores.
     * gather, piece c: the last combination writes the result into `B`'s slice; on a second side stream rank r
       stores it from there into its row of the slot on every peer (the scatter's moves in reverse: the copy
-      engines store into a peer faster than they load from it), then a
-      barrier; then, on the first side stream, it copies rows j of its own slot into `B`'s slices j. The
-      combinations run ahead on the current stream, so the stores follow each other with only the barriers
-      between them. The last rank's result tail lands in the peers' last spare row, which only the last
-      rank's scatter uses.
+      engines store into a peer faster than they load from it), the slot freed the same way; a barrier on the
+      signals stream; then, on the first side stream, it copies rows j of its own slot into `B`'s slices j. The
+      combinations run ahead on the current stream. The last rank's result tail lands in the peers' last spare
+      row, which only the last rank's scatter uses.
 
-    The rings are stored into by the gather after the tree's sums were all-reduced, which every rank joins only
-    after its scatter's copies out of its ring. Nothing synchronises the host; the copies by the copy engines
-    where `B` is a flat tensor (it always is: one tensor)."""
+    The slots run in turn, the scatter's first piece in slot 0 and the gather's last piece in the last slot: a
+    call's first stores go into slots whose gather pieces of the call before ended before a barrier every rank
+    has passed, and its stores into the last slot wait for the scatter's first barrier, which every rank passes
+    only after copying the last gather piece out. The gather's stores come after the tree's sums were all-reduced,
+    which every rank joins only after its scatter's copies out of its ring. Nothing synchronises the host; the
+    copies by the copy engines where `B` is a flat tensor (it always is: one tensor)."""
 
     timeout = None
+    slots: int | None = None
+    """Slots in the ring (None: three for two ranks, two above). Three let a piece's stores run beside the previous
+    piece's barrier, which measured faster for two ranks; above two, the ranks then drift out of step, a rank
+    receives from several peers at once, and the stores measured much slower (docs/benchmarks.md, settings)."""
 
     def __init__(self, group: dist.ProcessGroup | None, backend=None) -> None:
         Transport.__init__(self, group)
@@ -724,13 +731,18 @@ class SymmetricInPlace(InPlace, Transport):
         self.pool = pool(group, backend)
         self._handle: Any = None
 
+    @property
+    def _slots(self) -> int:
+        return self.slots or (3 if self.world == 2 else 2)
+
     def _ring(self, like: torch.Tensor) -> tuple[torch.Tensor, int]:
         """The ring in `like`'s dtype, and the elements of a piece."""
         width = like.element_size()
-        piece = self.piece_elements(2 * (self.world - 1), width)
+        rows = self._slots * (self.world - 1)
+        piece = self.piece_elements(rows, width)
         size = buffer_bytes("ring")
-        # the spare rows and two slots of the smallest piece, where the budget is smaller than that
-        size = max(size - size % 16, ((self.world + 1) * self.spare + 2 * (self.world - 1) * piece) * width)
+        # the spare rows and the slots of the smallest piece, where the budget is smaller than that
+        size = max(size - size % 16, ((self.world + 1) * self.spare + rows * piece) * width)
         raw, self._handle = self.pool.staging(size, _bytes_like(like), "ring", most=size)
         return raw[: raw.numel() - raw.numel() % width].view(like.dtype), piece
 
@@ -738,6 +750,15 @@ class SymmetricInPlace(InPlace, Transport):
         """Where `sender`'s row of slot `slot` starts in `receiver`'s ring."""
         row = _among_peers(sender, receiver)
         return (self.world + 1) * self.spare + (slot * (self.world - 1) + row) * piece
+
+    @staticmethod
+    def _store(moves: Sequence[tuple[torch.Tensor, torch.Tensor]]) -> None:
+        """The (peer's row, source) copies of one piece, by the copy engines, one after another on the current
+        stream in the order r + 1, r + 2, ...: while the ranks keep step (a barrier a piece), every rank then
+        receives from one peer at a time. Each on a stream of its own measured slower (docs/benchmarks.md,
+        settings)."""
+        for row, source in moves:
+            row.copy_(source, non_blocking=True)
 
     def _from_slot(self, ring, buffer: torch.Tensor, bounds, slot: int, p0: int, p1: int, piece: int) -> None:
         """Copy every peer's row of slot `slot` of this rank's ring into `B`: positions [p0, p1) of that peer's
@@ -754,41 +775,70 @@ class SymmetricInPlace(InPlace, Transport):
         return self.parts(buffer, bounds, spare)
 
     def _start(self, buffer: torch.Tensor):
-        """(the ring, a piece's elements, the peers' rings in the order r + 1, r + 2, ..., the current stream, the
-        side stream) for a scatter or gather of `buffer`."""
+        """(the ring, a piece's elements, the peers' rings in the order r + 1, r + 2, ..., the side stream) for a
+        scatter or gather of `buffer`."""
         ring, piece = self._ring(buffer)
         order = [(self.rank + step) % self.world for step in range(1, self.world)]
         peers = {j: self.pool.peer_view(self._handle, j, ring.numel(), ring.dtype) for j in order}
-        return ring, piece, peers, torch.cuda.current_stream(ring.device), side_stream(ring.device, "copies")
+        return ring, piece, peers, side_stream(ring.device, "copies")
+
+    def _pieces(self, buffer: torch.Tensor, cuts: Sequence[tuple[int, int]], stores: torch.cuda.Stream,
+                side: torch.cuda.Stream, first: int, move: Callable[[int, int, int, int], None],
+                landed: Callable[[int, int, int], None]) -> None:
+        """Piece c, positions `cuts[c]` of the slices' first L elements, in slot ``(first + c) mod slots``:
+        ``move(c, slot, p0, p1)`` on `stores` once the slot is free on every rank, a barrier on the signals stream
+        once this rank's copies out of piece c - 1 are done, then ``landed(slot, p0, p1)`` on `side` (the copies
+        out of the slot). `stores`, the signals stream and `side` join the current stream at the end."""
+        signals = side_stream(buffer.device, "signals")
+        passed: list[torch.cuda.Event] = []
+        for c, (p0, p1) in enumerate(cuts):
+            slot = (first + c) % self._slots
+            if c >= self._slots - 1:  # every rank copied piece c - slots out of this slot before that barrier
+                stores.wait_event(passed[c - self._slots + 1])
+            with torch.cuda.stream(stores):
+                move(c, slot, p0, p1)
+            signals.wait_stream(stores)
+            if c:  # the copies out of piece c - 1 (a join only once forked: capture)
+                signals.wait_stream(side)
+            with torch.cuda.stream(signals):
+                self._handle.barrier(channel=0)  # piece c has landed in every rank's slot
+            passed.append(torch.cuda.Event())
+            passed[-1].record(signals)
+            side.wait_stream(signals)
+            with torch.cuda.stream(side):
+                landed(slot, p0, p1)
+        main = torch.cuda.current_stream(buffer.device)
+        for stream in (stores, signals, side):
+            if stream is not main:
+                main.wait_stream(stream)
 
     def scatter(self, buffer: torch.Tensor, bounds: Sequence[tuple[int, int]], landed) -> None:
         """Store this rank's copies into the owners' ring, piece by piece (class doc)."""
-        ring, piece, peers, main, side = self._start(buffer)
-        handle, me, last = self._handle, self.rank, self.world - 1
+        ring, piece, peers, side = self._start(buffer)
+        me, last = self.rank, self.world - 1
         width, tail = self.widths(bounds)
         if tail and me != last:  # this rank's copy of the last slice's tail, into the last rank's spare row
             at = bounds[last][0] + width
             peers[last][me * self.spare : me * self.spare + tail].copy_(buffer[at : at + tail], non_blocking=True)
-        for c, (p0, p1) in enumerate(self.pieces(width, piece)):
-            for j, view in peers.items():
-                at = self._slot_row(c % 2, me, j, piece)
-                view[at : at + p1 - p0].copy_(buffer[bounds[j][0] + p0 : bounds[j][0] + p1], non_blocking=True)
-            if c:  # the copies out of the other slot are done before the barrier (a join only once forked: capture)
-                main.wait_stream(side)
-            handle.barrier(channel=0)  # piece c of every copy of this rank's slice has landed
-            side.wait_stream(main)
-            with torch.cuda.stream(side):
-                self._from_slot(ring, buffer, bounds, c % 2, p0, p1, piece)
-                landed(p0, p1)
-        main.wait_stream(side)
+
+        def move(c: int, slot: int, p0: int, p1: int) -> None:
+            self._store([(view[self._slot_row(slot, me, j, piece) :][: p1 - p0], buffer[bounds[j][0] + p0 :][: p1 - p0])
+                         for j, view in peers.items()])
+
+        def copied(slot: int, p0: int, p1: int) -> None:
+            self._from_slot(ring, buffer, bounds, slot, p0, p1, piece)
+            landed(p0, p1)
+
+        cuts = self.pieces(width, piece)
+        self._pieces(buffer, cuts, torch.cuda.current_stream(buffer.device), side, 0, move, copied)
         if tail and me == last:  # the spare rows were stored into before the first barrier
             landed(width, width + tail)
 
     def gather(self, buffer: torch.Tensor, bounds: Sequence[tuple[int, int]], finish) -> None:  # type: ignore[override]
         """Push this rank's results into its peers' rings, and copy theirs out of its own (class doc)."""
-        ring, piece, peers, main, side = self._start(buffer)
-        pushes = side_stream(ring.device, "pushes")
-        handle, me, last = self._handle, self.rank, self.world - 1
+        ring, piece, peers, side = self._start(buffer)
+        main, pushes = torch.cuda.current_stream(buffer.device), side_stream(ring.device, "pushes")
+        me, last = self.rank, self.world - 1
         width, tail = self.widths(bounds)
         out_tail = self.world * self.spare  # where the last rank's result tail lands (a spare row free elsewhere)
         lo = bounds[me][0]
@@ -798,24 +848,23 @@ class SymmetricInPlace(InPlace, Transport):
             with torch.cuda.stream(pushes):
                 for view in peers.values():
                     view[out_tail : out_tail + tail].copy_(buffer[lo + width : lo + width + tail], non_blocking=True)
-        for c, (p0, p1) in enumerate(self.pieces(width, piece)):
-            finish(p0, p1, [buffer[lo + p0 : lo + p1]])  # the next piece's combination follows at once
+
+        def move(c: int, slot: int, p0: int, p1: int) -> None:
+            with torch.cuda.stream(main):
+                finish(p0, p1, [buffer[lo + p0 : lo + p1]])  # the next piece's combination follows at once
             pushes.wait_stream(main)
-            with torch.cuda.stream(pushes):
-                for j, view in peers.items():
-                    at = self._slot_row(c % 2, me, j, piece)
-                    view[at : at + p1 - p0].copy_(buffer[lo + p0 : lo + p1], non_blocking=True)
-                if c:  # the copies out of the other slot are done before the barrier
-                    pushes.wait_stream(side)
-                handle.barrier(channel=0)  # piece c of every peer's result has landed in this rank's slot
-            side.wait_stream(pushes)
-            with torch.cuda.stream(side):
-                self._from_slot(ring, buffer, bounds, c % 2, p0, p1, piece)
-                if c == 0 and tail and me != last:
-                    at = bounds[last][0] + width
-                    buffer[at : at + tail].copy_(ring[out_tail : out_tail + tail])
-        main.wait_stream(pushes)
-        main.wait_stream(side)
+            self._store([(view[self._slot_row(slot, me, j, piece) :][: p1 - p0], buffer[lo + p0 : lo + p1])
+                         for j, view in peers.items()])
+
+        def copied(slot: int, p0: int, p1: int) -> None:
+            self._from_slot(ring, buffer, bounds, slot, p0, p1, piece)
+            if p0 == 0 and tail and me != last:
+                at = bounds[last][0] + width
+                buffer[at : at + tail].copy_(ring[out_tail : out_tail + tail])
+
+        cuts = self.pieces(width, piece)
+        first = (self._slots - len(cuts) % self._slots) % self._slots  # the last piece in the last slot (class doc)
+        self._pieces(buffer, cuts, pushes, side, first, move, copied)
 
 
 def in_place_mover(group: dist.ProcessGroup | None) -> SymmetricInPlace:
