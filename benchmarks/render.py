@@ -107,9 +107,9 @@ def collective_runs(rows: list[dict], labels: tuple[str, ...]) -> list[dict]:
 
 
 CURRENT_DEFAULTS = {
-    2: "defaults, sizes rather than shapes in the replay check",
-    3: "defaults, Gram sums by rows",
-    4: "defaults, Gram sums by rows",
+    2: "defaults, in-place ring of three slots at two ranks",
+    3: "defaults, in-place ring of two slots above two ranks",
+    4: "defaults, in-place ring of two slots above two ranks",
 }
 """The label of the collective's rows that the code of each group size runs now (the defaults' table)."""
 
