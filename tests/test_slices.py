@@ -334,3 +334,20 @@ def non_finite_slices(rank, world):
 @pytest.mark.parametrize("world", distributed.world_sizes(3, 4) if distributed.BACKEND == "nccl" else [3, 4])
 def test_a_non_finite_copy_makes_its_whole_tensor_non_finite_on_every_rank(world):
     distributed.assert_ranks_agree(distributed.run(world, non_finite_slices))
+
+
+@pytest.mark.parametrize("slots", [2, 3, 4])
+def test_in_place_ring_slots_keep_a_call_off_the_slot_a_peer_may_still_copy_out_of(slots):
+    """The in-place mover's slots in turn within a phase, and across calls: the scatter's pieces stored before its
+    first barrier never land in the slot of the gather's last piece of the call before (the one slot a slower peer
+    may still be copying out of)."""
+    from adasum.transport.symmetric import ring_slots
+
+    for pieces in range(1, 13):
+        for gather in (False, True):
+            order = ring_slots(pieces, slots, gather)
+            assert all(order[c] == (order[c - 1] + 1) % slots for c in range(1, pieces)), order
+        last = ring_slots(pieces, slots, True)[-1]
+        for next_pieces in range(1, 13):
+            unguarded = ring_slots(next_pieces, slots, False)[: slots - 1]
+            assert last not in unguarded, (pieces, next_pieces, last, unguarded)

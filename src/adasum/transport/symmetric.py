@@ -783,16 +783,15 @@ class SymmetricInPlace(InPlace, Transport):
         return ring, piece, peers, side_stream(ring.device, "copies")
 
     def _pieces(self, buffer: torch.Tensor, cuts: Sequence[tuple[int, int]], stores: torch.cuda.Stream,
-                side: torch.cuda.Stream, first: int, move: Callable[[int, int, int, int], None],
+                side: torch.cuda.Stream, gather: bool, move: Callable[[int, int, int, int], None],
                 landed: Callable[[int, int, int], None]) -> None:
-        """Piece c, positions `cuts[c]` of the slices' first L elements, in slot ``(first + c) mod slots``:
+        """Piece c, positions `cuts[c]` of the slices' first L elements, in its slot (`ring_slots`):
         ``move(c, slot, p0, p1)`` on `stores` once the slot is free on every rank, a barrier on the signals stream
         once this rank's copies out of piece c - 1 are done, then ``landed(slot, p0, p1)`` on `side` (the copies
         out of the slot). `stores`, the signals stream and `side` join the current stream at the end."""
         signals = side_stream(buffer.device, "signals")
         passed: list[torch.cuda.Event] = []
-        for c, (p0, p1) in enumerate(cuts):
-            slot = (first + c) % self._slots
+        for c, ((p0, p1), slot) in enumerate(zip(cuts, ring_slots(len(cuts), self._slots, gather))):
             if c >= self._slots - 1:  # every rank copied piece c - slots out of this slot before that barrier
                 stores.wait_event(passed[c - self._slots + 1])
             with torch.cuda.stream(stores):
@@ -830,7 +829,7 @@ class SymmetricInPlace(InPlace, Transport):
             landed(p0, p1)
 
         cuts = self.pieces(width, piece)
-        self._pieces(buffer, cuts, torch.cuda.current_stream(buffer.device), side, 0, move, copied)
+        self._pieces(buffer, cuts, torch.cuda.current_stream(buffer.device), side, False, move, copied)
         if tail and me == last:  # the spare rows were stored into before the first barrier
             landed(width, width + tail)
 
@@ -863,8 +862,17 @@ class SymmetricInPlace(InPlace, Transport):
                 buffer[at : at + tail].copy_(ring[out_tail : out_tail + tail])
 
         cuts = self.pieces(width, piece)
-        first = (self._slots - len(cuts) % self._slots) % self._slots  # the last piece in the last slot (class doc)
-        self._pieces(buffer, cuts, pushes, side, first, move, copied)
+        self._pieces(buffer, cuts, pushes, side, True, move, copied)
+
+
+def ring_slots(pieces: int, slots: int, gather: bool) -> list[int]:
+    """The slot of each of a phase's `pieces` in `SymmetricInPlace`'s ring of `slots` slots: in turn, the scatter's
+    first in slot 0, the gather's last in the last slot. The first ``slots - 1`` pieces of a phase are stored before
+    any barrier of that phase: the scatter's then never land in the slot of the gather's last piece of the call
+    before, which a peer may still be copying out of; every other gather piece was copied out before a barrier
+    that the storing rank passed."""
+    first = (slots - pieces % slots) % slots if gather else 0
+    return [(first + c) % slots for c in range(pieces)]
 
 
 def in_place_mover(group: dist.ProcessGroup | None) -> SymmetricInPlace:
