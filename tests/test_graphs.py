@@ -377,3 +377,41 @@ def test_a_graph_keeps_what_its_capture_read_from_a_cache():
     comm.graphs.clear()
     gc.collect()
     assert read[-1]() is None  # gone with the graph
+
+
+def test_a_replayed_call_posts_its_fingerprint_once_after_the_launch_and_a_stale_one_posts_none(monkeypatch):
+    """A repeat of a captured list call (`adasum.collectives.api._replayed`) takes its guard slot (which raises a
+    kept error, or waits for the guard) before the replay and posts its fingerprint after it; a repeat whose
+    graph was dropped posts nothing, since the checked path it falls back to posts the call's own."""
+    from adasum.collectives import api, plan as plan_module
+
+    events: list = []
+
+    class Guard:
+        def reserve(self):
+            events.append("reserve")
+
+        def post(self, plan, what, operation, reserved=False):
+            events.append(("post", plan, reserved))
+
+    monkeypatch.setattr(plan_module, "_deferred", lambda device: True)
+    monkeypatch.setattr(plan_module, "guard_of", lambda comm, group: Guard())
+    monkeypatch.setattr(plan_module, "communicator", lambda group: None)
+    log: list = []
+    comm, _ = _communicator(log)
+    tensors = [torch.zeros(3), torch.zeros(5)]
+    for _ in range(2):  # eager, then captured
+        key = comm.run("plan", (1, 2), lambda: log.append("launch"), CPU)
+    handle = comm.graphs.handle(key)
+    api.remember(comm, api._Last.of(tensors, None, handle, "the plan"))
+    del log[:]
+    log_events = lambda: [e if isinstance(e, str) else e[0] for e in events]  # noqa: E731
+    original = comm.graphs.replay_handle
+    monkeypatch.setattr(comm.graphs, "replay_handle", lambda h: events.append("launch") or original(h))
+    assert api._replayed(comm, None, None, tensors, True)
+    assert log_events() == ["reserve", "launch", "post"] and events[-1] == ("post", "the plan", True)
+    assert log == ["replay launch"]
+    del events[:], log[:]
+    comm.graphs.clear()
+    assert not api._replayed(comm, None, None, tensors, True)
+    assert events == [] and log == []

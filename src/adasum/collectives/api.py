@@ -231,9 +231,14 @@ def _replayed(comm: Communicator, group, transport, tensors, check_layout: bool)
             return False
     except (TypeError, RuntimeError):  # not a tensor, or one without storage or strides (sparse): the checked path
         return False
+    graphs = comm.graphs
+    if not graphs.replayable(last.graph):  # before the check: the checked path that follows checks the call itself
+        return False
     if check_layout:
-        recheck(last.plan, group, "adasum.all_reduce")
-    return comm.graphs.replay_handle(last.graph)
+        recheck(last.plan, group, "adasum.all_reduce", lambda: graphs.replay_handle(last.graph))
+    else:
+        graphs.replay_handle(last.graph)
+    return True
 
 
 def fused_per_dtype(

@@ -116,14 +116,20 @@ class Guard:
 
     # --- the caller's side
 
-    def post(self, plan: Any, what: str, operation: str) -> None:
-        """Compare this call's fingerprint later (its data goes on now); raises a kept error first (a fatal one
-        from its call on, module doc). Waits for the guard where this rank would run more than `LAG` calls
-        ahead of its verdicts."""
-        index = self._next_index()
+    def post(self, plan: Any, what: str, operation: str, reserved: bool = False) -> None:
+        """Compare this call's fingerprint later (its data goes on now). What must come before the data moves
+        comes first (`reserve`), unless the call `reserved` its slot already."""
+        if not reserved:
+            self.reserve()
         self.slots.append((plan, what, operation, None, None))
         if self._idle:
             self._wake.set()
+
+    def reserve(self) -> None:
+        """Take the caller's next slot, which its `post` fills: raises a kept error first (a fatal one from its
+        call on, module doc), and waits for the guard where this rank would run more than `LAG` calls ahead of
+        its verdicts. A call that posts after launching its data (a replayed graph) reserves before."""
+        index = self._next_index()
         if self.error is None and index - self.checked >= LAG:
             self._catch_up(index - LAG)
 

@@ -37,7 +37,7 @@ How a call's fingerprint is compared (``check="call"``):
 
 from __future__ import annotations
 
-from collections.abc import Hashable, Sequence
+from collections.abc import Callable, Hashable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
@@ -164,15 +164,21 @@ def _deferred(device: torch.device) -> bool:
     return device.type == "cuda" if deferred is None else deferred
 
 
-def recheck(plan: Plan, group: dist.ProcessGroup | None, operation: str, what: str = "tensors") -> None:
+def recheck(plan: Plan, group: dist.ProcessGroup | None, operation: str, launch: Callable[[], object],
+            what: str = "tensors") -> None:
     """The cross-rank part of ``check="call"`` for a repeat of an agreed plan on a GPU (a replayed graph, whose
-    plan look-up is skipped): its fingerprint is posted to the group's guard, or compared at once where checks
-    are not deferred."""
+    plan look-up is skipped), around `launch` (the replay): where checks are deferred, a kept error is raised and
+    the guard waited for before the launch (`adasum.collectives.guard.Guard.reserve`), and the fingerprint posted
+    after it, off the host time the device waits for; else it is compared at once, before the launch."""
     if _deferred(_CUDA):
-        guard_of(communicator(group), group).post(plan, what, operation)
+        guard = guard_of(communicator(group), group)
+        guard.reserve()
+        launch()
+        guard.post(plan, what, operation, reserved=True)
         return
     with failures_named(operation, "the layout check", group):
         agree(plan.description, None, group, what, operation, plan.config)
+    launch()
 
 
 _CUDA = torch.device("cuda")

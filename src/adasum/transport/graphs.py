@@ -154,13 +154,16 @@ class Graphs:
         graph = self._graphs.get(key)
         return None if graph is None or graph is _FAILED else (graph, self._epoch)
 
+    def replayable(self, handle: tuple[object, int]) -> bool:
+        """Whether `replay_handle` would replay the graph of a `handle`: no graph was dropped since it was taken,
+        and no run or capture is under way."""
+        return handle[1] == self._epoch and not self._running and not self.backend.capturing()
+
     def replay_handle(self, handle: tuple[object, int]) -> bool:
-        """Replay the graph of a `handle` (True), unless a graph was dropped since it was taken or a run or capture
-        is under way (False: then nothing happens)."""
-        graph, epoch = handle
-        if epoch != self._epoch or self._running or self.backend.capturing():
+        """Replay the graph of a `handle` (True), unless it is not `replayable` (False: then nothing happens)."""
+        if not self.replayable(handle):
             return False
-        graph.replay()  # type: ignore[attr-defined]
+        handle[0].replay()  # type: ignore[attr-defined]
         return True
 
     def count(self) -> int:
