@@ -12,15 +12,16 @@ SRC = Path(__file__).resolve().parents[1] / "src" / "adasum"
 # what each folder (or top-level module) may import of adasum, besides itself
 BELOW = {
     "settings": set(),
+    "options": set(),
     "extras": set(),
     "core": set(),
     "kernels": {"core", "settings"},
-    "transport": {"core", "kernels", "settings"},
-    "collectives": {"core", "kernels", "transport", "settings"},
-    "reducers": {"core", "kernels", "transport", "collectives", "settings"},
-    "diagnostics": {"core", "kernels", "transport", "collectives", "settings"},
-    "integrations": {"core", "kernels", "transport", "collectives", "reducers", "settings", "extras"},
-    "jax": {"core", "extras"},
+    "transport": {"core", "kernels", "settings", "options"},
+    "collectives": {"core", "kernels", "transport", "settings", "options"},
+    "reducers": {"core", "kernels", "transport", "collectives", "settings", "options"},
+    "diagnostics": {"core", "kernels", "transport", "collectives", "settings", "options"},
+    "integrations": {"core", "kernels", "transport", "collectives", "reducers", "settings", "options", "extras"},
+    "jax": {"core", "options", "extras"},
 }
 
 READ_THEIR_OWN: set[str] = set()

@@ -45,6 +45,7 @@ from torch.func import functional_call, grad, vmap
 from adasum.collectives.nonfinite import NonFinite, check_policy, decide_nonfinite
 from adasum.diagnostics import Orthogonality, orthogonality_stacked
 from adasum.integrations.slowmo import slow_momentum_update
+from adasum.options import Mode, Nonfinite, check_option, choices
 from adasum.reducers import Reducer, get_reducer
 
 # Optimizers whose update of each element depends only on that element's history: over a
@@ -57,7 +58,7 @@ ELEMENTWISE_OPTIMIZERS: tuple[type[torch.optim.Optimizer], ...] = (
     torch.optim.Adagrad,
 )
 
-COMBINE = ("gradient", "delta")
+COMBINE = choices(Mode)
 
 
 def cross_entropy(output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
@@ -174,21 +175,20 @@ class SimulatedWorkers:
         optimizer: Callable[[list[torch.Tensor]], torch.optim.Optimizer],
         *,
         reducer: str | Reducer = "mean",
-        combine: str = "gradient",
+        combine: Mode = "gradient",
         local_steps: int = 1,
         slow_momentum: float | None = None,
         slow_lr: float = 1.0,
         loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] = cross_entropy,
         chunk_size: int | None = None,
         diagnostics: bool = True,
-        nonfinite: str = "propagate",
+        nonfinite: Nonfinite = "propagate",
         seed: int = 0,
     ) -> None:
         check_policy(nonfinite)
         if not isinstance(workers, int) or workers < 1:
             raise ValueError(f"workers must be an integer >= 1, got {workers!r}")
-        if combine not in COMBINE:
-            raise ValueError(f"combine must be one of {COMBINE}, got {combine!r}")
+        check_option("combine", combine, Mode)
         if local_steps < 1:
             raise ValueError(f"local_steps must be >= 1, got {local_steps}")
         if combine == "gradient" and (local_steps != 1 or slow_momentum is not None):

@@ -25,6 +25,7 @@ from adasum.collectives.nonfinite import check_finite, check_policy
 from adasum.collectives.plan import Plan, prepare, recheck
 from adasum.collectives.vhdd import adasum_flat_, transport_for
 from adasum.core.layout import Scattered, flatten, group_by_dtype, unflatten_into
+from adasum.options import Nonfinite, TransportName
 from adasum.transport.base import Transport
 from adasum.transport.graphs import MAX_GRAPHS, tensor_key
 from adasum.transport.groups import Communicator, communicator, group_device
@@ -35,8 +36,8 @@ def all_reduce(
     group: dist.ProcessGroup | None = None,
     *,
     check_layout: bool = True,
-    nonfinite: str = "propagate",
-    transport: str | Transport | None = None,
+    nonfinite: Nonfinite = "propagate",
+    transport: TransportName | Transport | None = None,
 ) -> None:
     """Replace each tensor, on every rank, by the Adasum of the ranks' copies; in place.
 
@@ -308,8 +309,8 @@ def all_reduce_async(
     group: dist.ProcessGroup | None = None,
     *,
     check_layout: bool = True,
-    nonfinite: str = "propagate",
-    transport: str | Transport | None = None,
+    nonfinite: Nonfinite = "propagate",
+    transport: TransportName | Transport | None = None,
 ) -> torch.futures.Future:
     """`all_reduce`, returning a Future of the list of tensors.
 

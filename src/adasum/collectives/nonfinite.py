@@ -29,10 +29,11 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
+from adasum.options import Nonfinite, check_option, choices
 from adasum.transport.groups import failures_named, group_device
 
-POLICIES = ("propagate", "raise", "skip")
-"""What to do about a NaN or Inf: let it through, raise on every rank, or skip the step on every rank."""
+POLICIES = choices(Nonfinite)
+"""What to do about a NaN or Inf (`adasum.options.Nonfinite`)."""
 
 _NONE = torch.iinfo(torch.int64).max
 
@@ -62,8 +63,7 @@ class NonFiniteError(FloatingPointError):
 
 def check_policy(policy: str, allowed: Sequence[str] = POLICIES) -> None:
     """Raise ValueError unless `policy` is one of `allowed` (by default all of `POLICIES`)."""
-    if policy not in allowed:
-        raise ValueError(f"nonfinite must be one of {list(allowed)}, got {policy!r}")
+    check_option("nonfinite", policy, Nonfinite, allowed)
 
 
 def _max_magnitudes(tensors: Sequence[torch.Tensor], device: torch.device) -> torch.Tensor:

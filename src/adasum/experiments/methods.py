@@ -35,6 +35,7 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from types import MappingProxyType
 
+from adasum.options import Mode
 from adasum.reducers import Reducer, get_reducer
 
 
@@ -44,7 +45,7 @@ class Method:
 
     name: str
     reducer: str
-    combine: str = "gradient"
+    combine: Mode = "gradient"
     local: bool = False
     slow_momentum: bool = False
     linear_lr_scaling: bool = False

@@ -34,6 +34,7 @@ from adasum.experiments.models import build_model
 from adasum.experiments.progress import ProgressBar
 from adasum.integrations.optim import DistributedOptimizer
 from adasum.integrations.slowmo import SlowMo
+from adasum.options import Mode, Nonfinite
 from adasum.reducers import Reducer
 from adasum.sim import SimulatedWorkers, StepResult, cross_entropy, set_dropout_keys
 from adasum.transport.groups import failures_named
@@ -66,7 +67,7 @@ class RunConfig:
     data_dir: str | None = None
     device: str = "cpu"
     chunk_size: int | None = None
-    nonfinite: str = "propagate"
+    nonfinite: Nonfinite = "propagate"
     checkpoint_every: int | None = None
     deterministic: bool = False
     val_fraction: float = 0.1
@@ -175,12 +176,12 @@ class DistributedWorker:
         optimizer: Callable[[list[torch.Tensor]], torch.optim.Optimizer],
         reducer: Reducer,
         *,
-        combine: str = "gradient",
+        combine: Mode = "gradient",
         local_steps: int = 1,
         slow_momentum: float | None = None,
         slow_lr: float = 1.0,
         diagnostics_every: int = 10,
-        nonfinite: str = "propagate",
+        nonfinite: Nonfinite = "propagate",
         seed: int = 0,
     ) -> None:
         if combine == "gradient" and (local_steps != 1 or slow_momentum is not None):

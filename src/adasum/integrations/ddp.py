@@ -65,6 +65,7 @@ from adasum.collectives.agreement import agree
 from adasum.collectives.nonfinite import NonFiniteError, apply_nonfinite_policy, check_policy
 from adasum.collectives.plan import prepare
 from adasum.core.statistics import StepStatistics
+from adasum.options import Nonfinite
 from adasum.reducers import Adasum, Reducer, get_reducer
 from adasum.transport.groups import communicator, failures_named, side_stream
 
@@ -112,7 +113,7 @@ class AdasumState:
         *,
         hierarchical: bool | str = False,
         local_size: int | None = None,
-        nonfinite: str = "propagate",
+        nonfinite: Nonfinite = "propagate",
         named_parameters: Iterable[tuple[str, torch.Tensor]] | None = None,
         batch_mb: float = BATCH_MB,
     ) -> None:

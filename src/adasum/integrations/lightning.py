@@ -41,6 +41,7 @@ from adasum.integrations.ddp import AdasumState  # noqa: E402
 from adasum.integrations.glue import register_hook, warn_one_process  # noqa: E402
 from adasum.integrations.loggers import PREFIX, HasStatistics, scalars  # noqa: E402
 from adasum.integrations.optim import DistributedOptimizer  # noqa: E402
+from adasum.options import Nonfinite  # noqa: E402
 from adasum.reducers import Reducer  # noqa: E402
 
 LAUNCH = "torchrun --nproc-per-node N, or Trainer(devices=N)"
@@ -148,7 +149,7 @@ class AdasumDeltaStrategy(DDPStrategy):
     """
 
     def __init__(
-        self, reducer: str | Reducer = "adasum", local_steps: int = 1, nonfinite: str = "propagate", **kwargs: Any
+        self, reducer: str | Reducer = "adasum", local_steps: int = 1, nonfinite: Nonfinite = "propagate", **kwargs: Any
     ) -> None:
         super().__init__(**kwargs)
         if self._ddp_kwargs:

@@ -61,10 +61,11 @@ from adasum.collectives.agreement import Problem, agree, check_not_sharded, chec
 from adasum.collectives.nonfinite import apply_nonfinite_policy, check_policy, nonfinite_message
 from adasum.core.layout import Scattered, flatten, unflatten_into
 from adasum.core.statistics import StepStatistics
+from adasum.options import Mode, Nonfinite, check_option, choices
 from adasum.reducers import Reducer, get_reducer
 from adasum.transport.groups import communicator, control_group, failures_named, group_device, side_stream
 
-MODES = ("delta", "gradient")
+MODES = choices(Mode)
 IN_FLIGHT = 3
 """Delta mode on a GPU: buckets whose deltas are computed, combined or applied at once (module doc)."""
 
@@ -283,14 +284,14 @@ class DistributedOptimizer(torch.optim.Optimizer):
         optimizer: torch.optim.Optimizer,
         *,
         reducer: str | Reducer = "adasum",
-        mode: str = "delta",
+        mode: Mode = "delta",
         group: dist.ProcessGroup | None = None,
         backward_passes_per_step: int = 1,
         local_steps: int = 1,
         grad_scaler: torch.amp.GradScaler | None = None,
         bucket_cap_mb: float = 25.0,
         check: bool = True,
-        nonfinite: str = "propagate",
+        nonfinite: Nonfinite = "propagate",
         named_parameters: Iterable[tuple[str, torch.Tensor]] | None = None,
         sparse_as_dense: bool = False,
     ) -> None:
@@ -298,8 +299,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
         if not isinstance(optimizer, torch.optim.Optimizer):
             raise TypeError(f"optimizer must be a torch.optim.Optimizer, got {type(optimizer).__name__}")
         check_not_sharded((p for g in optimizer.param_groups for p in g["params"]), "adasum.DistributedOptimizer")
-        if mode not in MODES:
-            raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
+        check_option("mode", mode, Mode)
         if backward_passes_per_step < 1 or local_steps < 1:
             raise ValueError("backward_passes_per_step and local_steps must be >= 1")
         if mode == "gradient" and local_steps != 1:

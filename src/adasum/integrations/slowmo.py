@@ -24,6 +24,7 @@ from adasum.collectives.agreement import agree, check_not_sharded, local_problem
 from adasum.collectives.nonfinite import apply_nonfinite_policy, check_policy
 from adasum.core.statistics import StepStatistics
 from adasum.integrations.optim import check_same_parameters, optimizer_param_names
+from adasum.options import Buffers, Nonfinite, check_option, choices
 from adasum.reducers import Mean, Reducer, get_reducer
 from adasum.transport.groups import failures_named, group_device
 
@@ -57,7 +58,7 @@ def slow_momentum_update(
     anchor.add_(momentum, alpha=-slow_lr * lr)
 
 
-BUFFER_POLICIES = ("local", "reset", "average")
+BUFFER_POLICIES = choices(Buffers)
 
 
 def _world_size(group: dist.ProcessGroup | None) -> int:
@@ -132,10 +133,10 @@ class SlowMo:
         slow_lr: float = 1.0,
         slow_momentum: float = 0.0,
         reducer: str | Reducer = "mean",
-        buffers: str = "local",
+        buffers: Buffers = "local",
         group: dist.ProcessGroup | None = None,
         module: torch.nn.Module | None = None,
-        nonfinite: str = "raise",
+        nonfinite: Nonfinite = "raise",
         check: bool = True,
     ) -> None:
         check_policy(nonfinite)
@@ -148,8 +149,7 @@ class SlowMo:
             raise ValueError(f"slow_lr must be >= 0, got {slow_lr}")
         if not 0.0 <= slow_momentum < 1.0:
             raise ValueError(f"slow_momentum must be in [0, 1), got {slow_momentum}")
-        if buffers not in BUFFER_POLICIES:
-            raise ValueError(f"buffers must be one of {BUFFER_POLICIES}, got {buffers!r}")
+        check_option("buffers", buffers, Buffers)
         if module is not None and not isinstance(module, torch.nn.Module):
             raise TypeError(f"module must be a torch.nn.Module, got {type(module).__name__}")
         self.optimizer = optimizer

@@ -30,8 +30,9 @@ import jax.numpy as jnp
 import optax
 
 from adasum.jax.collective import accumulation_dtype, all_reduce, axis_size, check_leaves, check_per_device, zero_norm
+from adasum.options import Scale, check_option, choices
 
-SCALES = ("mean_norm", "unit")
+SCALES = choices(Scale)
 
 
 class AdasumState(NamedTuple):
@@ -73,7 +74,7 @@ class AdaConsState(NamedTuple):
 
 
 def adacons_weights(
-    dots: jax.Array, sq_norms: jax.Array, mean_sq: jax.Array, state: AdaConsState, beta: float, scale: str
+    dots: jax.Array, sq_norms: jax.Array, mean_sq: jax.Array, state: AdaConsState, beta: float, scale: Scale
 ) -> tuple[jax.Array, AdaConsState]:
     """The factor each device's update is multiplied by before the sum, and the new state.
 
@@ -112,7 +113,7 @@ def adacons(
     momentum: float = 0.0,
     *,
     per_leaf: bool = False,
-    scale: str = "mean_norm",
+    scale: Scale = "mean_norm",
     accumulate: Any = None,
     devices: int | None = None,
 ) -> optax.GradientTransformation:
@@ -139,8 +140,7 @@ def adacons(
     """
     if not 0.0 <= momentum < 1.0:
         raise ValueError(f"momentum must be in [0, 1), got {momentum}")
-    if scale not in SCALES:
-        raise ValueError(f"scale must be one of {SCALES}, got {scale!r}")
+    check_option("scale", scale, Scale)
 
     def init(params: Any) -> AdaConsState:
         leaves = jax.tree.leaves(params)

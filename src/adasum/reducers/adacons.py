@@ -59,10 +59,11 @@ from adasum.collectives.api import fused_per_dtype
 from adasum.core import statistics
 from adasum.core.operator import ZERO_NORM, check_floating
 from adasum.kernels import dot_and_norms
+from adasum.options import Scale, check_option, choices
 from adasum.reducers.base import Reducer, ShardGroups, check_workers
 from adasum.transport.groups import failures_named
 
-SCALES = ("mean_norm", "unit")
+SCALES = choices(Scale)
 
 
 # --- the coefficient math: pure functions on [S, N] float64 tensors (segments x workers), shared by
@@ -111,7 +112,7 @@ def normalize(a: torch.Tensor) -> torch.Tensor:
 
 
 def worker_weights(
-    c: torch.Tensor, sq_norms: torch.Tensor, mean_sq_norm: torch.Tensor, scale: str = "mean_norm"
+    c: torch.Tensor, sq_norms: torch.Tensor, mean_sq_norm: torch.Tensor, scale: Scale = "mean_norm"
 ) -> torch.Tensor:
     """The factor each worker's gradient is multiplied by before summing: ``c_i * scale / |g_i|``,
     with scale ``|m|`` ("mean_norm") or 1 ("unit"); 0 for a zero gradient.
@@ -121,8 +122,7 @@ def worker_weights(
     >>> worker_weights(torch.tensor([[0.5, 0.5]]), torch.tensor([[4.0, 4.0]]), torch.tensor([4.0]))
     tensor([[0.5000, 0.5000]])
     """
-    if scale not in SCALES:
-        raise ValueError(f"scale must be one of {SCALES}, got {scale!r}")
+    check_option("scale", scale, Scale)
     nonzero = sq_norms >= ZERO_NORM
     w = c / sq_norms.clamp_min(ZERO_NORM).sqrt()
     if scale == "mean_norm":
@@ -150,7 +150,7 @@ def coefficients(
     mean_sq_norm: torch.Tensor,
     state: torch.Tensor | None,
     beta: float,
-    scale: str = "mean_norm",
+    scale: Scale = "mean_norm",
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """AdaCons from the per-worker ``<g_i, m>`` and ``|g_i|^2`` ([S, N]) and ``|m|^2`` ([S]):
     ``(weights [S, N], new momentum state [S, N])``; the aggregate is ``sum_i weights_i g_i``.
@@ -208,11 +208,10 @@ class AdaCons(Reducer):
 
     name = "adacons"
 
-    def __init__(self, momentum: float = 0.0, per_tensor: bool = False, scale: str = "mean_norm") -> None:
+    def __init__(self, momentum: float = 0.0, per_tensor: bool = False, scale: Scale = "mean_norm") -> None:
         if not 0.0 <= momentum < 1.0:
             raise ValueError(f"momentum must be in [0, 1), got {momentum}")
-        if scale not in SCALES:
-            raise ValueError(f"scale must be one of {SCALES}, got {scale!r}")
+        check_option("scale", scale, Scale)
         self.momentum = float(momentum)
         self.per_tensor = bool(per_tensor)
         self.scale = scale

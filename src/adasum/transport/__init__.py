@@ -8,12 +8,13 @@ from collections.abc import Callable
 
 import torch.distributed as dist
 
+from adasum.options import TransportName, check_option, choices
 from adasum.settings import current
 from adasum.transport.base import Transport
 from adasum.transport.c10d import Collectives, PointToPointC10d, post
 from adasum.transport.groups import group_timeout
 
-TRANSPORTS = ("p2p", "collectives", "symmetric", "slices")
+TRANSPORTS = choices(TransportName)
 """The transports a caller may name (``transport=``). "slices" is the slice-parallel schedule
 (`adasum.collectives.slices`): on symmetric memory inside one NVLink host, elsewhere on c10d point-to-point."""
 
@@ -34,8 +35,7 @@ def preference() -> tuple[str, ...]:
     first = current().transport_first
     if not first:
         return NCCL_PREFERENCE
-    if first not in TRANSPORTS:
-        raise ValueError(f"ADASUM_TEST_TRANSPORT must be one of {list(TRANSPORTS)}, got {first!r}")
+    check_option("ADASUM_TEST_TRANSPORT", first, TransportName)
     return (first, *(t for t in NCCL_PREFERENCE if t != first))
 
 
