@@ -406,8 +406,8 @@ def test_a_replayed_call_posts_its_fingerprint_once_after_the_launch_and_a_stale
     handle = comm.graphs.handle(key)
     api.remember(comm, api._Last.of(tensors, None, handle, "the plan"))
     del log[:]
-    original = comm.graphs.replay_handle
-    monkeypatch.setattr(comm.graphs, "replay_handle", lambda h: events.append("launch") or original(h))
+    original = comm.graphs.launch
+    monkeypatch.setattr(comm.graphs, "launch", lambda h: events.append("launch") or original(h))
     assert api._replayed(comm, None, None, tensors, True)
     assert events == ["reserve", "launch", ("post", "the plan", True)]
     assert log == ["replay launch"]

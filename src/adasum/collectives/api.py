@@ -236,9 +236,9 @@ def _replayed(comm: Communicator, group, transport, tensors, check_layout: bool)
     if not graphs.replayable(last.graph):  # before the check: the checked path that follows checks the call itself
         return False
     if check_layout:
-        recheck(last.plan, group, "adasum.all_reduce", lambda: graphs.replay_handle(last.graph))
+        recheck(last.plan, group, "adasum.all_reduce", lambda: graphs.launch(last.graph))
     else:
-        graphs.replay_handle(last.graph)
+        graphs.launch(last.graph)
     return True
 
 

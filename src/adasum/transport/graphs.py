@@ -163,8 +163,13 @@ class Graphs:
         """Replay the graph of a `handle` (True), unless it is not `replayable` (False: then nothing happens)."""
         if not self.replayable(handle):
             return False
-        handle[0].replay()  # type: ignore[attr-defined]
+        self.launch(handle)
         return True
+
+    @staticmethod
+    def launch(handle: tuple[object, int]) -> None:
+        """Replay the graph of a `handle` that `replayable` has just found replayable (nothing ran in between)."""
+        handle[0].replay()  # type: ignore[attr-defined]
 
     def count(self) -> int:
         """How many graphs are alive."""
