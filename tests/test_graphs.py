@@ -75,10 +75,12 @@ def test_eager_then_captured_then_replayed():
     assert log == ["launch", "replay launch", "replay launch", "replay launch"]
     assert key == ("plan", (1, 2)) and comm.graphs.handle(key) is not None and comm.graphs.count() == 1
     handle = comm.graphs.handle(key)
-    assert handle is not None and comm.graphs.replay_handle(handle) and log[-1] == "replay launch"
+    assert handle is not None and comm.graphs.replayable(handle)
+    comm.graphs.launch(handle)
+    assert log[-1] == "replay launch"
     del log[:]
     comm.graphs.clear()  # a handle taken before a graph was dropped replays nothing
-    assert not comm.graphs.replay_handle(handle) and log == [] and comm.graphs.handle(key) is None
+    assert not comm.graphs.replayable(handle) and log == [] and comm.graphs.handle(key) is None
     assert handle[0].freed  # freed though the handle still refers to it (NCCL's destroy waits for live graphs)
 
 
@@ -94,8 +96,10 @@ def test_a_handle_goes_stale_when_the_oldest_graph_is_evicted(monkeypatch):
     # the third capture evicted the first graph: every handle taken before it is stale, the last one is not
     assert comm.graphs.handle(("plan", 1)) is None and comm.graphs.count() == 2
     del log[:]
-    assert not comm.graphs.replay_handle(handles[0]) and not comm.graphs.replay_handle(handles[1])
-    assert comm.graphs.replay_handle(handles[2]) and log == ["replay 3"]
+    assert not comm.graphs.replayable(handles[0]) and not comm.graphs.replayable(handles[1])
+    assert comm.graphs.replayable(handles[2]) and log == []
+    comm.graphs.launch(handles[2])
+    assert log == ["replay 3"]
     comm.graphs.clear()  # the evicted graph is freed too while a handle still refers to it
     assert all(handle[0].freed for handle in handles)
 

@@ -149,22 +149,15 @@ class Graphs:
         return False
 
     def handle(self, key: Hashable) -> tuple[object, int] | None:
-        """What `replay_handle` replays `key`'s graph from without looking the key up again (a key of many tensors
+        """What `launch` replays `key`'s graph from without looking the key up again (a key of many tensors
         costs the host a hash and a deep comparison per look-up), or None where `key` has no captured graph."""
         graph = self._graphs.get(key)
         return None if graph is None or graph is _FAILED else (graph, self._epoch)
 
     def replayable(self, handle: tuple[object, int]) -> bool:
-        """Whether `replay_handle` would replay the graph of a `handle`: no graph was dropped since it was taken,
-        and no run or capture is under way."""
+        """Whether the graph of a `handle` may replay (`launch`): no graph was dropped since it was taken, and no run
+        or capture is under way."""
         return handle[1] == self._epoch and not self._running and not self.backend.capturing()
-
-    def replay_handle(self, handle: tuple[object, int]) -> bool:
-        """Replay the graph of a `handle` (True), unless it is not `replayable` (False: then nothing happens)."""
-        if not self.replayable(handle):
-            return False
-        self.launch(handle)
-        return True
 
     @staticmethod
     def launch(handle: tuple[object, int]) -> None:
