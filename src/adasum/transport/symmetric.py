@@ -782,20 +782,21 @@ class SymmetricInPlace(InPlace, Transport):
         peers = {j: self.pool.peer_view(self._handle, j, ring.numel(), ring.dtype) for j in order}
         return ring, piece, peers, side_stream(ring.device, "copies")
 
-    def _pieces(self, buffer: torch.Tensor, cuts: Sequence[tuple[int, int]], stores: torch.cuda.Stream,
-                side: torch.cuda.Stream, gather: bool, move: Callable[[int, int, int, int], None],
+    def _pieces(self, buffer: torch.Tensor, width: int, piece: int, stores: torch.cuda.Stream,
+                side: torch.cuda.Stream, gather: bool, move: Callable[[int, int, int], None],
                 landed: Callable[[int, int, int], None]) -> None:
-        """Piece c, positions `cuts[c]` of the slices' first L elements, in its slot (`ring_slots`):
-        ``move(c, slot, p0, p1)`` on `stores` once the slot is free on every rank, a barrier on the signals stream
-        once this rank's copies out of piece c - 1 are done, then ``landed(slot, p0, p1)`` on `side` (the copies
-        out of the slot). `stores`, the signals stream and `side` join the current stream at the end."""
+        """Piece c, positions [p0, p1) of the slices' first `width` elements in pieces of `piece`, in its slot
+        (`ring_slots`): ``move(slot, p0, p1)`` on `stores` once the slot is free on every rank, a barrier on the
+        signals stream once this rank's copies out of piece c - 1 are done, then ``landed(slot, p0, p1)`` on `side`
+        (the copies out of the slot). `stores`, the signals stream and `side` join the current stream at the end."""
         signals = side_stream(buffer.device, "signals")
         passed: list[torch.cuda.Event] = []
+        cuts = self.pieces(width, piece)
         for c, ((p0, p1), slot) in enumerate(zip(cuts, ring_slots(len(cuts), self._slots, gather))):
             if c >= self._slots - 1:  # every rank copied piece c - slots out of this slot before that barrier
                 stores.wait_event(passed[c - self._slots + 1])
             with torch.cuda.stream(stores):
-                move(c, slot, p0, p1)
+                move(slot, p0, p1)
             signals.wait_stream(stores)
             if c:  # the copies out of piece c - 1 (a join only once forked: capture)
                 signals.wait_stream(side)
@@ -820,16 +821,16 @@ class SymmetricInPlace(InPlace, Transport):
             at = bounds[last][0] + width
             peers[last][me * self.spare : me * self.spare + tail].copy_(buffer[at : at + tail], non_blocking=True)
 
-        def move(c: int, slot: int, p0: int, p1: int) -> None:
-            self._store([(view[self._slot_row(slot, me, j, piece) :][: p1 - p0], buffer[bounds[j][0] + p0 :][: p1 - p0])
+        def move(slot: int, p0: int, p1: int) -> None:
+            rows = {j: self._slot_row(slot, me, j, piece) for j in peers}
+            self._store([(view[rows[j] : rows[j] + p1 - p0], buffer[bounds[j][0] + p0 : bounds[j][0] + p1])
                          for j, view in peers.items()])
 
         def copied(slot: int, p0: int, p1: int) -> None:
             self._from_slot(ring, buffer, bounds, slot, p0, p1, piece)
             landed(p0, p1)
 
-        cuts = self.pieces(width, piece)
-        self._pieces(buffer, cuts, torch.cuda.current_stream(buffer.device), side, False, move, copied)
+        self._pieces(buffer, width, piece, torch.cuda.current_stream(buffer.device), side, False, move, copied)
         if tail and me == last:  # the spare rows were stored into before the first barrier
             landed(width, width + tail)
 
@@ -848,12 +849,12 @@ class SymmetricInPlace(InPlace, Transport):
                 for view in peers.values():
                     view[out_tail : out_tail + tail].copy_(buffer[lo + width : lo + width + tail], non_blocking=True)
 
-        def move(c: int, slot: int, p0: int, p1: int) -> None:
+        def move(slot: int, p0: int, p1: int) -> None:
             with torch.cuda.stream(main):
                 finish(p0, p1, [buffer[lo + p0 : lo + p1]])  # the next piece's combination follows at once
             pushes.wait_stream(main)
-            self._store([(view[self._slot_row(slot, me, j, piece) :][: p1 - p0], buffer[lo + p0 : lo + p1])
-                         for j, view in peers.items()])
+            rows = {j: self._slot_row(slot, me, j, piece) for j in peers}
+            self._store([(view[rows[j] : rows[j] + p1 - p0], buffer[lo + p0 : lo + p1]) for j, view in peers.items()])
 
         def copied(slot: int, p0: int, p1: int) -> None:
             self._from_slot(ring, buffer, bounds, slot, p0, p1, piece)
@@ -861,8 +862,7 @@ class SymmetricInPlace(InPlace, Transport):
                 at = bounds[last][0] + width
                 buffer[at : at + tail].copy_(ring[out_tail : out_tail + tail])
 
-        cuts = self.pieces(width, piece)
-        self._pieces(buffer, cuts, pushes, side, True, move, copied)
+        self._pieces(buffer, width, piece, pushes, side, True, move, copied)
 
 
 def ring_slots(pieces: int, slots: int, gather: bool) -> list[int]:
