@@ -45,7 +45,7 @@ from torch.func import functional_call, grad, vmap
 from adasum.collectives.nonfinite import NonFinite, check_policy, decide_nonfinite
 from adasum.diagnostics import Orthogonality, orthogonality_stacked
 from adasum.integrations.slowmo import slow_momentum_update
-from adasum.options import Mode, Nonfinite, check_option, choices
+from adasum.options import Mode, Nonfinite, check_option
 from adasum.reducers import Reducer, get_reducer
 
 # Optimizers whose update of each element depends only on that element's history: over a
@@ -58,7 +58,6 @@ ELEMENTWISE_OPTIMIZERS: tuple[type[torch.optim.Optimizer], ...] = (
     torch.optim.Adagrad,
 )
 
-COMBINE = choices(Mode)
 
 
 def cross_entropy(output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:

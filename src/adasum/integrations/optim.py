@@ -61,11 +61,10 @@ from adasum.collectives.agreement import Problem, agree, check_not_sharded, chec
 from adasum.collectives.nonfinite import apply_nonfinite_policy, check_policy, nonfinite_message
 from adasum.core.layout import Scattered, flatten, unflatten_into
 from adasum.core.statistics import StepStatistics
-from adasum.options import Mode, Nonfinite, check_option, choices
+from adasum.options import Mode, Nonfinite, check_option
 from adasum.reducers import Reducer, get_reducer
 from adasum.transport.groups import communicator, control_group, failures_named, group_device, side_stream
 
-MODES = choices(Mode)
 IN_FLIGHT = 3
 """Delta mode on a GPU: buckets whose deltas are computed, combined or applied at once (module doc)."""
 

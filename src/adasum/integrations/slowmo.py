@@ -24,7 +24,7 @@ from adasum.collectives.agreement import agree, check_not_sharded, local_problem
 from adasum.collectives.nonfinite import apply_nonfinite_policy, check_policy
 from adasum.core.statistics import StepStatistics
 from adasum.integrations.optim import check_same_parameters, optimizer_param_names
-from adasum.options import Buffers, Nonfinite, check_option, choices
+from adasum.options import Buffers, Nonfinite, check_option
 from adasum.reducers import Mean, Reducer, get_reducer
 from adasum.transport.groups import failures_named, group_device
 
@@ -58,7 +58,6 @@ def slow_momentum_update(
     anchor.add_(momentum, alpha=-slow_lr * lr)
 
 
-BUFFER_POLICIES = choices(Buffers)
 
 
 def _world_size(group: dist.ProcessGroup | None) -> int:

@@ -30,9 +30,7 @@ import jax.numpy as jnp
 import optax
 
 from adasum.jax.collective import accumulation_dtype, all_reduce, axis_size, check_leaves, check_per_device, zero_norm
-from adasum.options import Scale, check_option, choices
-
-SCALES = choices(Scale)
+from adasum.options import Scale, check_option
 
 
 class AdasumState(NamedTuple):

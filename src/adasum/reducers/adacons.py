@@ -59,12 +59,9 @@ from adasum.collectives.api import fused_per_dtype
 from adasum.core import statistics
 from adasum.core.operator import ZERO_NORM, check_floating
 from adasum.kernels import dot_and_norms
-from adasum.options import Scale, check_option, choices
+from adasum.options import Scale, check_option
 from adasum.reducers.base import Reducer, ShardGroups, check_workers
 from adasum.transport.groups import failures_named
-
-SCALES = choices(Scale)
-
 
 # --- the coefficient math: pure functions on [S, N] float64 tensors (segments x workers), shared by
 # --- the single-process and the distributed forms
