@@ -614,12 +614,24 @@ def gram(rows: Sequence[torch.Tensor], lengths: Sequence[int], out: torch.Tensor
         base, *offsets, table.starts, table.sizes, tile_sums, P=workers, PP=padded, BLOCK=block,
         ITERS=-(-(ITERS * BLOCK) // block), ALIGN=align, num_warps=4,
     )
-    rounds_block = max(16, 4096 // (padded * padded))
+    rounds_block, warps = _segment_block(table.longest, padded)
     _gram_segments_kernel[(segments,)](
         tile_sums, table.first, table.count, out, out.stride(1), P=workers, PP=padded, BLOCK=rounds_block,
-        ROUNDS=_rounds(table.longest, rounds_block),
+        ROUNDS=_rounds(table.longest, rounds_block), num_warps=warps,
     )
     return out
+
+
+def _segment_block(longest: int, padded: int) -> tuple[int, int]:
+    """(tiles a program of `_gram_segments_kernel` adds per round, its warps) for segments of at most `longest`
+    tiles and a padded P of `padded`: up to 4 ranks, a round as long as the longest segment, 64-1024 tiles, with
+    a warp per 64 (4 at least), so that a long segment (a flat slice) takes one or a few rounds; above, 64 tiles
+    on 4 warps (the [tiles, P x P] float64 sums held in registers). Measured on one H200 (docs/benchmarks.md,
+    settings)."""
+    if padded > 4:
+        return max(16, 4096 // (padded * padded)), 4
+    block = min(1024, max(64, 1 << max(0, (longest - 1).bit_length())))
+    return block, max(4, block // 64)
 
 
 def tree_weights(gram: torch.Tensor, ops: Sequence[tuple[int, int, int, int]]) -> tuple[torch.Tensor, torch.Tensor]:
