@@ -22,6 +22,7 @@ import adasum.core.tiles as tile_tables
 # eighth of the cost. Set before the first table is built (tables are cached).
 tile_tables.TILE = 2048
 tk.ITERS = tile_tables.TILE // tk.BLOCK
+tk.COPY_ITERS = -(-tile_tables.TILE // tk.COPY_BLOCK)
 g = torch.Generator().manual_seed(3)
 EPS = torch.finfo(torch.float64).eps
 
@@ -319,7 +320,8 @@ def test_kernels_compile_for_hopper_with_vector_accesses_where_told():
                    **ints}
         add = {"x_ptr": "*" + dtype, "y_ptr": "*" + dtype, "out_ptr": "*" + dtype, "x_tiles": "*i64",
                "out_tiles": "*i64", **ints}
-        copy = {"like_ptr": "*" + dtype, "sources_ptr": "*i64", "targets_ptr": "*i64", "sizes_ptr": "*i64"}
+        copy = {"like_ptr": "*" + dtype, "sources_ptr": "*i64", "targets_ptr": "*i64", "sizes_ptr": "*i64",
+                "n": "i64", "programs": "i64"}
         for align in (1, 8 if dtype == "bf16" else 4):
             found = [
                 vectors(ptx(tk._pull_tile_sums_kernel, pull, {"BLOCK": tk.BLOCK, "ITERS": tk.ITERS, "LOWER": True,
@@ -329,7 +331,8 @@ def test_kernels_compile_for_hopper_with_vector_accesses_where_told():
                                                           "OUT_TILES": True, "ALIGN": align})),
                 vectors(ptx(tk._add_kernel, add, {"BLOCK": tk.BLOCK, "ITERS": tk.ITERS, "MODE": 2, "X_TOO": False,
                                                   "X_TILES": True, "OUT_TILES": False, "ALIGN": align})),
-                vectors(ptx(tk._copy_tiles_kernel, copy, {"BLOCK": tk.BLOCK, "ITERS": tk.ITERS, "ALIGN": align})),
+                vectors(ptx(tk._copy_tiles_kernel, copy, {"BLOCK": tk.COPY_BLOCK, "ITERS": tk.COPY_ITERS, "ROUNDS": 4,
+                                                          "ALIGN": align})),
             ]
             if align == 1:
                 assert found == [0, 0, 0, 0], (dtype, found)

@@ -227,22 +227,24 @@ if triton is not None:
                     tl.store(x_at + offs, result.to(out_ptr.dtype.element_ty), mask=mask)
 
     @triton.jit
-    def _copy_tiles_kernel(like_ptr, sources_ptr, targets_ptr, sizes_ptr, BLOCK: tl.constexpr, ITERS: tl.constexpr,
-                           ALIGN: tl.constexpr):
-        # one tile of a `CopyTable`: its elements from one address to another (bits as they are)
-        tile = tl.program_id(0)
-        source = tl.load(sources_ptr + tile).to(tl.pointer_type(like_ptr.dtype.element_ty))
-        target = tl.load(targets_ptr + tile).to(tl.pointer_type(like_ptr.dtype.element_ty))
-        size = tl.load(sizes_ptr + tile)
-        if ALIGN > 1:
-            source = tl.multiple_of(source, 16)
-            target = tl.multiple_of(target, 16)
-            size = tl.multiple_of(size, ALIGN)
-        for i in range(ITERS):
-            offs = i * BLOCK + tl.arange(0, BLOCK)
-            mask = offs < size
-            tl.store(target + offs, tl.load(source + offs, mask=mask), mask=mask)
-
+    def _copy_tiles_kernel(like_ptr, sources_ptr, targets_ptr, sizes_ptr, n, programs, BLOCK: tl.constexpr,
+                           ITERS: tl.constexpr, ROUNDS: tl.constexpr, ALIGN: tl.constexpr):
+        # the tiles of a `CopyTable`, program k copying tiles k, k + programs, ... (bits as they are); a round past
+        # the table copies nothing (its size reads as 0)
+        for r in range(ROUNDS):
+            tile = r * programs + tl.program_id(0)
+            valid = tile < n
+            source = tl.load(sources_ptr + tile, mask=valid, other=0).to(tl.pointer_type(like_ptr.dtype.element_ty))
+            target = tl.load(targets_ptr + tile, mask=valid, other=0).to(tl.pointer_type(like_ptr.dtype.element_ty))
+            size = tl.load(sizes_ptr + tile, mask=valid, other=0)
+            if ALIGN > 1:
+                source = tl.multiple_of(source, 16)
+                target = tl.multiple_of(target, 16)
+                size = tl.multiple_of(size, ALIGN)
+            for i in range(ITERS):
+                offs = i * BLOCK + tl.arange(0, BLOCK)
+                mask = offs < size
+                tl.store(target + offs, tl.load(source + offs, mask=mask), mask=mask)
 
     @triton.jit
     def _pick(j: tl.constexpr, o0, o1, o2, o3, o4, o5, o6, o7):
@@ -551,17 +553,41 @@ def add(
         )
 
 
+COPY_BLOCK = 8192
+"""Elements the copy kernel's programs move per step (8 warps: 64-128 bytes a thread in flight)."""
+COPY_ITERS = -(-TILE // COPY_BLOCK)
+
+COPY_PROGRAMS_PER_SM = 2
+"""The copy kernel's programs per multiprocessor. A grid this size stores into NVLink as fast as a program per tile,
+and leaves room on every multiprocessor for the kernels that run beside the stores (the Gram sums and the tree's
+passes of the round before or after), where a program per tile fills them (docs/benchmarks.md, settings)."""
+
+CPU_COPY_PROGRAMS = 5
+"""The copy kernel's programs where it runs in Triton's interpreter (a few, so that programs take several tiles)."""
+
+
 def copy_tiles(table, like: torch.Tensor) -> None:
-    """Every tile of a `adasum.kernels.addresses.CopyTable` copied (bits as they are), in one kernel; `like` a
-    tensor of the table's dtype on its device. It moves 16 bytes per access where the table is aligned (`_align`'s
-    rule)."""
+    """Every tile of a `adasum.kernels.addresses.CopyTable` copied (bits as they are), in one kernel of at most
+    `COPY_PROGRAMS_PER_SM` programs per multiprocessor, each taking every grid-th tile; `like` a tensor of the
+    table's dtype on its device. It moves 16 bytes per access where the table is aligned (`_align`'s rule)."""
     if not table.n:
         return
     size = like.element_size()
-    _copy_tiles_kernel[(table.n,)](
-        like, table.sources, table.targets, table.sizes, BLOCK=BLOCK, ITERS=ITERS,
-        ALIGN=16 // size if table.aligned and _vectors(size) else 1,
+    device = like.device
+    most = (COPY_PROGRAMS_PER_SM * _multiprocessors(device.index if device.index is not None else
+                                                    torch.cuda.current_device())
+            if device.type == "cuda" else CPU_COPY_PROGRAMS)
+    programs = min(table.n, most)
+    _copy_tiles_kernel[(programs,)](
+        like, table.sources, table.targets, table.sizes, table.n, programs, BLOCK=COPY_BLOCK,
+        ITERS=COPY_ITERS, ROUNDS=_rounds(table.n, programs),
+        ALIGN=16 // size if table.aligned and _vectors(size) else 1, num_warps=8,
     )
+
+
+@functools.lru_cache(maxsize=None)
+def _multiprocessors(index: int) -> int:
+    return torch.cuda.get_device_properties(index).multi_processor_count
 
 
 GRAM_BLOCK = 512

@@ -528,7 +528,8 @@ class SymmetricSlices(Transport):
       `B`; a barrier.
 
     Each step's moves to or from every peer are **one kernel** (`adasum.kernels.triton.copy_tiles`): its tiles
-    are dealt in turn over the peers, so the multiprocessors store into all P - 1 peers at once. Moves one peer
+    are dealt in turn over the peers, so the multiprocessors store into all P - 1 peers at once, and its few programs
+    (two per multiprocessor) leave room for the next or last round's math beside it. Moves one peer
     after another (the copy engines for a flat `B`, one copy kernel per peer for a list) measured slower for
     lists and the same for one flat tensor; the gather by stores into the slots measured faster than loading
     every peer's output row (docs/benchmarks.md, settings).
