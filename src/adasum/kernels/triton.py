@@ -553,8 +553,8 @@ def add(
         )
 
 
-COPY_BLOCK = 8192
-"""Elements the copy kernel's programs move per step (8 warps: 64-128 bytes a thread in flight)."""
+COPY_BLOCK = 4096
+"""Elements the copy kernel's programs move per step (8 warps: 16 a thread, 32-64 bytes in flight)."""
 COPY_ITERS = -(-TILE // COPY_BLOCK)
 
 COPY_PROGRAMS_PER_SM = 2
