@@ -108,8 +108,8 @@ def collective_runs(rows: list[dict], labels: tuple[str, ...]) -> list[dict]:
 
 CURRENT_DEFAULTS = {
     2: "defaults, in-place ring of three slots at two ranks",
-    3: "defaults, copy kernel of two programs per multiprocessor",
-    4: "defaults, copy kernel of two programs per multiprocessor",
+    3: "defaults, copy kernel of two programs per multiprocessor, 4096 elements a step",
+    4: "defaults, copy kernel of two programs per multiprocessor, 4096 elements a step",
 }
 """The label of the collective's rows that the code of each group size runs now (the defaults' table)."""
 
