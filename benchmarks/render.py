@@ -162,7 +162,8 @@ CLAIMS = [
         "Adasum ran on the symmetric-memory transport inside one host: at two ranks VHDD (\"symmetric\"); the\n"
         "4-rank rows (20 timed steps) of 15:55 on the slice-parallel mover with one copy kernel for all peers\n"
         "(the default above two ranks), those from 17:51 on with its gather by stores, those of 2026-11-28 20:20\n"
-        "and 20:21 with its copy kernel of two programs per multiprocessor (8192 elements a step); the earlier\n"
+        "and 20:21 with its copy kernel of two programs per multiprocessor (8192 elements a step), that of 20:34\n"
+        "with 4096 elements a step (the default); the earlier\n"
         "4-rank rows on VHDD.",
         "python benchmarks/bench_e2e.py --models bert --steps 30 --warmup 5      # one process per GPU\n"
         "python benchmarks/bench_e2e.py --models resnet50 --steps 30 --warmup 5\n"
