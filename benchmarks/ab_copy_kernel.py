@@ -1,8 +1,8 @@
 """The slice mover's copy kernel (`adasum.kernels.triton.copy_tiles`) against other shapes of it, on GPUs (NCCL).
 
-Variants: ``d`` the library's kernel as it is; ``o`` a program per tile of 4 warps and 1024 elements a step (the
-kernel before the current one); ``p<G>w<W>b<B>`` G programs of W warps, B elements a step, program k copying tiles
-k, k + G, ...
+Variants, each the library's kernel launched with another shape: ``d`` as the library launches it; ``o`` a program
+per tile, 4 warps and 1024 elements a step (the shape before the current one); ``p<G>w<W>b<B>`` G programs of W warps,
+B elements a step, program k copying tiles k, k + G, ...
 
 ``--part kernel``: the scatter's pattern alone (every rank stores slice j of its buffer into peer j's symmetric memory,
 tiles of 16384 dealt over the peers in turn), each variant captured in a CUDA graph, medians of 9 replays, slowest
@@ -28,8 +28,6 @@ import sys
 
 import torch
 import torch.distributed as dist
-import triton
-import triton.language as tl
 
 import adasum
 from adasum.kernels import triton as tk
@@ -43,60 +41,21 @@ from layouts import LAYOUTS  # noqa: E402
 CURRENT = tk.copy_tiles
 
 
-@triton.jit
-def copy_strided(like_ptr, sources_ptr, targets_ptr, sizes_ptr, n, PROGRAMS, BLOCK: tl.constexpr,
-                 ITERS: tl.constexpr, ALIGN: tl.constexpr):
-    pid = tl.program_id(0)
-    for base in tl.range(0, n, PROGRAMS):
-        tile = base + pid
-        if tile < n:
-            source = tl.load(sources_ptr + tile).to(tl.pointer_type(like_ptr.dtype.element_ty))
-            target = tl.load(targets_ptr + tile).to(tl.pointer_type(like_ptr.dtype.element_ty))
-            size = tl.load(sizes_ptr + tile)
-            if ALIGN > 1:
-                source = tl.multiple_of(source, 16)
-                target = tl.multiple_of(target, 16)
-                size = tl.multiple_of(size, ALIGN)
-            for i in range(ITERS):
-                offs = i * BLOCK + tl.arange(0, BLOCK)
-                mask = offs < size
-                tl.store(target + offs, tl.load(source + offs, mask=mask), mask=mask)
-
-
-@triton.jit
-def copy_per_tile(like_ptr, sources_ptr, targets_ptr, sizes_ptr, BLOCK: tl.constexpr, ITERS: tl.constexpr,
-                  ALIGN: tl.constexpr):
-    tile = tl.program_id(0)
-    source = tl.load(sources_ptr + tile).to(tl.pointer_type(like_ptr.dtype.element_ty))
-    target = tl.load(targets_ptr + tile).to(tl.pointer_type(like_ptr.dtype.element_ty))
-    size = tl.load(sizes_ptr + tile)
-    if ALIGN > 1:
-        source = tl.multiple_of(source, 16)
-        target = tl.multiple_of(target, 16)
-        size = tl.multiple_of(size, ALIGN)
-    for i in range(ITERS):
-        offs = i * BLOCK + tl.arange(0, BLOCK)
-        mask = offs < size
-        tl.store(target + offs, tl.load(source + offs, mask=mask), mask=mask)
-
-
 def _align(table, like) -> int:
     size = like.element_size()
     return 16 // size if table.aligned and tk._vectors(size) else 1
 
 
-def per_tile(table, like) -> None:
-    if table.n:
-        copy_per_tile[(table.n,)](like, table.sources, table.targets, table.sizes, BLOCK=1024, ITERS=16,
-                                  ALIGN=_align(table, like))
-
-
-def strided(programs: int, warps: int, block: int):
+def shaped(programs: int | None, warps: int, block: int):
+    """The library's copy kernel launched with `programs` programs (None: one per tile), `warps` warps and `block`
+    elements a step."""
     def copy(table, like) -> None:
         if table.n:
-            copy_strided[(min(programs, table.n),)](
-                like, table.sources, table.targets, table.sizes, table.n, programs, BLOCK=block,
-                ITERS=-(-tk.TILE // block), ALIGN=_align(table, like), num_warps=warps)
+            grid = table.n if programs is None else min(programs, table.n)
+            tk._copy_tiles_kernel[(grid,)](
+                like, table.sources, table.targets, table.sizes, table.n, grid, BLOCK=block,
+                ITERS=-(-tk.TILE // block), ROUNDS=tk._rounds(table.n, grid), ALIGN=_align(table, like),
+                num_warps=warps)
     return copy
 
 
@@ -105,10 +64,10 @@ def parse(variant: str):
     if variant == "d":
         return CURRENT
     if variant == "o":
-        return per_tile
+        return shaped(None, 4, 1024)
     g, rest = variant[1:].split("w")
     w, b = rest.split("b")
-    return strided(int(g), int(w), int(b))
+    return shaped(int(g), int(w), int(b))
 
 
 def timed_graph(fn, dev: torch.device) -> float:
