@@ -41,21 +41,13 @@ from layouts import LAYOUTS  # noqa: E402
 CURRENT = tk.copy_tiles
 
 
-def _align(table, like) -> int:
-    size = like.element_size()
-    return 16 // size if table.aligned and tk._vectors(size) else 1
-
-
 def shaped(programs: int | None, warps: int, block: int):
     """The library's copy kernel launched with `programs` programs (None: one per tile), `warps` warps and `block`
     elements a step."""
     def copy(table, like) -> None:
         if table.n:
             grid = table.n if programs is None else min(programs, table.n)
-            tk._copy_tiles_kernel[(grid,)](
-                like, table.sources, table.targets, table.sizes, table.n, grid, BLOCK=block,
-                ITERS=-(-tk.TILE // block), ROUNDS=tk._rounds(table.n, grid), ALIGN=_align(table, like),
-                num_warps=warps)
+            tk.launch_copy(table, like, grid, warps, block, -(-tk.TILE // block))
     return copy
 
 

@@ -572,16 +572,21 @@ def copy_tiles(table, like: torch.Tensor) -> None:
     table's dtype on its device. It moves 16 bytes per access where the table is aligned (`_align`'s rule)."""
     if not table.n:
         return
-    size = like.element_size()
     device = like.device
     most = (COPY_PROGRAMS_PER_SM * _multiprocessors(device.index if device.index is not None else
                                                     torch.cuda.current_device())
             if device.type == "cuda" else CPU_COPY_PROGRAMS)
-    programs = min(table.n, most)
+    launch_copy(table, like, min(table.n, most), 8, COPY_BLOCK, COPY_ITERS)
+
+
+def launch_copy(table, like: torch.Tensor, programs: int, warps: int, block: int, iters: int) -> None:
+    """The copy kernel of `copy_tiles` over a non-empty `table` in another shape: `programs` programs (at most the
+    table's tiles) of `warps` warps, `block` elements a step, `iters` steps a tile (benchmarks compare shapes)."""
+    size = like.element_size()
     _copy_tiles_kernel[(programs,)](
-        like, table.sources, table.targets, table.sizes, table.n, programs, BLOCK=COPY_BLOCK,
-        ITERS=COPY_ITERS, ROUNDS=_rounds(table.n, programs),
-        ALIGN=16 // size if table.aligned and _vectors(size) else 1, num_warps=8,
+        like, table.sources, table.targets, table.sizes, table.n, programs, BLOCK=block, ITERS=iters,
+        ROUNDS=_rounds(table.n, programs), ALIGN=16 // size if table.aligned and _vectors(size) else 1,
+        num_warps=warps,
     )
 
 
