@@ -34,9 +34,7 @@ from adasum.kernels import triton as tk
 from adasum.kernels.addresses import CopyTable
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from bench_collective import time_pair  # noqa: E402
-
-from layouts import LAYOUTS  # noqa: E402
+from ab import alternate  # noqa: E402
 
 CURRENT = tk.copy_tiles
 
@@ -155,63 +153,19 @@ def kernel_part(variants: list[str], rank: int, world: int, dev: torch.device, l
 
 
 def ab_part(variants: list[str], cases: list[str], rank: int, world: int, dev: torch.device, log) -> None:
+    def with_copy(v: str):
+        copy = parse(v)
+
+        def run(tensors) -> None:
+            tk.copy_tiles = copy
+            adasum.all_reduce(tensors)
+        return run
+
     for case in cases:
-        ab_case(variants, case, rank, world, dev, log)
+        alternate({v: with_copy(v) for v in variants}, case, rank, world, dev, log)
         tk.copy_tiles = CURRENT
         adasum.release()
         torch.cuda.empty_cache()
-
-
-def ab_case(variants: list[str], case: str, rank: int, world: int, dev: torch.device, log) -> None:
-    lname, dname = case.split(":")
-    dtype = {"fp32": torch.float32, "bf16": torch.bfloat16}[dname]
-    shapes = [(1 << int(lname[5:]),)] if lname.startswith("flat-") else LAYOUTS[lname]()
-    g = torch.Generator(device=dev).manual_seed(rank)
-    saved = [torch.randn(s, generator=g, device=dev).to(dtype) for s in shapes]
-    ts = {v: [t.clone() for t in saved] for v in variants}
-    flat = torch.randn(sum(t.numel() for t in saved), device=dev).to(dtype)
-
-    def restore() -> None:
-        for tensors in ts.values():
-            torch._foreach_copy_(tensors, saved)
-
-    def with_(v: str):
-        copy = parse(v)
-
-        def run() -> None:
-            tk.copy_tiles = copy
-            adasum.all_reduce(ts[v])
-        return run
-
-    restore()
-    for v in variants:
-        with_(v)()
-    same = all(all(torch.equal(a, b) for a, b in zip(ts[v], ts[variants[0]])) for v in variants)
-    h = torch.stack([t.double().sum() for t in ts[variants[0]]]).sum().view(1)
-    hs = [torch.zeros_like(h) for _ in range(world)]
-    dist.all_gather(hs, h)
-    ranks = all(torch.equal(x, hs[0]) for x in hs) and same
-    first = {v: [t.clone() for t in ts[v]] for v in variants}
-    for _ in range(3):
-        restore()
-        for v in variants:
-            with_(v)()
-    repeat = all(all(torch.equal(a, b) for a, b in zip(ts[v], first[v])) for v in variants)
-    del first
-    orders = [variants[i:] + variants[:i] for i in range(len(variants))]
-    orders = (orders + [list(reversed(o)) for o in orders])[: max(4, 2 * len(variants))]
-    ratios: dict[str, list[float]] = {v: [] for v in variants}
-    for order in orders:
-        meds, _ = time_pair([with_(o) for o in order] + [lambda: dist.all_reduce(flat)], restore, dev, 7, 2)
-        nccl = meds[-1]
-        r = dict(zip(order, meds))
-        for v in variants:
-            ratios[v].append(r[v] / nccl)
-        log(f"P={world} {lname} {dname} order {'/'.join(order)}: " + "  ".join(
-            f"{v} {r[v]*1e3:.3f} ms {r[v]/nccl:.3f} x" for v in variants) + f"  nccl {nccl*1e3:.3f} ms")
-    log(f"P={world} {lname} {dname} SUMMARY medians " + " | ".join(
-        f"{v} {statistics.median(ratios[v]):.3f} ({min(ratios[v]):.3f}-{max(ratios[v]):.3f})" for v in variants)
-        + f" | variants equal {same}, ranks equal {ranks}, repeats equal {repeat}")
 
 
 def main() -> None:

@@ -184,8 +184,9 @@ def check_transports(rank, world, device, transports, log) -> list[dict]:
                     for t, src in zip(mine, every[rank]):
                         t.copy_(src)
                 adasum.all_reduce(mine, transport=None if name == "default" else name)
-                chosen = list_transport(None, None if name == "default" else name).name
-                once = world > 2 and dtype != torch.float64 and chosen == "slices"
+                nbytes = sum(math.prod(s) for s in shapes) * mine[0].element_size()
+                chosen = list_transport(None, None if name == "default" else name, nbytes).name
+                once = world > 2 and dtype != torch.float64 and chosen in ("slices", "one-shot")
                 for i, got in enumerate(mine):
                     ref = adasum.reduce([every[r][i].double() if once else every[r][i] for r in range(world)])
                     if ref.numel():
@@ -370,7 +371,8 @@ def worker(rank: int, world: int, store_path: str, args) -> None:
                 launches = host_launches(run_adasum, device)
                 row = {
                     **common, "layout": layout, "tensors": len(shapes), "dtype": dtype_name, "numel": numel,
-                    "transport": default if name == "default" else name, "default": name == "default",
+                    "transport": list_transport(None, chosen, numel * flat.element_size()).name,
+                    "default": name == "default",
                     "adasum_s": a_s, "allreduce_s": r_s, "ratio": a_s / r_s, "host_launches": launches,
                     "timer": "cuda-events" if device.type == "cuda" else "host", "repeats": repeats,
                     "adasum_all_s": a_all, "allreduce_all_s": r_all, "kept_mib": kept, "kept_after_baseline": True,

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 import adasum
-from adasum.collectives.slices import adasum_slices_, rounds, tree_on_slice_
+from adasum.collectives.slices import adasum_slices_, cut_round, rounds, tree_on_slice_
 from adasum.core.layout import Layout
 from adasum.core.tree import Tree, level_pairs
 from adasum.transport.base import split
@@ -85,14 +85,16 @@ class _RecordingMover:
 
     name, scattered, world, rank, timeout = "recording", False, 2, 0, None
 
-    def __init__(self, ahead: int, capacity: int, calls: list, in_place=None, whole: int | None = None) -> None:
+    whole = False
+
+    def __init__(self, ahead: int, capacity: int, calls: list, in_place=None, single: int | None = None) -> None:
         self.ahead, self.capacity, self.calls, self.in_place = ahead, capacity, calls, in_place
-        self.whole = capacity if whole is None else whole  # a round's elements with one round in flight
+        self.single = capacity if single is None else single  # a round's elements with one round in flight
         self.given = 0
         self.waiting: list[tuple[int, list]] = []
 
     def round_elements(self, element_size: int, ahead: int = 1) -> int:
-        return self.whole if ahead == 1 else self.capacity
+        return self.single if ahead == 1 else self.capacity
 
     def reserve(self, row: int, like, ahead: int = 1) -> None:
         self.calls.append(f"reserve {ahead}")
@@ -151,11 +153,11 @@ def test_the_schedule_scatters_rounds_ahead_and_drains_before_a_tensor_run_in_pl
         order += [f"join {k}", f"gather {k}"]
     assert calls == [f"reserve {ahead}", *order], calls
     calls.clear()  # a layout that fits one round of the whole buffer runs in one, with nothing in flight beside it
-    adasum_slices_(torch.randn(12), Layout((3, 4, 5)), _RecordingMover(ahead, 8, calls, whole=12))
+    adasum_slices_(torch.randn(12), Layout((3, 4, 5)), _RecordingMover(ahead, 8, calls, single=12))
     assert calls == ["reserve 1", "rows 0", "scatter 0", "join 0", "gather 0"], calls
 
 
-def slice_parallel(rank, world):
+def slice_parallel(rank, world, transport="slices"):
     dev = distributed.device_for(rank)
     out = {}
     # bf16 runs the tree from the Gram matrices (`adasum.collectives.slices.by_gram`; two ranks: one level, the
@@ -167,7 +169,7 @@ def slice_parallel(rank, world):
         for call in range(3):  # repeated calls on the same tensors: captured and replayed graphs on GPUs
             for t, src in zip(mine, data[rank]):
                 t.copy_(src)
-            adasum.all_reduce(mine, transport="slices")
+            adasum.all_reduce(mine, transport=transport)
         worst = _worst_error(mine, data)
         assert worst < bound, (dtype, worst)
         out[str(dtype)] = torch.cat([t.cpu().reshape(-1) for t in mine]).view(torch.uint8).numpy().tobytes()
@@ -175,18 +177,31 @@ def slice_parallel(rank, world):
 
 
 @pytest.mark.nccl
+@pytest.mark.parametrize("transport", ["slices", "one-shot"])
 @pytest.mark.parametrize("world", distributed.world_sizes(2, 3, 4) if distributed.BACKEND == "nccl" else [2, 3, 5])
-def test_slice_parallel_matches_reference_and_ranks_agree(world):
-    results = distributed.run(world, slice_parallel)
+def test_slice_parallel_matches_reference_and_ranks_agree(world, transport):
+    # one-shot: every rank runs the whole tree on every copy; its ranks are equal only if their kernels read the
+    # same rows the same way
+    results = distributed.run(world, slice_parallel, transport)
     distributed.assert_ranks_agree(results)
 
 
 @pytest.mark.nccl
+@pytest.mark.parametrize("transport", ["slices", "one-shot"])
 @pytest.mark.parametrize("world", distributed.world_sizes(2, 3, 4) if distributed.BACKEND == "nccl" else [4])
-def test_slice_parallel_in_rounds_through_a_small_budget(world):
+def test_slice_parallel_in_rounds_through_a_small_budget(world, transport):
     # a budget of a few KiB: the layout runs in many rounds, and tensors larger than a round make their own
-    results = distributed.run(world, slice_parallel, env={"ADASUM_MEMORY_MB": "0.004"})
+    results = distributed.run(world, slice_parallel, transport, env={"ADASUM_MEMORY_MB": "0.004"})
     distributed.assert_ranks_agree(results)
+
+
+def test_one_shot_rounds_give_every_rank_the_whole_round():
+    class Mover:
+        world, whole = 3, True
+
+    assert cut_round(Mover(), 10, 70) == [(10, 70)] * 3
+    Mover.whole = False
+    assert cut_round(Mover(), 10, 70) == split(10, 70, 3)
 
 
 GROWING = [200_000, 900_000, 50_000, 700_000, 300_000, 880_000]
@@ -198,7 +213,7 @@ copied the results of the round before that used the half out of them (the next 
 round's tree)."""
 
 
-def growing_rounds(rank, world, calls):
+def growing_rounds(rank, world, calls, transport):
     import hashlib
 
     dev = distributed.device_for(rank)
@@ -209,7 +224,7 @@ def growing_rounds(rank, world, calls):
     for _ in range(calls):  # the same inputs each call (an eager call, then captured and replayed graphs on GPUs)
         for t, src in zip(mine, data[rank]):
             t.copy_(src)
-        adasum.all_reduce(mine, transport="slices")
+        adasum.all_reduce(mine, transport=transport)
         flat = torch.cat([t.cpu().reshape(-1) for t in mine])
         digests.append(hashlib.sha256(flat.view(torch.uint8).numpy().tobytes()).hexdigest())
     assert len(set(digests)) == 1, f"rank {rank}: the calls' results differ: {digests}"
@@ -220,9 +235,11 @@ def growing_rounds(rank, world, calls):
 
 @pytest.mark.nccl
 @pytest.mark.parametrize("world", distributed.world_sizes(2, 3, 4) if distributed.BACKEND == "nccl" else [3])
-def test_rounds_whose_rows_grow_and_shrink_agree_across_ranks_and_calls(world):
+@pytest.mark.parametrize("transport", ["slices", "one-shot"])
+def test_rounds_whose_rows_grow_and_shrink_agree_across_ranks_and_calls(world, transport):
     calls = 8 if distributed.BACKEND == "nccl" else 2
-    results = distributed.run(world, growing_rounds, calls, env={"ADASUM_MEMORY_MB": "7.3"})
+    # one-shot: a row holds a whole round, so the same budget makes rounds of a few tensors each
+    results = distributed.run(world, growing_rounds, calls, transport, env={"ADASUM_MEMORY_MB": "7.3"})
     distributed.assert_ranks_agree(results)
 
 

@@ -40,7 +40,24 @@ def body(rank, world, transport):
         select(None, "symmetric")
     with pytest.raises(ValueError, match="transport must be one of"):
         select(None, "carrier-pigeon")
+    if world > 1:
+        assert select(None, "one-shot").whole and not select(None, "slices").whole
+        with pytest.raises(ValueError, match="no hierarchical placement"):
+            select(None, "one-shot", placed=True)
+        assert select(None, None, nbytes=8).name == "p2p"  # gloo: one-shot only where asked for
     return max(errors, default=0.0), results
+
+
+def test_one_shot_takes_buffers_whose_peer_copies_fit_the_setting():
+    from adasum.settings import override
+    from adasum.transport import one_shot
+
+    with override(one_shot_bytes=1000):
+        assert one_shot(2, 1000) and not one_shot(2, 1001)
+        assert one_shot(5, 250) and not one_shot(5, 251)  # four peers' copies of 250 bytes
+        assert not one_shot(1, 8) and not one_shot(2, None)
+    with override(one_shot_bytes=0):
+        assert not one_shot(2, 1)
 
 
 # 8 ranks (three levels) run through the same transport in test_collectives

@@ -27,7 +27,7 @@ Buffers = Literal["local", "reset", "average"]
 Scale = Literal["mean_norm", "unit"]
 """How AdaCons scales the weighted consensus direction."""
 
-TransportName = Literal["p2p", "collectives", "symmetric", "slices"]
+TransportName = Literal["p2p", "collectives", "symmetric", "slices", "one-shot"]
 """The transports a caller may name (``transport=``)."""
 
 

@@ -64,6 +64,10 @@ class Settings:
     triton_vectors: str = "1"
     """The Triton kernels' 16-byte vector accesses: "1" where aligned, "2-byte" only for 2-byte dtypes, "0" never
     (``ADASUM_TRITON_VECTORS``)."""
+    one_shot_bytes: int = 4 << 20
+    """The default's one-shot limit on NCCL inside one host (``ADASUM_ONE_SHOT_BYTES``): a buffer whose copies from
+    every peer take at most this many bytes (``(P - 1) x`` its bytes) runs one-shot, every rank taking every copy
+    whole and running the tree itself (`adasum.collectives.slices`); 0: never."""
     memory_mb: float = 512.0
     """Device memory adasum may keep per process, in MiB (``ADASUM_MEMORY_MB``): every transport's buffers (the
     symmetric transports' staging, the slice-parallel movers' rows and ring, on symmetric memory or c10d) fit in it,
@@ -98,13 +102,14 @@ class Settings:
             symmetric_chunk_bytes=_int(env, "ADASUM_SYMMETRIC_CHUNK_BYTES", 32 << 20),
             symmetric_max_chunks=_int(env, "ADASUM_SYMMETRIC_MAX_CHUNKS", 4),
             triton_vectors=env.get("ADASUM_TRITON_VECTORS", "1"),
+            one_shot_bytes=_int(env, "ADASUM_ONE_SHOT_BYTES", 4 << 20),
             memory_mb=float(env.get("ADASUM_MEMORY_MB", 512.0)),
         )
 
 
 _SHAPING = (
     "transport_first", "piece_elements", "deferred_checks", "symmetric_push", "symmetric_chunks",
-    "symmetric_chunk_bytes", "symmetric_max_chunks", "memory_mb",
+    "symmetric_chunk_bytes", "symmetric_max_chunks", "one_shot_bytes", "memory_mb",
 )
 """The `Settings.shaping` fields; the others are local (graphs, kernels' vector loads, where this rank is) or agreed
 elsewhere (``symmetric``: `adasum.transport.symmetric.SymmetricPool.supported`)."""

@@ -55,10 +55,11 @@ def all_reduce(
     tensors unchanged.
 
     `transport` names how bytes move: "p2p" (c10d point-to-point), "collectives" (NCCL, the gather
-    as one all-gather), "symmetric" (NVLink symmetric memory); None picks the fastest the group
-    supports (`adasum.transport.select`); a `adasum.transport.base.Transport` object is used as
-    it is (a wrapping transport injects faults in tests). On GPUs, repeated calls on the same tensors replay a
-    captured CUDA graph of the whole call (`adasum.transport.graphs`): the same tensor objects at the same
+    as one all-gather), "symmetric" (NVLink symmetric memory), "slices" (the slice-parallel schedule, any number
+    of ranks), "one-shot" (every rank takes every copy whole and runs the tree itself); None picks the fastest the
+    group supports for each dtype's bytes (`adasum.transport.select`); a `adasum.transport.base.Transport` object
+    is used as it is (a wrapping transport injects faults in tests). On GPUs, repeated calls on the same tensors
+    replay a captured CUDA graph of the whole call (`adasum.transport.graphs`): the same tensor objects at the same
     addresses with the same numbers of elements (each tensor is combined as one vector of its elements, so a
     view changed in place over the same memory, ``t_()`` or ``squeeze_()``, replays too), and new tensors at
     the same addresses with the same dtypes, shapes and strides (gradients re-made after
@@ -116,7 +117,7 @@ def all_reduce(
         plan.fusion = fusion(tensors, chosen)
 
     def run() -> None:
-        adasum_list_(tensors, group, chosen)
+        adasum_list_(tensors, group, chosen, transport)
 
     key = comm.run(plan.key, tensor_key(tensors), run, group_device(group), first=tensors[0] if tensors else None)
     handle = comm.graphs.handle(key)
@@ -124,22 +125,38 @@ def all_reduce(
         remember(comm, _Last.of(tensors, transport, handle, plan))
 
 
-def list_transport(group: dist.ProcessGroup | None, name: str | Transport | None = None) -> Transport:
+def list_transport(
+    group: dist.ProcessGroup | None, name: str | Transport | None = None, nbytes: int | None = None
+) -> Transport:
     """The transport a list is combined on: `name` (or that very transport), or the fastest the group supports
     (every rank a leader of the tree where the group is a power of two; the slice-parallel schedule serves any
-    size)."""
+    size; `nbytes`, one dtype's bytes, if given: one-shot where they are few, `adasum.transport.one_shot`)."""
     if isinstance(name, Transport):
         return name
     world = dist.get_world_size(group)
-    return transport_for(group, name, world & (world - 1) == 0)
+    return transport_for(group, name, world & (world - 1) == 0, nbytes=nbytes)
 
 
-def adasum_list_(tensors: Sequence[torch.Tensor], group: dist.ProcessGroup | None, transport: Transport) -> None:
-    """Per-tensor Adasum of checked `tensors` in place: one flat buffer per dtype (`fused_per_dtype`; a list the
-    transport reads in place is not copied) through the VHDD schedule on `transport`."""
-    fused_per_dtype(
-        tensors, lambda flat, sizes: adasum_flat_(flat, sizes, group, transport=transport), transport, group=group
-    )
+def adasum_list_(
+    tensors: Sequence[torch.Tensor], group: dist.ProcessGroup | None, transport: Transport,
+    name: str | Transport | None = None,
+) -> None:
+    """Per-tensor Adasum of checked `tensors` in place: one flat buffer per dtype (`fused_per_dtype`, fused as
+    `transport` takes them; a list it reads in place is not copied) through the schedule of `name` (a name or a
+    transport; None: the default for each dtype's bytes, which runs small ones one-shot on a transport that takes
+    the same fusion, `adasum.transport.select`)."""
+    named = transport if name is None and not _may_run_one_shot(transport) else name
+
+    def combine(flat, sizes) -> None:
+        adasum_flat_(flat, sizes, group, transport=named)
+
+    fused_per_dtype(tensors, combine, transport, group=group)
+
+
+def _may_run_one_shot(transport: Transport) -> bool:
+    """Whether the default may run a dtype's buffer one-shot instead of on `transport` (the default for the whole
+    list): where that is the slice-parallel or symmetric transport, whose fusion the one-shot mover takes too."""
+    return transport.name in ("symmetric", "slices") and transport.scattered
 
 
 _numel = torch.Tensor.numel

@@ -15,6 +15,13 @@ Per round (a run of whole tensors of the layout, at most what the mover's buffer
    sums, an all-reduce and a combination pass per level.
 3. The mover hands slice r's result to every rank (`SliceMover.gather`).
 
+**One-shot** (a mover with ``whole``): every rank's slice is the whole round. The scatter brings every rank's
+whole copy to every rank (``N (P-1)`` elements in per rank), each rank runs the whole tree itself from sums that
+need no all-reduce, and the gather only writes the result where it belongs. Ranks end bitwise equal because each
+runs the same kernels on the same rows, laid out alike in every rank's buffer. It moves more bytes than the two
+shots above P = 2 (as many at P = 2) but takes no all-reduce and no second exchange: the default for small
+buffers (`adasum.transport.select`).
+
 A mover may keep rounds in flight (`SliceMover.ahead`; the symmetric one keeps two, in two halves of its
 buffer): the schedule then scatters round k + 1 before it runs round k's tree and gather, so the next round's
 moves run beside this round's math. A layout that fits one round of the whole buffer runs in one.
@@ -69,6 +76,7 @@ class SliceMover(Protocol):
     timeout: timedelta | None  # how long a transfer may wait for a peer (None: the group's)
     in_place: InPlaceMover | None
     ahead: int  # rounds in flight: with 2, round k + 1 is scattered before round k's tree runs
+    whole: bool  # one-shot (module doc): every rank's slice is the whole round
 
     def round_elements(self, element_size: int, ahead: int = 1) -> int | None:
         """The most elements one round should hold with `ahead` rounds in flight (None: no limit)."""
@@ -160,11 +168,17 @@ def slice_rounds(layout: Layout, mover: SliceMover, like, most: int | None = Non
     for first, end, lo, hi in rounds(layout.sizes, capacity):
         if hi > lo:
             alone = runs_in_place(mover.in_place, capacity, lo, hi)
-            cut.append((first, end, lo, hi, None if alone else split(lo, hi, mover.world)))
+            cut.append((first, end, lo, hi, None if alone else cut_round(mover, lo, hi)))
     rows = [b - a for *_, bounds in cut if bounds is not None for a, b in bounds]
     if rows:
         mover.reserve(max(rows), like, ahead)
     return cut, ahead
+
+
+def cut_round(mover: SliceMover, lo: int, hi: int) -> list[tuple[int, int]]:
+    """Every rank's slice of a round over elements [lo, hi): P aligned slices, or the whole round for every rank
+    where the mover is one-shot (module doc)."""
+    return [(lo, hi)] * mover.world if mover.whole else split(lo, hi, mover.world)
 
 
 def _columns(layout: Layout, lo: int, hi: int, first_tensor: int) -> tuple[slice, list[int]]:
@@ -304,6 +318,10 @@ def tree_on_slice_(
     return finish_level
 
 
+def _complete(sums: torch.Tensor) -> None:
+    """The sums of a one-shot round: this rank's are the whole round's, nothing to add."""
+
+
 def _start(buffer, layout: Layout, mover: SliceMover, tensors: tuple[int, int], bounds, across, offset: int):
     """One round of `adasum_slices_` (module doc) up to its scatter: `bounds` every rank's slice of `buffer`
     (positions of `layout`), `tensors` the round's tensor range; `offset` where `buffer` starts in the caller's
@@ -321,8 +339,10 @@ def _start(buffer, layout: Layout, mover: SliceMover, tensors: tuple[int, int], 
     def rest() -> None:
         if join is not None:
             join()
-        # two tiers (`across`): the mover's sums are one host's, the levels across hosts record theirs
-        finish = tree_on_slice_(parts, layout, where, tree, mover.all_reduce_sums, tensors, sums, across is None)
+        # two tiers (`across`): the mover's sums are one host's, the levels across hosts record theirs; one-shot:
+        # every rank's sums are the whole round's already
+        add_up = _complete if mover.whole else mover.all_reduce_sums
+        finish = tree_on_slice_(parts, layout, where, tree, add_up, tensors, sums, across is None)
         if across is None:
             mover.gather(buffer, bounds, finish)
             return

@@ -53,7 +53,7 @@ from adasum.core.layout import Layout, Scattered
 from adasum.core.tree import Tree
 from adasum.kernels import combine_from_sums, dot_and_norms
 from adasum.settings import current
-from adasum.transport import select
+from adasum.transport import one_shot, select
 from adasum.transport.base import GatherStep, Level, Transport, aligned_cut
 from adasum.transport.groups import communicator, failures_named
 
@@ -126,13 +126,17 @@ class Placement:
 
 
 def transport_for(
-    group: dist.ProcessGroup | None, name: str | None, whole_group: bool, placed: bool = False
+    group: dist.ProcessGroup | None, name: str | None, whole_group: bool, placed: bool = False,
+    nbytes: int | None = None,
 ) -> Transport:
-    """The transport `adasum.transport.select` picks, built once per group (its `Communicator`) and choice."""
+    """The transport `adasum.transport.select` picks (for a buffer of `nbytes` bytes, if given: a small one may run
+    one-shot), built once per group (its `Communicator`) and choice."""
     pieces = current().piece_elements
+    small = name is None and not placed and one_shot(dist.get_world_size(group), nbytes)
     return communicator(group).transport(
-        (name, whole_group, placed, pieces),
-        lambda: select(group, name, whole_group=whole_group, placed=placed, piece_elements=pieces),
+        (name, whole_group, placed, pieces, small),
+        lambda: select(group, name, whole_group=whole_group, placed=placed, piece_elements=pieces,
+                       nbytes=nbytes if small else None),
     )
 
 
@@ -180,10 +184,11 @@ def adasum_flat_(
         return
     tree = Tree(world)
     if not isinstance(transport, Transport):
-        transport = transport_for(group, transport, placement is None and tree.folded == 0, placement is not None)
-    slice_parallel = transport.name == "slices"
+        transport = transport_for(group, transport, placement is None and tree.folded == 0, placement is not None,
+                                  buffer.numel() * buffer.element_size())
+    slice_parallel = transport.name in ("slices", "one-shot")
     if slice_parallel and placement is not None:
-        raise ValueError("transport='slices' runs the tree over the whole group (no hierarchical placement)")
+        raise ValueError(f"transport={transport.name!r} runs the tree over the whole group (no hierarchical placement)")
     if isinstance(buffer, Scattered) and not (
         transport.scattered and (tree.folded == 0 or slice_parallel) and placement is None
     ):
@@ -194,7 +199,7 @@ def adasum_flat_(
 
     def run() -> None:
         if slice_parallel:
-            mover = cast(SliceMover, transport)  # transport.name == "slices"
+            mover = cast(SliceMover, transport)  # transport.name is "slices" or "one-shot"
             with failures_named("adasum.all_reduce", "the slice-parallel schedule", group, mover.timeout):
                 adasum_slices_(buffer, layout, mover)
             return

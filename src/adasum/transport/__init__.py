@@ -16,14 +16,17 @@ from adasum.transport.groups import group_timeout
 
 TRANSPORTS = choices(TransportName)
 """The transports a caller may name (``transport=``). "slices" is the slice-parallel schedule
-(`adasum.collectives.slices`): on symmetric memory inside one NVLink host, elsewhere on c10d point-to-point."""
+(`adasum.collectives.slices`): on symmetric memory inside one NVLink host, elsewhere on c10d point-to-point;
+"one-shot" the same schedule with every rank's slice the whole buffer (every rank takes every copy whole and runs
+the tree itself)."""
 
 NCCL_PREFERENCE = ("symmetric", "slices", "p2p")
 """The default on NCCL: the first of these the group supports (docs/benchmarks.md: inside one host,
 "symmetric" for two ranks, "slices" for more); "collectives" needs a power-of-two group, "symmetric" one too and,
 as a default, a group of two (`DEFAULT_SYMMETRIC_WORLD`), "slices" and "symmetric" one host with NVLink, "p2p"
-runs everywhere. The test suite puts another transport first (`adasum.settings.Settings.transport_first`,
-``ADASUM_TEST_TRANSPORT``): `preference`."""
+runs everywhere. A buffer small enough for `one_shot` runs "one-shot" instead where "slices" could run. The test
+suite puts another transport first (`adasum.settings.Settings.transport_first`, ``ADASUM_TEST_TRANSPORT``):
+`preference`."""
 
 DEFAULT_SYMMETRIC_WORLD = 2
 """The group size "symmetric" (VHDD's levels, one peer at a time) is the default for; above it "slices" measured
@@ -39,6 +42,14 @@ def preference() -> tuple[str, ...]:
     return (first, *(t for t in NCCL_PREFERENCE if t != first))
 
 
+def one_shot(world: int, nbytes: int | None) -> bool:
+    """Whether the default runs a buffer of `nbytes` bytes one-shot over `world` ranks (where "slices" could run
+    it): the copies every rank takes from its peers, ``(world - 1) nbytes``, are at most the ``one_shot_bytes``
+    setting (docs/benchmarks.md measures where one-shot is faster). Every rank decides alike: the buffers' sizes
+    are the layout's, the setting equal on every rank (`adasum.settings.Settings.shaping`)."""
+    return nbytes is not None and world > 1 and (world - 1) * nbytes <= current().one_shot_bytes
+
+
 def select(
     group: dist.ProcessGroup | None,
     name: str | None = None,
@@ -47,13 +58,15 @@ def select(
     placed: bool = False,
     post_fn: Callable = post,
     piece_elements: tuple[int, int] = (1 << 20, 1 << 25),
+    nbytes: int | None = None,
 ) -> Transport:
     """The transport for a schedule over `group`: `name` if given, else the fastest the group
-    supports (gloo: "p2p"; NCCL: `preference()`). `whole_group`: every rank of the group is a
+    supports (gloo: "p2p"; NCCL: `preference()`, or "one-shot" for a buffer of `nbytes` bytes small enough for
+    `one_shot` where "slices" could run). `whole_group`: every rank of the group is a
     leader of the tree (a power-of-two group, no placement), which "collectives" and "symmetric"
     need; `placed`: the tree runs over a placement inside the group (hierarchical mode), which only the
-    VHDD transports serve ("slices" needs every rank, any number of them). Asking for one the group cannot run
-    raises ValueError on every rank."""
+    VHDD transports serve ("slices" and "one-shot" need every rank, any number of them). Asking for one the group
+    cannot run raises ValueError on every rank."""
     nccl = dist.get_backend(group) == "nccl"
     if name is None:
         name = "p2p"
@@ -61,7 +74,8 @@ def select(
             from adasum.transport import symmetric
 
             world = dist.get_world_size(group)
-            for candidate in preference():
+            small = one_shot(world, nbytes) and not current().transport_first and symmetric.supported(group)
+            for candidate in ("one-shot",) * small + preference():
                 needs_whole = candidate in ("symmetric", "collectives")
                 needs_host = candidate in ("symmetric", "slices")
                 named = candidate == current().transport_first
@@ -72,16 +86,17 @@ def select(
     if name not in TRANSPORTS:
         raise ValueError(f"transport must be one of {list(TRANSPORTS)} or None, got {name!r}")
     timeout = None if nccl else group_timeout(group)
-    if name == "slices":
+    if name in ("slices", "one-shot"):
         if placed:
-            raise ValueError("transport='slices' runs the tree over the whole group (no hierarchical placement)")
+            raise ValueError(f"transport={name!r} runs the tree over the whole group (no hierarchical placement)")
         from adasum.transport import symmetric
 
+        whole = name == "one-shot"
         if nccl and symmetric.supported(group):
-            return symmetric.SymmetricSlices(group)
+            return symmetric.SymmetricSlices(group, whole=whole)
         from adasum.transport.slices import C10dSlices
 
-        return C10dSlices(group, timeout)
+        return C10dSlices(group, timeout, whole=whole)
     if name == "p2p":
         return PointToPointC10d(group, 4 * piece_elements[nccl], timeout, post_fn)
     if not nccl or not whole_group:

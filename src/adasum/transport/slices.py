@@ -3,7 +3,8 @@ slice reaches its owner, and how the owner's result reaches every rank.
 
 `C10dSlices` moves them with c10d point-to-point (any backend; on gloo it waits at most the group's
 timeout): the scatter is one batch of sends and receives with every peer into a receive workspace
-of ``P x slice`` elements, the gather one batch of the finished slice to every peer.
+of ``P x slice`` elements, the gather one batch of the finished slice to every peer; one-shot (``whole``), the
+slice is the whole round and the gather moves nothing.
 `adasum.transport.symmetric.SymmetricSlices` does the same with loads and stores into peers'
 symmetric memory on NVLink. Their in-place movers (`C10dInPlace`, `adasum.transport.symmetric.SymmetricInPlace`:
 `InPlace`) run a single tensor larger than a round through a ring of fixed size.
@@ -77,6 +78,7 @@ class InPlace:
     name = "slices"
     scattered = False
     ahead = 1  # one round in flight (`adasum.collectives.slices.SliceMover`)
+    whole = False  # slices cut by `cut`, not one-shot
 
     def __init__(self, world: int, rank: int) -> None:
         self.world = world
@@ -196,14 +198,18 @@ class C10dInPlace(InPlace, Transport):
 
 
 class C10dSlices(Transport):
-    """The slice-parallel movers' protocol (`adasum.collectives.slices.SliceMover`) on c10d point-to-point."""
+    """The slice-parallel movers' protocol (`adasum.collectives.slices.SliceMover`) on c10d point-to-point; with
+    `whole`, one-shot (every rank receives every peer's whole round)."""
 
     name = "slices"
+    whole = False  # one-shot (`adasum.collectives.slices`): set by the constructor
     scattered = False
     ahead = 1  # one round in flight: a round's receives are waited for before its tree
 
-    def __init__(self, group: dist.ProcessGroup | None, timeout: timedelta | None) -> None:
+    def __init__(self, group: dist.ProcessGroup | None, timeout: timedelta | None, whole: bool = False) -> None:
         super().__init__(group)
+        if whole:
+            self.whole, self.name = True, "one-shot"
         self.world = dist.get_world_size(group)
         self.rank = dist.get_rank(group)
         self.timeout = timeout
@@ -211,8 +217,10 @@ class C10dSlices(Transport):
         self._in_place: C10dInPlace | None = None
 
     def round_elements(self, element_size: int, ahead: int = 1) -> int:
-        """The most elements one round holds within the memory budget (one round in flight)."""
-        return round_elements(self.world, self.world, element_size)
+        """The most elements one round holds within the memory budget (one round in flight; one-shot, a row holds
+        the whole round)."""
+        most = round_elements(self.world, self.world, element_size)
+        return max(1, most // self.world) if self.whole else most
 
     @property
     def in_place(self) -> C10dInPlace:
@@ -255,8 +263,11 @@ class C10dSlices(Transport):
         dist.all_reduce(sums, group=self.group)
 
     def gather(self, buffer: torch.Tensor, bounds: Sequence[tuple[int, int]], finish) -> None:  # type: ignore[override]
-        """Write this rank's result slice, then exchange every rank's slice with every peer."""
+        """Write this rank's result slice, then exchange every rank's slice with every peer (one-shot: every rank
+        wrote the whole round)."""
         lo, hi = bounds[self.rank]
         finish(0, hi - lo, [buffer[lo:hi]])
+        if self.whole:
+            return
         peers = [j for j in range(self.world) if j != self.rank]
         self._batch([(buffer[lo:hi], j) for j in peers], [(buffer[bounds[j][0] : bounds[j][1]], j) for j in peers])

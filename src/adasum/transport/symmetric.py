@@ -527,6 +527,11 @@ class SymmetricSlices(Transport):
       (`early_copy_out`); a barrier; then one kernel copies the other peers' results out of r's receive rows into
       `B`; a barrier.
 
+    One-shot (``whole``; `adasum.collectives.slices`): every rank's slice is the whole round, so the scatter stores
+    this rank's whole copy into row r of every peer's half, and into its own row r too (the rows then lie alike in
+    every rank's buffer, so every rank's kernels read the same rows the same way and the ranks end bitwise equal);
+    the tree's last pass writes the result into `B`, and one barrier (every rank has read its rows) ends the round.
+
     Each step's moves to or from every peer are **one kernel** (`adasum.kernels.triton.copy_tiles`): its tiles
     are dealt in turn over the peers, so the multiprocessors store into all P - 1 peers at once, and its few programs
     (two per multiprocessor) leave room for the next or last round's math beside it. Moves one peer
@@ -539,6 +544,7 @@ class SymmetricSlices(Transport):
     synchronises the host."""
 
     name = "slices"
+    whole = False  # one-shot (`adasum.collectives.slices`): set by the constructor
     scattered = True
     timeout = None
     ahead = 2
@@ -554,8 +560,10 @@ class SymmetricSlices(Transport):
     """Pieces per slice at most (one per `CHUNK_BYTES`): one, since cutting the rounds into 4 pieces with the math
     of one piece on a side stream measured slower (the kernels beside the moves share the multiprocessors)."""
 
-    def __init__(self, group: dist.ProcessGroup | None, backend=None) -> None:
+    def __init__(self, group: dist.ProcessGroup | None, backend=None, whole: bool = False) -> None:
         super().__init__(group)
+        if whole:
+            self.whole, self.name = True, "one-shot"
         self.world = dist.get_world_size(group)
         self.rank = dist.get_rank(group)
         self.pool = pool(group, backend)  # the group's buffers (`backend`: see `SymmetricPool`)
@@ -567,8 +575,9 @@ class SymmetricSlices(Transport):
 
     def round_elements(self, element_size: int, ahead: int = 1) -> int:
         """The most elements one round holds within the memory budget with the buffer cut into `ahead` halves (each:
-        P receive rows, an output row)."""
-        return round_elements(self.world, ahead * (self.world + 1), element_size)
+        P receive rows, an output row; one-shot, a row holds the whole round)."""
+        most = round_elements(self.world, ahead * (self.world + 1), element_size)
+        return max(1, most // self.world) if self.whole else most
 
     def reserve(self, row: int, like, ahead: int = 1) -> None:
         """Make the buffer hold `ahead` halves of rows of `row` elements like `like` (the largest round of a layout,
@@ -595,7 +604,7 @@ class SymmetricSlices(Transport):
         self._rounds.append(state)
         lo, hi = bounds[self.rank]
         rows = [shared[state.at(j) : state.at(j) + hi - lo] for j in range(self.world)]
-        if isinstance(buffer, torch.Tensor):  # its own copy is read (and overwritten by the tree) where it lies
+        if isinstance(buffer, torch.Tensor) and not self.whole:  # its own copy is read (and overwritten) where it lies
             rows[self.rank] = buffer[lo:hi]
         return [(0, rows)]
 
@@ -625,7 +634,7 @@ class SymmetricSlices(Transport):
         stores = side_stream(shared.device, "stores") if in_flight else main
         side = side_stream(shared.device, "copies")
         peers = {j: self.pool.peer_view(handle, j, shared.numel(), shared.dtype) for j in self._order()}
-        if not isinstance(buffer, torch.Tensor):  # a list: its own copy is staged in its row like the peers'
+        if not isinstance(buffer, torch.Tensor) or self.whole:  # its own copy staged in its row like the peers'
             peers[me] = shared
         pieces = {j: self._pieces(row, bounds[j][1] - bounds[j][0], element_size) for j in [me, *peers]}
         mine = pieces[me]
@@ -671,6 +680,10 @@ class SymmetricSlices(Transport):
 
         lo, hi = bounds[me]
         size = hi - lo
+        if self.whole:  # every rank wrote the whole round into `B`
+            finish(0, size, [_slice(buffer, lo, hi, self.tiles)])
+            handle.barrier(channel=0)  # every rank has read its rows: the next round (or call) may store into them
+            return
         first, *rest = peers
 
         def out(j: int):  # sender j's result, from its slot in this rank's buffer into `B`

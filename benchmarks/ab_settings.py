@@ -1,0 +1,77 @@
+"""Settings of `adasum.all_reduce` against each other and NCCL, alternated in one run (`ab.alternate`), on GPUs.
+
+Each variant is ``label:field=value,...`` over `adasum.settings.Settings` fields (``label`` alone: the defaults),
+applied with `adasum.settings.override` around the variant's calls on its own tensors (a schedule-shaping field
+makes a plan and a graph of its own). Variants that change the schedule need not give the same bits; each must give
+ranks bitwise equal.
+
+    torchrun --standalone --nproc-per-node 2 benchmarks/ab_settings.py \\
+        --variants d two:one_shot_bytes=0 one:one_shot_bytes=1073741824 --cases flat-20:fp32,resnet50:bf16
+"""
+
+from __future__ import annotations
+
+import argparse
+import ast
+import os
+import sys
+
+import torch
+import torch.distributed as dist
+
+import adasum
+from adasum.settings import override
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from ab import alternate  # noqa: E402
+
+
+def parse(variant: str) -> tuple[str, dict[str, object]]:
+    """(label, the settings it changes) of ``label:field=value,...``."""
+    label, _, rest = variant.partition(":")
+    changes: dict[str, object] = {}
+    for item in filter(None, rest.split(",")):
+        field, value = item.split("=", 1)
+        try:
+            changes[field] = ast.literal_eval(value)
+        except (ValueError, SyntaxError):
+            changes[field] = value
+    return label, changes
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--variants", nargs="+", default=["d"])
+    p.add_argument("--cases", default="flat-20:fp32,flat-24:fp32,resnet50:bf16",
+                   help="layout:dtype, layout one of resnet50, bert-large, flat-<log2 elements>")
+    args = p.parse_args()
+    dist.init_process_group("nccl")
+    rank, world = dist.get_rank(), dist.get_world_size()
+    torch.cuda.set_device(rank)
+    dev = torch.device("cuda", rank)
+    dist.all_reduce(torch.ones(1, device=dev))
+
+    def log(s: str) -> None:
+        if rank == 0:
+            print(s, flush=True)
+
+    def with_settings(changes: dict[str, object]):
+        def run(tensors) -> None:
+            with override(**changes):
+                adasum.all_reduce(tensors)
+        return run
+
+    variants = dict(parse(v) for v in args.variants)
+    log("variants: " + "; ".join(f"{k} {v or 'defaults'}" for k, v in variants.items()))
+    for case in args.cases.split(","):
+        alternate({k: with_settings(v) for k, v in variants.items()}, case, rank, world, dev, log, same_bits=False)
+        adasum.release()
+        torch.cuda.empty_cache()
+    torch.cuda.synchronize()
+    dist.barrier()
+    sys.stdout.flush()
+    os._exit(0)
+
+
+if __name__ == "__main__":
+    main()
