@@ -107,11 +107,24 @@ def collective_runs(rows: list[dict], labels: tuple[str, ...]) -> list[dict]:
 
 
 CURRENT_DEFAULTS = {
-    2: "defaults, in-place ring of three slots at two ranks",
-    3: "defaults, copy kernel of two programs per multiprocessor, 4096 elements a step",
-    4: "defaults, copy kernel of two programs per multiprocessor, 4096 elements a step",
+    2: ("defaults, in-place ring of three slots at two ranks", "defaults, one-shot below 4 MiB"),
+    3: ("defaults, copy kernel of two programs per multiprocessor, 4096 elements a step",),
+    4: ("defaults, copy kernel of two programs per multiprocessor, 4096 elements a step",),
 }
-"""The label of the collective's rows that the code of each group size runs now (the defaults' table)."""
+"""The labels of the collective's rows whose code each group size runs now (the defaults' table): of each case, the
+rows of the transport that its latest row names (`current_rows`)."""
+
+
+def current_rows(rows: list[dict]) -> list[dict]:
+    """The defaults' rows of the code each group size runs now: rows of its `CURRENT_DEFAULTS` labels, of each case
+    (P, card, layout, dtype) those of the transport its latest such row names (an older label's rows of a case that
+    another transport runs now are left out)."""
+    def case(r: dict) -> tuple:
+        return r["world_size"], r["device"], r["layout"], r["dtype"]
+
+    mine = [r for r in rows if r.get("label") in CURRENT_DEFAULTS.get(r.get("world_size"), ())]
+    latest = {case(r): r["transport"] for r in mine}  # the file is in run order
+    return [r for r in mine if r["transport"] == latest[case(r)]]
 
 
 def runs_per_case(rows: list[dict], case: Callable[[dict], tuple]) -> list[dict]:
@@ -279,7 +292,9 @@ CLAIMS = [
         "the rows before the rows' kernel, label \"defaults, early copy-out and sizes in the replay check\", are in\n"
         "collective.jsonl: P = 4 flat 2^26 fp32 1.14 x, bf16 1.23 x, ResNet-50 bf16 1.41 x, BERT-Large bf16 1.30 x;\n"
         "P = 3 flat 2^26 bf16 1.26 x, BERT-Large bf16 1.33 x, in a run of their own); P = 2 on 2 x H200\n"
-        "(label \"defaults, sizes rather than shapes in the replay check\"): the push protocol. Both replay a\n"
+        "(labels \"defaults, in-place ring of three slots at two ranks\" and \"defaults, one-shot below 4 MiB\"):\n"
+        "the push protocol, and one-shot for flat 2^20 (each case's rows are those of the transport it runs now).\n"
+        "Both replay a\n"
         "repeated list call after checking the numbers of elements of the last call's own tensors rather than their\n"
         "shapes. In an A/B of one run on 4 x H100, P = 4, the Gram form against level by level: flat 2^26 fp32\n"
         "1.20 x against 1.34 x, ResNet-50 1.36 x against 1.51 x, BERT-Large 1.34 x against 1.45 x; bf16 1.25 x\n"
@@ -289,8 +304,7 @@ CLAIMS = [
         "    --label \"defaults, Gram sums by rows\"  # P = 3, 4 (2: the label above)",
         "collective.jsonl",
         lambda rows: sorted(
-            runs_per_case([r for r in rows if r.get("label") == CURRENT_DEFAULTS.get(r.get("world_size"))],
-                          lambda r: (r["world_size"], r["device"], r["layout"], r["dtype"])),
+            runs_per_case(current_rows(rows), lambda r: (r["world_size"], r["device"], r["layout"], r["dtype"])),
             key=lambda r: r["world_size"]),
         [("world_size", "P"), ("device", "card"), ("transport", "transport"), ("layout", "layout"), ("dtype", "dtype"),
          ("adasum_ms", "adasum ms"), ("allreduce_ms", "all_reduce ms"), ("ratio", "ratio"),
