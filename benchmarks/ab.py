@@ -8,7 +8,9 @@ after back-to-back repeats."""
 
 from __future__ import annotations
 
+import os
 import statistics
+import sys
 from collections.abc import Callable
 
 import torch
@@ -80,3 +82,26 @@ def alternate(
     log(f"P={world} {lname} {dname} SUMMARY medians " + " | ".join(
         f"{v} {statistics.median(ratios[v]):.3f} ({min(ratios[v]):.3f}-{max(ratios[v]):.3f})" for v in names)
         + f" | {equal}, ranks equal {ranks}, repeats equal {repeat}")
+
+
+def start() -> tuple[int, int, torch.device, Callable[[str], None]]:
+    """Join the NCCL group torchrun started: (rank, world size, this rank's GPU, a log that rank 0 prints)."""
+    dist.init_process_group("nccl")
+    rank, world = dist.get_rank(), dist.get_world_size()
+    torch.cuda.set_device(rank)
+    dev = torch.device("cuda", rank)
+    dist.all_reduce(torch.ones(1, device=dev))
+
+    def log(s: str) -> None:
+        if rank == 0:
+            print(s, flush=True)
+
+    return rank, world, dev, log
+
+
+def finish() -> None:
+    """Drain the device and the ranks, then exit at once (no teardown of the groups to wait for)."""
+    torch.cuda.synchronize()
+    dist.barrier()
+    sys.stdout.flush()
+    os._exit(0)

@@ -34,7 +34,7 @@ from adasum.kernels import triton as tk
 from adasum.kernels.addresses import CopyTable
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from ab import alternate  # noqa: E402
+from ab import alternate, finish, start  # noqa: E402
 
 CURRENT = tk.copy_tiles
 
@@ -175,25 +175,13 @@ def main() -> None:
     p.add_argument("--cases", default="bert-large:bf16,bert-large:fp32,resnet50:bf16,flat-26:bf16,flat-24:fp32",
                    help="layout:dtype, layout one of resnet50, bert-large, flat-<log2 elements>")
     args = p.parse_args()
-    dist.init_process_group("nccl")
-    rank, world = dist.get_rank(), dist.get_world_size()
-    torch.cuda.set_device(rank)
-    dev = torch.device("cuda", rank)
-    dist.all_reduce(torch.ones(1, device=dev))
-
-    def log(s: str) -> None:
-        if rank == 0:
-            print(s, flush=True)
-
+    rank, world, dev, log = start()
     variants = args.variants.split(",")
     if args.part == "kernel":
         kernel_part(variants, rank, world, dev, log)
     else:
         ab_part(variants, args.cases.split(","), rank, world, dev, log)
-    torch.cuda.synchronize()
-    dist.barrier()
-    sys.stdout.flush()
-    os._exit(0)
+    finish()
 
 
 if __name__ == "__main__":

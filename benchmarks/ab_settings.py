@@ -17,13 +17,12 @@ import os
 import sys
 
 import torch
-import torch.distributed as dist
 
 import adasum
 from adasum.settings import override
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from ab import alternate  # noqa: E402
+from ab import alternate, finish, start  # noqa: E402
 
 
 def parse(variant: str) -> tuple[str, dict[str, object]]:
@@ -45,15 +44,7 @@ def main() -> None:
     p.add_argument("--cases", default="flat-20:fp32,flat-24:fp32,resnet50:bf16",
                    help="layout:dtype, layout one of resnet50, bert-large, flat-<log2 elements>")
     args = p.parse_args()
-    dist.init_process_group("nccl")
-    rank, world = dist.get_rank(), dist.get_world_size()
-    torch.cuda.set_device(rank)
-    dev = torch.device("cuda", rank)
-    dist.all_reduce(torch.ones(1, device=dev))
-
-    def log(s: str) -> None:
-        if rank == 0:
-            print(s, flush=True)
+    rank, world, dev, log = start()
 
     def with_settings(changes: dict[str, object]):
         def run(tensors) -> None:
@@ -67,10 +58,7 @@ def main() -> None:
         alternate({k: with_settings(v) for k, v in variants.items()}, case, rank, world, dev, log, same_bits=False)
         adasum.release()
         torch.cuda.empty_cache()
-    torch.cuda.synchronize()
-    dist.barrier()
-    sys.stdout.flush()
-    os._exit(0)
+    finish()
 
 
 if __name__ == "__main__":
