@@ -368,3 +368,21 @@ def test_in_place_ring_slots_keep_a_call_off_the_slot_a_peer_may_still_copy_out_
         for next_pieces in range(1, 13):
             unguarded = ring_slots(next_pieces, slots, False)[: slots - 1]
             assert last not in unguarded, (pieces, next_pieces, last, unguarded)
+
+
+def default_choice(rank, world):
+    from adasum.collectives.api import list_transport
+    from adasum.settings import current
+
+    limit = current().one_shot_bytes // (world - 1)  # bytes of a buffer whose peers' copies fill the limit
+    return list_transport(None, None, limit).name, list_transport(None, None, limit + 1).name
+
+
+@pytest.mark.nccl
+@pytest.mark.parametrize("world", distributed.world_sizes(2, 3, 4) if distributed.BACKEND == "nccl" else [2, 3])
+def test_the_default_runs_a_buffer_one_shot_up_to_the_limit(world):
+    # NCCL inside one host: one-shot up to the limit, then the push protocol (two ranks) or the slice schedule;
+    # gloo: point-to-point whatever the size (one-shot only where named)
+    results = distributed.run(world, default_choice, env={"ADASUM_TEST_TRANSPORT": ""})
+    large = "p2p" if distributed.BACKEND != "nccl" else "symmetric" if world == 2 else "slices"
+    assert all(r == ("p2p" if distributed.BACKEND != "nccl" else "one-shot", large) for r in results), results
