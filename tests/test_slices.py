@@ -381,8 +381,9 @@ def default_choice(rank, world):
 @pytest.mark.nccl
 @pytest.mark.parametrize("world", distributed.world_sizes(2, 3, 4) if distributed.BACKEND == "nccl" else [2, 3])
 def test_the_default_runs_a_buffer_one_shot_up_to_the_limit(world):
-    # NCCL inside one host: one-shot up to the limit, then the push protocol (two ranks) or the slice schedule;
-    # gloo: point-to-point whatever the size (one-shot only where named)
+    # NCCL inside one host: at two ranks one-shot up to the limit, then the push protocol; above, the slice schedule
+    # (`adasum.transport.ONE_SHOT_WORLDS`); gloo: point-to-point whatever the size (one-shot only where named)
     results = distributed.run(world, default_choice, env={"ADASUM_TEST_TRANSPORT": ""})
-    large = "p2p" if distributed.BACKEND != "nccl" else "symmetric" if world == 2 else "slices"
-    assert all(r == ("p2p" if distributed.BACKEND != "nccl" else "one-shot", large) for r in results), results
+    expected = ("p2p", "p2p") if distributed.BACKEND != "nccl" else (
+        ("one-shot", "symmetric") if world == 2 else ("slices", "slices"))
+    assert all(r == expected for r in results), results

@@ -49,13 +49,17 @@ def body(rank, world, transport):
 
 
 def test_one_shot_takes_buffers_whose_peer_copies_fit_the_setting():
+    from unittest.mock import patch
+
     from adasum.settings import override
     from adasum.transport import one_shot
 
     with override(one_shot_bytes=1000):
         assert one_shot(2, 1000) and not one_shot(2, 1001)
-        assert one_shot(5, 250) and not one_shot(5, 251)  # four peers' copies of 250 bytes
         assert not one_shot(1, 8) and not one_shot(2, None)
+        with patch("adasum.transport.ONE_SHOT_WORLDS", (2, 5)):
+            assert one_shot(5, 250) and not one_shot(5, 251)  # four peers' copies of 250 bytes
+        assert not one_shot(5, 250)  # a group size where one-shot was not measured
     with override(one_shot_bytes=0):
         assert not one_shot(2, 1)
 

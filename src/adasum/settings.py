@@ -65,9 +65,10 @@ class Settings:
     """The Triton kernels' 16-byte vector accesses: "1" where aligned, "2-byte" only for 2-byte dtypes, "0" never
     (``ADASUM_TRITON_VECTORS``)."""
     one_shot_bytes: int = 4 << 20
-    """The default's one-shot limit on NCCL inside one host (``ADASUM_ONE_SHOT_BYTES``): a buffer whose copies from
-    every peer take at most this many bytes (``(P - 1) x`` its bytes) runs one-shot, every rank taking every copy
-    whole and running the tree itself (`adasum.collectives.slices`); 0: never."""
+    """The default's one-shot limit on NCCL inside one host (``ADASUM_ONE_SHOT_BYTES``), in the group sizes of
+    `adasum.transport.ONE_SHOT_WORLDS`: a buffer whose copies from every peer take at most this many bytes
+    (``(P - 1) x`` its bytes) runs one-shot, every rank taking every copy whole and running the tree itself
+    (`adasum.collectives.slices`); 0: never."""
     memory_mb: float = 512.0
     """Device memory adasum may keep per process, in MiB (``ADASUM_MEMORY_MB``): every transport's buffers (the
     symmetric transports' staging, the slice-parallel movers' rows and ring, on symmetric memory or c10d) fit in it,

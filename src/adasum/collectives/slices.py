@@ -20,7 +20,7 @@ whole copy to every rank (``N (P-1)`` elements in per rank), each rank runs the 
 need no all-reduce, and the gather only writes the result where it belongs. Ranks end bitwise equal because each
 runs the same kernels on the same rows, laid out alike in every rank's buffer. It moves more bytes than the two
 shots above P = 2 (as many at P = 2) but takes no all-reduce and no second exchange: the default for small
-buffers (`adasum.transport.select`).
+buffers where measured faster (`adasum.transport.one_shot`).
 
 A mover may keep rounds in flight (`SliceMover.ahead`; the symmetric one keeps two, in two halves of its
 buffer): the schedule then scatters round k + 1 before it runs round k's tree and gather, so the next round's

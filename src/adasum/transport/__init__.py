@@ -42,12 +42,18 @@ def preference() -> tuple[str, ...]:
     return (first, *(t for t in NCCL_PREFERENCE if t != first))
 
 
+ONE_SHOT_WORLDS = (2,)
+"""The group sizes whose default runs small buffers one-shot: those where it was measured (docs/benchmarks.md,
+settings). Larger groups keep the slice schedule for them until one-shot is measured there; named
+(``transport="one-shot"``), it runs at any size."""
+
+
 def one_shot(world: int, nbytes: int | None) -> bool:
     """Whether the default runs a buffer of `nbytes` bytes one-shot over `world` ranks (where "slices" could run
-    it): the copies every rank takes from its peers, ``(world - 1) nbytes``, are at most the ``one_shot_bytes``
-    setting (docs/benchmarks.md measures where one-shot is faster). Every rank decides alike: the buffers' sizes
-    are the layout's, the setting equal on every rank (`adasum.settings.Settings.shaping`)."""
-    return nbytes is not None and world > 1 and (world - 1) * nbytes <= current().one_shot_bytes
+    it): a group size of `ONE_SHOT_WORLDS`, and the copies every rank takes from its peers, ``(world - 1) nbytes``,
+    at most the ``one_shot_bytes`` setting. Every rank decides alike: the buffers' sizes are the layout's, the
+    setting equal on every rank (`adasum.settings.Settings.shaping`)."""
+    return nbytes is not None and world in ONE_SHOT_WORLDS and (world - 1) * nbytes <= current().one_shot_bytes
 
 
 def select(
