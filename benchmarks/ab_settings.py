@@ -2,11 +2,11 @@
 
 Each variant is ``label:field=value,...`` over `adasum.settings.Settings` fields (``label`` alone: the defaults),
 applied with `adasum.settings.override` around the variant's calls on its own tensors (a schedule-shaping field
-makes a plan and a graph of its own). Variants that change the schedule need not give the same bits; each must give
-ranks bitwise equal.
+makes a plan and a graph of its own); ``transport=NAME`` is passed to `adasum.all_reduce` instead. Variants that
+change the schedule need not give the same bits; each must give ranks bitwise equal.
 
     torchrun --standalone --nproc-per-node 2 benchmarks/ab_settings.py \\
-        --variants d two:one_shot_bytes=0 one:one_shot_bytes=1073741824 --cases flat-20:fp32,resnet50:bf16
+        --variants d two:one_shot_bytes=0 one:transport=one-shot --cases flat-20:fp32,resnet50:bf16
 """
 
 from __future__ import annotations
@@ -47,9 +47,12 @@ def main() -> None:
     rank, world, dev, log = start()
 
     def with_settings(changes: dict[str, object]):
+        settings = {k: v for k, v in changes.items() if k != "transport"}
+        transport = changes.get("transport")
+
         def run(tensors) -> None:
-            with override(**changes):
-                adasum.all_reduce(tensors)
+            with override(**settings):
+                adasum.all_reduce(tensors, transport=transport)
         return run
 
     variants = dict(parse(v) for v in args.variants)
