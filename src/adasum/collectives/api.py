@@ -142,21 +142,12 @@ def adasum_list_(
     name: str | Transport | None = None,
 ) -> None:
     """Per-tensor Adasum of checked `tensors` in place: one flat buffer per dtype (`fused_per_dtype`, fused as
-    `transport` takes them; a list it reads in place is not copied) through the schedule of `name` (a name or a
-    transport; None: the default for each dtype's bytes, which runs small ones one-shot on a transport that takes
-    the same fusion, `adasum.transport.select`)."""
-    named = transport if name is None and not _may_run_one_shot(transport) else name
-
-    def combine(flat, sizes) -> None:
-        adasum_flat_(flat, sizes, group, transport=named)
-
-    fused_per_dtype(tensors, combine, transport, group=group)
-
-
-def _may_run_one_shot(transport: Transport) -> bool:
-    """Whether the default may run a dtype's buffer one-shot instead of on `transport` (the default for the whole
-    list): where that is the slice-parallel or symmetric transport, whose fusion the one-shot mover takes too."""
-    return transport.name in ("symmetric", "slices") and transport.scattered
+    `transport`, the list's, takes them; a list it reads in place is not copied) through the schedule of `name` (a
+    name or a transport; None: the default for each dtype's bytes, `adasum.transport.select`, whose one-shot mover
+    takes the same fusion as the default for the whole list)."""
+    fused_per_dtype(
+        tensors, lambda flat, sizes: adasum_flat_(flat, sizes, group, transport=name), transport, group=group
+    )
 
 
 _numel = torch.Tensor.numel

@@ -45,10 +45,11 @@ def buffer_bytes(purpose: str = "rows") -> int:
     return rows if purpose == "rows" else buffers - rows
 
 
-def round_elements(world: int, rows: int, element_size: int) -> int:
-    """The most elements a round may hold when a mover keeps `rows` rows of one slice each within the budget."""
+def round_elements(world: int, rows: int, element_size: int, whole: bool = False) -> int:
+    """The most elements a round may hold when a mover keeps `rows` rows of one slice each within the budget (`whole`:
+    one-shot, a row holds the whole round)."""
     row = buffer_bytes() // (rows * element_size) - 16  # the aligned cuts make slices up to 16 longer
-    return max(1, world * row)
+    return max(1, row if whole else world * row)
 
 
 def batch(
@@ -219,8 +220,7 @@ class C10dSlices(Transport):
     def round_elements(self, element_size: int, ahead: int = 1) -> int:
         """The most elements one round holds within the memory budget (one round in flight; one-shot, a row holds
         the whole round)."""
-        most = round_elements(self.world, self.world, element_size)
-        return max(1, most // self.world) if self.whole else most
+        return round_elements(self.world, self.world, element_size, self.whole)
 
     @property
     def in_place(self) -> C10dInPlace:

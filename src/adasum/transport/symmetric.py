@@ -576,8 +576,7 @@ class SymmetricSlices(Transport):
     def round_elements(self, element_size: int, ahead: int = 1) -> int:
         """The most elements one round holds within the memory budget with the buffer cut into `ahead` halves (each:
         P receive rows, an output row; one-shot, a row holds the whole round)."""
-        most = round_elements(self.world, ahead * (self.world + 1), element_size)
-        return max(1, most // self.world) if self.whole else most
+        return round_elements(self.world, ahead * (self.world + 1), element_size, self.whole)
 
     def reserve(self, row: int, like, ahead: int = 1) -> None:
         """Make the buffer hold `ahead` halves of rows of `row` elements like `like` (the largest round of a layout,
