@@ -249,14 +249,16 @@ CLAIMS = [
         "The bound: each transport's own time for the bytes of a 2-rank Adasum",
         "Seconds, medians of 9 (CUDA events, slowest rank): NCCL's all_reduce of the whole buffer; one\n"
         "`batch_isend_irecv` of half the buffer each way; `all_gather_into_tensor` of half; a copy of half read\n"
-        "from the peer's symmetric memory between two signal-pad barriers. Adasum on two ranks moves half the\n"
-        "buffer twice (exchange, then gather), so twice the fastest half is its floor.",
+        "from the peer's symmetric memory between two signal-pad barriers (`replayed`: captured into a CUDA graph\n"
+        "and replayed, as the collective's repeated calls run; eager in rows without it). Adasum on two ranks moves\n"
+        "half the buffer twice (exchange, then gather), so twice the fastest half is its floor.",
         "python benchmarks/bench_collective.py --backend nccl --transports default,p2p,collectives,symmetric \\\n"
         "    --check --probe --dtypes fp32,bf16 --exps 20,26,28 --layouts resnet50,bert-large --repeats 10",
         "bounds.jsonl",
         lambda rows: [r for r in rows if "probe" not in r],
         [("dtype", "dtype"), ("numel", "values"), ("nccl_all_reduce", "NCCL all_reduce s"),
-         ("p2p_half", "p2p half s"), ("all_gather_half", "all_gather half s"), ("symm_pull_half", "symmetric half s")],
+         ("p2p_half", "p2p half s"), ("all_gather_half", "all_gather half s"), ("symm_pull_half", "symmetric half s"),
+         ("captured", "replayed")],
     ),
     Claim(
         "The memory budget: the symmetric transport in rounds",
@@ -343,7 +345,9 @@ CLAIMS = [
         "rounds within the memory budget, rows, signal-pad barriers, one copy kernel for every peer's moves of a\n"
         "step, the in-place mover's copy engines for a tensor larger than a round), with no Adasum math, against\n"
         "NCCL's all_reduce of the same bytes in the same run (medians, CUDA events, slowest rank; the last run per\n"
-        "case; flat-2^20 runs uncaptured, so host-bound). `ratio` is the floor of the schedule's ratio in the\n"
+        "case). `replayed`: the moves captured into a CUDA graph and replayed, one host launch a call, as the\n"
+        "collective's repeated calls run; rows without it ran eagerly, so small and list cases were host-bound\n"
+        "there. `ratio` is the floor of the schedule's ratio in the\n"
         "defaults' table; what the schedule adds beyond it is the tree on each rank's slice (two float64 passes\n"
         "per level and one small all-reduce), which runs between the two moves.",
         "python benchmarks/bench_collective.py --backend nccl --world P --transports slices --probe \\\n"
@@ -353,7 +357,8 @@ CLAIMS = [
                       for r in last_per([r for r in rows if r.get("probe") == "slice moves"],
                                         lambda r: (r["world_size"], r["layout"], r["dtype"]))],
         [("world_size", "P"), ("layout", "layout"), ("dtype", "dtype"), ("rounds", "rounds"),
-         ("moves_ms", "moves ms"), ("all_reduce_ms", "all_reduce ms"), ("ratio", "ratio")],
+         ("moves_ms", "moves ms"), ("all_reduce_ms", "all_reduce ms"), ("ratio", "ratio"),
+         ("captured", "replayed")],
     ),
     Claim(
         "Correctness per transport",
