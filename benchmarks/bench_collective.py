@@ -256,6 +256,8 @@ def slice_moves_probe(rank, world, device, args, log) -> list[dict]:
     from adasum.core.layout import Layout, Scattered
     from adasum.transport.symmetric import SymmetricSlices, supported
 
+    if world < 2:  # nothing moves between ranks
+        return []
     if not supported(None):
         log("probe: symmetric memory unavailable")
         return []
