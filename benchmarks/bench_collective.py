@@ -221,6 +221,7 @@ def probe(rank, world, device, exps, dtypes, log) -> list[dict]:
                 for w in dist.batch_isend_irecv(ops):
                     w.wait()
 
+            captured = False  # the symmetric pull's graph (the other moves run eagerly)
             fns = {"nccl_all_reduce": lambda: dist.all_reduce(x), "p2p_half": p2p,
                    "all_gather_half": lambda: dist.all_gather_into_tensor(out, x[:half] if rank == 0 else x[half:])}
             try:
@@ -235,12 +236,11 @@ def probe(rank, world, device, exps, dtypes, log) -> list[dict]:
                         recv.copy_(remote[half * rank : half * rank + half])
                         handle.barrier(channel=0)
 
-                    fns["symm_pull_half"] = replayed(pull, device)[0]
+                    fns["symm_pull_half"], captured = replayed(pull, device)
             except Exception as error:  # noqa: BLE001 - recorded, not fatal
                 log(f"probe: symmetric memory unavailable: {error!r}")
             medians, _ = time_pair(list(fns.values()), lambda: None, device, 9, 2)
-            row = {"dtype": dtype_name, "numel": n, **{k: v for k, v in zip(fns, medians)},
-                   "captured": "symm_pull_half" in fns}
+            row = {"dtype": dtype_name, "numel": n, **{k: v for k, v in zip(fns, medians)}, "captured": captured}
             rows.append(row)
             log("probe " + " ".join(f"{k}={v * 1e3:.3f}ms" if isinstance(v, float) else f"{k}={v}"
                                     for k, v in row.items()))
