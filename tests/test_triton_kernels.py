@@ -324,7 +324,7 @@ def test_kernels_compile_for_hopper_with_vector_accesses_where_told():
                 "n": "i64", "programs": "i64"}
         for align in (1, 8 if dtype == "bf16" else 4):
             found = [
-                vectors(ptx(tk._pull_tile_sums_kernel, pull, {"BLOCK": tk.BLOCK, "ITERS": tk.ITERS, "LOWER": True,
+                vectors(ptx(tk._pull_tile_sums_kernel, pull, {"R": tk.PAIR_ROWS, "F": 8, "ITERS": 8, "LOWER": True,
                                                               "MINE_TILES": True, "ALIGN": align, "KEEP": True})),
                 vectors(ptx(tk._combine_kernel, combine, {"BLOCK": tk.BLOCK, "ITERS": tk.ITERS, "PER_SEGMENT": False,
                                                           "OUTS": 2, "A_TILES": True, "B_TILES": False,

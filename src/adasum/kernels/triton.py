@@ -70,22 +70,35 @@ if triton is not None:
         return ca, cb
 
     @triton.jit
+    def _folded(it, R: tl.constexpr, F: tl.constexpr):
+        # step `it`'s elements of a tile as [R, F]: F consecutive elements a row (16 bytes, one vector load a
+        # thread), whose products the thread sums before they reach [R] float64 accumulators: a quarter to an
+        # eighth of the registers of [R * F] accumulators, so more loads in flight (docs/benchmarks.md, settings)
+        return it * (R * F) + tl.arange(0, R)[:, None] * F + tl.arange(0, F)[None, :]
+
+    @triton.jit
+    def _accumulator(R: tl.constexpr, F: tl.constexpr):
+        # [R] float64 zeros in the layout of a [R, F] tile summed over F
+        return tl.sum(tl.zeros([R, F], dtype=tl.float64), axis=1)
+
+    @triton.jit
     def _tile_sums_kernel(
-        a_ptr, b_ptr, starts_ptr, sizes_ptr, out_ptr, BLOCK: tl.constexpr, ITERS: tl.constexpr, ALIGN: tl.constexpr,
+        a_ptr, b_ptr, starts_ptr, sizes_ptr, out_ptr, R: tl.constexpr, F: tl.constexpr, ITERS: tl.constexpr,
+        ALIGN: tl.constexpr,
     ):
         tile = tl.program_id(0)
         start, size = _tile_extent(starts_ptr, sizes_ptr, tile, ALIGN)
-        ab = tl.zeros([BLOCK], dtype=tl.float64)
-        aa = tl.zeros([BLOCK], dtype=tl.float64)
-        bb = tl.zeros([BLOCK], dtype=tl.float64)
+        ab = _accumulator(R, F)
+        aa = _accumulator(R, F)
+        bb = _accumulator(R, F)
         for i in range(ITERS):
-            offs = i * BLOCK + tl.arange(0, BLOCK)
+            offs = _folded(i, R, F)
             mask = offs < size
             a = tl.load(a_ptr + start + offs, mask=mask, other=0.0).to(tl.float64)
             b = tl.load(b_ptr + start + offs, mask=mask, other=0.0).to(tl.float64)
-            ab += a * b
-            aa += a * a
-            bb += b * b
+            ab += tl.sum(a * b, axis=1)
+            aa += tl.sum(a * a, axis=1)
+            bb += tl.sum(b * b, axis=1)
         tl.store(out_ptr + tile * 3 + 0, tl.sum(ab, axis=0))
         tl.store(out_ptr + tile * 3 + 1, tl.sum(aa, axis=0))
         tl.store(out_ptr + tile * 3 + 2, tl.sum(bb, axis=0))
@@ -165,7 +178,7 @@ if triton is not None:
 
     @triton.jit
     def _pull_tile_sums_kernel(
-        mine_ptr, peer_ptr, theirs_ptr, starts_ptr, sizes_ptr, out_ptr, mine_tiles, BLOCK: tl.constexpr,
+        mine_ptr, peer_ptr, theirs_ptr, starts_ptr, sizes_ptr, out_ptr, mine_tiles, R: tl.constexpr, F: tl.constexpr,
         ITERS: tl.constexpr, LOWER: tl.constexpr, MINE_TILES: tl.constexpr, ALIGN: tl.constexpr, KEEP: tl.constexpr,
     ):
         # One pass: load this rank's slice and the partner's copy (a peer's memory: NVLink loads), keep the
@@ -173,21 +186,21 @@ if triton is not None:
         # side). Without KEEP the partner's copy is already local (pushed there) and only read.
         tile = tl.program_id(0)
         start, size = _tile_extent(starts_ptr, sizes_ptr, tile, ALIGN)
-        ab = tl.zeros([BLOCK], dtype=tl.float64)
-        mm = tl.zeros([BLOCK], dtype=tl.float64)
-        tt = tl.zeros([BLOCK], dtype=tl.float64)
+        ab = _accumulator(R, F)
+        mm = _accumulator(R, F)
+        tt = _accumulator(R, F)
         mine_at = _tile_base(mine_tiles, tile, mine_ptr, start, MINE_TILES, ALIGN)
         for i in range(ITERS):
-            offs = i * BLOCK + tl.arange(0, BLOCK)
+            offs = _folded(i, R, F)
             mask = offs < size
             other = tl.load(peer_ptr + start + offs, mask=mask, other=0.0)
             if KEEP:
                 tl.store(theirs_ptr + start + offs, other, mask=mask)
             m = tl.load(mine_at + offs, mask=mask, other=0.0).to(tl.float64)
             t = other.to(tl.float64)
-            ab += m * t
-            mm += m * m
-            tt += t * t
+            ab += tl.sum(m * t, axis=1)
+            mm += tl.sum(m * m, axis=1)
+            tt += tl.sum(t * t, axis=1)
         if LOWER:
             aa, bb = tl.sum(mm, axis=0), tl.sum(tt, axis=0)
         else:
@@ -276,11 +289,11 @@ if triton is not None:
         return at
 
     @triton.jit
-    def _zeros(N: tl.constexpr, BLOCK: tl.constexpr):
-        # N float64 accumulators of [BLOCK]
+    def _zeros(N: tl.constexpr, R: tl.constexpr, F: tl.constexpr):
+        # N float64 accumulators of [R] (`_accumulator`)
         accs = ()
         for _ in tl.static_range(N):
-            accs = accs + (tl.zeros([BLOCK], dtype=tl.float64),)  # type: ignore[assignment]
+            accs = accs + (_accumulator(R, F),)  # type: ignore[assignment]
         return accs
 
     @triton.jit
@@ -291,16 +304,17 @@ if triton is not None:
     @triton.jit(do_not_specialize=["o0", "o1", "o2", "o3", "o4", "o5", "o6", "o7"])
     def _gram_tile_kernel(
         base_ptr, o0, o1, o2, o3, o4, o5, o6, o7, starts_ptr, sizes_ptr, out_ptr, P: tl.constexpr,
-        PP: tl.constexpr, BLOCK: tl.constexpr, ITERS: tl.constexpr, ALIGN: tl.constexpr,
+        PP: tl.constexpr, R: tl.constexpr, F: tl.constexpr, ITERS: tl.constexpr, ALIGN: tl.constexpr,
     ):
         # One tile of P rows (at base + offset_j): the [PP, PP] products summed in float64 over the tile (rows past
-        # P: 0). The rows one after another as 1-D loads and one accumulator per product i <= j: a [PP, BLOCK] load
-        # with [PP, PP, BLOCK] products took well above the rows' memory time (docs/benchmarks.md, settings)
+        # P: 0). The rows one after another as [R, F] loads (`_folded`) and one accumulator per product i <= j: a
+        # [PP, BLOCK] load with [PP, PP, BLOCK] products took well above the rows' memory time (docs/benchmarks.md,
+        # settings)
         tile = tl.program_id(0)
         start, size = _tile_extent(starts_ptr, sizes_ptr, tile, ALIGN)
-        accs = _zeros(P * P, BLOCK)  # product (i, j) at i * P + j; those with i > j stay unused
+        accs = _zeros(P * P, R, F)  # product (i, j) at i * P + j; those with i > j stay unused
         for it in range(ITERS):
-            offs = it * BLOCK + tl.arange(0, BLOCK)
+            offs = _folded(it, R, F)
             mask = offs < size
             xs = ()
             for j in tl.static_range(P):
@@ -308,7 +322,7 @@ if triton is not None:
                 xs = xs + (tl.load(at + offs, mask=mask, other=0.0).to(tl.float64),)  # type: ignore[assignment]
             for i in tl.static_range(P):
                 for j in tl.static_range(i, P):
-                    accs = _add_at(accs, i * P + j, xs[i] * xs[j])
+                    accs = _add_at(accs, i * P + j, tl.sum(xs[i] * xs[j], axis=1))
         at = out_ptr + tile * PP * PP
         for i in tl.static_range(PP):
             for j in tl.static_range(PP):
@@ -455,8 +469,10 @@ def dot_and_norms(
     assert out.stride(1) == 1 and out.dtype == torch.float64
     tile_sums = torch.empty(max(table.n_tiles, 1), 3, dtype=torch.float64, device=a.device)
     if table.n_tiles:
+        step_rows, fold = PAIR_ROWS, _fold(a)
         _tile_sums_kernel[(table.n_tiles,)](
-            a, b, table.starts, table.sizes, tile_sums, BLOCK=BLOCK, ITERS=ITERS, ALIGN=_align(table, a, b),
+            a, b, table.starts, table.sizes, tile_sums, R=step_rows, F=fold, ITERS=_iters(step_rows * fold),
+            ALIGN=_align(table, a, b), num_warps=PAIR_WARPS,
         )
     _add_segment_sums(table, tile_sums, out, segments, accumulate)
     return out
@@ -523,10 +539,12 @@ def pull_dot_and_norms(
     tile_sums = torch.empty(max(table.n_tiles, 1), 3, dtype=torch.float64, device=peer.device)
     if table.n_tiles:
         mine_ptr, mine_tiles, mine_at = _operand(mine, peer)
+        step_rows, fold = PAIR_ROWS, _fold(peer)
         _pull_tile_sums_kernel[(table.n_tiles,)](
             mine_ptr, peer, theirs if theirs is not None else peer, table.starts, table.sizes, tile_sums, mine_tiles,
-            BLOCK=BLOCK, ITERS=ITERS, LOWER=lower, MINE_TILES=mine_at, KEEP=theirs is not None,
-            ALIGN=_align(table, mine, peer, *([theirs] if theirs is not None else [])),
+            R=step_rows, F=fold, ITERS=_iters(step_rows * fold), LOWER=lower, MINE_TILES=mine_at,
+            KEEP=theirs is not None, ALIGN=_align(table, mine, peer, *([theirs] if theirs is not None else [])),
+            num_warps=PAIR_WARPS,
         )
     _add_segment_sums(table, tile_sums, out, segments, accumulate=True)
 
@@ -595,8 +613,27 @@ def _multiprocessors(index: int) -> int:
     return torch.cuda.get_device_properties(index).multi_processor_count
 
 
-GRAM_BLOCK = 512
-"""Elements per row and step of the Gram kernel's programs up to 4 rows (a quarter of it above: 36 accumulators)."""
+GRAM_ROWS = (256, 4)
+"""(R, warps) of the Gram kernel's programs up to 4 rows: each step loads [R, F] elements of every row (`_fold`), on
+that many warps; the fastest of the shapes measured on one H200 (docs/benchmarks.md, settings)."""
+
+GRAM_ROWS_ABOVE_4 = (64, 2)
+"""(R, warps) of the Gram kernel's programs above 4 rows (up to 36 accumulators)."""
+
+PAIR_ROWS = 256
+"""R of the pair kernels' [R, F] steps (`dot_and_norms`, `pull_dot_and_norms`), on `PAIR_WARPS` warps."""
+
+PAIR_WARPS = 8
+
+
+def _fold(like: torch.Tensor) -> int:
+    """F of a kernel's [R, F] steps: 16 bytes of `like`'s dtype, a vector load a thread where aligned."""
+    return max(1, 16 // like.element_size())
+
+
+def _iters(step: int) -> int:
+    """Steps of `step` elements that cover a tile (`TILE`, as `ITERS` steps of `BLOCK`)."""
+    return -(-(ITERS * BLOCK) // step)
 
 MAX_ROWS = 8
 """The most rows `gram` and `weighted_sum` read in one kernel (a host's GPUs); more go to the torch path."""
@@ -637,13 +674,13 @@ def gram(rows: Sequence[torch.Tensor], lengths: Sequence[int], out: torch.Tensor
     if not table.n_tiles:
         return out
     padded = _pad(workers)
-    # 4 warps: the fastest of the sizes and warps measured for the rows' kernel (docs/benchmarks.md, settings)
-    block = GRAM_BLOCK if workers <= 4 else GRAM_BLOCK // 4
+    step_rows, warps = GRAM_ROWS if workers <= 4 else GRAM_ROWS_ABOVE_4
+    fold = _fold(base)
     tile_sums = torch.empty(table.n_tiles, padded, padded, dtype=torch.float64, device=base.device)
     align = _align(table, base) if aligned else 1
     _gram_tile_kernel[(table.n_tiles,)](
-        base, *offsets, table.starts, table.sizes, tile_sums, P=workers, PP=padded, BLOCK=block,
-        ITERS=-(-(ITERS * BLOCK) // block), ALIGN=align, num_warps=4,
+        base, *offsets, table.starts, table.sizes, tile_sums, P=workers, PP=padded, R=step_rows, F=fold,
+        ITERS=_iters(step_rows * fold), ALIGN=align, num_warps=warps,
     )
     rounds_block, warps = _segment_block(table.longest, padded)
     _gram_segments_kernel[(segments,)](
