@@ -323,8 +323,9 @@ def test_kernels_compile_for_hopper_with_vector_accesses_where_told():
         copy = {"like_ptr": "*" + dtype, "sources_ptr": "*i64", "targets_ptr": "*i64", "sizes_ptr": "*i64",
                 "n": "i64", "programs": "i64"}
         for align in (1, 8 if dtype == "bf16" else 4):
+            rows, fold, _ = tk._steps(align, tk.PAIR_STEPS, tk.PAIR_PLAIN)
             found = [
-                vectors(ptx(tk._pull_tile_sums_kernel, pull, {"R": tk.PAIR_ROWS, "F": 8, "ITERS": 8, "LOWER": True,
+                vectors(ptx(tk._pull_tile_sums_kernel, pull, {"R": rows, "F": fold, "ITERS": 8, "LOWER": True,
                                                               "MINE_TILES": True, "ALIGN": align, "KEEP": True})),
                 vectors(ptx(tk._combine_kernel, combine, {"BLOCK": tk.BLOCK, "ITERS": tk.ITERS, "PER_SEGMENT": False,
                                                           "OUTS": 2, "A_TILES": True, "B_TILES": False,

@@ -72,8 +72,9 @@ if triton is not None:
     @triton.jit
     def _folded(it, R: tl.constexpr, F: tl.constexpr):
         # step `it`'s elements of a tile as [R, F]: F consecutive elements a row (16 bytes, one vector load a
-        # thread), whose products the thread sums before they reach [R] float64 accumulators: a quarter to an
-        # eighth of the registers of [R * F] accumulators, so more loads in flight (docs/benchmarks.md, settings)
+        # thread, `_steps`), whose products the thread sums before they reach [R] float64 accumulators: a quarter
+        # to an eighth of the registers of [R * F] accumulators, so more loads in flight (docs/benchmarks.md,
+        # settings)
         return it * (R * F) + tl.arange(0, R)[:, None] * F + tl.arange(0, F)[None, :]
 
     @triton.jit
@@ -469,10 +470,11 @@ def dot_and_norms(
     assert out.stride(1) == 1 and out.dtype == torch.float64
     tile_sums = torch.empty(max(table.n_tiles, 1), 3, dtype=torch.float64, device=a.device)
     if table.n_tiles:
-        step_rows, fold = PAIR_ROWS, _fold(a)
+        align = _align(table, a, b)
+        step_rows, fold, warps = _steps(align, PAIR_STEPS, PAIR_PLAIN)
         _tile_sums_kernel[(table.n_tiles,)](
             a, b, table.starts, table.sizes, tile_sums, R=step_rows, F=fold, ITERS=_iters(step_rows * fold),
-            ALIGN=_align(table, a, b), num_warps=PAIR_WARPS,
+            ALIGN=align, num_warps=warps,
         )
     _add_segment_sums(table, tile_sums, out, segments, accumulate)
     return out
@@ -539,12 +541,12 @@ def pull_dot_and_norms(
     tile_sums = torch.empty(max(table.n_tiles, 1), 3, dtype=torch.float64, device=peer.device)
     if table.n_tiles:
         mine_ptr, mine_tiles, mine_at = _operand(mine, peer)
-        step_rows, fold = PAIR_ROWS, _fold(peer)
+        align = _align(table, mine, peer, *([theirs] if theirs is not None else []))
+        step_rows, fold, warps = _steps(align, PAIR_STEPS, PAIR_PLAIN)
         _pull_tile_sums_kernel[(table.n_tiles,)](
             mine_ptr, peer, theirs if theirs is not None else peer, table.starts, table.sizes, tile_sums, mine_tiles,
             R=step_rows, F=fold, ITERS=_iters(step_rows * fold), LOWER=lower, MINE_TILES=mine_at,
-            KEEP=theirs is not None, ALIGN=_align(table, mine, peer, *([theirs] if theirs is not None else [])),
-            num_warps=PAIR_WARPS,
+            KEEP=theirs is not None, ALIGN=align, num_warps=warps,
         )
     _add_segment_sums(table, tile_sums, out, segments, accumulate=True)
 
@@ -613,22 +615,28 @@ def _multiprocessors(index: int) -> int:
     return torch.cuda.get_device_properties(index).multi_processor_count
 
 
-GRAM_ROWS = (256, 4)
-"""(R, warps) of the Gram kernel's programs up to 4 rows: each step loads [R, F] elements of every row (`_fold`), on
-that many warps; the fastest of the shapes measured on one H200 (docs/benchmarks.md, settings)."""
+GRAM_STEPS = ((256, 4), (64, 2))
+"""(R, warps) of the Gram kernel's [R, F] steps up to 4 rows and above (up to 36 accumulators), where the rows are
+16-byte aligned (`_steps`); the fastest of the shapes measured on one H200 (docs/benchmarks.md, settings)."""
 
-GRAM_ROWS_ABOVE_4 = (64, 2)
-"""(R, warps) of the Gram kernel's programs above 4 rows (up to 36 accumulators)."""
+GRAM_PLAIN = ((512, 4), (128, 4))
+"""(R, warps) of the Gram kernel's steps where the rows are not 16-byte aligned (F = 1), up to 4 rows and above."""
 
-PAIR_ROWS = 256
-"""R of the pair kernels' [R, F] steps (`dot_and_norms`, `pull_dot_and_norms`), on `PAIR_WARPS` warps."""
+PAIR_STEPS = (256, 8)
+"""(R, warps) of the pair kernels' [R, F] steps (`dot_and_norms`, `pull_dot_and_norms`) where aligned."""
 
-PAIR_WARPS = 8
+PAIR_PLAIN = (1024, 4)
+"""(R, warps) of the pair kernels' steps where not aligned (F = 1)."""
 
 
-def _fold(like: torch.Tensor) -> int:
-    """F of a kernel's [R, F] steps: 16 bytes of `like`'s dtype, a vector load a thread where aligned."""
-    return max(1, 16 // like.element_size())
+def _steps(align: int, folded: tuple[int, int], plain: tuple[int, int]) -> tuple[int, int, int]:
+    """(R, F, warps) of a sum kernel's steps for tiles of vector width `align` (`_align`): with vectors, F = `align`
+    (16 bytes a thread, one load) and `folded`'s R and warps; without, F = 1 and `plain`'s, the 1-D steps where
+    neighbouring threads load neighbouring elements (F elements a thread would each be a load of its own, F times
+    the memory sectors a warp's load touches)."""
+    if align > 1:
+        return folded[0], align, folded[1]
+    return plain[0], 1, plain[1]
 
 
 def _iters(step: int) -> int:
@@ -674,10 +682,10 @@ def gram(rows: Sequence[torch.Tensor], lengths: Sequence[int], out: torch.Tensor
     if not table.n_tiles:
         return out
     padded = _pad(workers)
-    step_rows, warps = GRAM_ROWS if workers <= 4 else GRAM_ROWS_ABOVE_4
-    fold = _fold(base)
     tile_sums = torch.empty(table.n_tiles, padded, padded, dtype=torch.float64, device=base.device)
     align = _align(table, base) if aligned else 1
+    above = int(workers > 4)
+    step_rows, fold, warps = _steps(align, GRAM_STEPS[above], GRAM_PLAIN[above])
     _gram_tile_kernel[(table.n_tiles,)](
         base, *offsets, table.starts, table.sizes, tile_sums, P=workers, PP=padded, R=step_rows, F=fold,
         ITERS=_iters(step_rows * fold), ALIGN=align, num_warps=warps,
