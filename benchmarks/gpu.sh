@@ -15,10 +15,11 @@
 #                 adasum_hook, DistributedOptimizer(mode="delta"), stepped in turn       -> e2e.jsonl
 #   hook          the hook's host time and its batch sizes on the BERT-sized step        -> hook.jsonl
 #   fsdp          FSDP2 across replicas (1 B parameters, bf16) against FSDP's averaging, meshes
-#                 2 x 1, 4 x 1 and 2 x 2 where the GPUs exist (REPEATS alternations)     -> fsdp.jsonl
+#                 MESHES (default 2x1 4x1 2x2) where the GPUs exist (REPEATS alternations) -> fsdp.jsonl
 #   jax           adasum.jax.all_reduce against psum                                    -> jax.jsonl
 #   sim           the simulator (64 CNN workers) and the single-process tree            -> sim.jsonl, tree.jsonl
-#   hierarchical  (4 GPUs) hierarchical mode, 2 emulated nodes of 2, against flat Adasum -> hierarchical.jsonl
+#   hierarchical  hierarchical mode on HWORLD GPUs (default 4) as emulated nodes of HLOCAL (default 2),
+#                 against flat Adasum                                                   -> hierarchical.jsonl
 #   profile       torch.profiler of the collective at 2^26 fp32 and the ResNet-50 layout -> profile_*.log
 #   worlds        the NCCL tests of the slice-parallel schedule, then the collective with defaults (and
 #                 its memory) at P = 4, 3 and 2 where the GPUs exist                     -> collective.jsonl, worlds.log
@@ -59,7 +60,7 @@ for step in ${*:-env tests collective e2e}; do
         --out "$OUT/hook.jsonl" 2>&1 | quiet | tee -a "$OUT/hook.log" ;;
     fsdp)
       gpus=$(nvidia-smi -L | wc -l)
-      for mesh in 2x1 4x1 2x2; do
+      for mesh in ${MESHES:-2x1 4x1 2x2}; do
         ranks=$(( ${mesh%x*} * ${mesh#*x} ))
         [ "$gpus" -ge "$ranks" ] || continue
         timeout 300 $PY -m torch.distributed.run --standalone --nproc-per-node "$ranks" benchmarks/bench_fsdp.py \
@@ -72,7 +73,7 @@ for step in ${*:-env tests collective e2e}; do
       timeout 120 $PY benchmarks/bench_sim.py --device cuda --out "$OUT/sim.jsonl" 2>&1 | quiet | tee -a "$OUT/sim.log"
       timeout 120 $PY benchmarks/bench_tree.py --device cuda --workers 64 --layout resnet50 --out "$OUT/tree.jsonl" 2>&1 | quiet | tee -a "$OUT/sim.log" ;;
     hierarchical)
-      timeout 300 $PY benchmarks/bench_hierarchical.py --world 4 --local-size 2 --out "$OUT/hierarchical.jsonl" 2>&1 | quiet | tee -a "$OUT/hierarchical.log" ;;
+      timeout 300 $PY benchmarks/bench_hierarchical.py --world "${HWORLD:-4}" --local-size "${HLOCAL:-2}" --out "$OUT/hierarchical.jsonl" 2>&1 | quiet | tee -a "$OUT/hierarchical.log" ;;
     worlds)
       gpus=$(nvidia-smi -L | wc -l)
       ADASUM_TEST_BACKEND=nccl timeout 240 $PY -m pytest -q -x -m nccl -p no:cacheprovider tests/test_slices.py 2>&1 \
