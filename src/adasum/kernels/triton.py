@@ -643,6 +643,7 @@ def _iters(step: int) -> int:
     """Steps of `step` elements that cover a tile (`TILE`, as `ITERS` steps of `BLOCK`)."""
     return -(-(ITERS * BLOCK) // step)
 
+
 MAX_ROWS = 8
 """The most rows `gram` and `weighted_sum` read in one kernel (a host's GPUs); more go to the torch path."""
 
@@ -755,6 +756,6 @@ def weighted_sum(rows: Sequence[torch.Tensor], weights: torch.Tensor, lengths: S
     align = _align(table, base, out, *more_outs) if aligned else 1
     _weighted_kernel[(table.n_tiles,)](
         base, *offsets, weights, weights.stride(0), table.starts, table.sizes, table.segments, out_ptr, *extra,
-        out_tiles, P=len(rows), BLOCK=block, ITERS=-(-(ITERS * BLOCK) // block), OUTS=1 + len(more_outs),
+        out_tiles, P=len(rows), BLOCK=block, ITERS=_iters(block), OUTS=1 + len(more_outs),
         OUT_TILES=out_at, ALIGN=align, num_warps=8,
     )
