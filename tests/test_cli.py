@@ -20,6 +20,30 @@ def read_jsonl(path: Path) -> list[dict]:
     return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
 
 
+def test_every_flag_with_a_default_shows_it_in_its_help():
+    """A zero default is shown (a switch's False and an unset None are not): `--weight-decay` 0.0, `train --seeds`
+    0; every other flag whose default is set shows it too."""
+    import argparse
+
+    from adasum.experiments.cli import build_parser
+
+    parser = build_parser()
+    subs = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
+    shown = 0
+    for name, sub in subs.choices.items():
+        helps = {a.dest: (a, sub.formatter_class(prog=name)._get_help_string(a)) for a in sub._actions}
+        for action, text in helps.values():
+            unset = action.default is None or action.default is False or action.default is argparse.SUPPRESS
+            if action.option_strings and not unset:
+                assert "(default" in text, (name, action.option_strings, text)
+                shown += 1
+        if name == "train":
+            assert helps["seed"][1].endswith("(default: 0)")
+        if "weight_decay" in helps:
+            assert helps["weight_decay"][1].endswith("(default: 0.0)"), helps["weight_decay"][1]
+    assert shown > 20
+
+
 def test_compare_end_to_end(tmp_path, capsys):
     out = tmp_path / "sweep"
     status = main(["compare", "--methods", "sequential,adasum", "--workers", "2,4", "--lr", "0.01,0.02",

@@ -42,12 +42,14 @@ class UsageError(Exception):
 
 
 class HelpFormatter(argparse.HelpFormatter):
-    """Every flag's help ends with its default (lists written as on the command line)."""
+    """Every flag's help ends with its default where it has one (lists written as on the command line); a switch's
+    False and an unset None are not shown, a zero is."""
 
     def _get_help_string(self, action: argparse.Action) -> str:
         text = action.help or ""
         default = action.default
-        if "(default" in text or default in (None, False, argparse.SUPPRESS) or not action.option_strings:
+        unset = default is None or default is False or default is argparse.SUPPRESS  # `in` would take 0 for False
+        if "(default" in text or unset or not action.option_strings:
             return text
         shown = ",".join(str(v) for v in default) if isinstance(default, list) else str(default)
         return f"{text} (default: {shown})"
