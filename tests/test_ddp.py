@@ -229,6 +229,11 @@ def ddp_body(rank, world):
     assert restored.process_group is None and restored.iteration == 7
     assert restored.batch_mb == 64 and restored._batch_bytes == 64 << 20 and restored._open == []
     assert isinstance(restored.reducer, adasum.Adasum)
+    restored.process_group = state.group  # set again, by torch's states' name for it
+    assert restored.group is state.group
+    ddp = DDP(make_model(), bucket_cap_mb=BUCKET_CAP_MB)
+    ddp.register_comm_hook(restored, adasum_hook)
+    out["restored"] = check_steps(rank, world, ddp, plain, adasum.reduce, steps=2)
     copy.deepcopy(AdasumState(hierarchical=True, local_size=1))
     return out
 

@@ -148,8 +148,12 @@ class AdasumState:
 
     @property
     def process_group(self) -> dist.ProcessGroup | None:
-        """The process group (``group``; this name is kept for code that reads it)."""
+        """The process group (``group``; this name, torch's states' own, is kept for code that reads or sets it)."""
         return self.group
+
+    @process_group.setter
+    def process_group(self, group: dist.ProcessGroup | None) -> None:
+        self.group = group
 
     @property
     def batch_mb(self) -> float:
