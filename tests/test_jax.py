@@ -6,13 +6,7 @@ interpreter with ``XLA_FLAGS=--xla_force_host_platform_device_count=8`` (one sub
 whole file, which compiles each shape once); `test_jax_suite` reports that run. The checks that
 set their own devices (import isolation, the benchmark's dry run, the example) run here directly.
 
-Error bounds (float32 unless a test says otherwise; ``u`` the unit roundoff, ``g_n = n u/(1 - n u)``):
-for one pairwise step on a leaf of ``n`` elements with inputs of norms A, B, the computed dot
-products are off by at most ``g_n A B`` (any summation order), so ``|delta c_a| A <= w_a (2 g_n + 3u) B``;
-the combination adds ``g_2 (|c_a| A + |c_b| B) <= g_2 (A + B + w_a B + w_b A)`` and storing in the
-leaf's dtype ``u_store |out|``. An input error ``e_a`` reaches the output at most multiplied by the
-operator's Lipschitz bound ``1 + w_b + 4 w_a B/A`` (differentiate the formula). `tree_with_bound`
-walks the reference tree adding these up (first order); its value must equal `reference.tree`.
+Error bounds: `reference.tree_with_bound` (its module doc); float32 arithmetic unless a test says otherwise.
 """
 
 from __future__ import annotations
@@ -93,45 +87,10 @@ else:
 
     import adasum.jax as aj
 
-    from reference import pair, tree
+    from reference import U32, U64, UBF16, gamma, tree, tree_with_bound
     from reference_adacons import AdaConsReference
 
-    U32, U64, UBF16 = 2.0**-24, 2.0**-53, 2.0**-8
     SHAPES = [(3, 5), (7,), (2, 2, 2), (64,)]
-
-    def gamma(n: int, u: float) -> float:
-        return n * u / (1 - n * u)
-
-    def tree_with_bound(vectors: list[np.ndarray], u: float, store_u: float) -> tuple[np.ndarray, float]:
-        """The reference tree's value and a first-order bound on a computed result's 2-norm error."""
-        p = len(vectors)
-        q = 1 << (p.bit_length() - 1)
-        r = p - q
-        n = vectors[0].size
-
-        def node(a: tuple, b: tuple) -> tuple:
-            (va, na, ea), (vb, nb, eb) = a, b
-            big_a, big_b = np.linalg.norm(va), np.linalg.norm(vb)
-            wa, wb = na / (na + nb), nb / (na + nb)
-            out = pair(va, vb, na, nb)
-            local = ((2 * gamma(n, u) + 3 * u) * (wa * big_b + wb * big_a)
-                     + gamma(2, u) * (big_a + big_b + wa * big_b + wb * big_a) + store_u * np.linalg.norm(out))
-            lip_a = 1 + wb + 4 * wa * big_b / big_a
-            lip_b = 1 + wa + 4 * wb * big_a / big_b
-            return out, na + nb, lip_a * ea + lip_b * eb + local
-
-        leaves = [(v.astype(np.float64), 1, 0.0) for v in vectors]
-        groups = [node(leaves[2 * i], leaves[2 * i + 1]) for i in range(r)] + leaves[2 * r:]
-
-        def combine(lo: int, hi: int) -> tuple:
-            if hi - lo == 1:
-                return groups[lo]
-            mid = (lo + hi) // 2
-            return node(combine(lo, mid), combine(mid, hi))
-
-        value, _, bound = combine(0, q)
-        np.testing.assert_array_equal(value, tree(vectors))  # the bound follows the reference's tree
-        return value, bound
 
     def mesh(p: int) -> Mesh:
         return Mesh(np.array(jax.devices()[:p]), ("data",))
