@@ -10,6 +10,7 @@ import os
 import time
 from datetime import timedelta
 
+import numpy as np
 import pytest
 import torch
 import torch.distributed as dist
@@ -20,6 +21,8 @@ from adasum.reducers import AdaCons, Adasum, Mean, Sum
 from adasum.transport.groups import CollectiveError, failures_named, is_transport_error
 
 import distributed
+from reference import STORE_U, U32, U64, combine_with_bound, gamma, tree_with_bound
+from reference_adacons import AdaConsReference
 
 FAST_S = 3.0  # every error must come well before the test group's timeout
 
@@ -74,11 +77,72 @@ def bad_input_body(rank, world, names):
             except (ValueError, TypeError) as error:
                 out[(name, case)] = (type(error).__name__, str(error))
             assert time.monotonic() - start < FAST_S, (name, case, time.monotonic() - start)
-        # the group is still usable after every refusal: a good call agrees bitwise
-        t = [torch.full((3,), float(rank + 1)), torch.full((2,), float(2 * rank - 1))]
+        # the group is still usable after every refusal: a good call agrees bitwise across ranks (the test) and
+        # equals the independent reference of this call alone (the refusals moved no data and left no state)
+        t = _after_inputs(rank)
         reducer.all_reduce(t, group)
+        _check_after(name, reducer, [_after_inputs(r) for r in range(world)], t)
         out[(name, "after")] = torch.cat(t).numpy().tobytes()
     return out
+
+
+def _after_inputs(rank: int) -> list[torch.Tensor]:
+    """A rank's tensors for the good call after the refusals: small integers, so that the sum and the mean of
+    two ranks, their float32 all-reduces and the float64 dot products of AdaCons and Adasum are exact."""
+    return [torch.full((3,), float(rank + 1)), torch.full((2,), float(2 * rank - 1))]
+
+
+def _check_after(name: str, reducer, per_worker: list[list[torch.Tensor]], got: list[torch.Tensor]) -> None:
+    """`got` (this rank's result of the good call) against the independent reference, within its error bound
+    (g_n = n u/(1 - n u); P ranks; 2-norms, an element-wise bound's 2-norm bounding the error's):
+
+    * sum: ``np.sum`` of the float64 inputs; the all-reduce adds P float32 copies (P - 1 roundings, the last
+      one the store): ``g_{P-1}(U32) sum_i |x_i|``, plus NumPy's own ``g_{P-1}(U64) sum_i |x_i|``;
+    * mean, and hierarchical Adasum with one node of `local_size` = P ranks (the node mean; Adasum over a
+      single node leaves it as it is): ``np.mean``; a sum, then a division (or NCCL's average, each term
+      times a rounded 1/P first): at most P + 1 roundings, ``g_{P+1}(U32) sum_i |x_i| / P``, plus NumPy's
+      ``g_P(U64) sum_i |x_i| / P``;
+    * Adasum: `reference.combine_with_bound` per tensor, whole-model `reference.tree_with_bound` over the
+      tensors (one dtype) concatenated;
+    * AdaCons: `reference_adacons` (a fresh one: the reducer's first call that went through). Its mean and its
+      float64 dot products are exact here, the float64 weights ``w_i = c_i |m| / |g_i|`` are off by a few
+      float64 roundings (allowed: g_32(U64) relative); each rank rounds ``w_i`` to float32 and multiplies
+      (2 roundings), the weighted-sum all-reduce adds P terms (P - 1): ``(g_{P+1}(U32) + g_32(U64))
+      sum_i |w_i g_i| <= (...) |m| sum_i |g_i| / |g_i|_2``, element by element."""
+    p = len(per_worker)
+    x = [np.stack([w[i].double().reshape(-1).numpy() for w in per_worker]) for i in range(len(got))]
+    if name in ("sum", "mean", "adasum-hierarchical"):
+        if name == "adasum-hierarchical":
+            assert reducer.hierarchical is True and reducer.local_size == p  # one node: its mean
+        for i, t in enumerate(got):
+            magnitude = np.linalg.norm(np.abs(x[i]).sum(0))
+            if name == "sum":
+                ref, bound = x[i].sum(0), (gamma(p - 1, U32) + gamma(p - 1, U64)) * magnitude
+            else:
+                ref, bound = x[i].mean(0), (gamma(p + 1, U32) + gamma(p, U64)) * magnitude / p
+            err = float(np.linalg.norm(t.double().numpy() - ref))
+            assert err <= bound, (name, i, t, ref, err, bound)
+    elif name == "adasum":
+        for i, t in enumerate(got):
+            ref, bound = combine_with_bound([w[i] for w in per_worker])
+            err = float((t.double() - ref).norm())
+            assert err <= bound, (name, i, t, ref, err, bound)
+    elif name == "adasum-whole":
+        ref, bound = tree_with_bound([np.concatenate([x[i][r] for i in range(len(got))]) for r in range(p)],
+                                     U64, STORE_U["float32"])
+        err = float(np.linalg.norm(torch.cat(got).double().numpy() - ref))
+        assert err <= bound, (name, got, ref, err, bound)
+    elif name == "adacons":
+        reference = AdaConsReference(reducer.momentum, reducer.per_tensor, reducer.scale)
+        ref = np.concatenate([r.reshape(-1) for r in reference([[w.numpy() for w in ws] for ws in per_worker])])
+        g = [np.concatenate([x[i][r] for i in range(len(got))]) for r in range(p)]
+        mean_norm = np.linalg.norm(sum(g) / p)
+        bound = (gamma(p + 1, U32) + gamma(32, U64)) * mean_norm * np.linalg.norm(
+            sum(np.abs(v) / np.linalg.norm(v) for v in g))
+        err = float(np.linalg.norm(torch.cat(got).double().numpy() - ref))
+        assert err <= bound, (name, got, ref, err, bound)
+    else:
+        raise AssertionError(f"no reference for {name}")
 
 
 class _bound:
@@ -167,6 +231,7 @@ def test_world_three_names_the_lowest_rank_with_a_problem():
     results = distributed.run(3, world3_body)
     distributed.assert_ranks_agree(results)
     assert "tensor 0 is a leaf that requires grad" in results[0]["mean"] and "on rank 1" in results[0]["mean"]
+    assert "tensor 0 is a leaf that requires grad" in results[0]["adasum"] and "on rank 1" in results[0]["adasum"]
     assert results[0]["api"] is not None and "requires grad" in results[0]["api"] and "on rank 2" in results[0]["api"]
 
 

@@ -19,6 +19,7 @@ from adasum.settings import override
 from adasum.transport import groups
 
 import distributed
+from reference import combine_with_bound
 
 BOUND_S = 10  # the promise: named within 10 s
 
@@ -68,6 +69,11 @@ def test_layouts_agreed_once_then_swapped_are_named_on_every_rank(world, equal_s
     assert message == (f"adasum.all_reduce: tensors differ across ranks at index 0: rank 0 has float32 [4, 2] on cpu, "
                        f"rank {world - 1} has {other}"), message
     assert all(r[4] == results[0][4] for r in results)
+    # the call after the refused one combines every rank's own tensor: the independent reference tree, within
+    # its bound (computed in float64, stored in float32)
+    ref, bound = combine_with_bound([torch.full((3,), float(r)) for r in range(world)])
+    err = float((torch.tensor(results[0][4], dtype=torch.float64) - ref).norm())
+    assert err <= bound, (results[0][4], ref, err, bound)
 
 
 def _with_budget(memory_mb, call):

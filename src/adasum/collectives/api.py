@@ -71,9 +71,10 @@ def all_reduce(
     gradients where they lie.
 
     Non-finite inputs: ``nonfinite="propagate"`` (the default) lets them through; a tensor with a
-    NaN or Inf on any rank comes out non-finite, identically on every rank. ``"raise"`` first
-    checks with one small all-reduce and raises `adasum.NonFiniteError` on every rank, naming the
-    first such tensor (its index in `tensors`) and the lowest rank that has it; nothing is changed.
+    NaN or Inf on any rank comes out NaN in every element (in a group of two or more), identically on
+    every rank. ``"raise"`` first checks with one small all-reduce and raises `adasum.NonFiniteError` on
+    every rank, naming the first such tensor (its index in `tensors`) and the lowest rank that has it;
+    nothing is changed.
 
     A dead or stalled peer raises `adasum.CollectiveError` naming the step within the group's
     timeout (gloo; on NCCL the watchdog enforces it).
