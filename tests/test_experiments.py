@@ -17,6 +17,7 @@ from adasum.experiments.data import load_task, read_cifar10_dir, read_idx, read_
 from adasum.experiments.methods import METHODS, get_method, method_reducer, parse_methods
 from adasum.experiments.models import MODELS, build_model
 from adasum.experiments.runner import RunConfig, train, worker_batches
+from adasum.reducers import AdaCons, Adasum, Mean, Sum
 from adasum.transport.groups import reducer_names
 
 
@@ -198,16 +199,44 @@ def test_every_model_is_listed_and_unknown_ones_refused():
         build_model("vgg", (1, 28, 28), 10)
 
 
+TABLE = {  # adasum.experiments.methods' table: reducer, combines, local steps, slow momentum, lr x P
+    "sequential": ("mean", "gradient", False, False, False),
+    "mean-scaled": ("mean", "gradient", False, False, True),
+    "mean": ("mean", "gradient", False, False, False),
+    "sum": ("sum", "gradient", False, False, False),
+    "adasum": ("adasum", "gradient", False, False, False),
+    "adasum-delta": ("adasum", "delta", False, False, False),
+    "adacons": ("adacons", "gradient", False, False, True),
+    "localsgd": ("mean", "delta", True, False, False),
+    "adasum-localsgd": ("adasum", "delta", True, False, False),
+    "slowmo": ("mean", "delta", True, True, False),
+}
+REDUCERS = {  # each reducer name as the table means it: the class with its default options
+    "mean": (Mean, "Mean()"),
+    "sum": (Sum, "Sum()"),
+    "adasum": (Adasum, "Adasum(per_tensor=True)"),
+    "adacons": (AdaCons, "AdaCons(momentum=0.0, per_tensor=False, scale='mean_norm')"),
+}
+
+
 def test_methods_table():
+    """Every method is the row of the module's table, and `method_reducer` gives a fresh reducer of the class the
+    row names, with its default options."""
     assert get_method("mean-scaled").learning_rate(0.01, 16) == pytest.approx(0.16)
     assert get_method("adasum").learning_rate(0.01, 16) == 0.01
     assert get_method("sequential").workers(16) == 1
     assert [m.name for m in parse_methods("mean, adasum,mean")] == ["mean", "adasum"]
     with pytest.raises(ValueError, match="unknown method 'median'"):
         parse_methods("mean,median")
+    assert list(METHODS) == list(TABLE)
     for m in METHODS.values():
-        if m.reducer != "adacons":
-            method_reducer(m)
+        assert (m.reducer, m.combine, m.local, m.slow_momentum, m.linear_lr_scaling) == TABLE[m.name], m.name
+        cls, text = REDUCERS[m.reducer]
+        reducer = method_reducer(m)
+        assert type(reducer) is cls and reducer.name == m.reducer and repr(reducer) == text, (m.name, reducer)
+        if cls is Adasum:
+            assert reducer.hierarchical is False and reducer.local_size is None
+        assert method_reducer(m) is not reducer  # no state (AdaCons' momentum) shared between runs
 
 
 def test_adacons_missing_is_a_clear_error(monkeypatch):

@@ -376,6 +376,10 @@ def setup_body(rank, world):
         else:
             raise AssertionError(f"{what}: not refused")
     assert "later step" in errors["1-D mesh"] and "replicate" in errors["1-D mesh"]
+    assert "hierarchical Adasum does not combine tensor shards" in errors["hierarchical"]
+    assert "use Adasum() without hierarchical" in errors["hierarchical"]
+    assert "the model has no fully_shard unit" in errors["not sharded"]
+    assert "fully_shard(..., mesh=mesh['shard'])" in errors["not sharded"]
     assert "native HSDP" in errors["native HSDP"]
     assert "adasum.DistributedOptimizer" in errors["optimizer"] and "adasum.fsdp.enable" in errors["optimizer"]
     assert "adasum.SlowMo" in errors["slowmo"] and "adasum.fsdp.enable" in errors["slowmo"]

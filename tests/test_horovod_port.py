@@ -121,31 +121,44 @@ def test_horovod_adasum_example_trains_as_the_reference():
 def broadcast_body(rank, world):
     """broadcast_parameters: a state dict with buffers (integer ones too) and tied weights, named_parameters()
     pairs, bare parameters; broadcast_optimizer_state: Adam state onto a rank without any (``step`` stays a CPU
-    tensor), and into a DistributedOptimizer; a layout that differs across ranks is refused on every rank."""
+    tensor), and into a DistributedOptimizer; a layout that differs across ranks is refused on every rank.
+    Returns each rank's values before and after every broadcast."""
+
+    def copies(tensors):
+        return [t.detach().numpy().copy() for t in tensors]
+
     torch.manual_seed(rank)
     model = Net()
     tied = torch.nn.Sequential(torch.nn.Embedding(4, 3), torch.nn.Linear(3, 4, bias=False))
     tied[1].weight = tied[0].weight
     model.bn.num_batches_tracked.fill_(7 * (rank + 1))
+    out = {"state_before": copies(model.state_dict().values()), "tied_before": copies([tied[0].weight])}
     adasum.broadcast_parameters(model.state_dict(), root=1)
     adasum.broadcast_parameters(tied.state_dict(), root=1)  # lists the tied weight twice
-    out = {
-        "state": [t.numpy().copy() for t in model.state_dict().values()],
-        "tied": tied[0].weight.detach().numpy().copy(),
-    }
+    out["state"] = copies(model.state_dict().values())
+    out["tied"] = copies([tied[0].weight])
+    out["still_tied"] = tied[1].weight is tied[0].weight
     assert int(model.bn.num_batches_tracked) == 14
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(rank + 1)  # the ranks differ again, so that the next broadcast has something to move
+    out["bare_before"] = copies(model.parameters())
     adasum.broadcast_parameters(model.parameters(), root=0)  # bare tensors (a generator)
+    out["bare"] = copies(model.parameters())
 
     adam = torch.optim.Adam(model.parameters(), lr=0.01)
     if rank == 0:
         F.nll_loss(model(torch.randn(4, FEATURES)), torch.tensor([0, 1, 2, 0])).backward()
         adam.step()
+    out["adam_before"] = [t.numpy().copy() for s in adam.state_dict()["state"].values() for t in s.values()]
     adasum.broadcast_optimizer_state(adam, root=0)
     state = adam.state_dict()["state"]
     assert len(state) == 6 and all(s["step"].device.type == "cpu" for s in state.values())
     out["adam"] = [t.numpy().copy() for s in state.values() for t in s.values()]
 
+    out["moved_before"] = copies(model.parameters())
     adasum.broadcast_parameters(model.parameters(), root=0)  # Adam moved rank 0's
+    out["moved"] = copies(model.parameters())
     wrapped = adasum.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9), local_steps=2)
     if rank == 1:
         wrapped._round_step = 1  # as if loaded mid-round on one rank: the broadcast gives rank 0's counters
@@ -160,10 +173,20 @@ def broadcast_body(rank, world):
 
 
 def test_broadcasts():
+    """Every broadcast gives every rank exactly the root's values from before it (root 1 for the state dict and
+    the tied weights, root 0 for the rest), where the ranks held different values (or, for Adam, none)."""
     results = distributed.run(2, broadcast_body)
-    for key in ("state", "adam"):
-        assert all((a == b).all() for a, b in zip(results[0][key], results[1][key])), key
-    assert (results[0]["tied"] == results[1]["tied"]).all()
+    for key, root in (("state", 1), ("tied", 1), ("bare", 0), ("adam", 0), ("moved", 0)):
+        before = results[root][key + "_before"]
+        other = results[1 - root][key + "_before"]
+        assert len(other) != len(before) or any((a != b).any() for a, b in zip(before, other)), key
+        for rank in range(2):
+            after = results[rank][key]
+            assert len(after) == len(before), (key, rank)
+            for i, (a, b) in enumerate(zip(after, before)):
+                assert a.dtype == b.dtype and (a == b).all(), (key, rank, i)
+    assert results[0]["adam_before"] and not results[1]["adam_before"]  # rank 1 had no Adam state before
+    assert results[0]["still_tied"] and results[1]["still_tied"]
     assert results[0]["error"] == results[1]["error"]
     assert "adasum.broadcast_parameters: tensors differ across ranks at index 0" in results[0]["error"]
 

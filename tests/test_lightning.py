@@ -1,7 +1,9 @@
 """adasum.lightning with the real Lightning on 2 gloo processes under torchrun: the callback, the
 "ddp_adasum" strategy and the "ddp_adasum_delta" strategy (Adam) each take a first step equal to
 the NumPy reference applied to every rank's local gradients, and end with bitwise-identical
-parameters; the warnings when they would do nothing (one process, no DDP model)."""
+parameters; "ddp_adasum_delta" with SGD, accumulation, clipping and an LR scheduler takes each checked step
+equal to the reference of the ranks' clipped, accumulated local steps, within a stated float32 bound; the warnings
+when they would do nothing (one process, no DDP model)."""
 
 import os
 import subprocess
@@ -24,6 +26,7 @@ import reference  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
 STEPS, LR = 3, 0.05
+CLIP = 11.5  # between the two ranks' first accumulated gradient norms (9.6 and 13.8): one clips, one does not
 
 
 class Tiny(pl.LightningModule):
@@ -55,7 +58,36 @@ class Tiny(pl.LightningModule):
         if self.optimizer == "adam-scheduled":
             opt = torch.optim.Adam(self.parameters(), lr=LR)
             return [opt], [torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.5)]
+        if self.optimizer == "sgd-scheduled":
+            opt = torch.optim.SGD(self.parameters(), lr=LR)
+            return [opt], [torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.5)]
         return torch.optim.SGD(self.parameters(), lr=LR)
+
+
+class Accumulating(Tiny):
+    """Tiny with SGD and a StepLR scheduler (halves the LR at each epoch's end) that records, for the optimizer
+    step ending at batch ``accumulate - 1`` of every epoch, the parameters before and after it and the local
+    gradient of each of its batches, of the loss as Lightning scales it (divided by `accumulate`)."""
+
+    def __init__(self, accumulate: int) -> None:
+        super().__init__("sgd-scheduled")
+        self.accumulate = accumulate
+        self.steps: dict[int, dict] = {}
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        loss = torch.nn.functional.mse_loss(self.net(x), y)
+        if batch_idx < self.accumulate:
+            record = self.steps.setdefault(self.current_epoch, {"grads": []})
+            if batch_idx == 0:
+                record["before"] = [p.detach().clone() for p in self.parameters()]
+            local = torch.autograd.grad(loss / self.accumulate, list(self.parameters()), retain_graph=True)
+            record["grads"].append([g.detach().clone() for g in local])
+        return loss
+
+    def on_train_batch_end(self, outputs, batch, batch_idx) -> None:
+        if batch_idx == self.accumulate - 1:
+            self.steps[self.current_epoch]["after"] = [p.detach().clone() for p in self.parameters()]
 
 
 def data(world: int) -> torch.utils.data.DataLoader:
@@ -96,6 +128,45 @@ def sgd_step(g: np.ndarray) -> np.ndarray:
 
 def adam_first_step(g: np.ndarray) -> np.ndarray:
     return -LR * g / (np.abs(g) + 1e-8)  # Adam's bias-corrected moments at step 1: m = g, v = g^2
+
+
+def check_clipped_steps(module: Accumulating, clip: float) -> None:
+    """Each recorded step (epoch 0 at LR, epoch 1 at LR/2 after the scheduler's step) moved each parameter by the
+    reference pair of the ranks' local SGD steps: ``-lr c_r G_r`` with ``G_r`` the sum of rank r's accumulated
+    batch gradients and ``c_r = min(1, clip / (|G_r| + 1e-6))`` torch's norm clipping over all parameters.
+    In epoch 0 one rank clips and the other does not, so both the clipping and the accumulated sum's scale show.
+
+    Bound (float32, first order), per tensor: rank r's delta is off from ``s_r`` by at most
+    ``u |x0 + s_r| + (g_{m+2} + 6u) |s_r|`` (the accumulation's sum, the total norm of m elements with two square
+    roots, adding 1e-6 and dividing, the clipping product, the LR in float32, its product, the SGD update stored
+    next to x0, and the delta ``x1 - x0``); the pair spreads it by ``1 + w_b + 4 w_a B/A`` and adds its own
+    rounding (`reference.tree_with_bound`: float64 arithmetic, stored in float32); ``x0 + combined`` adds
+    ``u |after|``."""
+    u = reference.U32
+    for epoch, lr in ((0, LR), (1, LR / 2)):
+        record = module.steps[epoch]
+        assert len(record["grads"]) == module.accumulate
+        summed = [sum(g.double() for g in batch) for batch in zip(*record["grads"])]  # per tensor, this rank
+        ranks = gathered(summed)
+        totals = [float(np.sqrt(sum((g**2).sum() for g in grads))) for grads in ranks]
+        if epoch == 0:
+            assert min(totals) < clip < max(totals), (totals, clip)  # one rank clipped, one not
+        coefficients = [min(1.0, clip / (t + 1e-6)) for t in totals]
+        m = sum(g.size for g in ranks[0])
+        for i, (before, after) in enumerate(zip(record["before"], record["after"])):
+            x0 = before.double().numpy().reshape(-1)
+            steps = [-lr * c * grads[i].reshape(-1) for c, grads in zip(coefficients, ranks)]
+            combined, bound = reference.tree_with_bound(steps, reference.U64, u)
+            norms = [np.linalg.norm(s) for s in steps]
+            for r, s in enumerate(steps):
+                local = u * np.linalg.norm(x0 + s) + (reference.gamma(m + 2, u) + 6 * u) * norms[r]
+                bound += local * (1 + 0.5 + 2 * norms[1 - r] / norms[r])
+            expected = x0 + combined
+            bound += u * np.linalg.norm(expected)
+            err = np.linalg.norm(after.double().numpy().reshape(-1) - expected)
+            assert err <= bound, f"epoch {epoch} tensor {i}: |error| {err:.3g} > bound {bound:.3g}"
+    finals = gathered([torch.cat([p.detach().reshape(-1) for p in module.parameters()])])
+    assert np.array_equal(finals[0][0], finals[1][0]), "parameters differ across ranks"
 
 
 def report(route: str) -> None:
@@ -140,6 +211,14 @@ def job() -> None:
     assert torch.load(path, weights_only=False)["optimizer_states"][0]["optimizer"]["state"], "no Adam state"
     report("ddp_adasum_delta options")
 
+    # the same options with SGD, whose step shows the clipping and the accumulated sum (Adam's does not): two
+    # steps against the reference of the ranks' clipped, accumulated local steps
+    module = Accumulating(accumulate=2)
+    trainer = fit(module, "ddp_adasum_delta", accumulate_grad_batches=2, gradient_clip_val=CLIP)
+    assert trainer.optimizers[0].param_groups[0]["lr"] == LR / 2
+    check_clipped_steps(module, CLIP)
+    report("ddp_adasum_delta clipped")
+
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         fit(Tiny(), "ddp_adasum", [adasum.lightning.AdasumCallback()])
@@ -155,7 +234,8 @@ def test_routes_on_two_processes(tmp_path):
     command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", __file__]
     done = subprocess.run(command, env=env, capture_output=True, text=True, timeout=240)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
-    for route in ("callback", "ddp_adasum", "ddp_adasum_delta", "ddp_adasum_delta options", "callback with ddp_adasum"):
+    for route in ("callback", "ddp_adasum", "ddp_adasum_delta", "ddp_adasum_delta options", "ddp_adasum_delta clipped",
+                  "callback with ddp_adasum"):
         assert all(f"[{route}] ok on rank {rank}" in done.stdout for rank in (0, 1)), done.stdout
 
 

@@ -1,4 +1,5 @@
 import math
+import sys
 
 import numpy as np
 import pytest
@@ -7,6 +8,7 @@ import torch
 import adasum
 from adasum.core.tree import Tree
 
+from reference import STORE_U, U64, gamma, pair, tree_with_bound
 from reference import tree as reference_tree
 
 
@@ -104,15 +106,77 @@ def test_power_of_two_tree_is_horovods():
     assert torch.allclose(adasum.reduce(x), horovod, rtol=1e-13, atol=1e-14)
 
 
-@pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-6), (torch.bfloat16, 2e-2), (torch.float16, 4e-3)])
-def test_reduce_low_precision_within_dtype_precision(dtype, tol):
+def spacing(values: np.ndarray, dtype: torch.dtype) -> np.ndarray:
+    """The gap between neighbouring `dtype` values at each of `values` (float64; subnormals included)."""
+    info = torch.finfo(dtype)
+    digits = 1 - round(math.log2(info.eps))  # significand bits: 24, 11, 8
+    lowest = math.frexp(info.tiny)[1]  # frexp's exponent of the smallest normal
+    _, exponent = np.frexp(np.abs(values))
+    exponent = np.where(values == 0, lowest, np.maximum(exponent, lowest))
+    return np.ldexp(1.0, exponent - digits)
+
+
+def rounded_tree(vectors: list[np.ndarray], dtype: torch.dtype) -> tuple[np.ndarray, float]:
+    """`reference.tree` with each pair's result rounded to `dtype`, as `adasum.reduce` documents (every level
+    computed in float64, its result stored in the dtype); and the least margin, over every element of every pair,
+    by which its float64 value lies farther from a rounding midpoint of `dtype` than twice the float64 error bound
+    of that element (`reference`'s module doc, ``u = U64``: that of the reference and that of the library). Where the
+    margin is positive, a library that computes each level from the same inputs in float64 and rounds to nearest
+    stores the same values, level after level: its result is bitwise this one."""
+    p = len(vectors)
+    q = 1 << (p.bit_length() - 1)
+    r = p - q
+    n = vectors[0].size
+    margins = []
+
+    def node(x, y):
+        (a, na), (b, nb) = x, y
+        big_a, big_b = np.linalg.norm(a), np.linalg.norm(b)
+        wa, wb = na / (na + nb), nb / (na + nb)
+        exact = pair(a, b, na, nb)
+        dot = float(a @ b)
+        ca, cb = 1 - wa * dot / big_a**2, 1 - wb * dot / big_b**2
+        # element by element: each coefficient off by w (2 g_n + 3u) times the other norm over its own, then the
+        # products and the sum
+        coefficient = 2 * gamma(n, U64) + 3 * U64
+        arithmetic = (wa * coefficient * big_b / big_a * np.abs(a) + wb * coefficient * big_a / big_b * np.abs(b)
+                      + gamma(2, U64) * (abs(ca) * np.abs(a) + abs(cb) * np.abs(b)))
+        stored = torch.from_numpy(exact).to(dtype).double().numpy()  # round to nearest, ties to even
+        gap = spacing(np.minimum(np.abs(exact), np.abs(stored)), dtype)
+        margins.append(float(np.min(gap / 2 - np.abs(exact - stored) - 2 * arithmetic)))
+        return stored, na + nb
+
+    groups = [node((vectors[2 * i], 1), (vectors[2 * i + 1], 1)) for i in range(r)]
+    groups += [(v.astype(np.float64), 1) for v in vectors[2 * r:]]
+
+    def combine(lo: int, hi: int):
+        if hi - lo == 1:
+            return groups[lo]
+        mid = (lo + hi) // 2
+        return node(combine(lo, mid), combine(mid, hi))
+
+    return combine(0, q)[0], min(margins)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("workers", [4, 5])
+def test_reduce_low_precision_within_dtype_precision(dtype, workers):
+    """adasum.reduce of float32 / bfloat16 / float16 tensors: bitwise the reference tree with each level rounded to
+    the dtype (`rounded_tree`, whose margin shows that float64 arithmetic cannot change a rounding), and within
+    `tree_with_bound` (float64 arithmetic, stored in the dtype) of the unrounded reference tree."""
     g = torch.Generator().manual_seed(11)
-    xs = [torch.randn(1000, generator=g) for _ in range(5)]
+    xs = [torch.randn(1000, generator=g) for _ in range(workers)]
     low = [x.to(dtype) for x in xs]
     out = adasum.reduce(low)
     assert out.dtype == dtype
-    ref = reference_tree([x.double().numpy() for x in low])
-    assert rel_err(out, ref) < tol
+    vectors = [x.double().numpy() for x in low]
+    expected, margin = rounded_tree(vectors, dtype)
+    assert margin > 0, margin
+    mismatched = int((out != torch.from_numpy(expected).to(dtype)).sum())
+    assert mismatched == 0, f"{mismatched} of {out.numel()} elements differ from the rounded reference"
+    ref, bound = tree_with_bound(vectors, U64, STORE_U[str(dtype).removeprefix("torch.")])
+    err = float(np.linalg.norm(out.double().numpy() - ref))
+    assert err <= bound, (err, bound)
 
 
 @pytest.mark.parametrize(
@@ -147,7 +211,8 @@ def test_tree_counts():
     assert Tree(8).levels() == [1, 2, 4] and Tree(1).levels() == []
     with pytest.raises(ValueError):
         Tree(0)
-    assert math.isclose(adasum.core.operator.ZERO_NORM, 1.4916681462400413e-154)
+    # adasum.core.operator's definition: squared norms below sqrt(the smallest normal float64) count as zero
+    assert adasum.core.operator.ZERO_NORM == math.sqrt(sys.float_info.min)
 
 
 def test_batched_device_kernels_match_cpu_kernels():
@@ -164,7 +229,20 @@ def test_batched_device_kernels_match_cpu_kernels():
         blocked = ops.dot_and_norms(a, b, lengths)
         batched = torch_ops.dot_and_norms(a, b, lengths)
         assert batched.shape == blocked.shape == (3, len(lengths))
-        assert torch.allclose(blocked, batched, rtol=1e-12, atol=1e-9)
+        # each against the exactly rounded sums (math.fsum of the float64 products, exact for float32 and bfloat16
+        # inputs, within u of each for float64 ones): a float64 sum of n products in any order is off by at most
+        # gamma_n sum |x_i y_i|, the reference by U64 sum |x_i y_i| (products) plus U64 of its value
+        a64, b64 = a.double().numpy(), b.double().numpy()
+        start = 0
+        for i, n in enumerate(lengths):
+            x, y = a64[start:start + n], b64[start:start + n]
+            start += n
+            for j, (u, v) in enumerate([(x, y), (x, x), (y, y)]):
+                exact = math.fsum((u * v).tolist())
+                bound = (gamma(n, U64) + U64) * float(np.abs(u * v).sum()) + U64 * abs(exact)
+                for name, sums in (("blocked", blocked), ("batched", batched)):
+                    err = abs(float(sums[j, i]) - exact)
+                    assert err <= bound, (dtype, name, i, j, err, bound)
         ca, cb = coefficients(blocked, 0.5, 0.5)
         out1, out2 = torch.empty_like(a), torch.empty_like(a)
         ops.scale_add(a, b, ca, cb, lengths, out1)
