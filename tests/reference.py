@@ -58,10 +58,14 @@ def spread(error: float, lipschitz: float) -> float:
     return lipschitz * error if error else 0.0
 
 
-def tree_with_bound(vectors: list[np.ndarray], u: float = U64, store_u: float = 0.0) -> tuple[np.ndarray, float]:
-    """`tree` of `vectors` (taken as exact) and a first-order bound on the 2-norm error of a result computed with
-    unit roundoff `u` and stored with `store_u` (module doc). The library's kernels compute in float64 (``u=U64``)
-    and store in the tensors' dtype (``store_u`` its unit roundoff; 0 for float64 kept as it is)."""
+def tree_with_bound(
+    vectors: list[np.ndarray], u: float = U64, store_u: float = 0.0, leaf_errors=None, node_error=None
+) -> tuple[np.ndarray, float]:
+    """`tree` of `vectors` and a first-order bound on the 2-norm error of a result computed with unit roundoff `u`
+    and stored with `store_u` (module doc), from inputs off by at most ``leaf_errors[i]`` (default: exact) and
+    with ``node_error(out)`` more on each pairwise result `out` (a store's underflow, say; none on the result of
+    two exact zeros, which is exact). The library's kernels compute in float64 (``u=U64``) and store in the
+    tensors' dtype (``store_u`` its unit roundoff; 0 for float64 kept as it is)."""
     p = len(vectors)
     q = 1 << (p.bit_length() - 1)
     r = p - q
@@ -74,11 +78,14 @@ def tree_with_bound(vectors: list[np.ndarray], u: float = U64, store_u: float = 
         out = pair(va, vb, na, nb)
         local = ((2 * gamma(n, u) + 3 * u) * (wa * big_b + wb * big_a)
                  + gamma(2, u) * (big_a + big_b + wa * big_b + wb * big_a) + store_u * np.linalg.norm(out))
+        if node_error is not None and (ea or eb or big_a or big_b):
+            local += node_error(out)
         carried = spread(ea, 1 + wb + 4 * wa * big_b / big_a if big_a else np.inf)
         carried += spread(eb, 1 + wa + 4 * wb * big_a / big_b if big_b else np.inf)
         return out, na + nb, carried + local
 
-    leaves = [(v.astype(np.float64), 1, 0.0) for v in vectors]
+    errors = leaf_errors if leaf_errors is not None else [0.0] * p
+    leaves = [(v.astype(np.float64), 1, float(e)) for v, e in zip(vectors, errors)]
     groups = [node(leaves[2 * i], leaves[2 * i + 1]) for i in range(r)] + leaves[2 * r:]
 
     def combine(lo: int, hi: int) -> tuple:
@@ -92,15 +99,136 @@ def tree_with_bound(vectors: list[np.ndarray], u: float = U64, store_u: float = 
     return value, bound
 
 
+# torch tensors, one per rank: the library's results against the reference, each with the bound on their distance
+# (the library's error from the exact result plus the float64 reference's own)
+
 STORE_U = {"float64": 0.0, "float32": U32, "float16": U16, "bfloat16": UBF16}
-"""The unit roundoff of storing a result in each dtype, by its name (`torch.float32` is "float32")."""
+"""The unit roundoff of storing a float64 result in each dtype, by its name (`torch.float32` is "float32")."""
+
+UNIT = {"float64": U64, "float32": U32, "float16": U16, "bfloat16": UBF16}
+"""The unit roundoff of arithmetic in each dtype, by its name."""
+
+
+def dtype_name(t) -> str:
+    return str(t.dtype).removeprefix("torch.")
+
+
+def flat64(tensors) -> list[np.ndarray]:
+    return [t.detach().double().cpu().reshape(-1).numpy() for t in tensors]
+
+
+def error_of(got, reference) -> float:
+    """``||got - reference||_2`` in float64, on the CPU (tensors or arrays)."""
+    got = got.detach().double().cpu().reshape(-1).numpy() if hasattr(got, "detach") else np.asarray(got, np.float64)
+    ref = reference.double().cpu().reshape(-1).numpy() if hasattr(reference, "double") else np.asarray(reference)
+    return float(np.linalg.norm(got.reshape(-1) - ref.astype(np.float64).reshape(-1)))
+
+
+def _finfo(dtype):
+    import torch
+
+    return torch.finfo(dtype)
+
+
+def underflow(dtype, n: int) -> float:
+    """What storing n values in `dtype` may add to their 2-norm error beyond the relative ``STORE_U`` (gradual
+    underflow: a value below the smallest normal number is off by up to half the smallest subnormal, ``u * tiny``,
+    not by ``u`` of itself). Nothing for float64, kept as computed."""
+    return STORE_U[str(dtype).removeprefix("torch.")] * _finfo(dtype).tiny * np.sqrt(n)
+
+
+def store_error(dtype, n: int):
+    """What storing a float64 result `out` of n elements in `dtype` may add to its 2-norm error beyond
+    ``STORE_U[dtype] ||out||``, as a function of `out`: the underflow, and for float16 and bfloat16 a rounding to
+    float32 first (torch converts float64 to them through float32: ``1 + 2**-11 + 2**-40`` becomes 1 in float16),
+    ``U32 ||out||`` more with float32's own underflow."""
+    import torch
+
+    extra = underflow(dtype, n)
+    if _finfo(dtype).eps > _finfo(torch.float32).eps:
+        return lambda out: extra + U32 * (np.linalg.norm(out) + _finfo(torch.float32).tiny * np.sqrt(n))
+    return lambda out: extra
 
 
 def combine_with_bound(tensors) -> tuple:
-    """`tree_with_bound` of torch tensors, one per rank: (the reference in float64, shaped like the first, and the
-    bound on a result computed in float64 and stored in their dtype)."""
+    """Adasum of torch tensors, one per rank, by the reference (float64, shaped like the first) and the bound on
+    its distance from a library result computed in float64 and stored in their dtype: `tree_with_bound`'s with the
+    stores' `store_error`, plus the float64 reference's own rounding (as large as the library's for float64)."""
     import torch
 
-    vectors = [t.detach().double().cpu().reshape(-1).numpy() for t in tensors]
-    value, bound = tree_with_bound(vectors, U64, STORE_U[str(tensors[0].dtype).removeprefix("torch.")])
-    return torch.from_numpy(value).reshape(tensors[0].shape), bound
+    vectors = flat64(tensors)
+    dtype = tensors[0].dtype
+    value, bound = tree_with_bound(vectors, U64, STORE_U[dtype_name(tensors[0])],
+                                   node_error=store_error(dtype, vectors[0].size))
+    return torch.from_numpy(value).reshape(tensors[0].shape), bound + tree_with_bound(vectors, U64)[1]
+
+
+def half_with_bound(tensors, dtype) -> tuple:
+    """Adasum under torch's fp16/bf16 compression wrappers: the library combines the gradients rounded to `dtype`
+    (the wrapper's cast, done here alike) and stores in `dtype`; the wrapper's cast back is exact (every half
+    value is a float32). So `combine_with_bound` of the rounded gradients."""
+    return combine_with_bound([t.to(dtype) for t in tensors])
+
+
+def node_means_with_errors(tensors, local_size: int) -> tuple:
+    """The node means in float64 (NumPy's mean of each node's ranks) and per node a bound on the 2-norm distance
+    between the library's node mean and this one. The library sums a node's L tensors in their dtype (the
+    intra-node reduce-scatter, any order: ``gamma_{L-1}(u) sum_i |x_i|``), then divides by L in their dtype
+    (``u |mean|``, plus underflow); NumPy's float64 mean adds the same with U64. One rank a node: the inputs,
+    exact."""
+    vectors, name = flat64(tensors), dtype_name(tensors[0])
+    u, n = UNIT[name], vectors[0].size
+    means, errors = [], []
+    for start in range(0, len(vectors), local_size):
+        block = vectors[start : start + local_size]
+        mean = np.mean(block, axis=0)
+        error = 0.0
+        if local_size > 1 and any(v.any() for v in block):
+            spread_sum = sum(np.linalg.norm(v) for v in block) / local_size  # >= ||sum_i |x_i| / L||
+            error = ((gamma(local_size - 1, u) + gamma(local_size - 1, U64)) * spread_sum
+                     + (u + U64) * np.linalg.norm(mean) + u * _finfo(tensors[0].dtype).tiny * np.sqrt(n))
+        means.append(mean)
+        errors.append(error)
+    return means, errors
+
+
+def hierarchical_with_bound(tensors, local_size: int) -> tuple:
+    """Hierarchical Adasum (the mean inside nodes of `local_size` consecutive ranks, Adasum across nodes) by the
+    reference: `tree_with_bound` of the float64 node means, computed in float64 and stored in the tensors' dtype,
+    from the node means' own errors (`node_means_with_errors`), with the stores' (`store_error`), plus the
+    reference's own rounding. Returns (the reference shaped like the first tensor, the bound on its distance from
+    a library result)."""
+    import torch
+
+    means, errors = node_means_with_errors(tensors, local_size)
+    value, bound = tree_with_bound(means, U64, STORE_U[dtype_name(tensors[0])], leaf_errors=errors,
+                                   node_error=store_error(tensors[0].dtype, means[0].size))
+    return torch.from_numpy(value).reshape(tensors[0].shape), bound + tree_with_bound(means, U64)[1]
+
+
+def mean_with_bound(tensors) -> tuple:
+    """The mean of the ranks' tensors in float64 and the bound on a library Mean: a sum all-reduce in their dtype
+    (any order: ``gamma_{p-1}(u) sum_i ||x_i||``) then a division by p in their dtype (``u ||mean||``, plus
+    underflow), or on NCCL each term multiplied by a rounded 1/p first (two roundings more at most, held by
+    ``gamma_{p+1}``); the float64 mean computed here adds the same with U64."""
+    import torch
+
+    p, u = len(tensors), UNIT[dtype_name(tensors[0])]
+    stacked = torch.stack([t.detach().double().cpu() for t in tensors])
+    value = stacked.sum(0) / p
+    norms = float(stacked.reshape(p, -1).norm(dim=1).sum())
+    bound = ((gamma(p + 1, u) + gamma(p - 1, U64)) * norms / p + (u + U64) * float(value.norm())
+             + u * _finfo(tensors[0].dtype).tiny * np.sqrt(value.numel()))
+    return value, bound
+
+
+def sum_with_bound(tensors) -> tuple:
+    """The sum of the ranks' tensors in float64 and the bound on a library Sum: a sum all-reduce in their dtype
+    (any order: ``gamma_{p-1}(u) sum_i ||x_i||``, no underflow: a sum is exact where it is subnormal); the float64
+    sum computed here adds the same with U64."""
+    import torch
+
+    p, u = len(tensors), UNIT[dtype_name(tensors[0])]
+    stacked = torch.stack([t.detach().double().cpu() for t in tensors])
+    norms = float(stacked.reshape(p, -1).norm(dim=1).sum())
+    return stacked.sum(0), (gamma(p - 1, u) + gamma(p - 1, U64)) * norms

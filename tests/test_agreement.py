@@ -21,7 +21,7 @@ from adasum.reducers import AdaCons, Adasum, Mean, Sum
 from adasum.transport.groups import CollectiveError, failures_named, is_transport_error
 
 import distributed
-from reference import STORE_U, U32, U64, combine_with_bound, gamma, tree_with_bound
+from reference import U32, U64, combine_with_bound, error_of, gamma, mean_with_bound, sum_with_bound
 from reference_adacons import AdaConsReference
 
 FAST_S = 3.0  # every error must come well before the test group's timeout
@@ -96,14 +96,9 @@ def _check_after(name: str, reducer, per_worker: list[list[torch.Tensor]], got: 
     """`got` (this rank's result of the good call) against the independent reference, within its error bound
     (g_n = n u/(1 - n u); P ranks; 2-norms, an element-wise bound's 2-norm bounding the error's):
 
-    * sum: ``np.sum`` of the float64 inputs; the all-reduce adds P float32 copies (P - 1 roundings, the last
-      one the store): ``g_{P-1}(U32) sum_i |x_i|``, plus NumPy's own ``g_{P-1}(U64) sum_i |x_i|``;
-    * mean, and hierarchical Adasum with one node of `local_size` = P ranks (the node mean; Adasum over a
-      single node leaves it as it is): ``np.mean``; a sum, then a division (or NCCL's average, each term
-      times a rounded 1/P first): at most P + 1 roundings, ``g_{P+1}(U32) sum_i |x_i| / P``, plus NumPy's
-      ``g_P(U64) sum_i |x_i| / P``;
-    * Adasum: `reference.combine_with_bound` per tensor, whole-model `reference.tree_with_bound` over the
-      tensors (one dtype) concatenated;
+    * sum and mean, and hierarchical Adasum with one node of `local_size` = P ranks (the node mean; Adasum over
+      a single node leaves it as it is): `reference.sum_with_bound`, `reference.mean_with_bound`;
+    * Adasum: `reference.combine_with_bound` per tensor, whole-model over the tensors (one dtype) concatenated;
     * AdaCons: `reference_adacons` (a fresh one: the reducer's first call that went through). Its mean and its
       float64 dot products are exact here, the float64 weights ``w_i = c_i |m| / |g_i|`` are off by a few
       float64 roundings (allowed: g_32(U64) relative); each rank rounds ``w_i`` to float32 and multiplies
@@ -114,24 +109,17 @@ def _check_after(name: str, reducer, per_worker: list[list[torch.Tensor]], got: 
     if name in ("sum", "mean", "adasum-hierarchical"):
         if name == "adasum-hierarchical":
             assert reducer.hierarchical is True and reducer.local_size == p  # one node: its mean
+        with_bound = sum_with_bound if name == "sum" else mean_with_bound
         for i, t in enumerate(got):
-            magnitude = np.linalg.norm(np.abs(x[i]).sum(0))
-            if name == "sum":
-                ref, bound = x[i].sum(0), (gamma(p - 1, U32) + gamma(p - 1, U64)) * magnitude
-            else:
-                ref, bound = x[i].mean(0), (gamma(p + 1, U32) + gamma(p, U64)) * magnitude / p
-            err = float(np.linalg.norm(t.double().numpy() - ref))
-            assert err <= bound, (name, i, t, ref, err, bound)
+            ref, bound = with_bound([w[i] for w in per_worker])
+            assert error_of(t, ref) <= bound, (name, i, t, ref, error_of(t, ref), bound)
     elif name == "adasum":
         for i, t in enumerate(got):
             ref, bound = combine_with_bound([w[i] for w in per_worker])
-            err = float((t.double() - ref).norm())
-            assert err <= bound, (name, i, t, ref, err, bound)
+            assert error_of(t, ref) <= bound, (name, i, t, ref, error_of(t, ref), bound)
     elif name == "adasum-whole":
-        ref, bound = tree_with_bound([np.concatenate([x[i][r] for i in range(len(got))]) for r in range(p)],
-                                     U64, STORE_U["float32"])
-        err = float(np.linalg.norm(torch.cat(got).double().numpy() - ref))
-        assert err <= bound, (name, got, ref, err, bound)
+        ref, bound = combine_with_bound([torch.cat([t.reshape(-1) for t in w]) for w in per_worker])
+        assert error_of(torch.cat(got), ref) <= bound, (name, got, ref, error_of(torch.cat(got), ref), bound)
     elif name == "adacons":
         reference = AdaConsReference(reducer.momentum, reducer.per_tensor, reducer.scale)
         ref = np.concatenate([r.reshape(-1) for r in reference([[w.numpy() for w in ws] for ws in per_worker])])

@@ -1,17 +1,28 @@
-"""adasum.DistributedOptimizer on real gloo process groups: against a manual single-process
-simulation of every rank (local step, delta, reduce, apply), with bitwise-identical parameters on
-every rank after every step; accumulation, local steps, clipping, GradScaler's found-inf agreement,
+"""adasum.DistributedOptimizer on real gloo process groups: round by round against a single-process
+simulation of every rank's local work from the same weights and optimizer states, combined by the
+independent reference (tests/reference.py) within its error bound, with bitwise-identical parameters
+on every rank after every step; accumulation, local steps, clipping, GradScaler's found-inf agreement,
 checkpoints and the construction checks."""
 
 import copy
 
 import pytest
 import torch
+import torch.distributed as dist
 
 import adasum
 from adasum.integrations.optim import buckets, checksum
 
 import distributed
+from reference import (
+    U64,
+    UNIT,
+    combine_with_bound,
+    error_of,
+    hierarchical_with_bound,
+    mean_with_bound,
+    sum_with_bound,
+)
 
 
 def make_model(seed=0):
@@ -56,26 +67,64 @@ def to_bytes(params):
     return b"".join(p.detach().numpy().tobytes() for p in params)
 
 
-class Simulation:
-    """Every rank's model and optimizer in one process: the reference."""
+def reference_combine(tensors):
+    """Adasum of the ranks' tensors by the independent reference, in their dtype (`Simulation.round`)."""
+    return combine_with_bound(tensors)[0].to(tensors[0].dtype)
 
-    def __init__(self, world, make_opt, combine=adasum.reduce, mode="delta", micros=1, local_steps=1, clip=None):
-        self.world, self.combine, self.mode = world, combine, mode
-        self.micros, self.local_steps, self.clip = micros, local_steps, clip
+
+class Simulation:
+    """Every rank's model and optimizer in one process: the non-distributed copy. `local` recomputes each rank's
+    local work of a round from given weights and optimizer states (what the distributed optimizer is checked
+    against, round by round); `round` runs whole rounds on its own, combining with the reference (the device
+    test, whose GPU optimizer steps round otherwise than these CPU ones). Under `autocast` the forward passes run
+    in bfloat16; with a `scale`, the losses are scaled by it and the gradients unscaled, as GradScaler does."""
+
+    def __init__(self, world, make_opt, combine=reference_combine, mode="delta", micros=1, local_steps=1, clip=None,
+                 autocast=False):
+        self.world, self.make_opt, self.combine, self.mode = world, make_opt, combine, mode
+        self.micros, self.local_steps, self.clip, self.autocast = micros, local_steps, clip, autocast
         self.models = [make_model() for _ in range(world)]
         self.opts = [make_opt(m.parameters()) for m in self.models]
         self.step_index = 0
 
-    def _local_grads(self, r):
+    def _local_grads(self, r, scale=None):
         model = self.models[r]
         model.zero_grad()
         for micro in range(self.micros):
-            backward(model, r, self.step_index, micro)
+            with torch.autocast("cpu", dtype=torch.bfloat16, enabled=self.autocast):
+                loss = loss_of(model, r, self.step_index, micro)
+            (loss if scale is None else loss * scale).backward()
+        if scale is not None:  # a power of two: exact, as GradScaler's unscaling
+            for p in model.parameters():
+                p.grad.mul_(1 / scale)
         if self.clip is not None:
             torch.nn.utils.clip_grad_norm_(model.parameters(), self.clip)
 
+    def local(self, start, states, scale=None):
+        """Every rank's local work of one round from the weights `start` and its wrapped optimizer's state
+        ``states[r]``: in delta mode its weights after its local steps, in gradient mode its local gradients."""
+        first, out = self.step_index, []
+        for r, model in enumerate(self.models):
+            with torch.no_grad():
+                for p, x in zip(model.parameters(), start):
+                    p.copy_(x)
+            self.opts[r] = self.make_opt(model.parameters())
+            self.opts[r].load_state_dict(states[r])
+            self.step_index = first
+            if self.mode == "gradient":
+                self._local_grads(r, scale)
+                out.append([p.grad.clone() for p in model.parameters()])
+                continue
+            for _ in range(self.local_steps):
+                self._local_grads(r, scale)
+                self.opts[r].step()
+                self.step_index += 1
+            out.append(snapshot(model))
+        self.step_index = first + (1 if self.mode == "gradient" else self.local_steps)
+        return out
+
     def round(self):
-        """One combination: local_steps local steps per rank (delta) or one step (gradient)."""
+        """One combination on its own: local_steps local steps per rank (delta) or one step (gradient)."""
         params = [list(m.parameters()) for m in self.models]
         if self.mode == "gradient":
             for r in range(self.world):
@@ -109,12 +158,51 @@ def rel(a, b):
     return float((a - b).norm() / b.norm().clamp_min(1e-30))
 
 
-def run_and_compare(rank, world, make_opt, rounds=3, combine=adasum.reduce, tol=1e-5, **kwargs):
-    """The distributed optimizer against the simulation, round by round; the parameters' bytes."""
+def gather_states(optimizer, world):
+    """Every rank's wrapped optimizer state (a collective)."""
+    states = [None] * world
+    dist.all_gather_object(states, optimizer.state_dict())
+    return states
+
+
+def check_deltas(params, start, local, reference):
+    """Delta mode: every parameter within ``bound + (u + U64) ||p||`` of its starting weights plus `reference` of
+    the ranks' deltas: the bound of the combination, then the rounding of adding it to the starting weights in
+    the parameter's dtype (u; U64 for that sum done here). The deltas are taken as the library takes them
+    (``torch.sub`` in the parameters' dtype, an exactly rounded operation: the same values)."""
+    for i, (p, x0) in enumerate(zip(params, start)):
+        ref, bound = reference([weights[i] - x0 for weights in local])
+        extra = (UNIT[str(p.dtype).removeprefix("torch.")] + U64) * float(p.detach().double().norm())
+        err = error_of(p, x0.double() + ref)
+        assert p.dtype == x0.dtype and err <= bound + extra, (i, err, bound, extra)
+
+
+def check_gradients(model, start, local, reference, make_opt, state):
+    """Gradient mode: every combined gradient within the bound of `reference` of the ranks' local gradients, and
+    the parameters bitwise those of the wrapped optimizer's step (from the same weights and state) on them."""
+    for i, p in enumerate(model.parameters()):
+        ref, bound = reference([grads[i] for grads in local])
+        assert error_of(p.grad, ref) <= bound, (i, error_of(p.grad, ref), bound)
+    twin = make_model()
+    with torch.no_grad():
+        for q, x0, p in zip(twin.parameters(), start, model.parameters()):
+            q.copy_(x0)
+            q.grad = p.grad.clone()
+    twin_opt = make_opt(twin.parameters())
+    twin_opt.load_state_dict(state)
+    twin_opt.step()
+    assert to_bytes(twin.parameters()) == to_bytes(model.parameters())
+
+
+def run_and_compare(rank, world, make_opt, rounds=3, reference=combine_with_bound, **kwargs):
+    """The distributed optimizer round by round against the simulation's recomputation of every rank's local work
+    from the same weights and optimizer states (gathered from the ranks), so that errors do not compound:
+    `check_deltas` (delta mode) or `check_gradients`, with `reference` giving the reference combination and its
+    bound (tests/test_hierarchical.py); the parameters' bytes after each round."""
     reducer = kwargs.pop("reducer", "adasum")
     mode = kwargs.get("mode", "delta")
     micros, local_steps, clip = kwargs.pop("micros", 1), kwargs.get("local_steps", 1), kwargs.pop("clip", None)
-    sim = Simulation(world, make_opt, combine, mode, micros, local_steps, clip)
+    sim = Simulation(world, make_opt, mode=mode, micros=micros, local_steps=local_steps, clip=clip)
     model = make_model()
     opt = adasum.DistributedOptimizer(
         make_opt(model.parameters()), reducer=reducer, backward_passes_per_step=micros, **kwargs
@@ -122,7 +210,9 @@ def run_and_compare(rank, world, make_opt, rounds=3, combine=adasum.reduce, tol=
     history = []
     step = 0
     for _ in range(rounds):
-        expected = sim.round()
+        start = snapshot(model)
+        states = gather_states(opt.optimizer, world)
+        local = sim.local(start, states)
         for _ in range(local_steps):
             for micro in range(micros):
                 opt.zero_grad()  # a no-op while gradients accumulate
@@ -131,8 +221,10 @@ def run_and_compare(rank, world, make_opt, rounds=3, combine=adasum.reduce, tol=
                     torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
                 opt.step()
             step += 1
-        for p, e in zip(model.parameters(), expected):
-            assert rel(p, e) < tol, (rel(p, e), kwargs)
+        if mode == "gradient":
+            check_gradients(model, start, local, reference, make_opt, states[rank])
+        else:
+            check_deltas(list(model.parameters()), start, local, reference)
         history.append(to_bytes(model.parameters()))
     return history
 
@@ -144,14 +236,10 @@ def optim_body(rank, world):
         out[f"delta-{name}"] = run_and_compare(rank, world, OPTIMIZERS[name])
     sgd = OPTIMIZERS["sgd"]
     out["gradient-adasum"] = run_and_compare(rank, world, sgd, mode="gradient")
-    out["gradient-mean"] = run_and_compare(
-        rank, world, sgd, mode="gradient", reducer="mean", combine=lambda ts: torch.stack(ts).mean(0)
-    )
+    out["gradient-mean"] = run_and_compare(rank, world, sgd, mode="gradient", reducer="mean", reference=mean_with_bound)
     out["local-steps"] = run_and_compare(rank, world, sgd, local_steps=2)
     if full:
-        out["delta-sum"] = run_and_compare(
-            rank, world, sgd, reducer=adasum.Sum(), combine=lambda ts: torch.stack(ts).sum(0)
-        )
+        out["delta-sum"] = run_and_compare(rank, world, sgd, reducer=adasum.Sum(), reference=sum_with_bound)
         out["accumulate"] = run_and_compare(rank, world, OPTIMIZERS["adam"], micros=2)
         out["clip"] = run_and_compare(rank, world, OPTIMIZERS["adam"], clip=0.05)
         out["tiny-buckets"] = run_and_compare(rank, world, sgd, bucket_cap_mb=1e-4)
@@ -159,15 +247,13 @@ def optim_body(rank, world):
     model = make_model()
     whole = adasum.DistributedOptimizer(sgd(model.parameters()), reducer=adasum.Adasum(per_tensor=False))
     assert whole.bucket_cap_bytes is None
-    if world == 4:
-        from adasum.collectives.hierarchical import reduce_hierarchical
-
+    if world == 4:  # 2 emulated nodes of 2 ranks: the mean inside each, Adasum across
         out["hierarchical"] = run_and_compare(
             rank,
             world,
             OPTIMIZERS["adam"],
             reducer=adasum.Adasum(hierarchical=True, local_size=2),
-            combine=lambda ts: reduce_hierarchical(ts, 2),
+            reference=lambda ts: hierarchical_with_bound(ts, 2),
         )
     out["scaler"] = grad_scaler_checks(rank, world)
     out["checkpoint"] = checkpoint_checks(rank, world)
@@ -177,15 +263,18 @@ def optim_body(rank, world):
 
 def grad_scaler_checks(rank, world):
     """scaler.step(opt) with an inf injected on the last rank: every rank skips and backs off;
-    also after unscale_ and clipping, and under bf16 autocast on the CPU."""
+    also after unscale_ and clipping, and under bf16 autocast on the CPU. The steps taken are checked as
+    `run_and_compare` checks delta mode, against the simulation's recomputation of every rank's local step
+    (scaled by the same power of two and unscaled, clipped alike, under the same autocast)."""
     history = []
     for unscale_first, autocast in ((False, False), (True, False), (False, True)):
         model = make_model()
         scaler = torch.amp.GradScaler("cpu", init_scale=2.0**8, growth_interval=1)
         opt = adasum.DistributedOptimizer(OPTIMIZERS["adam"](model.parameters()), grad_scaler=scaler)
-        sim = Simulation(world, OPTIMIZERS["adam"])
+        sim = Simulation(world, OPTIMIZERS["adam"], clip=10.0 if unscale_first else None, autocast=autocast)
         for step in range(4):
             before = snapshot(model)
+            states = gather_states(opt.optimizer, world)
             opt.zero_grad()
             with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
                 loss = loss_of(model, rank, sim.step_index)
@@ -202,10 +291,9 @@ def grad_scaler_checks(rank, world):
             if step == 1:  # skipped everywhere, the scale halved everywhere
                 assert all(torch.equal(p, b) for p, b in zip(model.parameters(), before))
                 assert scaler.get_scale() == scale / 2, (scaler.get_scale(), scale)
-            else:  # a power-of-two scale unscales exactly: the plain simulation
-                expected = sim.round()
-                tol = 3e-2 if autocast else 1e-5  # bf16 autocast against the float32 simulation
-                assert all(rel(p, e) < tol for p, e in zip(model.parameters(), expected))
+            else:
+                local = sim.local(before, states, scale=scale)
+                check_deltas(list(model.parameters()), before, local, combine_with_bound)
                 assert scaler.get_scale() == scale * 2
             history.append(to_bytes(model.parameters()) + repr(scaler.get_scale()).encode())
     return history
@@ -377,7 +465,7 @@ def test_delta_plan_follows_new_parameter_storage():
 
 def mixed_dtype_body(rank, world):
     """Delta mode with parameters of two dtypes (one bucket each): every bucket's delta buffer has its own
-    bucket's dtype; against Adasum of the ranks' SGD deltas computed here."""
+    bucket's dtype; against the reference Adasum of the ranks' SGD steps recomputed here (`check_deltas`)."""
     torch.manual_seed(0)
     p32 = torch.nn.Parameter(torch.randn(7))
     p64 = torch.nn.Parameter(torch.randn(5, dtype=torch.float64))
@@ -388,10 +476,13 @@ def mixed_dtype_body(rank, world):
     opt = adasum.DistributedOptimizer(torch.optim.SGD([p32, p64], lr=0.1))
     (((p32 - targets[rank][0]) ** 2).sum() + ((p64 - targets[rank][1]) ** 2).sum()).backward()
     opt.step()
-    for p, x0, i, tol in ((p32, start[0], 0, 1e-6), (p64, start[1], 1, 1e-12)):  # float32 / float64 rounding
-        deltas = [-0.1 * 2 * (x0 - targets[r][i]) for r in range(world)]
-        want = x0 + adasum.reduce(deltas)
-        assert p.dtype == x0.dtype and rel(p, want) < tol, (i, rel(p, want))
+    local = []
+    for r in range(world):  # every rank's local step, as it takes it
+        q32, q64 = torch.nn.Parameter(start[0].clone()), torch.nn.Parameter(start[1].clone())
+        (((q32 - targets[r][0]) ** 2).sum() + ((q64 - targets[r][1]) ** 2).sum()).backward()
+        torch.optim.SGD([q32, q64], lr=0.1).step()
+        local.append([q32.detach(), q64.detach()])
+    check_deltas([p32, p64], start, local, combine_with_bound)
     return to_bytes([p32.detach(), p64.detach()])
 
 
@@ -403,8 +494,8 @@ def test_delta_mode_with_parameters_of_two_dtypes():
 def anchor_body(rank, world):
     """Delta mode takes the next round's starting weights from the combination's own pass (no copy at the round's
     start) while the parameters stay as it left them; a change between steps by a torch op (its version counter),
-    or through ``.data`` followed by `resync_anchor`, becomes the starting point. Against Adasum of the ranks' SGD
-    deltas from the changed weights."""
+    or through ``.data`` followed by `resync_anchor`, becomes the starting point. Against the reference Adasum of
+    the ranks' SGD steps from the changed weights, recomputed here (`check_deltas`)."""
     torch.manual_seed(0)
     w = torch.nn.Parameter(torch.randn(9))
     targets = [torch.randn(9, generator=torch.Generator().manual_seed(10 + r)) for r in range(world)]
@@ -415,8 +506,13 @@ def anchor_body(rank, world):
         opt.zero_grad()
         ((w - targets[rank]) ** 2).sum().backward()
         opt.step()
-        want = x0 + adasum.reduce([-0.1 * 2 * (x0 - targets[r]) for r in range(world)])
-        assert rel(w, want) < 1e-6, rel(w, want)  # float32 rounding of a few elementwise ops
+        local = []
+        for r in range(world):  # every rank's local step from x0
+            q = torch.nn.Parameter(x0.clone())
+            ((q - targets[r]) ** 2).sum().backward()
+            torch.optim.SGD([q], lr=0.1).step()
+            local.append([q.detach()])
+        check_deltas([w], [x0], local, combine_with_bound)
         return to_bytes([w.detach()])
 
     seen = [step_and_check()]

@@ -12,7 +12,7 @@ import adasum
 from adasum.reducers import get_reducer
 
 import distributed
-from reference import STORE_U, U32, U64, combine_with_bound, gamma, tree_with_bound
+from reference import combine_with_bound, error_of, mean_with_bound, sum_with_bound
 from reference_adacons import AdaConsReference
 
 pytestmark = pytest.mark.nccl
@@ -57,10 +57,6 @@ def rel_err(x: torch.Tensor, ref) -> float:
     return float((x - ref).norm() / ref.norm()) if ref.norm() > 0 else float(x.norm())
 
 
-ARITH_U = {torch.float32: U32, torch.float64: U64}
-"""The unit roundoff of the sum and mean all-reduces: gloo (and NCCL) add in the buffer's own dtype."""
-
-
 def _dtype_groups(tensors) -> dict:
     """Indices of `tensors` per dtype, in order: what whole-model Adasum fuses (src/adasum/reducers/adasum.py:
     one pair of coefficients per dtype group, the collective running on one flat buffer per dtype)."""
@@ -70,52 +66,26 @@ def _dtype_groups(tensors) -> dict:
     return groups
 
 
-def _err(got, ref) -> float:
-    """The 2-norm of ``got - ref``, in float64."""
-    got = got.double().reshape(-1).numpy() if isinstance(got, torch.Tensor) else np.asarray(got, np.float64)
-    ref = ref.double().reshape(-1).numpy() if isinstance(ref, torch.Tensor) else np.asarray(ref, np.float64)
-    return float(np.linalg.norm(got.reshape(-1) - ref.reshape(-1)))
-
-
 def check_reference(name, per_worker, got, label) -> None:
     """`got` (this rank's result of reducer `name` over `per_worker`, one list of tensors per rank) against the
-    independent reference within its error bound; names other than sum, mean, adasum, adasum-model: nothing.
-
-    Sum and mean: ``np.sum`` / ``np.mean`` of the ranks' float64 inputs. The all-reduce adds the P copies
-    in the tensors' dtype (unit roundoff u), P - 1 additions in any order, the last of which is the store:
-    ``|err| <= g_{P-1} sum_i |x_i|`` element by element (g_n = n u/(1 - n u)). The mean then divides
-    (one more rounding), or on NCCL multiplies each term by a rounded 1/P first (two roundings) before
-    the additions: at most P + 1 roundings on any path, ``|err| <= g_{P+1} sum_i |x_i| / P``. NumPy's
-    float64 reference is itself off by at most ``g_{P-1}(U64) sum_i |x_i|`` (sum) or ``g_P(U64) sum_i |x_i| / P``
-    (mean), added in; the 2-norm of the element-wise bounds bounds the 2-norm of the error.
-    Adasum: `combine_with_bound` per tensor (computed in float64, stored in the dtype); whole-model:
-    `tree_with_bound` over each dtype group's tensors concatenated into one vector per rank."""
-    workers = len(per_worker)
-    if name in ("sum", "mean"):
-        for i, t in enumerate(got):
-            if not t.numel():
-                continue
-            x = np.stack([w[i].double().reshape(-1).numpy() for w in per_worker])
-            magnitude = np.linalg.norm(np.abs(x).sum(0))
-            u = ARITH_U[t.dtype]
-            if name == "sum":
-                ref, bound = np.sum(x, axis=0), (gamma(workers - 1, u) + gamma(workers - 1, U64)) * magnitude
-            else:
-                ref, bound = np.mean(x, axis=0), (gamma(workers + 1, u) + gamma(workers, U64)) * magnitude / workers
-            assert _err(t, ref) <= bound, (name, label, i, _err(t, ref), bound)
-    elif name == "adasum":
+    independent reference within its error bound (`reference.py`); names other than sum, mean, adasum,
+    adasum-model: nothing. Sum and mean against the float64 sum and mean, Adasum per tensor
+    (`combine_with_bound`), whole-model Adasum over each dtype group's tensors concatenated into one vector per
+    rank (`combine_with_bound` of the concatenations)."""
+    if name in ("sum", "mean", "adasum"):
+        with_bound = {"sum": sum_with_bound, "mean": mean_with_bound, "adasum": combine_with_bound}[name]
         for i, t in enumerate(got):
             if t.numel():
-                ref, bound = combine_with_bound([w[i] for w in per_worker])
-                assert _err(t, ref) <= bound, (name, label, i, _err(t, ref), bound)
+                ref, bound = with_bound([w[i] for w in per_worker])
+                assert error_of(t, ref) <= bound, (name, label, i, error_of(t, ref), bound)
     elif name == "adasum-model":
         for dtype, indices in _dtype_groups(got).items():
-            vectors = [np.concatenate([w[i].double().reshape(-1).numpy() for i in indices]) for w in per_worker]
-            if not vectors[0].size:
+            joined = [torch.cat([w[i].reshape(-1) for i in indices]) for w in per_worker]
+            if not joined[0].numel():
                 continue
-            ref, bound = tree_with_bound(vectors, U64, STORE_U[str(dtype).removeprefix("torch.")])
-            mine = torch.cat([got[i].double().reshape(-1) for i in indices])
-            assert _err(mine, ref) <= bound, (name, label, str(dtype), _err(mine, ref), bound)
+            ref, bound = combine_with_bound(joined)
+            mine = torch.cat([got[i].reshape(-1) for i in indices])
+            assert error_of(mine, ref) <= bound, (name, label, str(dtype), error_of(mine, ref), bound)
 
 
 def checks(rank, world):
