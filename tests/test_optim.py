@@ -198,7 +198,7 @@ def run_and_compare(rank, world, make_opt, rounds=3, reference=combine_with_boun
     """The distributed optimizer round by round against the simulation's recomputation of every rank's local work
     from the same weights and optimizer states (gathered from the ranks), so that errors do not compound:
     `check_deltas` (delta mode) or `check_gradients`, with `reference` giving the reference combination and its
-    bound (tests/test_hierarchical.py); the parameters' bytes after each round."""
+    bound (tests/reference.py); the parameters' bytes after each round."""
     reducer = kwargs.pop("reducer", "adasum")
     mode = kwargs.get("mode", "delta")
     micros, local_steps, clip = kwargs.pop("micros", 1), kwargs.get("local_steps", 1), kwargs.pop("clip", None)
@@ -231,7 +231,7 @@ def run_and_compare(rank, world, make_opt, rounds=3, reference=combine_with_boun
 
 def optim_body(rank, world):
     out = {}
-    full = world < 4  # world 4 runs the main cases and hierarchical mode (keeps the file fast)
+    full = world < 4  # world 4 runs the main cases (keeps the file fast); hierarchical mode: `hierarchical_body`
     for name in ("sgd", "adam", "adamw", "lamb") if full else ("sgd", "adam"):
         out[f"delta-{name}"] = run_and_compare(rank, world, OPTIMIZERS[name])
     sgd = OPTIMIZERS["sgd"]
@@ -247,14 +247,6 @@ def optim_body(rank, world):
     model = make_model()
     whole = adasum.DistributedOptimizer(sgd(model.parameters()), reducer=adasum.Adasum(per_tensor=False))
     assert whole.bucket_cap_bytes is None
-    if world == 4:  # 2 emulated nodes of 2 ranks: the mean inside each, Adasum across
-        out["hierarchical"] = run_and_compare(
-            rank,
-            world,
-            OPTIMIZERS["adam"],
-            reducer=adasum.Adasum(hierarchical=True, local_size=2),
-            reference=lambda ts: hierarchical_with_bound(ts, 2),
-        )
     out["scaler"] = grad_scaler_checks(rank, world)
     out["checkpoint"] = checkpoint_checks(rank, world)
     out["errors"] = error_checks(rank, world)
@@ -359,6 +351,19 @@ def test_distributed_optimizer_matches_simulation(world):
         errors = results[r]["errors"]
         assert "parameter '0.weight' (shape [10, 6]) differs across ranks" in errors["values"], errors["values"]
         assert "parameters differ across ranks at index 0" in errors["shapes"]
+
+
+def hierarchical_body(rank, world):
+    """2 emulated nodes of 2 ranks: the mean inside each, Adasum across, round by round against the reference."""
+    return run_and_compare(
+        rank, world, OPTIMIZERS["adam"], reducer=adasum.Adasum(hierarchical=True, local_size=2),
+        reference=lambda ts: hierarchical_with_bound(ts, 2),
+    )
+
+
+def test_distributed_optimizer_in_hierarchical_mode_matches_the_reference():
+    results = distributed.run(4, hierarchical_body, timeout_s=240)
+    distributed.assert_ranks_agree(results)
 
 
 def test_buckets_and_checksum():
