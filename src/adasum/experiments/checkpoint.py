@@ -20,6 +20,22 @@
 
 >>> save_checkpoint(path, common, local, distributed=True)     # on every rank  # doctest: +SKIP
 >>> common, local = load_checkpoint(path, device, distributed=True)  # doctest: +SKIP
+
+On one process (a group of one rank), in a temporary folder:
+
+>>> import tempfile
+>>> import torch.distributed as dist
+>>> dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+>>> folder = tempfile.TemporaryDirectory()
+>>> path = Path(folder.name) / "checkpoint.pt"
+>>> save_checkpoint(path, {"config": {}, "epoch": 3}, {"engine": {"w": torch.ones(2)}}, distributed=True)
+>>> common, local = load_checkpoint(path, "cpu", distributed=True)
+>>> common["epoch"], common["world_size"], local["engine"]["w"]
+(3, 1, tensor([1., 1.]))
+>>> load_checkpoint(path, "cpu", distributed=False)  # doctest: +ELLIPSIS
+Traceback (most recent call last):
+ValueError: .../checkpoint.pt was written by a torchrun job, this is a simulated run; resume it the way ...
+>>> dist.destroy_process_group(); folder.cleanup()
 """
 
 from __future__ import annotations

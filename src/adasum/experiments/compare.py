@@ -114,6 +114,22 @@ def compare(
 
     >>> methods = parse_methods("sequential,adasum")  # doctest: +SKIP
     >>> compare(methods, [16], [0.01], RunConfig(epochs=2), "runs/x", seeds=[0, 1, 2])  # doctest: +SKIP
+
+    A sweep of two short runs on scikit-learn's bundled digits, into a temporary folder (the figures left out):
+
+    >>> import tempfile
+    >>> from adasum.experiments.methods import parse_methods
+    >>> folder = tempfile.TemporaryDirectory()
+    >>> methods, base = parse_methods("sequential,adasum"), RunConfig(task="sklearn-digits", epochs=1, train_limit=64)
+    >>> rows = compare(methods, [2], [0.05], base, folder.name, plot=lambda results, out: [])
+    >>> [(row["method"], row["workers"], row["lr"], row["seed"]) for row in rows]
+    [('sequential', 1, 0.05, 0), ('adasum', 2, 0.05, 0)]
+    >>> sorted(p.name for p in Path(folder.name).iterdir()), sorted(p.name for p in Path(folder.name, "runs").iterdir())
+    (['report.md', 'results.jsonl', 'runs'], ['adasum-P2-lr0.05-seed0', 'sequential-P1-lr0.05-seed0'])
+    >>> compare(methods, [2], [0.05], base, folder.name, plot=lambda results, out: [])  # doctest: +ELLIPSIS
+    Traceback (most recent call last):
+    ValueError: .../results.jsonl already holds runs; --resume adds to them, --overwrite replaces them
+    >>> folder.cleanup()
     """
     out = Path(out)
     for m in methods:

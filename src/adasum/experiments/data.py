@@ -286,6 +286,22 @@ def read_mnist_dir(directory: str | os.PathLike, name: str = "mnist") -> Dataset
     ``MNIST/raw`` / ``FashionMNIST/raw`` folder below it that torchvision uses).
 
     >>> data = read_mnist_dir("~/data/mnist")  # doctest: +SKIP
+
+    From four tiny idx files written to a temporary folder (three training images, two test images):
+
+    >>> import tempfile
+    >>> folder = tempfile.TemporaryDirectory()
+    >>> def idx(name, array):                       # type code 8: unsigned bytes; then the dimensions
+    ...     header = bytes([0, 0, 0x08, array.ndim]) + struct.pack(f">{array.ndim}I", *array.shape)
+    ...     _ = Path(folder.name, name).write_bytes(header + array.tobytes())
+    >>> idx("train-images-idx3-ubyte", np.zeros((3, 28, 28), np.uint8))
+    >>> idx("train-labels-idx1-ubyte", np.array([5, 0, 4], np.uint8))
+    >>> idx("t10k-images-idx3-ubyte", np.zeros((2, 28, 28), np.uint8))
+    >>> idx("t10k-labels-idx1-ubyte", np.array([7, 2], np.uint8))
+    >>> data = read_mnist_dir(folder.name)
+    >>> data.train_x.shape, data.train_y.tolist(), data.test_y.tolist(), data.default_model
+    (torch.Size([3, 1, 28, 28]), [5, 0, 4], [7, 2], 'cnn')
+    >>> folder.cleanup()
     """
     directory = Path(directory).expanduser()
     sub = "FashionMNIST" if name == "fashion-mnist" else "MNIST"
@@ -364,6 +380,18 @@ def read_cifar10_dir(directory: str | os.PathLike) -> Dataset:
     is refused; its payload never runs).
 
     >>> data = read_cifar10_dir("~/data/cifar10")  # doctest: +SKIP
+
+    From two tiny batches written to a temporary folder (two training images, one test image):
+
+    >>> import tempfile
+    >>> folder = tempfile.TemporaryDirectory()
+    >>> for name, labels in [("data_batch_1", [3, 8]), ("test_batch", [1])]:
+    ...     batch = {b"data": np.zeros((len(labels), 3072), np.uint8), b"labels": labels}
+    ...     _ = Path(folder.name, name).write_bytes(pickle.dumps(batch))
+    >>> data = read_cifar10_dir(folder.name)
+    >>> data.train_x.shape, data.train_y.tolist(), data.test_y.tolist(), data.default_model
+    (torch.Size([2, 3, 32, 32]), [3, 8], [1], 'resnet')
+    >>> folder.cleanup()
     """
     directory = Path(directory).expanduser()
     base = directory / "cifar-10-batches-py" if (directory / "cifar-10-batches-py").is_dir() else directory

@@ -221,11 +221,29 @@ RESULT_FIELDS: Mapping[str, tuple[Callable[[Any], bool], str]] = MappingProxyTyp
 
 
 def read_results(path: str | os.PathLike) -> list[dict[str, Any]]:
-    """The rows of a results file (``results.jsonl``, or ``.jsonl.gz``), each checked to hold
+    r"""The rows of a results file (``results.jsonl``, or ``.jsonl.gz``), each checked to hold
     `RESULT_FIELDS` with values of the right kind; else one-line `ResultsFileError` naming the
     file, the line and the field.
 
     >>> rows = read_results("runs/demo/results.jsonl")  # doctest: +SKIP
+
+    A results file of one row, written to a temporary folder, then the same row without its history:
+
+    >>> import tempfile
+    >>> folder = tempfile.TemporaryDirectory()
+    >>> path = Path(folder.name) / "results.jsonl"
+    >>> row = {"method": "adasum", "workers": 4, "lr": 0.05, "seed": 0, "epochs": 1, "val_accuracy": 91.0,
+    ...        "test_accuracy": 90.5, "diverged": False, "collapsed": False, "history": [{"epoch": 1}],
+    ...        "orthogonality_trace": [], "config": {}}
+    >>> write_text_atomic(path, json.dumps(row) + "\n")
+    >>> [(r["method"], r["workers"], r["test_accuracy"]) for r in read_results(path)]
+    [('adasum', 4, 90.5)]
+    >>> del row["history"]
+    >>> write_text_atomic(path, json.dumps(row) + "\n")
+    >>> read_results(path)  # doctest: +ELLIPSIS
+    Traceback (most recent call last):
+    adasum.experiments.io.ResultsFileError: .../results.jsonl: line 1 has no 'history' (not a result of ...)
+    >>> folder.cleanup()
     """
     path = Path(path)
     rows = _numbered_rows(path)

@@ -21,6 +21,24 @@ class ProgressBar:
     >>> with ProgressBar(True) as bar:  # doctest: +SKIP
     ...     bar.sweep(9)
     ...     advance = bar.task("adasum P=16 lr=0.05 seed=0", total=100)
+
+    Not on a terminal (here a rich console writing to a string): plain lines, one per run, through the
+    ``adasum`` logger (printed here by a handler on stdout):
+
+    >>> import io, sys
+    >>> from rich.console import Console
+    >>> handler, level = logging.StreamHandler(sys.stdout), log.level
+    >>> log.addHandler(handler); log.setLevel(logging.INFO)
+    >>> with ProgressBar(True, console=Console(file=io.StringIO(), force_terminal=False)) as bar:
+    ...     bar.sweep(2)
+    ...     advance = bar.task("sequential P=1 lr=0.05 seed=0", total=100)
+    ...     advance(100)
+    ...     advance = bar.task("adasum P=16 lr=0.05 seed=0", total=100)
+    run 1/2: sequential P=1 lr=0.05 seed=0
+    run 2/2: adasum P=16 lr=0.05 seed=0
+    >>> bar.live
+    False
+    >>> log.removeHandler(handler); log.setLevel(level)
     """
 
     def __init__(self, enabled: bool, console: Any = None) -> None:

@@ -1,4 +1,4 @@
-"""Tables, verdicts and plots from a sweep's results (the dicts that `runner.train` returns), over seeds.
+r"""Tables, verdicts and plots from a sweep's results (the dicts that `runner.train` returns), over seeds.
 
 Selection and reporting are kept apart: for each method and worker count the learning rate is
 picked on the mean **validation** accuracy over seeds (a diverged run scores 0); only then is the
@@ -24,6 +24,26 @@ over seeds), one panel per worker count.
 
 >>> results = load_results(["runs/a/results.jsonl", "runs/b/results.jsonl.gz"])  # doctest: +SKIP
 >>> write_report(results, Path("runs/report"))  # doctest: +SKIP
+
+Four short simulated runs on a toy task (two methods, two seeds) as one sweep's ``results.jsonl`` in a
+temporary folder, read back and reported:
+
+>>> import tempfile
+>>> from adasum.experiments.data import Dataset
+>>> from adasum.experiments.runner import RunConfig, train
+>>> x = torch.randn(200, 4, generator=torch.Generator().manual_seed(0))
+>>> toy = Dataset("toy", x[:160], (x[:160, 0] > 0).long(), x[160:], (x[160:, 0] > 0).long(), 2, "mlp")
+>>> runs = [train(RunConfig(task="toy", method=m, workers=w, lr=0.1, epochs=1, batch_size=8, seed=s), dataset=toy)
+...         for m, w in [("sequential", 1), ("adasum", 4)] for s in (0, 1)]
+>>> folder = tempfile.TemporaryDirectory()
+>>> _ = Path(folder.name, "results.jsonl").write_text("".join(json.dumps(run) + "\n" for run in runs))
+>>> results = load_results([folder.name])             # a sweep folder: its results.jsonl
+>>> [(r["method"], r["workers"], r["seed"]) for r in results]
+[('sequential', 1, 0), ('sequential', 1, 1), ('adasum', 4, 0), ('adasum', 4, 1)]
+>>> report = write_report(results, Path(folder.name))
+>>> [line for line in report.read_text().splitlines() if line.startswith("## ")]
+['## Summary', '## Every cell', '## Every run']
+>>> folder.cleanup()
 """
 
 from __future__ import annotations

@@ -168,6 +168,25 @@ class DistributedWorker:
     combined one, as the simulator's `module`), for evaluation.
 
     >>> worker = DistributedWorker(net, make_optimizer(config, lr), get_reducer("adasum"))  # doctest: +SKIP
+
+    On one process (a group of one rank; under torchrun every rank makes the same calls on its own rows),
+    in delta mode with two local steps per round:
+
+    >>> import torch.distributed as dist
+    >>> dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    >>> net = torch.nn.Linear(2, 2)
+    >>> _ = [torch.nn.init.zeros_(p) for p in net.parameters()]   # zero logits: the loss is log 2
+    >>> worker = DistributedWorker(net, make_optimizer(RunConfig(), lr=0.1), adasum.get_reducer("adasum"),
+    ...                            combine="delta", local_steps=2)
+    >>> inputs, targets = torch.ones(1, 4, 2), torch.zeros(1, 4, dtype=torch.int64)   # [1 worker, 4 rows]
+    >>> round(worker.step(inputs, targets).losses.item(), 4)
+    0.6931
+    >>> worker.module is net                  # mid-round: a copy holding the last combined weights
+    False
+    >>> _ = worker.step(inputs, targets)
+    >>> worker.module is net, worker.steps    # the round is combined: the training model itself
+    (True, 2)
+    >>> dist.destroy_process_group()
     """
 
     def __init__(
@@ -652,6 +671,23 @@ def train(
 
     >>> result = train(RunConfig(method="adasum", workers=16, lr=0.01, epochs=2), "runs/one")  # doctest: +SKIP
     >>> result["val_accuracy"], result["test_accuracy"], result["collapsed"]  # doctest: +SKIP
+
+    A short simulated run of 4 workers on a toy task (is the first input positive?), into a temporary folder:
+
+    >>> import tempfile
+    >>> x = torch.randn(200, 4, generator=torch.Generator().manual_seed(0))
+    >>> toy = Dataset("toy", x[:160], (x[:160, 0] > 0).long(), x[160:], (x[160:, 0] > 0).long(), 2, "mlp")
+    >>> folder = tempfile.TemporaryDirectory()
+    >>> config = RunConfig(task="toy", method="adasum", workers=4, lr=0.1, epochs=3, batch_size=8)
+    >>> result = train(config, folder.name, dataset=toy)
+    >>> result["epochs_run"], result["steps"], result["diverged"], result["test_accuracy"] > 90
+    (3, 12, False, True)
+    >>> sorted(p.name for p in Path(folder.name).iterdir())
+    ['checkpoint.pt', 'metrics.jsonl', 'result.json']
+    >>> train(config, folder.name, dataset=toy)  # doctest: +ELLIPSIS
+    Traceback (most recent call last):
+    ValueError: ... already holds a run (checkpoint.pt, metrics.jsonl, result.json); --resume continues it, ...
+    >>> folder.cleanup()
     """
     config.validate()
     _set_deterministic(config)

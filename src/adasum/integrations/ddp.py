@@ -193,6 +193,19 @@ class AdasumState:
 
         >>> ddp_model(inputs).sum().backward(); state.statistics()  # doctest: +SKIP
         {'step': 1, 'skipped_steps': 0, 'coefficient_min': 0.51, 'coefficient_max': 0.97, 'orthogonality': 0.62, ...}
+
+        On one process (a group of one rank: nothing is combined, so only the counts), two backward passes:
+
+        >>> import torch.distributed as dist
+        >>> from torch.nn.parallel import DistributedDataParallel
+        >>> dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+        >>> ddp_model, state = DistributedDataParallel(torch.nn.Linear(3, 2)), AdasumState()
+        >>> ddp_model.register_comm_hook(state, adasum_hook)
+        >>> for _ in range(2):
+        ...     ddp_model(torch.ones(4, 3)).sum().backward()
+        >>> state.statistics()
+        {'step': 2, 'skipped_steps': 0}
+        >>> dist.destroy_process_group()
         """
         return {"step": self.iteration, "skipped_steps": self.skipped_steps, **self._statistics.summary()}
 
@@ -219,6 +232,21 @@ def bucket_sizes(bucket: dist.GradBucket) -> list[int]:
     plus a segment of its own for any gap between parameters (so coefficients never mix them).
 
     >>> bucket_sizes(bucket)        # e.g. [4096, 64, 64] for a weight, its bias and a norm's bias  # doctest: +SKIP
+
+    On one process (a group of one rank), from a hook that records each bucket's segments, then combines it:
+
+    >>> import torch.distributed as dist
+    >>> from torch.nn.parallel import DistributedDataParallel
+    >>> dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    >>> ddp_model, seen = DistributedDataParallel(torch.nn.Linear(3, 2)), []
+    >>> def recording_hook(state, bucket):
+    ...     seen.append(bucket_sizes(bucket))
+    ...     return adasum_hook(state, bucket)
+    >>> ddp_model.register_comm_hook(AdasumState(), recording_hook)
+    >>> ddp_model(torch.ones(4, 3)).sum().backward()
+    >>> seen                                        # one bucket: the weight (2 x 3) and the bias
+    [[6, 2]]
+    >>> dist.destroy_process_group()
     """
     buffer = bucket.buffer()
     if buffer.is_sparse:
@@ -364,6 +392,18 @@ def adasum_hook(state: AdasumState, bucket: dist.GradBucket) -> torch.futures.Fu
 
     >>> ddp_model.register_comm_hook(AdasumState(), adasum_hook)  # doctest: +SKIP
     >>> ddp_model.register_comm_hook(AdasumState(), fp16_compress_wrapper(adasum_hook))  # doctest: +SKIP
+
+    On one process (a group of one rank; under torchrun every rank makes the same calls):
+
+    >>> import torch.distributed as dist
+    >>> from torch.nn.parallel import DistributedDataParallel
+    >>> dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    >>> ddp_model, state = DistributedDataParallel(torch.nn.Linear(3, 2)), AdasumState()
+    >>> ddp_model.register_comm_hook(state, adasum_hook)
+    >>> ddp_model(torch.ones(4, 3)).sum().backward()
+    >>> ddp_model.module.bias.grad, state           # one rank: the gradient as it was
+    (tensor([4., 4.]), AdasumState(reducer=Adasum(per_tensor=True), iteration=1))
+    >>> dist.destroy_process_group()
     """
     buffer = bucket.buffer()
     if bucket.index() == 0:

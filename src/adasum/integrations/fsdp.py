@@ -6,6 +6,26 @@
 >>> fully_shard(model, mesh=mesh["shard"])  # doctest: +SKIP
 >>> adasum.fsdp.enable(model, mesh)                  # Adasum across the replicas, per parameter  # doctest: +SKIP
 
+On one process: a gloo group of one rank, a CPU mesh of one replica of one shard (under torchrun every rank
+makes the same calls on a mesh of several):
+
+>>> import torch.distributed as dist
+>>> from torch.distributed.device_mesh import init_device_mesh
+>>> from torch.distributed.fsdp import fully_shard
+>>> dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+>>> mesh = init_device_mesh("cpu", (1, 1), mesh_dim_names=("replicate", "shard"))
+>>> model = torch.nn.Sequential(torch.nn.Linear(2, 2), torch.nn.Linear(2, 1))
+>>> for block in model:
+...     _ = fully_shard(block, mesh=mesh["shard"])
+>>> _ = fully_shard(model, mesh=mesh["shard"])
+>>> state = adasum.fsdp.enable(model, mesh)
+>>> state, state.agreements                         # the layouts checked once, at enable
+(FSDPState(reducer=Adasum(per_tensor=True), replicas=1, shards=1), 1)
+>>> model(torch.ones(3, 2)).sum().backward()
+>>> state.reductions, model[1].bias.grad.full_tensor()   # one reduction per unit with parameters
+(2, tensor([3.]))
+>>> dist.destroy_process_group()
+
 Each `fully_shard` unit reduce-scatters its gradients over the shard group (FSDP averages them
 there), then calls the all-reduce hook that `enable` installs ("custom HSDP", the route torchtitan
 takes for its own replica groups). The hook gets one flat buffer per unit: each parameter's dim-0
@@ -422,6 +442,21 @@ def enable(
 
     >>> state = adasum.fsdp.enable(model, mesh)                      # Adasum  # doctest: +SKIP
     >>> state = adasum.fsdp.enable(model, mesh, adasum.AdaCons(momentum=0.9))  # doctest: +SKIP
+
+    On one process (a gloo group of one rank, a CPU mesh of one replica of one shard); a 1-D mesh is refused:
+
+    >>> import torch.distributed as dist
+    >>> from torch.distributed.device_mesh import init_device_mesh
+    >>> from torch.distributed.fsdp import fully_shard
+    >>> dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    >>> mesh = init_device_mesh("cpu", (1, 1), mesh_dim_names=("replicate", "shard"))
+    >>> model = fully_shard(torch.nn.Linear(2, 1), mesh=mesh["shard"])
+    >>> adasum.fsdp.enable(model, mesh, adasum.AdaCons(momentum=0.9))
+    FSDPState(reducer=AdaCons(momentum=0.9, per_tensor=False, scale='mean_norm'), replicas=1, shards=1)
+    >>> adasum.fsdp.enable(model, init_device_mesh("cpu", (1,)))  # doctest: +ELLIPSIS
+    Traceback (most recent call last):
+    ValueError: adasum.fsdp.enable needs a 2-D DeviceMesh with dims ('replicate', 'shard') and the model sharded ...
+    >>> dist.destroy_process_group()
     """
     from torch.distributed.fsdp import FSDPModule
 

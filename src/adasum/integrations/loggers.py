@@ -4,6 +4,15 @@
 >>> logger = TensorBoardLogger("runs/adasum")              # or a SummaryWriter of one's own  # doctest: +SKIP
 >>> logger.log(state)               # after each step: state, optimizer, or a statistics dict  # doctest: +SKIP
 
+Into a temporary folder, a statistics dict as AdaCons' would have it (the scalars written come back):
+
+>>> import tempfile
+>>> folder = tempfile.TemporaryDirectory()
+>>> logger = TensorBoardLogger(folder.name)
+>>> logger.log({"step": 3, "skipped_steps": 0, "consensus_weights": [0.4, 0.6]})
+{'adasum/step': 3.0, 'adasum/skipped_steps': 0.0, 'adasum/consensus_weights/0': 0.4, 'adasum/consensus_weights/1': 0.6}
+>>> logger.close(); folder.cleanup()
+
 Each value becomes one scalar named ``adasum/<key>`` (a list, such as AdaCons' per-worker weights,
 one scalar per entry: ``adasum/consensus_weights/0``, ...), at the given step or else at the
 statistics' own ``step``. Every rank holds the same values: log on one rank (rank 0), as usual.
@@ -77,6 +86,20 @@ class TensorBoardLogger:
 
     >>> logger = TensorBoardLogger(SummaryWriter("runs/adasum"))  # doctest: +SKIP
     >>> logger.log(opt)                                          # after opt.step()  # doctest: +SKIP
+
+    Into a temporary folder, at step 10, read back with TensorBoard's own reader:
+
+    >>> import tempfile
+    >>> from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+    >>> from torch.utils.tensorboard import SummaryWriter
+    >>> folder = tempfile.TemporaryDirectory()
+    >>> logger = TensorBoardLogger(SummaryWriter(folder.name))
+    >>> _ = logger.log({"step": 3, "orthogonality": 0.75}, step=10)
+    >>> logger.close(); logger.writer.close()                  # a writer of one's own: closed by its owner
+    >>> events = EventAccumulator(folder.name); _ = events.Reload()
+    >>> [(e.step, e.value) for e in events.Scalars("adasum/orthogonality")]
+    [(10, 0.75)]
+    >>> folder.cleanup()
     """
 
     def __init__(self, writer: Any, prefix: str = PREFIX) -> None:
@@ -148,6 +171,15 @@ def log_statistics(target: Any, source: HasStatistics | Statistics, step: int | 
     ``add_scalar``) or an MLflow run (``mlflow.start_run()``'s, or any with ``info.run_id``).
 
     >>> log_statistics(writer, state, step)  # doctest: +SKIP
+
+    To a writer of one's own that prints what it is given:
+
+    >>> class PrintingWriter:
+    ...     def add_scalar(self, name, value, step):
+    ...         print(name, value, step)
+    >>> _ = log_statistics(PrintingWriter(), {"step": 3, "orthogonality": 0.75})
+    adasum/step 3.0 3
+    adasum/orthogonality 0.75 3
     """
     if hasattr(target, "add_scalar"):
         return TensorBoardLogger(target).log(source, step)

@@ -4,6 +4,20 @@ reducer.
 >>> opt = adasum.DistributedOptimizer(torch.optim.Adam(model.parameters()), reducer="adasum")  # doctest: +SKIP
 >>> loss.backward(); opt.step(); opt.zero_grad()  # doctest: +SKIP
 
+On one process (a group of one rank; under torchrun every rank makes the same calls), delta mode with two
+local steps per round, from zero weights:
+
+>>> import torch.distributed as dist
+>>> dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+>>> model = torch.nn.Linear(2, 1)
+>>> _ = [torch.nn.init.zeros_(p) for p in model.parameters()]
+>>> opt = adasum.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), local_steps=2)
+>>> for _ in range(2):
+...     model(torch.ones(1, 2)).sum().backward(); opt.step(); opt.zero_grad()
+>>> model.weight.data, opt.statistics()             # two local steps of 0.1, one combination
+(tensor([[-0.2000, -0.2000]]), {'step': 1, 'skipped_steps': 0})
+>>> dist.destroy_process_group()
+
 Delta mode (the default, Horovod's ``DistributedOptimizer(op=Adasum)`` for Adam and LAMB): ``step()``
 keeps the starting weights x0, runs the wrapped optimizer locally, combines the weight changes
 ``x - x0`` across ranks and sets every rank's weights to ``x0 + combined``. Optimizer state
@@ -125,6 +139,17 @@ def check_same_parameters(
     all-reduce of exact checksums for the values. The message names the first differing parameter.
 
     >>> check_same_parameters(list(model.parameters()), names=list(dict(model.named_parameters())))  # doctest: +SKIP
+
+    On one process (a group of one rank), where only the local problems can fail:
+
+    >>> import torch.distributed as dist
+    >>> dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    >>> model = torch.nn.Linear(2, 1)
+    >>> check_same_parameters(list(model.parameters()), names=list(dict(model.named_parameters())))
+    >>> check_same_parameters([model.weight, torch.zeros(2, dtype=torch.int64)])
+    Traceback (most recent call last):
+    TypeError: adasum: tensor 1 has dtype torch.int64; only floating-point tensors can be combined on rank 0
+    >>> dist.destroy_process_group()
     """
     device = group_device(group)
     with failures_named(operation, "the parameter layout check", group):
@@ -535,6 +560,19 @@ class DistributedOptimizer(torch.optim.Optimizer):
 
         >>> opt.step(); opt.statistics()  # doctest: +SKIP
         {'step': 1, 'skipped_steps': 0, 'coefficient_min': 0.51, 'coefficient_max': 0.97, 'orthogonality': 0.62, ...}
+
+        On one process (a group of one rank: nothing is combined, so only the counts), a step with a NaN
+        gradient skipped under ``nonfinite="skip"``:
+
+        >>> import torch.distributed as dist
+        >>> dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+        >>> model = torch.nn.Linear(2, 1)
+        >>> opt = DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), mode="gradient", nonfinite="skip")
+        >>> for x in (torch.ones(1, 2), torch.full((1, 2), float("nan"))):
+        ...     model(x).sum().backward(); opt.step(); opt.zero_grad()
+        >>> opt.statistics()
+        {'step': 1, 'skipped_steps': 1}
+        >>> dist.destroy_process_group()
         """
         return {"step": self._statistics.steps, "skipped_steps": self.skipped_steps, **self._statistics.summary()}
 
@@ -552,6 +590,21 @@ class DistributedOptimizer(torch.optim.Optimizer):
         agree on.
 
         >>> agreed = opt.last_combined() or [p for g in opt.param_groups for p in g["params"]]  # doctest: +SKIP
+
+        On one process (a group of one rank), two local steps per round, from zero weights:
+
+        >>> import torch.distributed as dist
+        >>> dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+        >>> model = torch.nn.Linear(2, 1)
+        >>> _ = [torch.nn.init.zeros_(p) for p in model.parameters()]
+        >>> opt = DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), local_steps=2)
+        >>> model(torch.ones(1, 2)).sum().backward(); opt.step(); opt.zero_grad()
+        >>> opt.last_combined(), model.bias.data      # mid-round: the round's starting weights
+        ([tensor([[0., 0.]]), tensor([0.])], tensor([-0.1000]))
+        >>> model(torch.ones(1, 2)).sum().backward(); opt.step(); opt.zero_grad()
+        >>> opt.last_combined() is None                # the round is combined
+        True
+        >>> dist.destroy_process_group()
         """
         return list(self._anchor) if self._round_step and self._anchor is not None else None
 

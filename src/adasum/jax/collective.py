@@ -133,6 +133,23 @@ def vary(tree: Any, axis_name: Any) -> Any:
       ``pmap`` or ``shard_map(check_vma=False)``, where gradients are per device anyway).
 
     >>> grads = jax.grad(loss)(adasum.jax.vary(params, "data"), batch)  # doctest: +SKIP
+
+    On one CPU device (an axis of size one), inside ``shard_map`` with replicated parameters: the mesh axes
+    over which JAX types each gradient as differing between devices, recorded while tracing (``jax.eval_shape``
+    traces without compiling):
+
+    >>> from jax.sharding import Mesh, PartitionSpec
+    >>> mesh, seen = Mesh(jax.devices()[:1], ("data",)), []
+    >>> def step(w, x):
+    ...     loss = lambda w: (x @ w).sum()
+    ...     summed, own = jax.grad(loss)(w), jax.grad(loss)(vary(w, "data"))
+    ...     seen.append((_varying_axes(summed), _varying_axes(own)))
+    ...     return own
+    >>> step = jax.shard_map(step, mesh=mesh, in_specs=(PartitionSpec(), PartitionSpec("data")),
+    ...                      out_specs=PartitionSpec("data"))
+    >>> _ = jax.eval_shape(step, jnp.ones(2), jnp.ones((4, 2)))
+    >>> seen                              # the plain gradient is replicated (summed), vary's is per device
+    [(frozenset(), frozenset({'data'}))]
     """
     tracked = _varying_axes(jax.lax.axis_index(axis_name))
     if not tracked or axis_name not in tracked:

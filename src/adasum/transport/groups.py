@@ -257,6 +257,18 @@ def release(group: dist.ProcessGroup | None = None) -> None:
     between two models and went on training hung in the second model's first steps.
 
     >>> adasum.release()  # doctest: +SKIP
+
+    On one process (a group of one rank):
+
+    >>> import torch.distributed as dist
+    >>> from adasum.transport.groups import communicator
+    >>> dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    >>> adasum.all_reduce([torch.ones(2)])
+    >>> kept = communicator()                  # what adasum keeps for the default group
+    >>> adasum.release()
+    >>> communicator() is kept                 # dropped: the next use makes a new one
+    False
+    >>> dist.destroy_process_group()
     """
     with _registry.lock:
         if group is not None:
@@ -431,6 +443,24 @@ def failures_named(
 
     >>> with failures_named("adasum.all_reduce", "the exchange at level 1 of 2 with rank 3", group):  # doctest: +SKIP
     ...     work.wait()
+
+    On one process (a group of one rank), with the error gloo raises when a peer's connection closes:
+
+    >>> import textwrap
+    >>> import torch.distributed as dist
+    >>> dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1, timeout=timedelta(seconds=60))
+    >>> try:
+    ...     with failures_named("adasum.all_reduce", "the exchange at level 1", None):
+    ...         raise RuntimeError("[../gloo/transport/tcp/pair.cc:553] Connection closed by peer")
+    ... except adasum.CollectiveError as error:
+    ...     print(textwrap.fill(str(error), 100))
+    adasum.all_reduce on rank 0 of 1: the exchange at level 1 failed (group timeout 60 s): a peer died,
+    stalled past the timeout or the connection broke; Connection closed by peer
+    >>> with failures_named("adasum.all_reduce", "the exchange at level 1", None):   # a local error: as itself
+    ...     raise RuntimeError("a leaf Variable that requires grad is being used in an in-place operation.")
+    Traceback (most recent call last):
+    RuntimeError: a leaf Variable that requires grad is being used in an in-place operation.
+    >>> dist.destroy_process_group()
     """
     try:
         yield
