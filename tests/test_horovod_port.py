@@ -169,6 +169,18 @@ def broadcast_body(rank, world):
     with pytest.raises(ValueError) as info:
         adasum.broadcast_parameters([bad], root=0)
     out["error"] = str(info.value)
+    # roots that differ across ranks, and a root that is not a rank: refused on every rank before data moves
+    kept = copies(model.parameters())
+    for name, call in {
+        "roots differ": lambda: adasum.broadcast_parameters(model.parameters(), root=rank),
+        "root not a rank": lambda: adasum.broadcast_parameters(model.parameters(), root=world),
+        "state roots differ": lambda: adasum.broadcast_optimizer_state(adam, root=1 - rank),
+        "state root not a rank": lambda: adasum.broadcast_optimizer_state(adam, root=-1),
+    }.items():
+        with pytest.raises(ValueError) as info:
+            call()
+        out[name] = str(info.value)
+    out["unchanged"] = all((a == b).all() for a, b in zip(kept, copies(model.parameters())))
     return out
 
 
@@ -189,6 +201,18 @@ def test_broadcasts():
     assert results[0]["still_tied"] and results[1]["still_tied"]
     assert results[0]["error"] == results[1]["error"]
     assert "adasum.broadcast_parameters: tensors differ across ranks at index 0" in results[0]["error"]
+    expected = {
+        "roots differ": "adasum.broadcast_parameters: the configuration differs across ranks: rank 0 has root=0, "
+                        "rank 1 has root=1",
+        "root not a rank": "adasum.broadcast_parameters: root=2 is not a rank of the group (0 to 1)",
+        "state roots differ": "adasum.broadcast_optimizer_state: the configuration differs across ranks: rank 0 has "
+                              "root=1, rank 1 has root=0",
+        "state root not a rank": "adasum.broadcast_optimizer_state: root=-1 is not a rank of the group (0 to 1)",
+    }
+    for name, message in expected.items():
+        assert results[0][name] == results[1][name], name
+        assert results[0][name].startswith(message), (name, results[0][name])
+    assert results[0]["unchanged"] and results[1]["unchanged"]
 
 
 def test_broadcast_on_one_process_changes_nothing():
@@ -200,5 +224,9 @@ def test_broadcast_on_one_process_changes_nothing():
         adasum.broadcast_parameters(model.state_dict())
         adasum.broadcast_optimizer_state(torch.optim.SGD(model.parameters(), lr=0.1))
         assert all(torch.equal(a, b) for a, b in zip(before, model.state_dict().values()))
+        with pytest.raises(ValueError, match=r"broadcast_parameters: root=1 is not a rank of the group \(0 to 0\)"):
+            adasum.broadcast_parameters(model.state_dict(), root=1)  # not a peer that died: a bad argument
+        with pytest.raises(ValueError, match=r"broadcast_optimizer_state: root=True is not a rank"):
+            adasum.broadcast_optimizer_state(torch.optim.SGD(model.parameters(), lr=0.1), root=True)
     finally:
         dist.destroy_process_group()

@@ -7,6 +7,18 @@ the lowest rank with a problem and what it is; so no rank enters an exchange tha
 
 >>> check_same_layout(tensors, group, device, "tensors", operation="adasum.Mean.all_reduce")  # doctest: +SKIP
 
+On one process (a group of one rank; under torchrun every rank makes the same call): views that share
+memory are refused before any data moves.
+
+>>> import torch.distributed as dist
+>>> dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+>>> x, cpu = torch.zeros(4), torch.device("cpu")
+>>> check_same_layout([x[:2], x[2:]], None, cpu)                 # disjoint views: agreed
+>>> check_same_layout([x[:3], x[1:]], None, cpu, operation="adasum.Mean.all_reduce")  # doctest: +ELLIPSIS
+Traceback (most recent call last):
+ValueError: adasum.Mean.all_reduce: tensors 0 and 1 share memory (overlapping views of one storage); ... on rank 0
+>>> dist.destroy_process_group()
+
 The entry points reach these checks through their plan (`adasum.collectives.plan.prepare`).
 """
 
@@ -353,16 +365,28 @@ def check_same_layout(
     in_place: bool = True,
     floating: bool = True,
     operation: str = "adasum",
+    config: tuple = (),
 ) -> None:
-    """Raise on every rank unless all ranks pass the same count, shapes, dtypes and device type and
-    no rank has a `local_problem` (checked with `in_place` and `floating`); one small all-reduce
-    (`agree`). `device` is the group's device (`adasum.transport.groups.group_device`).
+    """Raise on every rank unless all ranks pass the same count, shapes, dtypes and device type (and
+    `config`, the call's options) and no rank has a `local_problem` (checked with `in_place` and
+    `floating`); one small all-reduce (`agree`). `device` is the group's device
+    (`adasum.transport.groups.group_device`).
 
     >>> check_same_layout(grads, None, torch.device("cpu"))  # doctest: +SKIP
+
+    On one process (a group of one rank), a local problem raises at once, naming the rank:
+
+    >>> import torch.distributed as dist
+    >>> dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    >>> check_same_layout([torch.zeros(3), torch.ones(2, 2)], None, torch.device("cpu"))   # passes
+    >>> check_same_layout([torch.zeros(3), torch.arange(2)], None, torch.device("cpu"), operation="adasum.all_reduce")
+    Traceback (most recent call last):
+    TypeError: adasum.all_reduce: tensor 1 has dtype torch.int64; only floating-point tensors can be combined on rank 0
+    >>> dist.destroy_process_group()
     """
     tensors = list(tensors)
     problem = local_problem(tensors, device, in_place=in_place, floating=floating, group=group)
-    agree(describe(tensors), problem, group, what, operation)
+    agree(describe(tensors), problem, group, what, operation, config)
 
 
 def check_not_sharded(params: Iterable[torch.Tensor], where: str) -> None:

@@ -41,7 +41,7 @@ from adasum.collectives.vhdd import Placement, adasum_flat_, transport_for
 from adasum.core.layout import Layout
 from adasum.kernels.reduce import reduce
 from adasum.settings import current
-from adasum.transport.c10d import global_rank
+from adasum.transport.c10d import all_gather_single, global_rank, reduce_scatter_single
 from adasum.transport.groups import failures_named, group_device
 
 
@@ -126,6 +126,23 @@ def build_hierarchy(
 
     >>> hierarchy = build_hierarchy(local_size=8)  # doctest: +SKIP
     >>> adasum_hierarchical_flat_(buffer, sizes, hierarchy)  # doctest: +SKIP
+
+    On one process (a group of one rank: one node holding one rank; under torchrun every rank makes the
+    same calls):
+
+    >>> import torch.distributed as dist
+    >>> dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    >>> hierarchy = build_hierarchy(local_size=1)
+    >>> hierarchy.nodes, hierarchy.local_size, hierarchy.peers
+    (1, 1, (0,))
+    >>> buffer = torch.tensor([3.0, 4.0, 1.0])                    # two tensors end to end: sizes [2, 1]
+    >>> adasum_hierarchical_flat_(buffer, [2, 1], hierarchy)      # one node: its mean is the result
+    >>> buffer
+    tensor([3., 4., 1.])
+    >>> build_hierarchy(local_size=2)
+    Traceback (most recent call last):
+    ValueError: local_size 2 does not divide the world size 1
+    >>> dist.destroy_process_group()
     """
     env_size = local_size_from_env()
     size = env_size if local_size is None else int(local_size)
@@ -138,7 +155,7 @@ def build_hierarchy(
     device = group_device(group)
     everyone = torch.empty(world * 3, dtype=torch.int64, device=device)
     with failures_named("adasum.hierarchical.build_hierarchy", "the placement all-gather", group):
-        dist.all_gather_into_tensor(everyone, torch.tensor(mine, dtype=torch.int64, device=device), group=group)
+        all_gather_single(everyone, torch.tensor(mine, dtype=torch.int64, device=device), group=group)
     info = everyone.view(world, 3).tolist()
     size = check_placement([i[0] for i in info], [i[1] for i in info], [i[2] for i in info])
     nodes = world // size
@@ -176,13 +193,13 @@ def adasum_hierarchical_flat_(buffer: torch.Tensor, sizes: Sequence[int], hierar
     padded = buffer if shard_len * size == numel else torch.cat([buffer, buffer.new_zeros(shard_len * size - numel)])
     shard = buffer.new_empty(shard_len)
     with failures_named("adasum.hierarchical", "the intra-node reduce-scatter", hierarchy.local_group):
-        dist.reduce_scatter_tensor(shard, padded, group=hierarchy.local_group)
+        reduce_scatter_single(shard, padded, group=hierarchy.local_group)
     shard.div_(size)
     start = min(hierarchy.local_rank * shard_len, numel)
     owned = min(numel - start, shard_len)  # the last shards may be partly or wholly padding
     adasum_flat_(shard[:owned], sizes, hierarchy.group, Placement(hierarchy.peers, start))
     with failures_named("adasum.hierarchical", "the intra-node all-gather", hierarchy.local_group):
-        dist.all_gather_into_tensor(padded, shard, group=hierarchy.local_group)
+        all_gather_single(padded, shard, group=hierarchy.local_group)
     if padded is not buffer:
         buffer.copy_(padded[:numel])
 

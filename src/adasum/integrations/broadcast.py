@@ -4,8 +4,24 @@
 >>> adasum.broadcast_parameters(model.state_dict(), root=0)  # doctest: +SKIP
 >>> adasum.broadcast_optimizer_state(optimizer, root=0)  # doctest: +SKIP
 
-Both are collective: every rank of the group calls them with the same layout (checked first, one
-small all-reduce: a difference raises the same ValueError on every rank before data moves). Tensors
+On one process (a group of one rank; under torchrun every rank makes the same calls), before wrapping the
+optimizer (its construction checks that every rank holds the same weights):
+
+>>> import torch.distributed as dist
+>>> dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+>>> model = torch.nn.Linear(2, 1)
+>>> optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+>>> adasum.broadcast_parameters(model.state_dict(), root=0)
+>>> adasum.broadcast_optimizer_state(optimizer, root=0)
+>>> opt = adasum.DistributedOptimizer(optimizer)
+>>> model(torch.ones(1, 2)).sum().backward(); opt.step()
+>>> opt.statistics()
+{'step': 1, 'skipped_steps': 0}
+>>> dist.destroy_process_group()
+
+Both are collective: every rank of the group calls them with the same layout and root (checked first, one
+small all-reduce: a difference, or a root that is not a rank of the group, raises the same ValueError on every
+rank before data moves). Tensors
 travel fused, one broadcast per device and dtype.
 """
 
@@ -38,14 +54,28 @@ def broadcast_parameters(params: Params, root: int = 0, group: dist.ProcessGroup
         group: the process group (default: the world).
 
     >>> adasum.broadcast_parameters(model.state_dict(), root=0)  # doctest: +SKIP
+
+    On one process (a group of one rank), rank 0's values are its own; a tied weight travels once, integer
+    buffers travel too:
+
+    >>> import torch.distributed as dist
+    >>> dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    >>> weight = torch.tensor([1.0, 2.0])
+    >>> params = {"embed.weight": weight, "head.weight": weight, "steps": torch.tensor(7)}
+    >>> adasum.broadcast_parameters(params, root=0)
+    >>> params["head.weight"], params["steps"]
+    (tensor([1., 2.]), tensor(7))
+    >>> dist.destroy_process_group()
     """
     tensors = _unique(_tensors(params))
     operation = "adasum.broadcast_parameters"
     with torch.no_grad():
         with failures_named(operation, "the layout check", group):
             check_same_layout(
-                tensors, group, group_device(group), "tensors", in_place=False, floating=False, operation=operation
+                tensors, group, group_device(group), "tensors", in_place=False, floating=False, operation=operation,
+                config=(f"root={root!r}",),
             )
+        _check_root(root, group, operation)
         _broadcast_tensors(tensors, root, group, operation)
 
 
@@ -60,11 +90,27 @@ def broadcast_optimizer_state(optimizer: Any, root: int = 0, group: dist.Process
     rank otherwise), so the state fits everywhere.
 
     >>> adasum.broadcast_optimizer_state(optimizer, root=0)  # doctest: +SKIP
+
+    On one process (a group of one rank), after a step of SGD with momentum:
+
+    >>> import torch.distributed as dist
+    >>> dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    >>> model = torch.nn.Linear(2, 1)
+    >>> optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    >>> model(torch.ones(1, 2)).sum().backward(); optimizer.step()
+    >>> adasum.broadcast_optimizer_state(optimizer, root=0)
+    >>> optimizer.state[model.bias]["momentum_buffer"], optimizer.param_groups[0]["momentum"]
+    (tensor([1.]), 0.9)
+    >>> dist.destroy_process_group()
     """
     operation = "adasum.broadcast_optimizer_state"
     params = [p for g in optimizer.param_groups for p in g["params"]]
     with failures_named(operation, "the parameter layout check", group):
-        check_same_layout(params, group, group_device(group), "parameters", in_place=False, operation=operation)
+        check_same_layout(
+            params, group, group_device(group), "parameters", in_place=False, operation=operation,
+            config=(f"root={root!r}",),
+        )
+    _check_root(root, group, operation)
     is_root = dist.get_rank(group) == root
     tensors: list[torch.Tensor] = []
     skeleton = _hollow(optimizer.state_dict(), tensors) if is_root else None
@@ -150,6 +196,13 @@ def _unique(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
             seen.add(key)
             out.append(t)
     return out
+
+
+def _check_root(root: int, group: dist.ProcessGroup | None, operation: str) -> None:
+    """Refuse a `root` that is not a rank of `group` (after the ranks agreed on it: the same error on every rank)."""
+    world = dist.get_world_size(group)
+    if isinstance(root, bool) or not isinstance(root, int) or not 0 <= root < world:
+        raise ValueError(f"{operation}: root={root!r} is not a rank of the group (0 to {world - 1})")
 
 
 def _broadcast_tensors(tensors: list[torch.Tensor], root: int, group: dist.ProcessGroup | None, operation: str) -> None:

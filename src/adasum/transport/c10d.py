@@ -1,7 +1,7 @@
 """The c10d transports: paired sends and receives through ``batch_isend_irecv`` (NCCL pairs a send
 with its receive only inside one batch), waits bounded by the group's timeout on gloo and left to
 the stream on NCCL (`PointToPointC10d`); and the same with the gather as one NCCL
-``all_gather_into_tensor`` (`Collectives`)."""
+all-gather into one tensor (`Collectives`)."""
 
 from __future__ import annotations
 
@@ -12,6 +12,10 @@ import torch
 import torch.distributed as dist
 
 from adasum.transport.base import GatherStep, Level, PointToPoint
+
+# the collectives into and out of one tensor: torch >= 2.13 names them ``*_single`` (its old names warn)
+all_gather_single = getattr(dist, "all_gather_single", dist.all_gather_into_tensor)
+reduce_scatter_single = getattr(dist, "reduce_scatter_single", dist.reduce_scatter_tensor)
 
 
 def global_rank(group: dist.ProcessGroup | None, group_rank: int) -> int:
@@ -90,8 +94,9 @@ class PointToPointC10d(PointToPoint):
 
 class Collectives(PointToPointC10d):
     """NCCL: each level's exchange as whole-half batches (few pieces: NCCL's point-to-point runs
-    at full speed on large messages), and the whole gather as one ``all_gather_into_tensor``. Every
-    rank of the group must be a leader of the tree (a power-of-two world, no placement)."""
+    at full speed on large messages), and the whole gather as one all-gather into one tensor
+    (`all_gather_single`). Every rank of the group must be a leader of the tree (a power-of-two world, no
+    placement)."""
 
     name = "collectives"
 
@@ -112,12 +117,12 @@ class Collectives(PointToPointC10d):
             world * width
         )
         if in_place:  # each slice already sits at its rank's position (2 ranks, an even count)
-            dist.all_gather_into_tensor(buffer, buffer[lo:hi], group=self.group)
+            all_gather_single(buffer, buffer[lo:hi], group=self.group)
             return
         staged = buffer.new_empty(world * width)
         mine = staged[rank * width : rank * width + width]
         mine[: hi - lo].copy_(buffer[lo:hi])
-        dist.all_gather_into_tensor(staged, mine, group=self.group)
+        all_gather_single(staged, mine, group=self.group)
         for j, (flo, fhi) in enumerate(finals):
             if j != rank and fhi > flo:
                 buffer[flo:fhi].copy_(staged[j * width : j * width + fhi - flo])
