@@ -60,7 +60,22 @@ def _bad_inputs(rank: int) -> dict:
         "overlap": lambda r: r.all_reduce([x[:6], x[4:]] if last else [torch.zeros(6), torch.zeros(6)]),
         "integer": lambda r: r.all_reduce([torch.ones(3, dtype=torch.int64 if last else torch.float32)]),
         "integer-everywhere": lambda r: r.all_reduce([torch.ones(3, dtype=torch.int64)]),
+        # a keyword option the reducer does not take (Adasum's all_reduce dropped them: NaN came out, no error)
+        "keyword": lambda r: _unchanged(
+            lambda t: r.all_reduce(t, nonfinite="raise"), [torch.tensor([float("nan") if last else 1.0, 2.0])]
+        ),
+        # a negative segment size (Adasum took [6, -2] over 4 elements as one segment)
+        "negative-size": lambda r: _unchanged(lambda b: r.all_reduce_flat(b[0], [6, -2]), [torch.arange(4.0) + rank]),
     }
+
+
+def _unchanged(call, tensors: list[torch.Tensor]) -> None:
+    """``call(tensors)``, and whether it returns or raises, `tensors` hold what they held (NaN included)."""
+    before = [t.numpy().tobytes() for t in tensors]
+    try:
+        call(tensors)
+    finally:
+        assert [t.numpy().tobytes() for t in tensors] == before, "a refused call changed its input"
 
 
 def bad_input_body(rank, world, names):
@@ -139,11 +154,11 @@ class _bound:
     def __init__(self, reducer, group):
         self.reducer, self.group = reducer, group
 
-    def all_reduce(self, tensors):
-        self.reducer.all_reduce(tensors, self.group)
+    def all_reduce(self, tensors, **options):
+        self.reducer.all_reduce(tensors, self.group, **options)
 
-    def all_reduce_flat(self, buffer, sizes):
-        self.reducer.all_reduce_flat(buffer, sizes, self.group)
+    def all_reduce_flat(self, buffer, sizes, **options):
+        self.reducer.all_reduce_flat(buffer, sizes, self.group, **options)
 
 
 EXPECTED = {
@@ -160,7 +175,20 @@ EXPECTED = {
     "overlap": ("ValueError", "tensors 0 and 1 share memory (overlapping views of one storage)"),
     "integer": ("ValueError", "rank 0 has float32 [3] on cpu, rank 1 has int64 [3] on cpu"),
     "integer-everywhere": ("TypeError", "tensor 0 has dtype torch.int64; only floating-point tensors can be combined"),
+    "keyword": ("TypeError", "unexpected keyword argument 'nonfinite'"),
+    "negative-size": ("ValueError", "sizes must be >= 0, got -2 at index 1 on rank 0"),
 }
+
+
+def _exact(name: str, case: str) -> str | None:
+    """The whole message of the cases whose every word is fixed."""
+    cls = type(_reducers()[name]).__name__
+    if case == "keyword":
+        takes = "check_layout and key" if cls == "AdaCons" else "check_layout only"
+        return f"adasum.{cls}.all_reduce: unexpected keyword argument 'nonfinite'; {cls} takes {takes}"
+    if case == "negative-size":
+        return f"adasum.{cls}.all_reduce_flat: sizes must be >= 0, got -2 at index 1 on rank 0"
+    return None
 
 
 @pytest.mark.parametrize("names", [("sum", "mean", "adasum"), ("adasum-whole", "adacons", "adasum-hierarchical")])
@@ -174,6 +202,7 @@ def test_every_reducer_refuses_bad_input_on_every_rank_at_once(names):
         assert got is not None, (name, case, "no error")
         assert got[0] == kind and text in got[1], (name, case, got)
         assert got[1].startswith(f"adasum.{type(_reducers()[name]).__name__}.all_reduce"), (name, case, got)
+        assert _exact(name, case) in (None, got[1]), (name, case, got)
 
 
 def overlap_body(rank, world):
@@ -212,6 +241,12 @@ def world3_body(rank, world):
         out["api"] = None
     except ValueError as error:
         out["api"] = str(error)
+    # a transport name that does not exist: the message of a world of one (test_transport_typo_on_one_process)
+    try:
+        adasum.all_reduce([torch.zeros(3)], transport="bogus")
+        out["transport"] = None
+    except ValueError as error:
+        out["transport"] = str(error)
     return out
 
 
@@ -221,6 +256,31 @@ def test_world_three_names_the_lowest_rank_with_a_problem():
     assert "tensor 0 is a leaf that requires grad" in results[0]["mean"] and "on rank 1" in results[0]["mean"]
     assert "tensor 0 is a leaf that requires grad" in results[0]["adasum"] and "on rank 1" in results[0]["adasum"]
     assert results[0]["api"] is not None and "requires grad" in results[0]["api"] and "on rank 2" in results[0]["api"]
+    assert results[0]["transport"] == BOGUS_TRANSPORT.format(operation="adasum.all_reduce")
+
+
+BOGUS_TRANSPORT = ("{operation}: transport must be one of ['p2p', 'collectives', 'symmetric', 'slices', 'one-shot'] "
+                   "or None, got 'bogus'")
+
+
+def test_transport_typo_on_one_process():
+    """A transport name is checked before the one-rank shortcut: a typo raises at world size 1 as at 3."""
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        t = [torch.ones(3)]
+        for call in (adasum.all_reduce, adasum.all_reduce_async):
+            operation = f"adasum.{call.__name__}"
+            with pytest.raises(ValueError) as info:
+                call(t, transport="bogus")
+            assert str(info.value) == BOGUS_TRANSPORT.format(operation=operation)
+            with pytest.raises(TypeError) as info:
+                call(t, transport=2)
+            assert str(info.value) == (f"{operation}: transport must be one of ['p2p', 'collectives', 'symmetric', "
+                                       "'slices', 'one-shot'], a Transport or None, got 2")
+            call(t, transport="p2p")  # a name that exists: nothing to combine on one rank
+        assert torch.equal(t[0], torch.ones(3))
+    finally:
+        dist.destroy_process_group()
 
 
 def dead_peer_body(rank, world, name):

@@ -138,6 +138,15 @@ def checks(rank, world):
             )
             assert rel_err(buffer, np.concatenate(flat_ref)) < TOL[torch.float32], (name, "flat")
         out[f"{name}-flat"] = buffer.numpy().tobytes()
+        # a buffer of another shape, or one that is not contiguous, holds its segments in row-major order: the very
+        # result of the flat buffer (Adasum broke the group on both: an abort, or a different error on each rank)
+        for layout in ("2-d", "transposed"):
+            data = per_worker[rank].to(device, copy=True).view(5, 5)
+            if layout == "transposed":
+                data = torch.empty(5, 5, device=device).t().copy_(data)
+                assert not data.is_contiguous()
+            make().all_reduce_flat(data, sizes)
+            assert torch.equal(data.reshape(-1).cpu(), buffer), (name, layout)
     if world == 3:  # one world size is enough for the hook; DDP's start-up is slow on gloo
         out["ddp"] = ddp_hook_check(rank, world)
     return out
@@ -207,3 +216,80 @@ def test_distributed_and_single_process_forms_agree(world):
         assert not np.array_equal(np.argsort(idx), idx)
     results = distributed.run(world, checks)
     distributed.assert_ranks_agree(results)
+
+
+def test_keyword_options_the_reducer_does_not_take():
+    """Every reducer refuses a keyword option it does not take with one TypeError, before anything is checked or
+    moved (no process group needed); AdaCons takes ``key``. Adasum used to drop them: ``nonfinite="raise"`` let
+    NaN through, ``transport=`` was ignored."""
+    for name, make in REDUCERS.items():
+        reducer = make()
+        cls = type(reducer).__name__
+        takes = "check_layout and key" if cls == "AdaCons" else "check_layout only"
+        for keyword, value in (("nonfinite", "raise"), ("transport", "bogus"), ("momentum", 0.9)):
+            for method, call in (
+                ("all_reduce", lambda: reducer.all_reduce([torch.ones(2)], **{keyword: value})),
+                ("all_reduce_flat", lambda: reducer.all_reduce_flat(torch.ones(2), [2], **{keyword: value})),
+            ):
+                with pytest.raises(TypeError) as info:
+                    call()
+                assert str(info.value) == (
+                    f"adasum.{cls}.{method}: unexpected keyword argument {keyword!r}; {cls} takes {takes}"
+                )
+        if cls != "AdaCons":
+            with pytest.raises(TypeError, match="unexpected keyword argument 'key'"):
+                reducer.all_reduce([torch.ones(2)], key="bucket-0")
+
+
+def test_adasum_local_size():
+    """`local_size` is a positive int, and only with `hierarchical` (as `adasum.ddp.AdasumState` has it)."""
+    with pytest.raises(ValueError) as info:
+        adasum.Adasum(local_size=4)
+    assert str(info.value) == "local_size needs hierarchical=True or 'exact', got local_size=4 with hierarchical=False"
+    for bad in (1.5, True, "2"):
+        with pytest.raises(TypeError) as info:
+            adasum.Adasum(hierarchical=True, local_size=bad)
+        assert str(info.value) == f"local_size must be a positive int or None, got {bad!r}"
+    for bad in (0, -2):
+        with pytest.raises(ValueError) as info:
+            adasum.Adasum(hierarchical="exact", local_size=bad)
+        assert str(info.value) == f"local_size must be a positive int or None, got {bad}"
+    assert adasum.Adasum(hierarchical=True, local_size=np.int64(2)).local_size == 2
+    assert adasum.Adasum(hierarchical=True).local_size is None and adasum.Adasum().local_size is None
+
+
+def test_state_of_another_reducer_is_refused():
+    """`load_state_dict` takes what the reducer's own `state_dict` saves and nothing else: another reducer's
+    state, a misspelt key or an empty state for AdaCons raise ValueError naming the keys (they were accepted,
+    AdaCons' momentum silently emptied)."""
+    adacons = adasum.AdaCons(momentum=0.9)
+    adacons.reduce([[torch.ones(2)], [torch.full((2,), 2.0)]])
+    state = adacons.state_dict()
+    keys = "['momentum', 'per_tensor', 'scale', 'states']"
+    for reducer in (adasum.Adasum(), adasum.Mean(), adasum.Sum()):
+        cls = type(reducer).__name__
+        with pytest.raises(ValueError) as info:
+            reducer.load_state_dict(state)
+        assert str(info.value) == (f"adasum.{cls}.load_state_dict: the state is not this reducer's: unexpected keys "
+                                   f"{keys} ({cls} saves no keys)")
+        with pytest.raises(ValueError, match=r"unexpected keys \['foo'\]"):
+            reducer.load_state_dict({"foo": 1})
+        reducer.load_state_dict(reducer.state_dict())  # its own (empty) state
+    for bad, wrong in (
+        ({}, f"missing keys {keys}"),
+        (adasum.Adasum().state_dict(), f"missing keys {keys}"),
+        ({**{k: v for k, v in state.items() if k != "states"}, "state": state["states"]},
+         "unexpected keys ['state']; missing keys ['states']"),
+    ):
+        resumed = adasum.AdaCons(momentum=0.9)
+        resumed.load_state_dict(state)
+        with pytest.raises(ValueError) as info:
+            resumed.load_state_dict(bad)
+        assert str(info.value) == (f"adasum.AdaCons.load_state_dict: the state is not this reducer's: {wrong} "
+                                   f"(AdaCons saves {keys})")
+        assert resumed.state_dict()["states"].keys() == state["states"].keys()  # the momentum kept
+    with pytest.raises(TypeError, match="state must be a dict"):
+        adasum.Mean().load_state_dict([("momentum", 0.9)])
+    with pytest.raises(ValueError) as info:
+        adasum.AdaCons(momentum=0.5).load_state_dict(state)
+    assert str(info.value) == "adasum.AdaCons.load_state_dict: the state has momentum=0.9, this reducer has 0.5"

@@ -25,7 +25,7 @@ from adasum.collectives.nonfinite import check_finite, check_policy
 from adasum.collectives.plan import Plan, prepare, recheck
 from adasum.collectives.vhdd import adasum_flat_, transport_for
 from adasum.core.layout import Scattered, flatten, group_by_dtype, unflatten_into
-from adasum.options import Nonfinite, TransportName
+from adasum.options import Nonfinite, TransportName, choices
 from adasum.transport.base import Transport
 from adasum.transport.graphs import MAX_GRAPHS, tensor_key
 from adasum.transport.groups import Communicator, communicator, group_device
@@ -58,7 +58,8 @@ def all_reduce(
     as one all-gather), "symmetric" (NVLink symmetric memory), "slices" (the slice-parallel schedule, any number
     of ranks), "one-shot" (every rank takes every copy whole and runs the tree itself); None picks the fastest the
     group supports for each dtype's bytes (`adasum.transport.select`); a `adasum.transport.base.Transport` object
-    is used as it is (a wrapping transport injects faults in tests). On GPUs, repeated calls on the same tensors
+    is used as it is (a wrapping transport injects faults in tests); another name raises ValueError, at any world
+    size (`check_transport`). On GPUs, repeated calls on the same tensors
     replay a captured CUDA graph of the whole call (`adasum.transport.graphs`): the same tensor objects at the same
     addresses with the same numbers of elements (each tensor is combined as one vector of its elements, so a
     view changed in place over the same memory, ``t_()`` or ``squeeze_()``, replays too), and new tensors at
@@ -104,6 +105,7 @@ def all_reduce(
         raise RuntimeError("adasum.all_reduce needs torch.distributed to be initialised")
     comm = communicator(group)
     check_policy(nonfinite, ("propagate", "raise"))
+    check_transport(transport, operation)
     single = dist.get_world_size(group) == 1
     chosen = None if single else list_transport(group, transport)
     config = (operation, f"transport={None if chosen is None else chosen.name}", f"nonfinite={nonfinite}")
@@ -124,6 +126,23 @@ def all_reduce(
     handle = comm.graphs.handle(key)
     if handle is not None:
         remember(comm, _Last.of(tensors, transport, handle, plan))
+
+
+def check_transport(transport: object, operation: str) -> None:
+    """Raise unless `transport` is a name a caller may give (`adasum.options.TransportName`), a `Transport` or None:
+    before the one-rank shortcut, so that a typo raises at every world size (TypeError for another type).
+
+    >>> check_transport("p2pp", "adasum.all_reduce")  # doctest: +ELLIPSIS
+    Traceback (most recent call last):
+    ValueError: adasum.all_reduce: transport must be one of ['p2p', 'collectives', ...] or None, got 'p2pp'
+    """
+    if transport is None or isinstance(transport, Transport):
+        return
+    names = list(choices(TransportName))
+    if not isinstance(transport, str):
+        raise TypeError(f"{operation}: transport must be one of {names}, a Transport or None, got {transport!r}")
+    if transport not in names:
+        raise ValueError(f"{operation}: transport must be one of {names} or None, got {transport!r}")
 
 
 def list_transport(
@@ -330,6 +349,7 @@ def all_reduce_async(
     consumers on the same stream see the result. On gloo the exchanges complete before it returns.
     """
     listed = tensor_list(tensors, "adasum.all_reduce_async")
+    check_transport(transport, "adasum.all_reduce_async")
     all_reduce(listed, group, check_layout=check_layout, nonfinite=nonfinite, transport=transport)
     future: torch.futures.Future = torch.futures.Future()
     future.set_result(listed)

@@ -7,8 +7,9 @@ layout once: its description and fingerprint, the checks done (agreed across ran
 whose memory was found disjoint), the transport and the fusion. `prepare` then does the per-call
 part, the same on every entry point:
 
-* local problems (`adasum.collectives.agreement.local_problem`); the memory-overlap search runs
-  once per set of addresses, not per call;
+* local problems (`adasum.collectives.agreement.local_problem`; with `sizes`, a negative size or sizes that
+  do not add up to the buffer's elements); the memory-overlap search runs once per set of addresses, not per
+  call;
 * the cross-rank check, by `check`: ``"call"`` compares the plan's fingerprint across ranks on
   every call, ``"once"`` on the plan's first call only, ``"none"`` never (the caller agreed
   the layout otherwise).
@@ -113,9 +114,13 @@ def _problem(plan: Plan, tensors: Sequence[torch.Tensor], sizes: Sequence[int] |
                             disjoint=where in plan.disjoint)
     if problem is None and where is not None:
         plan.disjoint.add(where)
-    numel = sum(b.numel() for b in tensors)
-    if problem is None and sizes is not None and sum(sizes) != numel:
-        problem = Problem("ValueError", f"sizes add up to {sum(sizes)} elements, the buffer has {numel}")
+    if problem is None and sizes is not None:
+        if sizes and min(sizes) < 0:
+            i = next(i for i, n in enumerate(sizes) if n < 0)
+            return Problem("ValueError", f"sizes must be >= 0, got {sizes[i]} at index {i}")
+        numel = sum(b.numel() for b in tensors)
+        if sum(sizes) != numel:
+            problem = Problem("ValueError", f"sizes add up to {sum(sizes)} elements, the buffer has {numel}")
     return problem
 
 

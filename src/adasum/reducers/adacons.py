@@ -60,7 +60,7 @@ from adasum.core import statistics
 from adasum.core.operator import ZERO_NORM, check_floating
 from adasum.kernels import dot_and_norms
 from adasum.options import Scale, check_option
-from adasum.reducers.base import Reducer, ShardGroups, check_workers
+from adasum.reducers.base import Reducer, ShardGroups, check_state_keys, check_workers
 from adasum.transport.groups import failures_named
 
 # --- the coefficient math: pure functions on [S, N] float64 tensors (segments x workers), shared by
@@ -204,6 +204,9 @@ class AdaCons(Reducer):
     """
 
     name = "adacons"
+    call_options = frozenset({"key"})
+    state_keys = ("momentum", "per_tensor", "scale", "states")
+    """What `state_dict` saves; `load_state_dict` takes a state with these keys only."""
 
     def __init__(self, momentum: float = 0.0, per_tensor: bool = False, scale: Scale = "mean_norm") -> None:
         if not 0.0 <= momentum < 1.0:
@@ -391,11 +394,16 @@ class AdaCons(Reducer):
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        """Restore the momentum states; the settings must match this object's."""
+        """Restore the momentum states from what `state_dict` saved (its four keys, `state_keys`; another
+        reducer's state or a misspelt key raises ValueError); the settings must match this object's."""
+        check_state_keys(self, state, self.state_keys)
         for name in ("momentum", "per_tensor", "scale"):
-            if name in state and state[name] != getattr(self, name):
-                raise ValueError(f"AdaCons state has {name}={state[name]!r}, this reducer has {getattr(self, name)!r}")
-        self._states = {k: v.detach().clone().to(torch.float64) for k, v in state.get("states", {}).items()}
+            if state[name] != getattr(self, name):
+                raise ValueError(
+                    f"adasum.AdaCons.load_state_dict: the state has {name}={state[name]!r}, this reducer has "
+                    f"{getattr(self, name)!r}"
+                )
+        self._states = {k: v.detach().clone().to(torch.float64) for k, v in state["states"].items()}
 
     def __repr__(self) -> str:
         return f"AdaCons(momentum={self.momentum}, per_tensor={self.per_tensor}, scale={self.scale!r})"

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import numbers
 from typing import Any
 
 import torch
@@ -34,6 +35,7 @@ class Adasum(Reducer):
     ranks (default LOCAL_WORLD_SIZE), Adasum across the node means (see `adasum.hierarchical`).
     ``hierarchical="exact"``: the flat tree over every rank, computed in two tiers (slice-parallel inside
     each node, VHDD across nodes); needs powers of two for `local_size` and the number of nodes.
+    `local_size` is a positive int, and only with `hierarchical` (ValueError otherwise).
     """
 
     name = "adasum"
@@ -44,6 +46,15 @@ class Adasum(Reducer):
     ) -> None:
         if hierarchical not in (False, True, "exact"):
             raise ValueError(f"hierarchical must be False, True or 'exact', got {hierarchical!r}")
+        if local_size is not None:
+            if isinstance(local_size, bool) or not isinstance(local_size, numbers.Integral):
+                raise TypeError(f"local_size must be a positive int or None, got {local_size!r}")
+            if local_size < 1:
+                raise ValueError(f"local_size must be a positive int or None, got {local_size!r}")
+            if not hierarchical:
+                raise ValueError(f"local_size needs hierarchical=True or 'exact', got local_size={local_size!r} "
+                                 f"with hierarchical={hierarchical!r}")
+            local_size = int(local_size)
         self.per_tensor = per_tensor
         self.hierarchical = hierarchical
         self.local_size = local_size
@@ -88,11 +99,13 @@ class Adasum(Reducer):
             self._hierarchies[group] = hierarchical.build_hierarchy(group, self.local_size, exact=exact)
         return self._hierarchies[group]
 
-    def _all_reduce(self, tensors, group=None, **options):
+    def _all_reduce(self, tensors, group=None):
         """Per tensor and flat, one buffer per dtype on the fastest transport: a transport that reads lists in place
-        (symmetric memory) takes contiguous tensors where they lie, as `adasum.all_reduce` does (no fusion copy)."""
+        (symmetric memory) takes contiguous tensors where they lie, as `adasum.all_reduce` does (no fusion copy).
+        No keyword options (`Reducer.call_options`): the transport and the non-finite policy are
+        `adasum.all_reduce`'s."""
         if self.hierarchical or not self.per_tensor:
-            super()._all_reduce(tensors, group, **options)
+            super()._all_reduce(tensors, group)
             return
         adasum_list_(tensors, group, list_transport(group))
 

@@ -16,6 +16,8 @@ ValueError or TypeError on every rank, before any data moves (`adasum.collective
 ``check_layout=False`` skips it, for callers that verified a fixed layout once (the optimizer
 wrappers at construction, the DDP hook, whose buckets DDP keeps identical). A failure of the
 communication itself (a dead or stalled peer) raises `adasum.CollectiveError` on every reducer.
+Besides ``check_layout`` a reducer takes the keyword options its ``call_options`` names (AdaCons:
+``key``; the others none); any other keyword raises TypeError before anything is checked or moved.
 
 Traits, on the class: ``per_tensor`` (each tensor combined on its own, so a list may be split
 into buckets, or buckets joined; whole-model reducers need every tensor of a dtype in one call),
@@ -42,7 +44,7 @@ object or its name: ``"sum"``, ``"mean"``, ``"adasum"``, ``"adacons"``.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -80,6 +82,9 @@ class Reducer:
     """The result is the exact mean of the ranks' copies (a model may be averaged directly)."""
     elementwise: bool = False
     """Each element of the result depends on that element of the inputs only (a shard combines on its own)."""
+    call_options: frozenset[str] = frozenset()
+    """The keyword options `all_reduce` and `all_reduce_flat` pass on to `_all_reduce` and `_all_reduce_flat`
+    (AdaCons: ``key``); any other keyword raises TypeError."""
 
     @property
     def homogeneous(self) -> bool:
@@ -112,9 +117,11 @@ class Reducer:
         no rank's input has a local problem (`adasum.collectives.plan`); the same ValueError/TypeError
         on every rank names the first difference or problem. Local problems are looked for even with
         ``check_layout=False`` (then raised on this rank only). A dead peer raises
-        `adasum.CollectiveError`.
+        `adasum.CollectiveError`. `options` are the reducer's `call_options` (AdaCons: ``key``); any
+        other keyword raises TypeError (for a non-finite check, `adasum.check_finite` first).
         """
         operation = f"adasum.{type(self).__name__}.all_reduce"
+        self._check_options(options, operation)
         tensors = tensor_list(tensors, operation)
         self._prepare(tensors, None, group, check_layout, operation, "tensors", options)
         if tensors:
@@ -130,13 +137,35 @@ class Reducer:
         **options: Any,
     ) -> None:
         """In place on one flat buffer holding tensors of `sizes` elements end to end (a DDP bucket);
-        checked as `all_reduce` (the sizes, the dtype and the device type must agree)."""
+        checked as `all_reduce` (the sizes, each at least 0 and adding up to the buffer's number of
+        elements, the dtype and the device type must agree).
+
+        The segments are the buffer's elements in order (row-major): a buffer of another shape or one
+        that is not contiguous (``x.t()``) is combined as ``buffer.reshape(-1)``, through a contiguous
+        copy written back where it is not contiguous."""
         operation = f"adasum.{type(self).__name__}.all_reduce_flat"
+        self._check_options(options, operation)
         if not isinstance(buffer, torch.Tensor):
             raise TypeError(f"{operation}: buffer must be a torch.Tensor, got {type(buffer).__name__}")
         sizes = [int(n) for n in sizes]
         self._prepare([buffer], sizes, group, check_layout, operation, "bucket segments", options)
-        self._all_reduce_flat(buffer, sizes, group, **options)
+        if buffer.is_contiguous():  # the combinations read and write one contiguous vector: a view of it
+            self._all_reduce_flat(buffer if buffer.dim() == 1 else buffer.view(-1), sizes, group, **options)
+            return
+        flat = buffer.contiguous().view(-1)
+        self._all_reduce_flat(flat, sizes, group, **options)
+        buffer.copy_(flat.view(buffer.shape))
+
+    def _check_options(self, options: dict[str, Any], operation: str) -> None:
+        """TypeError, on this rank before anything moves, for a keyword option the reducer does not take."""
+        unknown = sorted(set(options) - self.call_options)
+        if unknown:
+            takes = " and ".join(["check_layout", *sorted(self.call_options)])
+            if not self.call_options:
+                takes = "check_layout only"
+            raise TypeError(
+                f"{operation}: unexpected keyword argument {unknown[0]!r}; {type(self).__name__} takes {takes}"
+            )
 
     def _prepare(
         self,
@@ -197,8 +226,9 @@ class Reducer:
         return {}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        """Restore what `state_dict` saved."""
-        pass
+        """Restore what `state_dict` saved: ValueError for a state whose keys are not those this reducer saves
+        (another reducer's, a misspelt key; `check_state_keys`)."""
+        check_state_keys(self, state, self.state_dict().keys())
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}()"
@@ -218,6 +248,32 @@ def check_workers(per_worker: Sequence[Sequence[torch.Tensor]]) -> int:
         if len(tensors) != count:
             raise ValueError(f"worker 0 has {count} tensors, worker {w} has {len(tensors)}")
     return count
+
+
+def check_state_keys(reducer: Reducer, state: Any, keys: Iterable[str]) -> None:
+    """Raise unless `state` is a mapping with exactly the `keys` that `reducer` saves (TypeError for anything but
+    a mapping, ValueError naming the unexpected and the missing keys: another reducer's state, a misspelt key).
+
+    >>> check_state_keys(Reducer(), {"momentum": 0.9}, [])  # doctest: +ELLIPSIS
+    Traceback (most recent call last):
+    ValueError: adasum.Reducer.load_state_dict: the state is not this reducer's: unexpected keys ['momentum'] ...
+    """
+    operation = f"adasum.{type(reducer).__name__}.load_state_dict"
+    if not isinstance(state, Mapping):
+        raise TypeError(f"{operation}: state must be a dict (what state_dict returned), got {type(state).__name__}")
+    expected = sorted(keys)
+    unexpected = sorted(set(state) - set(expected), key=str)
+    missing = [k for k in expected if k not in state]
+    if not unexpected and not missing:
+        return
+    name = type(reducer).__name__
+    wrong = "; ".join(
+        [f"unexpected keys {unexpected}"] * bool(unexpected) + [f"missing keys {missing}"] * bool(missing)
+    )
+    saves = f"saves {expected}" if expected else "saves no keys"
+    raise ValueError(
+        f"{operation}: the state is not this reducer's: {wrong} ({name} {saves})"
+    )
 
 
 def register(name: str, cls: type[Reducer]) -> None:
