@@ -117,6 +117,7 @@ def _train(out: Path, epochs: int, *extra: str) -> dict:
 
 def test_resume_continues_exactly(tmp_path):
     straight = _train(tmp_path / "straight", 3)
+    assert straight["momentum"] is None and straight["optimizer"] == "adam"  # SGD's momentum is not Adam's
     _train(tmp_path / "resumed", 2)
     resumed = _train(tmp_path / "resumed", 3, "--resume")
     strip = lambda h: {k: v for k, v in h.items() if k != "wall_s"}  # noqa: E731
@@ -204,6 +205,32 @@ def _blocked_dir(tmp_path: Path) -> str:
         (["compare", "--seeds", "-1"], "seed must be in"),
         (["train", "--val-fraction", "0.9"], "validation fraction must be in (0, 0.5]"),
         ([], "required"),
+        # a flag given where it has no effect (the audit's command: the first such flag is named)
+        (["train", "--method", "adasum", "--local-steps", "8", "--slow-momentum", "0.9", "--slow-lr", "3",
+          "--optimizer", "adam", "--momentum", "0.9", "--chunk-size", "7"],
+         "adasum: error: --local-steps applies to localsgd, adasum-localsgd and slowmo, not adasum"),
+        (["train", "--method", "localsgd", "--slow-momentum", "0.9"],
+         "adasum: error: --slow-momentum applies to slowmo, not localsgd"),
+        (["train", "--method", "adasum-localsgd", "--slow-lr", "3"],
+         "adasum: error: --slow-lr applies to slowmo, not adasum-localsgd"),
+        (["train", "--optimizer", "lamb", "--momentum", "0.9"],
+         "adasum: error: --momentum applies to --optimizer sgd, not lamb"),
+        (["train", "--momentum", "0.5", "--optimizer", "adam"],  # the default value, given, is refused too
+         "adasum: error: --momentum applies to --optimizer sgd, not adam"),
+        (["train", "--method", "adasum", "--chunk-size", "7"],
+         "adasum: error: --chunk-size applies to several simulated workers (--simulate P with P > 1), not to one"),
+        (["train", "--method", "sequential", "--simulate", "4"],
+         "adasum: error: --simulate applies to methods of several workers, not sequential (one worker)"),
+        (["compare", "--methods", "adasum,mean", "--local-steps", "8"],
+         "adasum: error: --local-steps applies to localsgd, adasum-localsgd and slowmo, not adasum or mean"),
+        (["compare", "--methods", "localsgd,adasum-localsgd", "--slow-lr", "2"],
+         "adasum: error: --slow-lr applies to slowmo, not localsgd or adasum-localsgd"),
+        (["compare", "--optimizer", "adam", "--momentum", "0.9"],
+         "adasum: error: --momentum applies to --optimizer sgd, not adam"),
+        (["compare", "--methods", "sequential", "--chunk-size", "4"],
+         "adasum: error: --chunk-size applies to several simulated workers (--workers P with P > 1), not to one"),
+        (["compare", "--methods", "adasum", "--workers", "1", "--chunk-size", "4"],
+         "adasum: error: --chunk-size applies to several simulated workers (--workers P with P > 1), not to one"),
     ],
 )
 def test_bad_input_is_one_line_and_nonzero(tmp_path, capsys, args, message):
@@ -216,6 +243,31 @@ def test_bad_input_is_one_line_and_nonzero(tmp_path, capsys, args, message):
     lines = captured.err.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("adasum: error:") and message in lines[0], captured.err
     assert "Traceback" not in captured.err + captured.out
+
+
+@pytest.mark.parametrize(
+    "args",
+    [
+        ["train", "--method", "slowmo", "--simulate", "4", "--local-steps", "2", "--slow-momentum", "0.3",
+         "--slow-lr", "2", "--momentum", "0.9", "--chunk-size", "2"],
+        ["train", "--method", "sequential", "--simulate", "1"],
+        ["train", "--optimizer", "adam", "--local-steps", "4", "--method", "localsgd", "--weight-decay", "0.1"],
+        # a sweep: a flag that applies to one of its methods or cells is fine
+        ["compare", "--methods", "adasum,localsgd", "--local-steps", "8"],
+        ["compare", "--methods", "mean,slowmo", "--slow-momentum", "0.9", "--slow-lr", "2"],
+        ["compare", "--methods", "sequential,adasum", "--workers", "1,4", "--chunk-size", "2"],
+        ["compare", "--optimizer", "adam"],  # --momentum's default is not a flag given
+    ],
+)
+def test_flags_that_apply_to_a_run_are_accepted(args):
+    from adasum.experiments.cli import build_parser, check_flags_apply
+    from adasum.experiments.methods import get_method, parse_methods
+
+    parsed = build_parser().parse_args(args)
+    if parsed.command == "train":
+        check_flags_apply(parsed, [get_method(parsed.method)], [parsed.simulate] if parsed.simulate else [])
+    else:
+        check_flags_apply(parsed, parse_methods(parsed.methods), parsed.workers)
 
 
 def test_nonfinite_raise_stops_a_diverging_run_with_one_line(tmp_path, capsys):

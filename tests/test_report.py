@@ -187,3 +187,13 @@ def test_the_results_page_is_rendered_from_the_stored_rows():
     done = subprocess.run([sys.executable, "benchmarks/render_results.py", "--check"], cwd=root,
                           capture_output=True, text=True, timeout=240)
     assert done.returncode == 0, done.stderr[-2000:]
+
+
+def test_the_setting_line_names_momentum_only_where_the_optimizer_takes_it():
+    """An Adam or LAMB run records no momentum (None): the report's setting line leaves it out; SGD's is named."""
+    from adasum.experiments.report import _setting
+
+    run = {"task": "digits", "model": "cnn", "batch_size": 8, "epochs": 2, "seed": 0}
+    assert "(momentum 0.9)" in _setting([{**run, "optimizer": "sgd", "momentum": 0.9}])
+    adam = _setting([{**run, "optimizer": "adam", "momentum": None}])
+    assert "momentum" not in adam and "optimizer `adam`, 8 examples per worker" in adam

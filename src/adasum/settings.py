@@ -15,21 +15,119 @@ from __future__ import annotations
 
 import contextvars
 import dataclasses
+import difflib
 import functools
+import math
 import os
+import warnings
 from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
 from dataclasses import dataclass
+from types import MappingProxyType
+from typing import TypeVar
+
+_TRUE = ("1", "true", "yes", "on")
+_FALSE = ("0", "false", "no", "off")
+SPELLINGS = "0/1, false/true, no/yes, off/on (any case)"
+"""The spellings of a boolean variable."""
+
+TRITON_VECTORS = ("1", "2-byte", "0")
+"""The values of ``triton_vectors`` (``ADASUM_TRITON_VECTORS`` also takes the boolean spellings for 1 and 0)."""
+
+VARIABLES: Mapping[str, str] = MappingProxyType({
+    "cuda_graphs": "ADASUM_CUDA_GRAPHS",
+    "transport_first": "ADASUM_TEST_TRANSPORT",
+    "local_world_size": "LOCAL_WORLD_SIZE",
+    "local_rank": "LOCAL_RANK",
+    "group_rank": "GROUP_RANK",
+    "symmetric": "ADASUM_SYMMETRIC",
+    "symmetric_push": "ADASUM_SYMMETRIC_PUSH",
+    "symmetric_chunks": "ADASUM_SYMMETRIC_CHUNKS",
+    "symmetric_chunk_bytes": "ADASUM_SYMMETRIC_CHUNK_BYTES",
+    "symmetric_max_chunks": "ADASUM_SYMMETRIC_MAX_CHUNKS",
+    "triton_vectors": "ADASUM_TRITON_VECTORS",
+    "one_shot_bytes": "ADASUM_ONE_SHOT_BYTES",
+    "memory_mb": "ADASUM_MEMORY_MB",
+})
+"""The environment variable of each field that has one (docs/settings.md)."""
+
+READ_ELSEWHERE = ("ADASUM_CACHE", "ADASUM_TEST_BACKEND", "ADASUM_JAX_TESTS")
+"""``ADASUM_*`` variables that are not settings: the experiment harness's data cache and the test suite's own."""
 
 
 def _flag(env: Mapping[str, str], name: str, default: bool = True) -> bool:
     value = env.get(name)
-    return default if value in (None, "") else value != "0"
+    if value is None or value == "":
+        return default
+    spelled = value.strip().lower()
+    if spelled in _TRUE or spelled in _FALSE:
+        return spelled in _TRUE
+    raise ValueError(f"adasum.settings: {name}={value!r} is not a boolean; use {SPELLINGS}")
 
 
-def _int(env: Mapping[str, str], name: str, default: int) -> int:
+_Default = TypeVar("_Default", int, None)
+
+
+def _int(env: Mapping[str, str], name: str, default: _Default) -> int | _Default:
     value = env.get(name)
-    return default if value in (None, "") else int(value)
+    if value is None or value == "":
+        return default
+    try:
+        return int(value)
+    except ValueError:
+        raise ValueError(f"adasum.settings: {name}={value!r} is not an integer") from None
+
+
+def _rank(env: Mapping[str, str], name: str) -> int | None:
+    """A rank variable: unset, empty or -1 (the usual "not distributed") is None."""
+    value = _int(env, name, None)
+    return None if value == -1 else value
+
+
+def _float(env: Mapping[str, str], name: str, default: float) -> float:
+    value = env.get(name)
+    if value is None or value == "":
+        return default
+    try:
+        return float(value)
+    except ValueError:
+        raise ValueError(f"adasum.settings: {name}={value!r} is not a number") from None
+
+
+def _vectors(env: Mapping[str, str]) -> str:
+    name = VARIABLES["triton_vectors"]
+    value = env.get(name)
+    if value is None or value == "":
+        return "1"
+    spelled = value.strip().lower()
+    if spelled in TRITON_VECTORS:
+        return spelled
+    if spelled in _TRUE or spelled in _FALSE:
+        return "1" if spelled in _TRUE else "0"
+    raise ValueError(f"adasum.settings: {name}={value!r} is not one of {', '.join(TRITON_VECTORS)} (or {SPELLINGS})")
+
+
+def _warn_unknown(env: Mapping[str, str]) -> None:
+    """One warning for each ``ADASUM_*`` variable that no setting reads, with the closest known name."""
+    known = [*(v for v in VARIABLES.values() if v.startswith("ADASUM_")), *READ_ELSEWHERE]
+    for name in sorted(n for n in env if n.startswith("ADASUM_") and n not in known):
+        prefix = len("ADASUM_")  # compared without the prefix they all share
+        close = difflib.get_close_matches(name[prefix:], [k[prefix:] for k in known], n=1, cutoff=0.6)
+        hint = f"did you mean ADASUM_{close[0]}?" if close else "docs/settings.md lists the variables"
+        warnings.warn(
+            f"adasum.settings: the environment variable {name} is not a setting of adasum and is ignored ({hint})",
+            UserWarning,
+            stacklevel=3,
+        )
+
+
+def _name(field: str) -> str:
+    variable = VARIABLES.get(field)
+    return f"{field} ({variable})" if variable else field
+
+
+def _is_int(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
 
 
 @dataclass(frozen=True)
@@ -74,6 +172,44 @@ class Settings:
     symmetric transports' staging, the slice-parallel movers' rows and ring, on symmetric memory or c10d) fit in it,
     a layout larger than they hold running in rounds (`adasum.transport.slices.memory_budget_bytes`)."""
 
+    def __post_init__(self) -> None:
+        """Refuse a value of the wrong type (TypeError) or out of its field's range (ValueError), naming the field,
+        its environment variable and the value: from the environment and from `override` alike."""
+        for field in ("cuda_graphs", "symmetric", "symmetric_push", "symmetric_chunks"):
+            if not isinstance(getattr(self, field), bool):
+                raise TypeError(f"adasum.settings: {_name(field)} must be a bool, got {getattr(self, field)!r}")
+        if self.deferred_checks is not None and not isinstance(self.deferred_checks, bool):
+            raise TypeError(f"adasum.settings: deferred_checks must be a bool or None, got {self.deferred_checks!r}")
+        if not isinstance(self.transport_first, str):
+            raise TypeError(f"adasum.settings: {_name('transport_first')} must be a str, got {self.transport_first!r}")
+        if self.triton_vectors not in TRITON_VECTORS:
+            raise ValueError(
+                f"adasum.settings: {_name('triton_vectors')} must be one of {list(TRITON_VECTORS)}, "
+                f"got {self.triton_vectors!r}"
+            )
+        pieces = self.piece_elements
+        if not (isinstance(pieces, tuple) and len(pieces) == 2 and all(_is_int(p) for p in pieces)):
+            raise TypeError(f"adasum.settings: piece_elements must be a tuple of two ints (gloo, NCCL), got {pieces!r}")
+        if min(pieces) < 1:
+            raise ValueError(f"adasum.settings: piece_elements must be >= 1 element each, got {pieces!r}")
+        minimum = {
+            "local_world_size": 1, "local_rank": 0, "group_rank": 0, "symmetric_chunk_bytes": 1,
+            "symmetric_max_chunks": 1, "one_shot_bytes": 0,
+        }
+        for field, least in minimum.items():
+            value = getattr(self, field)
+            if value is None and field in ("local_world_size", "local_rank", "group_rank"):
+                continue
+            if not _is_int(value):
+                raise TypeError(f"adasum.settings: {_name(field)} must be an int, got {value!r}")
+            if value < least:
+                raise ValueError(f"adasum.settings: {_name(field)} must be >= {least}, got {value}")
+        memory = self.memory_mb
+        if not isinstance(memory, (int, float)) or isinstance(memory, bool):
+            raise TypeError(f"adasum.settings: {_name('memory_mb')} must be a number (MiB), got {memory!r}")
+        if not (math.isfinite(memory) and memory > 0):
+            raise ValueError(f"adasum.settings: {_name('memory_mb')} must be a finite number > 0 (MiB), got {memory}")
+
     @functools.cached_property
     def shaping(self) -> tuple[str, ...]:
         """The settings that shape a collective's schedule or its checks (rounds, pieces, protocols, the transport
@@ -87,25 +223,37 @@ class Settings:
 
     @classmethod
     def from_env(cls, env: Mapping[str, str] | None = None) -> Settings:
-        """The settings that `env` (default: ``os.environ``) gives; unset variables keep the defaults."""
+        """The settings that `env` (default: ``os.environ``) gives; unset (or empty) variables keep the defaults.
+
+        A boolean variable takes 0/1, false/true, no/yes or off/on in any case; another value, or a number out of
+        its setting's range, is a ValueError naming the variable. An ``ADASUM_*`` variable that is not a setting
+        (a typo) is ignored with a warning naming the closest setting.
+
+        >>> Settings.from_env({"ADASUM_CUDA_GRAPHS": "off"}).cuda_graphs
+        False
+        >>> Settings.from_env({"ADASUM_CUDA_GRAPHS": "maybe"})  # doctest: +ELLIPSIS
+        Traceback (most recent call last):
+        ...
+        ValueError: adasum.settings: ADASUM_CUDA_GRAPHS='maybe' is not a boolean; use 0/1, false/true, no/yes, ...
+        """
         env = os.environ if env is None else env
-        local = _int(env, "LOCAL_WORLD_SIZE", 0)
-        local_rank, group_rank = _int(env, "LOCAL_RANK", -1), _int(env, "GROUP_RANK", -1)
-        return cls(
+        found = cls(
             cuda_graphs=_flag(env, "ADASUM_CUDA_GRAPHS"),
             transport_first=env.get("ADASUM_TEST_TRANSPORT", ""),
-            local_world_size=local if local > 0 else None,
-            local_rank=local_rank if local_rank >= 0 else None,
-            group_rank=group_rank if group_rank >= 0 else None,
+            local_world_size=_int(env, "LOCAL_WORLD_SIZE", None),
+            local_rank=_rank(env, "LOCAL_RANK"),
+            group_rank=_rank(env, "GROUP_RANK"),
             symmetric=_flag(env, "ADASUM_SYMMETRIC"),
             symmetric_push=_flag(env, "ADASUM_SYMMETRIC_PUSH"),
             symmetric_chunks=_flag(env, "ADASUM_SYMMETRIC_CHUNKS"),
             symmetric_chunk_bytes=_int(env, "ADASUM_SYMMETRIC_CHUNK_BYTES", 32 << 20),
             symmetric_max_chunks=_int(env, "ADASUM_SYMMETRIC_MAX_CHUNKS", 4),
-            triton_vectors=env.get("ADASUM_TRITON_VECTORS", "1"),
+            triton_vectors=_vectors(env),
             one_shot_bytes=_int(env, "ADASUM_ONE_SHOT_BYTES", 4 << 20),
-            memory_mb=float(env.get("ADASUM_MEMORY_MB", 512.0)),
+            memory_mb=_float(env, "ADASUM_MEMORY_MB", 512.0),
         )
+        _warn_unknown(env)
+        return found
 
 
 _SHAPING = (

@@ -11,7 +11,8 @@ rank ends so, with the same line. A failed run (a dead or stalled peer, a non-fi
 Conventions: ``--version``; every flag's help ends with its default; flags are never abbreviated
 and a mistyped flag, subcommand, choice or method gets "did you mean"; ``--seeds`` on both
 subcommands; a non-empty ``--out`` needs ``--resume`` or ``--overwrite`` (nothing finished is
-replaced silently).
+replaced silently); a flag given where it has no effect (``--local-steps`` for a method without local
+steps, ``--momentum`` with Adam, ...) is bad input (`check_flags_apply`).
 """
 
 from __future__ import annotations
@@ -29,7 +30,7 @@ from typing import Any
 from adasum.collectives.nonfinite import NonFiniteError
 from adasum.experiments.data import TASKS
 from adasum.experiments.io import WriteFailed
-from adasum.experiments.methods import METHODS, did_you_mean
+from adasum.experiments.methods import METHODS, Method, did_you_mean
 from adasum.experiments.models import MODELS
 from adasum.transport.groups import CollectiveError
 
@@ -55,14 +56,27 @@ class HelpFormatter(argparse.HelpFormatter):
         return f"{text} (default: {shown})"
 
 
+class _Store(argparse._StoreAction):
+    """argparse's store, noting the flag's destination in ``given``: a flag given on the command line, not its
+    default, is refused where it has no effect (`check_flags_apply`)."""
+
+    def __call__(self, parser: argparse.ArgumentParser, namespace: argparse.Namespace, values: Any,
+                 option_string: str | None = None) -> None:
+        super().__call__(parser, namespace, values, option_string)
+        namespace.given = getattr(namespace, "given", frozenset()) | {self.dest}
+
+
 class Parser(argparse.ArgumentParser):
     """One-line errors (no usage block), no abbreviated flags, and a suggestion for a mistyped
-    flag, subcommand or choice."""
+    flag, subcommand or choice; ``given`` holds the destinations of the flags the command line gave."""
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         kwargs.setdefault("allow_abbrev", False)
         kwargs.setdefault("formatter_class", HelpFormatter)
         super().__init__(*args, **kwargs)
+        self.register("action", None, _Store)
+        self.register("action", "store", _Store)
+        self.set_defaults(given=frozenset())
 
     def error(self, message: str):  # one line, no usage block
         """Raise `UsageError` with `message` and a suggestion for a mistyped choice."""
@@ -137,11 +151,13 @@ def _common(p: argparse.ArgumentParser) -> None:
     p.add_argument("--epochs", type=_positive_int, default=3, help="passes over the training data")
     p.add_argument("--batch-size", type=_positive_int, default=32, help="examples per worker per step")
     p.add_argument("--optimizer", default="sgd", choices=["sgd", "adam", "lamb"], help="the local optimizer")
-    p.add_argument("--momentum", type=float, default=0.5, help="SGD momentum")
+    p.add_argument("--momentum", type=float, default=0.5, help="SGD momentum (--optimizer sgd only)")
     p.add_argument("--weight-decay", type=float, default=0.0, help="the optimizer's weight decay")
-    p.add_argument("--local-steps", type=_positive_int, default=4, help="tau for localsgd / slowmo / adasum-localsgd")
-    p.add_argument("--slow-momentum", type=float, default=0.5, help="SlowMo's beta")
-    p.add_argument("--slow-lr", type=_positive_float, default=1.0, help="SlowMo's alpha")
+    p.add_argument(
+        "--local-steps", type=_positive_int, default=4, help="tau for localsgd / adasum-localsgd / slowmo only"
+    )
+    p.add_argument("--slow-momentum", type=float, default=0.5, help="SlowMo's beta (slowmo only)")
+    p.add_argument("--slow-lr", type=_positive_float, default=1.0, help="SlowMo's alpha (slowmo only)")
     p.add_argument(
         "--train-limit", type=_positive_int, default=None, help="use only the first N training examples (default: all)"
     )
@@ -157,7 +173,8 @@ def _common(p: argparse.ArgumentParser) -> None:
         "--chunk-size",
         type=_positive_int,
         default=None,
-        help="simulated workers per batched backward, to bound memory (default: all at once)",
+        help="simulated workers per batched backward, to bound memory, where several are simulated "
+        "(default: all at once)",
     )
     p.add_argument(
         "--threads", type=_positive_int, default=1, help="CPU threads per process (small models are latency bound)"
@@ -256,6 +273,36 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _either(names: Sequence[str], word: str) -> str:
+    """``"a, b and c"`` (`word` "and") or ``"a, b or c"``."""
+    return names[0] if len(names) == 1 else f"{', '.join(names[:-1])} {word} {names[-1]}"
+
+
+def check_flags_apply(args: argparse.Namespace, methods: Sequence[Method], workers: Sequence[int]) -> None:
+    """UsageError for a flag the command line gave (``args.given``; a default never counts) that has no effect on any
+    of the runs: a method's option where none of `methods` has it (a sweep may name several methods: an option of one
+    of them is fine), ``--momentum`` with an optimizer other than SGD, ``--chunk-size`` where no run simulates more
+    than one worker, ``--simulate P`` (P > 1) for a method of one worker. `workers`: the simulated worker counts asked
+    for (empty: none simulated)."""
+    given = args.given
+    names = [m.name for m in methods]
+    for dest, flag, has in (
+        ("local_steps", "--local-steps", lambda m: m.local),
+        ("slow_momentum", "--slow-momentum", lambda m: m.slow_momentum),
+        ("slow_lr", "--slow-lr", lambda m: m.slow_momentum),
+    ):
+        if dest in given and not any(has(m) for m in methods):
+            users = [m.name for m in METHODS.values() if has(m)]
+            raise UsageError(f"{flag} applies to {_either(users, 'and')}, not {_either(names, 'or')}")
+    if "momentum" in given and args.optimizer != "sgd":
+        raise UsageError(f"--momentum applies to --optimizer sgd, not {args.optimizer}")
+    if "simulate" in given and args.simulate > 1 and all(m.single_worker for m in methods):
+        raise UsageError(f"--simulate applies to methods of several workers, not {_either(names, 'or')} (one worker)")
+    if "chunk_size" in given and not any(m.workers(w) > 1 for m in methods for w in workers):
+        option = "--simulate" if args.command == "train" else "--workers"
+        raise UsageError(f"--chunk-size applies to several simulated workers ({option} P with P > 1), not to one")
+
+
 def _device(name: str, local_rank: int | None = None) -> str:
     """The device to train on: cpu, cuda or cuda:N (auto: cuda, this rank's GPU under torchrun)."""
     import torch
@@ -333,10 +380,11 @@ def cmd_train(args: argparse.Namespace) -> int:
     from adasum.experiments.progress import ProgressBar
     from adasum.experiments.runner import train
 
-    get_method(args.method)
+    method = get_method(args.method)
     under_torchrun = "LOCAL_RANK" in os.environ and "WORLD_SIZE" in os.environ
     if under_torchrun and args.simulate is not None:
         raise ValueError("--simulate runs all workers in one process; do not launch it with torchrun")
+    check_flags_apply(args, [method], [args.simulate] if args.simulate is not None else [])
     if args.data_dir is not None and not Path(args.data_dir).is_dir():
         raise ValueError(f"data directory {args.data_dir!r} does not exist")
     if not under_torchrun:
@@ -430,6 +478,7 @@ def cmd_compare(args: argparse.Namespace) -> int:
     from adasum.experiments.report import summary_table
 
     methods = parse_methods(args.methods)
+    check_flags_apply(args, methods, args.workers)
     if args.data_dir is not None and not Path(args.data_dir).is_dir():
         raise ValueError(f"data directory {args.data_dir!r} does not exist")
     _setup_logging(args.quiet, 0)

@@ -528,9 +528,11 @@ def _setting(results: Sequence[Result]) -> str:
     first = results[0] if results else {}
     seeds = sorted({r["seed"] for r in results})
     few = f" ({len(seeds)}, fewer than {FEW_SEEDS}: verdicts say so)" if len(seeds) < FEW_SEEDS else ""
+    momentum = first.get("momentum")  # None where the optimizer takes none (Adam, LAMB)
+    momentum_note = f" (momentum {momentum})" if momentum is not None else ""
     return (
-        f"Task `{first.get('task')}`, model `{first.get('model')}`, optimizer `{first.get('optimizer')}` "
-        f"(momentum {first.get('momentum')}), {first.get('batch_size')} examples per worker per step, "
+        f"Task `{first.get('task')}`, model `{first.get('model')}`, optimizer `{first.get('optimizer')}`"
+        f"{momentum_note}, {first.get('batch_size')} examples per worker per step, "
         f"{first.get('epochs')} epochs, seeds {', '.join(map(str, seeds))}{few}. Accuracy in "
         "percent after the last epoch. Test accuracy is reported for the picked learning rate only; failed "
         "runs are counted apart and left out of the intervals; methods are compared seed by seed, with "

@@ -617,7 +617,7 @@ class _Run:
             "epochs_run": len(history),
             "batch_size": config.batch_size,
             "optimizer": config.optimizer,
-            "momentum": config.momentum,
+            "momentum": config.momentum if config.optimizer == "sgd" else None,
             "task": self.data.name,
             "model": self.model_name,
             "local_steps": config.local_steps if method.local else None,
