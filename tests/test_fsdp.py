@@ -384,6 +384,18 @@ def setup_body(rank, world):
     assert "adasum.DistributedOptimizer" in errors["optimizer"] and "adasum.fsdp.enable" in errors["optimizer"]
     assert "adasum.SlowMo" in errors["slowmo"] and "adasum.fsdp.enable" in errors["slowmo"]
 
+    # a second enable of an enabled model (or of one of its units): refused on every rank before any collective,
+    # and the first enable's hooks reduce on, alone
+    model, state = sharded(mesh, seed=12)
+    with pytest.raises(ValueError) as e:
+        adasum.fsdp.enable(model, mesh, "mean")
+    errors["twice"] = str(e.value)
+    with pytest.raises(ValueError, match="unit '<root>' of the model is enabled already"):
+        adasum.fsdp.enable(model.blocks[0], mesh)
+    loss_of(model, *batch(0, rank), rank, torch.float32).backward()
+    assert state.reductions == 3 and state.agreements == 1, state  # three units, no other probe
+    assert isinstance(state.reducer, adasum.Adasum)
+
     # a layout that changes on one rank after enable: the forward's probe finds it, every rank raises the same error
     model, state = sharded(mesh, seed=8)
     if rank == 1:
@@ -442,6 +454,12 @@ def test_hsdp_2_replicas_x_1_shard():
     errors = [r[1] for r in results]
     assert errors[0] == errors[1]
     assert "differ across ranks" in errors[0]["unused"]
+    assert errors[0]["twice"] == (
+        "adasum.fsdp.enable: unit '<root>' of the model is enabled already (an earlier adasum.fsdp.enable installed "
+        "its hooks); a second enable would leave the first one's forward hook posting probes and its FSDPState "
+        "unused. Call enable once per model and keep the FSDPState it returns (for another reducer, shard a new "
+        "model)"
+    ), errors[0]["twice"]
     assert "gradient layouts differ across ranks" in errors[0]["changed"], errors[0]["changed"]
     assert "does not scale with its inputs" in errors[0]["not homogeneous"], errors[0]["not homogeneous"]
     assert errors[0]["graphs in the hook"] == [True] * 3, errors[0]["graphs in the hook"]  # three units

@@ -382,6 +382,68 @@ def test_options_are_checked():
         adasum.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=1), mode="weights")
     with pytest.raises(ValueError, match="local_steps > 1 needs mode='delta'"):
         adasum.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=1), mode="gradient", local_steps=2)
+    # numbers and flags, checked before anything else happens (no process group needed to refuse them)
+    op = "adasum.DistributedOptimizer: "
+    for kwargs, error, message in [
+        ({"backward_passes_per_step": 1.5}, TypeError, "backward_passes_per_step must be an integer >= 1, got 1.5"),
+        ({"backward_passes_per_step": 0}, ValueError, "backward_passes_per_step must be an integer >= 1, got 0"),
+        ({"backward_passes_per_step": True}, TypeError, "backward_passes_per_step must be an integer >= 1, got True"),
+        ({"local_steps": 1.5}, TypeError, "local_steps must be an integer >= 1, got 1.5"),
+        ({"local_steps": -1}, ValueError, "local_steps must be an integer >= 1, got -1"),
+        ({"bucket_cap_mb": -5}, ValueError, "bucket_cap_mb must be a finite number > 0 (MiB), got -5"),
+        ({"bucket_cap_mb": 0}, ValueError, "bucket_cap_mb must be a finite number > 0 (MiB), got 0"),
+        ({"bucket_cap_mb": float("nan")}, ValueError, "bucket_cap_mb must be a finite number > 0 (MiB), got nan"),
+        ({"bucket_cap_mb": float("inf")}, ValueError, "bucket_cap_mb must be a finite number > 0 (MiB), got inf"),
+        ({"bucket_cap_mb": "25"}, TypeError, "bucket_cap_mb must be a finite number > 0 (MiB), got '25'"),
+        ({"bucket_cap_mb": None}, TypeError, "bucket_cap_mb must be a finite number > 0 (MiB), got None"),
+        ({"sparse_as_dense": "no"}, TypeError, "sparse_as_dense must be True or False, got 'no'"),
+        ({"check": "no"}, TypeError, "check must be True or False, got 'no'"),
+        ({"check": 1}, TypeError, "check must be True or False, got 1"),
+        (
+            {"grad_scaler": "yes"},
+            TypeError,
+            "grad_scaler must be a torch.amp.GradScaler (the scaler whose step() drives this optimizer) or None, "
+            "got str",
+        ),
+    ]:
+        with pytest.raises(error) as info:
+            adasum.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=1), **kwargs)
+        assert str(info.value) == op + message, (kwargs, str(info.value))
+    # an adasum wrapper is not wrapped again: it would combine every step twice
+    with pytest.raises(TypeError) as info:
+        adasum.DistributedOptimizer(adasum.SlowMo(torch.optim.SGD(model.parameters(), lr=1), local_steps=2))
+    assert str(info.value) == (
+        "adasum.DistributedOptimizer: the optimizer is an adasum.SlowMo already, which combines across ranks "
+        "itself: wrapping it again would combine every step twice. Wrap the torch optimizer once (its .optimizer)"
+    )
+
+
+def test_an_adasum_wrapper_is_not_wrapped_again():
+    """A DistributedOptimizer is not wrapped again, by another or by SlowMo: every step would be combined twice
+    (-4 instead of -2 with sums over 2 ranks). A new wrapper of the same torch optimizer (a set-up run again)
+    is allowed."""
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        model = make_model()
+        sgd = torch.optim.SGD(model.parameters(), lr=0.1)
+        first = adasum.DistributedOptimizer(sgd, reducer="sum", mode="gradient")
+        for wrapper, kwargs in [
+            (adasum.DistributedOptimizer, {"reducer": "sum", "mode": "gradient"}),
+            (adasum.SlowMo, {"local_steps": 1, "reducer": "sum"}),
+        ]:
+            with pytest.raises(TypeError) as info:
+                wrapper(first, **kwargs)
+            assert str(info.value) == (
+                f"adasum.{wrapper.__name__}: the optimizer is an adasum.DistributedOptimizer already, which combines "
+                "across ranks itself: wrapping it again would combine every step twice. Wrap the torch optimizer "
+                "once (its .optimizer)"
+            )
+        model(torch.ones(1, 6)).sum().backward()
+        first.step()  # the first wrapper works on, undisturbed
+        again = adasum.DistributedOptimizer(sgd, mode="gradient")  # a set-up run again
+        assert again.optimizer is sgd
+    finally:
+        dist.destroy_process_group()
 
 
 def steps_against(sim, model, opt, steps, rank, dev):

@@ -336,6 +336,28 @@ def test_bad_input_is_refused_clearly():
     sgd = make_optimizer("sgd")
     with pytest.raises(ValueError, match="workers must be"):
         SimulatedWorkers(model, 0, sgd)
+    # SlowMo's rules and messages (adasum.integrations.slowmo.check_slow_options), and options that need others
+    op = "adasum.SimulatedWorkers: "
+    delta = {"combine": "delta", "local_steps": 2}
+    for workers, kwargs, error, message in [
+        (True, {}, TypeError, "workers must be an integer >= 1, got True"),
+        (2.0, {}, TypeError, "workers must be an integer >= 1, got 2.0"),
+        (2, {"combine": "delta", "local_steps": 1.5}, TypeError, "local_steps must be an integer >= 1, got 1.5"),
+        (2, {"combine": "delta", "local_steps": 0}, ValueError, "local_steps must be an integer >= 1, got 0"),
+        (2, {**delta, "slow_momentum": 1.5}, ValueError, "slow_momentum must be a number in [0, 1), got 1.5"),
+        (2, {**delta, "slow_momentum": 0.5, "slow_lr": -1}, ValueError,
+         "slow_lr must be a finite number > 0, got -1"),
+        (2, {**delta, "slow_momentum": 0.0, "slow_lr": 0.0}, ValueError,
+         "slow_lr must be a finite number > 0, got 0.0"),
+        (2, {**delta, "slow_momentum": 0.5, "slow_lr": float("nan")}, ValueError,
+         "slow_lr must be a finite number > 0, got nan"),
+        (2, {"chunk_size": 0}, ValueError, "chunk_size must be an integer >= 1, got 0"),
+        (2, {"chunk_size": 2.5}, TypeError, "chunk_size must be an integer >= 1, got 2.5"),
+    ]:
+        with pytest.raises(error) as info:
+            SimulatedWorkers(model, workers, sgd, **kwargs)
+        assert str(info.value) == op + message, (kwargs, str(info.value))
+    SimulatedWorkers(model, 2, sgd, **delta, slow_momentum=0.0, slow_lr=0.5)
     with pytest.raises(ValueError, match="combine must be"):
         SimulatedWorkers(model, 2, sgd, combine="weights")
     with pytest.raises(ValueError, match="need combine=.delta."):

@@ -4,6 +4,7 @@ SGD is SlowMo done by hand; local SGD is periodic averaging; DDP-synchronised ba
 lr = 0; checkpoints resumed mid-period are bitwise equal to an uninterrupted run; one worker (Lookahead) with
 and without a process group."""
 
+import copy
 import io
 
 import pytest
@@ -309,20 +310,84 @@ def test_pass_through_and_bad_input():
     opt.zero_grad()
     assert all(p.grad is None for p in model.parameters())
     assert opt.step(lambda: torch.tensor(3.0)) == torch.tensor(3.0)
-    for kwargs, error in [
-        ({"local_steps": 0}, ValueError),
-        ({"local_steps": 1.5}, ValueError),
-        ({"local_steps": 1, "slow_momentum": 1.0}, ValueError),
-        ({"local_steps": 1, "slow_lr": -1.0}, ValueError),
-        ({"local_steps": 1, "buffers": "keep"}, ValueError),
-        ({"local_steps": 1, "reducer": "median"}, ValueError),
-        ({"local_steps": 1, "module": 3}, TypeError),
+    fresh = torch.optim.SGD(model.parameters(), lr=0.1)  # `base` is wrapped already (below)
+    for kwargs, error, message in [
+        ({"local_steps": 0}, ValueError, "adasum.SlowMo: local_steps must be an integer >= 1, got 0"),
+        ({"local_steps": 1.5}, TypeError, "adasum.SlowMo: local_steps must be an integer >= 1, got 1.5"),
+        ({"local_steps": True}, TypeError, "adasum.SlowMo: local_steps must be an integer >= 1, got True"),
+        ({"local_steps": 1, "slow_momentum": 1.0}, ValueError,
+         "adasum.SlowMo: slow_momentum must be a number in [0, 1), got 1.0"),
+        ({"local_steps": 1, "slow_momentum": float("nan")}, ValueError,
+         "adasum.SlowMo: slow_momentum must be a number in [0, 1), got nan"),
+        ({"local_steps": 1, "slow_momentum": "0.5"}, TypeError,
+         "adasum.SlowMo: slow_momentum must be a number in [0, 1), got '0.5'"),
+        ({"local_steps": 1, "slow_lr": -1.0}, ValueError,
+         "adasum.SlowMo: slow_lr must be a finite number > 0, got -1.0"),
+        ({"local_steps": 2, "slow_lr": 0.0}, ValueError,
+         "adasum.SlowMo: slow_lr must be a finite number > 0, got 0.0"),
+        ({"local_steps": 2, "slow_lr": float("nan")}, ValueError,
+         "adasum.SlowMo: slow_lr must be a finite number > 0, got nan"),
+        ({"local_steps": 2, "slow_lr": float("inf")}, ValueError,
+         "adasum.SlowMo: slow_lr must be a finite number > 0, got inf"),
+        ({"local_steps": 2, "slow_lr": None}, TypeError,
+         "adasum.SlowMo: slow_lr must be a finite number > 0, got None"),
+        ({"local_steps": 1, "check": "no"}, TypeError, "adasum.SlowMo: check must be True or False, got 'no'"),
+        ({"local_steps": 1, "buffers": "keep"}, ValueError,
+         "buffers must be one of ['local', 'reset', 'average'], got 'keep'"),
+        ({"local_steps": 1, "reducer": "median"}, ValueError, None),
+        ({"local_steps": 1, "module": 3}, TypeError, "module must be a torch.nn.Module, got int"),
     ]:
-        with pytest.raises(error):
-            adasum.SlowMo(base, **kwargs)
+        with pytest.raises(error) as info:
+            adasum.SlowMo(fresh, **kwargs)
+        assert message is None or str(info.value) == message, (kwargs, str(info.value))
     with pytest.raises(TypeError):
         adasum.SlowMo(model, local_steps=1)
+    # no wrapper of a wrapper
+    with pytest.raises(TypeError) as info:
+        adasum.SlowMo(opt, local_steps=2)
+    assert str(info.value) == (
+        "adasum.SlowMo: the optimizer is an adasum.SlowMo already, which combines across ranks itself: wrapping "
+        "it again would combine every step twice. Wrap the torch optimizer once (its .optimizer)"
+    )
     with pytest.raises(ValueError, match="anchor"):
-        adasum.SlowMo(torch.optim.SGD(make_model().parameters(), lr=0.1), local_steps=1).load_state_dict(
+        adasum.SlowMo(torch.optim.SGD(make_model().parameters(), lr=0.1), local_steps=2).load_state_dict(
             {**opt.state_dict(), "anchor": opt.state_dict()["anchor"][:2]}
         )
+
+
+def test_a_state_loads_only_with_its_settings():
+    """A state saved at step 3 of rounds of 4 would, under local_steps=2, sync at step 4 (a round boundary no
+    worker of the saved run reached); other slow momentum, buffers or reducer: momentum and reducer state of other
+    settings. Refused naming what differs, and nothing changes; the same settings load."""
+    model = make_model()
+    saved_opt = adasum.SlowMo(torch.optim.SGD(model.parameters(), lr=0.1), local_steps=4, slow_momentum=0.5)
+    train(model, saved_opt, 0, 3)
+    saved = saved_opt.state_dict()
+    for kwargs, message in [
+        ({"local_steps": 2, "slow_momentum": 0.5}, "local_steps=4, but this SlowMo has local_steps=2"),
+        ({"local_steps": 4}, "slow_momentum=0.5, but this SlowMo has slow_momentum=0.0"),
+        (
+            {"local_steps": 2, "slow_momentum": 0.5, "slow_lr": 0.5, "buffers": "reset", "reducer": "adasum"},
+            "local_steps=4, slow_lr=1.0, buffers='local', reducer='Mean()', but this SlowMo has local_steps=2, "
+            "slow_lr=0.5, buffers='reset', reducer='Adasum(per_tensor=True)'",
+        ),
+    ]:
+        other = make_model(seed=1)
+        opt = adasum.SlowMo(torch.optim.SGD(other.parameters(), lr=0.1), **kwargs)
+        before = copy.deepcopy(opt.state_dict())
+        with pytest.raises(ValueError) as info:
+            opt.load_state_dict(saved)
+        assert str(info.value) == (
+            f"adasum.SlowMo.load_state_dict: the state was saved with {message}; build the SlowMo with the settings "
+            "the state was saved with"
+        ), str(info.value)
+        after = opt.state_dict()
+        assert after["step"] == 0 and after["optimizer"] == before["optimizer"]
+        assert all(torch.equal(a, b) for a, b in zip(after["anchor"], before["anchor"]))
+    opt = adasum.SlowMo(torch.optim.SGD(make_model(seed=1).parameters(), lr=0.1), local_steps=4, slow_momentum=0.5)
+    opt.load_state_dict(saved)
+    assert opt.state_dict()["step"] == 3
+    # a state saved before the settings were recorded loads as it is
+    opt = adasum.SlowMo(torch.optim.SGD(make_model(seed=1).parameters(), lr=0.1), local_steps=2)
+    opt.load_state_dict({k: v for k, v in saved.items() if k != "settings"})
+    assert opt.state_dict()["step"] == 3

@@ -44,7 +44,8 @@ from torch.func import functional_call, grad, vmap
 
 from adasum.collectives.nonfinite import NonFinite, check_policy, decide_nonfinite
 from adasum.diagnostics import Orthogonality, orthogonality_stacked
-from adasum.integrations.slowmo import slow_momentum_update
+from adasum.integrations.optim import check_count
+from adasum.integrations.slowmo import check_slow_options, slow_momentum_update
 from adasum.options import Mode, Nonfinite, check_option
 from adasum.reducers import Reducer, get_reducer
 
@@ -159,6 +160,9 @@ class SimulatedWorkers:
     does, decided before any worker steps (`adasum.collectives.nonfinite.decide_nonfinite`, with
     workers in place of ranks); skipped steps are counted in ``skipped_steps``.
     `seed` keys the workers' `KeyedDropout` masks (``dropout_key(seed, worker, step, layer)``).
+    `local_steps`, `slow_lr` and `slow_momentum` follow `adasum.SlowMo`'s rules
+    (`adasum.integrations.slowmo.check_slow_options`); `slow_momentum=None` (default) takes no slow
+    step, and `slow_lr` is then unused.
 
     >>> _ = torch.manual_seed(0)
     >>> sim = SimulatedWorkers(torch.nn.Linear(4, 3), 8, lambda ps: torch.optim.SGD(ps, lr=0.5), reducer="adasum")
@@ -184,16 +188,15 @@ class SimulatedWorkers:
         nonfinite: Nonfinite = "propagate",
         seed: int = 0,
     ) -> None:
+        operation = "adasum.SimulatedWorkers"
         check_policy(nonfinite)
-        if not isinstance(workers, int) or workers < 1:
-            raise ValueError(f"workers must be an integer >= 1, got {workers!r}")
+        check_count(operation, "workers", workers)
         check_option("combine", combine, Mode)
-        if local_steps < 1:
-            raise ValueError(f"local_steps must be >= 1, got {local_steps}")
+        check_slow_options(operation, local_steps, slow_lr, slow_momentum)  # SlowMo's rules
         if combine == "gradient" and (local_steps != 1 or slow_momentum is not None):
-            raise ValueError("local_steps and slow_momentum need combine='delta'")
-        if chunk_size is not None and chunk_size < 1:
-            raise ValueError(f"chunk_size must be >= 1, got {chunk_size}")
+            raise ValueError(f"{operation}: local_steps and slow_momentum need combine='delta'")
+        if chunk_size is not None:
+            check_count(operation, "chunk_size", chunk_size)
         for m in model.modules():
             if isinstance(m, nn.modules.batchnorm._BatchNorm) and m.track_running_stats:
                 raise ValueError(

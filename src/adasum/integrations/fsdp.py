@@ -65,6 +65,7 @@ Not supported, refused with a clear error: a 1-D mesh (plain FSDP: there are no 
 across; Adasum across the shard ranks themselves, each rank's micro-batch gradient a worker, is a
 later step), native 2-D HSDP (``fully_shard(mesh=mesh)`` hard-codes its averaging all-reduce),
 ``set_requires_all_reduce(False)`` (use ``set_requires_gradient_sync(False)`` to accumulate),
+a second `enable` on a model with a unit enabled already (ValueError, before any collective),
 hierarchical Adasum, and `adasum.DistributedOptimizer` / `adasum.SlowMo` on sharded parameters
 (`check_not_sharded`).
 
@@ -399,6 +400,11 @@ class FSDPState:
         return f"FSDPState(reducer={self.reducer!r}, replicas={self.groups.replicas}, shards={self.groups.shards})"
 
 
+ENABLED = "_adasum_fsdp_enabled"
+"""The attribute `enable` marks each `fully_shard` unit it installed hooks on with (its name there): a second
+`enable` is refused."""
+
+
 def _units(model: nn.Module) -> list[tuple[str, Any]]:  # (name, a module that is an FSDPModule)
     from torch.distributed.fsdp import FSDPModule
 
@@ -436,14 +442,16 @@ def enable(
     """Combine the gradients of an FSDP2 model across the "replicate" dim of `mesh` with `reducer`.
 
     `model` must have been sharded with ``fully_shard(..., mesh=mesh["shard"])`` on every unit
-    (module doc). Installs one all-reduce hook per unit; collective (call it on every rank).
+    (module doc). Installs one all-reduce hook per unit; collective (call it on every rank). Once per
+    model: a model with a unit enabled already raises ValueError (before any collective).
     ``include_unused`` sets FSDP's ``set_reduce_scatter_unused_params`` on every unit. Returns the
     `FSDPState`; checkpoint it with the model and optimizer to keep AdaCons' momentum.
 
     >>> state = adasum.fsdp.enable(model, mesh)                      # Adasum  # doctest: +SKIP
     >>> state = adasum.fsdp.enable(model, mesh, adasum.AdaCons(momentum=0.9))  # doctest: +SKIP
 
-    On one process (a gloo group of one rank, a CPU mesh of one replica of one shard); a 1-D mesh is refused:
+    On one process (a gloo group of one rank, a CPU mesh of one replica of one shard); a second enable and a
+    1-D mesh are refused:
 
     >>> import torch.distributed as dist
     >>> from torch.distributed.device_mesh import init_device_mesh
@@ -453,7 +461,11 @@ def enable(
     >>> model = fully_shard(torch.nn.Linear(2, 1), mesh=mesh["shard"])
     >>> adasum.fsdp.enable(model, mesh, adasum.AdaCons(momentum=0.9))
     FSDPState(reducer=AdaCons(momentum=0.9, per_tensor=False, scale='mean_norm'), replicas=1, shards=1)
-    >>> adasum.fsdp.enable(model, init_device_mesh("cpu", (1,)))  # doctest: +ELLIPSIS
+    >>> adasum.fsdp.enable(model, mesh, "mean")  # doctest: +ELLIPSIS
+    Traceback (most recent call last):
+    ValueError: adasum.fsdp.enable: unit '<root>' of the model is enabled already ...
+    >>> adasum.fsdp.enable(fully_shard(torch.nn.Linear(2, 1), mesh=mesh["shard"]), init_device_mesh("cpu", (1,)))
+    ... # doctest: +ELLIPSIS
     Traceback (most recent call last):
     ValueError: adasum.fsdp.enable needs a 2-D DeviceMesh with dims ('replicate', 'shard') and the model sharded ...
     >>> dist.destroy_process_group()
@@ -465,10 +477,18 @@ def enable(
             f"adasum.fsdp needs FSDPModule.set_all_reduce_hook, which torch {torch.__version__} does not have "
             "(torch >= 2.7)"
         )
+    units = _units(model)
+    enabled = [name for name, unit in units if hasattr(unit, ENABLED)]
+    if enabled:  # before any collective: every rank that calls alike raises alike
+        raise ValueError(
+            f"adasum.fsdp.enable: unit {enabled[0]!r} of the model is enabled already (an earlier "
+            "adasum.fsdp.enable installed its hooks); a second enable would leave the first one's forward hook "
+            "posting probes and its FSDPState unused. Call enable once per model and keep the FSDPState it returns "
+            "(for another reducer, shard a new model)"
+        )
     groups = mesh_groups(mesh)
     reducer = get_reducer(reducer)
     reducer.check_shards(groups.shards)
-    units = _units(model)
     if not units:
         raise ValueError(
             "adasum.fsdp.enable: the model has no fully_shard unit; call fully_shard(..., mesh=mesh['shard'])"
@@ -493,4 +513,6 @@ def enable(
         unit.set_all_reduce_hook(hook, **options)
     state.agree_layouts()
     model.register_forward_pre_hook(state.new_step)
+    for name, unit in units:
+        setattr(unit, ENABLED, name)
     return state

@@ -63,6 +63,8 @@ from __future__ import annotations
 
 import gc
 import hashlib
+import math
+import numbers
 from collections import OrderedDict, deque
 from collections.abc import Callable, Iterable
 from typing import Any, cast
@@ -243,22 +245,70 @@ def optimizer_param_names(optimizer: torch.optim.Optimizer) -> list[str] | None:
     return names
 
 
+def check_count(operation: str, name: str, value: object) -> None:
+    """Raise unless `value` is an integer >= 1 (not a bool): TypeError for another type, ValueError below 1.
+
+    >>> check_count("adasum.SlowMo", "local_steps", 1.5)
+    Traceback (most recent call last):
+    TypeError: adasum.SlowMo: local_steps must be an integer >= 1, got 1.5
+    """
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
+        raise TypeError(f"{operation}: {name} must be an integer >= 1, got {value!r}")
+    if value < 1:
+        raise ValueError(f"{operation}: {name} must be an integer >= 1, got {value!r}")
+
+
+def check_number(operation: str, name: str, value: object, allowed: str, ok: Callable[[float], bool]) -> None:
+    """Raise unless `value` is a real number (not a bool) for which `ok` holds; `allowed` says which in the message:
+    TypeError for another type, ValueError for a number `ok` refuses (NaN fails every comparison).
+
+    >>> check_number("adasum.SlowMo", "slow_lr", float("nan"), "a finite number > 0", lambda v: 0 < v < math.inf)
+    Traceback (most recent call last):
+    ValueError: adasum.SlowMo: slow_lr must be a finite number > 0, got nan
+    """
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+        raise TypeError(f"{operation}: {name} must be {allowed}, got {value!r}")
+    if not ok(float(value)):
+        raise ValueError(f"{operation}: {name} must be {allowed}, got {value!r}")
+
+
+def check_flag(operation: str, name: str, value: object) -> None:
+    """Raise TypeError unless `value` is True or False (a string such as "no" would count as true)."""
+    if not isinstance(value, bool):
+        raise TypeError(f"{operation}: {name} must be True or False, got {value!r}")
+
+
+def check_unwrapped(optimizer: object, operation: str) -> None:
+    """Raise a TypeError if `optimizer` is a `DistributedOptimizer` or `adasum.SlowMo`, which combines across ranks
+    itself: a second wrapper would combine every step twice. Every rank that passes the same arguments raises the
+    same, before any collective."""
+    if getattr(type(optimizer), "combines_across_ranks", False):
+        raise TypeError(
+            f"{operation}: the optimizer is an adasum.{type(optimizer).__name__} already, which combines across "
+            "ranks itself: wrapping it again would combine every step twice. Wrap the torch optimizer once "
+            "(its .optimizer)"
+        )
+
+
 class DistributedOptimizer(torch.optim.Optimizer):
     """Wrap `optimizer` so that ``step()`` combines across ranks with `reducer` (module doc).
 
     Args:
         optimizer: any torch.optim optimizer (SGD, Adam, AdamW, LAMB, ...), on every rank with
-            the same parameters in the same order and with the same values.
+            the same parameters in the same order and with the same values. Not an adasum wrapper
+            (`DistributedOptimizer`, `adasum.SlowMo`: TypeError, it would combine twice).
         reducer: a `Reducer` or its name: "adasum" (default), "mean", "sum", "adacons", ...
         mode: "delta" (combine the weight changes of a local step) or "gradient".
         group: the process group (default: the world).
-        backward_passes_per_step: ``step()`` and ``zero_grad()`` calls that make one real step;
-            gradients accumulate (sum) in between, as in plain PyTorch (scale the loss by
-            1/k for their mean).
-        local_steps: delta mode: local optimizer steps between combinations.
-        grad_scaler: the GradScaler in use, so that its found-inf flag agrees on every rank.
-        bucket_cap_mb: the largest transient buffer of a combination (per-tensor reducers).
-        check: at construction and in `add_param_group`, check that every rank has the same
+        backward_passes_per_step: ``step()`` and ``zero_grad()`` calls that make one real step (an
+            integer >= 1); gradients accumulate (sum) in between, as in plain PyTorch (scale the
+            loss by 1/k for their mean).
+        local_steps: delta mode: local optimizer steps between combinations (an integer >= 1).
+        grad_scaler: the ``torch.amp.GradScaler`` in use (or a subclass, such as FSDP's
+            ``ShardedGradScaler``), so that its found-inf flag agrees on every rank; None: no scaler.
+        bucket_cap_mb: the largest transient buffer of a combination (per-tensor reducers), in
+            MiB: a finite number > 0 (a tensor larger than the cap gets a bucket of its own).
+        check (True or False): at construction and in `add_param_group`, check that every rank has the same
             parameter shapes, dtypes, device type and (by a checksum) values; ValueError on every
             rank names the first difference. The layout is then fixed: steps combine without a
             per-step layout check (gradient mode checks the gradients' layout once, on the first
@@ -275,7 +325,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
             queueing work ahead (docs/benchmarks.md), hence not the default.
         named_parameters: ``model.named_parameters()`` (as Horovod takes it): the names that error
             messages give the parameters. Every parameter of the optimizer must be named.
-        sparse_as_dense: turn sparse gradients (``nn.Embedding(sparse=True)``) into dense ones
+        sparse_as_dense (True or False): turn sparse gradients (``nn.Embedding(sparse=True)``) into dense ones
             before anything else in ``step()`` (Horovod's option). Without it gradient mode refuses
             sparse gradients; delta mode steps them locally as they are.
 
@@ -300,6 +350,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
 
     # GradScaler.step passes grad_scale and found_inf instead of skipping this step on its own
     _step_supports_amp_scaling = True
+    combines_across_ranks = True  # another wrapper refuses to wrap it (`check_unwrapped`)
     found_inf: torch.Tensor  # set by GradScaler.step for one call (no value here: hasattr tells)
     grad_scale: torch.Tensor | None
 
@@ -319,15 +370,25 @@ class DistributedOptimizer(torch.optim.Optimizer):
         named_parameters: Iterable[tuple[str, torch.Tensor]] | None = None,
         sparse_as_dense: bool = False,
     ) -> None:
+        operation = "adasum.DistributedOptimizer"
         check_policy(nonfinite)
+        check_unwrapped(optimizer, operation)
         if not isinstance(optimizer, torch.optim.Optimizer):
             raise TypeError(f"optimizer must be a torch.optim.Optimizer, got {type(optimizer).__name__}")
-        check_not_sharded((p for g in optimizer.param_groups for p in g["params"]), "adasum.DistributedOptimizer")
+        check_not_sharded((p for g in optimizer.param_groups for p in g["params"]), operation)
         check_option("mode", mode, Mode)
-        if backward_passes_per_step < 1 or local_steps < 1:
-            raise ValueError("backward_passes_per_step and local_steps must be >= 1")
+        check_count(operation, "backward_passes_per_step", backward_passes_per_step)
+        check_count(operation, "local_steps", local_steps)
         if mode == "gradient" and local_steps != 1:
-            raise ValueError("local_steps > 1 needs mode='delta'")
+            raise ValueError(f"{operation}: local_steps > 1 needs mode='delta'")
+        check_number(operation, "bucket_cap_mb", bucket_cap_mb, "a finite number > 0 (MiB)", lambda v: 0 < v < math.inf)
+        check_flag(operation, "check", check)
+        check_flag(operation, "sparse_as_dense", sparse_as_dense)
+        if grad_scaler is not None and not isinstance(grad_scaler, torch.amp.GradScaler):
+            raise TypeError(
+                f"{operation}: grad_scaler must be a torch.amp.GradScaler (the scaler whose step() drives this "
+                f"optimizer) or None, got {type(grad_scaler).__name__}"
+            )
         if not dist.is_initialized():
             raise RuntimeError("DistributedOptimizer needs torch.distributed to be initialised")
         self.optimizer = optimizer
@@ -339,7 +400,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
                     f"named_parameters names no parameter {unnamed[0]} of the optimizer ({len(unnamed)} unnamed); "
                     "pass the named_parameters() of the model the optimizer trains"
                 )
-        self.sparse_as_dense = bool(sparse_as_dense)
+        self.sparse_as_dense = sparse_as_dense
         self.reducer = get_reducer(reducer)
         self.mode = mode
         self.group = group

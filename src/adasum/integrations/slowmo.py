@@ -14,6 +14,7 @@ wraps a torch optimizer and runs it across a process group with any reducer.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 from typing import Any
 
@@ -23,7 +24,14 @@ import torch.distributed as dist
 from adasum.collectives.agreement import agree, check_not_sharded, local_problem
 from adasum.collectives.nonfinite import apply_nonfinite_policy, check_policy
 from adasum.core.statistics import StepStatistics
-from adasum.integrations.optim import check_same_parameters, optimizer_param_names
+from adasum.integrations.optim import (
+    check_count,
+    check_flag,
+    check_number,
+    check_same_parameters,
+    check_unwrapped,
+    optimizer_param_names,
+)
 from adasum.options import Buffers, Nonfinite, check_option
 from adasum.reducers import Mean, Reducer, get_reducer
 from adasum.transport.groups import failures_named, group_device
@@ -58,6 +66,20 @@ def slow_momentum_update(
     anchor.add_(momentum, alpha=-slow_lr * lr)
 
 
+
+def check_slow_options(operation: str, local_steps: object, slow_lr: object, slow_momentum: object) -> None:
+    """The rules of SlowMo's numbers, for `SlowMo` and the simulator alike: `local_steps` an integer >= 1,
+    `slow_lr` a finite number > 0 (at 0 the anchor never moves), `slow_momentum` a number in [0, 1) (None: no
+    slow step, the simulator's default). TypeError for a value of another type, ValueError out of range.
+
+    >>> check_slow_options("adasum.SlowMo", 4, 0.0, 0.5)
+    Traceback (most recent call last):
+    ValueError: adasum.SlowMo: slow_lr must be a finite number > 0, got 0.0
+    """
+    check_count(operation, "local_steps", local_steps)
+    check_number(operation, "slow_lr", slow_lr, "a finite number > 0", lambda v: 0 < v < math.inf)
+    if slow_momentum is not None:
+        check_number(operation, "slow_momentum", slow_momentum, "a number in [0, 1)", lambda v: 0 <= v < 1)
 
 
 def _world_size(group: dist.ProcessGroup | None) -> int:
@@ -114,8 +136,15 @@ class SlowMo:
 
     Learning-rate schedulers take the base optimizer (``param_groups`` is shared).
     ``state_dict()`` carries the base optimizer's state, the anchor, the slow momentum, the step
-    counter and the reducer's state; together with the model's own state dict, a run resumed from
-    any step continues exactly as if never stopped.
+    counter, the reducer's state and the settings; together with the model's own state dict, a run
+    resumed from any step continues exactly as if never stopped. It loads only into a SlowMo with
+    the same ``local_steps``, ``slow_lr``, ``slow_momentum``, ``buffers`` and reducer: otherwise
+    ValueError naming the settings that differ, and nothing changes.
+
+    ``local_steps`` is an integer >= 1, ``slow_lr`` a finite number > 0 (at 0 the anchor would never
+    move), ``slow_momentum`` a number in [0, 1) (`check_slow_options`, which the simulator applies
+    too). The optimizer is a torch optimizer, not an adasum wrapper: an `adasum.DistributedOptimizer`
+    (TypeError) would combine every step a second time.
 
     >>> model = torch.nn.Linear(4, 1)
     >>> opt = adasum.SlowMo(torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9),
@@ -123,6 +152,8 @@ class SlowMo:
     >>> loss = model(torch.randn(8, 4)).pow(2).mean()
     >>> loss.backward(); opt.step(); opt.zero_grad()     # (one process, as here: no process group needed)
     """
+
+    combines_across_ranks = True  # another wrapper refuses to wrap it (`adasum.integrations.optim.check_unwrapped`)
 
     def __init__(
         self,
@@ -138,17 +169,15 @@ class SlowMo:
         nonfinite: Nonfinite = "raise",
         check: bool = True,
     ) -> None:
+        operation = "adasum.SlowMo"
         check_policy(nonfinite)
+        check_unwrapped(optimizer, operation)
         if not isinstance(optimizer, torch.optim.Optimizer):
             raise TypeError(f"SlowMo wraps a torch.optim.Optimizer, got {type(optimizer).__name__}")
-        check_not_sharded((p for g in optimizer.param_groups for p in g["params"]), "adasum.SlowMo")
-        if isinstance(local_steps, bool) or not isinstance(local_steps, int) or local_steps < 1:
-            raise ValueError(f"local_steps must be an integer >= 1, got {local_steps!r}")
-        if slow_lr < 0:
-            raise ValueError(f"slow_lr must be >= 0, got {slow_lr}")
-        if not 0.0 <= slow_momentum < 1.0:
-            raise ValueError(f"slow_momentum must be in [0, 1), got {slow_momentum}")
+        check_not_sharded((p for g in optimizer.param_groups for p in g["params"]), operation)
+        check_slow_options(operation, local_steps, slow_lr, slow_momentum)
         check_option("buffers", buffers, Buffers)
+        check_flag(operation, "check", check)
         if module is not None and not isinstance(module, torch.nn.Module):
             raise TypeError(f"module must be a torch.nn.Module, got {type(module).__name__}")
         self.optimizer = optimizer
@@ -325,9 +354,19 @@ class SlowMo:
 
     # -- checkpoints
 
+    def _settings(self) -> dict[str, Any]:
+        """What a state depends on (`state_dict`'s "settings", compared by `load_state_dict`)."""
+        return {
+            "local_steps": self.local_steps,
+            "slow_lr": self.slow_lr,
+            "slow_momentum": self.slow_momentum,
+            "buffers": self.buffers,
+            "reducer": repr(self.reducer),
+        }
+
     def state_dict(self) -> dict[str, Any]:
         """Base optimizer state, anchor, slow momentum, step counter, reducer state (references,
-        as torch optimizers return them; `torch.save` copies)."""
+        as torch optimizers return them; `torch.save` copies) and the settings they were made with."""
         return {
             "optimizer": self.optimizer.state_dict(),
             "step": self._step,
@@ -335,17 +374,15 @@ class SlowMo:
             "momentum": list(self._momentum),
             "reducer": self.reducer.state_dict(),
             "skipped_steps": self.skipped_steps,
-            "settings": {
-                "local_steps": self.local_steps,
-                "slow_lr": self.slow_lr,
-                "slow_momentum": self.slow_momentum,
-                "buffers": self.buffers,
-                "reducer": repr(self.reducer),
-            },
+            "settings": self._settings(),
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        """Restore what `state_dict` returned (the settings stay those given to the constructor)."""
+        """Restore what `state_dict` returned, into a SlowMo built with the same settings (``local_steps``,
+        ``slow_lr``, ``slow_momentum``, ``buffers``, the reducer): otherwise ValueError naming the settings that
+        differ, and nothing is changed (the step counter places the round boundary at multiples of
+        ``local_steps``; the slow momentum and the reducer's state belong to their settings)."""
+        self._check_settings(state.get("settings"))  # absent from states saved before it was recorded
         for name in ("anchor", "momentum"):
             saved = state[name]
             if len(saved) != len(self._params):
@@ -366,6 +403,20 @@ class SlowMo:
         self._step = int(state["step"])
         self.skipped_steps = int(state.get("skipped_steps", 0))
         self.reducer.load_state_dict(state.get("reducer", {}))
+
+    def _check_settings(self, saved: dict[str, Any] | None) -> None:
+        """ValueError naming every setting whose saved value differs from this SlowMo's."""
+        if saved is None:
+            return
+        mine = self._settings()
+        differ = [name for name in mine if name in saved and saved[name] != mine[name]]
+        if differ:
+            was = ", ".join(f"{name}={saved[name]!r}" for name in differ)
+            has = ", ".join(f"{name}={mine[name]!r}" for name in differ)
+            raise ValueError(
+                f"adasum.SlowMo.load_state_dict: the state was saved with {was}, but this SlowMo has {has}; "
+                "build the SlowMo with the settings the state was saved with"
+            )
 
     def __repr__(self) -> str:
         return (
