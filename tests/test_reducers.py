@@ -258,6 +258,16 @@ def test_adasum_local_size():
     assert adasum.Adasum(hierarchical=True).local_size is None and adasum.Adasum().local_size is None
 
 
+def test_per_tensor_is_a_bool():
+    """A string or number for `per_tensor` is refused (``"no"`` was taken as True)."""
+    for reducer in (adasum.Adasum, adasum.AdaCons):
+        for bad in ("no", 0, None):
+            with pytest.raises(TypeError) as info:
+                reducer(per_tensor=bad)
+            assert str(info.value) == f"per_tensor must be True or False, got {bad!r}"
+    assert adasum.Adasum(per_tensor=False).per_tensor is False and adasum.AdaCons(per_tensor=True).per_tensor
+
+
 def test_state_of_another_reducer_is_refused():
     """`load_state_dict` takes what the reducer's own `state_dict` saves and nothing else: another reducer's
     state, a misspelt key or an empty state for AdaCons raise ValueError naming the keys (they were accepted,

@@ -351,12 +351,16 @@ def test_bad_input_is_refused_clearly():
          "slow_lr must be a finite number > 0, got 0.0"),
         (2, {**delta, "slow_momentum": 0.5, "slow_lr": float("nan")}, ValueError,
          "slow_lr must be a finite number > 0, got nan"),
+        (2, {**delta, "slow_lr": 0.5}, ValueError,
+         "slow_lr=0.5 needs slow_momentum (SlowMo's outer step, combine='delta'); without it every worker restarts "
+         "from the combined model, as slow_lr=1.0 with slow_momentum=0.0 does"),
         (2, {"chunk_size": 0}, ValueError, "chunk_size must be an integer >= 1, got 0"),
         (2, {"chunk_size": 2.5}, TypeError, "chunk_size must be an integer >= 1, got 2.5"),
     ]:
         with pytest.raises(error) as info:
             SimulatedWorkers(model, workers, sgd, **kwargs)
         assert str(info.value) == op + message, (kwargs, str(info.value))
+    SimulatedWorkers(model, 2, sgd, **delta, slow_lr=1.0)  # slow_lr's default: the combined model, as without it
     SimulatedWorkers(model, 2, sgd, **delta, slow_momentum=0.0, slow_lr=0.5)
     with pytest.raises(ValueError, match="combine must be"):
         SimulatedWorkers(model, 2, sgd, combine="weights")

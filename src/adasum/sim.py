@@ -162,7 +162,7 @@ class SimulatedWorkers:
     `seed` keys the workers' `KeyedDropout` masks (``dropout_key(seed, worker, step, layer)``).
     `local_steps`, `slow_lr` and `slow_momentum` follow `adasum.SlowMo`'s rules
     (`adasum.integrations.slowmo.check_slow_options`); `slow_momentum=None` (default) takes no slow
-    step, and `slow_lr` is then unused.
+    step, and a `slow_lr` other than 1.0 without it raises ValueError (it would have no effect).
 
     >>> _ = torch.manual_seed(0)
     >>> sim = SimulatedWorkers(torch.nn.Linear(4, 3), 8, lambda ps: torch.optim.SGD(ps, lr=0.5), reducer="adasum")
@@ -195,6 +195,11 @@ class SimulatedWorkers:
         check_slow_options(operation, local_steps, slow_lr, slow_momentum)  # SlowMo's rules
         if combine == "gradient" and (local_steps != 1 or slow_momentum is not None):
             raise ValueError(f"{operation}: local_steps and slow_momentum need combine='delta'")
+        if slow_momentum is None and slow_lr != 1.0:
+            raise ValueError(
+                f"{operation}: slow_lr={slow_lr!r} needs slow_momentum (SlowMo's outer step, combine='delta'); "
+                "without it every worker restarts from the combined model, as slow_lr=1.0 with slow_momentum=0.0 does"
+            )
         if chunk_size is not None:
             check_count(operation, "chunk_size", chunk_size)
         for m in model.modules():

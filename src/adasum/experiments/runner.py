@@ -446,7 +446,7 @@ class _Run:
             combine=self.method.combine,
             local_steps=config.local_steps if self.method.local else 1,
             slow_momentum=config.slow_momentum if self.method.slow_momentum else None,
-            slow_lr=config.slow_lr,
+            slow_lr=config.slow_lr if self.method.slow_momentum else 1.0,
         )
         self.engine: SimulatedWorkers | DistributedWorker
         if self.distributed:

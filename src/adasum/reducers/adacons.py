@@ -212,8 +212,10 @@ class AdaCons(Reducer):
         if not 0.0 <= momentum < 1.0:
             raise ValueError(f"momentum must be in [0, 1), got {momentum}")
         check_option("scale", scale, Scale)
+        if not isinstance(per_tensor, bool):
+            raise TypeError(f"per_tensor must be True or False, got {per_tensor!r}")
         self.momentum = float(momentum)
-        self.per_tensor = bool(per_tensor)
+        self.per_tensor = per_tensor
         self.scale = scale
         self._states: dict[str, torch.Tensor] = {}
 

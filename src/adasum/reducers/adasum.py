@@ -44,6 +44,8 @@ class Adasum(Reducer):
     def __init__(
         self, per_tensor: bool = True, hierarchical: bool | str = False, local_size: int | None = None
     ) -> None:
+        if not isinstance(per_tensor, bool):
+            raise TypeError(f"per_tensor must be True or False, got {per_tensor!r}")
         if hierarchical not in (False, True, "exact"):
             raise ValueError(f"hierarchical must be False, True or 'exact', got {hierarchical!r}")
         if local_size is not None:
