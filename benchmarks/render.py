@@ -107,7 +107,7 @@ def collective_runs(rows: list[dict], labels: tuple[str, ...]) -> list[dict]:
 
 
 CURRENT_DEFAULTS = {
-    2: ("defaults, in-place ring of three slots at two ranks", "defaults, one-shot below 4 MiB"),
+    2: ("defaults, folded sum kernels",),
     3: ("defaults, copy kernel of two programs per multiprocessor, 4096 elements a step",),
     4: ("defaults, copy kernel of two programs per multiprocessor, 4096 elements a step",),
 }
