@@ -68,14 +68,19 @@ def _flag(env: Mapping[str, str], name: str, default: bool = True) -> bool:
 _Default = TypeVar("_Default", int, None)
 
 
-def _int(env: Mapping[str, str], name: str, default: _Default) -> int | _Default:
+def _parsed(env: Mapping[str, str], name: str, default, parse, what: str):
+    """`name`'s value read by `parse` (`default` where unset or empty); refused, naming it, where `parse` fails."""
     value = env.get(name)
     if value is None or value == "":
         return default
     try:
-        return int(value)
+        return parse(value)
     except ValueError:
-        raise ValueError(f"adasum.settings: {name}={value!r} is not an integer") from None
+        raise ValueError(f"adasum.settings: {name}={value!r} is not {what}") from None
+
+
+def _int(env: Mapping[str, str], name: str, default: _Default) -> int | _Default:
+    return _parsed(env, name, default, int, "an integer")
 
 
 def _rank(env: Mapping[str, str], name: str) -> int | None:
@@ -85,13 +90,7 @@ def _rank(env: Mapping[str, str], name: str) -> int | None:
 
 
 def _float(env: Mapping[str, str], name: str, default: float) -> float:
-    value = env.get(name)
-    if value is None or value == "":
-        return default
-    try:
-        return float(value)
-    except ValueError:
-        raise ValueError(f"adasum.settings: {name}={value!r} is not a number") from None
+    return _parsed(env, name, default, float, "a number")
 
 
 def _vectors(env: Mapping[str, str]) -> str:
