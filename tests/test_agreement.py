@@ -66,6 +66,13 @@ def _bad_inputs(rank: int) -> dict:
         ),
         # a negative segment size (Adasum took [6, -2] over 4 elements as one segment)
         "negative-size": lambda r: _unchanged(lambda b: r.all_reduce_flat(b[0], [6, -2]), [torch.arange(4.0) + rank]),
+        # float segment sizes: on one rank (cut to ints first, the error named a sum of 3) and on every rank (taken)
+        "float-size": lambda r: _unchanged(
+            lambda b: r.all_reduce_flat(b[0], [2.5, 1.5] if last else [2, 2]), [torch.arange(4.0) + rank]
+        ),
+        "float-sizes-everywhere": lambda r: _unchanged(
+            lambda b: r.all_reduce_flat(b[0], [2.0, 2.0]), [torch.arange(4.0) + rank]
+        ),
     }
 
 
@@ -177,6 +184,9 @@ EXPECTED = {
     "integer-everywhere": ("TypeError", "tensor 0 has dtype torch.int64; only floating-point tensors can be combined"),
     "keyword": ("TypeError", "unexpected keyword argument 'nonfinite'"),
     "negative-size": ("ValueError", "sizes must be >= 0, got -2 at index 1 on rank 0"),
+    "float-size": ("ValueError", "segments differ across ranks at index 0: rank 0 has float32 [2] on cpu, "
+        "rank 1 has float32 [2.5] on cpu"),
+    "float-sizes-everywhere": ("TypeError", "sizes must be integers, got 2.0 at index 0 on rank 0"),
 }
 
 
@@ -188,6 +198,8 @@ def _exact(name: str, case: str) -> str | None:
         return f"adasum.{cls}.all_reduce: unexpected keyword argument 'nonfinite'; {cls} takes {takes}"
     if case == "negative-size":
         return f"adasum.{cls}.all_reduce_flat: sizes must be >= 0, got -2 at index 1 on rank 0"
+    if case == "float-sizes-everywhere":
+        return f"adasum.{cls}.all_reduce_flat: sizes must be integers, got 2.0 at index 0 on rank 0"
     return None
 
 

@@ -43,10 +43,11 @@ def describe(tensors: Sequence[torch.Tensor]) -> list[Entry]:
     return [(str(t.dtype).removeprefix("torch."), tuple(t.shape), t.device.type) for t in tensors]
 
 
-def describe_flat(buffer: torch.Tensor, sizes: Sequence[int]) -> list[Entry]:
-    """The segments of a flat buffer as `describe` entries: ``[(dtype, (n,), device type), ...]``."""
+def describe_flat(buffer: torch.Tensor, sizes: Sequence) -> list[Entry]:
+    """The segments of a flat buffer as `describe` entries: ``[(dtype, (n,), device type), ...]`` (a size that is
+    not an integer as it was given, so that a rank's float shows in the difference)."""
     dtype = str(buffer.dtype).removeprefix("torch.")
-    return [(dtype, (int(n),), buffer.device.type) for n in sizes]
+    return [(dtype, (n,), buffer.device.type) for n in sizes]
 
 
 def signature(description: Sequence) -> int:

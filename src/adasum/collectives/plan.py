@@ -7,9 +7,9 @@ layout once: its description and fingerprint, the checks done (agreed across ran
 whose memory was found disjoint), the transport and the fusion. `prepare` then does the per-call
 part, the same on every entry point:
 
-* local problems (`adasum.collectives.agreement.local_problem`; with `sizes`, a negative size or sizes that
-  do not add up to the buffer's elements); the memory-overlap search runs once per set of addresses, not per
-  call;
+* local problems (`adasum.collectives.agreement.local_problem`; with `sizes`, a size that is not an integer, a
+  negative size or sizes that do not add up to the buffer's elements); the memory-overlap search runs once per
+  set of addresses, not per call;
 * the cross-rank check, by `check`: ``"call"`` compares the plan's fingerprint across ranks on
   every call, ``"once"`` on the plan's first call only, ``"none"`` never (the caller agreed
   the layout otherwise).
@@ -38,6 +38,7 @@ How a call's fingerprint is compared (``check="call"``):
 
 from __future__ import annotations
 
+import operator
 from collections.abc import Callable, Hashable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal
@@ -107,13 +108,35 @@ def plan_for(comm: Communicator, tensors: Sequence[torch.Tensor], sizes: Sequenc
     return plan
 
 
+def _integers(sizes: Sequence[Any]) -> tuple[tuple[Any, ...], Problem | None]:
+    """`sizes` as ints (`operator.index`: Python, NumPy and 0-d torch integers; a float is not one), and the problem
+    of the first that is not an integer; those stay as they are, so that the layout's description shows them."""
+    try:
+        return tuple(map(operator.index, sizes)), None
+    except TypeError:
+        pass
+    given: list[Any] = []
+    problem = None
+    for i, n in enumerate(sizes):
+        try:
+            given.append(operator.index(n))
+        except TypeError:
+            given.append(n if isinstance(n, (int, float)) else repr(n))
+            if problem is None:
+                problem = Problem("TypeError", f"sizes must be integers, got {n!r} at index {i}")
+    return tuple(given), problem
+
+
 def _problem(plan: Plan, tensors: Sequence[torch.Tensor], sizes: Sequence[int] | None, device: torch.device,
-             group: dist.ProcessGroup | None, in_place: bool, floating: bool) -> Problem | None:
+             group: dist.ProcessGroup | None, in_place: bool, floating: bool,
+             not_integer: Problem | None = None) -> Problem | None:
     where = _addresses(tensors) if in_place else None
     problem = local_problem(tensors, device, in_place=in_place, floating=floating, group=group,
                             disjoint=where in plan.disjoint)
     if problem is None and where is not None:
         plan.disjoint.add(where)
+    if problem is None and not_integer is not None:
+        return not_integer
     if problem is None and sizes is not None:
         if sizes and min(sizes) < 0:
             i = next(i for i, n in enumerate(sizes) if n < 0)
@@ -131,7 +154,7 @@ def prepare(
     config: tuple,
     operation: str,
     what: str = "tensors",
-    sizes: Sequence[int] | None = None,
+    sizes: Sequence[Any] | None = None,
     check: Check = "call",
     in_place: bool = True,
     floating: bool = True,
@@ -144,10 +167,13 @@ def prepare(
     `sizes`, `tensors` may be several buffers of one dtype whose segments are `sizes` end to end."""
     comm = communicator(group)
     world = dist.get_world_size(group)
+    not_integer = None
+    if sizes is not None:
+        sizes, not_integer = _integers(sizes)
     plan = plan_for(comm, tensors, sizes, config + current().shaping)
     device = group_device(group)
     in_place = in_place and world > 1  # a world of one writes nothing
-    problem = _problem(plan, tensors, sizes, device, group, in_place, floating)
+    problem = _problem(plan, tensors, sizes, device, group, in_place, floating, not_integer)
     if world == 1 or check == "none" or (check == "once" and plan.agreed):
         if problem is not None:
             raise problem.exception(operation, dist.get_rank(group))

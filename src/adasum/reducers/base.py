@@ -44,6 +44,7 @@ object or its name: ``"sum"``, ``"mean"``, ``"adasum"``, ``"adacons"``.
 
 from __future__ import annotations
 
+import operator
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -147,8 +148,8 @@ class Reducer:
         self._check_options(options, operation)
         if not isinstance(buffer, torch.Tensor):
             raise TypeError(f"{operation}: buffer must be a torch.Tensor, got {type(buffer).__name__}")
-        sizes = [int(n) for n in sizes]
         self._prepare([buffer], sizes, group, check_layout, operation, "bucket segments", options)
+        sizes = list(map(operator.index, sizes))  # integers: checked with the layout
         if buffer.is_contiguous():  # the combinations read and write one contiguous vector: a view of it
             self._all_reduce_flat(buffer if buffer.dim() == 1 else buffer.view(-1), sizes, group, **options)
             return
@@ -170,7 +171,7 @@ class Reducer:
     def _prepare(
         self,
         tensors: list[torch.Tensor],
-        sizes: list[int] | None,
+        sizes: Sequence[Any] | None,
         group: dist.ProcessGroup | None,
         check_layout: bool,
         operation: str,
