@@ -278,16 +278,19 @@ def check_flag(operation: str, name: str, value: object) -> None:
         raise TypeError(f"{operation}: {name} must be True or False, got {value!r}")
 
 
-def check_unwrapped(optimizer: object, operation: str) -> None:
-    """Raise a TypeError if `optimizer` is a `DistributedOptimizer` or `adasum.SlowMo`, which combines across ranks
-    itself: a second wrapper would combine every step twice. Every rank that passes the same arguments raises the
-    same, before any collective."""
+def check_wrappable(optimizer: object, operation: str) -> None:
+    """Raise a TypeError unless `optimizer` is a torch optimizer of whole (not sharded) parameters that does not
+    combine across ranks itself (a `DistributedOptimizer` or `adasum.SlowMo`: a second wrapper would combine every
+    step twice). Every rank that passes the same arguments raises the same, before any collective."""
     if getattr(type(optimizer), "combines_across_ranks", False):
         raise TypeError(
             f"{operation}: the optimizer is an adasum.{type(optimizer).__name__} already, which combines across "
             "ranks itself: wrapping it again would combine every step twice. Wrap the torch optimizer once "
             "(its .optimizer)"
         )
+    if not isinstance(optimizer, torch.optim.Optimizer):
+        raise TypeError(f"{operation} wraps a torch.optim.Optimizer, got {type(optimizer).__name__}")
+    check_not_sharded((p for g in optimizer.param_groups for p in g["params"]), operation)
 
 
 class DistributedOptimizer(torch.optim.Optimizer):
@@ -350,7 +353,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
 
     # GradScaler.step passes grad_scale and found_inf instead of skipping this step on its own
     _step_supports_amp_scaling = True
-    combines_across_ranks = True  # another wrapper refuses to wrap it (`check_unwrapped`)
+    combines_across_ranks = True  # another wrapper refuses to wrap it (`check_wrappable`)
     found_inf: torch.Tensor  # set by GradScaler.step for one call (no value here: hasattr tells)
     grad_scale: torch.Tensor | None
 
@@ -372,10 +375,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
     ) -> None:
         operation = "adasum.DistributedOptimizer"
         check_policy(nonfinite)
-        check_unwrapped(optimizer, operation)
-        if not isinstance(optimizer, torch.optim.Optimizer):
-            raise TypeError(f"optimizer must be a torch.optim.Optimizer, got {type(optimizer).__name__}")
-        check_not_sharded((p for g in optimizer.param_groups for p in g["params"]), operation)
+        check_wrappable(optimizer, operation)
         check_option("mode", mode, Mode)
         check_count(operation, "backward_passes_per_step", backward_passes_per_step)
         check_count(operation, "local_steps", local_steps)

@@ -21,7 +21,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from adasum.collectives.agreement import agree, check_not_sharded, local_problem
+from adasum.collectives.agreement import agree, local_problem
 from adasum.collectives.nonfinite import apply_nonfinite_policy, check_policy
 from adasum.core.statistics import StepStatistics
 from adasum.integrations.optim import (
@@ -29,7 +29,7 @@ from adasum.integrations.optim import (
     check_flag,
     check_number,
     check_same_parameters,
-    check_unwrapped,
+    check_wrappable,
     optimizer_param_names,
 )
 from adasum.options import Buffers, Nonfinite, check_option
@@ -153,7 +153,7 @@ class SlowMo:
     >>> loss.backward(); opt.step(); opt.zero_grad()     # (one process, as here: no process group needed)
     """
 
-    combines_across_ranks = True  # another wrapper refuses to wrap it (`adasum.integrations.optim.check_unwrapped`)
+    combines_across_ranks = True  # another wrapper refuses to wrap it (`adasum.integrations.optim.check_wrappable`)
 
     def __init__(
         self,
@@ -171,10 +171,7 @@ class SlowMo:
     ) -> None:
         operation = "adasum.SlowMo"
         check_policy(nonfinite)
-        check_unwrapped(optimizer, operation)
-        if not isinstance(optimizer, torch.optim.Optimizer):
-            raise TypeError(f"SlowMo wraps a torch.optim.Optimizer, got {type(optimizer).__name__}")
-        check_not_sharded((p for g in optimizer.param_groups for p in g["params"]), operation)
+        check_wrappable(optimizer, operation)
         check_slow_options(operation, local_steps, slow_lr, slow_momentum)
         check_option("buffers", buffers, Buffers)
         check_flag(operation, "check", check)
