@@ -14,6 +14,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -456,3 +457,75 @@ else:
                                   mesh=mesh(p), in_specs=P("data"), out_specs=P("data")))
         for a, b in zip(f(*leaves), run(p, leaves)):
             np.testing.assert_array_equal(np.asarray(a)[0], b)
+
+    @pytest.mark.parametrize("p", (1, 2))
+    def test_pieces_checked_on_every_axis_size(p: int) -> None:
+        """A bad `pieces` is refused on an axis of one device too (where nothing is combined), and a float
+        count is named, not failed on deep in the layout."""
+        for pieces, error, message in ((0, ValueError, "pieces must be an int >= 1, got 0"),
+                                       (-1, ValueError, "pieces must be an int >= 1, got -1"),
+                                       (2.0, TypeError, "pieces must be an int >= 1, got 2.0")):
+            f = jax.shard_map(lambda x: aj.all_reduce(x, "data", pieces=pieces), mesh=mesh(p),
+                              in_specs=P("data"), out_specs=P("data"))
+            with pytest.raises(error, match=f"adasum.jax.all_reduce: {message}"):
+                f(jnp.arange(2.0 * p))
+
+    def test_tuple_axis_names_vary_and_refuse_replicated() -> None:
+        """A tuple of axis names is one combined axis everywhere: `vary` types the tree as differing over all
+        of them, and replicated gradients are refused, as for a single name."""
+        x = np.random.default_rng(4).standard_normal((4, 8, 3)).astype(np.float32)
+        w = jnp.arange(3.0)
+
+        def loss(w, x):
+            return jnp.sum(jnp.tanh(x @ w))
+
+        def mapped(m, axes, local):
+            def step(w, x):
+                g = jax.grad(loss)(aj.vary(w, axes) if local else w, x)
+                return aj.all_reduce(g, axes), g[None]
+
+            return jax.jit(jax.shard_map(step, mesh=m, in_specs=(P(), P(axes)), out_specs=(P(), P(axes))))
+
+        grid = Mesh(np.array(jax.devices()[:4]).reshape(2, 2), ("a", "b"))
+        for m, axes in ((mesh(4), ("data",)), (grid, ("a", "b"))):
+            with pytest.raises(ValueError, match="leaf 0 is the same on every device of axis.*adasum.jax.vary"):
+                mapped(m, axes, False)(w, x.reshape(32, 3))
+            got, per_device = mapped(m, axes, True)(w, x.reshape(32, 3))
+            mine = np.asarray(per_device)
+            for d in range(4):
+                np.testing.assert_allclose(mine[d], np.asarray(jax.grad(loss)(w, x[d])), rtol=1e-5, atol=1e-5)
+            ref, bound = tree_with_bound([mine[d] for d in range(4)], U32, U32)
+            assert np.linalg.norm(np.asarray(got, np.float64) - ref) <= bound
+
+    def test_adacons_state_from_another_configuration() -> None:
+        """A state initialised with the other `per_leaf`, or for a tree of other leaves, is refused by update."""
+        p = 2
+        leaves = [jnp.ones((p, 3)), jnp.ones((p, 4))]
+        whole = aj.adacons("data", momentum=0.5, devices=p)
+        per_leaf = aj.adacons("data", momentum=0.5, per_leaf=True, devices=p)
+
+        def update(opt, state):
+            f = jax.shard_map(lambda s, a, b: opt.update([a[0], b[0]], s)[1], mesh=mesh(p),
+                              in_specs=(P(), P("data"), P("data")), out_specs=P())
+            return f(state, *leaves)
+
+        two, three = [jnp.zeros(3), jnp.zeros(4)], [jnp.zeros(3), jnp.zeros(4), jnp.zeros(5)]
+        for opt, state, has, needs in ((per_leaf, whole.init(two), 1, "2 (one per leaf)"),
+                                       (whole, per_leaf.init(two), 2, "1 (one for the whole tree)"),
+                                       (per_leaf, per_leaf.init(three), 3, "2 (one per leaf)")):
+            with pytest.raises(ValueError, match=rf"adasum.jax.adacons: the state has momentum for {has} segments, "
+                                                 rf"these updates need {re.escape(needs)}"):
+                update(opt, state)
+        assert update(per_leaf, per_leaf.init(two)).sorted_momentum.shape == (2, p)
+
+    def test_adacons_devices_must_be_a_positive_int() -> None:
+        for devices, error in ((0, ValueError), (-1, ValueError), (2.0, TypeError), (True, TypeError)):
+            with pytest.raises(error, match=rf"adasum.jax.adacons: devices must be an int >= 1 or None, "
+                                            rf"got {devices!r}"):
+                aj.adacons("data", devices=devices)
+        assert aj.adacons("data", devices=np.int64(3)).init(jnp.zeros(2)).sorted_momentum.shape == (1, 3)
+
+    def test_adacons_weights_checks_scale() -> None:
+        state = aj.AdaConsState(jnp.zeros((1, 2)), jnp.zeros((), jnp.int32))
+        with pytest.raises(ValueError, match=r"scale must be one of \['mean_norm', 'unit'\], got 'mean-norm'"):
+            aj.adacons_weights(jnp.ones((1, 2)), jnp.ones((1, 2)), jnp.full((1,), 4.0), state, 0.0, "mean-norm")

@@ -17,7 +17,7 @@ and ``ppermute``-s the other half to group ``g ^ d``; each device then holds the
 vectors on its rows only, so the per-leaf ``<a,b>``, ``|a|^2``, ``|b|^2`` are
 partial sums. One sub-group sum would finish them, but collectives over sub-groups of one axis do
 not exist (jax-ml/jax#19709): each device writes its partials into its block's row of a small
-``[blocks, 3, leaves]`` array that one ``psum`` adds over the whole axis. After the last level group
+``[blocks, leaves, 3]`` array that one ``psum`` adds over the whole axis. After the last level group
 ``g`` owns row ``g``; one ``all_gather`` copies every row to every device. Each device sends
 ``2 N (P-1)/P`` elements for a power-of-two P, as a ring all-reduce does; with a fold, followers send
 their whole buffer to their leader first. Every element is computed on one device and copied, so
@@ -101,19 +101,33 @@ def _varying_axes(x: Any) -> frozenset | None:
     return None if vma is None else frozenset(vma)
 
 
+def _names(axis_name: Any) -> tuple:
+    """The mesh axes that `axis_name` stands for: itself, or each name of a tuple of names."""
+    return tuple(axis_name) if isinstance(axis_name, tuple) else (axis_name,)
+
+
+def _typed(axis_name: Any) -> bool:
+    """Whether JAX types values as differing or not over every axis of `axis_name` (False under ``pmap``
+    or ``shard_map(check_vma=False)``)."""
+    tracked = _varying_axes(jax.lax.axis_index(axis_name)) or frozenset()
+    return all(name in tracked for name in _names(axis_name))
+
+
 def check_per_device(leaves: list[Any], axis_name: Any, caller: str) -> None:
-    """Refuse leaves that JAX knows to be the same on every device of `axis_name`.
+    """Refuse leaves that JAX knows to be the same on every device of `axis_name` (of any of its axes,
+    for a tuple of names).
 
     Inside ``shard_map`` (with its default ``check_vma=True``), ``jax.grad`` with respect to replicated
     parameters already sums the gradient over the axis; combining such sums is a silent no-op.
     """
-    tracked = _varying_axes(jax.lax.axis_index(axis_name))
-    if not tracked or axis_name not in tracked:  # pmap, or shard_map(check_vma=False): not typed
+    if not _typed(axis_name):  # pmap, or shard_map(check_vma=False): not typed
         return
     for i, leaf in enumerate(leaves):
-        if axis_name not in (_varying_axes(leaf) or frozenset()):
+        varying = _varying_axes(leaf) or frozenset()
+        same = [name for name in _names(axis_name) if name not in varying]
+        if same:
             raise ValueError(
-                f"{caller}: leaf {i} is the same on every device of axis {axis_name!r} (replicated), so "
+                f"{caller}: leaf {i} is the same on every device of axis {same[0]!r} (replicated), so "
                 f"there is nothing to combine. If it is a gradient with respect to replicated parameters, "
                 f"jax.grad inside shard_map has already summed it over the axis: differentiate with "
                 f"respect to adasum.jax.vary(params, {axis_name!r}) to get each device's own gradient"
@@ -126,7 +140,7 @@ def vary(tree: Any, axis_name: Any) -> Any:
 
     Args:
       tree: a pytree of arrays, typically the replicated parameters inside ``shard_map``.
-      axis_name: the mesh axis.
+      axis_name: the mesh axis, or a tuple of axes (typed as differing over each of them).
 
     Returns:
       The same values (``jax.lax.pcast(..., to="varying")``, ``pvary`` on older JAX; unchanged under
@@ -151,16 +165,17 @@ def vary(tree: Any, axis_name: Any) -> Any:
     >>> seen                              # the plain gradient is replicated (summed), vary's is per device
     [(frozenset(), frozenset({'data'}))]
     """
-    tracked = _varying_axes(jax.lax.axis_index(axis_name))
-    if not tracked or axis_name not in tracked:
+    if not _typed(axis_name):
         return tree
 
     def one(x: Any) -> Any:
-        if axis_name in (_varying_axes(x) or frozenset()):
+        varying = _varying_axes(x) or frozenset()
+        missing = tuple(name for name in _names(axis_name) if name not in varying)
+        if not missing:
             return x
         if hasattr(jax.lax, "pcast"):
-            return jax.lax.pcast(x, axis_name, to="varying")
-        return jax.lax.pvary(x, axis_name)  # type: ignore[attr-defined]  # older jax
+            return jax.lax.pcast(x, missing, to="varying")
+        return jax.lax.pvary(x, missing)  # type: ignore[attr-defined]  # older jax
 
     return jax.tree.map(one, tree)
 
@@ -332,12 +347,13 @@ def all_reduce(tree: Any, axis_name: Any, *, per_leaf: bool = True, accumulate: 
 
     Args:
       tree: a pytree of floating-point arrays (float32, bfloat16, float16, float64).
-      axis_name: the mesh axis to combine over (one axis).
+      axis_name: the mesh axis to combine over, or a tuple of axes combined as one axis of their
+        product's size (the devices in JAX's ``axis_index`` order over them).
       per_leaf: one pair of coefficients per leaf (the paper's "per layer", the default) or one for the whole tree.
       accumulate: dtype of the dot products: None (float64 with x64 enabled, else float32),
         ``jnp.float32`` or ``jnp.float64``.
-      pieces: cut each dtype's fused buffer into this many contiguous pieces, each with its own
-        collectives, so that XLA can overlap one piece's arithmetic with another's transfers.
+      pieces: cut each dtype's fused buffer into this many contiguous pieces (an int >= 1), each with
+        its own collectives, so that XLA can overlap one piece's arithmetic with another's transfers.
 
     Returns:
       A pytree like `tree`, identical (bitwise) on every device of the axis.
@@ -356,6 +372,10 @@ def all_reduce(tree: Any, axis_name: Any, *, per_leaf: bool = True, accumulate: 
     leaves, treedef = jax.tree.flatten(tree)
     check_leaves(leaves, "adasum.jax.all_reduce")
     acc = accumulation_dtype(accumulate)
+    if not isinstance(pieces, (int, np.integer)) or isinstance(pieces, bool):
+        raise TypeError(f"adasum.jax.all_reduce: pieces must be an int >= 1, got {pieces!r}")
+    if pieces < 1:
+        raise ValueError(f"adasum.jax.all_reduce: pieces must be an int >= 1, got {pieces!r}")
     workers = axis_size(axis_name, "adasum.jax.all_reduce")
     if workers == 1 or not leaves:
         return tree
@@ -363,9 +383,7 @@ def all_reduce(tree: Any, axis_name: Any, *, per_leaf: bool = True, accumulate: 
     leaves = [jnp.asarray(x) for x in leaves]
     schedule = Tree(workers)
     count = len(leaves)
-    if pieces < 1:
-        raise ValueError(f"pieces must be >= 1, got {pieces}")
-    cut = layout(tuple((tuple(x.shape), jnp.dtype(x.dtype).name) for x in leaves), schedule.groups, pieces)
+    cut = layout(tuple((tuple(x.shape), jnp.dtype(x.dtype).name) for x in leaves), schedule.groups, int(pieces))
     buffers = [pack(leaves, piece) for piece in cut]
     ids = [jnp.asarray(piece.ids) for piece in cut]
     tables = _device_tables(workers)

@@ -27,6 +27,7 @@ from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import optax
 
 from adasum.jax.collective import accumulation_dtype, all_reduce, axis_size, check_leaves, check_per_device, zero_norm
@@ -82,11 +83,12 @@ def adacons_weights(
       mean_sq: ``|m|^2`` per segment, ``[S]``.
       state: the momentum state (``count == 0``: the first call, no smoothing).
       beta: the momentum.
-      scale: "mean_norm" or "unit".
+      scale: "mean_norm" or "unit" (anything else: ValueError).
 
     Returns:
       ``(weights [S, N], new state)``; the aggregate is ``sum_i weights_i g_i``.
     """
+    check_option("scale", scale, Scale)
     tiny = zero_norm(dots.dtype)
     nonzero = sq_norms >= tiny
     norms = jnp.sqrt(jnp.where(nonzero, sq_norms, 1.0))
@@ -128,7 +130,8 @@ def adacons(
       scale: "mean_norm" (identical updates combine to themselves; for SGD) or "unit" (the paper's
         ``|d| <= 1``, for scale-invariant optimizers).
       accumulate: dtype of the dot products and coefficients (None: float64 with x64, else float32).
-      devices: the size of `axis_name`, needed only when ``init`` runs outside the mapped function.
+      devices: the size of `axis_name` (an int >= 1), needed only when ``init`` runs outside the mapped
+        function; where given, ``init`` uses it also inside.
 
     Returns:
       An ``optax.GradientTransformation`` whose state is an `AdaConsState`.
@@ -139,6 +142,11 @@ def adacons(
     if not 0.0 <= momentum < 1.0:
         raise ValueError(f"momentum must be in [0, 1), got {momentum}")
     check_option("scale", scale, Scale)
+    if devices is not None:
+        if not isinstance(devices, (int, np.integer)) or isinstance(devices, bool):
+            raise TypeError(f"adasum.jax.adacons: devices must be an int >= 1 or None, got {devices!r}")
+        if devices < 1:
+            raise ValueError(f"adasum.jax.adacons: devices must be an int >= 1 or None, got {devices!r}")
 
     def init(params: Any) -> AdaConsState:
         leaves = jax.tree.leaves(params)
@@ -162,6 +170,13 @@ def adacons(
         if state.sorted_momentum.shape[-1] != n:
             raise ValueError(f"AdaCons state is for {state.sorted_momentum.shape[-1]} devices, axis "
                              f"{axis_name!r} has {n}")
+        segments = len(leaves) if per_leaf else 1
+        if state.sorted_momentum.shape[0] != segments:
+            raise ValueError(
+                f"adasum.jax.adacons: the state has momentum for {state.sorted_momentum.shape[0]} segments, "
+                f"these updates need {segments} ({'one per leaf' if per_leaf else 'one for the whole tree'}); "
+                f"init the state with the same per_leaf and a tree of the same leaves"
+            )
         if not leaves:
             return updates, state
         check_per_device(leaves, axis_name, "adasum.jax.adacons")
