@@ -45,3 +45,17 @@ def test_from_norms_and_bad_input():
         orthogonality([])
     with pytest.raises(ValueError, match="same number"):
         orthogonality([[torch.ones(2)], [torch.ones(2), torch.ones(1)]])
+
+
+def test_mismatched_inputs_are_refused():
+    with pytest.raises(ValueError) as info:
+        orthogonality_stacked([torch.randn(4, 10), torch.randn(3, 10)])  # 4 workers' copies of one, 3 of the other
+    assert str(info.value) == (
+        "every tensor needs the same number of workers first: tensor 0 has 4, tensor 1 has 3"
+    )
+    with pytest.raises(ValueError) as info:
+        orthogonality_stacked([torch.randn(4, 10), torch.tensor(2.0)])
+    assert str(info.value) == "every tensor needs the worker index first: tensor 1 is a scalar"
+    with pytest.raises(ValueError) as info:
+        from_norms(torch.tensor([2.0, 1.0]), torch.tensor([4.0]))
+    assert str(info.value) == "sum_of_squares and square_of_sum need one value per tensor each, got 2 and 1"

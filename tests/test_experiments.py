@@ -284,3 +284,32 @@ def test_divergence_is_recorded_and_stops_the_run(digits):
     config = RunConfig(method="sum", workers=8, lr=1e6, epochs=3, batch_size=8, train_limit=256, momentum=0.0)
     result = train(config, dataset=digits)
     assert result["diverged"] and result["epochs_run"] < 3
+
+
+def test_a_train_limit_above_the_training_examples_is_refused():
+    from adasum.experiments.data import Dataset
+
+    x = torch.randn(200, 4, generator=torch.Generator().manual_seed(0))
+    toy = Dataset("toy", x[:160], (x[:160, 0] > 0).long(), x[160:], (x[160:, 0] > 0).long(), 2, "mlp")
+    config = RunConfig(task="toy", method="sequential", epochs=1, batch_size=8, train_limit=145)  # 160 - 16 held out
+    with pytest.raises(ValueError) as error:
+        train(config, dataset=toy)
+    assert str(error.value) == (
+        "train limit 145 is more than the 144 training examples of toy (after the validation split of 16); "
+        "leave it out to train on all of them"
+    )
+    config.train_limit = 144
+    assert train(config, dataset=toy)["steps"] == 18
+
+
+def test_a_dataset_of_another_task_than_the_configs_is_refused():
+    from adasum.experiments.data import Dataset
+
+    x = torch.randn(200, 4, generator=torch.Generator().manual_seed(0))
+    toy = Dataset("toy", x[:160], (x[:160, 0] > 0).long(), x[160:], (x[160:, 0] > 0).long(), 2, "mlp")
+    with pytest.raises(ValueError) as error:  # the config's task (digits, the default) would name the toy run
+        train(RunConfig(method="sequential", epochs=1, batch_size=8), dataset=toy)
+    assert str(error.value) == (
+        "the dataset given is 'toy', the config's task 'digits'; set the task to the dataset's name "
+        "(the results and checkpoints name the run by its task)"
+    )

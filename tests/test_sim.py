@@ -379,3 +379,40 @@ def test_bad_input_is_refused_clearly():
     x, y = make_data(3)
     with pytest.raises(ValueError, match="worker index first"):
         sim.step(x[0], y[0])
+
+
+def test_a_state_of_other_settings_is_refused_before_anything_loads():
+    x, y = make_data(3)
+
+    def sim(workers=3, **options):
+        return SimulatedWorkers(make_model(), workers, make_optimizer("sgd"), **options)
+
+    slowmo = {"reducer": "mean", "combine": "delta", "local_steps": 2, "slow_momentum": 0.5}
+    saved = sim(**slowmo)
+    for step in range(STEPS):
+        saved.step(x[step], y[step])
+    state = saved.state_dict()
+    op = "adasum.SimulatedWorkers.load_state_dict: the state was saved with "
+    for options, was, has in [
+        ({**slowmo, "slow_momentum": None}, "slow_momentum=0.5", "slow_momentum=None"),  # local SGD: no slow momentum
+        ({**slowmo, "local_steps": 3}, "local_steps=2", "local_steps=3"),
+        ({"reducer": "mean"}, "combine='delta', local_steps=2, slow_momentum=0.5",
+         "combine='gradient', local_steps=1, slow_momentum=None"),
+        ({**slowmo, "reducer": "adasum"}, "reducer='Mean()'", "reducer='Adasum(per_tensor=True)'"),
+    ]:
+        target = sim(**options)
+        before = [p.clone() for p in target.module.parameters()]
+        with pytest.raises(ValueError) as info:
+            target.load_state_dict(state)
+        assert str(info.value) == (
+            f"{op}{was}, but this simulator has {has}; build it with the settings the state was saved with"
+        ), options
+        assert all(torch.equal(a, b) for a, b in zip(before, target.module.parameters())) and target.steps == 0
+    with pytest.raises(ValueError) as info:
+        sim(workers=4, **slowmo).load_state_dict(state)
+    assert str(info.value) == (
+        f"{op}workers=3, but this simulator has workers=4; build it with the settings the state was saved with"
+    )
+    same = sim(**slowmo)
+    same.load_state_dict(state)
+    assert same.steps == STEPS

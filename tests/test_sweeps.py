@@ -226,3 +226,26 @@ def test_gpu_sweep_lists_every_cell_once_and_filters(tmp_path):
     assert "--lr 0.003,0.01,0.03,0.1,0.3,1,3 " in args["mnist1d--P64-mean-s0"]
     assert "--lr 0.001,0.003,0.01,0.03,0.1,0.3,1 " in args["mnist1d--P64-adasum-s0"]
     assert "--lr 0.001,0.003,0.01,0.03,0.1,0.3,1 " in args["mnist1d--P32-slowmo-s0"]
+
+
+@pytest.mark.parametrize("seeds, lrs, message", [
+    ([0, 0, 1], [0.05], "seeds 0,0,1 repeat 0"),
+    ([0], [0.05, 0.05], "learning rates 0.05,0.05 repeat 0.05"),
+    ([0], [0.01, 0.01000001], "learning rates 0.01,0.01000001 give 0.01 and 0.01000001 one run name (lr0.01)"),
+])
+def test_a_sweep_with_a_repeated_seed_or_learning_rate_is_refused_before_any_run(tmp_path, seeds, lrs, message):
+    seen = []
+    with pytest.raises(ValueError) as error:
+        compare(parse_methods("adasum"), [2], lrs, RunConfig(epochs=1), tmp_path, seeds=seeds,
+                train=lambda config, *a, **k: seen.append(config) or _fake(config), plot=lambda results, out: [])
+    assert str(error.value).startswith(message + ": each is ") and str(error.value).endswith("; give each once")
+    assert seen == [] and not (tmp_path / "results.jsonl").exists()
+
+
+def test_compare_with_a_repeated_seed_is_one_line_and_exit_2(tmp_path, capsys):
+    out = tmp_path / "sweep"
+    assert main(["compare", "--methods", "adasum", "--workers", "2", "--lr", "0.05", "--seeds", "0,0",
+                 "--out", str(out), *QUICK]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err == ["adasum: error: seeds 0,0 repeat 0: each is a run of every cell; give each once"]
+    assert not (out / "runs").exists()

@@ -28,11 +28,17 @@ class Orthogonality:
 
 
 def from_norms(sum_of_squares: torch.Tensor, square_of_sum: torch.Tensor) -> Orthogonality:
-    """O from per-tensor ``sum_i |g_i|^2`` and ``|sum_i g_i|^2`` (two float64 [T] tensors).
+    """O from per-tensor ``sum_i |g_i|^2`` and ``|sum_i g_i|^2`` (two [T] tensors, one value per tensor
+    each; ValueError otherwise).
 
     >>> from_norms(torch.tensor([2.0]), torch.tensor([2.0])).model   # two orthogonal unit vectors
     1.0
     """
+    if sum_of_squares.shape != square_of_sum.shape or sum_of_squares.dim() != 1:
+        raise ValueError(
+            "sum_of_squares and square_of_sum need one value per tensor each, "
+            f"got {_count(sum_of_squares)} and {_count(square_of_sum)}"
+        )
     num = sum_of_squares.to(torch.float64)
     den = square_of_sum.to(torch.float64)
     per_tensor = num / den
@@ -40,8 +46,13 @@ def from_norms(sum_of_squares: torch.Tensor, square_of_sum: torch.Tensor) -> Ort
     return Orthogonality(per_tensor, model)
 
 
+def _count(values: torch.Tensor) -> str:
+    return str(values.numel()) if values.dim() == 1 else f"shape {list(values.shape)}"
+
+
 def orthogonality_stacked(stacked: Sequence[torch.Tensor]) -> Orthogonality:
-    """O over workers for tensors stacked with the worker index first (each of shape [P, ...]).
+    """O over workers for tensors stacked with the worker index first (each of shape [P, ...], one P
+    for all; ValueError otherwise).
 
     This is the simulator's layout: one batched computation for all workers.
 
@@ -51,6 +62,14 @@ def orthogonality_stacked(stacked: Sequence[torch.Tensor]) -> Orthogonality:
     """
     if len(stacked) == 0:
         return from_norms(torch.zeros(0, dtype=torch.float64), torch.zeros(0, dtype=torch.float64))
+    for i, t in enumerate(stacked):
+        if t.dim() == 0:
+            raise ValueError(f"every tensor needs the worker index first: tensor {i} is a scalar")
+        if t.shape[0] != stacked[0].shape[0]:
+            raise ValueError(
+                f"every tensor needs the same number of workers first: tensor 0 has {stacked[0].shape[0]}, "
+                f"tensor {i} has {t.shape[0]}"
+            )
     device = stacked[0].device
     # accumulate in float64 whatever the gradient dtype, as Adasum's own reductions do
     sum_sq = torch.stack([t.reshape(t.shape[0], -1).to(torch.float64).square().sum() for t in stacked])

@@ -326,9 +326,21 @@ class SimulatedWorkers:
                 )
             self.stacked[i].copy_(anchor.unsqueeze(0).expand_as(self.stacked[i]))
 
+    def _settings(self) -> dict[str, Any]:
+        """What a state depends on (`state_dict`'s "settings", compared by `load_state_dict`)."""
+        return {
+            "workers": self.workers,
+            "combine": self.combine,
+            "local_steps": self.local_steps,
+            "slow_lr": self.slow_lr,
+            "slow_momentum": self.slow_momentum,
+            "reducer": repr(self.reducer),
+        }
+
     def state_dict(self) -> dict[str, Any]:
         """Everything needed to continue: the model, the optimizer, per-worker copies, SlowMo's
-        buffers and the step counter (tensors and plain values only: loadable with weights_only)."""
+        buffers, the step counter and the settings they were made with (tensors and plain values
+        only: loadable with weights_only)."""
         return {
             "model": self.module.state_dict(),
             "optimizer": self.optimizer.state_dict(),
@@ -338,11 +350,24 @@ class SimulatedWorkers:
             "steps": self.steps,
             "skipped_steps": self.skipped_steps,
             "draws": self.draws,
+            "settings": self._settings(),
         }
 
     @torch.no_grad()
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        """Restore what `state_dict` saved."""
+        """Restore what `state_dict` saved, into a simulator built with the same settings (``workers``,
+        ``combine``, ``local_steps``, ``slow_lr``, ``slow_momentum``, the reducer): otherwise ValueError
+        naming the settings that differ, and nothing is changed."""
+        saved = state.get("settings") or {}  # a state without them (made by hand) is taken as it is
+        mine = self._settings()
+        differ = [name for name in mine if name in saved and saved[name] != mine[name]]
+        if differ:
+            was = ", ".join(f"{name}={saved[name]!r}" for name in differ)
+            has = ", ".join(f"{name}={mine[name]!r}" for name in differ)
+            raise ValueError(
+                f"adasum.SimulatedWorkers.load_state_dict: the state was saved with {was}, but this simulator "
+                f"has {has}; build it with the settings the state was saved with"
+            )
         self.module.load_state_dict(state["model"])
         self.optimizer.load_state_dict(state["optimizer"])
         if self.stacked is not None:

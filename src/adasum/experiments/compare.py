@@ -24,6 +24,21 @@ def run_name(method: str, workers: int, lr: float, seed: int = 0) -> str:
     return f"{method}-P{workers}-lr{lr:g}-seed{seed}"
 
 
+def check_distinct(lrs: Sequence[float], seeds: Sequence[int]) -> None:
+    """ValueError if two of `lrs` or two of `seeds` would be one run: a value given twice, or two
+    learning rates with one name in `run_name` (six significant digits), which would share a folder."""
+    for what, values, each in (("learning rates", lrs, "a cell of every method and worker count"),
+                               ("seeds", seeds, "a run of every cell")):
+        named: dict[str, float] = {}
+        for value in values:
+            name = f"{value:g}"
+            if name in named:
+                clash = (f"repeat {name}" if named[name] == value else
+                         f"give {named[name]!r} and {value!r} one run name (lr{name})")
+                raise ValueError(f"{what} {','.join(map(str, values))} {clash}: each is {each}; give each once")
+            named[name] = value
+
+
 def sweep_cells(
     methods: Sequence[Method], workers: Sequence[int], lrs: Sequence[float], seeds: Sequence[int], base: RunConfig
 ) -> list[RunConfig]:
@@ -98,7 +113,8 @@ def compare(
     (one JSON object per run, appended as runs finish), ``report.md``, ``accuracy.png``,
     ``loss.png``, ``orthogonality.png``, ``lr.png``, and ``runs/NAME/`` per run (metrics, checkpoint).
     Single-worker methods (sequential) run once per learning rate and seed. `seeds` defaults to
-    ``[base.seed]``.
+    ``[base.seed]``. A seed or learning rate given twice is refused before any run (`check_distinct`);
+    a worker count given twice is run once.
 
     Nothing finished is lost: into a folder whose ``results.jsonl`` holds runs, a sweep starts only
     with `resume` or `overwrite` (ValueError otherwise). With `resume`, a finished run is taken from
@@ -132,6 +148,7 @@ def compare(
     >>> folder.cleanup()
     """
     out = Path(out)
+    check_distinct(lrs, seeds if seeds is not None else [base.seed])
     for m in methods:
         method_reducer(m)  # fail before any run starts when a reducer is missing
     cells = sweep_cells(methods, workers, lrs, seeds if seeds is not None else [base.seed], base)

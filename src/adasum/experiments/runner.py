@@ -422,11 +422,22 @@ class _Run:
 
     def _load_data(self, dataset: Dataset | None) -> None:
         config = self.config
+        if dataset is not None and dataset.name != config.task:
+            raise ValueError(
+                f"the dataset given is {dataset.name!r}, the config's task {config.task!r}; set the task to the "
+                "dataset's name (the results and checkpoints name the run by its task)"
+            )
         base = dataset if dataset is not None else load_task(config.task, config.data_dir)
         self.data = base.with_validation(config.val_fraction).to(self.device)
         assert self.data.val_x is not None and self.data.val_y is not None  # with_validation split them
         self.train_x, self.train_y = self.data.train_x, self.data.train_y
         if config.train_limit is not None:
+            if config.train_limit > len(self.train_x):  # a limit that limits nothing would name another setting
+                raise ValueError(
+                    f"train limit {config.train_limit} is more than the {len(self.train_x)} training examples of "
+                    f"{self.data.name} (after the validation split of {len(self.data.val_y)}); "
+                    "leave it out to train on all of them"
+                )
             self.train_x, self.train_y = self.train_x[: config.train_limit], self.train_y[: config.train_limit]
         self.steps_per_epoch = len(self.train_x) // (self.workers * config.batch_size)
         if self.steps_per_epoch == 0:
@@ -659,6 +670,7 @@ def train(
     """Train one run and return its result (also written to ``OUT/result.json``).
 
     Simulated unless `distributed` (then one process per worker under torchrun, every method).
+    `dataset`, where given, is used instead of loading ``config.task``, and must be named so.
     The task's training data loses ``config.val_fraction`` to a fixed validation split
     (`Dataset.with_validation`); every epoch evaluates the agreed model on it and on the test set.
     `out_dir` receives ``metrics.jsonl`` (one line per step and per epoch),
