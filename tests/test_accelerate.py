@@ -92,5 +92,12 @@ def test_enable_warns_on_one_process():
         AcceleratorState._reset_state(True)
 
 
+def test_enable_refuses_a_state_that_is_not_an_adasum_state():
+    # refused on one process too (before the warning that there is nothing to combine)
+    with pytest.raises(TypeError, match=r"^adasum.accelerate.enable: state must be an adasum.ddp.AdasumState or None, "
+                       r"got str \('adacons'\); for another reducer pass AdasumState\(reducer=...\)$"):
+        adasum.accelerate.enable(make_model(), "adacons")
+
+
 if __name__ == "__main__":
     job()

@@ -465,6 +465,44 @@ def test_hsdp_2_replicas_x_1_shard():
     assert errors[0]["graphs in the hook"] == [True] * 3, errors[0]["graphs in the hook"]  # three units
 
 
+def part_body(rank, world):
+    """2 x 1: enable on one unit of a model whose root is a fully_shard unit too; the other units would reduce over
+    the shard group only (never across the replicas), so the first reduction raises, the same on every rank."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    mesh = init_device_mesh(DEVICE, (2, 1), mesh_dim_names=("replicate", "shard"))
+    torch.manual_seed(0)
+    model = Net()
+    for block in model.blocks:
+        fully_shard(block, mesh=mesh["shard"])
+    fully_shard(model, mesh=mesh["shard"])
+    state = adasum.fsdp.enable(model.blocks[0], mesh)  # accepted: FSDP knows its root at the first forward only
+    with pytest.raises(ValueError) as e:
+        loss_of(model, *batch(0, rank), rank, torch.float32).backward()
+    return str(e.value), state.reductions
+
+
+def test_enable_on_a_part_of_the_model_is_refused():
+    results = distributed.run(2, part_body, timeout_s=120)
+    assert results[0] == results[1], results
+    message, reductions = results[0]
+    assert message == (
+        "adasum.fsdp: the fully_shard units ['<root>', 'blocks.1'] of the FSDP model are outside the module given to "
+        "adasum.fsdp.enable, so their gradients would not be combined across the replicas; call adasum.fsdp.enable "
+        "on the module that FSDP takes as root (the outermost fully_shard module, whose forward runs first)"
+    ), message
+    assert reductions == 0
+
+
+def test_enable_refuses_an_include_unused_that_is_not_a_flag():
+    # "no" would count as true; refused before anything else (no mesh, no collective)
+    for bad in ("no", 0, None):
+        with pytest.raises(TypeError) as e:
+            adasum.fsdp.enable(nn.Linear(2, 1), None, include_unused=bad)
+        assert str(e.value) == f"adasum.fsdp.enable: include_unused must be True or False, got {bad!r}"
+
+
 def test_unit_view_fails_loudly_on_changed_torch():
     class Unit:  # an FSDP unit whose state lacks what unit_view reads
         def _get_fsdp_state(self):

@@ -462,9 +462,9 @@ else:
     def test_pieces_checked_on_every_axis_size(p: int) -> None:
         """A bad `pieces` is refused on an axis of one device too (where nothing is combined), and a float
         count is named, not failed on deep in the layout."""
-        for pieces, error, message in ((0, ValueError, "pieces must be an int >= 1, got 0"),
-                                       (-1, ValueError, "pieces must be an int >= 1, got -1"),
-                                       (2.0, TypeError, "pieces must be an int >= 1, got 2.0")):
+        for pieces, error, message in ((0, ValueError, "pieces must be an integer >= 1, got 0"),
+                                       (-1, ValueError, "pieces must be an integer >= 1, got -1"),
+                                       (2.0, TypeError, "pieces must be an integer >= 1, got 2.0")):
             f = jax.shard_map(lambda x: aj.all_reduce(x, "data", pieces=pieces), mesh=mesh(p),
                               in_specs=P("data"), out_specs=P("data"))
             with pytest.raises(error, match=f"adasum.jax.all_reduce: {message}"):
@@ -520,7 +520,7 @@ else:
 
     def test_adacons_devices_must_be_a_positive_int() -> None:
         for devices, error in ((0, ValueError), (-1, ValueError), (2.0, TypeError), (True, TypeError)):
-            with pytest.raises(error, match=rf"adasum.jax.adacons: devices must be an int >= 1 or None, "
+            with pytest.raises(error, match=rf"adasum.jax.adacons: devices must be an integer >= 1, "
                                             rf"got {devices!r}"):
                 aj.adacons("data", devices=devices)
         assert aj.adacons("data", devices=np.int64(3)).init(jnp.zeros(2)).sorted_momentum.shape == (1, 3)

@@ -257,5 +257,47 @@ def test_strategies_refuse_options_that_do_not_apply():
         adasum.lightning.AdasumDeltaStrategy(find_unused_parameters=True)
 
 
+def test_strategies_refuse_lightnings_comm_hook_options():
+    # DDPStrategy's own hook options, which neither strategy would apply (Lightning keeps them, unused)
+    from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import fp16_compress_wrapper
+
+    for option, value in [("ddp_comm_wrapper", fp16_compress_wrapper), ("model_averaging_period", 4)]:
+        with pytest.raises(ValueError) as e:
+            adasum.lightning.AdasumDDPStrategy(**{option: value})
+        assert str(e.value).startswith(f"adasum.lightning.AdasumDDPStrategy: {option}= is not applied"), str(e.value)
+    for option in ("ddp_comm_hook", "ddp_comm_state", "ddp_comm_wrapper", "model_averaging_period"):
+        with pytest.raises(ValueError) as e:
+            adasum.lightning.AdasumDeltaStrategy(**{option: object()})
+        assert str(e.value).startswith(f"adasum.lightning.AdasumDeltaStrategy: {option}= does not apply"), str(e.value)
+
+
+def test_a_state_that_is_not_an_adasum_state_is_refused():
+    with pytest.raises(TypeError, match=r"^adasum.lightning.AdasumCallback: state must be an adasum.ddp.AdasumState "
+                       r"or None, got str \('adacons'\); for another reducer pass AdasumState\(reducer=...\)$"):
+        adasum.lightning.AdasumCallback("adacons")
+    with pytest.raises(TypeError, match=r"^adasum.lightning.AdasumDDPStrategy: adasum_state must be an "
+                       r"adasum.ddp.AdasumState or None, got Adasum \(Adasum\(per_tensor=True\)\)"):
+        adasum.lightning.AdasumDDPStrategy(adasum_state=adasum.Adasum())
+
+
+def test_options_are_checked_at_construction():
+    name = "adasum.lightning.AdasumDeltaStrategy"
+    with pytest.raises(ValueError, match=f"^{name}: local_steps must be an integer >= 1, got 0$"):
+        adasum.lightning.AdasumDeltaStrategy(local_steps=0)
+    with pytest.raises(TypeError, match=f"^{name}: local_steps must be an integer >= 1, got 2.0$"):
+        adasum.lightning.AdasumDeltaStrategy(local_steps=2.0)
+    with pytest.raises(ValueError, match=r"^nonfinite must be one of \['propagate', 'raise', 'skip'\], got 'ignore'$"):
+        adasum.lightning.AdasumDeltaStrategy(nonfinite="ignore")
+    with pytest.raises(ValueError, match="unknown reducer 'adasun'"):
+        adasum.lightning.AdasumDeltaStrategy(reducer="adasun")
+    name = "adasum.lightning.AdasumStatistics"
+    with pytest.raises(TypeError, match=f"^{name}: every_n_steps must be an integer >= 1, got 2.5$"):
+        adasum.lightning.AdasumStatistics(every_n_steps=2.5)
+    with pytest.raises(TypeError, match=f"^{name}: every_n_steps must be an integer >= 1, got '2'$"):
+        adasum.lightning.AdasumStatistics(every_n_steps="2")
+    with pytest.raises(ValueError, match=f"^{name}: every_n_steps must be an integer >= 1, got 0$"):
+        adasum.lightning.AdasumStatistics(every_n_steps=0)
+
+
 if __name__ == "__main__":
     job()

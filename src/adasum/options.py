@@ -1,6 +1,7 @@
 """The string options of the public API as types: each a `Literal` that the signatures carry (type checkers and
 editors show the choices), and `check_option`, the one runtime test of a value against it (callers need not run a
-type checker).
+type checker); and the runtime tests of the other kinds of option, counts (`check_count`), numbers in a range
+(`check_number`) and flags (`check_flag`), each raising the same message wherever the option is taken.
 
 >>> check_option("nonfinite", "skip", Nonfinite)
 >>> check_option("mode", "deltas", Mode)
@@ -11,7 +12,8 @@ ValueError: mode must be one of ['delta', 'gradient'], got 'deltas'
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+import numbers
+from collections.abc import Callable, Iterable
 from typing import Any, Literal, get_args
 
 Nonfinite = Literal["propagate", "raise", "skip"]
@@ -41,3 +43,36 @@ def check_option(name: str, value: object, option: Any, allowed: Iterable[str] |
     values = list(choices(option) if allowed is None else allowed)
     if value not in values:
         raise ValueError(f"{name} must be one of {values}, got {value!r}")
+
+
+def check_count(operation: str, name: str, value: object) -> None:
+    """Raise unless `value` is an integer >= 1 (not a bool): TypeError for another type, ValueError below 1.
+
+    >>> check_count("adasum.SlowMo", "local_steps", 1.5)
+    Traceback (most recent call last):
+    TypeError: adasum.SlowMo: local_steps must be an integer >= 1, got 1.5
+    """
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
+        raise TypeError(f"{operation}: {name} must be an integer >= 1, got {value!r}")
+    if value < 1:
+        raise ValueError(f"{operation}: {name} must be an integer >= 1, got {value!r}")
+
+
+def check_number(operation: str, name: str, value: object, allowed: str, ok: Callable[[float], bool]) -> None:
+    """Raise unless `value` is a real number (not a bool) for which `ok` holds; `allowed` says which in the message:
+    TypeError for another type, ValueError for a number `ok` refuses (NaN fails every comparison).
+
+    >>> check_number("adasum.SlowMo", "slow_lr", float("nan"), "a finite number > 0", lambda v: 0 < v < float("inf"))
+    Traceback (most recent call last):
+    ValueError: adasum.SlowMo: slow_lr must be a finite number > 0, got nan
+    """
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+        raise TypeError(f"{operation}: {name} must be {allowed}, got {value!r}")
+    if not ok(float(value)):
+        raise ValueError(f"{operation}: {name} must be {allowed}, got {value!r}")
+
+
+def check_flag(operation: str, name: str, value: object) -> None:
+    """Raise TypeError unless `value` is True or False (a string such as "no" would count as true)."""
+    if not isinstance(value, bool):
+        raise TypeError(f"{operation}: {name} must be True or False, got {value!r}")

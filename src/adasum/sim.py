@@ -44,9 +44,8 @@ from torch.func import functional_call, grad, vmap
 
 from adasum.collectives.nonfinite import NonFinite, check_policy, decide_nonfinite
 from adasum.diagnostics import Orthogonality, orthogonality_stacked
-from adasum.integrations.optim import check_count
 from adasum.integrations.slowmo import check_slow_options, slow_momentum_update
-from adasum.options import Mode, Nonfinite, check_option
+from adasum.options import Mode, Nonfinite, check_count, check_option
 from adasum.reducers import Reducer, get_reducer
 
 # Optimizers whose update of each element depends only on that element's history: over a

@@ -41,6 +41,9 @@ def enable(model: torch.nn.Module, state: AdasumState | None = None) -> AdasumSt
         The hook's state (``state.iteration`` counts the combined iterations), or None when there
         is nothing to do: one process, or a model that is not DistributedDataParallel (both warn).
 
+    Raises:
+        TypeError: `state` is not an `adasum.ddp.AdasumState` (or None), also on one process.
+
     >>> state = adasum.accelerate.enable(model, AdasumState(reducer="adacons"))  # doctest: +SKIP
     """
     inner = getattr(model, "module", model)

@@ -83,7 +83,7 @@ def broadcast_optimizer_state(optimizer: Any, root: int = 0, group: dist.Process
     """Give every rank rank `root`'s optimizer state (``state_dict()``, then ``load_state_dict()``):
     learning rates, momentum buffers, Adam moments and step counters, also where other ranks have no
     state yet (never stepped). Works on a torch optimizer, an `adasum.DistributedOptimizer` or anything
-    with ``state_dict()`` / ``load_state_dict()``.
+    with ``param_groups`` (whose parameters are checked), ``state_dict()`` and ``load_state_dict()``.
 
     The state's structure goes as one pickled object from `root`, its tensors as fused broadcasts;
     first every rank checks that all hold parameters of the same shapes and dtypes (ValueError on every

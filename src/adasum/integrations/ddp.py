@@ -53,6 +53,7 @@ annotations with ``dist.GradBucket`` and ``torch.futures.Future[torch.Tensor]`` 
 """
 
 import contextlib
+import math
 import weakref
 from collections.abc import Iterable
 from dataclasses import dataclass
@@ -65,7 +66,7 @@ from adasum.collectives.agreement import agree
 from adasum.collectives.nonfinite import NonFiniteError, apply_nonfinite_policy, check_policy
 from adasum.collectives.plan import prepare
 from adasum.core.statistics import StepStatistics
-from adasum.options import Nonfinite
+from adasum.options import Nonfinite, check_number
 from adasum.reducers import Adasum, Reducer, get_reducer
 from adasum.transport.groups import communicator, failures_named, side_stream
 
@@ -87,9 +88,10 @@ class AdasumState:
     reducer's per-call layout check: DDP verifies the parameters across ranks at construction and
     keeps the buckets identical on every rank.
 
-    ``batch_mb`` (default `BATCH_MB`; 0: bucket by bucket): with a per-tensor reducer, buckets are
-    combined in batches of at least this many MB (module doc); the symmetric-memory transport's staging
-    buffers grow with the largest batch, within the memory budget (``memory_mb``). Reducers that combine several
+    ``batch_mb`` (default `BATCH_MB`; 0: bucket by bucket; a finite number >= 0, else TypeError or
+    ValueError): with a per-tensor reducer, buckets are combined in batches of at least this many MB (module
+    doc); the symmetric-memory transport's staging buffers grow with the largest batch, within the memory
+    budget (``memory_mb``). Reducers that combine several
     tensors with shared coefficients (``per_tensor=False``: AdaCons' default, whole-model Adasum)
     always go bucket by bucket.
 
@@ -123,8 +125,8 @@ class AdasumState:
                 "use 'raise' and catch adasum.NonFiniteError, or check the gradients before optimizer.step()"
             )
         check_policy(nonfinite, HOOK_POLICIES)
-        if not batch_mb >= 0:
-            raise ValueError(f"batch_mb must be >= 0, got {batch_mb!r}")
+        check_number("adasum.ddp.AdasumState", "batch_mb", batch_mb, "a finite number >= 0 (MB)",
+                     lambda v: 0 <= v < math.inf)
         if hierarchical:
             if isinstance(reducer, Reducer) or reducer != "adasum":
                 raise ValueError(

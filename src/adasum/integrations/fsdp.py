@@ -66,11 +66,13 @@ across; Adasum across the shard ranks themselves, each rank's micro-batch gradie
 later step), native 2-D HSDP (``fully_shard(mesh=mesh)`` hard-codes its averaging all-reduce),
 ``set_requires_all_reduce(False)`` (use ``set_requires_gradient_sync(False)`` to accumulate),
 a second `enable` on a model with a unit enabled already (ValueError, before any collective),
-hierarchical Adasum, and `adasum.DistributedOptimizer` / `adasum.SlowMo` on sharded parameters
-(`check_not_sharded`).
+`enable` on a part of the FSDP model (a module inside FSDP's root, e.g. one block: the units outside it would
+reduce over the shard group only; FSDP knows its root from the first forward on, so the first reduction raises
+ValueError naming those units, the same on every rank), hierarchical Adasum, and `adasum.DistributedOptimizer` /
+`adasum.SlowMo` on sharded parameters (`check_not_sharded`).
 
-FSDP's private state is read in one section, `unit_view` and, on torches without the setter,
-`fill_unused_grads`; both raise a RuntimeError naming what is missing, at `enable`.
+FSDP's private state is read in one section, `unit_view`, `tree_units` and, on torches without the setter,
+`fill_unused_grads`; each raises a RuntimeError naming what is missing, at `enable`.
 """
 
 from __future__ import annotations
@@ -85,6 +87,7 @@ import torch.distributed as dist
 import torch.nn as nn
 
 from adasum.collectives.agreement import agree, signature
+from adasum.options import check_flag
 from adasum.reducers import Reducer, ShardGroups, get_reducer
 from adasum.settings import current
 from adasum.transport.groups import control_group, side_stream
@@ -146,10 +149,10 @@ def _used_on_current_stream(buffer: torch.Tensor) -> None:
 def unit_view(module: nn.Module) -> UnitView | None:
     """Read one unit's layout and flags from FSDP2's private state; None for a unit without parameters.
 
-    The one function of adasum that touches FSDP's internals (``FSDPParamGroup.fsdp_params``,
-    ``FSDPParam.padded_sharded_param_size`` / ``sharded_param`` / ``_param_fqn``, the group's
-    ``reduce_scatter_unused_params``, ``all_reduce_grads``, ``mp_policy``,
-    ``force_sum_reduction_for_comms``); raises RuntimeError naming what is missing.
+    One of the three functions of adasum that touch FSDP's internals (with `tree_units` and `fill_unused_grads`);
+    it reads ``FSDPParamGroup.fsdp_params``, ``FSDPParam.padded_sharded_param_size`` / ``sharded_param`` /
+    ``_param_fqn``, the group's ``reduce_scatter_unused_params``, ``all_reduce_grads``, ``mp_policy``,
+    ``force_sum_reduction_for_comms``; raises RuntimeError naming what is missing.
     """
     group = _param_group(module)
     if group is None:
@@ -168,6 +171,30 @@ def unit_view(module: nn.Module) -> UnitView | None:
     # FSDP divides after the hook only where it cannot divide inside the reduction (fp16, forced sums)
     post_divides = force_sum or (reduce_dtype is not None and reduce_dtype not in (torch.float32, torch.bfloat16))
     return UnitView(segments, names, reduce_dtype, include_unused, all_reduce, post_divides)
+
+
+def tree_units(module: nn.Module) -> list[tuple[str, nn.Module]]:
+    """(name in FSDP's root, module) of every `fully_shard` unit with trainable parameters in the FSDP tree that the
+    unit `module` belongs to; known once FSDP's lazy init ran (the root's first forward), [] before.
+
+    Reads ``FSDPState._state_ctx.all_states`` (the root's first) and each state's ``_modules``; raises RuntimeError
+    naming what is missing.
+    """
+    state = module._get_fsdp_state()  # type: ignore[operator]  # FSDPModule's: the stubs don't join it with Module
+    try:
+        states = list(state._state_ctx.all_states)
+        modules = [m for s in states for m in s._modules]
+    except AttributeError as e:
+        raise RuntimeError(_MISSING.format(what=e, version=torch.__version__)) from e
+    if not modules:
+        return []
+    names = {id(m): name or "<root>" for name, m in modules[0].named_modules()}
+    out = []
+    for m in modules:
+        view = unit_view(m)
+        if view is not None and view.segments:
+            out.append((names.get(id(m), type(m).__name__), m))
+    return out
 
 
 def fill_unused_grads(module: nn.Module) -> None:
@@ -296,6 +323,7 @@ class FSDPState:
         self.agreements = 0
         self._agreed: dict[str, tuple] = {}  # each unit's layout, the same on every rank
         self._probe: _Probe | None = None
+        self._tree_checked = False  # every unit of FSDP's tree has this state's hooks (`_check_tree`)
 
     def _layouts(self) -> dict[str, tuple]:
         """This rank's layout of every unit with trainable parameters (host only: FSDP's state)."""
@@ -331,8 +359,25 @@ class FSDPState:
         else:
             self.agree_layouts()
 
+    def _check_tree(self, unit: nn.Module) -> None:
+        """At the first reduction (FSDP knows its root from the first forward on): every unit with trainable
+        parameters in the FSDP tree of `unit` was enabled, or ValueError (the same on every rank: the same model)."""
+        if self._tree_checked:
+            return
+        outside = [name for name, m in tree_units(unit) if not hasattr(m, ENABLED)]
+        if outside:
+            raise ValueError(
+                f"adasum.fsdp: the fully_shard units {outside} of the FSDP model are outside the module given to "
+                "adasum.fsdp.enable, so their gradients would not be combined across the replicas; call "
+                "adasum.fsdp.enable on the module that FSDP takes as root (the outermost fully_shard module, whose "
+                "forward runs first)"
+            )
+        self._tree_checked = True
+
     def reduce_unit(self, unit: nn.Module, key: str, buffer: torch.Tensor) -> None:
-        """The all-reduce hook of one unit: the layout agreed across the mesh, then combine."""
+        """The all-reduce hook of one unit: the whole FSDP tree enabled (checked once), the layout agreed across
+        the mesh, then combine."""
+        self._check_tree(unit)
         view = unit_view(unit)
         if view is None:
             return
@@ -442,9 +487,11 @@ def enable(
     """Combine the gradients of an FSDP2 model across the "replicate" dim of `mesh` with `reducer`.
 
     `model` must have been sharded with ``fully_shard(..., mesh=mesh["shard"])`` on every unit
-    (module doc). Installs one all-reduce hook per unit; collective (call it on every rank). Once per
-    model: a model with a unit enabled already raises ValueError (before any collective).
-    ``include_unused`` sets FSDP's ``set_reduce_scatter_unused_params`` on every unit. Returns the
+    (module doc), and be FSDP's root (the outermost `fully_shard` module): a unit of FSDP's tree outside `model`
+    makes the first reduction raise ValueError. Installs one all-reduce hook per unit; collective (call it on
+    every rank). Once per model: a model with a unit enabled already raises ValueError (before any collective).
+    ``include_unused`` (True or False, else TypeError) sets FSDP's ``set_reduce_scatter_unused_params`` on
+    every unit. Returns the
     `FSDPState`; checkpoint it with the model and optimizer to keep AdaCons' momentum.
 
     >>> state = adasum.fsdp.enable(model, mesh)                      # Adasum  # doctest: +SKIP
@@ -472,6 +519,7 @@ def enable(
     """
     from torch.distributed.fsdp import FSDPModule
 
+    check_flag("adasum.fsdp.enable", "include_unused", include_unused)
     if not hasattr(FSDPModule, "set_all_reduce_hook"):
         raise RuntimeError(
             f"adasum.fsdp needs FSDPModule.set_all_reduce_hook, which torch {torch.__version__} does not have "
@@ -502,6 +550,7 @@ def enable(
         options["stream"] = side_stream(torch.device("cuda", torch.cuda.current_device()), "fsdp")
     for name, unit in units:
         unit_view(unit)  # fails now, not in backward, if torch's state is not what we read
+        tree_units(unit)
         if include_unused and setter:
             unit.set_reduce_scatter_unused_params(True)
         elif include_unused:

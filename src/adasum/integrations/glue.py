@@ -31,6 +31,16 @@ def warn_one_process(user: str, launch: str) -> bool:
     return True
 
 
+def check_state(state: object, user: str, name: str = "state") -> None:
+    """Raise TypeError unless `state` (the argument `name` of `user`) is an `AdasumState` or None: anything else
+    would be handed to the hook, which fails at the first backward pass (or, on one process, be ignored)."""
+    if state is not None and not isinstance(state, AdasumState):
+        raise TypeError(
+            f"{user}: {name} must be an adasum.ddp.AdasumState or None, got {type(state).__name__} ({state!r}); "
+            "for another reducer pass AdasumState(reducer=...)"
+        )
+
+
 def register_hook(
     model: torch.nn.Module | None,
     state: AdasumState | None,
@@ -43,7 +53,8 @@ def register_hook(
     """Register `adasum_hook` on `model` with `state` (default: an `AdasumState` that names the
     parameters) and return the state; warn and return None when the model is not wrapped in
     DistributedDataParallel (`not_ddp` says what to do) or runs in one process (`launch` says how to
-    start several)."""
+    start several). A `state` that is not an `AdasumState` raises TypeError (`check_state`), also on one process."""
+    check_state(state, user)
     if warn_one_process(user, launch):
         return None
     if not isinstance(model, DistributedDataParallel):

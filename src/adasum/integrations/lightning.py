@@ -37,14 +37,17 @@ import torch  # noqa: E402
 from lightning.pytorch.overrides.distributed import _sync_module_states  # noqa: E402
 from lightning.pytorch.strategies import DDPStrategy, StrategyRegistry  # noqa: E402
 
+from adasum.collectives.nonfinite import check_policy  # noqa: E402
 from adasum.integrations.ddp import AdasumState  # noqa: E402
-from adasum.integrations.glue import register_hook, warn_one_process  # noqa: E402
+from adasum.integrations.glue import check_state, register_hook, warn_one_process  # noqa: E402
 from adasum.integrations.loggers import PREFIX, HasStatistics, scalars  # noqa: E402
 from adasum.integrations.optim import DistributedOptimizer  # noqa: E402
-from adasum.options import Nonfinite  # noqa: E402
-from adasum.reducers import Reducer  # noqa: E402
+from adasum.options import Nonfinite, check_count  # noqa: E402
+from adasum.reducers import Reducer, get_reducer  # noqa: E402
 
 LAUNCH = "torchrun --nproc-per-node N, or Trainer(devices=N)"
+HOOK_OPTIONS = ("ddp_comm_hook", "ddp_comm_state", "ddp_comm_wrapper", "model_averaging_period")
+"""DDPStrategy's options for a DDP communication hook of its own: the strategies here do not apply them."""
 
 __all__ = ["AdasumCallback", "AdasumDDPStrategy", "AdasumDeltaStrategy", "AdasumStatistics"]
 
@@ -56,6 +59,7 @@ class AdasumCallback(pl.Callback):
     Args:
         state: the hook's state (default: ``AdasumState(named_parameters=...)`` of the
             LightningModule, made when fitting starts); read ``callback.state.iteration`` afterwards.
+            Anything else than an `AdasumState` or None raises TypeError.
 
     Warns, and does nothing, when there is one process, when the strategy does not wrap the model in
     DistributedDataParallel, or when it is ``"ddp_adasum"`` (which registers the hook itself).
@@ -64,6 +68,7 @@ class AdasumCallback(pl.Callback):
     """
 
     def __init__(self, state: AdasumState | None = None) -> None:
+        check_state(state, "adasum.lightning.AdasumCallback")
         self.state = state
 
     def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
@@ -93,8 +98,11 @@ class AdasumDDPStrategy(DDPStrategy):
     Args:
         adasum_state: the hook's state (default: ``AdasumState(named_parameters=...)`` of the
             LightningModule); ``strategy.adasum_state.iteration`` counts the combined iterations.
+            Anything else than an `AdasumState` or None raises TypeError.
         **kwargs: DDPStrategy's arguments (``find_unused_parameters``, ``static_graph``,
-            ``process_group_backend``, ...), except ``ddp_comm_hook``, which this strategy sets.
+            ``process_group_backend``, ...), except its hook options (``ddp_comm_hook``,
+            ``ddp_comm_state``, ``ddp_comm_wrapper``, ``model_averaging_period``): this strategy
+            registers `adasum.ddp.adasum_hook` itself, so they raise ValueError.
 
     >>> trainer = L.Trainer(strategy=AdasumDDPStrategy(AdasumState(reducer="adacons")))  # doctest: +SKIP
     """
@@ -104,6 +112,19 @@ class AdasumDDPStrategy(DDPStrategy):
             raise ValueError(
                 "AdasumDDPStrategy registers the Adasum hook itself; pass adasum_state=, not ddp_comm_hook="
             )
+        hints = {
+            "ddp_comm_wrapper": "to combine half-precision gradients, register fp16_compress_wrapper(adasum_hook) on "
+            "the DDP model yourself (adasum.ddp)",
+            "model_averaging_period": "it goes with torch's post-localSGD hook; for local SGD with Adasum use "
+            "strategy='ddp_adasum_delta' with local_steps=",
+        }
+        for option, hint in hints.items():
+            if kwargs.get(option) is not None:
+                raise ValueError(
+                    f"adasum.lightning.AdasumDDPStrategy: {option}= is not applied (the strategy registers "
+                    f"adasum.ddp.adasum_hook itself); {hint}"
+                )
+        check_state(adasum_state, "adasum.lightning.AdasumDDPStrategy", "adasum_state")
         super().__init__(**kwargs)
         self.adasum_state = adasum_state
 
@@ -137,8 +158,12 @@ class AdasumDeltaStrategy(DDPStrategy):
         local_steps: local optimizer steps between combinations (local SGD with `reducer`).
         nonfinite: DistributedOptimizer's policy for NaN/Inf gradients ("propagate", "raise", "skip").
         **kwargs: DDPStrategy's process arguments (``process_group_backend``, ``timeout``,
-            ``start_method``, ``cluster_environment``, ...); DDP's own options are refused, as no
-            DDP model is built.
+            ``start_method``, ``cluster_environment``, ...); DDP's own options and DDPStrategy's hook
+            options (``ddp_comm_hook``, ``ddp_comm_wrapper``, ...) raise ValueError, as no DDP model
+            is built.
+
+    `reducer`, `local_steps` and `nonfinite` are checked at construction (as
+    `adasum.DistributedOptimizer` checks them), before any process starts.
 
     Buffers (BatchNorm statistics) stay local after the first broadcast, as in Horovod. Gradient
     accumulation (``accumulate_grad_batches``), clipping (``gradient_clip_val``) and LR schedulers
@@ -151,6 +176,16 @@ class AdasumDeltaStrategy(DDPStrategy):
     def __init__(
         self, reducer: str | Reducer = "adasum", local_steps: int = 1, nonfinite: Nonfinite = "propagate", **kwargs: Any
     ) -> None:
+        operation = "adasum.lightning.AdasumDeltaStrategy"
+        for option in HOOK_OPTIONS:
+            if kwargs.get(option) is not None:
+                raise ValueError(
+                    f"{operation}: {option}= does not apply: this strategy builds no DDP model, so no DDP "
+                    "communication hook runs (adasum.DistributedOptimizer combines the optimizers' steps)"
+                )
+        get_reducer(reducer)  # an unknown name raises here, not when fitting starts
+        check_count(operation, "local_steps", local_steps)
+        check_policy(nonfinite)
         super().__init__(**kwargs)
         if self._ddp_kwargs:
             raise ValueError(
@@ -198,12 +233,13 @@ class AdasumStatistics(pl.Callback):
     ``adasum/optimizer_<i>/<key>``). Every rank holds the same values; reading them waits for the device
     once per logged step, and adds no collective.
 
+    ``every_n_steps`` is an integer >= 1 (TypeError for another type, ValueError below 1).
+
     >>> trainer = L.Trainer(strategy="ddp_adasum", callbacks=[AdasumStatistics()])  # doctest: +SKIP
     """
 
     def __init__(self, every_n_steps: int = 1) -> None:
-        if every_n_steps < 1:
-            raise ValueError(f"every_n_steps must be >= 1, got {every_n_steps}")
+        check_count("adasum.lightning.AdasumStatistics", "every_n_steps", every_n_steps)
         self.every_n_steps = every_n_steps
 
     def on_train_batch_end(

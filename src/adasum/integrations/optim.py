@@ -64,7 +64,6 @@ from __future__ import annotations
 import gc
 import hashlib
 import math
-import numbers
 from collections import OrderedDict, deque
 from collections.abc import Callable, Iterable
 from typing import Any, cast
@@ -77,7 +76,7 @@ from adasum.collectives.agreement import Problem, agree, check_not_sharded, chec
 from adasum.collectives.nonfinite import apply_nonfinite_policy, check_policy, nonfinite_message
 from adasum.core.layout import Scattered, flatten, unflatten_into
 from adasum.core.statistics import StepStatistics
-from adasum.options import Mode, Nonfinite, check_option
+from adasum.options import Mode, Nonfinite, check_count, check_flag, check_number, check_option
 from adasum.reducers import Reducer, get_reducer
 from adasum.transport.groups import communicator, control_group, failures_named, group_device, side_stream
 
@@ -243,39 +242,6 @@ def optimizer_param_names(optimizer: torch.optim.Optimizer) -> list[str] | None:
             return None
         names.extend(group_names)
     return names
-
-
-def check_count(operation: str, name: str, value: object) -> None:
-    """Raise unless `value` is an integer >= 1 (not a bool): TypeError for another type, ValueError below 1.
-
-    >>> check_count("adasum.SlowMo", "local_steps", 1.5)
-    Traceback (most recent call last):
-    TypeError: adasum.SlowMo: local_steps must be an integer >= 1, got 1.5
-    """
-    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
-        raise TypeError(f"{operation}: {name} must be an integer >= 1, got {value!r}")
-    if value < 1:
-        raise ValueError(f"{operation}: {name} must be an integer >= 1, got {value!r}")
-
-
-def check_number(operation: str, name: str, value: object, allowed: str, ok: Callable[[float], bool]) -> None:
-    """Raise unless `value` is a real number (not a bool) for which `ok` holds; `allowed` says which in the message:
-    TypeError for another type, ValueError for a number `ok` refuses (NaN fails every comparison).
-
-    >>> check_number("adasum.SlowMo", "slow_lr", float("nan"), "a finite number > 0", lambda v: 0 < v < math.inf)
-    Traceback (most recent call last):
-    ValueError: adasum.SlowMo: slow_lr must be a finite number > 0, got nan
-    """
-    if isinstance(value, bool) or not isinstance(value, numbers.Real):
-        raise TypeError(f"{operation}: {name} must be {allowed}, got {value!r}")
-    if not ok(float(value)):
-        raise ValueError(f"{operation}: {name} must be {allowed}, got {value!r}")
-
-
-def check_flag(operation: str, name: str, value: object) -> None:
-    """Raise TypeError unless `value` is True or False (a string such as "no" would count as true)."""
-    if not isinstance(value, bool):
-        raise TypeError(f"{operation}: {name} must be True or False, got {value!r}")
 
 
 def check_wrappable(optimizer: object, operation: str) -> None:

@@ -24,15 +24,8 @@ import torch.distributed as dist
 from adasum.collectives.agreement import agree, local_problem
 from adasum.collectives.nonfinite import apply_nonfinite_policy, check_policy
 from adasum.core.statistics import StepStatistics
-from adasum.integrations.optim import (
-    check_count,
-    check_flag,
-    check_number,
-    check_same_parameters,
-    check_wrappable,
-    optimizer_param_names,
-)
-from adasum.options import Buffers, Nonfinite, check_option
+from adasum.integrations.optim import check_same_parameters, check_wrappable, optimizer_param_names
+from adasum.options import Buffers, Nonfinite, check_count, check_flag, check_number, check_option
 from adasum.reducers import Mean, Reducer, get_reducer
 from adasum.transport.groups import failures_named, group_device
 

@@ -42,6 +42,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from adasum.core.tree import Tree  # the same tree as the PyTorch side (one definition)
+from adasum.options import check_count
 
 MAX_CHUNK = 1024
 """Each leaf is padded to whole chunks of at most this many elements, so per-leaf sums are a
@@ -372,10 +373,7 @@ def all_reduce(tree: Any, axis_name: Any, *, per_leaf: bool = True, accumulate: 
     leaves, treedef = jax.tree.flatten(tree)
     check_leaves(leaves, "adasum.jax.all_reduce")
     acc = accumulation_dtype(accumulate)
-    if not isinstance(pieces, (int, np.integer)) or isinstance(pieces, bool):
-        raise TypeError(f"adasum.jax.all_reduce: pieces must be an int >= 1, got {pieces!r}")
-    if pieces < 1:
-        raise ValueError(f"adasum.jax.all_reduce: pieces must be an int >= 1, got {pieces!r}")
+    check_count("adasum.jax.all_reduce", "pieces", pieces)
     workers = axis_size(axis_name, "adasum.jax.all_reduce")
     if workers == 1 or not leaves:
         return tree

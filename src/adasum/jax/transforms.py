@@ -27,11 +27,10 @@ from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 import optax
 
 from adasum.jax.collective import accumulation_dtype, all_reduce, axis_size, check_leaves, check_per_device, zero_norm
-from adasum.options import Scale, check_option
+from adasum.options import Scale, check_count, check_option
 
 
 class AdasumState(NamedTuple):
@@ -143,10 +142,7 @@ def adacons(
         raise ValueError(f"momentum must be in [0, 1), got {momentum}")
     check_option("scale", scale, Scale)
     if devices is not None:
-        if not isinstance(devices, (int, np.integer)) or isinstance(devices, bool):
-            raise TypeError(f"adasum.jax.adacons: devices must be an int >= 1 or None, got {devices!r}")
-        if devices < 1:
-            raise ValueError(f"adasum.jax.adacons: devices must be an int >= 1 or None, got {devices!r}")
+        check_count("adasum.jax.adacons", "devices", devices)
 
     def init(params: Any) -> AdaConsState:
         leaves = jax.tree.leaves(params)
