@@ -228,5 +228,15 @@ def test_broadcast_on_one_process_changes_nothing():
             adasum.broadcast_parameters(model.state_dict(), root=1)  # not a peer that died: a bad argument
         with pytest.raises(ValueError, match=r"broadcast_optimizer_state: root=True is not a rank"):
             adasum.broadcast_optimizer_state(torch.optim.SGD(model.parameters(), lr=0.1), root=True)
+        # the wrong object: named, not failed on inside ('Linear' object is not iterable, no attribute 'data_ptr')
+        with pytest.raises(TypeError, match=r"broadcast_parameters takes model.state_dict\(\), model.parameters\(\) "
+                                            r"or model.named_parameters\(\), not the Net itself"):
+            adasum.broadcast_parameters(model)
+        with pytest.raises(TypeError, match=r"broadcast_parameters: item 0 is a dict, not a tensor or a \(name, "):
+            adasum.broadcast_parameters(torch.optim.SGD(model.parameters(), lr=0.1).state_dict().values())
+        with pytest.raises(TypeError, match=r"broadcast_parameters takes a dict or an iterable .*, got int"):
+            adasum.broadcast_parameters(3)
+        with pytest.raises(TypeError, match=r"broadcast_optimizer_state takes an optimizer .*, got Net"):
+            adasum.broadcast_optimizer_state(model)
     finally:
         dist.destroy_process_group()

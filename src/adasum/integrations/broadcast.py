@@ -104,6 +104,9 @@ def broadcast_optimizer_state(optimizer: Any, root: int = 0, group: dist.Process
     >>> dist.destroy_process_group()
     """
     operation = "adasum.broadcast_optimizer_state"
+    if not all(hasattr(optimizer, a) for a in ("param_groups", "state_dict", "load_state_dict")):
+        raise TypeError(f"{operation} takes an optimizer (param_groups, state_dict() and load_state_dict()), "
+                        f"got {type(optimizer).__name__}")
     params = [p for g in optimizer.param_groups for p in g["params"]]
     with failures_named(operation, "the parameter layout check", group):
         check_same_layout(
@@ -178,11 +181,21 @@ def _device(kind: str, group: dist.ProcessGroup | None) -> torch.device:
 
 
 def _tensors(params: Params) -> list[torch.Tensor]:
+    """The tensors of `params` (a dict in sorted key order); TypeError for anything else, before any collective."""
+    operation = "adasum.broadcast_parameters"
+    if isinstance(params, torch.nn.Module):
+        raise TypeError(f"{operation} takes model.state_dict(), model.parameters() or model.named_parameters(), "
+                        f"not the {type(params).__name__} itself")
     if isinstance(params, Mapping):
-        return [params[k] for k in sorted(params)]
-    out = []
-    for item in params:
-        out.append(item[1] if isinstance(item, tuple) else item)
+        out = [params[k] for k in sorted(params)]
+    elif isinstance(params, Iterable) and not isinstance(params, torch.Tensor):
+        out = [item[1] if isinstance(item, tuple) and len(item) == 2 else item for item in params]
+    else:
+        raise TypeError(f"{operation} takes a dict or an iterable of tensors or (name, tensor) pairs, "
+                        f"got {type(params).__name__}")
+    for i, t in enumerate(out):
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"{operation}: item {i} is a {type(t).__name__}, not a tensor or a (name, tensor) pair")
     return out
 
 
