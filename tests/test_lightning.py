@@ -180,6 +180,11 @@ def job() -> None:
     fit(module, "ddp", [callback])
     check_first_step(module, sgd_step)
     assert callback.state.iteration == STEPS
+    first = callback.state
+    module = Tiny()
+    fit(module, "ddp", [callback])  # the same callback in a second fit: a new DDP model, so a new state
+    check_first_step(module, sgd_step)
+    assert callback.state is not first and callback.state.iteration == STEPS
     report("callback")
 
     module = Tiny()

@@ -58,8 +58,9 @@ class AdasumCallback(pl.Callback):
 
     Args:
         state: the hook's state (default: ``AdasumState(named_parameters=...)`` of the
-            LightningModule, made when fitting starts); read ``callback.state.iteration`` afterwards.
-            Anything else than an `AdasumState` or None raises TypeError.
+            LightningModule, made anew each time fitting starts, so that the callback serves several
+            fits); read ``callback.state.iteration`` afterwards. A state given here belongs to one DDP
+            model, so to one fit. Anything else than an `AdasumState` or None raises TypeError.
 
     Warns, and does nothing, when there is one process, when the strategy does not wrap the model in
     DistributedDataParallel, or when it is ``"ddp_adasum"`` (which registers the hook itself).
@@ -70,6 +71,7 @@ class AdasumCallback(pl.Callback):
     def __init__(self, state: AdasumState | None = None) -> None:
         check_state(state, "adasum.lightning.AdasumCallback")
         self.state = state
+        self._given = state  # None: a new state for each fit (each fit wraps its model in a new DDP model)
 
     def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         """Register the hook on the DDP-wrapped model (or warn that there is none)."""
@@ -83,12 +85,12 @@ class AdasumCallback(pl.Callback):
             return
         self.state = register_hook(
             trainer.strategy.model,
-            self.state,
+            self._given,
             pl_module.named_parameters(),
             user="adasum.lightning.AdasumCallback",
             launch=LAUNCH,
             not_ddp=f"the strategy is {type(trainer.strategy).__name__}; use strategy='ddp' or 'ddp_adasum'",
-        ) or self.state
+        ) or self._given
 
 
 class AdasumDDPStrategy(DDPStrategy):
