@@ -77,6 +77,13 @@ def test_mismatched_inputs_raise():
         adasum.reduce([torch.ones(3), torch.ones(3, dtype=torch.float64)])
     with pytest.raises(ValueError):
         adasum.reduce([])
+    # per-worker lists (the reducers' form) are named, not failed on inside ('list' object has no attribute 'dtype')
+    x = torch.ones(3)
+    with pytest.raises(TypeError, match=r"adasum.reduce takes one tensor per worker, got a list for worker 0; "
+                                        r"for a list of tensors per worker use adasum.Adasum\(\).reduce"):
+        adasum.reduce([[x], [x]])
+    with pytest.raises(TypeError, match=r"adasum.combine takes two tensors, got list and list"):
+        adasum.combine([x], [x])
 
 
 @pytest.mark.parametrize("workers", list(range(1, 10)) + [16, 17, 31])

@@ -16,6 +16,9 @@ from adasum.kernels import combine_from_sums, dot_and_norms
 
 def combine_weighted(a: torch.Tensor, b: torch.Tensor, workers_a: int, workers_b: int) -> torch.Tensor:
     """The operator for `a` standing for `workers_a` workers and `b` for `workers_b` (module doc)."""
+    if not isinstance(a, torch.Tensor) or not isinstance(b, torch.Tensor):
+        raise TypeError(f"adasum.combine takes two tensors, got {type(a).__name__} and {type(b).__name__}; for "
+                        "lists of tensors per worker use adasum.Adasum().reduce([list_a, list_b])")
     if a.shape != b.shape:
         raise ValueError(f"shapes differ: {tuple(a.shape)} and {tuple(b.shape)}")
     if a.dtype != b.dtype:
@@ -56,6 +59,12 @@ def reduce(tensors: Sequence[torch.Tensor]) -> torch.Tensor:
     """
     if len(tensors) == 0:
         raise ValueError("reduce needs at least one tensor")
+    for i, t in enumerate(tensors):
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(
+                f"adasum.reduce takes one tensor per worker, got a {type(t).__name__} for worker {i}; for a list "
+                "of tensors per worker use adasum.Adasum().reduce(per_worker) (each tensor combined on its own)"
+            )
     first = tensors[0]
     check_floating(first.dtype)
     for t in tensors[1:]:
