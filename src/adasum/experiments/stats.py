@@ -2,9 +2,7 @@
 
 Runs of one seed share the data order and the initialisation, so two methods are compared seed by
 seed: the mean of the paired differences, its 95% Student-t interval and a two-sided p-value
-(`scipy.stats.ttest_1samp` on the differences; where every difference is the same, the t statistic is
-0/0 or infinite, and the p-value is the exact sign-flip test's instead, 2 / 2^n for n equal non-zero
-differences: with 2 or 3 seeds such pairs prove nothing). A report makes many such comparisons; `holm`
+(`scipy.stats.ttest_1samp` on the differences). A report makes many such comparisons; `holm`
 adjusts their p-values so that the chance of any false "better" or "worse" among them stays at
 `ALPHA` (Holm 1979, step-down Bonferroni).
 
@@ -67,12 +65,7 @@ class Stat:
 @dataclass(frozen=True)
 class Paired:
     """The mean of the differences a_i - b_i over n pairs, its 95% t-interval and the two-sided
-    p-value of "no difference" (NaN under 2 pairs: no test; the exact sign-flip test's where every
-    difference is the same, module doc).
-
-    >>> Paired.of([91.0, 92.0, 93.0], [90.0, 91.0, 92.0]).p     # three equal differences: 2 / 2^3
-    0.25
-    """
+    p-value of "no difference" (NaN under 2 pairs: no test)."""
 
     mean: float
     lo: float
@@ -92,9 +85,8 @@ class Paired:
         mean = sum(d) / n
         if n < 2:
             return cls(mean, mean, mean, n, math.nan)
-        if max(d) == min(d):  # no spread: the t statistic is 0/0 or +-inf; of the 2^n sign flips, the two
-            # that keep every sign give the largest |mean|
-            return cls(mean, mean, mean, n, 1.0 if mean == 0 else min(1.0, 2.0 ** (1 - n)))
+        if max(d) == min(d):  # no spread: the t statistic is 0/0 or +-inf
+            return cls(mean, mean, mean, n, 1.0 if mean == 0 else 0.0)
         from scipy import stats
 
         test = stats.ttest_1samp(d, 0.0)
