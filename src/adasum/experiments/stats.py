@@ -85,7 +85,7 @@ class Paired:
         mean = sum(d) / n
         if n < 2:
             return cls(mean, mean, mean, n, math.nan)
-        if max(d) == min(d):  # no spread: the t statistic is 0/0 or +-inf
+        if max(d) == min(d):  # no spread: the t statistic is 0/0 or +-inf, and p is its limit as the spread goes to 0
             return cls(mean, mean, mean, n, 1.0 if mean == 0 else 0.0)
         from scipy import stats
 
