@@ -32,7 +32,11 @@ PLACEMENT_RUNS = (
     "symmetric (VHDD)",
     "slices with copy engines for flat buffers, a flat buffer's own row in place, one byte buffer sized per layout",
 )
-CURRENT_STEPS = "2026-11-26T23:00"  # training-step rows from here on are of the hook with batches of buckets
+CURRENT_STEPS = {2: "2026-11-26T23:00", 4: "2026-11-28T20:20"}
+"""Per group size, the first training-step run of the code it runs now (at 2 ranks the hook with batches of buckets
+on the push protocol, at 4 the slice-parallel schedule with its copy kernel of two programs per multiprocessor, 8192
+elements a step in the runs before 20:34 and 4096 from then on); the steps' table
+shows these runs, the earlier ones stay in e2e.jsonl."""
 
 
 def load(name: str) -> list[dict]:
@@ -141,6 +145,73 @@ def runs_per_case(rows: list[dict], case: Callable[[dict], tuple]) -> list[dict]
     return out
 
 
+def current_steps(rows: list[dict]) -> list[dict]:
+    """The training-step rows of the code each group size runs now (`CURRENT_STEPS`), without the settings' A/B
+    runs (rows with a label)."""
+    return [r for r in rows if not r.get("label") and r["world"] in CURRENT_STEPS
+            and r["date"] >= CURRENT_STEPS[r["world"]]]
+
+
+def step_runs(rows: list[dict]) -> list[dict]:
+    """One row per (P, card, model, variant) of `current_steps`: the last run's step and ratio to DDP's step of the
+    same run, and the ratio's span over the runs."""
+    rows = with_ratio(current_steps(rows), lambda r: (r["date"], r["model"]), lambda r: r["variant"] == "ddp")
+    runs: dict[tuple, list[dict]] = defaultdict(list)
+    for r in rows:
+        if r["ratio"] is not None:
+            runs[(r["world"], r["device"], r["model"], r["variant"])].append(r)
+    out = []
+    for rs in runs.values():
+        count = f"{len(rs)} runs" if len(rs) > 1 else "1 run"
+        ratios = [r["ratio"] for r in rs]
+        out.append({**rs[-1], "ratios": ratios, "span": f"{ratio_span(ratios)} ({count})"})
+    return sorted(out, key=lambda r: (r["world"], r["model"], r["variant"] != "ddp", r["variant"]))
+
+
+def target(r: dict) -> float | None:
+    """The project's target for the ratio of a defaults' row of the collective (P, layout, dtype), or None."""
+    world, layout = r["world_size"], r["layout"]
+    large = layout.startswith("flat") and r["numel"] * (4 if r["dtype"] == "fp32" else 2) >= 64 * 2**20
+    table = {
+        2: {"flat-2^20": 1.0, "large": 1.05, "resnet50": 1.15, "bert-large": 1.10},
+        3: {"large": 1.20, "bert-large": 1.30},
+        4: {"flat-2^20": 1.5, "large": 1.10, "resnet50": 1.30, "bert-large": 1.20},
+    }.get(world, {})
+    return table.get("large" if large else layout)
+
+
+def verdict(ratios: list[float], limit: float | None) -> str:
+    """Whether every run, none, or some of `ratios` is within `limit`."""
+    if limit is None:
+        return ""
+    within = sum(x <= limit for x in ratios)
+    if within == len(ratios):
+        return "met"
+    return "not met" if within == 0 else f"met in {within} of {len(ratios)} runs"
+
+
+def standing(collective: list[dict], steps: list[dict]) -> list[dict]:
+    """The summary's rows: each defaults' case of the collective with its target and verdict over its runs, then
+    the training steps' hook and delta rows against DDP (target 1.03)."""
+    runs: dict[tuple, list[dict]] = defaultdict(list)
+    for r in current_rows(collective):
+        runs[(r["world_size"], r["device"], r["layout"], r["dtype"])].append(r)
+    out = []
+    for (world, device, layout, dtype), rs in sorted(runs.items(), key=lambda kv: kv[0][0]):
+        limit = target(rs[-1])
+        ratios = [r["ratio"] for r in rs]
+        out.append({"world": world, "device": device, "what": f"all_reduce, {layout} {dtype}",
+                    "span": f"{ratio_span(ratios)} ({len(rs)} run{'s' if len(rs) > 1 else ''})",
+                    "target": "" if limit is None else f"<= {limit:.2f}", "verdict": verdict(ratios, limit),
+                    "kept": max(r.get("kept_mib") or 0 for r in rs)})
+    for r in step_runs(steps):
+        if r["variant"] in ("ddp-adasum", "delta"):
+            out.append({"world": r["world"], "device": r["device"], "span": r["span"], "target": "<= 1.03",
+                        "what": f"training step, {r['model']} {r['variant']}", "verdict": verdict(r["ratios"], 1.03),
+                        "kept": None})
+    return out
+
+
 def with_ratio(rows: list[dict], run_key: Callable[[dict], tuple], is_base: Callable[[dict], bool]) -> list[dict]:
     """Rows with ``step_ms`` and ``ratio`` to the baseline row of the same run."""
     base = {run_key(r): r["step_s"] for r in rows if is_base(r)}
@@ -160,7 +231,7 @@ def last_per(rows: list[dict], key: Callable[[dict], tuple]) -> list[dict]:
 CLAIMS = [
     Claim(
         "Training step: DDP with `adasum_hook`, `DistributedOptimizer` in delta mode",
-        "Median step time over 30 timed steps after 5 (slowest rank); the variants of a model are built side by\n"
+        "Median step time over the timed steps after 5 (slowest rank); the variants of a model are built side by\n"
         "side and stepped in turn, so `ratio` (to the `ddp` row of the same run) is measured under the same\n"
         "drift. `ddp`: DDP's own all-reduce; `ddp-adasum`: the hook with `AdasumState()` (batches of 256 MB);\n"
         "`delta`: `DistributedOptimizer(mode=\"delta\")`; `delta-mean` (where listed): the same with\n"
@@ -171,13 +242,10 @@ CLAIMS = [
         "(`list`) or kept with `zero_grad(set_to_none=False)` (`list-kept`). ResNet-50: batch 64 per\n"
         "GPU, SGD; "
         "the BERT-Large-sized stack (24 layers, hidden 1024, about 335 M parameters): batch 8 x 128 tokens, Adam.\n"
-        "DDP's BERT step runs 77 ms on a quiet host and 85-93 ms on a noisy one; both kinds of run are listed.\n"
-        "Adasum ran on the symmetric-memory transport inside one host: at two ranks VHDD (\"symmetric\"); the\n"
-        "4-rank rows (20 timed steps) of 15:55 on the slice-parallel mover with one copy kernel for all peers\n"
-        "(the default above two ranks), those from 17:51 on with its gather by stores, those of 2026-11-28 20:20\n"
-        "and 20:21 with its copy kernel of two programs per multiprocessor (8192 elements a step), that of 20:34\n"
-        "with 4096 elements a step (the default); the earlier\n"
-        "4-rank rows on VHDD.",
+        "Adasum runs on the symmetric-memory transport inside one host: the push protocol at two ranks, the\n"
+        "slice-parallel schedule at four. One row per case: the last run's step and ratio, and the ratio's span\n"
+        "over the runs of the code each P runs now (DDP's BERT step runs 77 ms on a quiet host and 85-93 ms on a\n"
+        "noisy one); earlier runs are in `benchmarks/results/e2e.jsonl`.",
         "python benchmarks/bench_e2e.py --models bert --steps 30 --warmup 5      # one process per GPU\n"
         "python benchmarks/bench_e2e.py --models resnet50 --steps 30 --warmup 5\n"
         "python benchmarks/bench_e2e.py --models bert,resnet50 --variants ddp,ddp-adasum,delta,delta-mean \\\n"
@@ -186,11 +254,10 @@ CLAIMS = [
         "python benchmarks/bench_e2e.py --models bert,resnet50 --variants ddp,list,list-kept,ddp-adasum \\\n"
         "    --steps 20 --warmup 5",
         "e2e.jsonl",
-        lambda rows: with_ratio([{**r, "run": r["date"][:16].replace("T", " "), "gpus": f"{r['world']} x {r['device']}"}
-                                 for r in rows if r["date"] >= CURRENT_STEPS],
-                                lambda r: (r["date"], r["model"]), lambda r: r["variant"] == "ddp"),
-        [("run", "run"), ("gpus", "GPUs"), ("model", "model"), ("variant", "variant"), ("step_ms", "step ms"),
-         ("ratio", "ratio")],
+        lambda rows: [{**r, "step_ms": r["step_s"] * 1e3, "gpus": f"{r['world']} x {r['device']}"}
+                      for r in step_runs(rows)],
+        [("gpus", "GPUs"), ("model", "model"), ("variant", "variant"), ("step_ms", "step ms"), ("ratio", "ratio"),
+         ("span", "ratio over runs")],
     ),
     Claim(
         "The hook's batches of buckets",
@@ -477,6 +544,24 @@ def render() -> str:
         "multicast (NVLS) was off in every GPU run. Raw logs: `benchmarks/results/*.log`, named by date and",
         "machine.",
         "",
+    ]
+    collective, steps = load("collective.jsonl"), load("e2e.jsonl")
+    lines += [
+        "## Where it stands",
+        "",
+        "The project's targets against the runs of the code each group size runs now, inside one NVLink host:",
+        "`adasum.all_reduce(list)` with default arguments against NCCL's all_reduce of the same bytes in the same",
+        "run (the defaults' table below), and the training step against DDP's (the first table below). `ratio over",
+        "runs` spans every such run; `kept MiB` is the most device memory a case kept after repeated calls (budget",
+        "512 MiB). Flat buffers of 64 MiB and more share a target; a case without one has none. At 3 and 4 ranks",
+        "the rows predate the folded sum kernels (at 2 ranks 1-5 % faster on flat buffers and within 1 % on lists,",
+        "`2026-11-29-2xH200-nccl-suite-and-folded-kernels-ab.log`).",
+        "",
+        f"Machine: {machine(current_rows(collective) + current_steps(steps))}.",
+        "",
+        *table(standing(collective, steps), [("world", "P"), ("device", "card"), ("what", "case"),
+                                             ("span", "ratio over runs"), ("target", "target"),
+                                             ("verdict", "verdict"), ("kept", "kept MiB")]),
     ]
     for claim in CLAIMS:
         lines += claim.render()
