@@ -27,11 +27,6 @@ LOGGED = {
     ("NVIDIA H200", "nccl"): "2.28.9",
     ("NVIDIA H200", "torch"): "2.11.0+cu130",
 }
-PUSH_RUNS = ("ADASUM_SYMMETRIC_PUSH=1", "push protocol default, run a", "push protocol default, run b")
-PLACEMENT_RUNS = (
-    "symmetric (VHDD)",
-    "slices with copy engines for flat buffers, a flat buffer's own row in place, one byte buffer sized per layout",
-)
 CURRENT_STEPS = {2: "2026-11-26T23:00", 4: "2026-11-28T20:20"}
 """Per group size, the first training-step run of the code it runs now (at 2 ranks the hook with batches of buckets
 on the push protocol, at 4 the slice-parallel schedule with its copy kernel of two programs per multiprocessor, 8192
@@ -102,12 +97,6 @@ class Claim:
 def ratio_span(values: list[float]) -> str:
     lo, hi = min(values), max(values)
     return f"{lo:.2f}" if f"{lo:.2f}" == f"{hi:.2f}" else f"{lo:.2f}-{hi:.2f}"
-
-
-def collective_runs(rows: list[dict], labels: tuple[str, ...]) -> list[dict]:
-    """One row per (layout, dtype): the last run's times and the ratio's span over every run of `labels`."""
-    chosen = [r for r in rows if r.get("label") in labels and r.get("default")]
-    return runs_per_case(chosen, lambda r: (r["layout"], r["dtype"]))
 
 
 CURRENT_DEFAULTS = {
@@ -276,43 +265,6 @@ CLAIMS = [
          ("hook_calls", "bucket calls")],
     ),
     Claim(
-        "The collective: `adasum.all_reduce` against NCCL's all_reduce of the same bytes",
-        "`adasum.all_reduce(list)` on the symmetric-memory transport with the push protocol (the default on\n"
-        "NCCL inside one host when these rows were taken), timed with CUDA events between barriers, inputs\n"
-        "restored before each call, slowest rank, medians of 10, alternated with NCCL's `all_reduce` of the same\n"
-        "bytes in the same process group. Repeated calls replay one captured CUDA graph (1 host launch per\n"
-        "call). Times are the last run's; `ratio over runs` spans every run of this code. ResNet-50 and\n"
-        "BERT-Large are lists of their 161 and 391 parameter tensors.",
-        "python benchmarks/bench_collective.py --backend nccl --transports symmetric --check --dtypes fp32,bf16 \\\n"
-        "    --exps 20,26,28 --layouts resnet50,bert-large --repeats 10",
-        "collective.jsonl",
-        lambda rows: collective_runs(rows, PUSH_RUNS),
-        [("layout", "layout"), ("dtype", "dtype"), ("tensors", "tensors"), ("numel", "values"),
-         ("adasum_ms", "adasum ms"), ("allreduce_ms", "all_reduce ms"), ("ratio", "ratio"),
-         ("span", "ratio over runs"), ("host_launches", "host launches")],
-    ),
-    Claim(
-        "Two, three and four ranks: the VHDD schedule and the slice-parallel schedule",
-        "`adasum.all_reduce(list)` at P = 2, 3 and 4 on GPUs of one NVLink host, timed as above (medians of 5),\n"
-        "against NCCL's all_reduce of the same bytes in the same run: `symmetric` is the VHDD schedule on symmetric\n"
-        "memory (then the default for a power-of-two group; now for two ranks), `slices` the slice-parallel\n"
-        "schedule (every rank runs the whole tree on its slice; then the default for other group sizes, now for\n"
-        "every size above two), its flat buffers moved by the copy engines (now: one copy kernel) in one piece per\n"
-        "slice, its own slice read in place, its buffer within a 512 MiB budget (when these rows\n"
-        "were taken a single tensor larger than a round grew it to (P+1)/P of the tensor; such a tensor now runs in\n"
-        "place: the defaults' table below). `kept MiB`: device memory the transport keeps after repeated calls\n"
-        "(counted from after one call of NCCL's all_reduce of the same bytes in rows with `kept_after_baseline`;\n"
-        "earlier rows count what that first call kept too).",
-        "python benchmarks/bench_collective.py --backend nccl --world P --transports default,slices \\\n"
-        "    --dtypes fp32,bf16 --exps 20,24,26,28 --layouts resnet50,bert-large      # P = 4, 3, 2",
-        "collective.jsonl",
-        lambda rows: runs_per_case([r for r in rows if r.get("label") in PLACEMENT_RUNS],
-                                   lambda r: (r["world_size"], r["transport"], r["layout"], r["dtype"])),
-        [("world_size", "P"), ("transport", "transport"), ("layout", "layout"), ("dtype", "dtype"),
-         ("adasum_ms", "adasum ms"), ("allreduce_ms", "all_reduce ms"), ("ratio", "ratio"),
-         ("span", "ratio over runs"), ("kept_mib", "kept MiB")],
-    ),
-    Claim(
         "The bound: each transport's own time for the bytes of a 2-rank Adasum",
         "Seconds, medians of 9 (CUDA events, slowest rank): NCCL's all_reduce of the whole buffer; one\n"
         "`batch_isend_irecv` of half the buffer each way; `all_gather_into_tensor` of half; a copy of half read\n"
@@ -345,32 +297,22 @@ CLAIMS = [
     ),
     Claim(
         "The defaults within the memory budget, a tensor larger than a round run in place",
-        "`adasum.all_reduce(list)` with default arguments under the default 512 MiB budget (the movers' buffers\n"
-        "take 480 MiB of it: three quarters for rounds, a quarter for the in-place ring): a layout larger than a\n"
-        "round runs in rounds of whole tensors, and a single tensor larger than a round runs in place (every rank's\n"
-        "copies of a slice land in the owner's own buffer, through the fixed ring, and each owner stores its result\n"
-        "into its peers' rings), so flat 2^26 fp32 and 2^28 run with no buffer sized to them. Timed as above\n"
-        "(medians of 7, or 5 from 2^24 elements), against NCCL's all_reduce of the same bytes in the same run;\n"
-        "`kept MiB`: device memory kept after repeated calls (buffers, graphs), counted from after one call of\n"
-        "NCCL's all_reduce of the same bytes. The rows are the runs of the code that each P runs now, one row per\n"
-        "card: P = 3 and 4 on 4 x H200 (label \"defaults, Gram sums by rows\": the slice-parallel schedule with its\n"
-        "tree from the Gram matrices, one pass of sums by the rows' kernel, one small all-reduce, one pass, and the\n"
-        "previous rank's result copied out beside the stores into the other peers; the same run's check at P = 4:\n"
-        "ResNet-50's layout within float64 rounding of `adasum.reduce` in fp32, ranks bitwise equal, and\n"
-        "`tests/test_slices.py` on NCCL at P = 2, 3, 4 passed: `2026-11-28-4xH200-defaults-gram-rows-kernel.log`;\n"
-        "the rows before the rows' kernel, label \"defaults, early copy-out and sizes in the replay check\", are in\n"
-        "collective.jsonl: P = 4 flat 2^26 fp32 1.14 x, bf16 1.23 x, ResNet-50 bf16 1.41 x, BERT-Large bf16 1.30 x;\n"
-        "P = 3 flat 2^26 bf16 1.26 x, BERT-Large bf16 1.33 x, in a run of their own); P = 2 on 2 x H200\n"
-        "(labels \"defaults, in-place ring of three slots at two ranks\" and \"defaults, one-shot below 4 MiB\"):\n"
-        "the push protocol, and one-shot for flat 2^20 (each case's rows are those of the transport it runs now).\n"
-        "Both replay a\n"
-        "repeated list call after checking the numbers of elements of the last call's own tensors rather than their\n"
-        "shapes. In an A/B of one run on 4 x H100, P = 4, the Gram form against level by level: flat 2^26 fp32\n"
-        "1.20 x against 1.34 x, ResNet-50 1.36 x against 1.51 x, BERT-Large 1.34 x against 1.45 x; bf16 1.25 x\n"
-        "against 1.34 x, 1.45 x against 1.76 x, 1.36 x against 1.48 x (the settings table at the end).",
-        "python benchmarks/bench_collective.py --backend nccl --world P --dtypes fp32,bf16 --exps 20,24,26,28 \\\n"
-        "    --layouts resnet50,bert-large --repeats 5 \\\n"
-        "    --label \"defaults, Gram sums by rows\"  # P = 3, 4 (2: the label above)",
+        "`adasum.all_reduce(list)` with default arguments, timed with CUDA events between barriers, inputs\n"
+        "restored before each call, slowest rank, medians of 5-10 calls, alternated with NCCL's `all_reduce` of\n"
+        "the same bytes in the same process group; repeated calls replay one captured CUDA graph. Under the\n"
+        "default 512 MiB budget (the movers' buffers take 480 MiB of it: three quarters for rounds, a quarter for\n"
+        "the in-place ring) a layout larger than a round runs in rounds of whole tensors, and a single tensor\n"
+        "larger than a round runs in place (every rank's copies of a slice land in the owner's own buffer through\n"
+        "the fixed ring, and each owner stores its result into its peers' rings), so flat 2^26 fp32 and 2^28 run\n"
+        "with no buffer sized to them. `transport`: what the default picks for the case (at 2 ranks the push\n"
+        "protocol, one-shot for flat 2^20; above 2 ranks the slice-parallel schedule); `kept MiB`: device memory\n"
+        "kept after repeated calls (buffers, graphs), counted from after one call of NCCL's all_reduce of the\n"
+        "same bytes. ResNet-50 and BERT-Large are lists of their 161 and 391 parameter tensors. Rows: the runs of\n"
+        "the code each P runs now (`CURRENT_DEFAULTS` in `benchmarks/render.py` names their labels; at 3 and 4\n"
+        "ranks they predate the folded sum kernels); each run also checked its results against `adasum.reduce`\n"
+        "(the correctness table). Times are the last run's; `ratio over runs` spans every run.",
+        "python benchmarks/bench_collective.py --backend nccl --world P --transports default --check \\\n"
+        "    --dtypes fp32,bf16 --exps 20,24,26,28 --layouts resnet50,bert-large --repeats 10 --label LABEL",
         "collective.jsonl",
         lambda rows: sorted(
             runs_per_case(current_rows(rows), lambda r: (r["world_size"], r["device"], r["layout"], r["dtype"])),
