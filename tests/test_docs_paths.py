@@ -1,7 +1,10 @@
-"""Every repository path that README.md and docs/*.md name exists (a doc names the code as it is)."""
+"""Every repository path and every ``adasum.<name>`` that README.md and docs/*.md name exists (a doc names the
+code as it is)."""
 
 import importlib.util
+import json
 import re
+import subprocess
 import sys
 from pathlib import Path
 
@@ -71,3 +74,49 @@ def test_nothing_speaks_of_how_the_work_was_done():
             if path.is_file() and path.suffix in {".md", ".py", ".sh", ".log", ".jsonl", ".txt"}:
                 found += [f"{path.relative_to(ROOT)}: {m.group(0)!r}" for m in process.finditer(path.read_text())]
     assert not found, "\n".join(found)
+
+
+# ``adasum.a.b``: a module, then attributes; a placeholder (``adasum.X needs Y``) is not a name
+DOTTED = re.compile(r"(?<![\w/.-])adasum(?:\.[A-Za-z_]\w*)+")
+PLACEHOLDERS = {"adasum.X"}
+RESOLVE = """
+import importlib, json, sys
+missing = {}
+for name in json.load(sys.stdin):
+    parts = name.split(".")
+    for i in range(len(parts), 0, -1):
+        try:
+            obj = importlib.import_module(".".join(parts[:i]))
+            break
+        except ModuleNotFoundError as error:
+            if not (error.name or "").startswith("adasum"):  # a missing optional framework: not the doc's fault
+                obj = None
+                break
+        except ImportError:  # `adasum.extras.require`: the extra is missing
+            obj = None
+            break
+    if obj is None:
+        continue
+    try:
+        for part in parts[i:]:
+            obj = getattr(obj, part)
+    except AttributeError as error:
+        missing[name] = str(error)
+json.dump(missing, sys.stdout)
+"""
+
+
+def named_objects(doc: Path) -> set[str]:
+    return {m.group(0) for m in DOTTED.finditer(doc.read_text())} - PLACEHOLDERS
+
+
+def test_every_adasum_name_in_the_docs_exists():
+    """Each ``adasum.module.attribute`` a doc names imports and resolves (in a fresh process: the optional
+    frameworks stay out of the test process; a name under an extra that is not installed is left out)."""
+    names = {name: doc for doc in DOCS for name in named_objects(doc)}
+    assert "adasum.all_reduce" in names and "adasum.X" not in names
+    done = subprocess.run([sys.executable, "-c", RESOLVE], input=json.dumps(sorted(names)), capture_output=True,
+                          text=True, check=True, cwd=ROOT)
+    missing = json.loads(done.stdout)
+    assert not missing, "names in the docs that the code lacks:\n" + "\n".join(
+        f"{names[n].relative_to(ROOT)}: {n} ({why})" for n, why in sorted(missing.items()))
