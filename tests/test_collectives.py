@@ -166,6 +166,44 @@ def _identity_body(rank, world):
     return bool(torch.equal(t, before))
 
 
+def async_errors_body(rank, world):
+    """all_reduce_async's wrong arguments, each raised by the call (the same on every rank), naming it."""
+    errors = []
+    for kwargs in (dict(group="world"), dict(nonfinite="skip"), dict(check_layout="no"), dict(check_layout=None)):
+        try:
+            adasum.all_reduce_async([torch.ones(2)], **kwargs)
+            errors.append(None)
+        except (TypeError, ValueError) as error:
+            errors.append(f"{type(error).__name__}: {error}")
+    try:
+        adasum.all_reduce_async([torch.ones(2, dtype=torch.int64)])
+    except TypeError as error:
+        errors.append(str(error))
+    try:
+        adasum.all_reduce([torch.ones(2)], check_layout="no")
+    except TypeError as error:
+        errors.append(str(error))
+    # the two entry points are one collective: ranks may mix them
+    t = torch.full((3,), float(rank + 1))
+    adasum.all_reduce_async(t).wait() if rank == 0 else adasum.all_reduce(t)
+    return errors, t.tolist()
+
+
+def test_all_reduce_async_refuses_bad_arguments_naming_itself():
+    results = distributed.run(2, async_errors_body)
+    assert results[0][0] == results[1][0]
+    assert results[0][0] == [
+        "TypeError: adasum.all_reduce_async: group must be a torch.distributed ProcessGroup or None, got 'world'",
+        "ValueError: adasum.all_reduce_async: nonfinite must be one of ['propagate', 'raise'], got 'skip'",
+        "TypeError: adasum.all_reduce_async: check_layout must be True or False, got 'no'",
+        "TypeError: adasum.all_reduce_async: check_layout must be True or False, got None",
+        "adasum.all_reduce_async: tensor 0 has dtype torch.int64; only floating-point tensors can be combined "
+        "on rank 0",
+        "adasum.all_reduce: check_layout must be True or False, got 'no'",
+    ]
+    assert results[0][1] == results[1][1] == [1.5] * 3  # parallel inputs: their mean
+
+
 def large_buffers(rank, world):
     """Tensors larger than one pipelined gloo message, crossing message boundaries (the message size
     is shrunk from 2**20 to 1000 elements so the buffers stay small)."""

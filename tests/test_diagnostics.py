@@ -5,7 +5,9 @@ import math
 import pytest
 import torch
 
-from adasum.diagnostics import from_norms, orthogonality, orthogonality_stacked
+from adasum.diagnostics import all_reduce_orthogonality, from_norms, orthogonality, orthogonality_stacked
+
+import distributed
 
 
 def test_hand_computed_values():
@@ -59,3 +61,50 @@ def test_mismatched_inputs_are_refused():
     with pytest.raises(ValueError) as info:
         from_norms(torch.tensor([2.0, 1.0]), torch.tensor([4.0]))
     assert str(info.value) == "sum_of_squares and square_of_sum need one value per tensor each, got 2 and 1"
+
+
+def orthogonality_layouts_body(rank, world):
+    """all_reduce_orthogonality on layouts that differ across ranks (the same total size, split differently; or
+    another size), and on a dict: each raises, the same on every rank."""
+    errors = []
+    split = [torch.ones(3), torch.ones(1)] if rank == 0 else [torch.ones(1), torch.ones(3)]
+    for tensors in (split, [torch.ones(3 + rank)], {"w": torch.ones(3)}):
+        try:
+            all_reduce_orthogonality(tensors)
+            errors.append(None)
+        except (TypeError, ValueError) as error:
+            errors.append(f"{type(error).__name__}: {error}")
+    # the group is still usable, and equal layouts (dtypes may differ: float64 copies travel) still combine
+    mine = torch.tensor([1.0, 0.0]) if rank == 0 else torch.tensor([0.0, 1.0], dtype=torch.float64)
+    o = all_reduce_orthogonality([mine])
+    return errors, o.model
+
+
+def test_all_reduce_orthogonality_refuses_layouts_that_differ_across_ranks():
+    results = distributed.run(2, orthogonality_layouts_body, timeout_s=30)
+    assert results[0] == results[1]
+    errors, model = results[0]
+    assert errors == [
+        "ValueError: adasum.all_reduce_orthogonality: tensors differ across ranks at index 0: rank 0 has float64 [3] "
+        "on cpu, rank 1 has float64 [1] on cpu",
+        "ValueError: adasum.all_reduce_orthogonality: tensors differ across ranks at index 0: rank 0 has float64 [3] "
+        "on cpu, rank 1 has float64 [4] on cpu",
+        "TypeError: adasum.all_reduce_orthogonality: takes a tensor or a list of tensors, got a dict; "
+        "pass list(d.values())",
+    ]
+    assert model == 1.0
+
+
+def test_orthogonality_refuses_workers_of_other_shapes_or_given_as_tensors():
+    with pytest.raises(ValueError) as info:
+        orthogonality([[torch.ones(2), torch.ones(3)], [torch.ones(2), torch.ones(4)]])
+    assert str(info.value) == "every worker needs the same shapes: tensor 1 has shape [3] on worker 0, [4] on worker 1"
+    with pytest.raises(TypeError) as info:  # was read as two tensors of one element each
+        orthogonality([torch.tensor([1.0, 0.0]), torch.tensor([0.0, 1.0])])
+    assert str(info.value) == (
+        "orthogonality takes one list of tensors per worker, got a tensor for worker 0 "
+        "(one tensor per worker: [[g] for g in tensors])"
+    )
+    with pytest.raises(TypeError) as info:
+        orthogonality([[torch.ones(2)], [2.0]])
+    assert str(info.value) == "orthogonality takes tensors: worker 1's tensor 0 is a float"

@@ -120,3 +120,28 @@ def test_dead_or_stalled_peer_raises_clear_error_within_timeout(name):
         if action == "stall" and "exchange" in step:
             # the stalled peer's partner notices only when the timeout runs out
             assert "Timed out" in message and r["seconds"] >= TIMEOUT_S - 0.5, message
+
+
+def group_argument_body(rank, world):
+    errors = []
+    for call in (adasum.group_timeout, adasum.release):
+        for group in ("world", 3):
+            try:
+                call(group)
+                errors.append(None)
+            except TypeError as error:
+                errors.append(str(error))
+    sub = dist.new_group([0], timeout=timedelta(seconds=7))
+    return errors, adasum.group_timeout(sub).total_seconds(), adasum.group_timeout().total_seconds()
+
+
+def test_group_timeout_and_release_refuse_what_is_not_a_group():
+    """Not the default timeout (or nothing released) for a name or a number given as the group: TypeError."""
+    [(errors, sub, world)] = distributed.run(1, group_argument_body)
+    assert errors == [
+        "adasum.group_timeout: group must be a torch.distributed ProcessGroup or None, got 'world'",
+        "adasum.group_timeout: group must be a torch.distributed ProcessGroup or None, got 3",
+        "adasum.release: group must be a torch.distributed ProcessGroup or None, got 'world'",
+        "adasum.release: group must be a torch.distributed ProcessGroup or None, got 3",
+    ]
+    assert (sub, world) == (7, 120)

@@ -7,6 +7,7 @@ import pytest
 import torch
 
 import adasum
+from adasum.collectives import hierarchical
 from adasum.collectives.hierarchical import check_placement, reduce_hierarchical
 from adasum.settings import override
 
@@ -141,6 +142,31 @@ def test_bad_placements_raise_on_every_rank():
         assert "not placed node by node" in messages["placement"]
         # node means 0.5 and 2.5 are parallel: their mean
         assert messages["ok"] == [1.5] * 5
+
+
+def build_arguments_body(rank, world):
+    """build_hierarchy's arguments of the wrong kind: TypeError on every rank, before the placement all-gather."""
+    errors = []
+    wrong = (dict(local_size=1.5), dict(local_size="2"), dict(local_size=True), dict(group="world", local_size=2))
+    for kwargs in wrong:
+        with pytest.raises(TypeError) as info:
+            hierarchical.build_hierarchy(**kwargs)
+        errors.append(str(info.value))
+    return errors, hierarchical.build_hierarchy(local_size=2).nodes
+
+
+def test_build_hierarchy_refuses_local_sizes_and_groups_of_the_wrong_kind():
+    results = distributed.run(2, build_arguments_body)
+    assert results[0] == results[1]
+    errors, nodes = results[0]
+    operation = "adasum.hierarchical.build_hierarchy"
+    assert errors == [
+        f"{operation}: local_size must be an integer >= 1 or None, got 1.5",  # was a node of one rank: int(1.5)
+        f"{operation}: local_size must be an integer >= 1 or None, got '2'",
+        f"{operation}: local_size must be an integer >= 1 or None, got True",
+        f"{operation}: group must be a torch.distributed ProcessGroup or None, got 'world'",
+    ]
+    assert nodes == 1
 
 
 def exact_body(rank, world, local_size):

@@ -153,3 +153,26 @@ def world_one_body(rank, world):
 def test_world_one_raise_still_checks():
     [message] = distributed.run(1, world_one_body)
     assert message is not None and "tensor 0 has NaN on rank 0" in message
+
+
+def test_sparse_tensors_are_checked_by_their_values_and_other_inputs_refused():
+    """check_finite and find_nonfinite look at a sparse tensor's stored values (as the training steps' policies
+    do); a dict, a non-tensor element or a group that is not a process group raise TypeError naming the call."""
+    sparse = torch.tensor([0.0, NAN, 0.0]).to_sparse()
+    assert adasum.find_nonfinite([torch.ones(2), sparse]) == NonFinite(1, 0, "NaN")
+    assert adasum.find_nonfinite(torch.ones(3).to_sparse()) is None
+    with pytest.raises(adasum.NonFiniteError, match=r"^adasum.check_finite: tensor 0 has NaN on rank 0 "):
+        adasum.check_finite([sparse])
+    with pytest.raises(TypeError) as info:
+        adasum.check_finite({"w": torch.tensor([NAN])})
+    assert str(info.value) == (
+        "adasum.check_finite: takes a tensor or a list of tensors, got a dict; pass list(d.values())"
+    )
+    with pytest.raises(TypeError) as info:
+        adasum.find_nonfinite([torch.ones(1), 2.0])
+    assert str(info.value) == "adasum.find_nonfinite: element 1 is a float, not a torch.Tensor"
+    with pytest.raises(TypeError) as info:
+        adasum.find_nonfinite([torch.ones(1)], group="world")
+    assert str(info.value) == (
+        "adasum.find_nonfinite: group must be a torch.distributed ProcessGroup or None, got 'world'"
+    )

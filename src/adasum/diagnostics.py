@@ -18,6 +18,9 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
+from adasum.collectives.agreement import agree, check_group, local_problem, tensor_list
+from adasum.transport.groups import failures_named, group_device
+
 
 @dataclass(frozen=True)
 class Orthogonality:
@@ -79,7 +82,9 @@ def orthogonality_stacked(stacked: Sequence[torch.Tensor]) -> Orthogonality:
 
 def orthogonality(per_worker: Sequence[Sequence[torch.Tensor]]) -> Orthogonality:
     """O for P workers' copies of a list of tensors, given as one list of tensors per worker
-    (the layout of `Reducer.reduce`).
+    (the layout of `Reducer.reduce`). Every worker needs the same number of tensors with the same shapes
+    (ValueError otherwise; a worker given as one tensor rather than a list, or an element that is not a
+    tensor, TypeError).
 
     >>> w0, w1 = torch.tensor([1.0, 0.0]), torch.tensor([0.0, 1.0])   # orthogonal weights
     >>> b = torch.tensor([2.0])                                         # equal biases
@@ -88,19 +93,38 @@ def orthogonality(per_worker: Sequence[Sequence[torch.Tensor]]) -> Orthogonality
     """
     if len(per_worker) == 0:
         raise ValueError("orthogonality needs at least one worker")
+    for k, w in enumerate(per_worker):
+        if isinstance(w, torch.Tensor):
+            raise TypeError(
+                f"orthogonality takes one list of tensors per worker, got a tensor for worker {k} "
+                "(one tensor per worker: [[g] for g in tensors])"
+            )
     count = len(per_worker[0])
     if any(len(w) != count for w in per_worker):
         raise ValueError("every worker needs the same number of tensors")
+    for i in range(count):
+        for k, w in enumerate(per_worker):
+            if not isinstance(w[i], torch.Tensor):
+                raise TypeError(f"orthogonality takes tensors: worker {k}'s tensor {i} is a {type(w[i]).__name__}")
+            if w[i].shape != per_worker[0][i].shape:
+                raise ValueError(
+                    f"every worker needs the same shapes: tensor {i} has shape {list(per_worker[0][i].shape)} on "
+                    f"worker 0, {list(w[i].shape)} on worker {k}"
+                )
     return orthogonality_stacked([torch.stack([w[i] for w in per_worker]) for i in range(count)])
 
 
 def all_reduce_orthogonality(
-    tensors: Sequence[torch.Tensor], group: dist.ProcessGroup | None = None
+    tensors: torch.Tensor | Sequence[torch.Tensor], group: dist.ProcessGroup | None = None
 ) -> Orthogonality:
     """O across the ranks of `group`, each rank holding its own copy of `tensors` (unchanged).
 
-    Costs one all-reduce of a copy of the tensors (float64) plus one of T float64 values; call it
-    every few steps, not every step, in production runs.
+    `tensors` is a tensor or a list of tensors (any dtype; each is all-reduced as a float64 copy). Every rank
+    must pass the same number of tensors with the same shapes, dense, on a device type the group takes: first
+    one small all-reduce checks this, and raises on every rank before data moves (ValueError naming the first
+    difference and the ranks, TypeError for a sparse tensor; anything but a tensor or a list of tensors, or a
+    `group` that is not a process group, TypeError). Then it costs one all-reduce of a copy of the tensors
+    (float64) plus one of T float64 values; call it every few steps, not every step, in production runs.
 
     >>> o = all_reduce_orthogonality([p.grad for p in model.parameters()])  # doctest: +SKIP
 
@@ -112,7 +136,13 @@ def all_reduce_orthogonality(
     Orthogonality(per_tensor=tensor([1., 1.], dtype=torch.float64), model=1.0)
     >>> dist.destroy_process_group()
     """
-    tensors = list(tensors)
+    operation = "adasum.all_reduce_orthogonality"
+    tensors = tensor_list(tensors, operation)
+    check_group(group, operation)
+    problem = local_problem(tensors, group_device(group), in_place=False, floating=False, group=group)
+    moved = [("float64", tuple(t.shape), t.device.type) for t in tensors]  # the copies that are all-reduced
+    with failures_named(operation, "the layout check", group):
+        agree(moved, problem, group, "tensors", operation)
     if not tensors:
         return orthogonality_stacked([])
     device = tensors[0].device

@@ -25,7 +25,7 @@ from adasum.collectives.nonfinite import check_finite, check_policy
 from adasum.collectives.plan import Plan, prepare, recheck
 from adasum.collectives.vhdd import adasum_flat_, transport_for
 from adasum.core.layout import Scattered, flatten, group_by_dtype, unflatten_into
-from adasum.options import Nonfinite, TransportName, choices
+from adasum.options import Nonfinite, TransportName, check_flag, choices
 from adasum.transport.base import Transport
 from adasum.transport.graphs import MAX_GRAPHS, tensor_key
 from adasum.transport.groups import Communicator, communicator, group_device
@@ -51,8 +51,8 @@ def all_reduce(
     layout's first call so, later calls by a fingerprint compared at the group's next call, with no
     host synchronisation); a difference raises ValueError on every rank, naming the first
     difference and the ranks. Non-floating dtypes raise TypeError, anything but a tensor or a list
-    of tensors (a dict) or a `group` that is not a process group TypeError. World size 1 leaves the
-    tensors unchanged.
+    of tensors (a dict), a `group` that is not a process group or a `check_layout` that is not True or
+    False TypeError. World size 1 leaves the tensors unchanged.
 
     `transport` names how bytes move: "p2p" (c10d point-to-point), "collectives" (NCCL, the gather
     as one all-gather), "symmetric" (NVLink symmetric memory), "slices" (the slice-parallel schedule, any number
@@ -94,7 +94,20 @@ def all_reduce(
     tensor([3., 4.])
     >>> dist.destroy_process_group()
     """
-    operation = "adasum.all_reduce"
+    _all_reduce(tensors, group, check_layout, nonfinite, transport, "adasum.all_reduce")
+
+
+def _all_reduce(
+    tensors: torch.Tensor | Sequence[torch.Tensor],
+    group: dist.ProcessGroup | None,
+    check_layout: bool,
+    nonfinite: Nonfinite,
+    transport: TransportName | Transport | None,
+    operation: str,
+) -> None:
+    """`all_reduce` (and `all_reduce_async`): its errors name `operation`, the entry point called; the cross-rank
+    check compares "adasum.all_reduce" (either entry point, the same collective)."""
+    check_flag(operation, "check_layout", check_layout)
     # a repeat of a recent captured call: the very tensors it checked (so no type check of the list either)
     if nonfinite == "propagate" and (group is None or isinstance(group, dist.ProcessGroup)) and dist.is_initialized():
         if _replayed(communicator(group), group, transport, tensors, check_layout):
@@ -102,13 +115,13 @@ def all_reduce(
     tensors = tensor_list(tensors, operation)
     check_group(group, operation)
     if not dist.is_initialized():
-        raise RuntimeError("adasum.all_reduce needs torch.distributed to be initialised")
+        raise RuntimeError(f"{operation} needs torch.distributed to be initialised")
     comm = communicator(group)
-    check_policy(nonfinite, ("propagate", "raise"))
+    check_policy(nonfinite, ("propagate", "raise"), operation)
     check_transport(transport, operation)
     single = dist.get_world_size(group) == 1
     chosen = None if single else list_transport(group, transport)
-    config = (operation, f"transport={None if chosen is None else chosen.name}", f"nonfinite={nonfinite}")
+    config = ("adasum.all_reduce", f"transport={None if chosen is None else chosen.name}", f"nonfinite={nonfinite}")
     plan = prepare(tensors, group, config=config, operation=operation, check="call" if check_layout else "none")
     if nonfinite == "raise":
         check_finite(tensors, group, operation=operation)
@@ -347,10 +360,11 @@ def all_reduce_async(
     ``check_layout=False`` removes; the non-finite check reads the device, which
     ``nonfinite="raise"`` adds);
     consumers on the same stream see the result. On gloo the exchanges complete before it returns.
+    Its errors are `all_reduce`'s, raised by the call (not by the Future) and naming
+    ``adasum.all_reduce_async``; ranks may mix the two entry points.
     """
     listed = tensor_list(tensors, "adasum.all_reduce_async")
-    check_transport(transport, "adasum.all_reduce_async")
-    all_reduce(listed, group, check_layout=check_layout, nonfinite=nonfinite, transport=transport)
+    _all_reduce(listed, group, check_layout, nonfinite, transport, "adasum.all_reduce_async")
     future: torch.futures.Future = torch.futures.Future()
     future.set_result(listed)
     return future

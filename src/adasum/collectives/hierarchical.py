@@ -29,6 +29,7 @@ nodes run as VHDD over the ranks of local rank l (one per node) on that slice, t
 over the whole group; then each node gathers its slices. Other placements are refused on every rank.
 """
 
+import numbers
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import cast
@@ -36,6 +37,7 @@ from typing import cast
 import torch
 import torch.distributed as dist
 
+from adasum.collectives.agreement import check_group
 from adasum.collectives.slices import SliceMover, adasum_slices_
 from adasum.collectives.vhdd import Placement, adasum_flat_, transport_for
 from adasum.core.layout import Layout
@@ -122,7 +124,8 @@ def build_hierarchy(
 
     `local_size` defaults to LOCAL_WORLD_SIZE. Where it equals LOCAL_WORLD_SIZE, the ranks'
     LOCAL_RANK and GROUP_RANK (the node), when set, are checked too. One small all-gather;
-    raises ValueError on every rank (see `check_placement`).
+    raises ValueError on every rank (see `check_placement`). A `local_size` that is not an integer
+    (``1.5``, ``"2"``, ``True``) or a `group` that is not a process group raises TypeError before it.
 
     >>> hierarchy = build_hierarchy(local_size=8)  # doctest: +SKIP
     >>> adasum_hierarchical_flat_(buffer, sizes, hierarchy)  # doctest: +SKIP
@@ -144,6 +147,10 @@ def build_hierarchy(
     ValueError: local_size 2 does not divide the world size 1
     >>> dist.destroy_process_group()
     """
+    operation = "adasum.hierarchical.build_hierarchy"
+    check_group(group, operation)
+    if local_size is not None and (isinstance(local_size, bool) or not isinstance(local_size, numbers.Integral)):
+        raise TypeError(f"{operation}: local_size must be an integer >= 1 or None, got {local_size!r}")
     env_size = local_size_from_env()
     size = env_size if local_size is None else int(local_size)
     if size is None:

@@ -29,6 +29,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
+from adasum.collectives.agreement import check_group, tensor_list
 from adasum.options import Nonfinite, check_option, choices
 from adasum.transport.groups import failures_named, group_device
 
@@ -61,9 +62,10 @@ class NonFiniteError(FloatingPointError):
         self.found = found
 
 
-def check_policy(policy: str, allowed: Sequence[str] = POLICIES) -> None:
-    """Raise ValueError unless `policy` is one of `allowed` (by default all of `POLICIES`)."""
-    check_option("nonfinite", policy, Nonfinite, allowed)
+def check_policy(policy: str, allowed: Sequence[str] = POLICIES, operation: str | None = None) -> None:
+    """Raise ValueError unless `policy` is one of `allowed` (by default all of `POLICIES`); the message begins
+    with `operation` where given."""
+    check_option("nonfinite" if operation is None else f"{operation}: nonfinite", policy, Nonfinite, allowed)
 
 
 def _max_magnitudes(tensors: Sequence[torch.Tensor], device: torch.device) -> torch.Tensor:
@@ -98,6 +100,11 @@ def _local_code(tensors: Sequence[torch.Tensor], rank: int, world: int, device: 
     return code.reshape(1).to(device)
 
 
+def _checkable(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
+    """`tensors` with each sparse one replaced by its stored values (what can be NaN or Inf)."""
+    return [t.coalesce().values() if t.is_sparse else t for t in tensors]
+
+
 def find_nonfinite(
     tensors: torch.Tensor | Sequence[torch.Tensor],
     group: dist.ProcessGroup | None = None,
@@ -108,7 +115,9 @@ def find_nonfinite(
     Returns the lowest tensor index that is non-finite on some rank and, for it, the lowest such
     (group) rank; every rank gets the same answer from one all-reduce of one int64. Every rank
     must pass the same number of tensors. Without torch.distributed initialised (and no group), it
-    looks at the local tensors only (as rank 0).
+    looks at the local tensors only (as rank 0). `tensors` is a tensor or a list of tensors (TypeError
+    otherwise: a dict, pass its values; and for a `group` that is not a process group); sparse tensors
+    are checked by their stored values, integer and bool tensors are finite.
 
     >>> grads = [torch.ones(3), torch.tensor([1.0, float("nan")])]
     >>> adasum.find_nonfinite(grads, names=["fc.weight", "fc.bias"])   # no process group: rank 0
@@ -116,7 +125,8 @@ def find_nonfinite(
     >>> adasum.find_nonfinite([torch.ones(3)]) is None
     True
     """
-    tensors = [tensors] if isinstance(tensors, torch.Tensor) else list(tensors)
+    tensors = _checkable(tensor_list(tensors, "adasum.find_nonfinite"))
+    check_group(group, "adasum.find_nonfinite")
     if names is not None and len(names) != len(tensors):
         raise ValueError(f"got {len(names)} names for {len(tensors)} tensors")
     if group is None and not dist.is_initialized():
@@ -195,8 +205,6 @@ def apply_nonfinite_policy(
     check_policy(policy)
     if policy == "propagate":
         return False
-    tensors = [tensors] if isinstance(tensors, torch.Tensor) else list(tensors)
-    tensors = [t.coalesce().values() if t.is_sparse else t for t in tensors]
     return decide_nonfinite(policy, find_nonfinite(tensors, group, names), operation=operation, what=what)
 
 
@@ -210,11 +218,15 @@ def check_finite(
     """Raise `NonFiniteError` on every rank of `group` if any rank holds a NaN or Inf.
 
     The one-line message names the operation, the first such tensor (index, and name if given) and
-    the lowest rank that has it; ``error.found`` holds the `NonFinite`. See `find_nonfinite`.
+    the lowest rank that has it; ``error.found`` holds the `NonFinite`. See `find_nonfinite` (what it
+    takes: a tensor or a list of tensors and a process group or None, TypeError otherwise; sparse tensors
+    by their stored values).
 
     >>> grads = [torch.ones(3), torch.tensor([0.0, float("nan")])]
     >>> adasum.check_finite(grads, names=["fc.weight", "fc.bias"])  # doctest: +ELLIPSIS
     Traceback (most recent call last):
     adasum.collectives.nonfinite.NonFiniteError: adasum.check_finite: tensor 1 ('fc.bias') has NaN on rank 0 (...)...
     """
+    tensors = tensor_list(tensors, operation)
+    check_group(group, operation)
     decide_nonfinite("raise", find_nonfinite(tensors, group, names), operation=operation)
