@@ -159,6 +159,25 @@ def test_world_size_one_leaves_inputs_unchanged():
     assert def_ == [True]
 
 
+def _named_backends_body(rank, world):
+    """A group whose backend is given per device type ("cpu:gloo,cuda:nccl", what ``init_process_group()`` makes
+    with no backend on a GPU host; "cpu:gloo" on gloo): its tensors are combined as on a plain group."""
+    import torch.distributed as dist
+
+    group = dist.new_group(backend="cpu:gloo,cuda:nccl" if distributed.BACKEND == "nccl" else "cpu:gloo")
+    dev = distributed.device_for(rank)
+    data = worker_data(5, world, [SIZES[i] for i in range(12)])
+    mine = [x.clone().to(dev) for x in data[rank]]
+    adasum.all_reduce(mine, group=group)
+    assert all(within_bound(mine[i], data, i) for i in range(len(mine)))
+    return b"".join(x.cpu().numpy().tobytes() for x in mine)
+
+
+@pytest.mark.parametrize("world", distributed.world_sizes(2, 3))
+def test_a_group_of_backends_named_per_device_type_combines_as_a_plain_one(world):
+    distributed.assert_ranks_agree(distributed.run(world, _named_backends_body))
+
+
 def _identity_body(rank, world):
     t = torch.randn(17).to(distributed.device_for(rank))
     before = t.clone()

@@ -254,3 +254,49 @@ def test_the_slice_movers_gather_routes_every_result_once_its_rows_are_read():
         for r in range(world):
             for j in range(world):
                 assert torch.equal(buffers[r][bounds[j][0] : bounds[j][1]], expected[j]), (world, r, j)
+
+
+def test_nccl_is_found_behind_a_group_of_several_backends(monkeypatch):
+    """``init_process_group()`` with no backend makes "cpu:gloo,cuda:nccl" on a GPU host, which ``get_backend``
+    reports as "undefined": its CUDA tensors go through NCCL (they were refused as needing CPU tensors). A CPU
+    group of that kind, or one whose CUDA backend is gloo, is not NCCL."""
+    import torch.distributed as dist
+
+    from adasum.transport.groups import uses_nccl
+
+    class ProcessGroupNCCL:  # the class name is what `uses_nccl` reads (no CUDA build here)
+        pass
+
+    class ProcessGroupGloo:
+        pass
+
+    class Group:
+        def __init__(self, cuda):
+            self.cuda = cuda
+
+        def _get_backend(self, device):
+            if self.cuda is None:
+                raise RuntimeError("No backend type associated with device type cuda")
+            return self.cuda()
+
+    names = {"nccl": "nccl", "gloo": "gloo"}
+    monkeypatch.setattr(dist, "get_backend", lambda group=None: names.get(group, "undefined"))
+    assert uses_nccl("nccl") and not uses_nccl("gloo")
+    assert uses_nccl(Group(ProcessGroupNCCL))
+    assert not uses_nccl(Group(ProcessGroupGloo)) and not uses_nccl(Group(None))
+
+
+def test_a_cpu_group_without_a_named_backend_serves_cpu_tensors():
+    import torch.distributed as dist
+
+    import adasum
+    from adasum.transport.groups import group_device, uses_nccl
+
+    dist.init_process_group(store=dist.HashStore(), rank=0, world_size=1)  # no backend: "undefined" on this torch
+    try:
+        assert not uses_nccl() and group_device() == torch.device("cpu")
+        x = [torch.ones(3)]
+        adasum.all_reduce(x)
+        assert torch.equal(x[0], torch.ones(3))
+    finally:
+        dist.destroy_process_group()

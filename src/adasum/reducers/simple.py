@@ -6,7 +6,7 @@ import torch
 import torch.distributed as dist
 
 from adasum.reducers.base import Reducer, check_workers
-from adasum.transport.groups import failures_named
+from adasum.transport.groups import failures_named, uses_nccl
 
 
 class Sum(Reducer):
@@ -42,7 +42,7 @@ class Mean(Reducer):
         return [torch.stack([w[i] for w in per_worker]).sum(0) / len(per_worker) for i in range(count)]
 
     def _all_reduce_flat(self, buffer, sizes, group=None):
-        if dist.get_backend(group) == "nccl":  # NCCL averages in its own pass (gloo has no AVG)
+        if uses_nccl(group):  # NCCL averages in its own pass (gloo has no AVG)
             with failures_named("adasum.Mean.all_reduce", "the average all-reduce", group):
                 dist.all_reduce(buffer, op=dist.ReduceOp.AVG, group=group)
             return

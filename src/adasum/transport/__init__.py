@@ -12,7 +12,7 @@ from adasum.options import TransportName, check_option, choices
 from adasum.settings import current
 from adasum.transport.base import Transport
 from adasum.transport.c10d import Collectives, PointToPointC10d, post
-from adasum.transport.groups import group_timeout
+from adasum.transport.groups import group_timeout, uses_nccl
 
 TRANSPORTS = choices(TransportName)
 """The transports a caller may name (``transport=``). "slices" is the slice-parallel schedule
@@ -73,7 +73,7 @@ def select(
     need; `placed`: the tree runs over a placement inside the group (hierarchical mode), which only the
     VHDD transports serve ("slices" and "one-shot" need every rank, any number of them). Asking for one the group
     cannot run raises ValueError on every rank."""
-    nccl = dist.get_backend(group) == "nccl"
+    nccl = uses_nccl(group)
     if name is None:
         name = "p2p"
         if nccl and not placed:

@@ -256,6 +256,8 @@ def release(group: dist.ProcessGroup | None = None) -> None:
     a group). Collectives after a full release are not supported on GPUs: a benchmark that released
     between two models and went on training hung in the second model's first steps.
 
+    A `group` that is not a process group (nor None) raises TypeError.
+
     >>> adasum.release()  # doctest: +SKIP
 
     On one process (a group of one rank):
@@ -270,6 +272,7 @@ def release(group: dist.ProcessGroup | None = None) -> None:
     False
     >>> dist.destroy_process_group()
     """
+    _check_group(group, "adasum.release")
     with _registry.lock:
         if group is not None:
             found = _registry.communicators.pop(_resolved(group), None)
@@ -290,6 +293,12 @@ def release(group: dist.ProcessGroup | None = None) -> None:
             comm.clear()
         _registry.communicators.clear()
         _registry.streams.clear()
+
+
+def _check_group(group: object, operation: str) -> None:
+    """TypeError unless `group` is a torch.distributed process group or None (the default group)."""
+    if group is not None and not isinstance(group, dist.ProcessGroup):
+        raise TypeError(f"{operation}: group must be a torch.distributed ProcessGroup or None, got {group!r}")
 
 
 def _synchronize_if(graphs_alive: bool) -> None:
@@ -352,13 +361,29 @@ def side_stream(device: torch.device, purpose: str) -> torch.cuda.Stream:
     return stream
 
 
+def uses_nccl(group: dist.ProcessGroup | None = None) -> bool:
+    """Whether the group's CUDA tensors go through NCCL: a group of backend ``"nccl"``, or one of several backends
+    whose CUDA backend is NCCL (``init_process_group()`` with no backend on a GPU host makes ``"cpu:gloo,cuda:nccl"``,
+    which ``get_backend`` reports as ``"undefined"``; or that string given)."""
+    name = dist.get_backend(group)
+    if name in ("nccl", "gloo"):
+        return name == "nccl"
+    pg = group if group is not None else dist.distributed_c10d._get_default_group()
+    try:
+        backend = pg._get_backend(torch.device("cuda"))
+    except RuntimeError:  # no CUDA backend
+        return False
+    return type(backend).__name__ == "ProcessGroupNCCL"
+
+
 def group_device(group: dist.ProcessGroup | None = None) -> torch.device:
-    """The device the group's collectives take tensors on: the current GPU on NCCL, else the CPU.
+    """The device the group's collectives take tensors on: the current GPU where NCCL serves them (`uses_nccl`),
+    else the CPU.
 
     Every collective path of adasum asks this or `group_timeout` first, so these register the exit
     handler of the module doc."""
     _register_exit_handler()
-    if dist.get_backend(group) == "nccl":
+    if uses_nccl(group):
         return torch.device("cuda", torch.cuda.current_device())
     return torch.device("cpu")
 
@@ -393,12 +418,14 @@ def accepts(group: dist.ProcessGroup | None, device: torch.device) -> bool:
 
 def group_timeout(group: dist.ProcessGroup | None = None) -> timedelta:
     """The timeout `group` was created with (``init_process_group``/``new_group``), or torch's default.
+    A `group` that is not a process group (nor None) raises TypeError.
 
     >>> dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1, timeout=timedelta(seconds=60))
     >>> adasum.group_timeout()
     datetime.timedelta(seconds=60)
     >>> dist.destroy_process_group()
     """
+    _check_group(group, "adasum.group_timeout")
     _register_exit_handler()
     pg = group if group is not None else dist.distributed_c10d._get_default_group()
     try:

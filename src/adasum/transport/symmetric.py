@@ -66,7 +66,7 @@ from adasum.kernels import triton as triton_kernels
 from adasum.kernels.addresses import AddressTables, CopyTables
 from adasum.settings import current
 from adasum.transport.base import CUT_ALIGN, GatherStep, Level, Transport, split
-from adasum.transport.groups import communicator, retire_graphs, side_stream
+from adasum.transport.groups import communicator, retire_graphs, side_stream, uses_nccl
 from adasum.transport.slices import InPlace, buffer_bytes, round_elements
 
 try:  # pragma: no cover - CUDA builds only
@@ -113,7 +113,7 @@ class SymmetricPool:
         if self.verdict is None:
             local = (
                 self.backend is not None
-                and dist.get_backend(self.group) == "nccl"
+                and uses_nccl(self.group)
                 and triton_kernels.triton is not None
                 and current().symmetric
             )
