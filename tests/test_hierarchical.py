@@ -147,7 +147,8 @@ def test_bad_placements_raise_on_every_rank():
 def build_arguments_body(rank, world):
     """build_hierarchy's arguments of the wrong kind: TypeError on every rank, before the placement all-gather."""
     errors = []
-    wrong = (dict(local_size=1.5), dict(local_size="2"), dict(local_size=True), dict(group="world", local_size=2))
+    wrong = (dict(local_size=1.5), dict(local_size="2"), dict(local_size=True), dict(group="world", local_size=2),
+             dict(local_size=2, exact="no"))  # "no" was true: the two tiers
     for kwargs in wrong:
         with pytest.raises(TypeError) as info:
             hierarchical.build_hierarchy(**kwargs)
@@ -165,6 +166,7 @@ def test_build_hierarchy_refuses_local_sizes_and_groups_of_the_wrong_kind():
         f"{operation}: local_size must be an integer >= 1 or None, got '2'",
         f"{operation}: local_size must be an integer >= 1 or None, got True",
         f"{operation}: group must be a torch.distributed ProcessGroup or None, got 'world'",
+        f"{operation}: exact must be True or False, got 'no'",
     ]
     assert nodes == 1
 

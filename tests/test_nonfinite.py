@@ -176,3 +176,6 @@ def test_sparse_tensors_are_checked_by_their_values_and_other_inputs_refused():
     assert str(info.value) == (
         "adasum.find_nonfinite: group must be a torch.distributed ProcessGroup or None, got 'world'"
     )
+    with pytest.raises(TypeError) as info:  # a string was read as one name a character
+        adasum.find_nonfinite([torch.ones(1), torch.ones(1)], names="ab")
+    assert str(info.value) == "adasum.find_nonfinite: names must be a list of names, one per tensor, got 'ab'"

@@ -42,6 +42,7 @@ from adasum.collectives.slices import SliceMover, adasum_slices_
 from adasum.collectives.vhdd import Placement, adasum_flat_, transport_for
 from adasum.core.layout import Layout
 from adasum.kernels.reduce import reduce
+from adasum.options import check_flag
 from adasum.settings import current
 from adasum.transport.c10d import all_gather_single, global_rank, reduce_scatter_single
 from adasum.transport.groups import failures_named, group_device
@@ -125,7 +126,8 @@ def build_hierarchy(
     `local_size` defaults to LOCAL_WORLD_SIZE. Where it equals LOCAL_WORLD_SIZE, the ranks'
     LOCAL_RANK and GROUP_RANK (the node), when set, are checked too. One small all-gather;
     raises ValueError on every rank (see `check_placement`). A `local_size` that is not an integer
-    (``1.5``, ``"2"``, ``True``) or a `group` that is not a process group raises TypeError before it.
+    (``1.5``, ``"2"``, ``True``), an `exact` that is not True or False, or a `group` that is not a process group
+    raises TypeError before it.
 
     >>> hierarchy = build_hierarchy(local_size=8)  # doctest: +SKIP
     >>> adasum_hierarchical_flat_(buffer, sizes, hierarchy)  # doctest: +SKIP
@@ -149,6 +151,7 @@ def build_hierarchy(
     """
     operation = "adasum.hierarchical.build_hierarchy"
     check_group(group, operation)
+    check_flag(operation, "exact", exact)
     if local_size is not None and (isinstance(local_size, bool) or not isinstance(local_size, numbers.Integral)):
         raise TypeError(f"{operation}: local_size must be an integer >= 1 or None, got {local_size!r}")
     env_size = local_size_from_env()
