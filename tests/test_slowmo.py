@@ -378,7 +378,7 @@ def test_a_state_loads_only_with_its_settings():
         with pytest.raises(ValueError) as info:
             opt.load_state_dict(saved)
         assert str(info.value) == (
-            f"adasum.SlowMo.load_state_dict: the state was saved with {message}; build the SlowMo with the settings "
+            f"adasum.SlowMo.load_state_dict: the state was saved with {message}; build it with the settings "
             "the state was saved with"
         ), str(info.value)
         after = opt.state_dict()

@@ -1,7 +1,8 @@
 """The string options of the public API as types: each a `Literal` that the signatures carry (type checkers and
 editors show the choices), and `check_option`, the one runtime test of a value against it (callers need not run a
 type checker); and the runtime tests of the other kinds of option, counts (`check_count`), numbers in a range
-(`check_number`) and flags (`check_flag`), each raising the same message wherever the option is taken.
+(`check_number`) and flags (`check_flag`), each raising the same message wherever the option is taken, and of a
+saved state's options against an object's (`check_saved_settings`).
 
 >>> check_option("nonfinite", "skip", Nonfinite)
 >>> check_option("mode", "deltas", Mode)
@@ -76,3 +77,25 @@ def check_flag(operation: str, name: str, value: object) -> None:
     """Raise TypeError unless `value` is True or False (a string such as "no" would count as true)."""
     if not isinstance(value, bool):
         raise TypeError(f"{operation}: {name} must be True or False, got {value!r}")
+
+
+def check_saved_settings(operation: str, what: str, saved: dict[str, Any] | None, mine: dict[str, Any]) -> None:
+    """ValueError naming every setting whose value in `saved` (a state's record of the settings it was made with;
+    None or a missing name: not recorded, taken as it is) differs from `mine` (those of `what`, the object loading
+    the state).
+
+    >>> check_saved_settings("adasum.SlowMo.load_state_dict", "SlowMo", {"local_steps": 4}, {"local_steps": 8})
+    Traceback (most recent call last):
+    ValueError: adasum.SlowMo.load_state_dict: the state was saved with local_steps=4, but this SlowMo has \
+local_steps=8; build it with the settings the state was saved with
+    """
+    if not saved:
+        return
+    differ = [name for name in mine if name in saved and saved[name] != mine[name]]
+    if differ:
+        was = ", ".join(f"{name}={saved[name]!r}" for name in differ)
+        has = ", ".join(f"{name}={mine[name]!r}" for name in differ)
+        raise ValueError(
+            f"{operation}: the state was saved with {was}, but this {what} has {has}; build it with the settings the "
+            "state was saved with"
+        )

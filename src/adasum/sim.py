@@ -45,7 +45,7 @@ from torch.func import functional_call, grad, vmap
 from adasum.collectives.nonfinite import NonFinite, check_policy, decide_nonfinite
 from adasum.diagnostics import Orthogonality, orthogonality_stacked
 from adasum.integrations.slowmo import check_slow_options, slow_momentum_update
-from adasum.options import Mode, Nonfinite, check_count, check_option
+from adasum.options import Mode, Nonfinite, check_count, check_option, check_saved_settings
 from adasum.reducers import Reducer, get_reducer
 
 # Optimizers whose update of each element depends only on that element's history: over a
@@ -357,16 +357,8 @@ class SimulatedWorkers:
         """Restore what `state_dict` saved, into a simulator built with the same settings (``workers``,
         ``combine``, ``local_steps``, ``slow_lr``, ``slow_momentum``, the reducer): otherwise ValueError
         naming the settings that differ, and nothing is changed."""
-        saved = state.get("settings") or {}  # a state without them (made by hand) is taken as it is
-        mine = self._settings()
-        differ = [name for name in mine if name in saved and saved[name] != mine[name]]
-        if differ:
-            was = ", ".join(f"{name}={saved[name]!r}" for name in differ)
-            has = ", ".join(f"{name}={mine[name]!r}" for name in differ)
-            raise ValueError(
-                f"adasum.SimulatedWorkers.load_state_dict: the state was saved with {was}, but this simulator "
-                f"has {has}; build it with the settings the state was saved with"
-            )
+        check_saved_settings("adasum.SimulatedWorkers.load_state_dict", "simulator", state.get("settings"),
+                             self._settings())
         self.module.load_state_dict(state["model"])
         self.optimizer.load_state_dict(state["optimizer"])
         if self.stacked is not None:

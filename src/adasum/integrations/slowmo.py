@@ -25,7 +25,7 @@ from adasum.collectives.agreement import agree, local_problem
 from adasum.collectives.nonfinite import apply_nonfinite_policy, check_policy
 from adasum.core.statistics import StepStatistics
 from adasum.integrations.optim import check_same_parameters, check_wrappable, optimizer_param_names
-from adasum.options import Buffers, Nonfinite, check_count, check_flag, check_number, check_option
+from adasum.options import Buffers, Nonfinite, check_count, check_flag, check_number, check_option, check_saved_settings
 from adasum.reducers import Mean, Reducer, get_reducer
 from adasum.transport.groups import failures_named, group_device
 
@@ -372,7 +372,7 @@ class SlowMo:
         ``slow_lr``, ``slow_momentum``, ``buffers``, the reducer): otherwise ValueError naming the settings that
         differ, and nothing is changed (the step counter places the round boundary at multiples of
         ``local_steps``; the slow momentum and the reducer's state belong to their settings)."""
-        self._check_settings(state.get("settings"))  # absent from states saved before it was recorded
+        check_saved_settings("adasum.SlowMo.load_state_dict", "SlowMo", state.get("settings"), self._settings())
         for name in ("anchor", "momentum"):
             saved = state[name]
             if len(saved) != len(self._params):
@@ -393,20 +393,6 @@ class SlowMo:
         self._step = int(state["step"])
         self.skipped_steps = int(state.get("skipped_steps", 0))
         self.reducer.load_state_dict(state.get("reducer", {}))
-
-    def _check_settings(self, saved: dict[str, Any] | None) -> None:
-        """ValueError naming every setting whose saved value differs from this SlowMo's."""
-        if saved is None:
-            return
-        mine = self._settings()
-        differ = [name for name in mine if name in saved and saved[name] != mine[name]]
-        if differ:
-            was = ", ".join(f"{name}={saved[name]!r}" for name in differ)
-            has = ", ".join(f"{name}={mine[name]!r}" for name in differ)
-            raise ValueError(
-                f"adasum.SlowMo.load_state_dict: the state was saved with {was}, but this SlowMo has {has}; "
-                "build the SlowMo with the settings the state was saved with"
-            )
 
     def __repr__(self) -> str:
         return (
