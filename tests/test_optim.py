@@ -597,3 +597,65 @@ def anchor_body(rank, world):
 def test_delta_mode_anchor_follows_changes_between_steps():
     results = distributed.run(2, anchor_body)
     assert results[0] == results[1]
+
+
+def test_delta_mode_follows_parameters_converted_after_wrapping():
+    """``model.double()`` after wrapping keeps the parameters' identity and changes their dtype: the round's
+    starting weights follow (at a round's start, and in the middle of a round of local steps), so a float64
+    model steps in float64; they were kept in float32, which rounded every combined parameter to float32."""
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        for local_steps, convert_after in ((1, 1), (2, 1), (2, 2)):
+            model = make_model()
+            plain = copy.deepcopy(model)
+            opt = adasum.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), local_steps=local_steps)
+            reference = torch.optim.SGD(plain.parameters(), lr=0.1)
+            for step in range(4):
+                if step == convert_after:
+                    model.double()
+                    plain.double()
+                    with torch.no_grad():  # from the same weights; below float32's resolution: lost if rounded to it
+                        for p, q in zip(model.parameters(), plain.parameters()):
+                            p.add_(1e-12)
+                            q.copy_(p)
+                x = batch(0, step)[0].to(next(model.parameters()).dtype)
+                for m, o in ((model, opt), (plain, reference)):
+                    o.zero_grad()
+                    m(x).pow(2).mean().backward()
+                    o.step()
+            for p, q in zip(model.parameters(), plain.parameters()):
+                assert p.dtype == torch.float64
+                assert (p - q).abs().max() < 1e-14, (local_steps, convert_after)
+    finally:
+        dist.destroy_process_group()
+
+
+def test_load_state_dict_of_another_reducer_changes_nothing():
+    """A state whose reducer state does not fit this wrapper's reducer raises the reducer's ValueError before the
+    wrapped optimizer's state or the counters are replaced (they were, and then the reducer refused)."""
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        model = make_model()
+        saver = adasum.DistributedOptimizer(
+            torch.optim.SGD(model.parameters(), lr=0.5, momentum=0.9), reducer=adasum.AdaCons(momentum=0.9),
+            backward_passes_per_step=2,
+        )
+        for _ in range(3):
+            backward(model, 0, 0)
+            saver.step()
+        state = saver.state_dict()
+        assert state["passes"] == 1
+        for reducer in ("adasum", adasum.AdaCons(momentum=0.5)):
+            opt = adasum.DistributedOptimizer(
+                torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9), reducer=reducer, backward_passes_per_step=2
+            )
+            before = copy.deepcopy(opt.state_dict())
+            with pytest.raises(ValueError, match=r"load_state_dict: the state (is not this reducer's|has momentum)"):
+                opt.load_state_dict(state)
+            assert opt.state_dict() == before and opt.param_groups[0]["lr"] == 0.1 and not opt.state
+    finally:
+        dist.destroy_process_group()

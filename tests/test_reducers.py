@@ -303,3 +303,54 @@ def test_state_of_another_reducer_is_refused():
     with pytest.raises(ValueError) as info:
         adasum.AdaCons(momentum=0.5).load_state_dict(state)
     assert str(info.value) == "adasum.AdaCons.load_state_dict: the state has momentum=0.9, this reducer has 0.5"
+
+
+def test_reduce_refuses_workers_whose_tensors_differ():
+    """The single-process form refuses what the distributed one refuses (ranks' tensors of another dtype or shape,
+    a non-floating tensor), with one message per reducer: Sum, Mean and Adasum promoted mixed dtypes or combined
+    a [2, 3] with a [3, 2] silently, and reported other shapes with torch.stack's error."""
+    for name, make in REDUCERS.items():
+        reducer = make()
+        cls = type(reducer).__name__
+        for first, other, given in (
+            (torch.ones(3), torch.ones(3, dtype=torch.float64), "torch.float32 [3], worker 1 has torch.float64 [3]"),
+            (torch.ones(2, 3), torch.ones(3, 2), "torch.float32 [2, 3], worker 1 has torch.float32 [3, 2]"),
+            (torch.ones(3), torch.ones(4), "torch.float32 [3], worker 1 has torch.float32 [4]"),
+        ):
+            with pytest.raises(ValueError) as info:
+                reducer.reduce([[torch.ones(1), first], [torch.ones(1), other]])
+            assert str(info.value) == f"adasum.{cls}.reduce: tensor 1: worker 0 has {given}", name
+        with pytest.raises(TypeError) as info:
+            reducer.reduce([[torch.ones(2, dtype=torch.int64)]] * 2)
+        assert str(info.value) == (f"adasum.{cls}.reduce: tensor 0 has dtype torch.int64; only floating-point "
+                                   "tensors can be combined"), name
+        with pytest.raises(TypeError) as info:
+            reducer.reduce([[torch.ones(2)], [[1.0, 2.0]]])
+        assert str(info.value) == f"adasum.{cls}.reduce: worker 1's tensor 0 is a list, not a torch.Tensor", name
+        assert [t.shape for t in reducer.reduce([[torch.ones(2), torch.ones(0)]] * 2)] == [(2,), (0,)]
+
+
+def test_adacons_momentum_and_key_types():
+    """AdaCons' `momentum` is a number in [0, 1) and `key` a str (or None), checked before anything moves: a string
+    momentum failed with a comparison error, ``momentum=False`` was taken as 0, and an unhashable key failed with
+    "unhashable type" after the mean all-reduce and the all-gather."""
+    for bad in ("0.5", None, True):
+        with pytest.raises(TypeError) as info:
+            adasum.AdaCons(momentum=bad)
+        assert str(info.value) == f"adasum.AdaCons: momentum must be a number in [0, 1), got {bad!r}"
+    for bad in (1.0, -0.1, float("nan")):
+        with pytest.raises(ValueError) as info:
+            adasum.AdaCons(momentum=bad)
+        assert str(info.value) == f"adasum.AdaCons: momentum must be a number in [0, 1), got {bad!r}"
+    assert adasum.AdaCons(momentum=np.float32(0.5)).momentum == 0.5
+    reducer = adasum.AdaCons()
+    for bad in (["bucket"], 3):
+        for method, call in (
+            ("all_reduce", lambda: reducer.all_reduce([torch.ones(2)], key=bad)),
+            ("all_reduce_flat", lambda: reducer.all_reduce_flat(torch.ones(2), [2], key=bad)),
+            ("reduce", lambda: reducer.reduce([[torch.ones(2)]] * 2, key=bad)),
+        ):
+            with pytest.raises(TypeError) as info:  # no process group: refused before anything is checked or moved
+                call()
+            assert str(info.value) == f"adasum.AdaCons.{method}: key must be a str or None, got {bad!r}"
+    assert reducer.state_dict()["states"] == {}

@@ -391,3 +391,29 @@ def test_a_state_loads_only_with_its_settings():
     opt = adasum.SlowMo(torch.optim.SGD(make_model(seed=1).parameters(), lr=0.1), local_steps=2)
     opt.load_state_dict({k: v for k, v in saved.items() if k != "settings"})
     assert opt.state_dict()["step"] == 3
+
+
+def test_parameters_converted_after_wrapping():
+    """``model.double()`` after construction keeps the parameters and changes their dtype: the anchor and the slow
+    momentum follow at the next sync (before, in the middle of a round or at its end), so a float64 model stays
+    float64; they were kept in float32 and every sync copied the float32 anchor into the parameters. One worker
+    with ``slow_lr=1`` and no slow momentum is the base optimizer itself."""
+    for convert_after in (0, 1, 2):
+        model, plain = make_model(dtype=torch.float32), make_model(dtype=torch.float32)
+        opt = adasum.SlowMo(torch.optim.SGD(model.parameters(), lr=0.1), local_steps=2, slow_lr=1.0)
+        reference = torch.optim.SGD(plain.parameters(), lr=0.1)
+        for step in range(5):
+            if step == convert_after:
+                for m in (model, plain):
+                    m.double()
+                with torch.no_grad():  # from the same weights; below float32's resolution: lost if rounded to it
+                    for p, q in zip(model.parameters(), plain.parameters()):
+                        p.add_(1e-12)
+                        q.copy_(p)
+            for m, o in ((model, opt), (plain, reference)):
+                o.zero_grad()
+                backward(m, 0, step)
+                o.step()
+        for p, q in zip(model.parameters(), plain.parameters()):
+            assert p.dtype == torch.float64 and (p - q).abs().max() < 1e-14, convert_after
+        assert all(a.dtype == torch.float64 for a in opt.state_dict()["anchor"] + opt.state_dict()["momentum"])

@@ -80,6 +80,8 @@ from adasum.options import Mode, Nonfinite, check_count, check_flag, check_numbe
 from adasum.reducers import Reducer, get_reducer
 from adasum.transport.groups import communicator, control_group, failures_named, group_device, side_stream
 
+_data_ptr = torch.Tensor.data_ptr
+
 IN_FLIGHT = 3
 """Delta mode on a GPU: buckets whose deltas are computed, combined or applied at once (module doc)."""
 
@@ -302,7 +304,9 @@ class DistributedOptimizer(torch.optim.Optimizer):
     every rank, at construction and on the first step): DDP has averaged their gradients already.
 
     ``param_groups``, ``state``, ``defaults``, ``zero_grad()`` pass through to the wrapped
-    optimizer (LR schedulers work on it). Hooks registered on the wrapper
+    optimizer (LR schedulers work on it). A model converted after wrapping (``model.double()``,
+    ``model.to(device)``, also in the middle of a round of local steps) is followed: delta mode keeps
+    the round's starting weights in the parameters' dtypes and devices. Hooks registered on the wrapper
     (``register_step_pre_hook``, ``register_step_post_hook``, the ``state_dict`` and
     ``load_state_dict`` hooks) run around its own ``step()`` (every call, accumulation passes
     included), ``state_dict()`` and ``load_state_dict()``. ``state_dict()`` holds the wrapped
@@ -383,6 +387,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
         self._anchor: list[torch.Tensor] | None = None  # delta mode: the round's starting weights
         self._delta_buffers: dict[tuple, torch.Tensor] = {}  # delta mode: `IN_FLIGHT` flat buffers per dtype
         self._anchor_flats: list[torch.Tensor] = []  # delta mode: the storage of `_anchor`, one per bucket
+        self._anchor_memory: tuple = ()  # the addresses of the parameters the anchor was made for (`_anchor_fits`)
         self._plan: list = []  # delta mode: the buckets' parameters (`_delta_plan`), for `_plan_key`
         self._plan_key: tuple | None = None
         self._anchor_mark: tuple | None = None  # delta mode: the parameters as the last combination left them
@@ -496,6 +501,8 @@ class DistributedOptimizer(torch.optim.Optimizer):
             loss = self.optimizer.step(self._densifying(closure)) if closure is not None else self.optimizer.step()
         self._round_step += 1
         if self._round_step >= self.local_steps:
+            if self.local_steps > 1 and not self._anchor_fits(params):  # converted in the round (model.double())
+                self._move_anchor(params)
             self._combine_deltas(params)
             self._round_step = 0
         return loss
@@ -681,12 +688,32 @@ class DistributedOptimizer(torch.optim.Optimizer):
         parameters need no call: `step` sees them."""
         self._anchor_mark = None
 
+    def _anchor_fits(self, params: list[torch.Tensor]) -> bool:
+        """Whether the anchor was made for these parameters as they lie: the same memory of each (a model converted
+        after wrapping, ``model.double()`` or ``.to(device)``, keeps its parameter objects and gives each new memory
+        of its new dtype and device; one C-level map, not a comparison of every shape, dtype and device a step)."""
+        return self._anchor is not None and tuple(map(_data_ptr, params)) == self._anchor_memory
+
     def _save_anchor(self, params: list[torch.Tensor]) -> None:
-        if self._anchor is None or len(self._anchor) != len(params):
+        if not self._anchor_fits(params):
             self._new_anchor(params)
         assert self._anchor is not None
         if params:
             torch._foreach_copy_(self._anchor, params)
+
+    def _move_anchor(self, params: list[torch.Tensor]) -> None:
+        """The round's starting weights converted to the parameters' dtypes and devices, which changed in the middle
+        of a round of local steps; ValueError when a parameter was added or changed shape (no starting weights for
+        it)."""
+        assert self._anchor is not None
+        old = self._anchor
+        if len(old) != len(params) or any(a.shape != p.shape for a, p in zip(old, params)):
+            raise ValueError(
+                "adasum.DistributedOptimizer.step: parameters were added or changed shape in the middle of a round of "
+                "local steps; change them between rounds (add_param_group refuses the middle of a round)"
+            )
+        self._new_anchor(params)
+        torch._foreach_copy_(self._anchor, [a.to(p.device) for a, p in zip(old, params)])
 
     def _new_anchor(self, params: list[torch.Tensor]) -> None:
         """Room for the starting weights: one flat buffer per bucket of `params` (`_anchor_flats`), seen per
@@ -701,6 +728,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
             for i, view in zip(bucket, flat.split(sizes)):
                 anchor[i] = view.view(params[i].shape)
         self._anchor = anchor
+        self._anchor_memory = tuple(map(_data_ptr, params))  # what `_anchor_fits` compares
 
     def _combine_gradients(self, params: list[torch.Tensor]) -> None:
         """Combine the gradients of the parameters that have one on any rank (`_present_gradients`); the others
@@ -902,17 +930,24 @@ class DistributedOptimizer(torch.optim.Optimizer):
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Restore what `state_dict` returned. A state saved in the middle of a round of local steps (or
         of accumulated passes) loads only into a wrapper with the same ``local_steps``
-        (``backward_passes_per_step``): otherwise ValueError, and nothing is changed. Checked on each rank
-        against its own state (every rank loads the state it saved, with the same counters)."""
+        (``backward_passes_per_step``), and a reducer state only into the reducer that saved it (the reducer's
+        ``load_state_dict`` decides: another reducer's state, other AdaCons settings): otherwise ValueError,
+        and nothing is changed. Checked on each rank against its own state (every rank loads the state it
+        saved, with the same counters)."""
         state_dict = state_dict.copy()
         for pre_hook in self._optimizer_load_state_dict_pre_hooks.values():
             state_dict = pre_hook(self, state_dict) or state_dict
         self._check_counters(state_dict)
-        self.optimizer.load_state_dict(state_dict["optimizer"])
+        previous = self.reducer.state_dict()
+        self.reducer.load_state_dict(state_dict["reducer"])  # refuses another reducer's state: first
+        try:
+            self.optimizer.load_state_dict(state_dict["optimizer"])
+        except BaseException:
+            self.reducer.load_state_dict(previous)
+            raise
         self.skipped_steps = int(state_dict.get("skipped_steps", 0))
         self._passes = int(state_dict["passes"])
         self._round_step = int(state_dict["round_step"])
-        self.reducer.load_state_dict(state_dict["reducer"])
         self._anchor_mark = None
         if state_dict["anchor"] is not None:
             params = self._params()

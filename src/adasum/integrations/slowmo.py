@@ -108,7 +108,9 @@ class SlowMo:
 
     Memory: two extra copies of the parameters, the anchor ``x_{t,0}`` and the slow momentum
     buffer ``u``, each in the parameter's dtype; a sync also needs the reducer's flat buffer per
-    dtype (one more parameter-sized copy while it runs; AdaCons two).
+    dtype (one more parameter-sized copy while it runs; AdaCons two). A model converted after
+    construction (``model.double()``, ``model.to(device)``) is followed: each sync first moves the
+    anchor and ``u`` to the parameters' dtypes and devices.
 
     The workers' models must be identical when SlowMo is constructed (DDP ensures this; otherwise
     broadcast them first); the anchor is taken then. With ``check=True`` (default) construction
@@ -228,6 +230,7 @@ class SlowMo:
         params = [p for g in self.optimizer.param_groups for p in g["params"]]
         if len(params) != len(self._params) or any(p is not q for p, q in zip(params, self._params)):
             raise ValueError("the optimizer's parameters changed since SlowMo was constructed")
+        self._follow_parameters()
         world = _world_size(self.group)
         if self._nonfinite_round():
             return
@@ -289,6 +292,21 @@ class SlowMo:
         >>> agreed = opt.last_combined() or [p for g in opt.param_groups for p in g["params"]]   # the parameters
         """
         return list(self._anchor) if self._step % self.local_steps else None
+
+    def _follow_parameters(self) -> None:
+        """The anchor and the slow momentum in each parameter's dtype and device: a model converted after
+        construction (``model.double()``, ``model.to(device)``) keeps its parameters and changes their dtype or
+        device. ValueError for a parameter whose shape changed (its anchor no longer fits)."""
+        for i, p in enumerate(self._params):
+            anchor = self._anchor[i]
+            if anchor.shape != p.shape:
+                raise ValueError(
+                    f"adasum.SlowMo.sync: parameter {i} has shape {list(p.shape)}, its anchor {list(anchor.shape)}: "
+                    "a parameter changed shape since SlowMo was constructed"
+                )
+            if anchor.dtype != p.dtype or anchor.device != p.device:
+                self._anchor[i] = anchor.to(device=p.device, dtype=p.dtype)
+                self._momentum[i] = self._momentum[i].to(device=p.device, dtype=p.dtype)
 
     def _nonfinite_round(self) -> bool:
         """Whether this round is discarded: a NaN/Inf in any rank's local model (checked across ranks)."""

@@ -57,9 +57,9 @@ import torch.distributed as dist
 
 from adasum.collectives.api import fused_per_dtype
 from adasum.core import statistics
-from adasum.core.operator import ZERO_NORM, check_floating
+from adasum.core.operator import ZERO_NORM
 from adasum.kernels import dot_and_norms
-from adasum.options import Scale, check_option
+from adasum.options import Scale, check_number, check_option
 from adasum.reducers.base import Reducer, ShardGroups, check_state_keys, check_workers
 from adasum.transport.groups import failures_named
 
@@ -181,6 +181,12 @@ def scale_segments_(flat: torch.Tensor, weights: torch.Tensor, sizes: Sequence[i
         flat.copy_(flat.to(compute) * w)
 
 
+def check_key(key: object, operation: str) -> None:
+    """Raise TypeError, before anything moves, unless `key` (the name of a momentum state) is a str or None."""
+    if key is not None and not isinstance(key, str):
+        raise TypeError(f"{operation}: key must be a str or None, got {key!r}")
+
+
 def layout_key(description: Sequence[tuple[torch.dtype, int]], per_tensor: bool) -> str:
     """The default momentum key of a call: a digest of its tensors' dtypes and element counts."""
     digest = hashlib.blake2b(repr([(str(d), int(n)) for d, n in description]).encode(), digest_size=8)
@@ -190,11 +196,11 @@ def layout_key(description: Sequence[tuple[torch.dtype, int]], per_tensor: bool)
 class AdaCons(Reducer):
     """Adaptive consensus aggregation (module docstring for the formula and the rules).
 
-    `momentum` is the subspace momentum beta (0: none; the paper's demo uses 0.99). `per_tensor`
+    `momentum` is the subspace momentum beta, a number in [0, 1) (0: none; the paper's demo uses 0.99). `per_tensor`
     gives each tensor its own coefficients; `scale` is "mean_norm" (identical gradients aggregate to
     themselves) or "unit" (the paper's ``|d| <= 1``).
 
-    The distributed forms take ``key=`` (the momentum state's name; default: the call's layout).
+    The distributed forms take ``key=`` (the momentum state's name, a str; default: the call's layout).
 
     >>> reducer = adasum.AdaCons(momentum=0.9)
     >>> reducer.all_reduce([p.grad for p in model.parameters()])   # across the process group  # doctest: +SKIP
@@ -209,8 +215,7 @@ class AdaCons(Reducer):
     """What `state_dict` saves; `load_state_dict` takes a state with these keys only."""
 
     def __init__(self, momentum: float = 0.0, per_tensor: bool = False, scale: Scale = "mean_norm") -> None:
-        if not 0.0 <= momentum < 1.0:
-            raise ValueError(f"momentum must be in [0, 1), got {momentum}")
+        check_number("adasum.AdaCons", "momentum", momentum, "a number in [0, 1)", lambda v: 0 <= v < 1)
         check_option("scale", scale, Scale)
         if not isinstance(per_tensor, bool):
             raise TypeError(f"per_tensor must be True or False, got {per_tensor!r}")
@@ -241,26 +246,25 @@ class AdaCons(Reducer):
             statistics.record(statistics.ConsensusWeights(c))
         return worker_weights(c, sq_norms, mean_sq, self.scale)
 
+    def _check_options(self, options: dict[str, Any], operation: str) -> None:
+        """`Reducer._check_options`, and TypeError unless ``key`` is a str or None (it names a momentum state)."""
+        super()._check_options(options, operation)
+        check_key(options.get("key"), operation)
+
     def _key(self, description: Sequence[tuple[torch.dtype, int]], key: str | None) -> str:
         return key if key is not None else layout_key(description, self.per_tensor)
 
     # -- single process
 
     def reduce(self, per_worker: Sequence[Sequence[torch.Tensor]], *, key: str | None = None) -> list[torch.Tensor]:
-        """AdaCons of the workers' copies, one list of tensors per worker, in worker order."""
-        count = check_workers(per_worker)
+        """AdaCons of the workers' copies, one list of tensors per worker, in worker order; `key` names the
+        momentum state (a str; default: the layout)."""
+        check_key(key, "adasum.AdaCons.reduce")
+        count = check_workers(per_worker, f"adasum.{type(self).__name__}.reduce")
         if count == 0:
             return []
         workers = len(per_worker)
         first = per_worker[0]
-        for i in range(count):
-            check_floating(first[i].dtype)
-            for w, tensors in enumerate(per_worker):
-                if tensors[i].shape != first[i].shape or tensors[i].dtype != first[i].dtype:
-                    raise ValueError(
-                        f"tensor {i}: worker 0 has {first[i].dtype} {list(first[i].shape)}, "
-                        f"worker {w} has {tensors[i].dtype} {list(tensors[i].shape)}"
-                    )
         # every worker's copy of a tensor as one segment of a [workers, n] stack: one kernel for the sums and one
         # for the scaling per tensor, one host read per call (a loop over workers read each worker's sums
         # separately: hundreds of device synchronisations per simulated step on a GPU). Per segment the sums
@@ -361,6 +365,7 @@ class AdaCons(Reducer):
         """As `all_reduce_flat` over the replicate group, except that each replica's per-tensor partial
         ``<g_i, m>``, ``|g_i|^2``, ``|m|^2`` are first summed over its shard group (coefficients of the
         whole tensors). `key` names the momentum state (default: the layout of the shards)."""
+        check_key(key, "adasum.AdaCons.all_reduce_shards")
         sizes = [int(n) for n in sizes]
         key = self._key([(buffer.dtype, n) for n in sizes], key)
         replicas = groups.replicas

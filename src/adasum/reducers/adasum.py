@@ -64,7 +64,7 @@ class Adasum(Reducer):
 
     def reduce(self, per_worker):
         """Adasum of the workers' copies, tensor by tensor (or whole-model), in one process."""
-        count = check_workers(per_worker)
+        count = check_workers(per_worker, f"adasum.{type(self).__name__}.reduce")
         if self.hierarchical is True:
             size = self.local_size or hierarchical.local_size_from_env() or 1
             if self.per_tensor:

@@ -235,12 +235,17 @@ class Reducer:
         return f"{type(self).__name__}()"
 
 
-def check_workers(per_worker: Sequence[Sequence[torch.Tensor]]) -> int:
-    """The number of tensors per worker of a single-process `reduce` input; ValueError unless there
-    is at least one worker and every worker has the same number.
+def check_workers(per_worker: Sequence[Sequence[torch.Tensor]], operation: str = "adasum.Reducer.reduce") -> int:
+    """The number of tensors per worker of a single-process `reduce` input. As the distributed forms refuse it
+    across ranks, `operation` (the reduce that calls) raises ValueError unless there is at least one worker,
+    every worker has the same number of tensors and each tensor has one shape, dtype and device on every
+    worker; TypeError for an entry that is not a tensor or a tensor that is not floating-point.
 
     >>> check_workers([[torch.zeros(3), torch.zeros(1)], [torch.ones(3), torch.ones(1)]])   # 2 workers, 2 tensors
     2
+    >>> check_workers([[torch.zeros(3)], [torch.ones(3, dtype=torch.float64)]], "adasum.Sum.reduce")
+    Traceback (most recent call last):
+    ValueError: adasum.Sum.reduce: tensor 0: worker 0 has torch.float32 [3], worker 1 has torch.float64 [3]
     """
     if len(per_worker) == 0:
         raise ValueError("reduce needs at least one worker")
@@ -248,6 +253,25 @@ def check_workers(per_worker: Sequence[Sequence[torch.Tensor]]) -> int:
     for w, tensors in enumerate(per_worker):
         if len(tensors) != count:
             raise ValueError(f"worker 0 has {count} tensors, worker {w} has {len(tensors)}")
+    for i in range(count):
+        for w, tensors in enumerate(per_worker):
+            if not isinstance(tensors[i], torch.Tensor):
+                raise TypeError(
+                    f"{operation}: worker {w}'s tensor {i} is a {type(tensors[i]).__name__}, not a torch.Tensor"
+                )
+        first = per_worker[0][i]
+        if not first.is_floating_point():
+            raise TypeError(
+                f"{operation}: tensor {i} has dtype {first.dtype}; only floating-point tensors can be combined"
+            )
+        for w, tensors in enumerate(per_worker):
+            t = tensors[i]
+            if t.shape != first.shape or t.dtype != first.dtype or t.device != first.device:
+                where = (lambda x: f" on {x.device}") if t.device != first.device else (lambda x: "")
+                raise ValueError(
+                    f"{operation}: tensor {i}: worker 0 has {first.dtype} {list(first.shape)}{where(first)}, "
+                    f"worker {w} has {t.dtype} {list(t.shape)}{where(t)}"
+                )
     return count
 
 

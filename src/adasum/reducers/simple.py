@@ -19,7 +19,7 @@ class Sum(Reducer):
 
     def reduce(self, per_worker):
         """The sum of the workers' copies, tensor by tensor."""
-        count = check_workers(per_worker)
+        count = check_workers(per_worker, f"adasum.{type(self).__name__}.reduce")
         return [torch.stack([w[i] for w in per_worker]).sum(0) for i in range(count)]
 
     def _all_reduce_flat(self, buffer, sizes, group=None):
@@ -38,7 +38,7 @@ class Mean(Reducer):
 
     def reduce(self, per_worker):
         """The mean of the workers' copies, tensor by tensor."""
-        count = check_workers(per_worker)
+        count = check_workers(per_worker, f"adasum.{type(self).__name__}.reduce")
         return [torch.stack([w[i] for w in per_worker]).sum(0) / len(per_worker) for i in range(count)]
 
     def _all_reduce_flat(self, buffer, sizes, group=None):
