@@ -149,3 +149,42 @@ def test_two_threads_on_two_groups_get_right_results():
     results = distributed.run(2, threads_body)
     for wrong, errors in results:
         assert errors == [] and wrong == [0, 0], (wrong, errors)
+
+
+SHAPED = {
+    "transport_first": "p2p", "piece_elements": (1000, 1000), "symmetric_push": False, "symmetric_chunks": False,
+    "symmetric_chunk_bytes": 1024, "symmetric_max_chunks": 2, "one_shot_bytes": 0, "memory_mb": 64.0,
+}
+"""A value other than the default of each schedule-shaping setting compared by the call's check (``deferred_checks``
+picks where that check runs: left out)."""
+
+
+def shaped_body(rank, world):
+    """`adasum.all_reduce` where rank 1 overrides each schedule-shaping setting in turn: (error type, message)."""
+    from adasum.settings import override
+
+    out = {}
+    for name, value in SHAPED.items():
+        t = [torch.ones(6) * (rank + 1)]
+        try:
+            with override(**({name: value} if rank == 1 else {})):
+                adasum.all_reduce(t)
+        except ValueError as error:
+            out[name] = ("ValueError", str(error))
+        else:
+            out[name] = (None, None)
+    return out
+
+
+def test_a_schedule_shaping_setting_on_one_rank_is_refused_on_every_rank():
+    from adasum.settings import _SHAPING
+
+    assert set(SHAPED) == set(_SHAPING) - {"deferred_checks"}
+    results = distributed.run(2, shaped_body, timeout_s=30)
+    distributed.assert_ranks_agree(results)
+    for name, value in SHAPED.items():
+        assert results[0][name] == (
+            "ValueError",
+            "adasum.all_reduce: the configuration differs across ranks: rank 0 has adasum.all_reduce transport=p2p "
+            f"nonfinite=propagate, rank 1 has adasum.all_reduce transport=p2p nonfinite=propagate {name}={value}",
+        ), name

@@ -135,3 +135,42 @@ def test_the_process_reads_its_environment_once_and_warns_once():
     assert proc.stdout.split() == ["False", "True", "True"]
     assert proc.stderr.count("ADASUM_SYMMETRC is not a setting") == 1, proc.stderr
     assert "did you mean ADASUM_SYMMETRIC?" in proc.stderr
+
+
+def test_the_transport_put_first_must_be_a_transport_name():
+    """``ADASUM_TEST_TRANSPORT`` takes the names ``transport=`` takes (empty: unset), from the environment and from
+    `override` alike: a typo is refused where the settings are read, not only where an NCCL group reads it (gloo
+    never does)."""
+    from adasum.options import TransportName, choices
+    from adasum.settings import TRANSPORT_NAMES
+
+    assert TRANSPORT_NAMES == choices(TransportName)
+    for name in (*TRANSPORT_NAMES, ""):
+        assert Settings.from_env({"ADASUM_TEST_TRANSPORT": name}).transport_first == name
+    names = "['p2p', 'collectives', 'symmetric', 'slices', 'one-shot']"
+    with pytest.raises(ValueError) as info:
+        Settings.from_env({"ADASUM_TEST_TRANSPORT": "p2pp"})
+    assert str(info.value) == (
+        f"adasum.settings: transport_first (ADASUM_TEST_TRANSPORT) must be one of {names} or empty, got 'p2pp'"
+    )
+    with pytest.raises(ValueError) as info, override(transport_first="nccl"):
+        pass
+    assert str(info.value) == (
+        f"adasum.settings: transport_first (ADASUM_TEST_TRANSPORT) must be one of {names} or empty, got 'nccl'"
+    )
+
+
+@pytest.mark.parametrize(
+    "name,hint",
+    [
+        ("cuda_graph", "did you mean cuda_graphs?"),
+        ("ADASUM_MEMORY_MB", "did you mean memory_mb, the field of that variable?"),
+        ("shaping", "the fields of adasum.settings.Settings are the settings"),
+    ],
+)
+def test_override_names_an_unknown_setting_and_the_closest_field(name, hint):
+    before = current()
+    with pytest.raises(TypeError) as info, override(**{name: 1}):
+        pass
+    assert str(info.value) == f"adasum.settings: override got {name!r}, which is not a setting ({hint})"
+    assert current() is before

@@ -300,3 +300,58 @@ def test_a_cpu_group_without_a_named_backend_serves_cpu_tensors():
         assert torch.equal(x[0], torch.ones(3))
     finally:
         dist.destroy_process_group()
+
+
+def test_the_transport_put_first_is_part_of_the_groups_choice(monkeypatch):
+    """The group keeps the transport it chose for a call, per choice: the same call under another ``transport_first``
+    (`adasum.settings.override`) gets the transport that setting puts first, not the one chosen before it. An
+    NCCL group stands in: `select` reads the backend (patched), the symmetric verdict is no."""
+    import torch.distributed as dist
+
+    import adasum.transport
+    from adasum.collectives.vhdd import transport_for
+    from adasum.settings import override
+    from adasum.transport import symmetric
+
+    monkeypatch.setattr(adasum.transport, "uses_nccl", lambda group=None: True)
+    monkeypatch.setattr(symmetric, "supported", lambda group: False)
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        assert transport_for(None, None, True).name == "p2p"
+        with override(transport_first="collectives"):
+            assert transport_for(None, None, True).name == "collectives"
+        assert transport_for(None, None, True).name == "p2p"
+    finally:
+        dist.destroy_process_group()
+
+
+def refused_body(rank, world, names):
+    """`adasum.all_reduce` with transport `names[rank]` (one the group may not run): (error type, message, whether
+    it came within 10 s, the tensor untouched)."""
+    import adasum
+
+    t = torch.ones(6) * (rank + 1)
+    start = time.monotonic()
+    try:
+        adasum.all_reduce([t], transport=names[rank])
+    except (ValueError, RuntimeError) as error:
+        return type(error).__name__, str(error), time.monotonic() - start < 10, bool((t == rank + 1).all())
+    return None, None, time.monotonic() - start < 10, bool((t == rank + 1).all())
+
+
+def test_a_transport_the_group_cannot_run_is_refused_on_every_rank():
+    """A transport named that a gloo group cannot run is a ValueError naming the call on every rank, after the
+    cross-rank check: where only some ranks name it, every rank gets the configuration's difference at once (the
+    others do not wait for the group's timeout)."""
+    needs = "transport='symmetric' needs NCCL and a power-of-two group (no hierarchical placement)"
+    results = distributed.run(2, refused_body, ["symmetric", "symmetric"], timeout_s=30)
+    assert results == [("ValueError", f"adasum.all_reduce: {needs}", True, True)] * 2, results
+    results = distributed.run(2, refused_body, ["symmetric", "p2p"], timeout_s=30)
+    differ = ("adasum.all_reduce: the configuration differs across ranks: rank 0 has adasum.all_reduce "
+              "transport=symmetric nonfinite=propagate, rank 1 has adasum.all_reduce transport=p2p nonfinite=propagate")
+    assert results == [("ValueError", differ, True, True)] * 2, results
+    results = distributed.run(3, refused_body, [None, "collectives", None], timeout_s=30)
+    differ = ("adasum.all_reduce: the configuration differs across ranks: rank 0 has adasum.all_reduce "
+              "transport=p2p nonfinite=propagate, rank 1 has adasum.all_reduce transport=collectives "
+              "nonfinite=propagate")
+    assert results == [("ValueError", differ, True, True)] * 3, results

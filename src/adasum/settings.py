@@ -34,6 +34,10 @@ SPELLINGS = "0/1, false/true, no/yes, off/on (any case)"
 TRITON_VECTORS = ("1", "2-byte", "0")
 """The values of ``triton_vectors`` (``ADASUM_TRITON_VECTORS`` also takes the boolean spellings for 1 and 0)."""
 
+TRANSPORT_NAMES = ("p2p", "collectives", "symmetric", "slices", "one-shot")
+"""The values of ``transport_first`` besides empty: the names ``transport=`` takes (`adasum.options.TransportName`;
+this module imports nothing of adasum)."""
+
 VARIABLES: Mapping[str, str] = MappingProxyType({
     "cuda_graphs": "ADASUM_CUDA_GRAPHS",
     "transport_first": "ADASUM_TEST_TRANSPORT",
@@ -136,7 +140,8 @@ class Settings:
     cuda_graphs: bool = True
     """Capture repeated GPU collectives into CUDA graphs (``ADASUM_CUDA_GRAPHS``)."""
     transport_first: str = ""
-    """A transport put first in the NCCL default order where the group can run it (``ADASUM_TEST_TRANSPORT``)."""
+    """A transport put first in the NCCL default order where the group can run it (``ADASUM_TEST_TRANSPORT``): one
+    of `TRANSPORT_NAMES`, or empty for none."""
     piece_elements: tuple[int, int] = (1 << 20, 1 << 25)
     """Largest piece of a level's point-to-point exchange, in 4-byte elements: (gloo, NCCL)."""
     local_world_size: int | None = None
@@ -167,9 +172,11 @@ class Settings:
     (``(P - 1) x`` its bytes) runs one-shot, every rank taking every copy whole and running the tree itself
     (`adasum.collectives.slices`); 0: never."""
     memory_mb: float = 512.0
-    """Device memory adasum may keep per process, in MiB (``ADASUM_MEMORY_MB``): every transport's buffers (the
-    symmetric transports' staging, the slice-parallel movers' rows and ring, on symmetric memory or c10d) fit in it,
-    a layout larger than they hold running in rounds (`adasum.transport.slices.memory_budget_bytes`)."""
+    """Memory adasum may keep per process, in MiB (``ADASUM_MEMORY_MB``): the buffers of the symmetric and
+    slice-parallel transports (the symmetric transports' staging, the slice-parallel movers' rows and ring, on
+    symmetric memory or c10d, on the host on gloo) fit in it, a layout larger than they hold running in rounds
+    (`adasum.transport.slices.memory_budget_bytes`); "p2p" and "collectives" have no budget (workspaces up to the
+    fused buffer's size)."""
 
     def __post_init__(self) -> None:
         """Refuse a value of the wrong type (TypeError) or out of its field's range (ValueError), naming the field,
@@ -181,6 +188,11 @@ class Settings:
             raise TypeError(f"adasum.settings: deferred_checks must be a bool or None, got {self.deferred_checks!r}")
         if not isinstance(self.transport_first, str):
             raise TypeError(f"adasum.settings: {_name('transport_first')} must be a str, got {self.transport_first!r}")
+        if self.transport_first and self.transport_first not in TRANSPORT_NAMES:
+            raise ValueError(
+                f"adasum.settings: {_name('transport_first')} must be one of {list(TRANSPORT_NAMES)} or empty, "
+                f"got {self.transport_first!r}"
+            )
         if self.triton_vectors not in TRITON_VECTORS:
             raise ValueError(
                 f"adasum.settings: {_name('triton_vectors')} must be one of {list(TRITON_VECTORS)}, "
@@ -282,11 +294,24 @@ def _from_process_env() -> Settings:
 @contextmanager
 def override(**changes: object) -> Iterator[Settings]:
     """Run a block with some settings changed (keyword names: the `Settings` fields), for the calling thread.
+    A name that is not a field is a TypeError naming the closest field (or the field of an environment variable
+    given by its name).
 
     >>> with override(piece_elements=(1000, 1000)) as s:
     ...     s.piece_elements
     (1000, 1000)
     """
+    fields = [f.name for f in dataclasses.fields(Settings)]
+    for name in changes:
+        if name not in fields:
+            of_variable = [f for f, v in VARIABLES.items() if v == name]
+            close = difflib.get_close_matches(name, fields, n=1, cutoff=0.6)
+            hint = (
+                f"did you mean {of_variable[0]}, the field of that variable?" if of_variable
+                else f"did you mean {close[0]}?" if close
+                else "the fields of adasum.settings.Settings are the settings"
+            )
+            raise TypeError(f"adasum.settings: override got {name!r}, which is not a setting ({hint})")
     token = _in_force.set(dataclasses.replace(current(), **changes))  # type: ignore[arg-type]
     try:
         yield _in_force.get()  # type: ignore[misc]

@@ -59,11 +59,12 @@ def all_reduce(
     of ranks), "one-shot" (every rank takes every copy whole and runs the tree itself); None picks the fastest the
     group supports for each dtype's bytes (`adasum.transport.select`); a `adasum.transport.base.Transport` object
     is used as it is (a wrapping transport injects faults in tests); another name raises ValueError, at any world
-    size (`check_transport`). On GPUs, repeated calls on the same tensors
-    replay a captured CUDA graph of the whole call (`adasum.transport.graphs`): the same tensor objects at the same
-    addresses with the same numbers of elements (each tensor is combined as one vector of its elements, so a
-    view changed in place over the same memory, ``t_()`` or ``squeeze_()``, replays too), and new tensors at
-    the same addresses with the same dtypes, shapes and strides (gradients re-made after
+    size (`check_transport`), and so does a name the group cannot run ("symmetric" on gloo), on every rank after
+    the cross-rank check (ranks that named different transports get that difference). On GPUs, repeated calls on
+    the same tensors replay a captured CUDA graph of the whole call (`adasum.transport.graphs`): the same tensor
+    objects at the same addresses with the same numbers of elements (each tensor is combined as one vector of its
+    elements, so a view changed in place over the same memory, ``t_()`` or ``squeeze_()``, replays too), and new
+    tensors at the same addresses with the same dtypes, shapes and strides (gradients re-made after
     ``zero_grad(set_to_none=True)`` where the caching allocator places them where the last ones were: adasum holds
     the tensors weakly). The group remembers as many recent captured lists as it keeps graphs (`RECENT`), so a
     step that combines several lists (one per block, say) replays each. Tensors at new addresses every call
@@ -120,9 +121,16 @@ def _all_reduce(
     check_policy(nonfinite, ("propagate", "raise"), operation)
     check_transport(transport, operation)
     single = dist.get_world_size(group) == 1
-    chosen = None if single else list_transport(group, transport)
-    config = ("adasum.all_reduce", f"transport={None if chosen is None else chosen.name}", f"nonfinite={nonfinite}")
+    refused = None
+    try:
+        chosen = None if single else list_transport(group, transport)
+    except ValueError as error:  # a transport the group cannot run: raised after the cross-rank check, so that
+        chosen, refused = None, error  # ranks that named another one get the difference rather than a timeout
+    name = transport if refused is not None else None if chosen is None else chosen.name
+    config = ("adasum.all_reduce", f"transport={name}", f"nonfinite={nonfinite}")
     plan = prepare(tensors, group, config=config, operation=operation, check="call" if check_layout else "none")
+    if refused is not None:
+        raise ValueError(f"{operation}: {refused}") from None
     if nonfinite == "raise":
         check_finite(tensors, group, operation=operation)
     if chosen is None:

@@ -130,11 +130,14 @@ def transport_for(
     nbytes: int | None = None,
 ) -> Transport:
     """The transport `adasum.transport.select` picks (for a buffer of `nbytes` bytes, if given: a small one may run
-    one-shot), built once per group (its `Communicator`) and choice."""
-    pieces = current().piece_elements
+    one-shot), built once per group (its `Communicator`) and choice: the arguments and the settings the choice
+    reads (``piece_elements``, ``one_shot_bytes`` through `one_shot`, the default's ``transport_first``)."""
+    settings = current()
+    pieces = settings.piece_elements
     small = name is None and not placed and one_shot(dist.get_world_size(group), nbytes)
+    first = settings.transport_first if name is None else ""
     return communicator(group).transport(
-        (name, whole_group, placed, pieces, small),
+        (name, whole_group, placed, pieces, small, first),
         lambda: select(group, name, whole_group=whole_group, placed=placed, piece_elements=pieces,
                        nbytes=nbytes if small else None),
     )

@@ -8,7 +8,7 @@ from collections.abc import Callable
 
 import torch.distributed as dist
 
-from adasum.options import TransportName, check_option, choices
+from adasum.options import TransportName, choices
 from adasum.settings import current
 from adasum.transport.base import Transport
 from adasum.transport.c10d import Collectives, PointToPointC10d, post
@@ -34,11 +34,11 @@ faster (docs/benchmarks.md, settings)."""
 
 
 def preference() -> tuple[str, ...]:
-    """`NCCL_PREFERENCE` with the settings' ``transport_first`` (if any) put first."""
+    """`NCCL_PREFERENCE` with the settings' ``transport_first`` (if any; a transport's name, checked by
+    `adasum.settings.Settings`) put first."""
     first = current().transport_first
     if not first:
         return NCCL_PREFERENCE
-    check_option("ADASUM_TEST_TRANSPORT", first, TransportName)
     return (first, *(t for t in NCCL_PREFERENCE if t != first))
 
 
