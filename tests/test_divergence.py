@@ -116,8 +116,8 @@ def test_ranks_configured_differently_get_one_error_on_every_rank():
            ", rank 2 has adasum.Mean.all_reduce Mean() []" in out["reducer"][1]
     assert "nonfinite=propagate" in out["policy"][1] and "nonfinite=raise" in out["policy"][1]
     assert out["schedule setting"][1].endswith(
-        "the configuration differs across ranks: rank 0 has adasum.all_reduce transport=p2p nonfinite=propagate, "
-        "rank 2 has adasum.all_reduce transport=p2p nonfinite=propagate memory_mb=64.0"), out["schedule setting"]
+        "the configuration differs across ranks: rank 0 has adasum.all_reduce transport=None nonfinite=propagate, "
+        "rank 2 has adasum.all_reduce transport=None nonfinite=propagate memory_mb=64.0"), out["schedule setting"]
 
 
 def stride0_body(rank, world):

@@ -185,6 +185,6 @@ def test_a_schedule_shaping_setting_on_one_rank_is_refused_on_every_rank():
     for name, value in SHAPED.items():
         assert results[0][name] == (
             "ValueError",
-            "adasum.all_reduce: the configuration differs across ranks: rank 0 has adasum.all_reduce transport=p2p "
-            f"nonfinite=propagate, rank 1 has adasum.all_reduce transport=p2p nonfinite=propagate {name}={value}",
+            "adasum.all_reduce: the configuration differs across ranks: rank 0 has adasum.all_reduce transport=None "
+            f"nonfinite=propagate, rank 1 has adasum.all_reduce transport=None nonfinite=propagate {name}={value}",
         ), name

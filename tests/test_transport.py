@@ -341,8 +341,8 @@ def refused_body(rank, world, names):
 
 def test_a_transport_the_group_cannot_run_is_refused_on_every_rank():
     """A transport named that a gloo group cannot run is a ValueError naming the call on every rank, after the
-    cross-rank check: where only some ranks name it, every rank gets the configuration's difference at once (the
-    others do not wait for the group's timeout)."""
+    cross-rank check of the transports asked for: where only some ranks name it, every rank gets the
+    configuration's difference at once (the others do not wait for the group's timeout)."""
     needs = "transport='symmetric' needs NCCL and a power-of-two group (no hierarchical placement)"
     results = distributed.run(2, refused_body, ["symmetric", "symmetric"], timeout_s=30)
     assert results == [("ValueError", f"adasum.all_reduce: {needs}", True, True)] * 2, results
@@ -352,6 +352,6 @@ def test_a_transport_the_group_cannot_run_is_refused_on_every_rank():
     assert results == [("ValueError", differ, True, True)] * 2, results
     results = distributed.run(3, refused_body, [None, "collectives", None], timeout_s=30)
     differ = ("adasum.all_reduce: the configuration differs across ranks: rank 0 has adasum.all_reduce "
-              "transport=p2p nonfinite=propagate, rank 1 has adasum.all_reduce transport=collectives "
-              "nonfinite=propagate")
+              "transport=None nonfinite=propagate, rank 1 has adasum.all_reduce transport=collectives "
+              "nonfinite=propagate")  # what each rank asked for: compared before the (possibly collective) choice
     assert results == [("ValueError", differ, True, True)] * 3, results

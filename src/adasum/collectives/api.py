@@ -120,21 +120,19 @@ def _all_reduce(
     comm = communicator(group)
     check_policy(nonfinite, ("propagate", "raise"), operation)
     check_transport(transport, operation)
-    single = dist.get_world_size(group) == 1
-    refused = None
-    try:
-        chosen = None if single else list_transport(group, transport)
-    except ValueError as error:  # a transport the group cannot run: raised after the cross-rank check, so that
-        chosen, refused = None, error  # ranks that named another one get the difference rather than a timeout
-    name = transport if refused is not None else None if chosen is None else chosen.name
-    config = ("adasum.all_reduce", f"transport={name}", f"nonfinite={nonfinite}")
+    # the transport asked for is compared across ranks before it is chosen: the choice can be collective (the
+    # symmetric transport's first support query), and a rank that asked for another would not join it
+    asked = transport.name if isinstance(transport, Transport) else transport
+    config = ("adasum.all_reduce", f"transport={asked}", f"nonfinite={nonfinite}")
     plan = prepare(tensors, group, config=config, operation=operation, check="call" if check_layout else "none")
-    if refused is not None:
-        raise ValueError(f"{operation}: {refused}") from None
     if nonfinite == "raise":
         check_finite(tensors, group, operation=operation)
-    if chosen is None:
+    if dist.get_world_size(group) == 1:
         return
+    try:
+        chosen = list_transport(group, transport)
+    except ValueError as error:  # a transport the group cannot run: every rank asked for it (checked above)
+        raise ValueError(f"{operation}: {error}") from None
 
     if plan.transport is None:
         plan.transport = chosen
