@@ -60,7 +60,9 @@ def all_reduce(
     group supports for each dtype's bytes (`adasum.transport.select`); a `adasum.transport.base.Transport` object
     is used as it is (a wrapping transport injects faults in tests); another name raises ValueError, at any world
     size (`check_transport`), and so does a name the group cannot run ("symmetric" on gloo), on every rank after
-    the cross-rank check (ranks that named different transports get that difference). On GPUs, repeated calls on
+    the cross-rank check. Every rank must ask for the same transport (a `Transport` object counts as its name; None
+    is not the name the default picks): ranks that ask differently get that difference, before any choice is made.
+    On GPUs, repeated calls on
     the same tensors replay a captured CUDA graph of the whole call (`adasum.transport.graphs`): the same tensor
     objects at the same addresses with the same numbers of elements (each tensor is combined as one vector of its
     elements, so a view changed in place over the same memory, ``t_()`` or ``squeeze_()``, replays too), and new
