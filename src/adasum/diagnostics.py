@@ -18,8 +18,8 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from adasum.collectives.agreement import agree, check_group, local_problem, tensor_list
-from adasum.transport.groups import failures_named, group_device
+from adasum.collectives.agreement import agree, local_problem, tensor_list
+from adasum.transport.groups import check_group, failures_named, group_device
 
 
 @dataclass(frozen=True)

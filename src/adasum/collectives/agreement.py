@@ -252,12 +252,6 @@ def tensor_list(tensors: object, operation: str) -> list[torch.Tensor]:
     return listed
 
 
-def check_group(group: object, operation: str) -> None:
-    """TypeError unless `group` is a torch.distributed process group or None (the default group)."""
-    if group is not None and not isinstance(group, dist.ProcessGroup):
-        raise TypeError(f"{operation}: group must be a torch.distributed ProcessGroup or None, got {group!r}")
-
-
 # --- the cross-rank check
 
 

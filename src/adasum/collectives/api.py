@@ -18,7 +18,6 @@ from adasum.collectives.agreement import (
     _requires_grad,
     _shape,
     _stride,
-    check_group,
     tensor_list,
 )
 from adasum.collectives.nonfinite import check_finite, check_policy
@@ -28,7 +27,7 @@ from adasum.core.layout import Scattered, flatten, group_by_dtype, unflatten_int
 from adasum.options import Nonfinite, TransportName, check_flag, choices
 from adasum.transport.base import Transport
 from adasum.transport.graphs import MAX_GRAPHS, tensor_key
-from adasum.transport.groups import Communicator, communicator, group_device
+from adasum.transport.groups import Communicator, check_group, communicator, group_device
 
 
 def all_reduce(

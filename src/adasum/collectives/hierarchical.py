@@ -37,7 +37,6 @@ from typing import cast
 import torch
 import torch.distributed as dist
 
-from adasum.collectives.agreement import check_group
 from adasum.collectives.slices import SliceMover, adasum_slices_
 from adasum.collectives.vhdd import Placement, adasum_flat_, transport_for
 from adasum.core.layout import Layout
@@ -45,7 +44,7 @@ from adasum.kernels.reduce import reduce
 from adasum.options import check_flag
 from adasum.settings import current
 from adasum.transport.c10d import all_gather_single, global_rank, reduce_scatter_single
-from adasum.transport.groups import failures_named, group_device
+from adasum.transport.groups import check_group, failures_named, group_device
 
 
 @dataclass(frozen=True)

@@ -29,9 +29,9 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from adasum.collectives.agreement import check_group, tensor_list
+from adasum.collectives.agreement import tensor_list
 from adasum.options import Nonfinite, check_option, choices
-from adasum.transport.groups import failures_named, group_device
+from adasum.transport.groups import check_group, failures_named, group_device
 
 POLICIES = choices(Nonfinite)
 """What to do about a NaN or Inf (`adasum.options.Nonfinite`)."""

@@ -52,10 +52,10 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from adasum.collectives.agreement import check_group, tensor_list
+from adasum.collectives.agreement import tensor_list
 from adasum.collectives.api import fused_per_dtype
 from adasum.collectives.plan import prepare
-from adasum.transport.groups import reducer_names
+from adasum.transport.groups import check_group, reducer_names
 
 
 @dataclass(frozen=True)

@@ -272,7 +272,7 @@ def release(group: dist.ProcessGroup | None = None) -> None:
     False
     >>> dist.destroy_process_group()
     """
-    _check_group(group, "adasum.release")
+    check_group(group, "adasum.release")
     with _registry.lock:
         if group is not None:
             found = _registry.communicators.pop(_resolved(group), None)
@@ -295,8 +295,8 @@ def release(group: dist.ProcessGroup | None = None) -> None:
         _registry.streams.clear()
 
 
-def _check_group(group: object, operation: str) -> None:
-    """TypeError unless `group` is a torch.distributed process group or None (the default group)."""
+def check_group(group: object, operation: str) -> None:
+    """`operation`'s TypeError unless `group` is a torch.distributed process group or None (the default group)."""
     if group is not None and not isinstance(group, dist.ProcessGroup):
         raise TypeError(f"{operation}: group must be a torch.distributed ProcessGroup or None, got {group!r}")
 
@@ -425,7 +425,7 @@ def group_timeout(group: dist.ProcessGroup | None = None) -> timedelta:
     datetime.timedelta(seconds=60)
     >>> dist.destroy_process_group()
     """
-    _check_group(group, "adasum.group_timeout")
+    check_group(group, "adasum.group_timeout")
     _register_exit_handler()
     pg = group if group is not None else dist.distributed_c10d._get_default_group()
     try:
