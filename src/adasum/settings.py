@@ -248,20 +248,21 @@ class Settings:
         ValueError: adasum.settings: ADASUM_CUDA_GRAPHS='maybe' is not a boolean; use 0/1, false/true, no/yes, ...
         """
         env = os.environ if env is None else env
+        v = VARIABLES  # each field's variable, named once
         found = cls(
-            cuda_graphs=_flag(env, "ADASUM_CUDA_GRAPHS"),
-            transport_first=env.get("ADASUM_TEST_TRANSPORT", ""),
-            local_world_size=_int(env, "LOCAL_WORLD_SIZE", None),
-            local_rank=_rank(env, "LOCAL_RANK"),
-            group_rank=_rank(env, "GROUP_RANK"),
-            symmetric=_flag(env, "ADASUM_SYMMETRIC"),
-            symmetric_push=_flag(env, "ADASUM_SYMMETRIC_PUSH"),
-            symmetric_chunks=_flag(env, "ADASUM_SYMMETRIC_CHUNKS"),
-            symmetric_chunk_bytes=_int(env, "ADASUM_SYMMETRIC_CHUNK_BYTES", 32 << 20),
-            symmetric_max_chunks=_int(env, "ADASUM_SYMMETRIC_MAX_CHUNKS", 4),
+            cuda_graphs=_flag(env, v["cuda_graphs"]),
+            transport_first=env.get(v["transport_first"], ""),
+            local_world_size=_int(env, v["local_world_size"], None),
+            local_rank=_rank(env, v["local_rank"]),
+            group_rank=_rank(env, v["group_rank"]),
+            symmetric=_flag(env, v["symmetric"]),
+            symmetric_push=_flag(env, v["symmetric_push"]),
+            symmetric_chunks=_flag(env, v["symmetric_chunks"]),
+            symmetric_chunk_bytes=_int(env, v["symmetric_chunk_bytes"], 32 << 20),
+            symmetric_max_chunks=_int(env, v["symmetric_max_chunks"], 4),
             triton_vectors=_vectors(env),
-            one_shot_bytes=_int(env, "ADASUM_ONE_SHOT_BYTES", 4 << 20),
-            memory_mb=_float(env, "ADASUM_MEMORY_MB", 512.0),
+            one_shot_bytes=_int(env, v["one_shot_bytes"], 4 << 20),
+            memory_mb=_float(env, v["memory_mb"], 512.0),
         )
         _warn_unknown(env)
         return found
