@@ -148,10 +148,11 @@ def compare(
     >>> folder.cleanup()
     """
     out = Path(out)
-    check_distinct(lrs, seeds if seeds is not None else [base.seed])
+    seeds = seeds if seeds is not None else [base.seed]
+    check_distinct(lrs, seeds)
     for m in methods:
         method_reducer(m)  # fail before any run starts when a reducer is missing
-    cells = sweep_cells(methods, workers, lrs, seeds if seeds is not None else [base.seed], base)
+    cells = sweep_cells(methods, workers, lrs, seeds, base)
     for config in cells:
         config.validate()
     results_path = out / "results.jsonl"
