@@ -167,7 +167,20 @@ def _common(p: argparse.ArgumentParser) -> None:
         default=0.1,
         help="fraction of the training data held out (fixed split) for validation",
     )
-    p.add_argument("--data-dir", default=None, help="folder with mnist / fashion-mnist / cifar10 files")
+    p.add_argument(
+        "--data-dir",
+        default=None,
+        help="folder with mnist / fashion-mnist / cifar10 files (fashion-mnist: Debian's package's folder "
+        "when it is installed)",
+    )
+    p.add_argument(
+        "--evals-per-epoch",
+        type=_positive_int,
+        default=None,
+        metavar="K",
+        help="also evaluate K times per epoch, for the learning curve (steps to a target accuracy) "
+        "(default: after each epoch only)",
+    )
     p.add_argument("--device", default="auto", help="cpu, cuda, cuda:1, ... (auto: cuda when available)")
     p.add_argument(
         "--chunk-size",

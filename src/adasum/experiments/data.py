@@ -10,7 +10,11 @@ task                      source                                          train 
                           package's own generator (cached after the
                           first run)
 ``mnist``,                idx files (``train-images-idx3-ubyte[.gz]``     60,000 / 10,000
-``fashion-mnist``         ...) in ``--data-dir``
+``fashion-mnist``         ...) in ``--data-dir``; for fashion-mnist
+                          without it, Debian's package
+                          ``dataset-fashion-mnist`` (``apt-get install
+                          dataset-fashion-mnist``), which puts them in
+                          ``/usr/share/datasets/fashion-mnist``
 ``cifar10``               the CIFAR-10 python batches in ``--data-dir``   50,000 / 10,000
                           (read by a restricted unpickler)
 ``text``                  the Python standard library's own source        byte-level LM
@@ -159,7 +163,21 @@ def load_task(
     raise ValueError(f"unknown task {name!r}; choose one of {', '.join(TASKS)}")
 
 
+PACKAGED: Mapping[str, tuple[str, str]] = MappingProxyType({
+    # task: (where a system package puts its files, the command that installs it)
+    "fashion-mnist": ("/usr/share/datasets/fashion-mnist", "apt-get install dataset-fashion-mnist"),
+})
+
+
 def _need_dir(name: str, data_dir: str | os.PathLike | None) -> Path:
+    if data_dir is None and name in PACKAGED:
+        folder, install = PACKAGED[name]
+        if Path(folder).is_dir():
+            return Path(folder)
+        raise ValueError(
+            f"task {name!r} reads local files: `{install}` puts them in {folder} (Debian, Ubuntu), "
+            "or pass --data-dir DIR (nothing is downloaded)"
+        )
     if data_dir is None:
         raise ValueError(f"task {name!r} reads local files: pass --data-dir DIR (nothing is downloaded)")
     path = Path(data_dir)

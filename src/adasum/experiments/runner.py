@@ -16,7 +16,7 @@ import os
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from dataclasses import asdict, dataclass, fields
+from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 from typing import Any, cast
 
@@ -71,6 +71,7 @@ class RunConfig:
     checkpoint_every: int | None = None
     deterministic: bool = False
     val_fraction: float = 0.1
+    evals_per_epoch: int | None = None
 
     def validate(self) -> None:
         """Raise ValueError naming the first bad field."""
@@ -102,6 +103,10 @@ class RunConfig:
                 f"checkpoint every must be >= 1, got {self.checkpoint_every}",
             ),
             (0 < self.val_fraction <= 0.5, f"validation fraction must be in (0, 0.5], got {self.val_fraction}"),
+            (
+                self.evals_per_epoch is None or self.evals_per_epoch >= 1,
+                f"evaluations per epoch must be >= 1, got {self.evals_per_epoch}",
+            ),
         ]
         for ok, message in checks:
             if not ok:
@@ -388,6 +393,7 @@ class _Progress:
 
     history: list[dict[str, Any]]
     trace: list[list[float]]
+    curve: list[dict[str, Any]] = field(default_factory=list)  # the learning curve (`evals_per_epoch`)
     epoch: int = 0
     step: int = 0  # steps done in `epoch`
     partial: dict[str, Any] | None = None  # that epoch's losses and diagnostics so far
@@ -446,6 +452,9 @@ class _Run:
                 f"{self.workers} workers x {config.batch_size}"
             )
         self.chance = Chance.of(self.train_y, self.data.val_y, self.data.classes)
+        # evaluations inside an epoch for the learning curve: every `eval_every` steps, and at each epoch's end
+        per_epoch = config.evals_per_epoch
+        self.eval_every = max(1, self.steps_per_epoch // per_epoch) if per_epoch else None
 
     def _build_engine(self) -> None:
         config = self.config
@@ -493,6 +502,7 @@ class _Run:
         progress = _Progress(
             history=state["history"],
             trace=state["trace"],
+            curve=state.get("curve", []),
             epoch=int(state["epoch"]),
             step=int(state.get("step_in_epoch", 0)),
             partial=state.get("partial"),
@@ -514,6 +524,7 @@ class _Run:
             "partial": progress.partial if step_in_epoch else None,
             "history": progress.history,
             "trace": progress.trace,
+            "curve": progress.curve,
         }
         local = {
             "engine": self.engine.state_dict(),
@@ -537,11 +548,28 @@ class _Run:
             advance(1)
             progress.step = s + 1
             global_step = epoch * self.steps_per_epoch + s + 1
+            if self.eval_every and (s + 1) % self.eval_every == 0 and s + 1 < self.steps_per_epoch:
+                self.curve_point(progress, global_step)
             if config.checkpoint_every and global_step % config.checkpoint_every == 0 and s + 1 < self.steps_per_epoch:
                 self.save(progress, epoch, s + 1)
             if self.on_step is not None:
                 self.on_step(self.rank, global_step)
         return partial
+
+    def curve_point(self, progress: _Progress, step: int, measured: tuple[float, ...] | None = None) -> None:
+        """Append the learning curve's point after `step` global steps: validation loss and accuracy, test
+        accuracy (`measured`: those three where the caller has them)."""
+        assert self.data.val_x is not None and self.data.val_y is not None
+        if measured is None:
+            val_loss, val_acc = evaluate(self.engine.module, self.data.val_x, self.data.val_y)
+            test_acc = evaluate(self.engine.module, self.data.test_x, self.data.test_y)[1]
+        else:
+            val_loss, val_acc, test_acc = measured
+        examples = step * self.workers * self.config.batch_size
+        progress.curve.append({
+            "step": step, "examples": examples, "epoch": step / self.steps_per_epoch,
+            "val_loss": val_loss, "val_accuracy": val_acc, "test_accuracy": test_acc,
+        })
 
     def epoch_record(self, progress: _Progress, epoch: int, partial: dict[str, Any], wall_s: float) -> dict[str, Any]:
         """Evaluate the agreed model after `epoch` and append the epoch's record to the history."""
@@ -572,6 +600,8 @@ class _Run:
         }
         record["collapsed"] = not diverged and self.chance.collapsed([*progress.history, record])
         progress.history.append(record)
+        if self.eval_every:
+            self.curve_point(progress, (epoch + 1) * self.steps_per_epoch, (val_loss, val_acc, test_acc))
         trace_every = max(1, self.steps_per_epoch * self.config.epochs // 400)
         for s, o in partial["ortho"]:
             if (epoch * self.steps_per_epoch + s) % trace_every == 0:
@@ -645,6 +675,7 @@ class _Run:
             "config": identity(asdict(config)),
             "history": history,
             "orthogonality_trace": progress.trace,
+            **({"curve": progress.curve} if self.eval_every else {}),
         }
 
 

@@ -107,3 +107,74 @@ def holm(p_values: Sequence[float]) -> list[float]:
         running = max(running, min(1.0, (len(tested) - rank) * p_values[i]))
         adjusted[i] = round(running, 12)
     return adjusted
+
+
+def sign_flip_p(differences: Sequence[float]) -> float:
+    """The exact two-sided p-value of "no difference" by the paired permutation (sign-flip) test: the share
+    of the 2^n sign patterns of the differences whose mean is at least as far from 0 as the observed one.
+    It needs no normality and never gives 0: its smallest value is 2 / 2^n (n differences all of one sign),
+    so n >= 6 is needed to reach p < 0.05 at all. NaN under 2 differences (no test).
+
+    >>> sign_flip_p([1.0, 2.0, 3.0, 4.0, 5.0, 6.0])
+    0.03125
+    >>> sign_flip_p([1.0, 1.0, 1.0, 1.0, 1.0, 1.0])   # equal differences: the smallest p of 6, not 0
+    0.03125
+    >>> sign_flip_p([1.0, -1.0, 2.0, -2.0])
+    1.0
+    """
+    import numpy as np
+
+    d = np.asarray([float(v) for v in differences], dtype=np.float64)
+    n = len(d)
+    if n < 2:
+        return math.nan
+    if n > 20:
+        raise ValueError(f"the exact sign-flip test enumerates 2^n patterns; {n} differences are too many")
+    signs = 1 - 2 * ((np.arange(2**n)[:, None] >> np.arange(n)) & 1)
+    sums = np.abs(signs @ d)
+    observed = abs(d.sum())
+    # a pattern ties with the observed sum within rounding of the sums of n values
+    tolerance = 1e-9 * max(1.0, float(np.abs(d).sum()))
+    return float(np.mean(sums >= observed - tolerance))
+
+
+def detectable_difference(sd: float, n: int, family: int = 1, power: float = 0.8, alpha: float = ALPHA) -> float:
+    """The smallest true mean paired difference that a two-sided paired t-test on `n` pairs of spread `sd`
+    finds at `power`, at the first step of Holm's correction over a family of `family` tests (level
+    alpha / family): solved on the noncentral t distribution (the approximation
+    ``(t_{1-a/2, n-1} + t_{power, n-1}) sd / sqrt(n)`` is a little small at small n).
+
+    >>> round(detectable_difference(1.0, 10, family=4), 2)
+    1.28
+    """
+    from scipy import optimize, stats
+
+    if n < 2 or not sd > 0:
+        return math.nan
+    level = alpha / family
+    critical = float(stats.t.ppf(1 - level / 2, n - 1))
+
+    def shortfall(delta: float) -> float:
+        shift = delta * math.sqrt(n) / sd
+        reached = float(stats.nct.sf(critical, n - 1, shift) + stats.nct.cdf(-critical, n - 1, shift))
+        return (1.0 if math.isnan(reached) else reached) - power  # scipy's tail is NaN far past the critical value
+
+    return float(optimize.brentq(shortfall, 1e-9 * sd, 100 * sd))
+
+
+def failure_p(failed_a: Sequence[bool], failed_b: Sequence[bool]) -> float:
+    """Two-sided exact p-value that two methods fail equally often, paired by seed: the sign test (exact
+    binomial, p = 1/2) on the seeds where exactly one of them failed; 1 when no seed splits them.
+
+    >>> failure_p([True] * 8 + [False] * 2, [False] * 10)
+    0.0078125
+    """
+    from scipy import stats
+
+    if len(failed_a) != len(failed_b):
+        raise ValueError(f"paired outcomes of unequal length: {len(failed_a)} and {len(failed_b)}")
+    only_a = sum(1 for a, b in zip(failed_a, failed_b) if a and not b)
+    only_b = sum(1 for a, b in zip(failed_a, failed_b) if b and not a)
+    if only_a + only_b == 0:
+        return 1.0
+    return float(stats.binomtest(only_a, only_a + only_b, 0.5).pvalue)

@@ -1,0 +1,603 @@
+"""The pre-registered study of convergence speed against the global batch (``docs/protocol.md``).
+
+A `Design` says everything a task's part of the study runs, fixed before its runs: the methods, the worker
+counts (global batch = workers x examples per worker), the learning-rate grids, the seeds of the pilot and
+of the confirmatory runs, the budgets and the primary hypotheses. The study has two phases:
+
+1. **Pilot** (`pilot_runs`): every tuned method at every worker count over its grid, on the pilot seeds,
+   for the primary budget. `picks` takes, per method and worker count, the base learning rate of the
+   highest mean validation accuracy at that budget; a pick on the grid's edge is extended by one
+   half-decade step (`extensions`) until it is interior (at most `Design.max_extensions` steps).
+2. **Confirmation** (`confirm_runs`): the picked rates (and the fixed-rule cells) on new seeds, with
+   learning curves (`RunConfig.evals_per_epoch`).
+
+`analyze` reads the rows of both phases: accuracy at fixed budgets, steps to a target validation
+accuracy set from sequential training's curve, failures judged on validation data, the primary family
+under Holm's correction with the exact sign-flip test, the failure hypotheses with the exact sign test,
+and the power of each primary test from the pilot's spread. `render` writes the tables of
+``docs/results.md``; `adasum.experiments.figures` draws its figures. Everything is a function of the rows.
+"""
+
+from __future__ import annotations
+
+import math
+import statistics
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field, replace
+from types import MappingProxyType
+from typing import Any
+
+from adasum.experiments.runner import RunConfig
+from adasum.experiments.stats import ALPHA, Paired, Stat, detectable_difference, failure_p, holm, sign_flip_p
+
+Row = dict[str, Any]
+Cell = tuple[str, int]  # (method, workers)
+
+HALF_DECADE = math.sqrt(10.0)
+
+
+@dataclass(frozen=True)
+class Hypothesis:
+    """One test of the study: `method` against `against` at `workers`, paired by seed.
+
+    kind "accuracy": the paired difference of test accuracy (points) at `budget` epochs, exact sign-flip
+    test; kind "failures": the failure counts at the fixed-rule cells (`Design.rule`), exact sign test.
+    """
+
+    name: str
+    claim: str
+    method: str
+    against: str
+    workers: int
+    kind: str = "accuracy"
+    budget: int = 2
+
+
+@dataclass(frozen=True)
+class Design:
+    """One task's part of the study (module doc); every field is fixed before the runs."""
+
+    name: str
+    task: str
+    model: str | None
+    workers: tuple[int, ...]
+    methods: Mapping[str, tuple[float, ...]]  # tuned method -> its base learning-rate grid
+    pilot_seeds: tuple[int, ...]
+    confirm_seeds: tuple[int, ...]
+    budget: int  # the primary budget in epochs: the pilot's length and the pick's epoch
+    epochs: int  # the confirmatory runs' length; budgets reported: 1, budget, epochs
+    primary: tuple[Hypothesis, ...] = ()
+    batch_size: int = 32
+    optimizer: str = "sgd"
+    momentum: float = 0.5
+    evals_per_epoch: int = 8
+    local_steps: int = 4
+    slow_momentum: float = 0.5
+    only: Mapping[str, tuple[int, ...]] = field(default_factory=dict)  # method -> the worker counts it runs at
+    rule: tuple[str, ...] = ("mean-scaled", "adasum")  # run at sequential's picked base rate, untuned
+    max_extensions: int = 2
+    data_dir: str | None = None
+
+    def base(self) -> RunConfig:
+        """The configuration every run of this design shares."""
+        return RunConfig(
+            task=self.task, model=self.model, batch_size=self.batch_size, optimizer=self.optimizer,
+            momentum=self.momentum, local_steps=self.local_steps, slow_momentum=self.slow_momentum,
+            data_dir=self.data_dir,
+        )
+
+    def cells(self) -> list[Cell]:
+        """Every tuned (method, workers) cell; sequential is (sequential, 1)."""
+        out: list[Cell] = []
+        for method in self.methods:
+            counts = (1,) if method == "sequential" else self.only.get(method, self.workers)
+            out += [(method, w) for w in counts]
+        return out
+
+
+CNN_GRID = (0.003, 0.01, 0.03, 0.1, 0.3, 1.0)
+FASHION_CNN = Design(
+    name="fashion-mnist-cnn",
+    task="fashion-mnist",
+    model="cnn",
+    workers=(4, 16, 32, 64),
+    methods=MappingProxyType({
+        "sequential": (0.003, 0.01, 0.03, 0.1, 0.3),
+        "mean": (0.01, 0.03, 0.1, 0.3, 1.0, 3.0),
+        "adasum": CNN_GRID,
+        "adacons": (0.0003, 0.001, 0.003, 0.01, 0.03),  # lr x P (a weighted mean: the mean's recipe)
+        "localsgd": (0.003, 0.01, 0.03, 0.1, 0.3),
+        "slowmo": (0.003, 0.01, 0.03, 0.1, 0.3),
+    }),
+    only=MappingProxyType({"adacons": (16, 32, 64), "localsgd": (16, 32, 64), "slowmo": (16, 32, 64)}),
+    pilot_seeds=(100, 101),
+    confirm_seeds=tuple(range(1000, 1010)),
+    budget=2,
+    epochs=4,
+    primary=(
+        Hypothesis("H1", "tuned Adasum converges faster than tuned averaging at 16 workers (slides)",
+                   "adasum", "mean", 16),
+        Hypothesis("H2", "tuned Adasum converges faster than tuned averaging at 32 workers (slides)",
+                   "adasum", "mean", 32),
+        Hypothesis("H3", "at the largest batch (64 x 32 = 2,048) Adasum gets further than averaging (paper)",
+                   "adasum", "mean", 64),
+        Hypothesis("H4", "AdaCons beats averaging (arXiv 2411.03742)", "adacons", "mean", 16),
+        Hypothesis("H5", "SlowMo beats its base algorithm, local SGD at the same tau (ICLR 2020)",
+                   "slowmo", "localsgd", 16),
+        Hypothesis("H6", "Horovod's recipe (lr x P at sequential's rate) fails at 16 workers where Adasum "
+                   "at that rate does not (slides)", "mean-scaled", "adasum", 16, kind="failures"),
+    ),
+)
+DIGITS_CNN = Design(
+    name="digits-cnn",
+    task="digits",
+    model="cnn",
+    workers=(16, 32),
+    methods=MappingProxyType({
+        "sequential": (0.003, 0.01, 0.03, 0.1, 0.3),
+        "mean": (0.01, 0.03, 0.1, 0.3, 1.0, 3.0),
+        "adasum": CNN_GRID,
+    }),
+    pilot_seeds=(100, 101),
+    confirm_seeds=tuple(range(1000, 1010)),
+    budget=8,
+    epochs=16,
+)
+DESIGNS: Mapping[str, Design] = MappingProxyType({d.name: d for d in (FASHION_CNN, DIGITS_CNN)})
+
+
+def _config(design: Design, method: str, workers: int, lr: float, seed: int, epochs: int, curve: bool) -> RunConfig:
+    return replace(
+        design.base(), method=method, workers=workers, lr=lr, seed=seed, epochs=epochs,
+        evals_per_epoch=design.evals_per_epoch if curve else None,
+    )
+
+
+def pilot_runs(design: Design, lrs: Mapping[Cell, Sequence[float]] | None = None) -> list[RunConfig]:
+    """The pilot's runs: every cell over its grid (or over `lrs`, per cell), on the pilot seeds."""
+    runs = []
+    for method, workers in lrs if lrs is not None else design.cells():
+        rates = lrs[(method, workers)] if lrs is not None else design.methods[method]
+        for lr in rates:
+            runs += [_config(design, method, workers, lr, s, design.budget, False) for s in design.pilot_seeds]
+    return runs
+
+
+def _mean_val(runs: Sequence[Row], epoch: int) -> float:
+    return statistics.fmean(_score(at_epoch(r, epoch)) for r in runs)
+
+
+def _score(point: Mapping[str, Any] | None) -> float:
+    """Validation accuracy for the pick; a diverged or missing point scores 0."""
+    if point is None or point.get("diverged") or not math.isfinite(point.get("val_accuracy", math.nan)):
+        return 0.0
+    return float(point["val_accuracy"])
+
+
+def rows_of(rows: Sequence[Row], design: Design, seeds: Sequence[int]) -> list[Row]:
+    """The rows of `design` (its task, model, batch and optimizer) on `seeds`."""
+    wanted = design.base()
+    keep = []
+    for r in rows:
+        c = r["config"]
+        setting = (c.get("task"), c.get("batch_size"), c.get("optimizer"))
+        if setting != (wanted.task, wanted.batch_size, wanted.optimizer):
+            continue
+        if (c.get("model") or "cnn") != (design.model or "cnn") or r["seed"] not in seeds:
+            continue
+        keep.append(r)
+    return keep
+
+
+def grid_scores(rows: Sequence[Row], design: Design) -> dict[Cell, dict[float, float]]:
+    """Mean pilot validation accuracy at the primary budget, per cell and base learning rate."""
+    by: dict[tuple[str, int, float], list[Row]] = {}
+    for r in rows_of(rows, design, design.pilot_seeds):
+        by.setdefault((r["method"], r["workers"], r["lr"]), []).append(r)
+    out: dict[Cell, dict[float, float]] = {}
+    for (method, workers, lr), runs in by.items():
+        if len({r["seed"] for r in runs}) == len(design.pilot_seeds):  # complete: every pilot seed
+            out.setdefault((method, workers), {})[lr] = _mean_val(runs, design.budget)
+    return out
+
+
+def picks(rows: Sequence[Row], design: Design) -> dict[Cell, tuple[float, bool]]:
+    """Per cell: the picked base learning rate (highest mean validation accuracy at the budget; ties: the
+    smaller rate) and whether it lies on the edge of the rates run."""
+    out = {}
+    for cell, scores in grid_scores(rows, design).items():
+        lr = max(scores, key=lambda v: (scores[v], -v))
+        out[cell] = (lr, lr in (min(scores), max(scores)))
+    return out
+
+
+def extensions(rows: Sequence[Row], design: Design) -> dict[Cell, list[float]]:
+    """The next rates to run for every cell whose pick is on its grid's edge: one half-decade step past it,
+    while fewer than `Design.max_extensions` steps were added on that side."""
+    out: dict[Cell, list[float]] = {}
+    scores = grid_scores(rows, design)
+    for cell, (lr, edge) in picks(rows, design).items():
+        if not edge:
+            continue
+        grid = design.methods[cell[0]]
+        run = sorted(scores[cell])
+        lower = lr == run[0]
+        added = sum(1 for v in run if (v < min(grid) if lower else v > max(grid)))
+        if added < design.max_extensions:
+            out[cell] = [float(f"{lr / HALF_DECADE if lower else lr * HALF_DECADE:.3g}")]
+    return out
+
+
+def confirm_runs(design: Design, chosen: Mapping[Cell, tuple[float, bool]]) -> list[RunConfig]:
+    """The confirmatory runs: each cell at its picked rate, and the fixed-rule cells (`Design.rule`, at
+    sequential's picked base rate), on the confirmatory seeds, with learning curves."""
+    runs = []
+    for (method, workers), (lr, _) in chosen.items():
+        runs += [_config(design, method, workers, lr, s, design.epochs, True) for s in design.confirm_seeds]
+    sequential = chosen.get(("sequential", 1))
+    if sequential is not None:
+        for method in design.rule:
+            for workers in design.workers:
+                if chosen.get((method, workers), (None,))[0] == sequential[0]:
+                    continue  # that run is already the tuned cell's
+                runs += [_config(design, method, workers, sequential[0], s, design.epochs, True)
+                         for s in design.confirm_seeds]
+    return runs
+
+
+# --- reading the curves ------------------------------------------------------------------------------------
+
+
+def at_epoch(row: Row, epoch: int) -> dict[str, Any] | None:
+    """The run's state after `epoch` epochs: its epoch record (validation and test accuracy, losses, the
+    diverged flag); None when the run stopped earlier (a diverged run stops)."""
+    for h in row["history"]:
+        if h["epoch"] == epoch:
+            return h
+    return None
+
+
+VALIDATION_FAILURE_SD = 3.0
+
+
+def failed(row: Row, epoch: int) -> bool:
+    """Failed by `epoch`, judged on validation data: diverged (the run stopped, or its loss is non-finite or
+    exploded), or its validation accuracy within 3 binomial standard deviations of chance (the
+    majority class's share)."""
+    point = at_epoch(row, epoch)
+    if point is None or point.get("diverged") or not math.isfinite(point["val_loss"]):
+        return True
+    chance = row.get("chance_accuracy")
+    if chance is None:
+        return False
+    n = _validation_size(row)
+    noise = 100 * VALIDATION_FAILURE_SD * math.sqrt(chance / 100 * (1 - chance / 100) / n)
+    return point["val_accuracy"] <= chance + noise
+
+
+def _validation_size(row: Row) -> int:
+    sizes = {"fashion-mnist": 6000, "mnist": 6000, "digits": 400}
+    return sizes.get(row["config"].get("task"), 1000)
+
+
+def steps_to(row: Row, target: float) -> int | None:
+    """The first evaluated step at which validation accuracy reached `target`; None if it never did."""
+    for point in row.get("curve", []):
+        if point["val_accuracy"] >= target:
+            return int(point["step"])
+    return None
+
+
+def target_accuracy(rows: Sequence[Row], design: Design) -> float | None:
+    """The target validation accuracy: sequential training's (tuned) mean validation accuracy after one
+    epoch over the confirmatory seeds, rounded down to a half point; None without those runs."""
+    chosen = picks(rows, design).get(("sequential", 1))
+    if chosen is None:
+        return None
+    runs = [r for r in rows_of(rows, design, design.confirm_seeds)
+            if r["method"] == "sequential" and r["lr"] == chosen[0]]
+    points = [at_epoch(r, 1) for r in runs]
+    values = [p["val_accuracy"] for p in points if p is not None]
+    return math.floor(2 * statistics.fmean(values)) / 2 if values else None
+
+
+# --- the analysis ------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class CellSummary:
+    """A confirmatory cell: its runs' accuracy at each budget, failures and steps to target."""
+
+    method: str
+    workers: int
+    lr: float
+    tuned: bool
+    seeds: int
+    global_batch: int
+    test: Mapping[int, Stat | None]  # budget (epochs) -> test accuracy over the runs that did not fail
+    failed: Mapping[int, int]  # budget -> runs failed by then
+    reached: int  # runs that reached the target within the confirmatory runs' length
+    steps: float | None  # median steps to target over the runs that reached it
+    epochs_to_target: float | None
+
+
+@dataclass(frozen=True)
+class Outcome:
+    """One hypothesis tested on the confirmatory runs."""
+
+    hypothesis: Hypothesis
+    n: int
+    effect: float  # points (accuracy) or failed_a - failed_b (failures)
+    lo: float
+    hi: float
+    p: float
+    p_holm: float
+    detectable: float  # the smallest difference found at 80 % power (points), from the pilot's spread
+    detail: str
+
+    @property
+    def verdict(self) -> str:
+        """better / worse (Holm's p below `ALPHA`), no difference the test could see, or not tested."""
+        if math.isnan(self.p_holm):
+            return "not tested"
+        if self.p_holm >= ALPHA:
+            return "no difference the test could see"
+        return "better" if self.effect > 0 else "worse"
+
+
+@dataclass
+class Analysis:
+    """Everything the results page shows for one design."""
+
+    design: Design
+    picks: dict[Cell, tuple[float, bool]]
+    target: float | None
+    cells: list[CellSummary]
+    outcomes: list[Outcome]
+    pilot_sd: float
+    pilot_runs: int
+    exploratory: list[Outcome]
+
+
+def _confirm_cells(rows: Sequence[Row], design: Design) -> dict[tuple[str, int, float], list[Row]]:
+    by: dict[tuple[str, int, float], list[Row]] = {}
+    for r in rows_of(rows, design, design.confirm_seeds):
+        if r["epochs"] == design.epochs:
+            by.setdefault((r["method"], r["workers"], r["lr"]), []).append(r)
+    return by
+
+
+def pilot_spread(rows: Sequence[Row], design: Design) -> tuple[float, int]:
+    """The pooled standard deviation of one run's test accuracy at the budget within pilot cells (every
+    rate of every cell, runs that did not fail), and the runs it pooled."""
+    by: dict[tuple[str, int, float], list[float]] = {}
+    for r in rows_of(rows, design, design.pilot_seeds):
+        if not failed(r, design.budget):
+            point = at_epoch(r, design.budget)
+            assert point is not None
+            by.setdefault((r["method"], r["workers"], r["lr"]), []).append(point["test_accuracy"])
+    squares, dof, count = 0.0, 0, 0
+    for values in by.values():
+        if len(values) > 1:
+            mean = statistics.fmean(values)
+            squares += sum((v - mean) ** 2 for v in values)
+            dof += len(values) - 1
+            count += len(values)
+    return (math.sqrt(squares / dof) if dof else math.nan), count
+
+
+def _pair(design: Design, a: list[Row], b: list[Row], budget: int) -> tuple[list[float], list[float], int, int]:
+    """Test accuracies at `budget` paired by seed where neither failed; the runs each lost to failure."""
+    by_a = {r["seed"]: r for r in a}
+    by_b = {r["seed"]: r for r in b}
+    xs, ys, lost_a, lost_b = [], [], 0, 0
+    for seed in sorted(set(by_a) & set(by_b)):
+        fa, fb = failed(by_a[seed], budget), failed(by_b[seed], budget)
+        lost_a += fa
+        lost_b += fb
+        if not (fa or fb):
+            pa, pb = at_epoch(by_a[seed], budget), at_epoch(by_b[seed], budget)
+            assert pa is not None and pb is not None
+            xs.append(pa["test_accuracy"])
+            ys.append(pb["test_accuracy"])
+    return xs, ys, lost_a, lost_b
+
+
+def _cell_runs(cells: Mapping[tuple[str, int, float], list[Row]], chosen: Mapping[Cell, tuple[float, bool]],
+               method: str, workers: int, rule_lr: float | None) -> list[Row]:
+    lr = rule_lr if rule_lr is not None else chosen.get((method, workers), (math.nan,))[0]
+    return cells.get((method, workers, lr), [])
+
+
+def _test(design: Design, h: Hypothesis, cells: Mapping[tuple[str, int, float], list[Row]],
+          chosen: Mapping[Cell, tuple[float, bool]], sd: float, family: int) -> Outcome:
+    sequential = chosen.get(("sequential", 1))
+    if h.kind == "failures":
+        rule_lr = sequential[0] if sequential else math.nan
+        a = _cell_runs(cells, chosen, h.method, h.workers, rule_lr)
+        b = _cell_runs(cells, chosen, h.against, h.workers, rule_lr)
+        seeds = sorted({r["seed"] for r in a} & {r["seed"] for r in b})
+        fa = [failed(next(r for r in a if r["seed"] == s), h.budget) for s in seeds]
+        fb = [failed(next(r for r in b if r["seed"] == s), h.budget) for s in seeds]
+        p = failure_p(fa, fb) if seeds else math.nan
+        detail = (f"{sum(fa)}/{len(seeds)} failed against {sum(fb)}/{len(seeds)}, both at base rate {rule_lr:g} "
+                  f"(sequential's pick; {h.method} gets x {h.workers})")
+        effect = float(sum(fa) - sum(fb))
+        return Outcome(h, len(seeds), effect, math.nan, math.nan, p, math.nan, math.nan, detail)
+    a = _cell_runs(cells, chosen, h.method, h.workers, None)
+    b = _cell_runs(cells, chosen, h.against, h.workers, None)
+    xs, ys, lost_a, lost_b = _pair(design, a, b, h.budget)
+    paired = Paired.of(xs, ys)
+    p = sign_flip_p([x - y for x, y in zip(xs, ys)]) if len(xs) >= 2 else math.nan
+    detail = f"failed: {lost_a} and {lost_b} of {len({r['seed'] for r in a} & {r['seed'] for r in b})}"
+    detectable = detectable_difference(math.sqrt(2) * sd, max(len(xs), 2), family)
+    return Outcome(h, paired.n, paired.mean, paired.lo, paired.hi, p, math.nan, detectable, detail)
+
+
+def _summaries(design: Design, cells: Mapping[tuple[str, int, float], list[Row]],
+               chosen: Mapping[Cell, tuple[float, bool]], target: float | None) -> list[CellSummary]:
+    out = []
+    budgets = sorted({1, design.budget, design.epochs})
+    for (method, workers, lr), runs in sorted(cells.items(), key=lambda kv: (kv[0][1], _order(kv[0][0]), kv[0][2])):
+        test, lost = {}, {}
+        for b in budgets:
+            good = [at_epoch(r, b) for r in runs if not failed(r, b)]
+            values = [p["test_accuracy"] for p in good if p is not None]
+            test[b] = Stat.of(values) if values else None
+            lost[b] = sum(failed(r, b) for r in runs)
+        steps = [s for s in (steps_to(r, target) for r in runs) if s is not None] if target is not None else []
+        per_epoch = runs[0]["steps"] / runs[0]["epochs_run"] if runs[0]["epochs_run"] else math.nan
+        median = statistics.median(steps) if steps else None
+        out.append(CellSummary(
+            method, workers, lr, chosen.get((method, workers), (None,))[0] == lr, len(runs),
+            workers * design.batch_size, MappingProxyType(test), MappingProxyType(lost), len(steps), median,
+            median / per_epoch if median is not None else None,
+        ))
+    return out
+
+
+ORDER = ("sequential", "mean", "mean-scaled", "adasum", "adasum-delta", "adacons", "localsgd", "slowmo")
+
+
+def _order(method: str) -> int:
+    return ORDER.index(method) if method in ORDER else len(ORDER)
+
+
+def analyze(rows: Sequence[Row], design: Design) -> Analysis:
+    """The study's results for `design` from `rows` (pilot and confirmatory; other rows are ignored)."""
+    chosen = picks(rows, design)
+    cells = _confirm_cells(rows, design)
+    target = target_accuracy(rows, design)
+    sd, pooled = pilot_spread(rows, design)
+    family = len(design.primary)
+    outcomes = [_test(design, h, cells, chosen, sd, family) for h in design.primary]
+    adjusted = holm([o.p for o in outcomes])
+    outcomes = [replace(o, p_holm=q) for o, q in zip(outcomes, adjusted)]
+    explore = []
+    primary = {(h.method, h.against, h.workers) for h in design.primary}
+    for method, against in (("adasum", "mean"), ("adacons", "mean"), ("slowmo", "localsgd"), ("mean", "sequential"),
+                            ("adasum", "sequential")):
+        for workers in design.workers:
+            if (method, against, workers) in primary or (method, workers) not in chosen:
+                continue
+            if against != "sequential" and (against, workers) not in chosen:
+                continue
+            h = Hypothesis(f"E-{method}-{against}-{workers}", "", method, against,
+                           workers if against != "sequential" else workers, budget=design.budget)
+            if against == "sequential":
+                explore.append(_against_sequential(design, h, cells, chosen, sd))
+            else:
+                explore.append(_test(design, h, cells, chosen, sd, 1))
+    return Analysis(design, chosen, target, _summaries(design, cells, chosen, target), outcomes, sd, pooled, explore)
+
+
+def _against_sequential(design: Design, h: Hypothesis, cells: Mapping[tuple[str, int, float], list[Row]],
+                        chosen: Mapping[Cell, tuple[float, bool]], sd: float) -> Outcome:
+    a = _cell_runs(cells, chosen, h.method, h.workers, None)
+    b = _cell_runs(cells, chosen, "sequential", 1, None)
+    xs, ys, lost_a, lost_b = _pair(design, a, b, h.budget)
+    paired = Paired.of(xs, ys)
+    p = sign_flip_p([x - y for x, y in zip(xs, ys)]) if len(xs) >= 2 else math.nan
+    return Outcome(h, paired.n, paired.mean, paired.lo, paired.hi, p, p, math.nan,
+                   f"failed: {lost_a} and {lost_b}")
+
+
+# --- the page's tables -------------------------------------------------------------------------------------
+
+
+def _num(value: float | None, digits: int = 2) -> str:
+    return "-" if value is None or (isinstance(value, float) and math.isnan(value)) else f"{value:.{digits}f}"
+
+
+def _p(value: float) -> str:
+    return "-" if math.isnan(value) else f"{value:.3g}"
+
+
+def primary_table(analysis: Analysis) -> str:
+    """The primary family: claim, test, effect with its 95 % interval, p, Holm's p, verdict, power."""
+    lines = [
+        "| | claim | test | seeds | effect [95% interval] | p | Holm p | verdict | detectable at 80% power |",
+        "| --- | --- | --- | ---: | --- | ---: | ---: | --- | ---: |",
+    ]
+    for o in analysis.outcomes:
+        h = o.hypothesis
+        if h.kind == "failures":
+            test = f"{h.method} vs {h.against}, P = {h.workers}, failures by epoch {h.budget} (exact sign test)"
+            effect = o.detail
+            power = "-"
+        else:
+            test = (f"{h.method} - {h.against}, P = {h.workers}, test accuracy after {h.budget} epochs "
+                    "(exact sign-flip test)")
+            effect = f"{o.effect:+.2f} [{o.lo:+.2f}, {o.hi:+.2f}] points ({o.detail})" if o.n else "-"
+            power = f"{o.detectable:.2f} points" if math.isfinite(o.detectable) else "-"
+        lines.append(f"| {h.name} | {h.claim} | {test} | {o.n} | {effect} | {_p(o.p)} | {_p(o.p_holm)} | "
+                     f"**{o.verdict}** | {power} |")
+    return "\n".join(lines)
+
+
+def exploratory_table(analysis: Analysis) -> str:
+    """The other paired comparisons at the primary budget, unadjusted (exploratory)."""
+    lines = ["| comparison | P | seeds | difference [95% interval] | p (unadjusted) | failed |",
+             "| --- | ---: | ---: | --- | ---: | --- |"]
+    for o in analysis.exploratory:
+        h = o.hypothesis
+        diff = f"{o.effect:+.2f} [{o.lo:+.2f}, {o.hi:+.2f}]" if o.n >= 2 else "-"
+        lines.append(f"| {h.method} - {h.against} | {h.workers} | {o.n} | {diff} | {_p(o.p)} | {o.detail[8:]} |")
+    return "\n".join(lines)
+
+
+def cells_table(analysis: Analysis) -> str:
+    """Every confirmatory cell: rate, accuracy at each budget, failures, steps and epochs to target."""
+    d = analysis.design
+    budgets = sorted({1, d.budget, d.epochs})
+    head = " | ".join(f"test acc. after {b} ep. [95%]" for b in budgets)
+    lines = [f"| method | P | global batch | base lr | seeds | {head} | failed (by {d.epochs} ep.) | "
+             f"reached target | median steps to target | epochs to target |",
+             "| --- | ---: | ---: | ---: | ---: | " + " | ".join("---:" for _ in budgets)
+             + " | --- | ---: | ---: | ---: |"]
+    for c in analysis.cells:
+        rate = f"{c.lr:g}" + ("" if c.tuned else " (rule)")
+        accs = " | ".join(str(c.test[b]) if c.test[b] is not None else "-" for b in budgets)
+        lines.append(
+            f"| {c.method} | {c.workers} | {c.global_batch:,} | {rate} | {c.seeds} | {accs} | "
+            f"{c.failed[d.epochs]}/{c.seeds} | {c.reached}/{c.seeds} | {_num(c.steps, 0)} | "
+            f"{_num(c.epochs_to_target)} |"
+        )
+    return "\n".join(lines)
+
+
+def picks_table(rows: Sequence[Row], design: Design) -> str:
+    """The pilot's grid: mean validation accuracy at the budget per rate, the pick in bold."""
+    scores = grid_scores(rows, design)
+    chosen = picks(rows, design)
+    lines = ["| method | P | validation accuracy after the budget, by base learning rate (pick in bold) |",
+             "| --- | ---: | --- |"]
+    for cell in sorted(scores, key=lambda c: (c[1], _order(c[0]))):
+        parts = []
+        for lr in sorted(scores[cell]):
+            text = f"{lr:g}: {scores[cell][lr]:.1f}"
+            parts.append(f"**{text}**" if chosen[cell][0] == lr else text)
+        edge = " (on the edge of the rates run)" if chosen[cell][1] else ""
+        lines.append(f"| {cell[0]} | {cell[1]} | {', '.join(parts)}{edge} |")
+    return "\n".join(lines)
+
+
+def render(rows: Sequence[Row], design: Design) -> dict[str, str]:
+    """The page's tables for `design`, by marker name: ``{design}-primary``, ``-cells``, ``-picks``,
+    ``-explore`` and ``-facts`` (the target, the pilot's spread and run counts)."""
+    a = analyze(rows, design)
+    facts = (
+        f"Pilot: {a.pilot_runs} runs without failure pooled; one run's test accuracy after {design.budget} epochs "
+        f"has a spread (pooled standard deviation within cells) of {_num(a.pilot_sd)} points, so a paired "
+        f"difference has at most {_num(math.sqrt(2) * a.pilot_sd)} (no correlation assumed). "
+        f"Target validation accuracy (sequential training's mean after one epoch, rounded down to a half "
+        f"point): {_num(a.target, 1)} %."
+    )
+    name = design.name
+    return {
+        f"{name}-primary": primary_table(a),
+        f"{name}-cells": cells_table(a),
+        f"{name}-picks": picks_table(rows, design),
+        f"{name}-explore": exploratory_table(a),
+        f"{name}-facts": facts,
+    }
