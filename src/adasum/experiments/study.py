@@ -111,7 +111,7 @@ FASHION_CNN = Design(
     }),
     only=MappingProxyType({"adacons": (16, 32, 64), "localsgd": (16, 32, 64), "slowmo": (16, 32, 64)}),
     pilot_seeds=(100, 101),
-    confirm_seeds=tuple(range(1000, 1010)),
+    confirm_seeds=tuple(range(1000, 1020)),
     budget=2,
     epochs=4,
     primary=(
@@ -139,7 +139,7 @@ DIGITS_CNN = Design(
         "adasum": CNN_GRID,
     }),
     pilot_seeds=(100, 101),
-    confirm_seeds=tuple(range(1000, 1010)),
+    confirm_seeds=tuple(range(1000, 1020)),
     budget=8,
     epochs=16,
 )
@@ -337,7 +337,7 @@ class Outcome:
 
     @property
     def verdict(self) -> str:
-        """better / worse (Holm's p below `ALPHA`), no difference the test could see, or not tested."""
+        """Better / worse (Holm's p below `ALPHA`), no difference the test could see, or not tested."""
         if math.isnan(self.p_holm):
             return "not tested"
         if self.p_holm >= ALPHA:
@@ -368,11 +368,13 @@ def _confirm_cells(rows: Sequence[Row], design: Design) -> dict[tuple[str, int, 
 
 
 def pilot_spread(rows: Sequence[Row], design: Design) -> tuple[float, int]:
-    """The pooled standard deviation of one run's test accuracy at the budget within pilot cells (every
-    rate of every cell, runs that did not fail), and the runs it pooled."""
+    """The pooled standard deviation of one run's test accuracy at the budget within the pilot's cells at
+    their picked rates (runs that did not fail), and the runs it pooled. (Every rate's cells would count the
+    unstable rates next to divergence, whose spread the picked rates do not have.)"""
+    chosen = picks(rows, design)
     by: dict[tuple[str, int, float], list[float]] = {}
     for r in rows_of(rows, design, design.pilot_seeds):
-        if not failed(r, design.budget):
+        if chosen.get((r["method"], r["workers"]), (None,))[0] == r["lr"] and not failed(r, design.budget):
             point = at_epoch(r, design.budget)
             assert point is not None
             by.setdefault((r["method"], r["workers"], r["lr"]), []).append(point["test_accuracy"])
