@@ -16,11 +16,15 @@ where the adjusted p-value is below 0.05; verdicts on fewer than 5 seeds say so.
 
 ``report.md``: the summary with its footnote and conclusion, the learning-rate robustness table
 (when more than one rate was run), every cell, every run.
-``accuracy.png`` / ``loss.png``: test accuracy / loss against epoch (mean over seeds), one line
-per method at its picked learning rate, one panel per worker count, sequential dashed.
+``accuracy.png`` / ``loss.png``: test accuracy / loss against epoch (mean over seeds, a band from the
+lowest to the highest seed), one line per method at its picked learning rate, one panel per worker count,
+sequential dashed.
 ``orthogonality.png``: the orthogonality diagnostic over training (first seed), same layout.
 ``lr.png`` (more than one rate): validation accuracy against learning rate (log x, mean and min-max
 over seeds), one panel per worker count.
+``curves.png`` and ``steps-to-target.png`` (runs made with ``--evals-per-epoch``): validation accuracy
+against epochs with a band over seeds and failed runs apart, and steps to a target against the global
+batch (`adasum.experiments.figures`). Every figure at 150 dpi.
 
 >>> results = load_results(["runs/a/results.jsonl", "runs/b/results.jsonl.gz"])  # doctest: +SKIP
 >>> write_report(results, Path("runs/report"))  # doctest: +SKIP
@@ -63,6 +67,7 @@ from adasum.experiments.stats import ALPHA, FEW_SEEDS, Paired, Stat, holm
 
 Result = dict[str, Any]
 Key = tuple[str, int]  # (method, workers)
+DPI = 150  # every figure
 
 # --- reading: one-line messages for malformed rows, one setting per report ---------------------
 
@@ -560,6 +565,7 @@ def write_report(results: Sequence[Result], out: Path, title: str = "Comparison"
     ]
     names = ("lr.png", "accuracy.png", "loss.png", "orthogonality.png") if several else (
         "accuracy.png", "loss.png", "orthogonality.png")
+    names += ("curves.png", "steps-to-target.png")
     plots = [p for p in names if (out / p).exists()]
     if plots:
         text += ["## Plots", ""] + [f"![{p[:-4]}]({p})" for p in plots] + [""]
@@ -601,7 +607,7 @@ def plot(results: Sequence[Result], out: Path) -> list[Path]:
             axes[0][-1].legend(list(legend.values()), list(legend), fontsize=7, loc="best")
         fig.tight_layout()
         path = out / filename
-        fig.savefig(path, dpi=80)
+        fig.savefig(path, dpi=DPI)
         plt.close(fig)
         written.append(path)
 
@@ -610,19 +616,27 @@ def plot(results: Sequence[Result], out: Path) -> list[Path]:
         epochs = [runs[0]["history"][i]["epoch"] for i in range(length)]
         return epochs, [sum(r["history"][i][key] for r in runs) / len(runs) for i in range(length)]
 
+    def band(ax, runs: list[Result], key: str, **style) -> None:
+        length = min(len(r["history"]) for r in runs)
+        epochs = [runs[0]["history"][i]["epoch"] for i in range(length)]
+        values = [[r["history"][i][key] for r in runs] for i in range(length)]
+        ax.fill_between(epochs, [min(v) for v in values], [max(v) for v in values], alpha=0.15, lw=0, **style)
+
     def history_lines(key: str):
         def draw(ax, workers):
             if ref is not None:
                 ax.plot(*mean_curve(ref, key), "k--", label=f"sequential (lr {ref[0]['lr']:g})")
+                band(ax, ref, key, color="k")
             for m in names:
                 runs = best.get((m, workers))
                 if runs is not None:
                     ax.plot(*mean_curve(runs, key), marker=".", color=colors[m], label=f"{m} (lr {runs[0]['lr']:g})")
+                    band(ax, runs, key, color=colors[m])
 
         return draw
 
-    panels("test accuracy (%), mean over seeds", "accuracy.png", history_lines("test_accuracy"))
-    panels("test loss, mean over seeds", "loss.png", history_lines("test_loss"))
+    panels("test accuracy (%), mean and min-max over seeds", "accuracy.png", history_lines("test_accuracy"))
+    panels("test loss, mean and min-max over seeds", "loss.png", history_lines("test_loss"))
 
     def draw_orthogonality(ax, workers):
         for m in names:
@@ -652,4 +666,23 @@ def plot(results: Sequence[Result], out: Path) -> list[Path]:
 
     if _several_rates(results):  # one rate: nothing to show against it
         panels("val. accuracy (%), min-max", "lr.png", draw_lr, xlabel="base learning rate", logx=True)
+    written += _curve_figures(results, out)
     return written
+
+
+def _curve_figures(results: Sequence[Result], out: Path) -> list[Path]:
+    """``curves.png`` and ``steps-to-target.png`` (`adasum.experiments.figures`) for runs with learning curves
+    (``--evals-per-epoch``), at each cell's picked rate; the target: sequential training's mean validation
+    accuracy after one epoch, rounded down to a half point."""
+    from adasum.experiments import figures
+
+    best = {key: runs for key, runs in picked(results).items() if all(r.get("curve") for r in runs)}
+    if not best:
+        return []
+    failed = failures(results)
+    written = [figures.curves(best, out, lambda r: id(r) in failed)]
+    first = [h["val_accuracy"] for r in best.get(("sequential", 1), []) for h in r["history"][:1]]
+    if first:
+        target = math.floor(2 * sum(first) / len(first)) / 2
+        written.append(figures.steps_to_target(best, target, out))
+    return [p for p in written if p is not None]

@@ -27,6 +27,7 @@ from dataclasses import dataclass, field, replace
 from types import MappingProxyType
 from typing import Any
 
+from adasum.experiments.figures import censored_median
 from adasum.experiments.runner import RunConfig
 from adasum.experiments.stats import ALPHA, Paired, Stat, detectable_difference, failure_p, holm, sign_flip_p
 
@@ -317,7 +318,7 @@ class CellSummary:
     test: Mapping[int, Stat | None]  # budget (epochs) -> test accuracy over the runs that did not fail
     failed: Mapping[int, int]  # budget -> runs failed by then
     reached: int  # runs that reached the target within the confirmatory runs' length
-    steps: float | None  # median steps to target over the runs that reached it
+    steps: float | None  # median steps to target, runs that never reached it counted as never (`censored_median`)
     epochs_to_target: float | None
 
 
@@ -334,6 +335,7 @@ class Outcome:
     p_holm: float
     detectable: float  # the smallest difference found at 80 % power (points), from the pilot's spread
     detail: str
+    spread: float = math.nan  # the standard deviation of the paired differences (points)
 
     @property
     def verdict(self) -> str:
@@ -433,7 +435,8 @@ def _test(design: Design, h: Hypothesis, cells: Mapping[tuple[str, int, float], 
     p = sign_flip_p([x - y for x, y in zip(xs, ys)]) if len(xs) >= 2 else math.nan
     detail = f"failed: {lost_a} and {lost_b} of {len({r['seed'] for r in a} & {r['seed'] for r in b})}"
     detectable = detectable_difference(math.sqrt(2) * sd, max(len(xs), 2), family)
-    return Outcome(h, paired.n, paired.mean, paired.lo, paired.hi, p, math.nan, detectable, detail)
+    spread = statistics.stdev([x - y for x, y in zip(xs, ys)]) if len(xs) >= 2 else math.nan
+    return Outcome(h, paired.n, paired.mean, paired.lo, paired.hi, p, math.nan, detectable, detail, spread)
 
 
 def _summaries(design: Design, cells: Mapping[tuple[str, int, float], list[Row]],
@@ -447,9 +450,9 @@ def _summaries(design: Design, cells: Mapping[tuple[str, int, float], list[Row]]
             values = [p["test_accuracy"] for p in good if p is not None]
             test[b] = Stat.of(values) if values else None
             lost[b] = sum(failed(r, b) for r in runs)
-        steps = [s for s in (steps_to(r, target) for r in runs) if s is not None] if target is not None else []
+        steps = [steps_to(r, target) for r in runs] if target is not None else []
         per_epoch = runs[0]["steps"] / runs[0]["epochs_run"] if runs[0]["epochs_run"] else math.nan
-        median = statistics.median(steps) if steps else None
+        median = censored_median(steps)
         out.append(CellSummary(
             method, workers, lr, chosen.get((method, workers), (None,))[0] == lr, len(runs),
             workers * design.batch_size, MappingProxyType(test), MappingProxyType(lost), len(steps), median,
@@ -490,6 +493,13 @@ def analyze(rows: Sequence[Row], design: Design) -> Analysis:
                 explore.append(_against_sequential(design, h, cells, chosen, sd))
             else:
                 explore.append(_test(design, h, cells, chosen, sd, 1))
+    sequential = chosen.get(("sequential", 1))
+    if sequential is not None and len(design.rule) == 2:
+        for workers in design.workers:
+            if (design.rule[0], design.rule[1], workers) not in primary:
+                h = Hypothesis(f"E-failures-{workers}", "", design.rule[0], design.rule[1], workers,
+                               kind="failures", budget=design.budget)
+                explore.append(_test(design, h, cells, chosen, sd, 1))
     return Analysis(design, chosen, target, _summaries(design, cells, chosen, target), outcomes, sd, pooled, explore)
 
 
@@ -518,8 +528,9 @@ def _p(value: float) -> str:
 def primary_table(analysis: Analysis) -> str:
     """The primary family: claim, test, effect with its 95 % interval, p, Holm's p, verdict, power."""
     lines = [
-        "| | claim | test | seeds | effect [95% interval] | p | Holm p | verdict | detectable at 80% power |",
-        "| --- | --- | --- | ---: | --- | ---: | ---: | --- | ---: |",
+        "| | claim | stand-in and test | verdict | effect [95% interval] | seeds | p | Holm p | "
+        "detectable at 80% power |",
+        "| --- | --- | --- | --- | --- | ---: | ---: | ---: | ---: |",
     ]
     for o in analysis.outcomes:
         h = o.hypothesis
@@ -532,8 +543,9 @@ def primary_table(analysis: Analysis) -> str:
                     "(exact sign-flip test)")
             effect = f"{o.effect:+.2f} [{o.lo:+.2f}, {o.hi:+.2f}] points ({o.detail})" if o.n else "-"
             power = f"{o.detectable:.2f} points" if math.isfinite(o.detectable) else "-"
-        lines.append(f"| {h.name} | {h.claim} | {test} | {o.n} | {effect} | {_p(o.p)} | {_p(o.p_holm)} | "
-                     f"**{o.verdict}** | {power} |")
+        stand_in = f"{analysis.design.task}, {analysis.design.model}: {test}"
+        lines.append(f"| {h.name} | {h.claim} | {stand_in} | **{o.verdict}** | {effect} | {o.n} | {_p(o.p)} | "
+                     f"{_p(o.p_holm)} | {power} |")
     return "\n".join(lines)
 
 
@@ -543,6 +555,10 @@ def exploratory_table(analysis: Analysis) -> str:
              "| --- | ---: | ---: | --- | ---: | --- |"]
     for o in analysis.exploratory:
         h = o.hypothesis
+        if h.kind == "failures":
+            lines.append(f"| failures by epoch {h.budget}: {h.method} vs {h.against} | {h.workers} | {o.n} | - | "
+                         f"{_p(o.p)} (exact sign test) | {o.detail} |")
+            continue
         diff = f"{o.effect:+.2f} [{o.lo:+.2f}, {o.hi:+.2f}]" if o.n >= 2 else "-"
         lines.append(f"| {h.method} - {h.against} | {h.workers} | {o.n} | {diff} | {_p(o.p)} | {o.detail[8:]} |")
     return "\n".join(lines)
@@ -589,12 +605,22 @@ def render(rows: Sequence[Row], design: Design) -> dict[str, str]:
     ``-explore`` and ``-facts`` (the target, the pilot's spread and run counts)."""
     a = analyze(rows, design)
     facts = (
-        f"Pilot: {a.pilot_runs} runs without failure pooled; one run's test accuracy after {design.budget} epochs "
-        f"has a spread (pooled standard deviation within cells) of {_num(a.pilot_sd)} points, so a paired "
-        f"difference has at most {_num(math.sqrt(2) * a.pilot_sd)} (no correlation assumed). "
+        f"Pilot: {a.pilot_runs} runs at the picked rates pooled; one run's test accuracy after {design.budget} "
+        f"epochs has a spread (pooled standard deviation within cells) of {_num(a.pilot_sd)} points, so the "
+        f"difference of two uncorrelated runs has {_num(math.sqrt(2) * a.pilot_sd)} (the power column's "
+        "assumption). "
         f"Target validation accuracy (sequential training's mean after one epoch, rounded down to a half "
         f"point): {_num(a.target, 1)} %."
     )
+    spreads = [o for o in a.outcomes if o.hypothesis.kind == "accuracy" and math.isfinite(o.spread)]
+    if spreads:
+        pooled = math.sqrt(statistics.fmean(o.spread**2 for o in spreads))
+        n = min(o.n for o in spreads)
+        found = detectable_difference(pooled, n, len(design.primary))
+        facts += (f" The confirmatory runs' own paired differences (H1-H{len(spreads)}) have a pooled spread of "
+                  f"{pooled:.2f} points, for which the test at level 0.05 / {len(design.primary)} with {n} pairs "
+                  f"finds {found:.2f} points at 80 % power (after the runs, for reading the verdicts; the "
+                  "protocol's power column stays as planned).")
     name = design.name
     return {
         f"{name}-primary": primary_table(a),
@@ -603,3 +629,35 @@ def render(rows: Sequence[Row], design: Design) -> dict[str, str]:
         f"{name}-explore": exploratory_table(a),
         f"{name}-facts": facts,
     }
+
+
+def groups(rows: Sequence[Row], design: Design) -> dict[tuple[str, int], list[Row]]:
+    """The confirmatory cells for the figures, by (name, workers): tuned cells under their method's name,
+    the fixed-rule cells as "NAME (rule)" (Horovod's recipe: ``mean-scaled (rule)``)."""
+    chosen = picks(rows, design)
+    out: dict[tuple[str, int], list[Row]] = {}
+    for (method, workers, lr), runs in _confirm_cells(rows, design).items():
+        tuned = chosen.get((method, workers), (None,))[0] == lr
+        out[(method if tuned else f"{method} (rule)", workers)] = runs
+    return out
+
+
+def draw(rows: Sequence[Row], design: Design, out: Any) -> list[Any]:
+    """Write the design's figures into folder `out`: ``{name}-curves.png`` (validation accuracy against
+    epochs, bands over seeds) and ``{name}-steps.png`` (steps to the target against the global batch)."""
+    from pathlib import Path
+
+    from adasum.experiments import figures
+
+    folder = Path(out)
+    cells = groups(rows, design)
+    title = f"{design.task}, {design.model}: validation accuracy, median and min-max over seeds"
+    written = [figures.curves(cells, folder, lambda r: failed(r, design.epochs),
+                              filename=f"{design.name}-curves.png", title=title)]
+    target = target_accuracy(rows, design)
+    if target is not None:
+        tuned = {k: v for k, v in cells.items() if "(rule)" not in k[0]}
+        written.append(figures.steps_to_target(tuned, target, folder, filename=f"{design.name}-steps.png",
+                                               title=f"{design.task}: median steps to {target:g} % validation "
+                                               "accuracy (dotted: critical batch)"))
+    return [p for p in written if p is not None]
