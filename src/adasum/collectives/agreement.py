@@ -157,7 +157,10 @@ def overlapping(tensors: Sequence[torch.Tensor]) -> tuple[int, int] | None:
 
 def _self_overlapping(t: torch.Tensor) -> bool:
     """Whether two elements of `t` are one memory location (an ``expand``ed view: stride 0 over a dim of size > 1)."""
-    return t.layout == torch.strided and any(s == 0 and n > 1 for n, s in zip(t.shape, t.stride()))
+    if t.layout != torch.strided:
+        return False
+    stride = t.stride()
+    return 0 in stride and any(s == 0 and n > 1 for n, s in zip(t.shape, stride))
 
 
 def local_problem(
