@@ -611,3 +611,39 @@ def test_release_while_another_thread_waits_for_a_verdict_wakes_it():
     assert "rank 0 made 2, rank 1 made 1" in waiter[1], waiter
     assert in_time and threads == 0 and results[1][2] and results[1][3] == 0, results
     assert results[1][1] == (waiter[0], waiter[1]), results  # the peer's release raises the same error
+
+
+def test_the_overlap_check_of_ten_thousand_columns_is_fast():
+    matrix = torch.zeros(256, 10_000)
+    columns = [matrix[:, i] for i in range(10_000)]
+    start = time.monotonic()
+    assert agreement.overlapping(columns) is None
+    assert agreement.overlapping([*columns, matrix[3:5, 9_998]]) == (9_998, 10_000)
+    assert time.monotonic() - start < 3  # a range over each column's span: 3.5-16 s
+
+
+def _shares_a_byte(tensors):
+    """Whether two of `tensors` share a byte, from explicit byte sets (the reference)."""
+    seen: set = set()
+    for t in tensors:
+        size = t.element_size()
+        mine = {o * size + b for o in agreement._elements(t).tolist() for b in range(size)} if t.numel() else set()
+        if seen & mine:
+            return True
+        seen |= mine
+    return False
+
+
+def test_the_overlap_check_agrees_with_explicit_byte_sets():
+    g = torch.Generator().manual_seed(3)
+    floats = torch.zeros(240)
+    raw = floats.view(torch.uint8)  # the same storage in bytes: views of two element sizes
+    draw = lambda lo, hi: int(torch.randint(lo, hi, (1,), generator=g))  # noqa: E731
+    for _ in range(300):
+        views = []
+        for _ in range(draw(2, 5)):
+            base, scale = (raw, 4) if draw(0, 5) == 0 else (floats, 1)
+            shape, stride = (draw(1, 5), draw(1, 5)), (draw(1, 12) * scale, draw(1, 4))
+            views.append(base.as_strided(shape, stride, draw(0, 100) * scale))
+        got = agreement.overlapping(views)
+        assert (got is not None) == _shares_a_byte(views), [(v.shape, v.stride(), v.storage_offset()) for v in views]
