@@ -1,7 +1,7 @@
 """Cross-rank agreement: before data moves, every rank checks that all ranks passed the same
 layout (count, shapes, dtypes, device type) and that no rank has a local problem with its input
 (a non-floating or sparse tensor, tensors on a device the backend does not serve, a leaf that
-requires grad given to an in-place collective, views that overlap in memory), with one small
+requires grad or an inference tensor given to an in-place collective, views that overlap in memory), with one small
 all-reduce. Either raises the same error on every rank, naming the first difference (first) or
 the lowest rank with a problem and what it is; so no rank enters an exchange that its peers will not join.
 
@@ -77,7 +77,7 @@ class Problem:
 # the per-tensor reads of the checks, as C-level callables for `map` (plan and api read tensors the same way)
 _layout, _dtype, _device = operator.attrgetter("layout"), operator.attrgetter("dtype"), operator.attrgetter("device")
 _shape, _requires_grad = operator.attrgetter("shape"), operator.attrgetter("requires_grad")
-_data_ptr, _stride = torch.Tensor.data_ptr, torch.Tensor.stride
+_data_ptr, _stride, _is_inference = torch.Tensor.data_ptr, torch.Tensor.stride, torch.Tensor.is_inference
 
 
 def _span(t: torch.Tensor) -> tuple[int, int]:
@@ -216,8 +216,10 @@ def local_problem(
     In order: a sparse (non-strided) tensor (TypeError); a non-floating dtype when `floating`
     (TypeError); tensors on several devices, or on a device type other than `backend_device`'s
     (ValueError; with `group`, any type the group's backends take, `adasum.transport.groups.accepts`);
-    when `in_place` and autograd is recording, a leaf that requires grad (ValueError:
-    an in-place write into it would fail after data moved); when `in_place`, two tensors sharing a
+    when `in_place` and autograd is recording, a tensor that requires grad: a leaf, a view of one, the output
+    of a recorded operation (ValueError: an in-place write into it would fail, or be recorded, after data
+    moved); when `in_place` outside ``torch.inference_mode()``, an inference tensor (ValueError: torch
+    refuses in-place writes into it there); when `in_place`, two tensors sharing a
     memory location, or one tensor whose elements share one (an ``expand``ed view), ValueError: the
     results would depend on the order of the writes. ``disjoint=True``: the caller found these very
     tensors (addresses, shapes, strides) free of both before; those memory checks are skipped.
@@ -249,13 +251,22 @@ def local_problem(
             )
     if in_place:
         if torch.is_grad_enabled() and any(map(_requires_grad, tensors)):
-            for i, t in enumerate(tensors):
-                if t.requires_grad and t.is_leaf:
-                    return Problem(
-                        "ValueError",
-                        f"tensor {i} is a leaf that requires grad, which an in-place collective cannot write; "
-                        "pass p.detach() (or call under torch.no_grad())",
-                    )
+            i, t = next((i, t) for i, t in enumerate(tensors) if t.requires_grad)
+            what = ("a leaf that requires grad" if t.is_leaf else
+                    "a view of a tensor that requires grad" if t._is_view() else
+                    "the output of an operation autograd records (it requires grad)")
+            return Problem(
+                "ValueError",
+                f"tensor {i} is {what}, which an in-place collective cannot write; "
+                f"pass {'p' if t.is_leaf else 't'}.detach() (or call under torch.no_grad())",
+            )
+        if not torch.is_inference_mode_enabled() and any(map(_is_inference, tensors)):
+            i = next(i for i, t in enumerate(tensors) if t.is_inference())
+            return Problem(
+                "ValueError",
+                f"tensor {i} is an inference tensor (made under torch.inference_mode()), which an in-place "
+                "collective cannot write outside inference mode; pass t.clone() (made outside it)",
+            )
         for i, t in enumerate(() if disjoint else tensors):
             if _self_overlapping(t):
                 return Problem(
