@@ -231,3 +231,36 @@ def test_hostile_results_files_cost_little_and_end_in_one_line(tmp_path, capsys,
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and named in err[0], err
     assert time.monotonic() - start < 10 and not (tmp_path / "out" / "report.md").exists()
+
+
+class _Writes:
+    """A stderr that records each write call (under torchrun every rank's lines share one stream)."""
+
+    def __init__(self) -> None:
+        self.calls: list[str] = []
+
+    def write(self, text: str) -> int:
+        self.calls.append(text)
+        return len(text)
+
+    def flush(self) -> None:
+        pass
+
+
+def test_a_full_disk_while_drawing_names_the_folder_in_one_whole_line(tmp_path, monkeypatch):
+    import errno
+    import sys
+
+    import matplotlib.figure
+
+    path = write_rows(tmp_path / "results.jsonl", [run("adasum", 4, s, 90.0) for s in range(3)])
+
+    def full(*args, **kwargs):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(matplotlib.figure.Figure, "savefig", full)
+    writes = _Writes()
+    monkeypatch.setattr(sys, "stderr", writes)
+    assert main(["report", str(path), "--out", str(tmp_path / "out"), "--quiet"]) == 1
+    assert writes.calls == [f"adasum: error: cannot write the figures in {tmp_path / 'out'}: No space left on "
+                            "device\n"], writes.calls  # one write: the message and its newline together

@@ -275,3 +275,33 @@ def test_a_second_sweep_into_a_folder_in_use_is_refused_in_one_line(tmp_path, ca
     compare(parse_methods("adasum"), [2], [0.05], quick, tmp_path, seeds=[7], resume=True,
             train=lambda config, *a, **k: _fake(config), plot=lambda results, out: [])
     assert len(rows(tmp_path)) == 5 and sorted(p.name for p in tmp_path.iterdir()) == ["report.md", "results.jsonl"]
+
+
+def test_a_full_disk_while_appending_a_row_names_the_results_file(tmp_path, capsys, monkeypatch):
+    import builtins
+    import errno
+
+    real_open = builtins.open
+
+    class Full:
+        def __init__(self, f):
+            self.f = f
+
+        def __enter__(self):
+            return self
+
+        def __exit__(self, *exc):
+            self.f.close()
+
+        def write(self, data):
+            raise OSError(errno.ENOSPC, "No space left on device")
+
+    def opener(file, mode="r", *args, **kwargs):
+        f = real_open(file, mode, *args, **kwargs)
+        return Full(f) if str(file).endswith("results.jsonl") and mode == "a" else f
+
+    monkeypatch.setattr(builtins, "open", opener)
+    quick = RunConfig(task="sklearn-digits", epochs=1)
+    with pytest.raises(OSError, match=f"cannot write {tmp_path / 'results.jsonl'}: No space left on device"):
+        compare(parse_methods("adasum"), [2], [0.05], quick, tmp_path, seeds=[0],
+                train=lambda config, *a, **k: _fake(config), plot=lambda results, out: [])

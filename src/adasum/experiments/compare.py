@@ -10,7 +10,7 @@ from pathlib import Path
 from typing import Any
 
 from adasum.experiments.data import load_task
-from adasum.experiments.io import folder_lock, read_results, write_text_atomic
+from adasum.experiments.io import folder_lock, read_results, write_text_atomic, writing
 from adasum.experiments.methods import Method, method_reducer
 from adasum.experiments.progress import ProgressBar
 from adasum.experiments.report import plot, write_report
@@ -189,7 +189,7 @@ def _sweep(
                 result = train(
                     config, out / "runs" / name, resume=resume, overwrite=overwrite, dataset=dataset, progress=bar
                 )
-                with open(results_path, "a") as f:  # a later row of a run wins over an earlier one
+                with writing(results_path), open(results_path, "a") as f:  # a later row of a run wins
                     f.write(json.dumps(result) + "\n")
             results.append(result)
     # this sweep's rows in cell order (a run's earlier rows replaced), then every row of other cells
@@ -198,6 +198,7 @@ def _sweep(
     if others:
         log.info("%s: kept the %d rows of other runs (%d in this report)", results_path, len(others), len(kept))
     reported = results + kept
-    plot(reported, out)
+    with writing(out, f"the figures in {out}"):
+        plot(reported, out)
     write_report(reported, out, title=f"Comparison on {dataset.name}")
     return reported

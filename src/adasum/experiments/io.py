@@ -155,6 +155,19 @@ def _write_failed(path: Path, error: OSError) -> WriteFailed:
     return failed
 
 
+@contextmanager
+def writing(path: str | os.PathLike, what: str | None = None) -> Iterator[None]:
+    """Turn an OSError of the block's writes into a one-line `WriteFailed` naming `path` (or `what`: the figures
+    of a folder, say): a full disk raises OSError without a file name where a file is written, not opened."""
+    try:
+        yield
+    except WriteFailed:
+        raise
+    except OSError as error:
+        name = what if what is not None else str(path)
+        raise WriteFailed(f"cannot write {name}: {error.strerror or error}") from None
+
+
 def write_text_atomic(path: str | os.PathLike, text: str) -> None:
     """Write `text` to `path` atomically (`write_atomic`)."""
     write_atomic(path, lambda f: f.write(text.encode()))
