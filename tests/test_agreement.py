@@ -343,3 +343,86 @@ def test_single_process_checks():
     assert agreement.local_problem([torch.zeros(3).to_sparse()], None).error == "TypeError"
     assert agreement.local_problem([torch.zeros(3, dtype=torch.int32)], None).error == "TypeError"
     assert agreement.local_problem([torch.zeros(3, dtype=torch.int32)], None, floating=False) is None
+
+
+def _autograd_case(case: str, rank: int) -> torch.Tensor:
+    """Rank 1's tensor an in-place write cannot take (`case`), the others' plain."""
+    if rank != 1:
+        return torch.ones(4)
+    if case == "view":
+        return torch.ones(8, requires_grad=True)[2:6]
+    if case == "non-leaf":
+        return torch.ones(4, requires_grad=True) * 2
+    with torch.inference_mode():
+        return torch.ones(4)
+
+
+AUTOGRAD_CASES = {
+    "view": "tensor 0 is a view of a tensor that requires grad, which an in-place collective cannot write; pass "
+            "t.detach() (or call under torch.no_grad()) on rank 1",
+    "non-leaf": "tensor 0 is the output of an operation autograd records (it requires grad), which an in-place "
+                "collective cannot write; pass t.detach() (or call under torch.no_grad()) on rank 1",
+    "inference": "tensor 0 is an inference tensor (made under torch.inference_mode()), which an in-place collective "
+                 "cannot write outside inference mode; pass t.clone() (made outside it) on rank 1",
+}
+
+
+def autograd_body(rank, world):
+    out = {}
+    for case in AUTOGRAD_CASES:
+        for name, call in (("adasum.all_reduce", adasum.all_reduce), ("adasum.Mean.all_reduce", Mean().all_reduce),
+                           ("adasum.Sum.all_reduce", adasum.Sum().all_reduce)):
+            t = _autograd_case(case, rank)
+            before = t.detach().clone()
+            try:
+                call([t])
+                out[case, name] = None
+            except (ValueError, RuntimeError) as error:
+                out[case, name] = (type(error).__name__, str(error), torch.equal(t.detach(), before))
+    return out
+
+
+def test_tensors_an_in_place_write_cannot_take_are_refused_on_every_rank_before_data_moves():
+    results = distributed.run(2, autograd_body)
+    distributed.assert_ranks_agree(results)
+    for (case, name), got in results[0].items():
+        assert got == ("ValueError", f"{name}: {AUTOGRAD_CASES[case]}", True), (case, name, got)
+
+
+def float8_body(rank, world):
+    """Each reducer and the non-finite check on float8 tensors: every rank's result, and the check's verdict on a
+    NaN that rank 1 alone holds."""
+    dtype = torch.float8_e4m3fn
+    g = torch.Generator().manual_seed(rank)
+    mine = [torch.randn(6, generator=g).to(dtype), torch.randn(2, 3, generator=g).to(dtype)]
+    out = {}
+    for name in ("sum", "mean", "adasum", "adacons"):
+        tensors = [t.clone() for t in mine]
+        adasum.get_reducer(name).all_reduce(tensors)
+        out[name] = [t.float().tolist() for t in tensors]
+    flat = torch.cat([t.reshape(-1) for t in mine])
+    adasum.Mean().all_reduce_flat(flat, [6, 6])
+    out["mean flat"] = flat.float().tolist()
+    nan = [t.clone() for t in mine]
+    if rank == 1:
+        nan[1][0, 1] = float("nan")
+    try:
+        adasum.all_reduce(nan, nonfinite="raise")
+        out["raise"] = None
+    except adasum.NonFiniteError as error:
+        out["raise"] = str(error)
+    adasum.all_reduce([t.clone() for t in mine], nonfinite="raise")  # finite: passes
+    return out, [t.float() for t in mine]
+
+
+def test_float8_works_in_every_reducer_and_the_non_finite_check():
+    results = distributed.run(2, float8_body)
+    outs = [r[0] for r in results]
+    distributed.assert_ranks_agree(outs)  # bitwise identical on every rank
+    copies = [[t.to(torch.float8_e4m3fn) for t in r[1]] for r in results]
+    for name in ("sum", "mean", "adasum", "adacons"):
+        want = [w.float() for w in adasum.get_reducer(name).reduce(copies)]
+        # the distributed form rounds once to float8 as the single-process one: equal within one float8 step
+        for got, ref in zip(outs[0][name], want):
+            assert torch.allclose(torch.tensor(got), ref, rtol=0.13, atol=1e-2), (name, got, ref)
+    assert outs[0]["raise"].startswith("adasum.all_reduce: tensor 1 has NaN on rank 1 "), outs[0]["raise"]

@@ -488,3 +488,162 @@ def test_deferred_checks_on_a_subgroup_name_a_swap_on_its_members():
     assert kind == "ValueError" and threads == 0 and calls == LAG, results[0]
     assert message.startswith("adasum.all_reduce: tensors differ across ranks at index 0: rank 0 has float32 [4, 2] "
                               "on cpu, rank 1 has float32 [8] on cpu (a call already under way"), message
+
+
+NOTE = " (a call already under way on some rank: its result is undefined; destroy the process group)"
+SWAPPED = ("adasum.all_reduce: tensors differ across ranks at index 0: rank 0 has float32 [4, 2] on cpu, rank 1 has "
+           "float32 [8] on cpu" + NOTE)
+
+
+def _wait_for_error(guard):
+    start = time.monotonic()
+    while guard.error is None and guard.alive() and time.monotonic() - start < BOUND_S:
+        time.sleep(0.01)
+
+
+def late_divergence_body(rank, world, where, end):
+    """A swap fewer than LAG calls before the end (at call `where` of 40, or the very last call when `where` is None),
+    then the end of the run: ``end`` is "release", "destroy" or "barrier". The kept error is raised there on every
+    rank, and only once."""
+    g, d = [torch.ones(4, 2)], [torch.ones(8)]
+    with override(deferred_checks=True):
+        _gan_step(g, d)
+        guard = groups.communicator(None).guard
+        calls = 40
+        where = calls - 1 if where is None else where
+        for step in range(calls):
+            swap = step == where and rank == 1
+            adasum.all_reduce(d if swap else g)
+        if where < calls - 1:
+            _wait_for_error(guard)  # found by the guard; nothing raised it: raise_at is LAG calls on
+        ending = {"release": adasum.release, "destroy": dist.destroy_process_group, "barrier": dist.barrier}[end]
+        kind, message, seconds = _error_of(ending)
+        again = _error_of(adasum.release)[0]  # handed once: a release after it raises nothing
+    if end == "destroy":  # the harness destroys the default group after the body: make one to destroy
+        dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    return kind, message, seconds < BOUND_S, again, len(_guard_threads())
+
+
+@pytest.mark.parametrize("where, end", [(10, "release"), (None, "release"), (10, "destroy"), (20, "barrier")])
+def test_a_divergence_within_lag_of_the_end_is_raised_on_every_rank_at_the_end(where, end):
+    results = distributed.run(2, late_divergence_body, where, end)
+    distributed.assert_ranks_agree(results)
+    kind, message, in_time, again, threads = results[0]
+    assert (kind, message) == ("ValueError", SWAPPED), results[0]
+    assert in_time and again is None and threads == 0, results[0]
+
+
+def extra_call_body(rank, world, end):
+    """Rank 1 makes one checked call more than rank 0 (posted: its data would go on), then both end (release or
+    barrier): the same ValueError on every rank, naming the counts and the extra call, not "a peer died"."""
+    config, a = ("test",), [torch.ones(6)]
+    with override(deferred_checks=True):
+        for _ in range(3):
+            prepare(a, None, config=config, operation="test")
+        if rank == 1:
+            prepare(a, None, config=config, operation="test")
+        kind, message, seconds = _error_of(adasum.release if end == "release" else dist.barrier)
+        later = _error_of(lambda: prepare(a, None, config=config, operation="test"))[:2] if end == "barrier" else None
+    adasum.release()
+    return kind, message, seconds < BOUND_S, later
+
+
+@pytest.mark.parametrize("end", ["release", "barrier"])
+def test_one_extra_call_on_one_rank_is_named_on_every_rank_at_the_end(end):
+    results = distributed.run(2, extra_call_body, end)
+    distributed.assert_ranks_agree(results)
+    kind, message, in_time, later = results[0]
+    assert kind == "ValueError" and in_time, results[0]
+    assert message == ("test: the number of checked calls on the group differs across ranks: rank 0 made 3, "
+                       "rank 1 made 4; rank 1's call 4 (tensors: float32 [6] on cpu) has no match on some rank"
+                       + NOTE), message
+    if end == "barrier":  # the kept error: every later call raises it too
+        assert later == (kind, message), later
+
+
+def matching_then_barrier_body(rank, world):
+    """Matching calls, a barrier (the fence passes), more matching calls, release: nothing raised, all compared."""
+    g, d = [torch.ones(4, 2)], [torch.ones(8)]
+    with override(deferred_checks=True):
+        for _ in range(5):
+            _gan_step(g, d)
+        dist.barrier()
+        for _ in range(5):
+            _gan_step(g, d)
+        guard = groups.communicator(None).guard
+        dist.barrier()
+    adasum.release()
+    return guard.error, guard.checked, guard.alive()
+
+
+def test_matching_calls_pass_the_barrier_fence():
+    results = distributed.run(2, matching_then_barrier_body)
+    assert all(r == (None, 20, False) for r in results), results
+
+
+def release_while_waiting_body(rank, world):
+    """Another thread's call waits for its verdict (a new layout that rank 0 alone calls) while this thread releases
+    the group: the waiter is woken with an error on every rank that waits, and release returns; no thread is left."""
+    config = ("test",)
+    with override(deferred_checks=True):
+        prepare([torch.ones(2)], None, config=config, operation="test")
+        out = {}
+
+        def call():
+            with override(deferred_checks=True):  # settings overridden are the thread's own
+                out["error"] = _error_of(lambda: prepare([torch.ones(3)], None, config=config, operation="test"))[:2]
+
+        thread = threading.Thread(target=call)
+        if rank == 0:
+            thread.start()
+            time.sleep(0.3)
+        start = time.monotonic()
+        released = _error_of(adasum.release)[:2]
+        if rank == 0:
+            thread.join(BOUND_S)
+    return out.get("error"), released, time.monotonic() - start < BOUND_S, len(_guard_threads())
+
+
+def test_release_while_another_thread_waits_for_a_verdict_wakes_it():
+    results = distributed.run(2, release_while_waiting_body)
+    waiter, released, in_time, threads = results[0]
+    assert waiter is not None and waiter[0] == "ValueError", results
+    assert "rank 0 made 2, rank 1 made 1" in waiter[1], waiter
+    assert in_time and threads == 0 and results[1][2] and results[1][3] == 0, results
+    assert results[1][1] == (waiter[0], waiter[1]), results  # the peer's release raises the same error
+
+
+def test_the_overlap_check_of_ten_thousand_columns_is_fast():
+    matrix = torch.zeros(256, 10_000)
+    columns = [matrix[:, i] for i in range(10_000)]
+    start = time.monotonic()
+    assert agreement.overlapping(columns) is None
+    assert agreement.overlapping([*columns, matrix[3:5, 9_998]]) == (9_998, 10_000)
+    assert time.monotonic() - start < 3  # a range over each column's span: 3.5-16 s
+
+
+def _shares_a_byte(tensors):
+    """Whether two of `tensors` share a byte, from explicit byte sets (the reference)."""
+    seen: set = set()
+    for t in tensors:
+        size = t.element_size()
+        mine = {o * size + b for o in agreement._elements(t).tolist() for b in range(size)} if t.numel() else set()
+        if seen & mine:
+            return True
+        seen |= mine
+    return False
+
+
+def test_the_overlap_check_agrees_with_explicit_byte_sets():
+    g = torch.Generator().manual_seed(3)
+    floats = torch.zeros(240)
+    raw = floats.view(torch.uint8)  # the same storage in bytes: views of two element sizes
+    draw = lambda lo, hi: int(torch.randint(lo, hi, (1,), generator=g))  # noqa: E731
+    for _ in range(300):
+        views = []
+        for _ in range(draw(2, 5)):
+            base, scale = (raw, 4) if draw(0, 5) == 0 else (floats, 1)
+            shape, stride = (draw(1, 5), draw(1, 5)), (draw(1, 12) * scale, draw(1, 4))
+            views.append(base.as_strided(shape, stride, draw(0, 100) * scale))
+        got = agreement.overlapping(views)
+        assert (got is not None) == _shares_a_byte(views), [(v.shape, v.stride(), v.storage_offset()) for v in views]

@@ -313,3 +313,51 @@ def test_a_dataset_of_another_task_than_the_configs_is_refused():
         "the dataset given is 'toy', the config's task 'digits'; set the task to the dataset's name "
         "(the results and checkpoints name the run by its task)"
     )
+
+
+def _mnist_folder(folder, damage: str) -> str:
+    """Four idx files, one damaged as `damage` says; the name of the damaged file."""
+    train_x, test_x = np.zeros((6, 28, 28)), np.zeros((3, 28, 28))
+    train_y, test_y = np.array([0, 1, 2, 3, 4, 9]), np.array([5, 6, 7])
+    if damage == "5 x 5 images":
+        train_x = np.zeros((6, 5, 5))
+    if damage == "labels out of range":
+        train_y = np.array([0, 1, 2, 3, 4, 10])
+    if damage == "a label short":
+        train_y = train_y[:5]
+    write_idx(folder / "train-images-idx3-ubyte.gz", train_x, compress=True)
+    write_idx(folder / "train-labels-idx1-ubyte", train_y)
+    write_idx(folder / "t10k-images-idx3-ubyte", test_x)
+    write_idx(folder / "t10k-labels-idx1-ubyte", test_y)
+    if damage == "a truncated .gz":
+        path = folder / "train-images-idx3-ubyte.gz"
+        path.write_bytes(path.read_bytes()[:-20])
+    return "train-images-idx3-ubyte.gz" if "images" in damage or ".gz" in damage else "train-labels-idx1-ubyte"
+
+
+@pytest.mark.parametrize("damage, named", [
+    ("a truncated .gz", "not a complete gzip file"),
+    ("5 x 5 images", "holds uint8 [6, 5, 5], not 28 x 28 images of bytes [N, 28, 28]"),
+    ("labels out of range", "labels run from 0 to 10, not within 0-9"),
+    ("a label short", "holds 5 labels for 6 images"),
+])
+def test_damaged_mnist_files_are_one_line_naming_the_file(tmp_path, capsys, damage, named):
+    from adasum.experiments.cli import main
+
+    name = _mnist_folder(tmp_path, damage)
+    status = main(["train", "--task", "mnist", "--data-dir", str(tmp_path), "--method", "adasum", "--simulate", "2",
+                   "--epochs", "1", "--out", str(tmp_path / "out"), "--no-progress", "--quiet"])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert status == 2 and len(err) == 1, err
+    assert err[0].startswith(f"adasum: error: {tmp_path / name}: ") and named in err[0], err
+
+
+def test_an_mnist1d_cache_of_the_wrong_shape_is_one_line(tmp_path):
+    path = tmp_path / "mnist1d-700-seed42.npz"
+    np.savez(path, x=np.zeros((600, 40)), y=np.zeros(599, np.int64), x_test=np.zeros((100, 40)),
+             y_test=np.zeros(100, np.int64))
+    with pytest.raises(ValueError, match=r"mnist1d-700-seed42.npz: not an MNIST-1D cache \(x \[600, 40\], y \[599\]"):
+        data_mod._mnist1d(tmp_path, samples=700)
+    path.write_bytes(b"PK\x03\x04 damaged")
+    with pytest.raises(ValueError, match=r"mnist1d-700-seed42.npz: not a complete MNIST-1D cache"):
+        data_mod._mnist1d(tmp_path, samples=700)

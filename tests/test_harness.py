@@ -348,3 +348,43 @@ def test_fsdp_example_on_three_processes():
     refused = _fsdp_example("--shards", "2", "--steps", "3")
     assert refused.returncode != 0 and "IndexError" not in refused.stderr
     assert "--shards 2 must divide the 3 processes" in refused.stderr
+
+
+@pytest.fixture(scope="module")
+def finished_run(tmp_path_factory) -> Path:
+    """A run of one epoch, trained once for the tests that alter copies of it."""
+    out = tmp_path_factory.mktemp("finished") / "run"
+    assert main(_train_args(out)) == 0
+    return out
+
+
+def _altered(path: Path, change) -> None:
+    """`path`'s checkpoint changed by `change(state)` and checksummed again (a foreign but intact file)."""
+    state = ckpt.read_checkpoint(path)
+    change(state)
+    ckpt.save_atomic(state, path)
+
+
+def _shrink_first_weight(state):
+    model = state["engine"]["model"]
+    name = next(k for k in model if k.endswith("weight"))
+    model[name] = model[name][:1]
+
+
+@pytest.mark.parametrize("change, named", [
+    (_shrink_first_weight, "holds a state this run cannot take (RuntimeError: Error(s) in loading state_dict"),
+    (lambda state: state.pop("history"), "holds a state this run cannot take (KeyError: 'history')"),
+    (lambda state: state.update(rng=state["rng"][:10]), "holds a state this run cannot take (RuntimeError:"),
+    (lambda state: state.update(epoch=-1), "holds epoch -1, not a count (an integer >= 0)"),
+])
+def test_a_checkpoint_with_a_valid_checksum_but_foreign_contents_is_one_line(
+    tmp_path, capsys, finished_run, change, named
+):
+    import shutil
+
+    out = tmp_path / "run"
+    shutil.copytree(finished_run, out)
+    _altered(out / "checkpoint.pt", change)
+    capsys.readouterr()
+    status = main(_train_args(out, "--resume", epochs=2))
+    _one_line(capsys, status, 2, "checkpoint.pt", named)

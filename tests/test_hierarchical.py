@@ -215,3 +215,48 @@ def test_exact_two_tiers_refuse_other_placements_on_every_rank():
     distributed.assert_ranks_agree(distributed.run(3, exact_refused_body))
     with pytest.raises(ValueError, match="hierarchical must be"):
         adasum.Adasum(hierarchical="yes")
+
+
+def local_world_size_on_one_rank_body(rank, world):
+    """LOCAL_WORLD_SIZE set on rank 0 only (the others have neither it nor local_size)."""
+    with override(local_world_size=2 if rank == 0 else None):
+        try:
+            adasum.Adasum(hierarchical=True).setup()
+        except ValueError as error:
+            return type(error).__name__, str(error)
+    return None
+
+
+def test_local_world_size_on_one_rank_only_is_the_same_error_on_every_rank():
+    results = distributed.run(2, local_world_size_on_one_rank_body, timeout_s=30)
+    distributed.assert_ranks_agree(results)
+    assert results[0] == ("ValueError", "hierarchical mode needs local_size or LOCAL_WORLD_SIZE (set by torchrun): "
+                                        "rank 1 has neither (1 of 2 ranks)"), results[0]
+
+
+def renumbered_body(rank, world, folder, local_size):
+    """One hierarchical reducer, used, then the default group destroyed and made again with the ranks renumbered
+    (rank r becomes world - 1 - r): the reducer builds its groups anew and combines the new ranks' tensors."""
+    import torch.distributed as dist
+
+    reducer = adasum.Adasum(hierarchical=True, local_size=local_size)
+    t = [torch.full((5,), float(rank + 1))]
+    reducer.all_reduce(t)
+    dist.destroy_process_group()
+    new = world - 1 - rank
+    dist.init_process_group("gloo", store=dist.FileStore(f"{folder}/again", world), rank=new, world_size=world)
+    data = [torch.arange(5.0) * (r + 1) + r for r in range(world)]
+    mine = [data[new].clone()]
+    reducer.all_reduce(mine)
+    return new, mine[0].tolist(), [d.tolist() for d in data]
+
+
+@pytest.mark.parametrize("local_size", [2])  # its node groups were the old group's: `tuple.index(x)` failed
+def test_a_hierarchical_reducer_after_the_group_is_made_again_with_renumbered_ranks(tmp_path, local_size):
+    results = distributed.run(4, renumbered_body, str(tmp_path), local_size)
+    got = {new: out for new, out, _ in results}
+    data = [torch.tensor(d) for d in results[0][2]]
+    want = reduce_hierarchical(data, local_size)
+    for new in range(4):
+        assert got[new] == got[0], got  # bitwise the same on every rank
+    torch.testing.assert_close(torch.tensor(got[0]), want, rtol=1e-5, atol=1e-5)

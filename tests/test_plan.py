@@ -188,3 +188,38 @@ def test_a_schedule_shaping_setting_on_one_rank_is_refused_on_every_rank():
             "adasum.all_reduce: the configuration differs across ranks: rank 0 has adasum.all_reduce transport=None "
             f"nonfinite=propagate, rank 1 has adasum.all_reduce transport=None nonfinite=propagate {name}={value}",
         ), name
+
+
+def remade_body(rank, world, calls):
+    """`calls` calls on gradients re-made every call (``zero_grad()``: new tensors at new addresses, kept alive
+    meanwhile so that the allocator cannot hand back the last ones' memory), each layout's cache measured: the
+    memory-overlap verdicts and the plans stay within their bounds (the prepare step of every entry point; a run
+    of real calls last), and release frees them."""
+    from adasum.collectives.plan import DISJOINT, MAX_PLANS, prepare
+
+    model = [torch.ones(3, 2), torch.ones(5), torch.ones(4)]
+    config = ("test",)
+    comm = groups.communicator(None)
+    held = []
+    sizes = []
+    for i in range(calls):
+        grads = [torch.ones_like(p) for p in model]
+        held = [*held[-16:], grads]
+        prepare(grads, None, config=config, operation="test", check="none")
+        if i % 1000 == 999:
+            sizes.append(sum(len(p.disjoint) for p in comm.plans.values()))
+    for i in range(600):  # a new layout every call, more than a group keeps
+        prepare([torch.ones(i + 1)], None, config=config, operation="test", check="none")
+    plans = len(comm.plans)
+    for _ in range(50):  # the whole call
+        adasum.all_reduce([torch.ones_like(p) for p in model])
+    disjoint = max(len(p.disjoint) for p in comm.plans.values())
+    adasum.release()
+    return sizes, plans, disjoint, DISJOINT, MAX_PLANS, len(groups.communicator(None).plans)
+
+
+def test_gradients_remade_every_call_keep_the_caches_flat():
+    results = distributed.run(2, remade_body, 10_000)
+    sizes, plans, disjoint, most, max_plans, after = results[0]
+    assert len(sizes) == 10 and all(n == most for n in sizes), sizes  # flat from the first thousand calls on
+    assert plans == max_plans and disjoint <= most and after == 0, results[0]

@@ -197,3 +197,70 @@ def test_the_setting_line_names_momentum_only_where_the_optimizer_takes_it():
     assert "(momentum 0.9)" in _setting([{**run, "optimizer": "sgd", "momentum": 0.9}])
     adam = _setting([{**run, "optimizer": "adam", "momentum": None}])
     assert "momentum" not in adam and "optimizer `adam`, 8 examples per worker" in adam
+
+
+def test_sweeps_that_differ_only_in_epochs_are_refused_not_merged(tmp_path, capsys):
+    a = write_rows(tmp_path / "a.jsonl", [run("adasum", 4, s, 90.0, epochs=4) for s in range(3)])
+    b = write_rows(tmp_path / "b.jsonl", [run("adasum", 4, s, 80.0, epochs=2) for s in range(3)])
+    for order in ((a, b), (b, a)):
+        assert main(["report", *map(str, order), "--out", str(tmp_path / "out"), "--quiet"]) == 2
+        err = capsys.readouterr().err.strip().splitlines()
+        assert len(err) == 1 and "another setting" in err[0] and "epochs" in err[0], err
+
+
+@pytest.mark.parametrize("hostile, named", [
+    ("workers", "the results hold 65 distinct values of workers; a report takes at most 64"),
+    ("nested", "line 2 nests too deeply to be a result"),
+    ("newline", "row 2: method is 'adasum\\n## injected', not a method name (letters, digits, _ . + -)"),
+])
+def test_hostile_results_files_cost_little_and_end_in_one_line(tmp_path, capsys, hostile, named):
+    import time
+
+    rows = [run("adasum", 4, 0, 90.0)]
+    if hostile == "workers":
+        rows += [run("adasum", w, 0, 90.0) for w in range(5, 69)]
+    path = write_rows(tmp_path / "results.jsonl", rows)
+    if hostile == "nested":
+        path.write_text(path.read_text() + "[" * 100_000 + "]" * 100_000 + "\n")
+    if hostile == "newline":
+        rows.append(run("adasum", 4, 1, 90.0))
+        rows[-1]["method"] = "adasum\n## injected"
+        write_rows(path, rows)
+    start = time.monotonic()
+    assert main(["report", str(path), "--out", str(tmp_path / "out"), "--quiet"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and named in err[0], err
+    assert time.monotonic() - start < 10 and not (tmp_path / "out" / "report.md").exists()
+
+
+class _Writes:
+    """A stderr that records each write call (under torchrun every rank's lines share one stream)."""
+
+    def __init__(self) -> None:
+        self.calls: list[str] = []
+
+    def write(self, text: str) -> int:
+        self.calls.append(text)
+        return len(text)
+
+    def flush(self) -> None:
+        pass
+
+
+def test_a_full_disk_while_drawing_names_the_folder_in_one_whole_line(tmp_path, monkeypatch):
+    import errno
+    import sys
+
+    import matplotlib.figure
+
+    path = write_rows(tmp_path / "results.jsonl", [run("adasum", 4, s, 90.0) for s in range(3)])
+
+    def full(*args, **kwargs):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(matplotlib.figure.Figure, "savefig", full)
+    writes = _Writes()
+    monkeypatch.setattr(sys, "stderr", writes)
+    assert main(["report", str(path), "--out", str(tmp_path / "out"), "--quiet"]) == 1
+    assert writes.calls == [f"adasum: error: cannot write the figures in {tmp_path / 'out'}: No space left on "
+                            "device\n"], writes.calls  # one write: the message and its newline together

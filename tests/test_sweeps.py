@@ -249,3 +249,59 @@ def test_compare_with_a_repeated_seed_is_one_line_and_exit_2(tmp_path, capsys):
     err = capsys.readouterr().err.strip().splitlines()
     assert err == ["adasum: error: seeds 0,0 repeat 0: each is a run of every cell; give each once"]
     assert not (out / "runs").exists()
+
+
+def test_a_second_sweep_into_a_folder_in_use_is_refused_in_one_line(tmp_path, capsys):
+    """While a sweep runs (its first run, here), a second `adasum compare` into its folder is refused at once, in one
+    line, exit 2; the first one's rows all land (two sweeps at once lost a finished run)."""
+    second = []
+
+    def train_and_meanwhile(config, *args, **kwargs):
+        if not second:
+            second.append(main(["compare", "--methods", "adasum", "--workers", "2", "--lr", "0.05", "--seeds", "7",
+                                "--out", str(tmp_path), "--resume", *QUICK]))
+        return _fake(config)
+
+    quick = RunConfig(task="sklearn-digits", epochs=1)
+    compare(parse_methods("sequential,adasum"), [2], [0.05], quick, tmp_path, seeds=[0, 1],
+            train=train_and_meanwhile, plot=lambda results, out: [])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert second == [2] and len(err) == 1, (second, err)
+    assert err[0] == (f"adasum: error: {tmp_path}: another adasum compare is writing into this folder; wait for it "
+                      "to end, or use another --out"), err
+    assert sorted((r["method"], r["seed"]) for r in rows(tmp_path)) == [
+        ("adasum", 0), ("adasum", 1), ("sequential", 0), ("sequential", 1)]
+    # the folder is free again once the sweep ended (the lock is the process's, no file is left)
+    compare(parse_methods("adasum"), [2], [0.05], quick, tmp_path, seeds=[7], resume=True,
+            train=lambda config, *a, **k: _fake(config), plot=lambda results, out: [])
+    assert len(rows(tmp_path)) == 5 and sorted(p.name for p in tmp_path.iterdir()) == ["report.md", "results.jsonl"]
+
+
+def test_a_full_disk_while_appending_a_row_names_the_results_file(tmp_path, capsys, monkeypatch):
+    import builtins
+    import errno
+
+    real_open = builtins.open
+
+    class Full:
+        def __init__(self, f):
+            self.f = f
+
+        def __enter__(self):
+            return self
+
+        def __exit__(self, *exc):
+            self.f.close()
+
+        def write(self, data):
+            raise OSError(errno.ENOSPC, "No space left on device")
+
+    def opener(file, mode="r", *args, **kwargs):
+        f = real_open(file, mode, *args, **kwargs)
+        return Full(f) if str(file).endswith("results.jsonl") and mode == "a" else f
+
+    monkeypatch.setattr(builtins, "open", opener)
+    quick = RunConfig(task="sklearn-digits", epochs=1)
+    with pytest.raises(OSError, match=f"cannot write {tmp_path / 'results.jsonl'}: No space left on device"):
+        compare(parse_methods("adasum"), [2], [0.05], quick, tmp_path, seeds=[0],
+                train=lambda config, *a, **k: _fake(config), plot=lambda results, out: [])

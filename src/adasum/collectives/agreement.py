@@ -1,7 +1,7 @@
 """Cross-rank agreement: before data moves, every rank checks that all ranks passed the same
 layout (count, shapes, dtypes, device type) and that no rank has a local problem with its input
 (a non-floating or sparse tensor, tensors on a device the backend does not serve, a leaf that
-requires grad given to an in-place collective, views that overlap in memory), with one small
+requires grad or an inference tensor given to an in-place collective, views that overlap in memory), with one small
 all-reduce. Either raises the same error on every rank, naming the first difference (first) or
 the lowest rank with a problem and what it is; so no rank enters an exchange that its peers will not join.
 
@@ -77,7 +77,7 @@ class Problem:
 # the per-tensor reads of the checks, as C-level callables for `map` (plan and api read tensors the same way)
 _layout, _dtype, _device = operator.attrgetter("layout"), operator.attrgetter("dtype"), operator.attrgetter("device")
 _shape, _requires_grad = operator.attrgetter("shape"), operator.attrgetter("requires_grad")
-_data_ptr, _stride = torch.Tensor.data_ptr, torch.Tensor.stride
+_data_ptr, _stride, _is_inference = torch.Tensor.data_ptr, torch.Tensor.stride, torch.Tensor.is_inference
 
 
 def _span(t: torch.Tensor) -> tuple[int, int]:
@@ -91,9 +91,38 @@ def _span(t: torch.Tensor) -> tuple[int, int]:
 
 
 def _elements(t: torch.Tensor) -> torch.Tensor:
-    """The storage element offsets `t` covers (only called for tensors whose spans overlap)."""
-    base = torch.arange(int(t.storage_offset()) + int(sum((n - 1) * s for n, s in zip(t.shape, t.stride()))) + 1)
-    return torch.as_strided(base, t.shape, t.stride(), t.storage_offset()).reshape(-1)
+    """The storage element offsets `t` covers (only called for tensors whose spans overlap): built dimension by
+    dimension, linear in its number of elements (not in its span: a column of a wide matrix spans the matrix)."""
+    return _pattern(tuple(t.shape), tuple(t.stride())) + int(t.storage_offset())
+
+
+def _pattern(shape: tuple[int, ...], stride: tuple[int, ...]) -> torch.Tensor:
+    """The element offsets, from the first, of a view of `shape` and `stride`."""
+    offsets = torch.zeros(1, dtype=torch.int64)
+    for n, s in zip(shape, stride):
+        offsets = (offsets.unsqueeze(1) + torch.arange(n, dtype=torch.int64) * s).reshape(-1)
+    return offsets
+
+
+def _units(
+    tensors: Sequence[torch.Tensor], members: list[int], unit: int, lo: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Every unit (`_first_shared`) that `members` of `tensors` cover, from `lo`, and the index of the tensor that
+    covers each: views of one shape and stride (the columns of a matrix) at once, as their offsets plus one
+    pattern."""
+    alike: dict[tuple, list[int]] = {}
+    for i in members:
+        t = tensors[i]
+        alike.setdefault((tuple(t.shape), tuple(t.stride()), t.element_size()), []).append(i)
+    parts, owners = [], []
+    for (shape, stride, size), indices in alike.items():
+        starts = torch.tensor([int(tensors[i].storage_offset()) for i in indices], dtype=torch.int64)
+        units = (starts.unsqueeze(1) + _pattern(shape, stride)) * size // unit - lo
+        if unit != size:
+            units = units.unsqueeze(2) + torch.arange(size)
+        parts.append(units.reshape(len(indices), -1))
+        owners.append(torch.tensor(indices, dtype=torch.int64).unsqueeze(1).expand_as(parts[-1]))
+    return torch.cat([p.reshape(-1) for p in parts]), torch.cat([o.reshape(-1) for o in owners])
 
 
 def _clusters(spans: list[tuple[tuple[int, int], int]]) -> list[list[tuple[tuple[int, int], int]]]:
@@ -110,17 +139,26 @@ def _clusters(spans: list[tuple[tuple[int, int], int]]) -> list[list[tuple[tuple
 
 
 def _first_shared(tensors: Sequence[torch.Tensor], run: list[tuple[tuple[int, int], int]]) -> tuple[int, int] | None:
-    """The first pair of `run`'s tensors that share a byte: each byte of the run's range is marked with the
-    tensor that covers it, in one pass over their elements (linear in their bytes)."""
-    lo = min(start for (start, _), _ in run)
-    hi = max(end for (_, end), _ in run)
+    """The first pair of `run`'s tensors that share a byte: each unit of the run's range (an element where every
+    tensor of the run has one element size and its elements start at multiples of it, else a byte) is marked with
+    the tensor that covers it, in one pass over their elements (linear in their elements plus the range)."""
+    sizes = {tensors[i].element_size() for _, i in run}
+    unit = sizes.pop() if len(sizes) == 1 else 1
+    lo = min(start for (start, _), _ in run) // unit
+    hi = -(-max(end for (_, end), _ in run) // unit)
+    units, owners = _units(tensors, [i for _, i in run], unit, lo)
+    counts = torch.bincount(units, minlength=hi - lo)
+    shared = counts[units] > 1
+    if not bool(shared.any()):
+        return None  # no unit covered twice (the usual case, at once)
+    # which pair: tensor by tensor, over those that cover a unit some other one covers (the others change nothing)
     owner = torch.full((hi - lo,), -1, dtype=torch.int64)
     found: list[tuple[int, int]] = []
-    for _, i in sorted(run, key=lambda span: span[1]):
+    for i in torch.unique(owners[shared]).tolist():
         t = tensors[i]
         size = t.element_size()
-        starts = _elements(t) * size - lo
-        covered = (starts.unsqueeze(1) + torch.arange(size)).reshape(-1)
+        starts = _elements(t) * size // unit - lo  # the storage offset is in elements of t's own size
+        covered = starts if unit == size else (starts.unsqueeze(1) + torch.arange(size)).reshape(-1)
         taken = owner[covered]
         if bool((taken >= 0).any()):
             found.append((int(taken[taken >= 0].min()), i))
@@ -133,8 +171,9 @@ def overlapping(tensors: Sequence[torch.Tensor]) -> tuple[int, int] | None:
     """The first pair (i, j), i < j, of tensors that share a memory location, or None.
 
     Spans are compared first (by storage, sorted by start); only runs of tensors whose spans chain
-    into one another have their bytes marked, once each (`_first_shared`), so interleaved views
-    such as ``x[::2]`` and ``x[1::2]``, or the columns of a matrix, pass in time linear in their size.
+    into one another have their elements marked, once each (`_first_shared`), so interleaved views
+    such as ``x[::2]`` and ``x[1::2]``, or the columns of a matrix, pass in time linear in their elements and
+    span (the sort: n log n in the number of tensors).
 
     >>> x = torch.zeros(10)
     >>> overlapping([x[:6], x[4:]]), overlapping([x[::2], x[1::2]])
@@ -157,7 +196,10 @@ def overlapping(tensors: Sequence[torch.Tensor]) -> tuple[int, int] | None:
 
 def _self_overlapping(t: torch.Tensor) -> bool:
     """Whether two elements of `t` are one memory location (an ``expand``ed view: stride 0 over a dim of size > 1)."""
-    return t.layout == torch.strided and any(s == 0 and n > 1 for n, s in zip(t.shape, t.stride()))
+    if t.layout != torch.strided:
+        return False
+    stride = t.stride()
+    return 0 in stride and any(s == 0 and n > 1 for n, s in zip(t.shape, stride))
 
 
 def local_problem(
@@ -174,8 +216,10 @@ def local_problem(
     In order: a sparse (non-strided) tensor (TypeError); a non-floating dtype when `floating`
     (TypeError); tensors on several devices, or on a device type other than `backend_device`'s
     (ValueError; with `group`, any type the group's backends take, `adasum.transport.groups.accepts`);
-    when `in_place` and autograd is recording, a leaf that requires grad (ValueError:
-    an in-place write into it would fail after data moved); when `in_place`, two tensors sharing a
+    when `in_place` and autograd is recording, a tensor that requires grad: a leaf, a view of one, the output
+    of a recorded operation (ValueError: an in-place write into it would fail, or be recorded, after data
+    moved); when `in_place` outside ``torch.inference_mode()``, an inference tensor (ValueError: torch
+    refuses in-place writes into it there); when `in_place`, two tensors sharing a
     memory location, or one tensor whose elements share one (an ``expand``ed view), ValueError: the
     results would depend on the order of the writes. ``disjoint=True``: the caller found these very
     tensors (addresses, shapes, strides) free of both before; those memory checks are skipped.
@@ -207,13 +251,22 @@ def local_problem(
             )
     if in_place:
         if torch.is_grad_enabled() and any(map(_requires_grad, tensors)):
-            for i, t in enumerate(tensors):
-                if t.requires_grad and t.is_leaf:
-                    return Problem(
-                        "ValueError",
-                        f"tensor {i} is a leaf that requires grad, which an in-place collective cannot write; "
-                        "pass p.detach() (or call under torch.no_grad())",
-                    )
+            i, t = next((i, t) for i, t in enumerate(tensors) if t.requires_grad)
+            what = ("a leaf that requires grad" if t.is_leaf else
+                    "a view of a tensor that requires grad" if t._is_view() else
+                    "the output of an operation autograd records (it requires grad)")
+            return Problem(
+                "ValueError",
+                f"tensor {i} is {what}, which an in-place collective cannot write; "
+                f"pass {'p' if t.is_leaf else 't'}.detach() (or call under torch.no_grad())",
+            )
+        if not torch.is_inference_mode_enabled() and any(map(_is_inference, tensors)):
+            i = next(i for i, t in enumerate(tensors) if t.is_inference())
+            return Problem(
+                "ValueError",
+                f"tensor {i} is an inference tensor (made under torch.inference_mode()), which an in-place "
+                "collective cannot write outside inference mode; pass t.clone() (made outside it)",
+            )
         for i, t in enumerate(() if disjoint else tensors):
             if _self_overlapping(t):
                 return Problem(

@@ -4,10 +4,11 @@ of every checked call, off the calls' path (`adasum.collectives.plan` says when 
 The caller's side costs a list append per call (`Guard.post`); the thread runs *rounds* on a gloo group of its
 own (a ``ProcessGroupGloo`` over the group's store, shared with no other thread, so its collectives pair up
 across ranks in order). A round all-reduces (MAX) a fixed-size int64 vector: minus the number of calls this rank
-brings (at most `SLOTS`), then per call its fingerprint, its negation, a problem flag and a deferred flag. The
-first ``min`` over ranks of those calls are compared slot by slot: the i-th checked call of every rank against
-the i-th of its peers, whatever their history. Rounds follow each other at most every `ROUND_PAUSE_S` unless a
-caller waits for a verdict, so the thread takes the interpreter's lock rarely however fast the calls come.
+brings (at most `SLOTS`), then per call its fingerprint, its negation, a problem flag and a deferred flag, and
+last the number it brings. The first ``min`` over ranks of those calls are compared slot by slot: the i-th
+checked call of every rank against the i-th of its peers, whatever their history. Rounds follow each other at
+most every `ROUND_PAUSE_S` unless a caller waits for a verdict, so the thread takes the interpreter's lock rarely
+however fast the calls come.
 
 A call that must be compared before its data (a layout's first call, a local problem; `Guard.check`) posts its
 slot and waits for its verdict. A slot that differs (or has a problem on some rank) is named as the
@@ -27,8 +28,16 @@ still running towards the `LAG`-th call finds its own device blocked there, and 
 device that drains is left alone: an abort is itself a wait on the device (NCCL frees its memory), and the
 communicator of a divergence whose kernels all ended (layouts of equal sizes) needs none.
 
-`Guard.stop` (from `adasum.release` and ``destroy_process_group``) lets the thread compare what was posted, then
-joins it.
+*Fences*: ``torch.distributed.barrier``, `adasum.release`, ``destroy_process_group`` and the exit handler ask
+the guard to compare everything posted, then to run a round in which this rank brings no call (`Guard.fence`,
+`Guard.stop`). A rank only brings none to a round when fencing, so a round whose ``min`` is 0 is a fence: where
+every rank brings none, the ranks made the same number of checked calls and the fence passes; where some rank
+brings calls, the ranks made different numbers of them (one rank made an extra call before its barrier or
+release), which is a fatal divergence named on every rank (`count_difference`). A kept fatal divergence that no
+call has raised yet (found within the last `LAG` calls, or at the fence) is raised by the fence on every rank:
+by the barrier (before it), by `adasum.release` and ``destroy_process_group`` (after the group's resources are
+dropped, the process group destroyed), and written as one line on stderr by the exit handler. A caller still
+waiting for a verdict when the guard ends (`adasum.release` on another thread) is woken with an error.
 """
 
 from __future__ import annotations
@@ -44,11 +53,11 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from adasum.collectives.agreement import Problem, named_difference
+from adasum.collectives.agreement import Problem, _entry, named_difference
 from adasum.transport.groups import Communicator, failures_named, group_timeout, next_guard
 
 SLOTS = 128
-"""Calls compared per round at most (a round's vector has 1 + 4 x SLOTS int64)."""
+"""Calls compared per round at most (a round's vector has 2 + 4 x SLOTS int64)."""
 ROUND_PAUSE_S = 0.05
 """Pause between two rounds while no caller waits for a verdict: a round's calls are batched over it (shorter
 pauses name a divergence sooner but take the cores the data exchange runs on more often)."""
@@ -101,6 +110,9 @@ class Guard:
         self.aborted = False
         self.abort_error: BaseException | None = None
         self._fatal = False  # the kept error is a divergence of a call already under way
+        self._delivered = False  # the kept fatal error was raised to a caller (by a call or a fence)
+        self._fence_asked = False  # a caller waits for a fence round (`fence`, `stop`)
+        self._fenced = threading.Event()  # set after a fence round passed
         self._abort_lock = threading.Lock()
         self._wake = threading.Event()
         self._raised = threading.Event()
@@ -109,7 +121,7 @@ class Guard:
         self._stopping = False
         # the round's vector and the gathers' tensors outlive the guard's gloo group: its worker threads never drop
         # the last reference to a tensor (that needs the interpreter's lock; groups.py's module doc)
-        self._vector = torch.zeros(1 + 4 * SLOTS, dtype=torch.int64)
+        self._vector = torch.zeros(2 + 4 * SLOTS, dtype=torch.int64)
         self._kept: list[torch.Tensor] = []
         self._thread = threading.Thread(target=self._run, name="adasum-guard", daemon=True)
         self._thread.start()
@@ -161,7 +173,13 @@ class Guard:
         self.slots.append((plan, what, operation, problem, waiter))
         self._wake.set()
         while not waiter.done.wait(0.05) and self.error is None:
-            pass
+            if not self._thread.is_alive():  # stopped (`adasum.release` on another thread): no verdict comes
+                if waiter.done.is_set() or self.error is not None:
+                    break
+                raise RuntimeError(
+                    f"{operation}: the group's deferred layout check ended (adasum.release or destroy_process_group "
+                    "on another thread) while this call waited for its verdict; nothing moved"
+                )
         if self._fatal:  # a divergence of a call already under way: this call goes on as a posted one would
             if self.raise_at is not None and index >= self.raise_at:
                 self._raise()
@@ -177,17 +195,41 @@ class Guard:
         `ABORT_AFTER_S`), abort the NCCL communicator first (here, on the caller's thread, so that no collective
         of this rank is being enqueued meanwhile)."""
         self._raised.set()
+        self._delivered = True
         if self._fatal and self.abort is not None and not self.aborted and not self.drains(ABORT_AFTER_S):
             self._abort_once()
         raise _fresh(self.error)  # type: ignore[arg-type]
 
-    def stop(self) -> None:
-        """Let the thread compare what was posted, then end it (peers that posted the same calls answer at once;
-        a missing peer fails the round within the group's timeout)."""
+    def stop(self) -> BaseException | None:
+        """Let the thread compare what was posted and run a fence round (module doc), then end it. Returns a kept
+        fatal divergence that no call raised (to be raised by the caller, on every rank alike), else None. Peers
+        that posted the same calls answer when they stop or fence too; a missing peer fails the round within the
+        group's timeout."""
         self._stopping = True
+        self._fence_asked = True
         self._wake.set()
         self._raised.set()  # no abort once the group is being released
         self._thread.join(self.timeout.total_seconds() + 5)
+        return self._undelivered()
+
+    def fence(self) -> None:
+        """Compare every call posted so far with the peers', and their numbers (module doc), before a barrier:
+        raises a kept fatal divergence that no call raised yet (the same on every rank)."""
+        if self._thread.is_alive() and self.error is None:
+            self._fenced.clear()
+            self._fence_asked = True
+            self._wake.set()
+            while not self._fenced.wait(0.05) and self._thread.is_alive() and self.error is None:
+                pass
+        if self.error is not None and self._fatal and not self._delivered:
+            self._raise()  # as a call would: after a divergence whose kernels do not end, the abort first
+
+    def _undelivered(self) -> BaseException | None:
+        """A copy of the kept fatal divergence if no caller was handed it yet (then it counts as handed)."""
+        if self.error is None or not self._fatal or self._delivered:
+            return None
+        self._delivered = True
+        return _fresh(self.error)
 
     def alive(self) -> bool:
         """Whether the thread still runs."""
@@ -201,7 +243,7 @@ class Guard:
             with failures_named("adasum", "the deferred layout check's connection", self.group, self.timeout):
                 pg = dist.ProcessGroupGloo(self.store, self.rank, self.world, self.timeout)
             while self._next(carry):
-                operation = carry[0][2]
+                operation = carry[0][2] if carry else "adasum"
                 with failures_named(operation, "the deferred layout check", self.group, self.timeout):
                     if not self._settle(pg, carry):
                         return
@@ -213,27 +255,44 @@ class Guard:
             carry.append(self.slots.popleft())
 
     def _next(self, carry: list[_Slot]) -> bool:
-        """Wait for slots to compare (False: stopping and nothing left), pausing between rounds when no caller
-        waits, so that a round takes every slot posted meanwhile."""
+        """Wait for slots to compare, or for a fence asked for (with `carry` empty: a fence round), pausing between
+        rounds when no caller waits, so that a round takes every slot posted meanwhile."""
         self._take(carry)
         while not carry:
-            if self._stopping:
-                return False
+            if self._fence_asked:
+                return True
             self._idle = True
-            if not self.slots:
+            if not self.slots and not self._fence_asked:
                 self._wake.wait()
             self._idle = False
             self._wake.clear()
             self._take(carry)
-        if not self._stopping and all(slot[4] is None for slot in carry) and len(carry) < SLOTS:
+        if not self._fence_asked and all(slot[4] is None for slot in carry) and len(carry) < SLOTS:
             self._wake.wait(ROUND_PAUSE_S)  # a caller that waits sets it
             self._wake.clear()
             self._take(carry)
         return True
 
     def _settle(self, pg: Any, carry: list[_Slot]) -> bool:
-        """One round over `carry`'s first slots; False once a fatal error was kept (the thread ends)."""
-        compared, bad, fatal = _round(pg, carry, self._vector)
+        """One round over `carry`'s first slots; False once a fatal error was kept, or a fence passed while
+        stopping (the thread ends)."""
+        compared, bad, fatal, most = _round(pg, carry, self._vector)
+        if compared == 0:  # some rank fences (module doc)
+            if most == 0:  # every rank does: the same number of calls
+                self._fence_asked = self._stopping
+                self._fenced.set()
+                return not self._stopping
+            counts = self.checked + len(carry) + len(self.slots)
+            first = carry[0] if carry else None
+            mine = (counts, None if first is None else (first[2], first[1], list(first[0].description)))
+            error: BaseException = count_difference(_gather(pg, mine, self.world, self._kept), self.checked)
+            self.raise_at = self.checked  # every rank's next call raises it
+            self._fatal = True
+            self._fail(error, carry)
+            self._progress.set()
+            self._fenced.set()
+            self._abort_unless_raised()
+            return False
         for slot in carry[: compared if bad is None else bad]:
             if slot[4] is not None:
                 slot[4].done.set()
@@ -319,23 +378,39 @@ def device_drains(seconds: float, device: int | None) -> bool:
     return done.wait(seconds)
 
 
-def _round(pg: Any, carry: list[_Slot], vector: torch.Tensor) -> tuple[int, int | None, bool]:
+def _round(pg: Any, carry: list[_Slot], vector: torch.Tensor) -> tuple[int, int | None, bool, int]:
     """All-reduce (MAX) the first `SLOTS` slots of `carry` in `vector`: how many every rank brought, the first of
-    them that differs or has a problem on some rank (None: none), and whether some rank posted that one without
-    waiting."""
-    values = [-min(len(carry), SLOTS)]
+    them that differs or has a problem on some rank (None: none), whether some rank posted that one without
+    waiting, and the most calls a rank brought."""
+    brought = min(len(carry), SLOTS)
+    values = [-brought]
     for plan, _, _, problem, waiter in carry[:SLOTS]:
         values += (plan.fingerprint, -plan.fingerprint, problem is not None, waiter is None)
     vector.zero_()
     vector[: len(values)] = torch.tensor(values, dtype=torch.int64)
+    vector[-1] = brought
     pg.allreduce([vector], _MAX).wait()
     out = vector.tolist()
-    compared = -out[0]
+    compared, most = -out[0], out[-1]
     for i in range(compared):
         high, neg_low, problem, deferred = out[1 + 4 * i : 5 + 4 * i]
         if high != -neg_low or problem:
-            return compared, i, bool(deferred)
-    return compared, None, False
+            return compared, i, bool(deferred), most
+    return compared, None, False, most
+
+
+def count_difference(everyone: list, checked: int) -> ValueError:
+    """The error of ranks that made different numbers of checked calls on a group (found by a fence, module doc),
+    from every rank's ``(calls, first call beyond the compared ones or None)``, the same on every rank: the
+    counts, and the first call beyond the `checked` compared ones of the lowest rank that made one."""
+    counts = ", ".join(f"rank {rank} made {calls}" for rank, (calls, _) in enumerate(everyone))
+    rank, (operation, what, description) = next((r, first) for r, (_, first) in enumerate(everyone) if first)
+    entries = "; ".join(_entry(e) for e in description) or "none"
+    return ValueError(
+        f"{operation}: the number of checked calls on the group differs across ranks: {counts}; rank {rank}'s call "
+        f"{checked + 1} ({what}: {entries}) has no match on some rank (a call already under way on some rank: its "
+        "result is undefined; destroy the process group)"
+    )
 
 
 _MAX = dist.AllreduceOptions()

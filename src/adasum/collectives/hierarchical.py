@@ -155,17 +155,21 @@ def build_hierarchy(
         raise TypeError(f"{operation}: local_size must be an integer >= 1 or None, got {local_size!r}")
     env_size = local_size_from_env()
     size = env_size if local_size is None else int(local_size)
-    if size is None:
-        raise ValueError("hierarchical mode needs local_size or LOCAL_WORLD_SIZE (set by torchrun)")
-    from_env = size == env_size
+    from_env = size is not None and size == env_size
     settings = current()
-    mine = [size, _known(settings.local_rank) if from_env else -1, _known(settings.group_rank) if from_env else -1]
+    # an unknown size (-2) is gathered too, so that a rank without LOCAL_WORLD_SIZE fails with its peers
+    mine = [-2 if size is None else size, _known(settings.local_rank) if from_env else -1,
+            _known(settings.group_rank) if from_env else -1]
     world = dist.get_world_size(group)
     device = group_device(group)
     everyone = torch.empty(world * 3, dtype=torch.int64, device=device)
     with failures_named("adasum.hierarchical.build_hierarchy", "the placement all-gather", group):
         all_gather_single(everyone, torch.tensor(mine, dtype=torch.int64, device=device), group=group)
     info = everyone.view(world, 3).tolist()
+    unknown = [r for r, i in enumerate(info) if i[0] == -2]
+    if unknown:
+        raise ValueError(f"hierarchical mode needs local_size or LOCAL_WORLD_SIZE (set by torchrun): rank "
+                         f"{unknown[0]} has neither ({len(unknown)} of {world} ranks)")
     size = check_placement([i[0] for i in info], [i[1] for i in info], [i[2] for i in info])
     nodes = world // size
     if exact and size > 1 and (size & (size - 1) or nodes & (nodes - 1)):

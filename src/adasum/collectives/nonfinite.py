@@ -80,6 +80,8 @@ def _max_magnitudes(tensors: Sequence[torch.Tensor], device: torch.device) -> to
         members = [tensors[i].detach() for i in indices]
         if dtype.is_complex:
             members = [torch.view_as_real(t) for t in members]
+        elif dtype.itemsize == 1:  # 8-bit floats: torch's norms do not take them (a NaN stays NaN, an Inf Inf)
+            members = [t.float() for t in members]
         for i, n in zip(indices, torch._foreach_norm(members, float("inf"), dtype=torch.float64)):
             norms[i] = n if n.device == device else n.to(device)
     zero = torch.zeros((), dtype=torch.float64, device=device)

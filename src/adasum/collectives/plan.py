@@ -9,7 +9,8 @@ part, the same on every entry point:
 
 * local problems (`adasum.collectives.agreement.local_problem`; with `sizes`, a size that is not an integer, a
   negative size or sizes that do not add up to the buffer's elements); the memory-overlap search runs once per
-  set of addresses, not per call;
+  set of addresses, not per call (a plan remembers its last `DISJOINT` sets, a group its last `MAX_PLANS` plans:
+  gradients re-made at new addresses every call, or a new layout every call, keep memory flat);
 * the cross-rank check, by `check`: ``"call"`` compares the plan's fingerprint across ranks on
   every call, ``"once"`` on the plan's first call only, ``"none"`` never (the caller agreed
   the layout otherwise).
@@ -65,6 +66,13 @@ from adasum.transport.groups import Communicator, communicator, failures_named, 
 
 Check = Literal["call", "once", "none"]
 
+MAX_PLANS = 512
+"""Plans a group keeps (the least recently used goes first: its layout's next call builds it again and compares it
+as a first call)."""
+DISJOINT = 8
+"""Sets of addresses a plan remembers as free of shared memory (the oldest goes first): gradients re-made at new
+addresses every call are searched every call, as they were before any was remembered, and kept within this."""
+
 
 @dataclass
 class Plan:
@@ -74,7 +82,7 @@ class Plan:
     description: list
     fingerprint: int
     agreed: bool = False  # every rank has passed this layout and configuration (checked across ranks)
-    disjoint: set = field(default_factory=set)  # addresses and strides found free of shared memory
+    disjoint: dict = field(default_factory=dict)  # addresses and strides found free of shared memory (`DISJOINT`)
     transport: Any = None  # the transport chosen for it, where the entry point picks one
     uses: int = 0
     key: Hashable = None  # what names it in its communicator (and its CUDA graphs, `Communicator.run`)
@@ -99,11 +107,16 @@ def _addresses(tensors: Sequence[torch.Tensor]) -> tuple | None:
 def plan_for(comm: Communicator, tensors: Sequence[torch.Tensor], sizes: Sequence[int] | None, config: tuple) -> Plan:
     """The plan of this layout and configuration on `comm`'s group, built on its first call."""
     key: Hashable = (config, sizes is not None, _layout_key(tensors, sizes))
-    plan = comm.plans.get(key)
+    plans = comm.plans
+    plan = plans.get(key)
     if plan is None:
         description = describe_flat(tensors[0], sizes) if sizes is not None else describe(tensors)
-        plan = comm.plans[key] = Plan(config, description, signature([config, *description]), key=key)
+        plan = plans[key] = Plan(config, description, signature([config, *description]), key=key)
         comm.plans_built += 1
+        while len(plans) > MAX_PLANS:
+            del plans[next(iter(plans))]
+    elif plan.uses % 64 == 0:  # now and then: a plan in use stays (a C-level move, not on every call)
+        plans[key] = plans.pop(key)
     plan.uses += 1
     return plan
 
@@ -133,8 +146,10 @@ def _problem(plan: Plan, tensors: Sequence[torch.Tensor], sizes: Sequence[int] |
     where = _addresses(tensors) if in_place else None
     problem = local_problem(tensors, device, in_place=in_place, floating=floating, group=group,
                             disjoint=where in plan.disjoint)
-    if problem is None and where is not None:
-        plan.disjoint.add(where)
+    if problem is None and where is not None and where not in plan.disjoint:
+        plan.disjoint[where] = None
+        if len(plan.disjoint) > DISJOINT:
+            del plan.disjoint[next(iter(plan.disjoint))]
     if problem is None and not_integer is not None:
         return not_integer
     if problem is None and sizes is not None:

@@ -11,7 +11,9 @@
   shape, every plain value); loading recomputes it, so a flipped byte that still unpickles
   (a weight, a momentum, an epoch number) is refused in one line instead of resuming silently.
 * Read with ``weights_only=True``; a damaged, truncated or foreign file gives a one-line
-  ValueError naming the file, never an unpickling traceback.
+  ValueError naming the file, never an unpickling traceback; so does one whose checksum holds but
+  whose contents this run cannot take (another model's shapes, a missing key, a short RNG state:
+  `applied`; an epoch that is not a count of finished epochs).
 * A write that fails (a full disk) raises `adasum.experiments.io.WriteFailed` in one line, on every
   rank under torchrun; the previous checkpoint is intact.
 * `kill_at(rank, step, marker)`: a test's fault injection, an ``on_step`` callback for `train`:
@@ -145,7 +147,25 @@ def read_checkpoint(path: Path, device: torch.device | str = "cpu") -> dict[str,
     if saved is None or saved != content_checksum(state):
         reason = "has no checksum" if saved is None else "does not match its checksum"
         raise ValueError(f"{path} {reason} (damaged or altered); delete it or use another --out")
+    for key in ("epoch", "step_in_epoch"):
+        value = state.get(key, 0)
+        if not isinstance(value, int) or isinstance(value, bool) or value < 0:
+            raise ValueError(f"{path} holds {key} {value!r}, not a count (an integer >= 0); it is not a checkpoint "
+                             "of a run: delete it or use another --out")
     return state
+
+
+def applied(path: Path, apply: Callable[[], object]) -> None:
+    """Run `apply` (a checkpoint's parts loaded into this run: a model's and an optimizer's state, the RNG's); a
+    part that does not fit (another model's shapes, a missing key, a short RNG state: a checkpoint of another run,
+    or altered and checksummed again) is a one-line ValueError naming `path`, not torch's traceback."""
+    try:
+        apply()
+    except (KeyError, IndexError, TypeError, ValueError, RuntimeError) as error:
+        lines = [line.strip() for line in str(error).splitlines() if line.strip()]
+        reason = "; ".join(lines[:2])[:200] or type(error).__name__
+        raise ValueError(f"{path} holds a state this run cannot take ({type(error).__name__}: {reason}); delete it "
+                         "or use another --out") from None
 
 
 def load_checkpoint(

@@ -29,7 +29,7 @@ from typing import Any
 
 from adasum.collectives.nonfinite import NonFiniteError
 from adasum.experiments.data import TASKS
-from adasum.experiments.io import WriteFailed
+from adasum.experiments.io import WriteFailed, writing
 from adasum.experiments.methods import METHODS, Method, did_you_mean
 from adasum.experiments.models import MODELS
 from adasum.transport.groups import CollectiveError
@@ -521,7 +521,8 @@ def cmd_report(args: argparse.Namespace) -> int:
     results = load_results(args.results)  # one-line errors for malformed rows or mixed settings
     tasks = sorted({str(r.get("task")) for r in results})
     out = _writable_dir(args.out)
-    plot(results, out)
+    with writing(out, f"the figures in {out}"):
+        plot(results, out)
     write_report(results, out, title=args.title or f"Comparison on {', '.join(tasks)}")
     print(summary_table(results))
     print(f"\nwrote {out / 'report.md'} and plots in {out}")
@@ -567,14 +568,21 @@ def main(argv: Sequence[str] | None = None, *, on_step: Callable[[int, int], Non
         commands = {"train": cmd_train, "compare": cmd_compare, "report": cmd_report}
         return commands[args.command](args)
     except (NonFiniteError, CollectiveError, WriteFailed) as error:  # a failed run: torchrun may restart it
-        print(f"adasum: error: {error}", file=sys.stderr)
+        _line(f"adasum: error: {error}")
         return 1
     except (UsageError, ValueError, OSError) as error:
-        print(f"adasum: error: {error}", file=sys.stderr)
+        _line(f"adasum: error: {error}")
         return 2
     except ImportError as error:
-        print(f"adasum: error: missing package {error.name!r}: pip install 'adasum[experiments]'", file=sys.stderr)
+        _line(f"adasum: error: missing package {error.name!r}: pip install 'adasum[experiments]'")
         return 2
     except KeyboardInterrupt:
-        print("adasum: interrupted", file=sys.stderr)
+        _line("adasum: interrupted")
         return 130
+
+
+def _line(text: str) -> None:
+    """`text` and its newline on stderr in one write, flushed: under torchrun the ranks' lines share one stream, and a
+    message written apart from its newline was glued to another rank's."""
+    sys.stderr.write(text + "\n")
+    sys.stderr.flush()

@@ -10,7 +10,7 @@ from pathlib import Path
 from typing import Any
 
 from adasum.experiments.data import load_task
-from adasum.experiments.io import read_results, write_text_atomic
+from adasum.experiments.io import folder_lock, read_results, write_text_atomic, writing
 from adasum.experiments.methods import Method, method_reducer
 from adasum.experiments.progress import ProgressBar
 from adasum.experiments.report import plot, write_report
@@ -116,13 +116,15 @@ def compare(
     ``[base.seed]``. A seed or learning rate given twice is refused before any run (`check_distinct`);
     a worker count given twice is run once.
 
-    Nothing finished is lost: into a folder whose ``results.jsonl`` holds runs, a sweep starts only
-    with `resume` or `overwrite` (ValueError otherwise). With `resume`, a finished run is taken from
-    ``results.jsonl`` only when its whole configuration matches (task, model, data, batch size,
-    seed, optimizer, method options, learning rate, ...): a run of this sweep made with another
-    configuration is refused with the differences named. A run that ended with fewer epochs, or
-    was interrupted, continues from its checkpoint. Rows of other cells (other seeds, methods,
-    worker counts or learning rates) stay in ``results.jsonl``; the report covers those of them
+    Nothing finished is lost: into a folder whose ``results.jsonl`` holds runs, a sweep starts only with
+    `resume` or `overwrite` (ValueError otherwise); while a sweep runs it holds the folder
+    (`adasum.experiments.io.folder_lock`), and a second sweep into it is refused at once in one line
+    (two sweeps rewrote one ``results.jsonl`` and one's finished runs were lost). With `resume`, a
+    finished run is taken from ``results.jsonl`` only when its whole configuration matches (task, model,
+    data, batch size, seed, optimizer, method options, learning rate, ...): a run of this sweep made
+    with another configuration is refused with the differences named. A run that ended with fewer
+    epochs, or was interrupted, continues from its checkpoint. Rows of other cells (other seeds,
+    methods, worker counts or learning rates) stay in ``results.jsonl``; the report covers those of them
     with this sweep's configuration. The rows returned are those the report covers.
 
     `train` runs one cell (`adasum.experiments.runner.train`'s signature; tests count or fake runs) and
@@ -155,6 +157,15 @@ def compare(
     cells = sweep_cells(methods, workers, lrs, seeds, base)
     for config in cells:
         config.validate()
+    with folder_lock(out, "adasum compare"):
+        return _sweep(cells, base, out, resume, overwrite, progress, train, plot)
+
+
+def _sweep(
+    cells: list[RunConfig], base: RunConfig, out: Path, resume: bool, overwrite: bool, progress: bool | ProgressBar,
+    train: Callable[..., dict[str, Any]], plot: Callable[[list[dict[str, Any]], Path], Any],
+) -> list[dict[str, Any]]:
+    """`compare`'s runs, results file and report, with the folder held."""
     results_path = out / "results.jsonl"
     previous = _previous_rows(results_path, resume, overwrite)
     done = _finished(previous, cells, results_path)
@@ -178,7 +189,7 @@ def compare(
                 result = train(
                     config, out / "runs" / name, resume=resume, overwrite=overwrite, dataset=dataset, progress=bar
                 )
-                with open(results_path, "a") as f:  # a later row of a run wins over an earlier one
+                with writing(results_path), open(results_path, "a") as f:  # a later row of a run wins
                     f.write(json.dumps(result) + "\n")
             results.append(result)
     # this sweep's rows in cell order (a run's earlier rows replaced), then every row of other cells
@@ -187,6 +198,7 @@ def compare(
     if others:
         log.info("%s: kept the %d rows of other runs (%d in this report)", results_path, len(others), len(kept))
     reported = results + kept
-    plot(reported, out)
+    with writing(out, f"the figures in {out}"):
+        plot(reported, out)
     write_report(reported, out, title=f"Comparison on {dataset.name}")
     return reported

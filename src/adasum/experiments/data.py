@@ -46,6 +46,8 @@ import pickle
 import re
 import struct
 import sysconfig
+import zipfile
+import zlib
 from collections import Counter
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -250,7 +252,7 @@ def _mnist1d(cache_dir: str | os.PathLike | None, samples: int = 70000) -> Datas
         d = make_dataset(args, get_templates())
         cache.mkdir(parents=True, exist_ok=True)
         write_atomic(path, lambda f: np.savez(f, x=d["x"], y=d["y"], x_test=d["x_test"], y_test=d["y_test"]))
-    d = np.load(path)
+    d = _mnist1d_cache(path)
     return Dataset(
         "mnist1d",
         torch.as_tensor(d["x"], dtype=torch.float32).unsqueeze(1),
@@ -260,6 +262,23 @@ def _mnist1d(cache_dir: str | os.PathLike | None, samples: int = 70000) -> Datas
         10,
         DEFAULT_MODELS["mnist1d"],
     )
+
+
+def _mnist1d_cache(path: Path) -> dict[str, np.ndarray]:
+    """The arrays of an MNIST-1D cache, checked: signals [N, L] and labels [N] in 0..9 for training and test; a
+    damaged or foreign cache is a one-line ValueError naming it."""
+    try:
+        with np.load(path) as npz:
+            d = {key: npz[key] for key in ("x", "y", "x_test", "y_test")}
+    except (OSError, ValueError, KeyError, EOFError, zipfile.BadZipFile) as error:
+        raise ValueError(f"{path}: not a complete MNIST-1D cache ({type(error).__name__}); delete it (it is made "
+                         "again)") from None
+    for x, y in (("x", "y"), ("x_test", "y_test")):
+        ok = d[x].ndim == 2 and d[y].ndim == 1 and len(d[x]) == len(d[y]) > 0 and d[y].dtype.kind in "iu"
+        if not ok or d[y].min() < 0 or d[y].max() > 9:
+            raise ValueError(f"{path}: not an MNIST-1D cache ({x} {list(d[x].shape)}, {y} {list(d[y].shape)}, "
+                             "labels 0-9 wanted); delete it (it is made again)")
+    return d
 
 
 # ---- standard on-disk formats ------------------------------------------------------------
@@ -275,14 +294,19 @@ def read_idx(path: str | os.PathLike) -> np.ndarray:
     array([7, 2, 1], dtype=uint8)
     """
     opener = gzip.open if str(path).endswith(".gz") else open
-    with opener(path, "rb") as f:
-        data = f.read()
+    try:
+        with opener(path, "rb") as f:
+            data = f.read()
+    except (EOFError, zlib.error, gzip.BadGzipFile) as error:
+        raise ValueError(f"{path}: not a complete gzip file ({error or type(error).__name__})") from None
     if len(data) < 4 or data[0] != 0 or data[1] != 0:
         raise ValueError(f"{path}: not an idx file")
     dtypes = {0x08: ">u1", 0x09: ">i1", 0x0B: ">i2", 0x0C: ">i4", 0x0D: ">f4", 0x0E: ">f8"}
     if data[2] not in dtypes:
         raise ValueError(f"{path}: unknown idx type code {data[2]:#x}")
     ndim = data[3]
+    if len(data) < 4 + 4 * ndim:
+        raise ValueError(f"{path}: header of {ndim} dimensions cut short ({len(data)} bytes)")
     shape = struct.unpack(f">{ndim}I", data[4 : 4 + 4 * ndim])
     array = np.frombuffer(data, dtype=dtypes[data[2]], offset=4 + 4 * ndim)
     if array.size != int(np.prod(shape)):
@@ -332,7 +356,10 @@ def read_mnist_dir(directory: str | os.PathLike, name: str = "mnist") -> Dataset
         ("test_y", "t10k-labels"),
     ]:
         kind = "idx3" if "images" in stem else "idx1"
-        files[key] = read_idx(_find(directory, [f"{stem}-{kind}-ubyte", f"{stem}.{kind}-ubyte"], subdirs))
+        path = _find(directory, [f"{stem}-{kind}-ubyte", f"{stem}.{kind}-ubyte"], subdirs)
+        files[key] = read_idx(path)
+        _check_mnist_file(path, files[key], "images" in stem, len(files[key.replace("_y", "_x")]) if "_y" in key
+                          else None)
     mean, std = (0.2860, 0.3530) if name == "fashion-mnist" else (0.1307, 0.3081)
     return Dataset(
         name,
@@ -343,6 +370,22 @@ def read_mnist_dir(directory: str | os.PathLike, name: str = "mnist") -> Dataset
         10,
         DEFAULT_MODELS[name],
     )
+
+
+def _check_mnist_file(path: Path, array: np.ndarray, images: bool, count: int | None) -> None:
+    """ValueError in one line naming `path` unless `array` is what its MNIST file holds: images [N, 28, 28] of
+    bytes, or labels [N] in 0..9, as many as the `count` images read before them."""
+    if images:
+        if array.ndim != 3 or array.shape[1:] != (28, 28) or array.dtype != np.uint8:
+            raise ValueError(f"{path}: holds {array.dtype} {list(array.shape)}, not 28 x 28 images of bytes "
+                             "[N, 28, 28]")
+        return
+    if array.ndim != 1 or array.dtype.kind not in "iu":
+        raise ValueError(f"{path}: holds {array.dtype} {list(array.shape)}, not a list of labels [N]")
+    if array.size and (int(array.min()) < 0 or int(array.max()) > 9):
+        raise ValueError(f"{path}: labels run from {int(array.min())} to {int(array.max())}, not within 0-9")
+    if count is not None and len(array) != count:
+        raise ValueError(f"{path}: holds {len(array)} labels for {count} images")
 
 
 class SafeUnpickler(pickle.Unpickler):

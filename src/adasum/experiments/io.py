@@ -22,13 +22,15 @@ the line and what is wrong, for any damage: never a KeyError, TypeError or EOFEr
 
 from __future__ import annotations
 
+import fcntl
 import gzip
 import json
 import logging
 import math
 import os
 import zlib
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping
+from contextlib import contextmanager
 from pathlib import Path
 from types import MappingProxyType
 from typing import IO, Any, cast
@@ -42,6 +44,25 @@ class WriteFailed(OSError):  # noqa: N818 (the CLI's one-line errors print this 
 
 class ResultsFileError(ValueError):
     """A JSON-lines file (results.jsonl, metrics.jsonl) is damaged or not of the expected shape."""
+
+
+@contextmanager
+def folder_lock(path: str | os.PathLike, holder: str) -> Iterator[None]:
+    """Hold `path` (a folder, made if missing) for the block, as `holder` (a command, for the message); ValueError
+    in one line at once if another process holds it. The lock is the kernel's (``flock`` on the folder itself):
+    it leaves no file behind and ends with its process, killed or not."""
+    path = Path(path)
+    path.mkdir(parents=True, exist_ok=True)
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            raise ValueError(f"{path}: another {holder} is writing into this folder; wait for it to end, or use "
+                             "another --out") from None
+        yield
+    finally:
+        os.close(fd)  # releases the lock
 
 
 def _temporary(path: Path, pid: int) -> Path:
@@ -134,6 +155,19 @@ def _write_failed(path: Path, error: OSError) -> WriteFailed:
     return failed
 
 
+@contextmanager
+def writing(path: str | os.PathLike, what: str | None = None) -> Iterator[None]:
+    """Turn an OSError of the block's writes into a one-line `WriteFailed` naming `path` (or `what`: the figures
+    of a folder, say): a full disk raises OSError without a file name where a file is written, not opened."""
+    try:
+        yield
+    except WriteFailed:
+        raise
+    except OSError as error:
+        name = what if what is not None else str(path)
+        raise WriteFailed(f"cannot write {name}: {error.strerror or error}") from None
+
+
 def write_text_atomic(path: str | os.PathLike, text: str) -> None:
     """Write `text` to `path` atomically (`write_atomic`)."""
     write_atomic(path, lambda f: f.write(text.encode()))
@@ -177,6 +211,8 @@ def _numbered_rows(path: Path) -> list[tuple[int, dict[str, Any]]]:
             continue
         try:
             row = json.loads(line)
+        except RecursionError:  # nested past the interpreter's limit: no result of ours nests more than a few levels
+            raise ResultsFileError(f"{path}: line {number} nests too deeply to be a result; {_FIX}") from None
         except json.JSONDecodeError as error:
             if all(not rest.strip() for rest in lines[number:]):
                 log.warning("%s: dropped its torn last line %d (an interrupted append: %s)", path, number, error.msg)

@@ -54,6 +54,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -80,6 +81,11 @@ _FIELDS: Mapping[str, tuple[type, ...]] = MappingProxyType({
 })
 """The fields every row of `adasum compare` has, and their JSON types (a NaN loss is a float)."""
 _EPOCH_FIELDS = ("epoch", "test_accuracy", "test_loss")
+_METHOD_NAME = re.compile(r"[A-Za-z0-9_.+-]{1,64}")
+"""What a method name may hold (every name `adasum compare` writes): nothing a markdown table would take apart."""
+MOST = MappingProxyType({"workers": 64, "method": 64, "lr": 64})
+"""The most distinct worker counts, methods and learning rates a report takes (each is a panel, a row or a line of
+its figures): a hostile file with thousands of them is refused in one line rather than drawn for minutes."""
 _AXES = MappingProxyType({"method": None, "workers": None, "lr": None, "seed": None})  # what varies within one sweep
 
 
@@ -93,10 +99,18 @@ def check_row(row: Any, where: str) -> None:
     for key, types in _FIELDS.items():
         value = row[key]
         if not isinstance(value, types) or (isinstance(value, bool) and bool not in types):
-            raise ValueError(f"{where}: {key} is {value!r}, not {' or '.join(t.__name__ for t in types)}")
+            raise ValueError(f"{where}: {key} is {_short(value)}, not {' or '.join(t.__name__ for t in types)}")
+    if not _METHOD_NAME.fullmatch(row["method"]):
+        raise ValueError(f"{where}: method is {_short(row['method'])}, not a method name (letters, digits, _ . + -)")
     for epoch in row["history"]:
         if not isinstance(epoch, dict) or any(k not in epoch for k in _EPOCH_FIELDS):
             raise ValueError(f"{where}: an epoch of its history lacks one of {', '.join(_EPOCH_FIELDS)}")
+
+
+def _short(value: Any) -> str:
+    """`value`'s repr, cut to 60 characters (one line whatever a hostile file holds)."""
+    text = repr(value)
+    return text if len(text) <= 60 else text[:57] + "..."
 
 
 def setting_differences(a: Result, b: Result) -> list[str]:
@@ -123,21 +137,32 @@ def check_one_setting(results: Sequence[Result], sources: Sequence[str] | None =
 
 def load_results(paths: Sequence[str | Path]) -> list[Result]:
     """The runs of the ``results.jsonl[.gz]`` files (or sweep folders) in `paths`, a run found twice
-    counted once. A malformed row, or runs of different settings, end in a one-line ValueError."""
-    results: dict[str, Result] = {}
-    sources: dict[str, str] = {}
+    counted once. A malformed row, runs of different settings (checked over every row, before a run found twice is
+    counted once: two sweeps that differ in their epochs are refused, not merged), or more distinct worker counts,
+    methods or learning rates than a report takes (`MOST`) end in a one-line ValueError."""
+    rows: list[Result] = []
+    where: list[str] = []
     for name in paths:
         path = Path(name) / "results.jsonl" if Path(name).is_dir() else Path(name)
         if not path.is_file():
             raise ValueError(f"no results file {str(path)!r}")
         for number, row in enumerate(read_jsonl(path), 1):
             check_row(row, f"{path}: row {number}")
-            key = json.dumps([row["method"], row["workers"], row["lr"], row["seed"], row["config"]], sort_keys=True)
-            results.setdefault(key, row)
-            sources.setdefault(key, f"{path}: row {number}")
-    if not results:
+            rows.append(row)
+            where.append(f"{path}: row {number}")
+    if not rows:
         raise ValueError("the results files hold no runs")
-    check_one_setting(list(results.values()), list(sources.values()))
+    check_one_setting(rows, where)
+    for field, most in MOST.items():
+        distinct = {row[field] for row in rows}
+        if len(distinct) > most:
+            raise ValueError(f"the results hold {len(distinct)} distinct values of {field}; a report takes at most "
+                             f"{most} (one panel, row or line each): report fewer at a time")
+    results: dict[str, Result] = {}
+    for row in rows:
+        key = json.dumps([row["method"], row["workers"], row["lr"], row["seed"], row["epochs"], row["config"]],
+                         sort_keys=True)
+        results.setdefault(key, row)
     return list(results.values())
 
 

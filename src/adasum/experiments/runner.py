@@ -26,7 +26,7 @@ from torch import nn
 
 from adasum.collectives.nonfinite import POLICIES, apply_nonfinite_policy
 from adasum.diagnostics import Orthogonality, all_reduce_orthogonality
-from adasum.experiments.checkpoint import load_checkpoint, save_checkpoint
+from adasum.experiments.checkpoint import applied, load_checkpoint, save_checkpoint
 from adasum.experiments.data import DEFAULT_MODELS, Dataset, load_task
 from adasum.experiments.io import read_jsonl, write_json_atomic, write_text_atomic
 from adasum.experiments.methods import get_method, method_reducer
@@ -498,16 +498,18 @@ class _Run:
                 f"{self.checkpoint} is at epoch {int(state['epoch'])}, past --epochs {self.config.epochs}; "
                 "drop --resume or use another --out"
             )
-        self.engine.load_state_dict(local["engine"])
-        progress = _Progress(
+        applied(self.checkpoint, lambda: self.engine.load_state_dict(local["engine"]))
+        made: list[_Progress] = []
+        applied(self.checkpoint, lambda: made.append(_Progress(
             history=state["history"],
             trace=state["trace"],
             curve=state.get("curve", []),
             epoch=int(state["epoch"]),
             step=int(state.get("step_in_epoch", 0)),
             partial=state.get("partial"),
-        )
-        torch.set_rng_state(local["rng"])
+        )))
+        progress = made[0]
+        applied(self.checkpoint, lambda: torch.set_rng_state(local["rng"]))
         if self.device.type == "cuda" and local.get("cuda_rng") is not None:
             torch.cuda.set_rng_state(local["cuda_rng"], self.device)
         log.info("resumed %s from epoch %d, step %d", self.out, progress.epoch, progress.step)

@@ -50,6 +50,7 @@ from __future__ import annotations
 
 import hashlib
 from collections.abc import Sequence
+from contextlib import ExitStack
 from typing import Any
 
 import torch
@@ -60,7 +61,7 @@ from adasum.core import statistics
 from adasum.core.operator import ZERO_NORM
 from adasum.kernels import dot_and_norms
 from adasum.options import Scale, check_number, check_option
-from adasum.reducers.base import Reducer, ShardGroups, check_state_keys, check_workers
+from adasum.reducers.base import Reducer, ShardGroups, check_state_keys, check_workers, is_float8, widened
 from adasum.transport.groups import failures_named
 
 # --- the coefficient math: pure functions on [S, N] float64 tensors (segments x workers), shared by
@@ -265,6 +266,10 @@ class AdaCons(Reducer):
             return []
         workers = len(per_worker)
         first = per_worker[0]
+        if any(is_float8(t.dtype) for t in first):  # combined in float32, rounded once (as the distributed form)
+            key = self._key([(t.dtype, t.numel()) for t in first], key)
+            wide = self.reduce([[t.float() if is_float8(t.dtype) else t for t in w] for w in per_worker], key=key)
+            return [r.to(t.dtype) for r, t in zip(wide, first)]
         # every worker's copy of a tensor as one segment of a [workers, n] stack: one kernel for the sums and one
         # for the scaling per tensor, one host read per call (a loop over workers read each worker's sums
         # separately: hundreds of device synchronisations per simulated step on a GPU). Per segment the sums
@@ -318,8 +323,14 @@ class AdaCons(Reducer):
         group: dist.ProcessGroup | None,
         key: str,
     ) -> None:
-        """The distributed form over flat buffers; `indices[b]` places buffer b's tensors in call order."""
+        """The distributed form over flat buffers; `indices[b]` places buffer b's tensors in call order (8-bit
+        floats combined in float32 and rounded once, `adasum.reducers.base.widened`)."""
         if count == 0:
+            return
+        if any(is_float8(f.dtype) for f in flats):
+            with ExitStack() as stack:
+                wide = [stack.enter_context(widened(f)) for f in flats]
+                self._all_reduce_buffers(wide, sizes, indices, count, group, key)
             return
         world = dist.get_world_size(group)
         rank = dist.get_rank(group)

@@ -6,6 +6,7 @@ import numbers
 from typing import Any
 
 import torch
+import torch.distributed as dist
 
 from adasum.collectives import hierarchical
 from adasum.collectives.api import adasum_list_, list_transport
@@ -96,10 +97,14 @@ class Adasum(Reducer):
             self._hierarchy(group)
 
     def _hierarchy(self, group):
-        if group not in self._hierarchies:
+        # kept with the process group it was built on: the default group re-made (destroy_process_group, then
+        # init_process_group, its ranks perhaps renumbered) builds a new one (the old one's sub-groups are gone)
+        pg = group if group is not None else dist.distributed_c10d._get_default_group()
+        found = self._hierarchies.get(group)
+        if found is None or found[0] is not pg:
             exact = self.hierarchical == "exact"
-            self._hierarchies[group] = hierarchical.build_hierarchy(group, self.local_size, exact=exact)
-        return self._hierarchies[group]
+            found = self._hierarchies[group] = (pg, hierarchical.build_hierarchy(group, self.local_size, exact=exact))
+        return found[1]
 
     def _all_reduce(self, tensors, group=None):
         """Per tensor and flat, one buffer per dtype on the fastest transport: a transport that reads lists in place

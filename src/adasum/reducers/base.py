@@ -11,7 +11,7 @@ list do they agree on? Each reducer has two forms that compute the same thing:
 
 Both distributed forms first check, with one small all-reduce, that every rank passed the same
 layout (count, shapes or sizes, dtypes, device type) and that no rank's input has a local problem
-(sparse, non-floating, wrong device, a leaf that requires grad, overlapping views): the same
+(sparse, non-floating, wrong device, a tensor that requires grad, overlapping views): the same
 ValueError or TypeError on every rank, before any data moves (`adasum.collectives.agreement`).
 ``check_layout=False`` skips it, for callers that verified a fixed layout once (the optimizer
 wrappers at construction, the DDP hook, whose buckets DDP keeps identical). A failure of the
@@ -45,7 +45,8 @@ object or its name: ``"sum"``, ``"mean"``, ``"adasum"``, ``"adacons"``.
 from __future__ import annotations
 
 import operator
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Iterable, Iterator, Mapping, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
 
@@ -273,6 +274,24 @@ def check_workers(per_worker: Sequence[Sequence[torch.Tensor]], operation: str =
                     f"worker {w} has {t.dtype} {list(t.shape)}{where(t)}"
                 )
     return count
+
+
+def is_float8(dtype: torch.dtype) -> bool:
+    """Whether `dtype` is one of torch's 8-bit floats (``float8_e4m3fn``, ``float8_e5m2``, ...), which neither gloo
+    nor NCCL sums and torch's reductions do not take."""
+    return dtype.is_floating_point and dtype.itemsize == 1
+
+
+@contextmanager
+def widened(buffer: torch.Tensor) -> Iterator[torch.Tensor]:
+    """`buffer` to combine in place inside the block: itself, or for an 8-bit float a float32 copy, written back
+    (rounded once) when the block ends without an error."""
+    if not is_float8(buffer.dtype):
+        yield buffer
+        return
+    work = buffer.float()
+    yield work
+    buffer.copy_(work)
 
 
 def check_state_keys(reducer: Reducer, state: Any, keys: Iterable[str]) -> None:

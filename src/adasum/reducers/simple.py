@@ -5,8 +5,17 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from adasum.reducers.base import Reducer, check_workers
+from adasum.reducers.base import Reducer, check_workers, is_float8, widened
 from adasum.transport.groups import failures_named, uses_nccl
+
+
+def _summed(copies: list[torch.Tensor], divisor: int = 1) -> torch.Tensor:
+    """The sum of `copies` (divided by `divisor` if not 1); 8-bit floats summed in float32 and rounded once."""
+    dtype = copies[0].dtype
+    if is_float8(dtype):
+        return (_summed([c.float() for c in copies], divisor)).to(dtype)
+    total = torch.stack(copies).sum(0)
+    return total if divisor == 1 else total / divisor
 
 
 class Sum(Reducer):
@@ -20,11 +29,11 @@ class Sum(Reducer):
     def reduce(self, per_worker):
         """The sum of the workers' copies, tensor by tensor."""
         count = check_workers(per_worker, f"adasum.{type(self).__name__}.reduce")
-        return [torch.stack([w[i] for w in per_worker]).sum(0) for i in range(count)]
+        return [_summed([w[i] for w in per_worker]) for i in range(count)]
 
     def _all_reduce_flat(self, buffer, sizes, group=None):
-        with failures_named("adasum.Sum.all_reduce", "the sum all-reduce", group):
-            dist.all_reduce(buffer, group=group)
+        with widened(buffer) as work, failures_named("adasum.Sum.all_reduce", "the sum all-reduce", group):
+            dist.all_reduce(work, group=group)
 
 
 class Mean(Reducer):
@@ -39,13 +48,14 @@ class Mean(Reducer):
     def reduce(self, per_worker):
         """The mean of the workers' copies, tensor by tensor."""
         count = check_workers(per_worker, f"adasum.{type(self).__name__}.reduce")
-        return [torch.stack([w[i] for w in per_worker]).sum(0) / len(per_worker) for i in range(count)]
+        return [_summed([w[i] for w in per_worker], len(per_worker)) for i in range(count)]
 
     def _all_reduce_flat(self, buffer, sizes, group=None):
-        if uses_nccl(group):  # NCCL averages in its own pass (gloo has no AVG)
-            with failures_named("adasum.Mean.all_reduce", "the average all-reduce", group):
-                dist.all_reduce(buffer, op=dist.ReduceOp.AVG, group=group)
-            return
-        with failures_named("adasum.Mean.all_reduce", "the sum all-reduce", group):
-            dist.all_reduce(buffer, group=group)
-        buffer.div_(dist.get_world_size(group))
+        with widened(buffer) as work:
+            if uses_nccl(group):  # NCCL averages in its own pass (gloo has no AVG)
+                with failures_named("adasum.Mean.all_reduce", "the average all-reduce", group):
+                    dist.all_reduce(work, op=dist.ReduceOp.AVG, group=group)
+                return
+            with failures_named("adasum.Mean.all_reduce", "the sum all-reduce", group):
+                dist.all_reduce(work, group=group)
+            work.div_(dist.get_world_size(group))

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import atexit
 import re
+import sys
 import threading
 import time
 import warnings
@@ -164,8 +165,10 @@ class Communicator:
             self.control = dist.new_group(timeout=group_timeout(None), backend="gloo")
         return self.control
 
-    def clear(self) -> None:
-        """Drop everything, and destroy the control group this communicator made (local: no collective)."""
+    def clear(self) -> BaseException | None:
+        """Drop everything, and destroy the control group this communicator made (local but for the guard's fence,
+        `adasum.collectives.guard.Guard.stop`). Returns the guard's fatal divergence that no call raised, if any."""
+        undelivered = None
         if self.control is not None and dist.is_initialized():
             _registry.destroy(self.control)
         self.graphs.clear()  # first: a captured graph loads and stores at the symmetric buffers' addresses
@@ -176,10 +179,11 @@ class Communicator:
         self.transports.clear()
         self.plans.clear()
         if self.guard is not None:
-            self.guard.stop()
+            undelivered = self.guard.stop()
             self.guard = None
         self.recent.clear()
         self.control = None
+        return undelivered
 
 
 class _Registry:
@@ -256,6 +260,12 @@ def release(group: dist.ProcessGroup | None = None) -> None:
     a group). Collectives after a full release are not supported on GPUs: a benchmark that released
     between two models and went on training hung in the second model's first steps.
 
+    With deferred checks (`adasum.collectives.plan`) each guard first compares what was posted and the number of
+    calls with its peers' (they do the same in their own release, or barrier): a divergence that no call raised yet
+    (found within the last `adasum.collectives.guard.LAG` calls, or ranks that made different numbers of calls) is
+    raised as its ValueError on every rank, once everything is dropped. A call of another thread still waiting for
+    a guard's verdict raises RuntimeError.
+
     A `group` that is not a process group (nor None) raises TypeError.
 
     >>> adasum.release()  # doctest: +SKIP
@@ -283,16 +293,18 @@ def release(group: dist.ProcessGroup | None = None) -> None:
             _synchronize_if(found.graphs.count() > 0 or any(c.graphs.count() for c in others))
             for comm in others:
                 comm.graphs.clear()
-            found.clear()
-            return
-        comms = list(_registry.communicators.values())
-        _synchronize_if(any(c.graphs.count() for c in comms))
-        for comm in comms:  # every graph before any buffer (a graph may point into another group's buffers)
-            comm.graphs.clear()
-        for comm in comms:
-            comm.clear()
-        _registry.communicators.clear()
-        _registry.streams.clear()
+            undelivered = found.clear()
+        else:
+            comms = list(_registry.communicators.values())
+            _synchronize_if(any(c.graphs.count() for c in comms))
+            for comm in comms:  # every graph before any buffer (a graph may point into another group's buffers)
+                comm.graphs.clear()
+            kept = [comm.clear() for comm in comms]
+            undelivered = next((error for error in kept if error is not None), None)
+            _registry.communicators.clear()
+            _registry.streams.clear()
+    if undelivered is not None:
+        raise undelivered
 
 
 def check_group(group: object, operation: str) -> None:
@@ -308,19 +320,35 @@ def _synchronize_if(graphs_alive: bool) -> None:
 
 def _install_teardown_hook() -> None:
     """Make ``torch.distributed.destroy_process_group`` call `release` first (a process hung in
-    ``destroy_process_group`` with a captured graph alive)."""
+    ``destroy_process_group`` with a captured graph alive; the group is destroyed even where `release` raises a
+    divergence its guard found), and ``torch.distributed.barrier`` fence the group's guard first
+    (`adasum.collectives.guard.Guard.fence`: a divergence no call raised yet is raised before the barrier)."""
     if _registry.teardown_hook:
         return
     _registry.teardown_hook = True
     original = _registry.destroy = dist.destroy_process_group
+    barrier = dist.barrier
 
     def destroy_process_group(group=None, *args, **kwargs):
-        release(group)
-        return original(group, *args, **kwargs)
+        try:
+            release(group)
+        finally:
+            original(group, *args, **kwargs)
+
+    def fenced_barrier(group=None, *args, **kwargs):
+        if dist.is_initialized() and (group is None or isinstance(group, dist.ProcessGroup)):
+            found = _registry.communicators.get(_resolved(group))
+            guard = found.guard if found is not None else None
+            if guard is not None:
+                guard.fence()
+        return barrier(group, *args, **kwargs)
 
     destroy_process_group.__wrapped__ = original  # type: ignore[attr-defined]
+    fenced_barrier.__wrapped__ = barrier  # type: ignore[attr-defined]
     dist.destroy_process_group = destroy_process_group
     dist.distributed_c10d.destroy_process_group = destroy_process_group
+    dist.barrier = fenced_barrier
+    dist.distributed_c10d.barrier = fenced_barrier
 
 
 def _destroy_gloo_groups() -> None:
@@ -329,8 +357,11 @@ def _destroy_gloo_groups() -> None:
     with _registry.lock:
         for comm in _registry.communicators.values():
             if comm.guard is not None:
-                comm.guard.stop()  # its gloo group is gone with its thread
+                undelivered = comm.guard.stop()  # its gloo group is gone with its thread
                 comm.guard = None
+                if undelivered is not None:  # one write: a whole line beside the other ranks' under torchrun
+                    sys.stderr.write(f"adasum: at exit: {undelivered}\n")
+                    sys.stderr.flush()
     time.sleep(EXIT_DRAIN_S)  # releases the GIL: a thread releasing its last work can take it
     with _registry.lock:
         for comm in _registry.communicators.values():
