@@ -14,6 +14,7 @@ ValueError: mode must be one of ['delta', 'gradient'], got 'deltas'
 from __future__ import annotations
 
 import numbers
+import sys
 from collections.abc import Callable, Iterable
 from typing import Any, Literal, get_args
 
@@ -99,3 +100,46 @@ local_steps=8; build it with the settings the state was saved with
             f"{operation}: the state was saved with {was}, but this {what} has {has}; build it with the settings the "
             "state was saved with"
         )
+
+
+HOROVOD_OPS = {"adasum": "adasum", "average": "mean", "sum": "sum"}
+"""Horovod's reduction ops (``op=hvd.Adasum``, ``hvd.Average``, ``hvd.Sum``) by the reducer name each maps to."""
+
+
+def reducer_of_op(operation: str, op: object, reducer: object) -> object:
+    """The reducer that Horovod's keyword ``op=`` asks for: ``"Adasum"``, ``"Average"`` or ``"Sum"`` (any case;
+    Horovod's own constants where ``horovod.torch`` is imported), or a reducer name or object as ``reducer=``
+    takes; `reducer` itself where `op` is None. Naming a reducer both ways is a ValueError; any other op a
+    ValueError that names the ``reducer=`` spelling (an unknown name: `adasum.get_reducer`'s ValueError).
+
+    >>> reducer_of_op("adasum.DistributedOptimizer", "Average", "adasum")
+    'mean'
+    >>> reducer_of_op("adasum.DistributedOptimizer", 3, "adasum")
+    Traceback (most recent call last):
+    ValueError: adasum.DistributedOptimizer: op=3 has no reducer; pass reducer='adasum', 'mean' or 'sum' (Horovod's \
+Adasum, Average, Sum)
+    """
+    if op is None:
+        return reducer
+    if reducer != "adasum":
+        raise ValueError(f"{operation}: pass reducer= or Horovod's op=, not both (got reducer={reducer!r}, op={op!r})")
+    horovod = sys.modules.get("horovod.torch")
+    for name in ("Adasum", "Average", "Sum"):
+        if horovod is not None and not isinstance(op, str) and getattr(horovod, name, object()) is op:
+            return HOROVOD_OPS[name.lower()]
+    if isinstance(op, str) and op.lower() in HOROVOD_OPS:
+        return HOROVOD_OPS[op.lower()]
+    if isinstance(op, str) or hasattr(op, "reduce"):
+        return op  # a reducer name or object, as reducer= takes (get_reducer refuses an unknown name)
+    raise ValueError(
+        f"{operation}: op={op!r} has no reducer; pass reducer='adasum', 'mean' or 'sum' "
+        "(Horovod's Adasum, Average, Sum)"
+    )
+
+
+def not_initialised(operation: str) -> RuntimeError:
+    """The error of a call that needs a process group before ``init_process_group`` ran, with how to start one."""
+    return RuntimeError(
+        f"{operation} needs torch.distributed to be initialised: call "
+        "torch.distributed.init_process_group('nccl') (or 'gloo' on CPUs) first, with the script under torchrun"
+    )
