@@ -14,6 +14,7 @@ ValueError: mode must be one of ['delta', 'gradient'], got 'deltas'
 from __future__ import annotations
 
 import numbers
+import os
 import sys
 from collections.abc import Callable, Iterable
 from typing import Any, Literal, get_args
@@ -143,3 +144,28 @@ def not_initialised(operation: str) -> RuntimeError:
         f"{operation} needs torch.distributed to be initialised: call "
         "torch.distributed.init_process_group('nccl') (or 'gloo' on CPUs) first, with the script under torchrun"
     )
+
+
+_PACKAGE = os.path.dirname(os.path.abspath(__file__)) + os.sep
+
+
+def user_stacklevel(*through: str) -> int:
+    """The ``stacklevel`` that makes a warning, raised by the function that calls this one, name the user's line:
+    the first caller outside adasum and outside the packages named in `through` (such as ``"lightning"``, whose
+    own frames lie between the user's ``trainer.fit(...)`` and adasum's code).
+
+    >>> import warnings
+    >>> with warnings.catch_warnings(record=True) as caught:
+    ...     warnings.simplefilter("always")
+    ...     warnings.warn("here", UserWarning, stacklevel=user_stacklevel())
+    >>> caught[0].filename.endswith("options.py")     # a doctest's line has no file: the caller outside it
+    False
+    """
+    prefixes = [_PACKAGE]
+    for name in through:
+        module = sys.modules.get(name)
+        prefixes += [os.path.join(os.path.abspath(p), "") for p in getattr(module, "__path__", ())]
+    frame, level = sys._getframe(1), 1  # the function that warns: stacklevel 1
+    while frame is not None and frame.f_code.co_filename.startswith(tuple(prefixes)):
+        frame, level = frame.f_back, level + 1
+    return level
