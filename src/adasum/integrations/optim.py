@@ -160,7 +160,7 @@ def check_same_parameters(
     >>> check_same_parameters(list(model.parameters()), names=list(dict(model.named_parameters())))
     >>> check_same_parameters([model.weight, torch.zeros(2, dtype=torch.int64)])
     Traceback (most recent call last):
-    TypeError: adasum: tensor 1 has dtype torch.int64; only floating-point tensors can be combined on rank 0
+    TypeError: adasum: on rank 0, tensor 1 has dtype torch.int64; only floating-point tensors can be combined
     >>> dist.destroy_process_group()
     """
     device = group_device(group)
