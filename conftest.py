@@ -1,4 +1,5 @@
-"""Doctests of src/ run with `torch` and `adasum` in their namespace (pytest --doctest-modules)."""
+"""Doctests of src/ run with `torch` and `adasum` in their namespace (pytest --doctest-modules); a test (or
+doctest) that needs an optional extra which is not installed is skipped with the extra's name."""
 
 import importlib.util
 
@@ -15,6 +16,50 @@ if importlib.util.find_spec("jax") is None or importlib.util.find_spec("optax") 
 for extra in ("lightning", "accelerate"):  # likewise the framework integrations without their extras
     if importlib.util.find_spec(extra) is None:
         collect_ignore += [f"src/adasum/{extra}.py", f"src/adasum/integrations/{extra}.py"]
+
+
+EXTRAS = {
+    "mlflow": "mlflow", "sqlalchemy": "mlflow", "alembic": "mlflow", "tensorboard": "tensorboard",
+    "lightning": "lightning", "pytorch_lightning": "lightning", "accelerate": "accelerate", "jax": "jax",
+    "optax": "jax", "wandb": "wandb", "mkdocs": "docs", "mkdocstrings": "docs", "build": "test", "twine": "test",
+    **dict.fromkeys(["matplotlib", "rich", "mlxtend", "mnist1d", "pytorch_optimizer", "sklearn", "scipy"],
+                    "experiments"),
+}
+"""The optional packages by the extra of pyproject.toml that installs them."""
+
+
+def missing_extra(error: ImportError) -> str | None:
+    """The extra whose package `error` failed to import, where that package is not installed (else None: a real
+    error, not a missing extra)."""
+    top = (error.name or "").split(".")[0]
+    if top not in EXTRAS:
+        return None
+    try:
+        installed = importlib.util.find_spec(top) is not None
+    except (ImportError, ValueError):
+        installed = False
+    return None if installed else EXTRAS[top]
+
+
+def _skip_without_extras():
+    try:
+        return (yield)
+    except ImportError as error:
+        extra = missing_extra(error)
+        if extra is None:
+            raise
+        package = (error.name or "").split(".")[0]
+        pytest.skip(f"needs the {extra} extra ({package} is not installed): pip install '.[{extra}]'")
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_setup(item):
+    return (yield from _skip_without_extras())
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_call(item):
+    return (yield from _skip_without_extras())
 
 
 @pytest.fixture(autouse=True)

@@ -17,6 +17,7 @@ import numbers
 import os
 import sys
 from collections.abc import Callable, Iterable
+from types import FrameType
 from typing import Any, Literal, get_args
 
 Nonfinite = Literal["propagate", "raise", "skip"]
@@ -165,7 +166,8 @@ def user_stacklevel(*through: str) -> int:
     for name in through:
         module = sys.modules.get(name)
         prefixes += [os.path.join(os.path.abspath(p), "") for p in getattr(module, "__path__", ())]
-    frame, level = sys._getframe(1), 1  # the function that warns: stacklevel 1
+    frame: FrameType | None = sys._getframe(1)  # the function that warns: stacklevel 1
+    level = 1
     while frame is not None and frame.f_code.co_filename.startswith(tuple(prefixes)):
         frame, level = frame.f_back, level + 1
     return level
