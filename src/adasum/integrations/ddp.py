@@ -78,7 +78,7 @@ BATCH_MB = 256.0
 class AdasumState:
     """What `adasum_hook` needs: the process group, the reducer and the iteration count.
 
-    `reducer` is any `adasum.reducers.Reducer` or its name ("adasum", "mean", "sum", ...);
+    `reducer` is any `adasum.reducers.Reducer` or its name ("adasum", the default, "mean", "sum", ...);
     ``hierarchical=True`` (with `local_size`, default LOCAL_WORLD_SIZE) selects Adasum over node
     means (`adasum.hierarchical`); ``hierarchical="exact"`` the flat tree over every rank in two tiers.
     When torch.distributed is initialised, construction runs the
