@@ -259,10 +259,10 @@ def read_config(path: str) -> dict[str, Any]:
     except OSError as error:
         raise ValueError(f"cannot read --config {path!r}: {error.strerror or error}") from None
     if path.endswith(".toml"):
-        try:
-            import tomllib
-        except ImportError:  # Python 3.10
-            raise ValueError("a TOML --config needs Python 3.11 or later; write it as JSON") from None
+        if sys.version_info < (3, 11):
+            raise ValueError("a TOML --config needs Python 3.11 or later (tomllib); write it as JSON")
+        import tomllib
+
         try:
             values: Any = tomllib.loads(text)
         except tomllib.TOMLDecodeError as error:
@@ -663,10 +663,10 @@ def main(argv: Sequence[str] | None = None, *, on_step: Callable[[int, int], Non
         print(f"adasum: error: {error}", file=sys.stderr)
         return 2
     except ImportError as error:
-        extra = "tensorboard" if (error.name or "").split(".")[0] == "tensorboard" else "experiments"
+        needed = "tensorboard" if (error.name or "").split(".")[0] == "tensorboard" else "experiments"
         print(
-            f"adasum: error: missing package {error.name!r}: pip install 'adasum[{extra}]' "
-            f"(from a checkout: pip install '.[{extra}]')",
+            f"adasum: error: missing package {error.name!r}: pip install 'adasum[{needed}]' "
+            f"(from a checkout: pip install '.[{needed}]')",
             file=sys.stderr,
         )
         return 2
