@@ -259,14 +259,7 @@ def read_config(path: str) -> dict[str, Any]:
     except OSError as error:
         raise ValueError(f"cannot read --config {path!r}: {error.strerror or error}") from None
     if path.endswith(".toml"):
-        if sys.version_info < (3, 11):
-            raise ValueError("a TOML --config needs Python 3.11 or later (tomllib); write it as JSON")
-        import tomllib
-
-        try:
-            values: Any = tomllib.loads(text)
-        except tomllib.TOMLDecodeError as error:
-            raise ValueError(f"--config {path!r} is not valid TOML: {error}") from None
+        values: Any = _toml(text, path)
     else:
         try:
             values = json.loads(text)
@@ -282,6 +275,17 @@ def read_config(path: str) -> dict[str, Any]:
         if run.get("distributed"):  # its workers were torchrun's processes: relaunch it with as many
             values.pop("workers", None)
     return {str(k).replace("-", "_"): v for k, v in values.items()}
+
+
+def _toml(text: str, path: str) -> Any:
+    if sys.version_info >= (3, 11):
+        import tomllib
+
+        try:
+            return tomllib.loads(text)
+        except tomllib.TOMLDecodeError as error:
+            raise ValueError(f"--config {path!r} is not valid TOML: {error}") from None
+    raise ValueError("a TOML --config needs Python 3.11 or later (tomllib); write it as JSON")
 
 
 def config_arguments(parser: argparse.ArgumentParser, command: str, values: dict[str, Any]) -> list[str]:
