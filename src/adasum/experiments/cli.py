@@ -471,13 +471,21 @@ def _setup_logging(quiet: bool, rank: int) -> None:
 
 
 def _flag(result: dict) -> str:
-    return " (diverged)" if result["diverged"] else " (collapsed to chance)" if result["collapsed"] else ""
+    from adasum.experiments.report import chance_reason
+
+    if result["diverged"]:
+        return " (diverged)"
+    if not result["collapsed"]:
+        return ""
+    return " (not learnt yet: more epochs would tell)" if chance_reason(result) == "not learnt yet" else \
+        " (collapsed to chance)"
 
 
 def cmd_train(args: argparse.Namespace) -> int:
     """``adasum train``: one run; returns the exit status."""
     from adasum.experiments.methods import get_method
     from adasum.experiments.progress import ProgressBar
+    from adasum.experiments.report import plural
     from adasum.experiments.runner import train
 
     method = get_method(args.method)
@@ -501,7 +509,7 @@ def cmd_train(args: argparse.Namespace) -> int:
             )
         print(
             f"{result['method']} P={result['workers']}: validation accuracy {result['val_accuracy']:.2f}%, "
-            f"test accuracy {result['test_accuracy']:.2f}% after {result['epochs_run']} epochs"
+            f"test accuracy {result['test_accuracy']:.2f}% after {plural(result['epochs_run'], 'epoch')}"
             f"{_flag(result)} ({out / 'result.json'})"
         )
         return 0
@@ -575,7 +583,7 @@ def cmd_compare(args: argparse.Namespace) -> int:
     """``adasum compare``: a sweep and its report; returns the exit status."""
     from adasum.experiments.compare import compare
     from adasum.experiments.methods import parse_methods
-    from adasum.experiments.report import summary_table
+    from adasum.experiments.report import summary_table, to_terminal
 
     methods = parse_methods(args.methods)
     check_flags_apply(args, methods, args.workers)
@@ -595,14 +603,14 @@ def cmd_compare(args: argparse.Namespace) -> int:
         overwrite=args.overwrite,
         progress=not args.no_progress,
     )
-    print(summary_table(results))
+    to_terminal(summary_table(results))
     print(f"\nwrote {out / 'results.jsonl'}, {out / 'report.md'} and plots in {out}")
     return 0
 
 
 def cmd_report(args: argparse.Namespace) -> int:
     """``adasum report``: one report from several sweep folders; returns the exit status."""
-    from adasum.experiments.report import load_results, plot, summary_table, write_report
+    from adasum.experiments.report import load_results, plot, summary_table, to_terminal, write_report
 
     _setup_logging(args.quiet, 0)
     results = load_results(args.results)  # one-line errors for malformed rows or mixed settings
@@ -610,7 +618,7 @@ def cmd_report(args: argparse.Namespace) -> int:
     out = _writable_dir(args.out)
     plot(results, out)
     write_report(results, out, title=args.title or f"Comparison on {', '.join(tasks)}")
-    print(summary_table(results))
+    to_terminal(summary_table(results))
     print(f"\nwrote {out / 'report.md'} and plots in {out}")
     return 0
 
