@@ -13,6 +13,8 @@ import torch
 
 from adasum.experiments.cli import main
 
+pytestmark = pytest.mark.extra("experiments")  # the CLI's tasks, plots and statistics
+
 QUICK = ["--no-progress", "--quiet", "--train-limit", "256", "--batch-size", "8"]
 
 
