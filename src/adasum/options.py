@@ -2,7 +2,9 @@
 editors show the choices), and `check_option`, the one runtime test of a value against it (callers need not run a
 type checker); and the runtime tests of the other kinds of option, counts (`check_count`), numbers in a range
 (`check_number`) and flags (`check_flag`), each raising the same message wherever the option is taken, and of a
-saved state's options against an object's (`check_saved_settings`).
+saved state's options against an object's (`check_saved_settings`); Horovod's ``op=`` read as a reducer
+(`reducer_of_op`); the error of a call before ``init_process_group`` (`not_initialised`); and the
+``stacklevel`` that makes a warning name the user's line (`user_stacklevel`).
 
 >>> check_option("nonfinite", "skip", Nonfinite)
 >>> check_option("mode", "deltas", Mode)
