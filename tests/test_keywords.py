@@ -88,3 +88,16 @@ def test_dir_shows_only_public_names():
     names = dir(adasum)
     assert not {"importlib", "ModuleType", "ON_ACCESS", "_importlib"} & set(names)
     assert set(adasum.__all__) <= set(names) and {"fsdp", "jax", "lightning", "loggers"} <= set(names)
+
+
+def test_optimizer_takes_horovods_own_constants(one_rank, monkeypatch):
+    import sys
+    import types
+
+    hvd = types.SimpleNamespace(Average=object(), Sum=object(), Adasum=object(), Min=object())
+    monkeypatch.setitem(sys.modules, "horovod.torch", hvd)  # as after `import horovod.torch as hvd`
+    names = {k: type(adasum.DistributedOptimizer(make_sgd(), op=getattr(hvd, k)).reducer).__name__
+             for k in ("Average", "Sum", "Adasum")}
+    assert names == {"Average": "Mean", "Sum": "Sum", "Adasum": "Adasum"}
+    with pytest.raises(ValueError, match=r"has no reducer; pass reducer='adasum', 'mean' or 'sum'"):
+        adasum.DistributedOptimizer(make_sgd(), op=hvd.Min)
