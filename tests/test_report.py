@@ -104,6 +104,7 @@ def test_few_seeds_show_their_range_and_counts_not_a_t_interval():
     assert "| 96.17 (3 runs) | 95.0-97.0 |" in line, line
     assert "+1.17: no detectable difference (higher on 2 of 3 seeds, -1.0 to +3.0, Holm p" in line, line
     assert "[" not in line.split("|")[6], line  # no interval in the accuracy cell
+    assert "above sequential training by 1.17 points (higher on 2 of 3 seeds)" in text  # the conclusion
     two = summary_table([run("sequential", 1, s, 95.0 + s) for s in range(2)])
     assert "| 95.50 (2 runs) | 95.0-96.0 |" in two and "[0.0, 100.0]" not in two
     five = summary_table(synthetic_study(effect=2.0))

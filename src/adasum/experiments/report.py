@@ -298,7 +298,7 @@ class Comparison:
         """The comparison in words, for the conclusion."""
         d = self.diff
         where = f" at {self.workers} workers" if self.workers > 1 else ""
-        spread = (f"higher on {d.higher} of {d.n} seeds" if d.n < FEW_SEEDS else
+        spread = (f"(higher on {d.higher} of {d.n} seeds)" if d.n < FEW_SEEDS else
                   f"[{d.lo:+.1f}, {d.hi:+.1f}] on {d.n} seeds")
         return (f"{self.method}{where} {'above' if d.mean > 0 else 'below'} {_name(self.against)} by "
                 f"{abs(d.mean):.2f} points {spread}")
