@@ -19,7 +19,7 @@ import numbers
 import os
 import sys
 from collections.abc import Callable, Iterable
-from types import FrameType
+from types import FrameType, MappingProxyType
 from typing import Any, Literal, get_args
 
 Nonfinite = Literal["propagate", "raise", "skip"]
@@ -106,7 +106,7 @@ local_steps=8; build it with the settings the state was saved with
         )
 
 
-HOROVOD_OPS = {"adasum": "adasum", "average": "mean", "sum": "sum"}
+HOROVOD_OPS = MappingProxyType({"adasum": "adasum", "average": "mean", "sum": "sum"})
 """Horovod's reduction ops (``op=hvd.Adasum``, ``hvd.Average``, ``hvd.Sum``) by the reducer name each maps to."""
 
 

@@ -27,6 +27,7 @@ import sys
 from collections.abc import Callable, Sequence
 from dataclasses import fields
 from pathlib import Path
+from types import MappingProxyType
 from typing import Any
 
 from adasum.collectives.nonfinite import NonFiniteError
@@ -240,12 +241,12 @@ def _config_flag(p: argparse.ArgumentParser) -> None:
 
 # the settings of a run's result.json ("config") by the flag each is given as; workers is --simulate for
 # `adasum train` and --workers for `adasum compare`, seed --seeds for both, method --methods for compare
-_CONFIG_FLAGS = {
-    "compare": {"method": "methods", "methods": "methods", "workers": "workers", "lr": "lr", "lrs": "lr",
-                "seed": "seeds", "seeds": "seeds"},
-    "train": {"method": "method", "workers": "simulate", "simulate": "simulate", "lr": "lr", "seed": "seeds",
-              "seeds": "seeds"},
-}
+_CONFIG_FLAGS = MappingProxyType({
+    "compare": MappingProxyType({"method": "methods", "methods": "methods", "workers": "workers", "lr": "lr",
+                                 "lrs": "lr", "seed": "seeds", "seeds": "seeds"}),
+    "train": MappingProxyType({"method": "method", "workers": "simulate", "simulate": "simulate", "lr": "lr",
+                               "seed": "seeds", "seeds": "seeds"}),
+})
 
 
 def read_config(path: str) -> dict[str, Any]:
