@@ -7,7 +7,7 @@ STAMP := $(VENV)/.installed
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q torch==2.13.0
-	$(PY) -m pip install -q -e '.[test,experiments,tensorboard,mlflow,lightning,accelerate,jax,docs]'
+	$(PY) -m pip install -q -e '.[test,experiments,tensorboard,mlflow,wandb,lightning,accelerate,jax,docs]'
 	touch $(STAMP)
 
 .PHONY: install test demo bench

@@ -2,9 +2,11 @@
 
     torchrun --nproc-per-node 4 examples/fsdp_transformer.py              # 2 replicas x 2 shards, CPU/gloo
     torchrun --nproc-per-node 4 examples/fsdp_transformer.py --shards 1   # 4 replicas
+    torchrun --nproc-per-node 2 examples/fsdp_transformer.py              # 2 replicas x 1 shard
     torchrun --nproc-per-node 3 examples/fsdp_transformer.py              # 3 replicas (an odd count: 1 shard)
 
---shards must divide the number of processes (default: 2 when it does, else 1).
+--shards must divide the number of processes (default: 2 where that leaves at least 2 replicas, else 1:
+Adasum combines across replicas, so one replica would have nothing to combine).
 
 Parameters are sharded over mesh["shard"] with `fully_shard`; `adasum.fsdp.enable` combines the
 gradients across mesh["replicate"] with Adasum, per parameter. Each rank draws its own batches of
@@ -55,12 +57,13 @@ class Transformer(nn.Module):
 
 def main():
     parser = argparse.ArgumentParser()
-    parser.add_argument("--shards", type=int, default=None, help="ranks per replica (default: 2, or 1 for odd worlds)")
+    parser.add_argument("--shards", type=int, default=None,
+                        help="ranks per replica (default: 2 where that leaves 2 replicas or more, else 1)")
     parser.add_argument("--steps", type=int, default=60, help="training steps")
     parser.add_argument("--lag", type=int, default=2, help="the copy task's lag in tokens")
     args = parser.parse_args()
     world = int(os.environ.get("WORLD_SIZE", "1"))
-    shards = args.shards if args.shards is not None else (2 if world % 2 == 0 else 1)
+    shards = args.shards if args.shards is not None else (2 if world % 2 == 0 and world >= 4 else 1)
     if shards < 1 or world % shards:  # checked before the group starts: every rank exits with this line
         parser.error(f"--shards {shards} must divide the {world} processes into replicas of equal size")
     dist.init_process_group("gloo")

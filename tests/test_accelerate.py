@@ -86,8 +86,10 @@ def test_enable_warns_on_one_process():
     try:
         accelerator = Accelerator(cpu=True)
         model = accelerator.prepare(make_model())
-        with pytest.warns(UserWarning, match="enable: only one process.*accelerate launch --cpu starts one process"):
+        one_process = "enable: only one process.*accelerate launch --cpu starts one process"
+        with pytest.warns(UserWarning, match=one_process) as caught:
             assert adasum.accelerate.enable(model) is None
+        assert [w.filename for w in caught] == [__file__]  # the user's line, not adasum's
     finally:
         AcceleratorState._reset_state(True)
 

@@ -175,7 +175,7 @@ EXPECTED = {
     "dtype": ("ValueError", "rank 0 has float32 [3] on cpu, rank 1 has float64 [3] on cpu"),
     "flat-sizes": ("ValueError", "bucket segments differ across ranks at index 0: rank 0 has float32 [3] on cpu"),
     "flat-numel": ("ValueError", "rank 0 has float32 [4] on cpu, rank 1 has float32 [5] on cpu"),
-    "flat-sum": ("ValueError", "sizes add up to 4 elements, the buffer has 5 on rank 1"),
+    "flat-sum": ("ValueError", "on rank 1, sizes add up to 4 elements, the buffer has 5"),
     "meta": ("ValueError", "rank 0 has float32 [3] on cpu, rank 1 has float32 [3] on meta"),
     "requires-grad": ("ValueError", "tensor 0 is a leaf that requires grad"),
     "sparse": ("TypeError", "tensor 0 is sparse_coo; only dense (strided) tensors can be combined"),
@@ -183,10 +183,10 @@ EXPECTED = {
     "integer": ("ValueError", "rank 0 has float32 [3] on cpu, rank 1 has int64 [3] on cpu"),
     "integer-everywhere": ("TypeError", "tensor 0 has dtype torch.int64; only floating-point tensors can be combined"),
     "keyword": ("TypeError", "unexpected keyword argument 'nonfinite'"),
-    "negative-size": ("ValueError", "sizes must be >= 0, got -2 at index 1 on rank 0"),
+    "negative-size": ("ValueError", "on rank 0, sizes must be >= 0, got -2 at index 1"),
     "float-size": ("ValueError", "segments differ across ranks at index 0: rank 0 has float32 [2] on cpu, "
         "rank 1 has float32 [2.5] on cpu"),
-    "float-sizes-everywhere": ("TypeError", "sizes must be integers, got 2.0 at index 0 on rank 0"),
+    "float-sizes-everywhere": ("TypeError", "on rank 0, sizes must be integers, got 2.0 at index 0"),
 }
 
 
@@ -197,9 +197,9 @@ def _exact(name: str, case: str) -> str | None:
         takes = "check_layout and key" if cls == "AdaCons" else "check_layout only"
         return f"adasum.{cls}.all_reduce: unexpected keyword argument 'nonfinite'; {cls} takes {takes}"
     if case == "negative-size":
-        return f"adasum.{cls}.all_reduce_flat: sizes must be >= 0, got -2 at index 1 on rank 0"
+        return f"adasum.{cls}.all_reduce_flat: on rank 0, sizes must be >= 0, got -2 at index 1"
     if case == "float-sizes-everywhere":
-        return f"adasum.{cls}.all_reduce_flat: sizes must be integers, got 2.0 at index 0 on rank 0"
+        return f"adasum.{cls}.all_reduce_flat: on rank 0, sizes must be integers, got 2.0 at index 0"
     return None
 
 

@@ -134,8 +134,7 @@ def test_sparse_gradients_are_refused_on_every_rank():
     distributed.assert_ranks_agree(results)
     kind, message = results[0]["gradient mode"]
     assert kind == "TypeError", message
-    assert message.startswith("adasum.DistributedOptimizer.step: the gradient of parameter 0 is sparse"), message
-    assert message.endswith("on rank 1"), message
+    assert message.startswith("adasum.DistributedOptimizer.step: on rank 1, the gradient of parameter 0 is sparse")
     assert results[0]["delta mode"] is None
 
 

@@ -13,6 +13,8 @@ import torch
 
 from adasum.experiments.cli import main
 
+pytestmark = pytest.mark.extra("experiments")  # the CLI's tasks, plots and statistics
+
 QUICK = ["--no-progress", "--quiet", "--train-limit", "256", "--batch-size", "8"]
 
 
@@ -411,3 +413,64 @@ def test_the_runners_own_all_reduce_names_a_failure(monkeypatch):
             worker.step(torch.randn(1, 4, 3), torch.randint(0, 2, (1, 4)))
     finally:
         dist.destroy_process_group()
+
+
+def test_config_replays_a_run_and_flags_override_it(tmp_path, capsys):
+    """``--config result.json`` runs the same run again (the same history, bit for bit, but the wall times);
+    a flag given beside it wins."""
+    first = _train(tmp_path / "first", 1)
+    assert main(["train", "--config", str(tmp_path / "first" / "result.json"), "--out", str(tmp_path / "again"),
+                 "--no-progress", "--quiet"]) == 0
+    again = json.loads((tmp_path / "again" / "result.json").read_text())
+    strip = lambda h: {k: v for k, v in h.items() if k != "wall_s"}  # noqa: E731
+    assert again["config"] == first["config"] and again["epochs"] == first["epochs"] == 1
+    assert [strip(h) for h in again["history"]] == [strip(h) for h in first["history"]]
+    assert main(["train", "--config", str(tmp_path / "first" / "result.json"), "--lr", "0.006",
+                 "--out", str(tmp_path / "faster"), "--no-progress", "--quiet"]) == 0
+    faster = json.loads((tmp_path / "faster" / "result.json").read_text())
+    assert faster["lr"] == 0.006 and faster["workers"] == 3 and faster["optimizer"] == "adam"
+
+
+def test_config_from_toml_for_a_sweep(tmp_path):
+    config = tmp_path / "sweep.toml"
+    config.write_text('methods = "sequential,adasum"\nworkers = [2]\nlr = [0.01]\nseeds = [0]\nepochs = 1\n'
+                      'train-limit = 128\nbatch_size = 8\nno-progress = true\nquiet = true\n')
+    assert main(["compare", "--config", str(config), "--workers", "3", "--out", str(tmp_path / "out")]) == 0
+    rows = read_jsonl(tmp_path / "out" / "results.jsonl")
+    cells = sorted((r["method"], r["workers"], r["lr"], r["epochs"]) for r in rows)
+    assert cells == [("adasum", 3, 0.01, 1), ("sequential", 1, 0.01, 1)]  # --workers 3 overrides the file's 2
+
+
+@pytest.mark.parametrize(
+    "text, name, message",
+    [
+        ('{"lrate": 0.1}', "x.json", "adasum: error: --config: 'lrate' is not a setting of adasum train "
+                                     "(did you mean '--lr'?)"),
+        ('{"lr": "fast"}', "x.json", "adasum: error: argument --lr: not a number: 'fast'"),
+        ("[1, 2]", "x.json", "must hold a table of settings, got a list"),
+        ("lr = ", "x.toml", "is not valid TOML"),
+        ("{", "x.json", "is not valid JSON"),
+        (None, "missing.json", "cannot read --config"),
+    ],
+)
+def test_a_bad_config_is_one_line(tmp_path, capsys, text, name, message):
+    path = tmp_path / name
+    if text is not None:
+        path.write_text(text)
+    assert main(["train", "--config", str(path), "--out", str(tmp_path / "out")]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and message in err[0], err
+
+
+def test_a_missing_package_gives_the_checkout_form_too(monkeypatch, capsys):
+    import adasum.experiments.cli as cli
+
+    def needs_sklearn(args):
+        raise ModuleNotFoundError("No module named 'sklearn'", name="sklearn")
+
+    monkeypatch.setattr(cli, "cmd_train", needs_sklearn)
+    assert main(["train"]) == 2
+    assert capsys.readouterr().err.strip() == (
+        "adasum: error: missing package 'sklearn': pip install 'adasum[experiments]' "
+        "(from a checkout: pip install '.[experiments]')"
+    )

@@ -216,8 +216,8 @@ def test_all_reduce_async_refuses_bad_arguments_naming_itself():
         "ValueError: adasum.all_reduce_async: nonfinite must be one of ['propagate', 'raise'], got 'skip'",
         "TypeError: adasum.all_reduce_async: check_layout must be True or False, got 'no'",
         "TypeError: adasum.all_reduce_async: check_layout must be True or False, got None",
-        "adasum.all_reduce_async: tensor 0 has dtype torch.int64; only floating-point tensors can be combined "
-        "on rank 0",
+        "adasum.all_reduce_async: on rank 0, tensor 0 has dtype torch.int64; only floating-point tensors can be "
+        "combined",
         "adasum.all_reduce: check_layout must be True or False, got 'no'",
     ]
     assert results[0][1] == results[1][1] == [1.5] * 3  # parallel inputs: their mean

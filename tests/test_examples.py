@@ -41,6 +41,14 @@ def test_delta_adam_example():
 
 
 def test_fsdp_example():
-    out = torchrun("fsdp_transformer.py", "--shards", "1", "--steps", "20")  # 2 replicas x 1 shard
+    out = torchrun("fsdp_transformer.py", "--steps", "20")  # the default mesh on 2 processes: 2 replicas x 1 shard
     assert "parameters identical on 2 ranks: True" in out
     assert "Adasum combined 60 unit gradients across 2 replicas" in out  # 3 units x 20 steps
+
+
+def test_horovod_port_example():
+    out = torchrun("horovod_port.py", "--steps", "30")
+    assert "parameters identical on 2 ranks: True" in out
+    line = out.split("loss averaged over 2 ranks: ")[1].splitlines()[0]  # "first 1.0966, last 0.1503"
+    first, last = (float(part.split()[-1]) for part in line.split(","))
+    assert last < first / 2, out  # it learns (1.22 to 0.44 over 30 steps)

@@ -495,6 +495,34 @@ def test_enable_on_a_part_of_the_model_is_refused():
     assert reductions == 0
 
 
+def one_replica_body(rank, world):
+    """enable on a mesh of 1 replica x 2 shards: what each rank's warning says and the file it names."""
+    import warnings
+
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    mesh = init_device_mesh(DEVICE, (1, 2), mesh_dim_names=("replicate", "shard"))
+    model = Net()
+    for block in model.blocks:
+        fully_shard(block, mesh=mesh["shard"])
+    fully_shard(model, mesh=mesh["shard"])
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        adasum.fsdp.enable(model, mesh)
+    return [(str(w.message), w.filename) for w in caught]
+
+
+def test_enable_warns_on_every_rank_when_there_is_one_replica():
+    results = distributed.run(2, one_replica_body, timeout_s=120)
+    assert results[0] == results[1], results
+    assert [filename for _, filename in results[0]] == [__file__]  # the user's line, not adasum's
+    assert results[0][0][0].startswith(
+        "adasum.fsdp.enable: the mesh's 'replicate' dim has size 1, so there is one replica and nothing to combine: "
+        "training runs as plain FSDP over 2 shard(s)"
+    )
+
+
 def test_enable_refuses_an_include_unused_that_is_not_a_flag():
     # "no" would count as true; refused before anything else (no mesh, no collective)
     for bad in ("no", 0, None):

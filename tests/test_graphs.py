@@ -350,6 +350,7 @@ def test_a_layout_whose_tensors_are_remade_elsewhere_every_call_warns_once():
         for where in range(3 * groups.MOVED_CALLS):  # re-made at new addresses every call
             call("plan", ("moved", where), torch.ones(1))
     assert len(caught) == 1
+    assert caught[0].filename == __file__  # the caller's line, not adasum's
 
 
 def test_a_graph_keeps_what_its_capture_read_from_a_cache():

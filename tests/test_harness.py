@@ -24,6 +24,8 @@ from adasum.experiments.cli import build_parser, main
 from adasum.experiments.progress import ProgressBar
 from adasum.experiments.runner import RunConfig, train
 
+pytestmark = pytest.mark.extra("experiments")  # the CLI's tasks, plots and statistics
+
 ROOT = Path(__file__).resolve().parent.parent
 QUICK = ["--no-progress", "--quiet", "--train-limit", "64", "--batch-size", "8", "--model", "mlp"]
 

@@ -1,8 +1,11 @@
 """Horovod's Adasum training script (its PyTorch MNIST example with ``op=hvd.Adasum``) ported line by line
-to adasum (docs/migrating-from-horovod.md) and trained on 2 gloo ranks, against a single-process
-simulation of both ranks; and the two broadcast helpers on their own."""
+to adasum (examples/horovod_port.py, docs/migrating-from-horovod.md) and trained on 2 gloo ranks, against a
+single-process simulation of both ranks; and the two broadcast helpers on their own, with Horovod's and
+torch's names of the root."""
 
 import copy
+import importlib.util
+from pathlib import Path
 
 import pytest
 import torch
@@ -14,31 +17,24 @@ import adasum
 import distributed
 from reference import tree
 
-CLASSES, FEATURES, MICRO_BATCH = 3, 6, 8
 ROUNDS, PASSES = 8, 2  # optimizer steps; backward passes accumulated per step
 
 
-class Net(torch.nn.Module):
-    def __init__(self):
-        super().__init__()
-        self.fc1 = torch.nn.Linear(FEATURES, 16)
-        self.bn = torch.nn.BatchNorm1d(16)  # buffers: broadcast with the state dict
-        self.fc2 = torch.nn.Linear(16, CLASSES)
-
-    def forward(self, x):
-        return F.log_softmax(self.fc2(torch.relu(self.bn(self.fc1(x)))), dim=1)
+def example():
+    """examples/horovod_port.py as a module (examples/ is no package)."""
+    spec = importlib.util.spec_from_file_location("horovod_port", Path(__file__).parent.parent / "examples" /
+                                                  "horovod_port.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
 
 
-def shard(rank, step, micro):
-    """Rank `rank`'s micro-batch: three Gaussian blobs, a different draw per rank, step and pass."""
-    g = torch.Generator().manual_seed(10_000 * rank + 100 * step + micro)
-    target = torch.randint(CLASSES, (MICRO_BATCH,), generator=g)
-    centres = torch.eye(CLASSES, FEATURES) * 3.0
-    return centres[target] + torch.randn(MICRO_BATCH, FEATURES, generator=g), target
+port = example()
+Net, FEATURES, shard = port.Net, port.FEATURES, port.batch
 
 
 def make_optimizer(params):
-    return torch.optim.SGD(params, lr=0.05, momentum=0.9)
+    return port.make_optimizer(params, 0.05)
 
 
 def warm_up(model, optimizer):
@@ -50,31 +46,9 @@ def warm_up(model, optimizer):
 
 
 def horovod_body(rank, world):
-    # hvd.init()                                                        -> torchrun / init_process_group
-    torch.manual_seed(rank)  # deliberately different initial weights: the broadcast makes them agree
-    model = Net()
-    optimizer = make_optimizer(model.parameters())
-    if rank == 0:
-        warm_up(model, optimizer)
-    # hvd.broadcast_parameters(model.state_dict(), root_rank=0)
-    adasum.broadcast_parameters(model.state_dict(), root=0)
-    # hvd.broadcast_optimizer_state(optimizer, root_rank=0)
-    adasum.broadcast_optimizer_state(optimizer, root=0)
-    # hvd.DistributedOptimizer(optimizer, named_parameters=model.named_parameters(), op=hvd.Adasum,
-    #                          backward_passes_per_step=PASSES)
-    optimizer = adasum.DistributedOptimizer(
-        optimizer, named_parameters=model.named_parameters(), reducer="adasum", backward_passes_per_step=PASSES
-    )
-    losses = []
-    for step in range(ROUNDS):
-        for micro in range(PASSES):
-            data, target = shard(rank, step, micro)
-            optimizer.zero_grad()  # a no-op while passes accumulate
-            loss = F.nll_loss(model(data), target)
-            loss.backward()
-            optimizer.step()
-            losses.append(loss.item())
-    return [p.detach().numpy().copy() for p in model.parameters()], losses
+    params, losses = port.train(rank, steps=ROUNDS, passes=PASSES, lr=0.05,
+                                before_broadcast=warm_up if rank == 0 else None)
+    return [p.numpy().copy() for p in params], losses
 
 
 def simulate(world):
@@ -240,3 +214,58 @@ def test_broadcast_on_one_process_changes_nothing():
             adasum.broadcast_optimizer_state(model)
     finally:
         dist.destroy_process_group()
+
+
+def root_names_body(rank, world):
+    """On 3 ranks: the root named as Horovod (root_rank=) and torch (src=, a global rank; group_src=, a rank in
+    the group) name it, over the world and over the group of global ranks 1 and 2; each rank's value is its
+    rank, so the value received names the root. Then the refusals, each caught on every rank it concerns."""
+    out = {}
+
+    def received(group=None, **root):
+        t = torch.tensor([float(rank)])
+        adasum.broadcast_parameters([t], group=group, **root)
+        return float(t)
+
+    def state_received(group=None, **root):
+        opt = torch.optim.SGD([torch.zeros(1)], lr=float(rank + 1))
+        adasum.broadcast_optimizer_state(opt, group=group, **root)
+        return opt.param_groups[0]["lr"] - 1
+
+    out["root_rank"] = received(root_rank=2)
+    out["src"] = received(src=2)
+    out["group_src"] = received(group_src=1)
+    out["state_root_rank"] = state_received(root_rank=1)
+    pair = dist.new_group([1, 2])
+    if rank in (1, 2):
+        out["pair_src"] = received(pair, src=2)  # torch's global rank 2: rank 1 of the pair
+        out["pair_group_src"] = received(pair, group_src=0)  # rank 0 of the pair: global rank 1
+        out["pair_state_src"] = state_received(pair, src=2)
+        for name, call in {
+            "src not in group": lambda: received(pair, src=0),
+            "two names": lambda: received(pair, root=1, src=2),
+            "root_rank and src": lambda: state_received(pair, root_rank=0, src=1),
+        }.items():
+            with pytest.raises(ValueError) as info:
+                call()
+            out[name] = str(info.value)
+    return out
+
+
+def test_broadcast_root_names():
+    results = distributed.run(3, root_names_body)
+    for r in results:
+        assert (r["root_rank"], r["src"], r["group_src"], r["state_root_rank"]) == (2.0, 2.0, 1.0, 1.0), r
+    for r in results[1:]:
+        assert (r["pair_src"], r["pair_group_src"], r["pair_state_src"]) == (2.0, 1.0, 2.0), r
+    assert results[1]["src not in group"] == results[2]["src not in group"] == (
+        "adasum.broadcast_parameters: src=0 (a global rank) is not in the group, whose ranks are [1, 2]; "
+        "group_src= or root= take the rank in the group"
+    )
+    assert results[1]["two names"] == (
+        "adasum.broadcast_parameters: name the root once (root=, Horovod's root_rank=, torch's src= or group_src=), "
+        "got root=1, src=2"
+    )
+    assert results[1]["root_rank and src"].startswith(
+        "adasum.broadcast_optimizer_state: name the root once"
+    )

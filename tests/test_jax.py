@@ -449,11 +449,22 @@ else:
         for a, b in zip(f(*leaves), run(p, leaves)):
             np.testing.assert_array_equal(np.asarray(a), b)
 
+    def test_the_states_old_name_is_a_deprecated_alias() -> None:
+        import warnings
+
+        assert isinstance(aj.adasum("data").init(None), aj.AdasumOptaxState)
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            assert aj.AdasumState is aj.AdasumOptaxState
+        assert [w.category for w in caught] == [DeprecationWarning] and caught[0].filename == __file__
+        assert "renamed adasum.jax.AdasumOptaxState" in str(caught[0].message)
+        assert "AdasumState" not in aj.__all__
+
     def test_adasum_transform_is_all_reduce() -> None:
         p = 3
         leaves = random_leaves(p, seed=900)
         opt = aj.adasum("data")
-        f = jax.jit(jax.shard_map(lambda *t: [x[None] for x in opt.update([x[0] for x in t], aj.AdasumState())[0]],
+        f = jax.jit(jax.shard_map(lambda *t: [x[None] for x in opt.update([x[0] for x in t], opt.init(t))[0]],
                                   mesh=mesh(p), in_specs=P("data"), out_specs=P("data")))
         for a, b in zip(f(*leaves), run(p, leaves)):
             np.testing.assert_array_equal(np.asarray(a)[0], b)

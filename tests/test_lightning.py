@@ -246,13 +246,17 @@ def test_routes_on_two_processes(tmp_path):
 
 @pytest.mark.parametrize("strategy", ["ddp_adasum", "ddp_adasum_delta"])
 def test_strategies_warn_on_one_process(strategy, one_process_group):
-    with pytest.warns(UserWarning, match="only one process, so Adasum has nothing to combine"):
+    with pytest.warns(UserWarning, match="only one process, so Adasum has nothing to combine") as caught:
         fit(Tiny(), strategy, devices=1)
+    ours = [w for w in caught if str(w.message).startswith("adasum.")]
+    assert ours and all(w.filename == __file__ for w in ours), [(w.filename, w.lineno) for w in ours]  # trainer.fit
 
 
 def test_callback_warns_on_one_process():
-    with pytest.warns(UserWarning, match="AdasumCallback: only one process"):
+    with pytest.warns(UserWarning, match="AdasumCallback: only one process") as caught:
         fit(Tiny(), "auto", [adasum.lightning.AdasumCallback()], devices=1)
+    ours = [w for w in caught if str(w.message).startswith("adasum.")]
+    assert ours and all(w.filename == __file__ for w in ours), [(w.filename, w.lineno) for w in ours]
 
 
 def test_strategies_refuse_options_that_do_not_apply():

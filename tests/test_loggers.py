@@ -1,19 +1,14 @@
-"""The loggers of per-step statistics write files that TensorBoard and MLflow read back, with no network; the
-Lightning callback hands them to the Trainer's logger."""
+"""The loggers of per-step statistics write files that TensorBoard, MLflow and Weights & Biases read back, with
+no network; the Lightning callback hands them to the Trainer's logger. Each framework is imported by the tests
+that use it: without its extra they skip, naming it (conftest.py)."""
 
 import csv
 import sys
 
-import lightning.pytorch as pl
 import pytest
 import torch
-from lightning.pytorch.loggers import CSVLogger
-from mlflow.tracking import MlflowClient
-from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
-from torch.utils.tensorboard import SummaryWriter
 
-import adasum.lightning
-from adasum.loggers import MLflowLogger, TensorBoardLogger, log_statistics
+from adasum.loggers import MLflowLogger, TensorBoardLogger, WandbLogger, log_statistics
 
 STEPS = [
     {"step": 1, "skipped_steps": 0, "coefficient_min": 0.5, "coefficient_max": 0.75, "orthogonality": 0.6},
@@ -32,6 +27,8 @@ class Owner:
 
 
 def test_tensorboard_logger_writes_scalars_event_files_read_back(tmp_path):
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
     logger = TensorBoardLogger(tmp_path / "run")
     for stats in STEPS:
         logger.log(Owner(stats))
@@ -45,6 +42,9 @@ def test_tensorboard_logger_writes_scalars_event_files_read_back(tmp_path):
 
 
 def test_log_statistics_to_a_summary_writer_at_a_given_step_with_lists_flattened(tmp_path):
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+    from torch.utils.tensorboard import SummaryWriter
+
     with SummaryWriter(str(tmp_path)) as writer:
         written = log_statistics(writer, {"consensus_weights": [0.25, 0.75], "step": 4}, step=10)
     assert written == {"adasum/consensus_weights/0": 0.25, "adasum/consensus_weights/1": 0.75, "adasum/step": 4.0}
@@ -53,20 +53,30 @@ def test_log_statistics_to_a_summary_writer_at_a_given_step_with_lists_flattened
     assert [(e.step, e.value) for e in events.Scalars("adasum/consensus_weights/1")] == [(10, 0.75)]
 
 
+@pytest.fixture(scope="module")
+def mlflow_database(tmp_path_factory):
+    """A SQLite tracking store, as docs/integrations.md sets it (MLflow 3 refuses the plain file store), made once:
+    its tables take seconds to create."""
+    import mlflow  # noqa: F401 - skips without the extra
+    import sqlalchemy  # noqa: F401
+
+    return f"sqlite:///{tmp_path_factory.mktemp('mlflow') / 'mlflow.db'}"
+
+
 @pytest.fixture
-def mlflow_store(tmp_path, monkeypatch):
+def mlflow_store(mlflow_database):
     import mlflow
 
-    monkeypatch.setenv("MLFLOW_ALLOW_FILE_STORE", "true")  # the local file store, no server
-    uri = (tmp_path / "mlruns").as_uri()
-    mlflow.set_tracking_uri(uri)
-    yield mlflow, uri
+    mlflow.set_tracking_uri(mlflow_database)
+    yield mlflow, mlflow_database
     if mlflow.active_run() is not None:
         mlflow.end_run()
     mlflow.set_tracking_uri("")
 
 
 def test_mlflow_logger_logs_metrics_the_client_reads_back(mlflow_store):
+    from mlflow.tracking import MlflowClient
+
     mlflow, uri = mlflow_store
     with mlflow.start_run() as run:
         logger = MLflowLogger()  # the active run
@@ -79,6 +89,8 @@ def test_mlflow_logger_logs_metrics_the_client_reads_back(mlflow_store):
 
 
 def test_log_statistics_to_an_mlflow_run(mlflow_store):
+    from mlflow.tracking import MlflowClient
+
     mlflow, uri = mlflow_store
     run = mlflow.start_run()
     mlflow.end_run()
@@ -99,30 +111,87 @@ def test_a_logger_without_its_package_names_the_extra(monkeypatch):
     monkeypatch.setitem(sys.modules, "tensorboard", None)
     with pytest.raises(ImportError, match=r"pip install 'adasum\[tensorboard\]'"):
         TensorBoardLogger("unused")
+    monkeypatch.setitem(sys.modules, "wandb", None)
+    with pytest.raises(ImportError, match=r"pip install 'adasum\[wandb\]' \(from a checkout: pip install '.\[wandb\]'"):
+        WandbLogger()
+
+
+def wandb_history(folder):
+    """The history rows of the one offline W&B run under `folder`, read back from its ``.wandb`` file: LevelDB's
+    log format (blocks of 32 KiB, records of a 7-byte header: checksum, length, type) of protobuf records."""
+    import json
+    import struct
+
+    from wandb.proto import wandb_internal_pb2
+
+    (path,) = folder.glob("wandb/offline-run-*/run-*.wandb")
+    data = path.read_bytes()
+    assert data[:4] == b":W&B"
+    rows, pos, parts = [], 7, b""
+    while pos + 7 <= len(data):
+        if 32768 - pos % 32768 < 7:  # a block's tail too short for a header: padding
+            pos += 32768 - pos % 32768
+            continue
+        _, length, kind = struct.unpack("<IHB", data[pos:pos + 7])
+        parts, pos = parts + data[pos + 7:pos + 7 + length], pos + 7 + length
+        if kind in (1, 4):  # a whole record, or the last part of one
+            record = wandb_internal_pb2.Record()
+            record.ParseFromString(parts)
+            parts = b""
+            if record.WhichOneof("record_type") == "history":
+                rows.append({i.key or "/".join(i.nested_key): json.loads(i.value_json) for i in record.history.item})
+    return rows
+
+
+def test_wandb_logger_logs_an_offline_run_read_back(tmp_path, monkeypatch):
+    wandb = pytest.importorskip("wandb", reason="needs the wandb extra: pip install '.[wandb]'")
+    monkeypatch.setenv("WANDB_MODE", "offline")
+    monkeypatch.setenv("WANDB_SILENT", "true")
+    run = wandb.init(project="adasum-test", dir=str(tmp_path))
+    try:
+        logger = WandbLogger()  # the active run
+        for stats in STEPS[:1]:
+            logger.log(Owner(stats))
+        log_statistics(run, {**STEPS[1], "consensus_weights": [0.25, 0.75]})
+    finally:
+        run.finish()
+    with pytest.raises(RuntimeError, match=r"call wandb.init\(\) first"):
+        WandbLogger().log(STEPS[0])
+    rows = wandb_history(tmp_path)
+    assert [row["_step"] for row in rows] == [1, 2]
+    for row, stats in zip(rows, STEPS):
+        assert {k: row[f"adasum/{k}"] for k in stats} == pytest.approx(stats)
+    assert (rows[1]["adasum/consensus_weights/0"], rows[1]["adasum/consensus_weights/1"]) == (0.25, 0.75)
 
 
 def test_the_source_must_have_statistics():
+    from torch.utils.tensorboard import SummaryWriter
+
     with pytest.raises(TypeError, match="statistics"):
         log_statistics(SummaryWriter.__new__(SummaryWriter), object(), step=0)
-    with pytest.raises(TypeError, match="SummaryWriter or an MLflow run"):
+    with pytest.raises(TypeError, match="SummaryWriter, an MLflow run or a W&B run"):
         log_statistics(object(), STEPS[0])
 
 
-class Regression(pl.LightningModule):
-    def __init__(self):
-        super().__init__()
-        torch.manual_seed(0)
-        self.net = torch.nn.Linear(3, 1)
-
-    def training_step(self, batch, batch_idx):
-        x, y = batch
-        return torch.nn.functional.mse_loss(self.net(x), y)
-
-    def configure_optimizers(self):
-        return torch.optim.SGD(self.parameters(), lr=0.1)
-
-
 def test_lightning_callback_logs_the_statistics_through_the_trainers_logger(tmp_path, one_process_group):
+    import lightning.pytorch as pl
+    from lightning.pytorch.loggers import CSVLogger
+
+    import adasum.lightning
+
+    class Regression(pl.LightningModule):
+        def __init__(self):
+            super().__init__()
+            torch.manual_seed(0)
+            self.net = torch.nn.Linear(3, 1)
+
+        def training_step(self, batch, batch_idx):
+            x, y = batch
+            return torch.nn.functional.mse_loss(self.net(x), y)
+
+        def configure_optimizers(self):
+            return torch.optim.SGD(self.parameters(), lr=0.1)
+
     x = torch.randn(12, 3, generator=torch.Generator().manual_seed(0))
     trainer = pl.Trainer(
         accelerator="cpu",

@@ -1,6 +1,6 @@
-"""The package as published: the wheel's metadata (license file, classifiers, URLs, version), the
-files it ships (py.typed), absolute links in its long description, and the ImportError of every
-module whose optional extra is missing."""
+"""The package as published: the sdist and the wheel built from it (``python -m build``, no download) pass
+``twine check``; the wheel's metadata (license file, classifiers, URLs, version), the files it ships (py.typed),
+absolute links in its long description, and the ImportError of every module whose optional extra is missing."""
 
 import email
 import importlib
@@ -19,17 +19,40 @@ ROOT = Path(__file__).resolve().parent.parent
 
 
 @pytest.fixture(scope="module")
-def wheel(tmp_path_factory) -> zipfile.ZipFile:
-    """``pip wheel . --no-deps`` of a copy of the checkout (the build writes next to the sources)."""
+def built(tmp_path_factory) -> Path:
+    """The folder holding the sdist and the wheel that ``python -m build --no-isolation`` makes of a copy of the
+    checkout (the build writes next to the sources; the wheel is built from the sdist, so the sdist must hold
+    everything the wheel needs; no isolation: the installed setuptools, nothing downloaded)."""
+    pytest.importorskip("build", reason="needs the test extra: pip install '.[test]'")
     tree = tmp_path_factory.mktemp("checkout")
     for name in ("pyproject.toml", "README.md", "LICENSE"):
         shutil.copy(ROOT / name, tree / name)
     shutil.copytree(ROOT / "src", tree / "src", ignore=shutil.ignore_patterns("__pycache__", "*.egg-info"))
-    command = [sys.executable, "-m", "pip", "wheel", ".", "--no-deps", "--no-build-isolation", "-q", "-w", "out"]
+    command = [sys.executable, "-m", "build", "--no-isolation", "--outdir", "out", "."]
     done = subprocess.run(command, cwd=tree, capture_output=True, text=True, timeout=240)
-    assert done.returncode == 0, done.stderr[-3000:]
-    (path,) = (tree / "out").glob("adasum-*.whl")
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    return tree / "out"
+
+
+@pytest.fixture(scope="module")
+def wheel(built) -> zipfile.ZipFile:
+    (path,) = built.glob("adasum-*.whl")
     return zipfile.ZipFile(path)
+
+
+def test_the_sdist_and_the_wheel_pass_twine_check(built):
+    pytest.importorskip("twine", reason="needs the test extra: pip install '.[test]'")
+    files = sorted(str(p) for p in built.iterdir())
+    assert [Path(f).name for f in files] == [f"adasum-{adasum.__version__}-py3-none-any.whl",
+                                             f"adasum-{adasum.__version__}.tar.gz"]
+    done = subprocess.run([sys.executable, "-m", "twine", "check", "--strict", *files],
+                          capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0 and done.stdout.count("PASSED") == 2, done.stdout + done.stderr
+    import tarfile
+
+    with tarfile.open(next(built.glob("*.tar.gz"))) as sdist:
+        names = {n.split("/", 1)[1] for n in sdist.getnames() if "/" in n}
+    assert {"LICENSE", "README.md", "pyproject.toml", "src/adasum/py.typed", "src/adasum/__init__.py"} <= names
 
 
 def metadata(wheel: zipfile.ZipFile) -> email.message.Message:

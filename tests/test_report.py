@@ -90,7 +90,88 @@ def test_holm_adjusts_over_the_comparisons_of_one_report():
 
 def test_fewer_than_five_seeds_are_labelled():
     text = summary_table(synthetic_study(effect=3.0, seeds=3))
-    assert "3 seeds)" in text and "With 3 seeds (fewer than 5" in text
+    assert "of 3 seeds, " in text and "With 3 seeds (fewer than 5" in text
+
+
+def test_few_seeds_show_their_range_and_counts_not_a_t_interval():
+    """Over 2 or 3 seeds a t-interval says next to nothing ([0.0, 100.0]): cells give the mean and the count of
+    runs beside their min-max, comparisons the seeds on which the method is higher and the range of the
+    differences."""
+    rows = [run("sequential", 1, s, acc) for s, acc in enumerate([95.0, 96.0, 94.0])]
+    rows += [run("adasum", 8, s, acc) for s, acc in enumerate([96.5, 95.0, 97.0])]
+    text = summary_table(rows)
+    line = next(x for x in text.splitlines() if x.startswith("| adasum | 8 |"))
+    assert "| 96.17 (3 runs) | 95.0-97.0 |" in line, line
+    assert "+1.17: no detectable difference (higher on 2 of 3 seeds, -1.0 to +3.0, Holm p" in line, line
+    assert "[" not in line.split("|")[6], line  # no interval in the accuracy cell
+    assert "above sequential training by 1.17 points (higher on 2 of 3 seeds)" in text  # the conclusion
+    two = summary_table([run("sequential", 1, s, 95.0 + s) for s in range(2)])
+    assert "| 95.50 (2 runs) | 95.0-96.0 |" in two and "[0.0, 100.0]" not in two
+    five = summary_table(synthetic_study(effect=2.0))
+    assert "(5 runs)" not in five and ": better ([+" in five  # from 5 seeds on: the t-intervals
+
+
+def test_paired_intervals_are_clipped_to_the_possible_differences():
+    d = Paired.of([91.0, 95.0, 30.0], [90.0, 90.0, 90.0])  # the t-interval would start at -108.5
+    assert d.lo == -100.0 and d.hi < 100.0 and (d.higher, d.min, d.max) == (2, -60.0, 5.0)
+    assert Paired.of([100.0, 0.0, 100.0, 0.0, 100.0], [0.0] * 5).hi == 100.0
+
+
+def test_a_run_still_learning_is_not_called_collapsed():
+    """The runner flags a 1-epoch run at 21.8 % (10 classes) at chance: its training loss never fell below
+    guessing's over the epoch; the report calls it not learnt yet, apart from a run that really ends at chance."""
+    rows = [run("sequential", 1, s, 95.0 + 0.1 * s) for s in range(5)]
+    rows += [run("mean-scaled", 16, s, acc, collapsed=acc < 25) for s, acc in enumerate([21.8, 11.0, 93.0, 92.0, 94.0])]
+    line = next(x for x in summary_table(rows).splitlines() if x.startswith("| mean-scaled | 16 |"))
+    assert "2/5 failed (1 at chance, 1 not learnt yet)" in line, line
+    from adasum.experiments.cli import _flag
+
+    learning = run("adasum", 4, 0, 21.8, collapsed=True)
+    assert _flag(learning) == " (not learnt yet: more epochs would tell)"
+    assert _flag({**learning, "test_accuracy": 11.0}) == " (collapsed to chance)"
+
+
+def test_robustness_does_not_reward_a_method_equally_bad_at_every_rate(tmp_path):
+    """The scaled mean at 42 % at both rates used to get the widest range (within 1 point of its own best);
+    against the best method's best (Adasum's 95) it has none, and Adasum's range is its own."""
+    from adasum.experiments.report import robustness, robustness_table
+
+    rows = []
+    for s in range(3):
+        rows += [run("sequential", 1, s, 96.0, lr=lr) for lr in (0.01, 0.1)]
+        rows += [run("mean-scaled", 8, s, 42.0, lr=lr) for lr in (0.01, 0.1)]
+        rows += [run("adasum", 8, s, acc, lr=lr) for lr, acc in ((0.01, 94.5), (0.1, 95.0))]
+    rob = robustness(rows)
+    assert rob[("mean-scaled", 8)].width is None and rob[("mean-scaled", 8)].reference == 95.0
+    assert (rob[("adasum", 8)].range_lo, rob[("adasum", 8)].range_hi, rob[("adasum", 8)].width) == (0.01, 0.1, 10.0)
+    table = robustness_table(rows)
+    assert "| mean-scaled | 8 | 42.00 | 42.00 | 0.01 (grid edge) | 95.00 | none | - |" in table, table
+    assert "| adasum | 8 |" in table and "| 0.01-0.1 | 10 |" in table
+    assert "lr range within 1 point of it" in write_report(rows, tmp_path).read_text()
+
+
+def test_plurals_and_the_setting_of_one_epoch():
+    from adasum.experiments.report import _setting
+
+    one = _setting([{"task": "digits", "model": "cnn", "batch_size": 8, "epochs": 1, "seed": 0, "optimizer": "sgd"}])
+    assert "1 epoch," in one and "1 epochs" not in one
+    text = summary_table([run("sequential", 1, 0, 95.0), run("adasum", 8, 0, 96.0)])
+    assert "With 1 seed (" in text and "1 seeds" not in text
+
+
+def test_the_terminal_gets_the_summary_rendered_and_a_pipe_gets_markdown():
+    import io
+
+    from adasum.experiments.report import to_terminal
+
+    text = summary_table(synthetic_study(effect=2.0))
+    piped, shown = io.StringIO(), io.StringIO()
+    to_terminal(text, piped)  # not a terminal: the markdown as report.md has it
+    assert piped.getvalue() == text + "\n"
+    to_terminal(text, shown, terminal=True)
+    out = shown.getvalue()
+    assert "| --- |" not in out and "| adasum | 8 |" not in out and "─" in out  # a drawn table, no markdown
+    assert "Conclusion." in out and "**Conclusion.**" not in out
 
 
 def test_a_bimodal_cell_counts_failures_apart_with_a_bounded_interval():
@@ -104,7 +185,7 @@ def test_a_bimodal_cell_counts_failures_apart_with_a_bounded_interval():
     assert "3/5 failed (2 at chance, 1 near chance)" in line
     good = Stat.of([73.4, 93.0])
     assert good.hi == 100.0 and good.lo >= 0.0  # 83.2 +- 124 clipped to [0, 100]
-    assert f"{good.mean:.2f} [{good.lo:.1f}, {good.hi:.1f}]" in line and "73.4-93.0" in line
+    assert f"{good.mean:.2f} (2 runs) | 73.4-93.0" in line  # two runs: their range, no interval
     adasum = next(x for x in text.splitlines() if x.startswith("| adasum | 16 |"))
     assert "failed 0/5 vs 3/5" in adasum and "0/5 failed" in adasum
     assert "mean-scaled at 16 workers failed in 3 of 5 runs and every other row in none" in text

@@ -16,6 +16,8 @@ import torch
 from adasum.experiments import checkpoint as ckpt
 from adasum.experiments.cli import main
 
+pytestmark = pytest.mark.extra("experiments")  # the CLI's tasks, plots and statistics
+
 SRC = str(Path(__file__).parent.parent / "src")
 KILL_AT = Path(__file__).parent / "kill_at.py"
 # 256 examples / (2 ranks x 8) = 16 steps per epoch, 32 in all; checkpoints every 5 steps

@@ -17,6 +17,8 @@ from adasum.experiments.report import picked, robustness, summary_table
 from adasum.experiments.runner import Chance, RunConfig, train
 from adasum.experiments.stats import Stat
 
+pytestmark = pytest.mark.extra("experiments")  # the CLI's tasks, plots and statistics
+
 QUICK = ["--no-progress", "--quiet", "--train-limit", "128", "--batch-size", "8", "--epochs", "1"]
 
 

@@ -6,8 +6,8 @@ aggregation) and SlowMo (slow momentum over periodically combined models) on the
 interface.
 """
 
-import importlib
-from types import ModuleType
+import importlib as _importlib
+from types import ModuleType as _ModuleType
 
 from adasum import ddp
 from adasum.collectives import all_reduce, all_reduce_async, hierarchical
@@ -56,10 +56,16 @@ ON_ACCESS = ("accelerate", "fsdp", "jax", "lightning", "loggers")
 optional extras: a missing one raises the ImportError that names it, `adasum.extras.require`)."""
 
 
-def __getattr__(name: str) -> ModuleType:
+def __getattr__(name: str) -> _ModuleType:
     if name in ON_ACCESS:
-        return importlib.import_module(f"adasum.{name}")
+        return _importlib.import_module(f"adasum.{name}")
     raise AttributeError(f"module 'adasum' has no attribute {name!r}")
+
+
+def __dir__() -> list[str]:
+    """The public names, the subpackages and the modules loaded on access (not the loader's own names)."""
+    loaded = [k for k, v in globals().items() if isinstance(v, _ModuleType) and not k.startswith("_")]
+    return sorted({*__all__, *ON_ACCESS, *loaded, "__version__"})
 
 
 __version__ = "0.1.0"  # the one place the version is written: pyproject.toml reads it from here

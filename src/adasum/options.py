@@ -2,7 +2,9 @@
 editors show the choices), and `check_option`, the one runtime test of a value against it (callers need not run a
 type checker); and the runtime tests of the other kinds of option, counts (`check_count`), numbers in a range
 (`check_number`) and flags (`check_flag`), each raising the same message wherever the option is taken, and of a
-saved state's options against an object's (`check_saved_settings`).
+saved state's options against an object's (`check_saved_settings`); Horovod's ``op=`` read as a reducer
+(`reducer_of_op`); the error of a call before ``init_process_group`` (`not_initialised`); and the
+``stacklevel`` that makes a warning name the user's line (`user_stacklevel`).
 
 >>> check_option("nonfinite", "skip", Nonfinite)
 >>> check_option("mode", "deltas", Mode)
@@ -14,7 +16,10 @@ ValueError: mode must be one of ['delta', 'gradient'], got 'deltas'
 from __future__ import annotations
 
 import numbers
+import os
+import sys
 from collections.abc import Callable, Iterable
+from types import FrameType, MappingProxyType
 from typing import Any, Literal, get_args
 
 Nonfinite = Literal["propagate", "raise", "skip"]
@@ -99,3 +104,72 @@ local_steps=8; build it with the settings the state was saved with
             f"{operation}: the state was saved with {was}, but this {what} has {has}; build it with the settings the "
             "state was saved with"
         )
+
+
+HOROVOD_OPS = MappingProxyType({"adasum": "adasum", "average": "mean", "sum": "sum"})
+"""Horovod's reduction ops (``op=hvd.Adasum``, ``hvd.Average``, ``hvd.Sum``) by the reducer name each maps to."""
+
+
+def reducer_of_op(operation: str, op: object, reducer: object) -> object:
+    """The reducer that Horovod's keyword ``op=`` asks for: ``"Adasum"``, ``"Average"`` or ``"Sum"`` (any case;
+    Horovod's own constants where ``horovod.torch`` is imported), or a reducer name or object as ``reducer=``
+    takes; `reducer` itself where `op` is None. Naming a reducer both ways is a ValueError; any other op a
+    ValueError that names the ``reducer=`` spelling (an unknown name: `adasum.get_reducer`'s ValueError).
+
+    >>> reducer_of_op("adasum.DistributedOptimizer", "Average", "adasum")
+    'mean'
+    >>> reducer_of_op("adasum.DistributedOptimizer", 3, "adasum")
+    Traceback (most recent call last):
+    ValueError: adasum.DistributedOptimizer: op=3 has no reducer; pass reducer='adasum', 'mean' or 'sum' (Horovod's \
+Adasum, Average, Sum)
+    """
+    if op is None:
+        return reducer
+    if reducer != "adasum":
+        raise ValueError(f"{operation}: pass reducer= or Horovod's op=, not both (got reducer={reducer!r}, op={op!r})")
+    horovod = sys.modules.get("horovod.torch")
+    for name in ("Adasum", "Average", "Sum"):
+        if horovod is not None and not isinstance(op, str) and getattr(horovod, name, object()) is op:
+            return HOROVOD_OPS[name.lower()]
+    if isinstance(op, str) and op.lower() in HOROVOD_OPS:
+        return HOROVOD_OPS[op.lower()]
+    if isinstance(op, str) or hasattr(op, "reduce"):
+        return op  # a reducer name or object, as reducer= takes (get_reducer refuses an unknown name)
+    raise ValueError(
+        f"{operation}: op={op!r} has no reducer; pass reducer='adasum', 'mean' or 'sum' "
+        "(Horovod's Adasum, Average, Sum)"
+    )
+
+
+def not_initialised(operation: str) -> RuntimeError:
+    """The error of a call that needs a process group before ``init_process_group`` ran, with how to start one."""
+    return RuntimeError(
+        f"{operation} needs torch.distributed to be initialised: call "
+        "torch.distributed.init_process_group('nccl') (or 'gloo' on CPUs) first, with the script under torchrun"
+    )
+
+
+_PACKAGE = os.path.dirname(os.path.abspath(__file__)) + os.sep
+
+
+def user_stacklevel(*through: str) -> int:
+    """The ``stacklevel`` that makes a warning, raised by the function that calls this one, name the user's line:
+    the first caller outside adasum and outside the packages named in `through` (such as ``"lightning"``, whose
+    own frames lie between the user's ``trainer.fit(...)`` and adasum's code).
+
+    >>> import warnings
+    >>> with warnings.catch_warnings(record=True) as caught:
+    ...     warnings.simplefilter("always")
+    ...     warnings.warn("here", UserWarning, stacklevel=user_stacklevel())
+    >>> caught[0].filename.endswith("options.py")     # a doctest's line has no file: the caller outside it
+    False
+    """
+    prefixes = [_PACKAGE]
+    for name in through:
+        module = sys.modules.get(name)
+        prefixes += [os.path.join(os.path.abspath(p), "") for p in getattr(module, "__path__", ())]
+    frame: FrameType | None = sys._getframe(1)  # the function that warns: stacklevel 1
+    level = 1
+    while frame is not None and frame.f_code.co_filename.startswith(tuple(prefixes)):
+        frame, level = frame.f_back, level + 1
+    return level

@@ -154,6 +154,9 @@ class SimulatedWorkers:
     `optimizer` builds the optimizer from a list of tensors: the model's parameters for
     ``combine="gradient"``, the stacked per-worker parameters for ``combine="delta"``.
     `module` always holds the model the workers agree on (for evaluation and checkpoints).
+    `reducer` is "mean" by default (plain data parallelism, the baseline a simulation compares against), where
+    `adasum.DistributedOptimizer`, `adasum.ddp.AdasumState` and `adasum.fsdp.enable` default to "adasum": pass
+    ``reducer="adasum"`` to simulate those.
     `chunk_size` bounds how many workers' backward passes run at once (memory).
     `nonfinite` ("propagate" by default, "raise", "skip"): what a NaN/Inf in any worker's gradients
     does, decided before any worker steps (`adasum.collectives.nonfinite.decide_nonfinite`, with

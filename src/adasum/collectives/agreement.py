@@ -16,7 +16,7 @@ memory are refused before any data moves.
 >>> check_same_layout([x[:2], x[2:]], None, cpu)                 # disjoint views: agreed
 >>> check_same_layout([x[:3], x[1:]], None, cpu, operation="adasum.Mean.all_reduce")  # doctest: +ELLIPSIS
 Traceback (most recent call last):
-ValueError: adasum.Mean.all_reduce: tensors 0 and 1 share memory (overlapping views of one storage); ... on rank 0
+ValueError: adasum.Mean.all_reduce: on rank 0, tensors 0 and 1 share memory (overlapping views of one storage); ...
 >>> dist.destroy_process_group()
 
 The entry points reach these checks through their plan (`adasum.collectives.plan.prepare`).
@@ -68,10 +68,11 @@ class Problem:
     message: str
 
     def exception(self, operation: str, rank: int | None = None) -> Exception:
-        """The exception to raise: `operation`, the message and, when given, the rank."""
-        where = f" on rank {rank}" if rank is not None else ""
+        """The exception to raise: `operation`, when given the rank, and the message. The rank comes first
+        (``"op: on rank 1, tensor 0 is sparse; pass ..."``): at the end it would read as part of the advice."""
+        where = f"on rank {rank}, " if rank is not None else ""
         kind = TypeError if self.error == "TypeError" else ValueError
-        return kind(f"{operation}: {self.message}{where}")
+        return kind(f"{operation}: {where}{self.message}")
 
 
 # the per-tensor reads of the checks, as C-level callables for `map` (plan and api read tensors the same way)
@@ -429,7 +430,7 @@ def check_same_layout(
     >>> check_same_layout([torch.zeros(3), torch.ones(2, 2)], None, torch.device("cpu"))   # passes
     >>> check_same_layout([torch.zeros(3), torch.arange(2)], None, torch.device("cpu"), operation="adasum.all_reduce")
     Traceback (most recent call last):
-    TypeError: adasum.all_reduce: tensor 1 has dtype torch.int64; only floating-point tensors can be combined on rank 0
+    TypeError: adasum.all_reduce: on rank 0, tensor 1 has dtype torch.int64; only floating-point tensors can be combined
     >>> dist.destroy_process_group()
     """
     tensors = list(tensors)

@@ -24,7 +24,7 @@ from adasum.collectives.nonfinite import check_finite, check_policy
 from adasum.collectives.plan import Plan, prepare, recheck
 from adasum.collectives.vhdd import adasum_flat_, transport_for
 from adasum.core.layout import Scattered, flatten, group_by_dtype, unflatten_into
-from adasum.options import Nonfinite, TransportName, check_flag, choices
+from adasum.options import Nonfinite, TransportName, check_flag, choices, not_initialised
 from adasum.transport.base import Transport
 from adasum.transport.graphs import MAX_GRAPHS, tensor_key
 from adasum.transport.groups import Communicator, check_group, communicator, group_device
@@ -117,7 +117,7 @@ def _all_reduce(
     tensors = tensor_list(tensors, operation)
     check_group(group, operation)
     if not dist.is_initialized():
-        raise RuntimeError(f"{operation} needs torch.distributed to be initialised")
+        raise not_initialised(operation)
     comm = communicator(group)
     check_policy(nonfinite, ("propagate", "raise"), operation)
     check_transport(transport, operation)

@@ -12,7 +12,9 @@ Conventions: ``--version``; every flag's help ends with its default; flags are n
 and a mistyped flag, subcommand, choice or method gets "did you mean"; ``--seeds`` on both
 subcommands; a non-empty ``--out`` needs ``--resume`` or ``--overwrite`` (nothing finished is
 replaced silently); a flag given where it has no effect (``--local-steps`` for a method without local
-steps, ``--momentum`` with Adam, ...) is bad input (`check_flags_apply`).
+steps, ``--momentum`` with Adam, ...) is bad input (`check_flags_apply`); ``--config FILE`` starts from a
+run's ``result.json`` (replaying it) or a JSON or TOML table of flags, and the flags given override it (the
+file's settings are not checked for effect: a run's record holds every setting).
 """
 
 from __future__ import annotations
@@ -25,6 +27,7 @@ import sys
 from collections.abc import Callable, Sequence
 from dataclasses import fields
 from pathlib import Path
+from types import MappingProxyType
 from typing import Any
 
 from adasum.collectives.nonfinite import NonFiniteError
@@ -239,6 +242,102 @@ def _one_seed(text: str) -> int:
     return seeds[0]
 
 
+def _config_flag(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "--config",
+        default=None,
+        metavar="FILE",
+        help="start from a run's settings: its result.json (replays that run), or a JSON or TOML table of flags "
+        "(lr = 0.05, batch-size = 16, ...); flags given here override it",
+    )
+
+
+# the settings of a run's result.json ("config") by the flag each is given as; workers is --simulate for
+# `adasum train` and --workers for `adasum compare`, seed --seeds for both, method --methods for compare
+_CONFIG_FLAGS = MappingProxyType({
+    "compare": MappingProxyType({"method": "methods", "methods": "methods", "workers": "workers", "lr": "lr",
+                                 "lrs": "lr", "seed": "seeds", "seeds": "seeds"}),
+    "train": MappingProxyType({"method": "method", "workers": "simulate", "simulate": "simulate", "lr": "lr",
+                               "seed": "seeds", "seeds": "seeds"}),
+})
+
+
+def read_config(path: str) -> dict[str, Any]:
+    """The settings in `path` as ``{flag name without dashes: value}``: a run's result.json (its ``config``, and
+    its ``epochs``, which a run's identity leaves out), or a JSON object or TOML table of flag names (``-`` or
+    ``_`` alike). ValueError for a file that is neither."""
+    import json
+
+    try:
+        text = Path(path).read_text()
+    except OSError as error:
+        raise ValueError(f"cannot read --config {path!r}: {error.strerror or error}") from None
+    if path.endswith(".toml"):
+        values: Any = _toml(text, path)
+    else:
+        try:
+            values = json.loads(text)
+        except json.JSONDecodeError as error:
+            raise ValueError(f"--config {path!r} is not valid JSON: {error}") from None
+    if not isinstance(values, dict):
+        raise ValueError(f"--config {path!r} must hold a table of settings, got a {type(values).__name__}")
+    if isinstance(values.get("config"), dict):  # a run's result.json
+        run = values
+        values = dict(run["config"])
+        if "epochs" in run:
+            values["epochs"] = run["epochs"]
+        if run.get("distributed"):  # its workers were torchrun's processes: relaunch it with as many
+            values.pop("workers", None)
+    return {str(k).replace("-", "_"): v for k, v in values.items()}
+
+
+def _toml(text: str, path: str) -> Any:
+    if sys.version_info >= (3, 11):
+        import tomllib
+
+        try:
+            return tomllib.loads(text)
+        except tomllib.TOMLDecodeError as error:
+            raise ValueError(f"--config {path!r} is not valid TOML: {error}") from None
+    raise ValueError("a TOML --config needs Python 3.11 or later (tomllib); write it as JSON")
+
+
+def config_arguments(parser: argparse.ArgumentParser, command: str, values: dict[str, Any]) -> list[str]:
+    """`values` (`read_config`) as command-line flags of `command` (UsageError, with a suggestion, for a name that
+    is no flag of it); None and False leave a flag out, True gives a switch, a list its comma-joined items."""
+    known = {a.dest: a for a in parser._actions if a.option_strings}
+    rename = _CONFIG_FLAGS[command]
+    out: list[str] = []
+    for key, value in values.items():
+        dest = rename.get(key, key)
+        if command == "train" and dest == "seeds":
+            dest = "seed"
+        action = known.get(dest)
+        if action is None or dest in ("config", "out", "resume", "overwrite", "help"):
+            flags = [f"--{d.replace('_', '-')}" for d in known if d not in ("config", "help")]
+            raise UsageError(f"--config: {key!r} is not a setting of adasum {command}"
+                             f"{did_you_mean('--' + key.replace('_', '-'), flags)}")
+        if value is None or value is False:
+            continue
+        if command == "train" and dest == "simulate" and value == 1:
+            continue  # one worker: no --simulate
+        flag = action.option_strings[0]
+        if value is True:
+            out.append(flag)
+        else:
+            items = value if isinstance(value, list) else [value]
+            out += [flag, ",".join(str(v) for v in items)]
+    return out
+
+
+def _with_config(parser: argparse.ArgumentParser, argv: Sequence[str], args: argparse.Namespace) -> list[str]:
+    """`argv` with the flags of ``--config`` inserted right after the subcommand, so that flags given override
+    them (the last of a flag wins)."""
+    tokens = config_arguments(_subparser(parser, args.command), args.command, read_config(args.config))
+    at = list(argv).index(args.command) + 1
+    return [*argv[:at], *tokens, *argv[at:]]
+
+
 def build_parser() -> argparse.ArgumentParser:
     """The parser of the ``adasum`` command and its subcommands."""
     from adasum import __version__
@@ -262,6 +361,7 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--tensorboard", action="store_true", help="also write TensorBoard logs (needs tensorboard)")
     t.add_argument("--seeds", dest="seed", type=_one_seed, default=0, metavar="SEED", help="the run's seed")
     _common(t)
+    _config_flag(t)
 
     c = sub.add_parser("compare", help="a sweep over methods x worker counts x learning rates x seeds (simulated)")
     c.add_argument("--methods", default="sequential,mean-scaled,adasum", help=f"comma-separated, from: {methods}")
@@ -276,6 +376,7 @@ def build_parser() -> argparse.ArgumentParser:
         help="comma-separated seeds, each a run of every cell",
     )
     _common(c)
+    _config_flag(c)
 
     r = sub.add_parser("report", help="one report (tables, plots) from the results.jsonl of several sweeps")
     r.add_argument("results", nargs="+", help="results.jsonl files or the sweep folders holding them")
@@ -384,13 +485,21 @@ def _setup_logging(quiet: bool, rank: int) -> None:
 
 
 def _flag(result: dict) -> str:
-    return " (diverged)" if result["diverged"] else " (collapsed to chance)" if result["collapsed"] else ""
+    from adasum.experiments.report import chance_reason
+
+    if result["diverged"]:
+        return " (diverged)"
+    if not result["collapsed"]:
+        return ""
+    return " (not learnt yet: more epochs would tell)" if chance_reason(result) == "not learnt yet" else \
+        " (collapsed to chance)"
 
 
 def cmd_train(args: argparse.Namespace) -> int:
     """``adasum train``: one run; returns the exit status."""
     from adasum.experiments.methods import get_method
     from adasum.experiments.progress import ProgressBar
+    from adasum.experiments.report import plural
     from adasum.experiments.runner import train
 
     method = get_method(args.method)
@@ -414,7 +523,7 @@ def cmd_train(args: argparse.Namespace) -> int:
             )
         print(
             f"{result['method']} P={result['workers']}: validation accuracy {result['val_accuracy']:.2f}%, "
-            f"test accuracy {result['test_accuracy']:.2f}% after {result['epochs_run']} epochs"
+            f"test accuracy {result['test_accuracy']:.2f}% after {plural(result['epochs_run'], 'epoch')}"
             f"{_flag(result)} ({out / 'result.json'})"
         )
         return 0
@@ -488,7 +597,7 @@ def cmd_compare(args: argparse.Namespace) -> int:
     """``adasum compare``: a sweep and its report; returns the exit status."""
     from adasum.experiments.compare import compare
     from adasum.experiments.methods import parse_methods
-    from adasum.experiments.report import summary_table
+    from adasum.experiments.report import summary_table, to_terminal
 
     methods = parse_methods(args.methods)
     check_flags_apply(args, methods, args.workers)
@@ -508,14 +617,14 @@ def cmd_compare(args: argparse.Namespace) -> int:
         overwrite=args.overwrite,
         progress=not args.no_progress,
     )
-    print(summary_table(results))
+    to_terminal(summary_table(results))
     print(f"\nwrote {out / 'results.jsonl'}, {out / 'report.md'} and plots in {out}")
     return 0
 
 
 def cmd_report(args: argparse.Namespace) -> int:
     """``adasum report``: one report from several sweep folders; returns the exit status."""
-    from adasum.experiments.report import load_results, plot, summary_table, write_report
+    from adasum.experiments.report import load_results, plot, summary_table, to_terminal, write_report
 
     _setup_logging(args.quiet, 0)
     results = load_results(args.results)  # one-line errors for malformed rows or mixed settings
@@ -524,7 +633,7 @@ def cmd_report(args: argparse.Namespace) -> int:
     with writing(out, f"the figures in {out}"):
         plot(results, out)
     write_report(results, out, title=args.title or f"Comparison on {', '.join(tasks)}")
-    print(summary_table(results))
+    to_terminal(summary_table(results))
     print(f"\nwrote {out / 'report.md'} and plots in {out}")
     return 0
 
@@ -558,9 +667,16 @@ def main(argv: Sequence[str] | None = None, *, on_step: Callable[[int, int], Non
     """Run the command line; returns the exit status. `on_step` goes to `train` (``adasum train``)."""
     parser = build_parser()
     try:
+        argv = list(sys.argv[1:] if argv is None else argv)
         args, extra = parser.parse_known_args(argv)
         if extra:
             raise _subparser(parser, args.command).unrecognized(extra)
+        if getattr(args, "config", None) is not None:
+            given = args.given  # the command line's flags, not the file's: only those are checked for effect
+            args, extra = parser.parse_known_args(_with_config(parser, argv, args))
+            if extra:
+                raise _subparser(parser, args.command).unrecognized(extra)
+            args.given = given
         args.on_step = on_step
         import torch
 
@@ -574,7 +690,11 @@ def main(argv: Sequence[str] | None = None, *, on_step: Callable[[int, int], Non
         _line(f"adasum: error: {error}")
         return 2
     except ImportError as error:
-        _line(f"adasum: error: missing package {error.name!r}: pip install 'adasum[experiments]'")
+        needed = "tensorboard" if (error.name or "").split(".")[0] == "tensorboard" else "experiments"
+        _line(
+            f"adasum: error: missing package {error.name!r}: pip install 'adasum[{needed}]' "
+            f"(from a checkout: pip install '.[{needed}]')"
+        )
         return 2
     except KeyboardInterrupt:
         _line("adasum: interrupted")

@@ -55,11 +55,12 @@ from __future__ import annotations
 import json
 import math
 import re
+import sys
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, replace
 from pathlib import Path
 from types import MappingProxyType
-from typing import Any
+from typing import Any, TextIO
 
 from adasum.experiments.io import read_jsonl, write_text_atomic
 from adasum.experiments.methods import METHODS
@@ -223,10 +224,40 @@ def failures(results: Sequence[Result], fail_below: float | None = None) -> dict
             if r["diverged"] or not math.isfinite(r["test_accuracy"]):
                 out[id(r)] = "diverged"
             elif r["collapsed"]:
-                out[id(r)] = "at chance"
+                out[id(r)] = chance_reason(r)
             elif r["test_accuracy"] < floor:
                 out[id(r)] = "near chance" if fail_below is None else f"below {fail_below:g}%"
     return out
+
+
+LEARNING = 0.1
+"""A run the runner flags as at chance but whose test accuracy is this fraction of the way from chance to 100 %
+is "not learnt yet", not "at chance"."""
+
+
+def plural(count: int, word: str) -> str:
+    """``"1 epoch"``, ``"3 epochs"``.
+
+    >>> plural(1, "epoch"), plural(2, "run")
+    ('1 epoch', '2 runs')
+    """
+    return f"{count} {word}" if count == 1 else f"{count} {word}s"
+
+
+def chance_reason(r: Result) -> str:
+    """Why a run the runner flagged as at chance (``collapsed``) failed: "not learnt yet" where its test accuracy
+    is clearly above chance (a `LEARNING` part of the way from chance to 100 %: the flag came from a training loss
+    that had not yet fallen below guessing's over a run too short, not from a collapse), else "at chance".
+
+    >>> row = {"chance_accuracy": 11.4, "test_accuracy": 21.8}
+    >>> chance_reason(row), chance_reason({**row, "test_accuracy": 11.0})
+    ('not learnt yet', 'at chance')
+    """
+    chance = r.get("chance_accuracy")
+    if chance is not None and r.get("test_accuracy") is not None and (
+            r["test_accuracy"] >= chance + LEARNING * (100.0 - chance)):
+        return "not learnt yet"
+    return "at chance"
 
 
 def _failed_text(runs: Sequence[Result], failed: dict[int, str]) -> str:
@@ -247,6 +278,8 @@ def _stat_text(runs: Sequence[Result], failed: dict[int, str]) -> tuple[str, str
     if not good:
         return "-", "-"
     stat = Stat.of([r["test_accuracy"] for r in good])
+    if stat.n < FEW_SEEDS:  # a t-interval over so few says little: the range and the count say more
+        return f"{stat.mean:.2f} ({plural(stat.n, 'run')})", f"{stat.min:.1f}-{stat.max:.1f}"
     return str(stat), f"{stat.min:.1f}-{stat.max:.1f}"
 
 
@@ -282,9 +315,11 @@ class Comparison:
             text = "-: no test (no seed where neither run failed)"
         elif math.isnan(self.p_holm):
             text = f"{d.mean:+.2f}: no test (1 seed where neither run failed)"
+        elif d.n < FEW_SEEDS:  # the seeds themselves: a t-interval over so few says little
+            text = (f"{d.mean:+.2f}: {self.verdict} (higher on {d.higher} of {d.n} seeds, {d.min:+.1f} to "
+                    f"{d.max:+.1f}, Holm p {self.p_holm:.3g})")
         else:
-            few = f", {d.n} seeds" if d.n < FEW_SEEDS else ""
-            text = f"{d.mean:+.2f}: {self.verdict} ([{d.lo:+.1f}, {d.hi:+.1f}], Holm p {self.p_holm:.3g}{few})"
+            text = f"{d.mean:+.2f}: {self.verdict} ([{d.lo:+.1f}, {d.hi:+.1f}], Holm p {self.p_holm:.3g})"
         if self.failed[0] or self.against_failed[0]:
             text += f"; failed {self.failed[0]}/{self.failed[1]} vs {self.against_failed[0]}/{self.against_failed[1]}"
         return text
@@ -293,8 +328,10 @@ class Comparison:
         """The comparison in words, for the conclusion."""
         d = self.diff
         where = f" at {self.workers} workers" if self.workers > 1 else ""
+        spread = (f"(higher on {d.higher} of {d.n} seeds)" if d.n < FEW_SEEDS else
+                  f"[{d.lo:+.1f}, {d.hi:+.1f}] on {d.n} seeds")
         return (f"{self.method}{where} {'above' if d.mean > 0 else 'below'} {_name(self.against)} by "
-                f"{abs(d.mean):.2f} points [{d.lo:+.1f}, {d.hi:+.1f}] on {d.n} seeds")
+                f"{abs(d.mean):.2f} points {spread}")
 
 
 def _name(method: str) -> str:
@@ -396,15 +433,19 @@ def footnote(results: Sequence[Result], found: Sequence[Comparison], fail_below:
         f"- *lr*: {lr}",
         "- *val. acc.*: mean validation accuracy (%) over all its runs",
         "- *test acc.*: mean test accuracy (%) over the runs that did not fail, with its 95% Student-t "
-        "interval over them, clipped to [0, 100]; *min-max*: their range",
+        f"interval over them, clipped to [0, 100] (over fewer than {FEW_SEEDS} runs no interval, which would say "
+        "little: the count of runs); *min-max*: their range",
         "- *failed*: runs that diverged (a NaN/Inf loss, or one far above guessing's), ended at chance (the "
         "accuracy of always predicting the most frequent class, or a training loss that never fell below "
-        f"guessing's), or ended near chance ({rule})",
+        "guessing's), were not learnt yet (flagged at chance, but a tenth of the way from chance to 100 % or more: "
+        f"still learning when they stopped), or ended near chance ({rule})",
         f"- *vs sequential*, *vs {base}*: the mean paired difference in test accuracy points, seed by seed over "
-        "the seeds where neither run failed; the verdict; the difference's 95% t-interval; its p-value after "
-        f"Holm's correction over the {tested} tested comparison{'s' if tested != 1 else ''} of this table. "
-        f"'better' / 'worse' only where that p-value is below {ALPHA:g}; a verdict on fewer than {FEW_SEEDS} "
-        "seeds names its seeds (with so few a real difference is often missed)",
+        "the seeds where neither run failed; the verdict; the difference's 95% t-interval (clipped to "
+        f"[-100, +100]; over fewer than {FEW_SEEDS} seeds instead the seeds on which the method is higher and "
+        "the range of the differences); its p-value after "
+        f"Holm's correction over the {plural(tested, 'tested comparison')} of this table. "
+        f"'better' / 'worse' only where that p-value is below {ALPHA:g} (with fewer than {FEW_SEEDS} seeds a "
+        "real difference is often missed)",
     ])
 
 
@@ -440,7 +481,7 @@ def conclusion(results: Sequence[Result], found: Sequence[Comparison], fail_belo
     """The summary's finding in one sentence, from its numbers: failures first, then what the paired
     comparisons of the runs that did not fail show after Holm's correction."""
     seeds = len({r["seed"] for r in results})
-    lead = f"With {seeds} seed{'s' if seeds != 1 else ''}" + (
+    lead = f"With {plural(seeds, 'seed')}" + (
         f" (fewer than {FEW_SEEDS}: read it as a pilot)" if seeds < FEW_SEEDS else "")
     failed = _failed_part(results, fail_below)
     among = "; among the runs that did not fail, " if failed != "no run failed" else ", and "
@@ -457,18 +498,23 @@ def summary_table(results: Sequence[Result], fail_below: float | None = None) ->
 
 @dataclass(frozen=True)
 class Robustness:
-    """How a method's validation accuracy depends on the learning rate (means over seeds)."""
+    """How a method's validation accuracy depends on the learning rate (means over seeds), measured against the
+    best method's best at its worker count (`reference`): a method equally bad at every rate has no rate near it,
+    so a flat curve far below the best does not pass for a robust one."""
 
     at_sequential_lr: float | None  # at the learning rate picked for sequential training
     best: float
     best_lr: float
-    range_lo: float  # the smallest and largest grid learning rate within 1 point of the best
-    range_hi: float
+    reference: float  # the best validation accuracy of any method at this worker count
+    range_lo: float | None  # the smallest and largest grid learning rate within 1 point of `reference` (None: none)
+    range_hi: float | None
     grid: tuple[float, ...]
 
     @property
-    def width(self) -> float:
-        """range_hi / range_lo (1: only the best grid point is within 1 point)."""
+    def width(self) -> float | None:
+        """range_hi / range_lo (1: one grid point is within 1 point of the reference; None: none is)."""
+        if self.range_lo is None or self.range_hi is None:
+            return None
         return self.range_hi / self.range_lo
 
     @property
@@ -478,39 +524,47 @@ class Robustness:
 
 
 def robustness(results: Sequence[Result]) -> dict[Key, Robustness]:
-    """Per (method, workers) cell: how its validation accuracy depends on the learning rate."""
+    """Per (method, workers) cell: how its validation accuracy depends on the learning rate, against the best
+    method's best at the same worker count."""
     by_cell = cells(results)
     seq_runs = picked(results).get(("sequential", 1))
     seq_lr = seq_runs[0]["lr"] if seq_runs else None
-    out = {}
+    means = {}
     for key in {(m, w) for (m, w, _) in by_cell}:
-        means = {lr: sum(_score(r) for r in runs) / len(runs) for (m, w, lr), runs in by_cell.items() if (m, w) == key}
-        grid = tuple(sorted(means))
-        best_lr = max(grid, key=lambda lr: (means[lr], -lr))
-        near = [lr for lr in grid if means[lr] >= means[best_lr] - 1.0]
-        out[key] = Robustness(means.get(seq_lr) if seq_lr is not None else None, means[best_lr], best_lr,
-                              min(near), max(near), grid)
+        means[key] = {lr: sum(_score(r) for r in runs) / len(runs)
+                      for (m, w, lr), runs in by_cell.items() if (m, w) == key}
+    reference = {w: max(max(rates.values()) for (_, w2), rates in means.items() if w2 == w) for (_, w) in means}
+    out = {}
+    for key, rates in means.items():
+        grid = tuple(sorted(rates))
+        best_lr = max(grid, key=lambda lr: (rates[lr], -lr))
+        near = [lr for lr in grid if rates[lr] >= reference[key[1]] - 1.0]
+        out[key] = Robustness(rates.get(seq_lr) if seq_lr is not None else None, rates[best_lr], best_lr,
+                              reference[key[1]], min(near, default=None), max(near, default=None), grid)
     return out
 
 
 def robustness_table(results: Sequence[Result]) -> str:
-    """Per method and worker count: validation accuracy at the sequential learning rate, the best,
-    and the learning-rate range within 1 point of the best (ratio of its ends; grid points only)."""
+    """Per method and worker count: validation accuracy at the sequential learning rate, the best, the best of
+    any method at that worker count, and the learning-rate range within 1 point of that (ratio of its ends;
+    grid points only; "none" where no rate comes within 1 point)."""
     rob = robustness(results)
     seq_runs = picked(results).get(("sequential", 1))
     seq_lr = f"{seq_runs[0]['lr']:g}" if seq_runs else "-"
     rows = [
         f"| method | workers | val. acc. at sequential's lr ({seq_lr}) | best val. acc. | at lr "
-        "| lr range within 1 point | width (x) |",
-        "| --- | ---: | ---: | ---: | ---: | ---: | ---: |",
+        "| best of any method at these workers | lr range within 1 point of it | width (x) |",
+        "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
     ]
     for key in _ordered(rob):
         r = rob[key]
         at_seq = "-" if r.at_sequential_lr is None else f"{r.at_sequential_lr:.2f}"
         edge = " (grid edge)" if r.at_edge else ""
+        span = "none" if r.width is None else f"{r.range_lo:g}" if r.width == 1 else f"{r.range_lo:g}-{r.range_hi:g}"
+        width = "-" if r.width is None else f"{r.width:g}"
         rows.append(
-            f"| {key[0]} | {key[1]} | {at_seq} | {r.best:.2f} | {r.best_lr:g}{edge} | "
-            f"{r.range_lo:g}-{r.range_hi:g} | {r.width:g} |"
+            f"| {key[0]} | {key[1]} | {at_seq} | {r.best:.2f} | {r.best_lr:g}{edge} | {r.reference:.2f} | "
+            f"{span} | {width} |"
         )
     return "\n".join(rows)
 
@@ -563,12 +617,28 @@ def _setting(results: Sequence[Result]) -> str:
     return (
         f"Task `{first.get('task')}`, model `{first.get('model')}`, optimizer `{first.get('optimizer')}`"
         f"{momentum_note}, {first.get('batch_size')} examples per worker per step, "
-        f"{first.get('epochs')} epochs, seeds {', '.join(map(str, seeds))}{few}. Accuracy in "
+        f"{plural(int(first.get('epochs') or 0), 'epoch')}, seeds {', '.join(map(str, seeds))}{few}. Accuracy in "
         "percent after the last epoch. Test accuracy is reported for the picked learning rate only; failed "
         "runs are counted apart and left out of the intervals; methods are compared seed by seed, with "
         "Holm's correction over the comparisons of the summary (see its footnote). 'lr' is the base "
         "learning rate, 'lr used' what the optimizer got (x P for mean-scaled and adacons)."
     )
+
+
+def to_terminal(markdown: str, file: TextIO | None = None, terminal: bool | None = None) -> None:
+    """Print `markdown` (a summary): on a terminal rendered by rich, its tables as tables that wrap inside their
+    cells at the terminal's width; elsewhere (a pipe, a file, CI) as it is, the markdown of ``report.md``.
+    `terminal` (default: whether `file` is one) decides."""
+    out = file if file is not None else sys.stdout
+    if terminal is None:
+        terminal = bool(getattr(out, "isatty", lambda: False)())
+    if not terminal:
+        print(markdown, file=out)
+        return
+    from rich.console import Console
+    from rich.markdown import Markdown
+
+    Console(file=out, force_terminal=True).print(Markdown(markdown))
 
 
 def write_report(results: Sequence[Result], out: Path, title: str = "Comparison",
@@ -580,7 +650,10 @@ def write_report(results: Sequence[Result], out: Path, title: str = "Comparison"
     text = [f"# {title}", "", _setting(results), "", "## Summary", "", summary_table(results, fail_below), ""]
     if several:
         text += ["## Learning-rate robustness (validation accuracy, mean over seeds)", "",
-                 robustness_table(results), ""]
+                 robustness_table(results), "",
+                 "*lr range within 1 point of it*: the grid's learning rates at which the method comes within 1 "
+                 "point of the best validation accuracy any method reaches at its worker count (none: at no rate; "
+                 "a method equally poor at every rate has no range); *width*: the ratio of the range's ends.", ""]
     text += [
         "## Every cell", "", cells_table(results, fail_below), "",
         "## Every run", "", table(results, fail_below), "",

@@ -43,7 +43,15 @@ __all__ = ["broadcast_optimizer_state", "broadcast_parameters"]
 Params = Mapping[str, torch.Tensor] | Iterable[torch.Tensor] | Iterable[tuple[str, torch.Tensor]]
 
 
-def broadcast_parameters(params: Params, root: int = 0, group: dist.ProcessGroup | None = None) -> None:
+def broadcast_parameters(
+    params: Params,
+    root: int = 0,
+    group: dist.ProcessGroup | None = None,
+    *,
+    root_rank: int | None = None,
+    src: int | None = None,
+    group_src: int | None = None,
+) -> None:
     """Copy rank `root`'s values into every rank's tensors, in place.
 
     Args:
@@ -52,6 +60,12 @@ def broadcast_parameters(params: Params, root: int = 0, group: dist.ProcessGroup
             order, as Horovod does. Tied weights (one tensor under two names) travel once.
         root: the rank, in `group`, whose values every rank takes.
         group: the process group (default: the world).
+        root_rank: Horovod's name of `root`.
+        src: torch's spelling: the root's global rank (``dist.broadcast(src=)``), translated to its rank in
+            `group`.
+        group_src: torch's spelling of `root` (the root's rank in `group`).
+
+    Name the root one way only (ValueError otherwise, naming the keywords).
 
     >>> adasum.broadcast_parameters(model.state_dict(), root=0)  # doctest: +SKIP
 
@@ -67,19 +81,28 @@ def broadcast_parameters(params: Params, root: int = 0, group: dist.ProcessGroup
     (tensor([1., 2.]), tensor(7))
     >>> dist.destroy_process_group()
     """
-    tensors = _unique(_tensors(params))
     operation = "adasum.broadcast_parameters"
+    keyword = _root_keyword(operation, root, root_rank, src, group_src)
+    tensors = _unique(_tensors(params))
     with torch.no_grad():
         with failures_named(operation, "the layout check", group):
             check_same_layout(
                 tensors, group, group_device(group), "tensors", in_place=False, floating=False, operation=operation,
-                config=(f"root={root!r}",),
+                config=(f"{keyword[0]}={keyword[1]!r}",),
             )
-        _check_root(root, group, operation)
+        root = _check_root(keyword, group, operation)
         _broadcast_tensors(tensors, root, group, operation)
 
 
-def broadcast_optimizer_state(optimizer: Any, root: int = 0, group: dist.ProcessGroup | None = None) -> None:
+def broadcast_optimizer_state(
+    optimizer: Any,
+    root: int = 0,
+    group: dist.ProcessGroup | None = None,
+    *,
+    root_rank: int | None = None,
+    src: int | None = None,
+    group_src: int | None = None,
+) -> None:
     """Give every rank rank `root`'s optimizer state (``state_dict()``, then ``load_state_dict()``):
     learning rates, momentum buffers, Adam moments and step counters, also where other ranks have no
     state yet (never stepped). Works on a torch optimizer, an `adasum.DistributedOptimizer` or anything
@@ -87,7 +110,8 @@ def broadcast_optimizer_state(optimizer: Any, root: int = 0, group: dist.Process
 
     The state's structure goes as one pickled object from `root`, its tensors as fused broadcasts;
     first every rank checks that all hold parameters of the same shapes and dtypes (ValueError on every
-    rank otherwise), so the state fits everywhere.
+    rank otherwise), so the state fits everywhere. The root is named as in `broadcast_parameters`: ``root``
+    (its rank in `group`), Horovod's ``root_rank``, torch's ``src`` (global) or ``group_src``.
 
     >>> adasum.broadcast_optimizer_state(optimizer, root=0)  # doctest: +SKIP
 
@@ -104,6 +128,7 @@ def broadcast_optimizer_state(optimizer: Any, root: int = 0, group: dist.Process
     >>> dist.destroy_process_group()
     """
     operation = "adasum.broadcast_optimizer_state"
+    keyword = _root_keyword(operation, root, root_rank, src, group_src)
     if not all(hasattr(optimizer, a) for a in ("param_groups", "state_dict", "load_state_dict")):
         raise TypeError(f"{operation} takes an optimizer (param_groups, state_dict() and load_state_dict()), "
                         f"got {type(optimizer).__name__}")
@@ -111,9 +136,9 @@ def broadcast_optimizer_state(optimizer: Any, root: int = 0, group: dist.Process
     with failures_named(operation, "the parameter layout check", group):
         check_same_layout(
             params, group, group_device(group), "parameters", in_place=False, operation=operation,
-            config=(f"root={root!r}",),
+            config=(f"{keyword[0]}={keyword[1]!r}",),
         )
-    _check_root(root, group, operation)
+    root = _check_root(keyword, group, operation)
     is_root = dist.get_rank(group) == root
     tensors: list[torch.Tensor] = []
     skeleton = _hollow(optimizer.state_dict(), tensors) if is_root else None
@@ -211,11 +236,36 @@ def _unique(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
     return out
 
 
-def _check_root(root: int, group: dist.ProcessGroup | None, operation: str) -> None:
-    """Refuse a `root` that is not a rank of `group` (after the ranks agreed on it: the same error on every rank)."""
+def _root_keyword(
+    operation: str, root: int, root_rank: int | None, src: int | None, group_src: int | None
+) -> tuple[str, Any]:
+    """The keyword that names the root and its value, as given (``("src", 3)``); ValueError where more than one
+    names it."""
+    given = {k: v for k, v in (("root_rank", root_rank), ("src", src), ("group_src", group_src)) if v is not None}
+    if len(given) > 1 or (given and root != 0):
+        named = ", ".join(f"{k}={v!r}" for k, v in ({"root": root, **given} if root != 0 else given).items())
+        raise ValueError(f"{operation}: name the root once (root=, Horovod's root_rank=, torch's src= or group_src=), "
+                         f"got {named}")
+    return next(iter(given.items())) if given else ("root", root)
+
+
+def _check_root(keyword: tuple[str, Any], group: dist.ProcessGroup | None, operation: str) -> int:
+    """The root's rank in `group` from its keyword (`_root_keyword`); ValueError for one that is not a rank of
+    `group` (after the ranks agreed on the keyword: the same error on every rank)."""
+    name, value = keyword
+    spelled = f"{name}={value!r}"
     world = dist.get_world_size(group)
-    if isinstance(root, bool) or not isinstance(root, int) or not 0 <= root < world:
-        raise ValueError(f"{operation}: root={root!r} is not a rank of the group (0 to {world - 1})")
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise ValueError(f"{operation}: {spelled} is not a rank of the group (0 to {world - 1})")
+    if name == "src":
+        members = dist.get_process_group_ranks(group) if group is not None else range(world)
+        if value not in members:
+            raise ValueError(f"{operation}: src={value} (a global rank) is not in the group, whose ranks are "
+                             f"{list(members)}; group_src= or root= take the rank in the group")
+        return dist.get_group_rank(group, value) if group is not None else value
+    if not 0 <= value < world:
+        raise ValueError(f"{operation}: {spelled} is not a rank of the group (0 to {world - 1})")
+    return value
 
 
 def _broadcast_tensors(tensors: list[torch.Tensor], root: int, group: dist.ProcessGroup | None, operation: str) -> None:

@@ -78,13 +78,14 @@ BATCH_MB = 256.0
 class AdasumState:
     """What `adasum_hook` needs: the process group, the reducer and the iteration count.
 
-    `reducer` is any `adasum.reducers.Reducer` or its name ("adasum", "mean", "sum", ...);
+    `reducer` is any `adasum.reducers.Reducer` or its name ("adasum", the default, "mean", "sum", ...);
     ``hierarchical=True`` (with `local_size`, default LOCAL_WORLD_SIZE) selects Adasum over node
     means (`adasum.hierarchical`); ``hierarchical="exact"`` the flat tree over every rank in two tiers.
     When torch.distributed is initialised, construction runs the
     reducer's collective set-up (on every rank), so that placement errors surface here.
     The state pickles without its process group (the default group is used after unpickling).
-    ``group`` is the process group (default: the world). The hook skips the
+    ``group`` is the process group (default: the world; ``process_group=``, the keyword of torch's
+    ``PowerSGDState``, is the same). The hook skips the
     reducer's per-call layout check: DDP verifies the parameters across ranks at construction and
     keeps the buckets identical on every rank.
 
@@ -118,7 +119,12 @@ class AdasumState:
         nonfinite: Nonfinite = "propagate",
         named_parameters: Iterable[tuple[str, torch.Tensor]] | None = None,
         batch_mb: float = BATCH_MB,
+        process_group: dist.ProcessGroup | None = None,
     ) -> None:
+        if process_group is not None:
+            if group is not None:
+                raise ValueError("adasum.ddp.AdasumState: pass group= or torch's process_group=, not both")
+            group = process_group
         if nonfinite == "skip":
             raise ValueError(
                 "nonfinite='skip' is not available in a DDP hook (it cannot skip the optimizer step); "

@@ -78,6 +78,7 @@ FSDP's private state is read in one section, `unit_view`, `tree_units` and, on t
 from __future__ import annotations
 
 import io
+import warnings
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -87,7 +88,7 @@ import torch.distributed as dist
 import torch.nn as nn
 
 from adasum.collectives.agreement import agree, signature
-from adasum.options import check_flag
+from adasum.options import check_flag, user_stacklevel
 from adasum.reducers import Reducer, ShardGroups, get_reducer
 from adasum.settings import current
 from adasum.transport.groups import control_group, side_stream
@@ -535,6 +536,14 @@ def enable(
             "(for another reducer, shard a new model)"
         )
     groups = mesh_groups(mesh)
+    if groups.replicas == 1:  # the mesh is the same on every rank: every rank warns
+        warnings.warn(
+            f"adasum.fsdp.enable: the mesh's 'replicate' dim has size 1, so there is one replica and nothing to "
+            f"combine: training runs as plain FSDP over {groups.shards} shard(s); build the mesh with 2 or more "
+            "replicas, init_device_mesh(device, (replicas, shards), mesh_dim_names=('replicate', 'shard'))",
+            UserWarning,
+            stacklevel=user_stacklevel(),
+        )
     reducer = get_reducer(reducer)
     reducer.check_shards(groups.shards)
     if not units:

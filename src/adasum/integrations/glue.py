@@ -11,6 +11,10 @@ import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 
 from adasum.integrations.ddp import AdasumState, adasum_hook
+from adasum.options import user_stacklevel
+
+FRAMEWORKS = ("lightning", "pytorch_lightning")
+"""The frameworks whose own frames lie between the user's line and a warning of the glue (`user_stacklevel`)."""
 
 
 def world_size() -> int:
@@ -26,7 +30,7 @@ def warn_one_process(user: str, launch: str) -> bool:
         f"{user}: only one process, so Adasum has nothing to combine and training runs as on a single worker; "
         f"start several processes ({launch})",
         UserWarning,
-        stacklevel=3,
+        stacklevel=user_stacklevel(*FRAMEWORKS),
     )
     return True
 
@@ -62,7 +66,7 @@ def register_hook(
             f"{user}: the model is a {type(model).__name__}, not DistributedDataParallel, so the Adasum hook "
             f"is not registered and Adasum does nothing; {not_ddp}",
             UserWarning,
-            stacklevel=3,
+            stacklevel=user_stacklevel(*FRAMEWORKS),
         )
         return None
     state = state if state is not None else AdasumState(named_parameters=named_parameters)

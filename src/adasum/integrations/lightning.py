@@ -39,10 +39,10 @@ from lightning.pytorch.strategies import DDPStrategy, StrategyRegistry  # noqa: 
 
 from adasum.collectives.nonfinite import check_policy  # noqa: E402
 from adasum.integrations.ddp import AdasumState  # noqa: E402
-from adasum.integrations.glue import check_state, register_hook, warn_one_process  # noqa: E402
+from adasum.integrations.glue import FRAMEWORKS, check_state, register_hook, warn_one_process  # noqa: E402
 from adasum.integrations.loggers import PREFIX, HasStatistics, scalars  # noqa: E402
 from adasum.integrations.optim import DistributedOptimizer  # noqa: E402
-from adasum.options import Nonfinite, check_count  # noqa: E402
+from adasum.options import Nonfinite, check_count, user_stacklevel  # noqa: E402
 from adasum.reducers import Reducer, get_reducer  # noqa: E402
 
 LAUNCH = "torchrun --nproc-per-node N, or Trainer(devices=N)"
@@ -80,7 +80,7 @@ class AdasumCallback(pl.Callback):
                 "adasum.lightning.AdasumCallback: the strategy 'ddp_adasum' registers the Adasum hook already; "
                 "the callback does nothing (drop it, or pass its state as AdasumDDPStrategy(adasum_state=...))",
                 UserWarning,
-                stacklevel=2,
+                stacklevel=user_stacklevel(*FRAMEWORKS),
             )
             return
         self.state = register_hook(

@@ -1,5 +1,5 @@
 """The per-step statistics (``statistics()`` of `adasum.ddp.AdasumState`, `adasum.DistributedOptimizer` and
-`adasum.SlowMo`) written to TensorBoard or MLflow.
+`adasum.SlowMo`) written to TensorBoard, MLflow or Weights & Biases.
 
 >>> logger = TensorBoardLogger("runs/adasum")              # or a SummaryWriter of one's own  # doctest: +SKIP
 >>> logger.log(state)               # after each step: state, optimizer, or a statistics dict  # doctest: +SKIP
@@ -17,9 +17,9 @@ Each value becomes one scalar named ``adasum/<key>`` (a list, such as AdaCons' p
 one scalar per entry: ``adasum/consensus_weights/0``, ...), at the given step or else at the
 statistics' own ``step``. Every rank holds the same values: log on one rank (rank 0), as usual.
 
-The adapters need their package: TensorBoard's (``pip install 'adasum[tensorboard]'``) or MLflow's
-(``pip install 'adasum[mlflow]'``); without it, making the adapter raises ImportError naming the extra.
-Importing this module needs neither.
+The adapters need their package: TensorBoard's (``pip install 'adasum[tensorboard]'``), MLflow's
+(``pip install 'adasum[mlflow]'``) or W&B's (``pip install 'adasum[wandb]'``); without it, making the adapter
+raises ImportError naming the extra. Importing this module needs none of them.
 """
 
 from __future__ import annotations
@@ -166,9 +166,41 @@ class MLflowLogger:
         return values
 
 
+class WandbLogger:
+    """Log the statistics to a Weights & Biases run: `run` (``wandb.init()``'s) or, where None, the active run
+    (``wandb.run``) at each call. Offline runs (``WANDB_MODE=offline``) work the same.
+
+    >>> run = wandb.init(project="adasum")  # doctest: +SKIP
+    >>> WandbLogger(run).log(opt)           # after opt.step()  # doctest: +SKIP
+
+    W&B wants the steps of a run to increase: log at the statistics' own ``step`` (the default) or at the
+    training loop's, not at both.
+    """
+
+    def __init__(self, run: Any = None, prefix: str = PREFIX) -> None:
+        require("wandb", extra="wandb", user="adasum.loggers.WandbLogger")
+        self.run = run
+        self.prefix = prefix
+
+    def log(self, source: HasStatistics | Statistics, step: int | None = None) -> dict[str, float]:
+        """Log `source`'s statistics (an object's ``statistics()`` or a dict) at `step` (default: theirs), in one
+        ``run.log`` call; returns the values logged."""
+        import wandb
+
+        run = self.run if self.run is not None else wandb.run
+        if run is None:
+            raise RuntimeError("WandbLogger without a run logs to the active run: call wandb.init() first")
+        stats = _read(source)
+        at = _step(stats, step)
+        values = scalars(stats, self.prefix)
+        run.log(values, step=at)
+        return values
+
+
 def log_statistics(target: Any, source: HasStatistics | Statistics, step: int | None = None) -> dict[str, float]:
     """Write `source`'s statistics to `target` once: a TensorBoard ``SummaryWriter`` (anything with
-    ``add_scalar``) or an MLflow run (``mlflow.start_run()``'s, or any with ``info.run_id``).
+    ``add_scalar``), an MLflow run (``mlflow.start_run()``'s, or any with ``info.run_id``) or a W&B run
+    (``wandb.init()``'s).
 
     >>> log_statistics(writer, state, step)  # doctest: +SKIP
 
@@ -186,4 +218,8 @@ def log_statistics(target: Any, source: HasStatistics | Statistics, step: int | 
     run_id = getattr(getattr(target, "info", None), "run_id", None)
     if isinstance(run_id, str):
         return MLflowLogger(run_id).log(source, step)
-    raise TypeError(f"log_statistics writes to a SummaryWriter or an MLflow run, got {type(target).__name__}")
+    if type(target).__module__.startswith("wandb.") and callable(getattr(target, "log", None)):
+        return WandbLogger(target).log(source, step)
+    raise TypeError(
+        f"log_statistics writes to a SummaryWriter, an MLflow run or a W&B run, got {type(target).__name__}"
+    )

@@ -76,7 +76,16 @@ from adasum.collectives.agreement import Problem, agree, check_not_sharded, chec
 from adasum.collectives.nonfinite import apply_nonfinite_policy, check_policy, nonfinite_message
 from adasum.core.layout import Scattered, flatten, unflatten_into
 from adasum.core.statistics import StepStatistics
-from adasum.options import Mode, Nonfinite, check_count, check_flag, check_number, check_option
+from adasum.options import (
+    Mode,
+    Nonfinite,
+    check_count,
+    check_flag,
+    check_number,
+    check_option,
+    not_initialised,
+    reducer_of_op,
+)
 from adasum.reducers import Reducer, get_reducer
 from adasum.transport.groups import communicator, control_group, failures_named, group_device, side_stream
 
@@ -151,7 +160,7 @@ def check_same_parameters(
     >>> check_same_parameters(list(model.parameters()), names=list(dict(model.named_parameters())))
     >>> check_same_parameters([model.weight, torch.zeros(2, dtype=torch.int64)])
     Traceback (most recent call last):
-    TypeError: adasum: tensor 1 has dtype torch.int64; only floating-point tensors can be combined on rank 0
+    TypeError: adasum: on rank 0, tensor 1 has dtype torch.int64; only floating-point tensors can be combined
     >>> dist.destroy_process_group()
     """
     device = group_device(group)
@@ -299,6 +308,10 @@ class DistributedOptimizer(torch.optim.Optimizer):
         sparse_as_dense (True or False): turn sparse gradients (``nn.Embedding(sparse=True)``) into dense ones
             before anything else in ``step()`` (Horovod's option). Without it gradient mode refuses
             sparse gradients; delta mode steps them locally as they are.
+        op: Horovod's spelling of `reducer` (``op=hvd.Adasum``, ``hvd.Average``, ``hvd.Sum``, or the strings
+            "Adasum", "Average", "Sum"): the reducer "adasum", "mean" or "sum" (`adasum.options.reducer_of_op`).
+            It picks the reducer only: Horovod's ``op=Average`` averages gradients, which is
+            ``reducer="mean", mode="gradient"`` here.
 
     Parameters of a DistributedDataParallel model over the same ranks are refused (ValueError on
     every rank, at construction and on the first step): DDP has averaged their gradients already.
@@ -342,8 +355,10 @@ class DistributedOptimizer(torch.optim.Optimizer):
         nonfinite: Nonfinite = "propagate",
         named_parameters: Iterable[tuple[str, torch.Tensor]] | None = None,
         sparse_as_dense: bool = False,
+        op: object = None,
     ) -> None:
         operation = "adasum.DistributedOptimizer"
+        reducer = cast("str | Reducer", reducer_of_op(operation, op, reducer))
         check_policy(nonfinite)
         check_wrappable(optimizer, operation)
         check_option("mode", mode, Mode)
@@ -360,7 +375,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
                 f"optimizer) or None, got {type(grad_scaler).__name__}"
             )
         if not dist.is_initialized():
-            raise RuntimeError("DistributedOptimizer needs torch.distributed to be initialised")
+            raise not_initialised(operation)
         self.optimizer = optimizer
         self._names_by_id = names_by_parameter(named_parameters)
         if self._names_by_id is not None:

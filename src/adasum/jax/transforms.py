@@ -33,8 +33,9 @@ from adasum.jax.collective import accumulation_dtype, all_reduce, axis_size, che
 from adasum.options import Scale, check_count, check_option
 
 
-class AdasumState(NamedTuple):
-    """Adasum keeps no state."""
+class AdasumOptaxState(NamedTuple):
+    """The state of `adasum` (empty: Adasum keeps no state). Named apart from `adasum.ddp.AdasumState`, the DDP
+    hook's state; ``adasum.jax.AdasumState``, its former name, is a deprecated alias."""
 
 
 def adasum(axis_name: Any, *, per_leaf: bool = True, accumulate: Any = None) -> optax.GradientTransformation:
@@ -46,18 +47,18 @@ def adasum(axis_name: Any, *, per_leaf: bool = True, accumulate: Any = None) -> 
       accumulate: dtype of the dot products (None: float64 with x64 enabled, else float32).
 
     Returns:
-      An ``optax.GradientTransformation`` with an empty `AdasumState`.
+      An ``optax.GradientTransformation`` with an empty `AdasumOptaxState`.
 
     >>> import adasum.jax, optax
     >>> opt = optax.chain(adasum.jax.adasum("data"), optax.sgd(0.1))
     >>> updates, state = opt.update(grads, state)          # inside jax.shard_map over "data"  # doctest: +SKIP
     """
 
-    def init(params: Any) -> AdasumState:
+    def init(params: Any) -> AdasumOptaxState:
         del params
-        return AdasumState()
+        return AdasumOptaxState()
 
-    def update(updates: Any, state: AdasumState, params: Any = None) -> tuple[Any, AdasumState]:
+    def update(updates: Any, state: AdasumOptaxState, params: Any = None) -> tuple[Any, AdasumOptaxState]:
         del params
         return all_reduce(updates, axis_name, per_leaf=per_leaf, accumulate=accumulate), state
 

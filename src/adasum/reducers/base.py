@@ -44,6 +44,7 @@ object or its name: ``"sum"``, ``"mean"``, ``"adasum"``, ``"adacons"``.
 
 from __future__ import annotations
 
+import difflib
 import operator
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
@@ -333,4 +334,8 @@ def get_reducer(reducer: str | Reducer) -> Reducer:
     names = reducer_names()
     if isinstance(reducer, str) and reducer in names:
         return names[reducer]()
-    raise ValueError(f"unknown reducer {reducer!r}; choose one of {sorted(names)} or pass a Reducer")
+    hint = ""
+    if isinstance(reducer, str):
+        close = difflib.get_close_matches(reducer.lower(), list(names), n=1, cutoff=0.6)
+        hint = f" (did you mean {close[0]!r}?)" if close else ""
+    raise ValueError(f"unknown reducer {reducer!r}{hint}; choose one of {sorted(names)} or pass a Reducer")

@@ -40,6 +40,7 @@ import torch
 import torch.distributed as dist
 
 from adasum.kernels.addresses import AddressTables
+from adasum.options import user_stacklevel
 from adasum.transport.graphs import Graphs
 
 
@@ -147,7 +148,7 @@ class Communicator:
                 "so each ran eagerly, with its full host work, rather than replaying a captured CUDA graph; pass the "
                 "same tensors every call (optimizer.zero_grad(set_to_none=False) keeps gradients where they lie), or "
                 "combine through adasum.DistributedOptimizer or the DDP hook, which keep their own buffers",
-                RuntimeWarning, stacklevel=4,  # the caller of adasum.all_reduce
+                RuntimeWarning, stacklevel=user_stacklevel(),
             )
 
     def retire_graphs(self) -> None:
