@@ -358,12 +358,12 @@ def _autograd_case(case: str, rank: int) -> torch.Tensor:
 
 
 AUTOGRAD_CASES = {
-    "view": "tensor 0 is a view of a tensor that requires grad, which an in-place collective cannot write; pass "
-            "t.detach() (or call under torch.no_grad()) on rank 1",
-    "non-leaf": "tensor 0 is the output of an operation autograd records (it requires grad), which an in-place "
-                "collective cannot write; pass t.detach() (or call under torch.no_grad()) on rank 1",
-    "inference": "tensor 0 is an inference tensor (made under torch.inference_mode()), which an in-place collective "
-                 "cannot write outside inference mode; pass t.clone() (made outside it) on rank 1",
+    "view": "on rank 1, tensor 0 is a view of a tensor that requires grad, which an in-place collective cannot "
+            "write; pass t.detach() (or call under torch.no_grad())",
+    "non-leaf": "on rank 1, tensor 0 is the output of an operation autograd records (it requires grad), which an "
+                "in-place collective cannot write; pass t.detach() (or call under torch.no_grad())",
+    "inference": "on rank 1, tensor 0 is an inference tensor (made under torch.inference_mode()), which an in-place "
+                 "collective cannot write outside inference mode; pass t.clone() (made outside it)",
 }
 
 

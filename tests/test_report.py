@@ -33,7 +33,7 @@ def write_rows(path: Path, rows: list[dict]) -> Path:
     return path
 
 
-def synthetic_study(effect: float, seeds: int = 5, seed_sd: float = 3.0, noise_sd: float = 0.3,
+def synthetic_study(effect: float, seeds: int = 8, seed_sd: float = 3.0, noise_sd: float = 0.3,
                     draw: int = 0) -> list[dict]:
     """Sequential, the scaled mean and Adasum at 8 workers; a seed moves every method alike (seed_sd),
     each run adds its own noise (noise_sd); Adasum is `effect` points above the scaled mean, which
@@ -56,11 +56,11 @@ def test_a_known_true_difference_is_detected_by_pairing_seeds():
     rows = synthetic_study(effect=2.0)
     got = found(rows)
     win = got[("adasum", "mean-scaled")]
-    assert win.verdict == "better" and win.diff.lo < 2.0 < win.diff.hi and win.diff.n == 5
+    assert win.verdict == "better" and win.diff.lo < 2.0 < win.diff.hi and win.diff.n == 8
     assert got[("mean-scaled", "sequential")].verdict == "no detectable difference"
     text = summary_table(rows)
     line = next(x for x in text.splitlines() if x.startswith("| adasum | 8 |"))
-    assert line.count(": better ([+") == 2 and "seeds)" not in line  # 5 seeds: no label
+    assert line.count(": better ([+") == 2 and "seeds)" not in line  # 8 seeds: no label
     assert "3 tested comparisons" in text and "2 of the 3 paired comparisons show a difference" in text
     # over 20 such studies pairs find the 2 points almost always; non-overlapping intervals over
     # seeds (3 points of spread) almost never
@@ -83,8 +83,12 @@ def test_holm_adjusts_over_the_comparisons_of_one_report():
     d = Paired.of([91.0, 92.0, 93.0, 90.5], [90.0, 90.0, 90.0, 90.0])
     from scipy import stats
 
-    assert d.p == pytest.approx(stats.ttest_rel([91.0, 92.0, 93.0, 90.5], [90.0] * 4).pvalue)
-    assert Paired.of([91.0, 92.0], [90.0, 91.0]).p == 0.0  # no spread, a difference
+    assert d.p == pytest.approx(2 / 2**4)  # the exact sign-flip test: all 4 differences of one sign
+    assert d.p > stats.ttest_rel([91.0, 92.0, 93.0, 90.5], [90.0] * 4).pvalue  # the t-test claims more
+    # no spread, a difference: the exact test's smallest p for 2 pairs, not the t-test's limit of 0
+    assert Paired.of([91.0, 92.0], [90.0, 91.0]).p == 0.5
+    many = [90.0 + 0.1 * i for i in range(25)]  # past the exact test's reach: the t-test
+    assert Paired.of(many, [x - 1.0 + 0.01 * (i % 3) for i, x in enumerate(many)]).p < 1e-10
     assert Paired.of([91.0], [90.0]).n == 1 and Paired.of([91.0], [90.0]).p != Paired.of([91.0], [90.0]).p
 
 
@@ -107,8 +111,8 @@ def test_few_seeds_show_their_range_and_counts_not_a_t_interval():
     assert "above sequential training by 1.17 points (higher on 2 of 3 seeds)" in text  # the conclusion
     two = summary_table([run("sequential", 1, s, 95.0 + s) for s in range(2)])
     assert "| 95.50 (2 runs) | 95.0-96.0 |" in two and "[0.0, 100.0]" not in two
-    five = summary_table(synthetic_study(effect=2.0))
-    assert "(5 runs)" not in five and ": better ([+" in five  # from 5 seeds on: the t-intervals
+    five = summary_table(synthetic_study(effect=2.0, seeds=5))
+    assert "(5 runs)" not in five and "([+" in five  # from 5 seeds on: the t-intervals
 
 
 def test_paired_intervals_are_clipped_to_the_possible_differences():
@@ -254,7 +258,7 @@ def test_comparisons_outside_the_summary_join_the_family():
 
     rows = synthetic_study(effect=2.0)
     extra = pair(rows, ("adasum", 8), ("sequential", 1))
-    assert extra.p_holm != extra.p_holm and extra.diff.n == 5  # not adjusted until its family is known
+    assert extra.p_holm != extra.p_holm and extra.diff.n == 8  # not adjusted until its family is known
     family = adjust([*comparisons(rows), extra])
     assert family[-1].p_holm >= extra.diff.p and family[-1].verdict == "better"
 

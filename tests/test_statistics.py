@@ -151,7 +151,10 @@ def test_optimizer_statistics_equal_the_reference_and_count_skipped_steps(two_ra
     assert stats0 == stats1 and skipped0 == skipped1
     assert stats0["step"] == 1 and stats0["skipped_steps"] == 0
     reference = (adasum_reference if reducer == "adasum" else adacons_reference)([grads0, grads1])
-    assert_close(stats0, reference)
+    # Adasum's sums accumulate the float32 gradients in float64, as the reference does; AdaCons' mean m crosses the
+    # network as the gradients' float32 sum (SPEC 2), so its coefficients carry float32's rounding of m (2^-24
+    # relative per element, about 6e-8) through <g_i, m> and the normalisation: 1e-6 bounds that, 1e-9 does not.
+    assert_close(stats0, reference, rel=1e-9 if reducer == "adasum" else 1e-6)
     assert set(stats0) == {"step", "skipped_steps", *reference}
     assert skipped0 == {**stats0, "skipped_steps": 1}  # the skipped step combined nothing
 

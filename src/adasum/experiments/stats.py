@@ -1,15 +1,17 @@
 """The statistics behind a report's verdicts: intervals over seeds, paired differences, Holm's correction.
 
 Runs of one seed share the data order and the initialisation, so two methods are compared seed by
-seed: the mean of the paired differences, its 95% Student-t interval and a two-sided p-value
-(`scipy.stats.ttest_1samp` on the differences). A report makes many such comparisons; `holm`
-adjusts their p-values so that the chance of any false "better" or "worse" among them stays at
-`ALPHA` (Holm 1979, step-down Bonferroni).
+seed: the mean of the paired differences, its 95% Student-t interval and a two-sided p-value, from the
+exact sign-flip (paired permutation) test up to `EXACT_UP_TO` pairs (`sign_flip_p`: no normality
+assumed, and never 0: its smallest value is 2 / 2^n, so fewer than 6 seeds can never show a
+difference at 0.05), from the t-test (`scipy.stats.ttest_1samp`) beyond. A report makes many such
+comparisons; `holm` adjusts their p-values so that the chance of any false "better" or "worse" among
+them stays at `ALPHA` (Holm 1979, step-down Bonferroni).
 
 >>> str(Stat.of([90.0, 91.0, 92.0]))
 '91.00 [88.5, 93.5]'
 >>> [round(p, 3) for p in holm([Paired.of([91, 92, 93], [90, 90, 90]).p, 0.2])]
-[0.148, 0.2]
+[0.4, 0.4]
 """
 
 from __future__ import annotations
@@ -21,6 +23,8 @@ from dataclasses import dataclass
 ALPHA = 0.05
 FEW_SEEDS = 5
 """Verdicts on fewer paired seeds than this are labelled as such."""
+EXACT_UP_TO = 20
+"""Paired comparisons of up to this many pairs take the exact sign-flip test's p (2^n sign patterns)."""
 
 
 def _t_half_width(sd: float, n: int) -> float:
@@ -107,14 +111,15 @@ class Paired:
         mean = sum(d) / n
         if n < 2:
             return cls(mean, mean, mean, n, math.nan, d)
-        if max(d) == min(d):  # no spread: the t statistic is 0/0 or +-inf, and p is its limit as the spread goes to 0
-            return cls(mean, mean, mean, n, 1.0 if mean == 0 else 0.0, d)
+        exact = sign_flip_p(d) if n <= EXACT_UP_TO else math.nan
+        if max(d) == min(d):  # no spread: no t-interval; the exact test still has its p (never 0)
+            return cls(mean, mean, mean, n, exact if n <= EXACT_UP_TO else (1.0 if mean == 0 else 0.0), d)
         from scipy import stats
 
         test = stats.ttest_1samp(d, 0.0)
         ci = test.confidence_interval(1 - ALPHA)
         lo, hi = max(bounds[0], float(ci.low)), min(bounds[1], float(ci.high))
-        return cls(mean, lo, hi, n, float(test.pvalue), d)
+        return cls(mean, lo, hi, n, exact if n <= EXACT_UP_TO else float(test.pvalue), d)
 
 
 def holm(p_values: Sequence[float]) -> list[float]:
