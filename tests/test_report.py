@@ -349,3 +349,29 @@ def test_a_full_disk_while_drawing_names_the_folder_in_one_whole_line(tmp_path, 
     assert main(["report", str(path), "--out", str(tmp_path / "out"), "--quiet"]) == 1
     assert writes.calls == [f"adasum: error: cannot write the figures in {tmp_path / 'out'}: No space left on "
                             "device\n"], writes.calls  # one write: the message and its newline together
+
+
+def test_failures_are_judged_on_validation_and_their_counts_tested():
+    """A run whose validation accuracy sits near chance failed, whatever its test accuracy; one with a low test
+    accuracy but a sound validation accuracy did not. Differing failure counts carry an exact sign test."""
+    from adasum.experiments.report import failures
+
+    rows = [run("sequential", 1, s, 90.0) for s in range(6)]
+    bad_val = [{**run("mean-scaled", 8, s, 90.0), "val_accuracy": 12.0 if s < 5 else 90.0} for s in range(6)]
+    low_test = [{**run("adasum", 8, s, 89.0), "test_accuracy": 40.0 if s == 0 else 89.0} for s in range(6)]
+    rows += bad_val + low_test
+    failed = failures(rows)
+    assert all(id(r) in failed for r in bad_val[:5]) and id(bad_val[5]) not in failed
+    assert not any(id(r) in failed for r in low_test)
+    cell = next(c for c in comparisons(rows) if (c.method, c.against) == ("mean-scaled", "sequential")).cell()
+    assert "failed 5/6 vs 0/6 (exact sign test p 0.0625, unadjusted)" in cell, cell
+
+
+def test_the_conclusion_counts_failures_at_rates_that_were_not_picked():
+    from adasum.experiments.report import conclusion
+
+    rows = [run("sequential", 1, s, 90.0 + s) for s in range(3)]
+    rows += [run("adasum", 8, s, 89.0 + s) for s in range(3)]
+    rows += [run("adasum", 8, s, 10.0, lr=1.0, collapsed=True) for s in range(3)]  # a rate that was not picked
+    text = conclusion(rows, comparisons(rows))
+    assert "no run at the picked learning rates failed (3 of the 3 runs at other rates did)" in text, text

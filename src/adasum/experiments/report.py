@@ -4,9 +4,9 @@ Selection and reporting are kept apart: for each method and worker count the lea
 picked on the mean **validation** accuracy over seeds (a diverged run scores 0); only then is the
 **test** accuracy of that learning rate reported.
 
-A run **failed** when it diverged, ended at chance (the runner's flag), or ended below the midpoint
-between chance and the best run of its cell (method, workers, learning rate), or below a threshold
-the caller sets instead (`fail_below`). Rows say "k/n failed"; their mean, 95% Student-t interval
+A run **failed** when it diverged, ended at chance (the runner's flag), or its validation accuracy ended
+below the midpoint between chance and the best run of its cell (method, workers, learning rate), or its
+test accuracy below a threshold the caller sets instead (`fail_below`). Rows say "k/n failed"; their mean, 95% Student-t interval
 (clipped to [0, 100]) and range are over the runs that did not fail.
 
 Two methods are compared **seed by seed** (runs of one seed share data order and initialisation):
@@ -65,7 +65,7 @@ from typing import Any, TextIO
 from adasum.experiments.io import read_jsonl, write_text_atomic
 from adasum.experiments.methods import METHODS
 from adasum.experiments.runner import differences
-from adasum.experiments.stats import ALPHA, FEW_SEEDS, Paired, Stat, holm
+from adasum.experiments.stats import ALPHA, FEW_SEEDS, Paired, Stat, failure_p, holm
 
 Result = dict[str, Any]
 Key = tuple[str, int]  # (method, workers)
@@ -211,22 +211,29 @@ def _several_rates(results: Sequence[Result]) -> bool:
 
 def failures(results: Sequence[Result], fail_below: float | None = None) -> dict[int, str]:
     """Why each failed run failed, by ``id(run)``: "diverged", "at chance" (the runner's flags), or
-    "near chance": test accuracy below the midpoint between chance and the best run of its cell
-    (below `fail_below` percent instead, where given)."""
+    "near chance": **validation** accuracy below the midpoint between chance (the validation set's
+    majority share) and the best run of its cell (test accuracy below `fail_below` percent instead, where
+    given: a threshold the caller fixed beforehand). Judged on validation, the failures a report counts
+    are not picked with the test set it reports."""
     out = {}
+
+    def val(r: Result) -> float:
+        v = r.get("val_accuracy")
+        return float(v) if v is not None else float(r["test_accuracy"])
+
     for runs in cells(results).values():
-        finite = [r["test_accuracy"] for r in runs if not r["diverged"] and math.isfinite(r["test_accuracy"])]
+        finite = [val(r) for r in runs if not r["diverged"] and math.isfinite(val(r))]
         best = max(finite, default=math.nan)
         for r in runs:
             chance = r.get("chance_accuracy")
-            floor = fail_below if fail_below is not None else (
-                (chance + best) / 2 if chance is not None else -math.inf)
             if r["diverged"] or not math.isfinite(r["test_accuracy"]):
                 out[id(r)] = "diverged"
             elif r["collapsed"]:
                 out[id(r)] = chance_reason(r)
-            elif r["test_accuracy"] < floor:
-                out[id(r)] = "near chance" if fail_below is None else f"below {fail_below:g}%"
+            elif fail_below is not None and r["test_accuracy"] < fail_below:
+                out[id(r)] = f"below {fail_below:g}%"
+            elif fail_below is None and chance is not None and val(r) < (chance + best) / 2:
+                out[id(r)] = "near chance"
     return out
 
 
@@ -298,6 +305,7 @@ class Comparison:
     failed: tuple[int, int]  # (failed, runs) of method
     against_failed: tuple[int, int]
     p_holm: float = math.nan
+    failures_p: float = math.nan  # the exact sign test of the failure counts over the seeds both ran (unadjusted)
 
     @property
     def verdict(self) -> str:
@@ -322,6 +330,8 @@ class Comparison:
             text = f"{d.mean:+.2f}: {self.verdict} ([{d.lo:+.1f}, {d.hi:+.1f}], Holm p {self.p_holm:.3g})"
         if self.failed[0] or self.against_failed[0]:
             text += f"; failed {self.failed[0]}/{self.failed[1]} vs {self.against_failed[0]}/{self.against_failed[1]}"
+            if not math.isnan(self.failures_p):
+                text += f" (exact sign test p {self.failures_p:.3g}, unadjusted)"
         return text
 
     def claim(self) -> str:
@@ -360,7 +370,9 @@ def _compare(key: Key, runs: list[Result], ref: Key, ref_runs: list[Result], fai
              if r["seed"] in by_seed and id(r) not in failed and id(by_seed[r["seed"]]) not in failed]
     diff = Paired.of([a["test_accuracy"] for a, _ in pairs], [b["test_accuracy"] for _, b in pairs])
     count = lambda rs: (sum(id(r) in failed for r in rs), len(rs))  # noqa: E731
-    return Comparison(key[0], key[1], ref[0], diff, count(runs), count(ref_runs))
+    both = [(r, by_seed[r["seed"]]) for r in runs if r["seed"] in by_seed]
+    failures_p = failure_p([id(a) in failed for a, _ in both], [id(b) in failed for _, b in both]) if both else math.nan
+    return Comparison(key[0], key[1], ref[0], diff, count(runs), count(ref_runs), failures_p=failures_p)
 
 
 def comparisons(results: Sequence[Result], fail_below: float | None = None) -> list[Comparison]:
@@ -421,7 +433,7 @@ def summary_rows(results: Sequence[Result], found: Sequence[Comparison], fail_be
 def footnote(results: Sequence[Result], found: Sequence[Comparison], fail_below: float | None = None) -> str:
     """What each column of the summary means, and the rules behind its verdicts."""
     rule = (f"its test accuracy was below {fail_below:g}%" if fail_below is not None else
-            "its test accuracy was below the midpoint between chance and the best run of its cell")
+            "its validation accuracy was below the midpoint between chance and the best run of its cell")
     tested = sum(not math.isnan(c.p_holm) for c in found)
     lr = ("the base learning rate, picked per method and worker count on the mean validation accuracy "
           "over seeds (a diverged run scores 0)") if _several_rates(results) else "the base learning rate"
@@ -442,7 +454,9 @@ def footnote(results: Sequence[Result], found: Sequence[Comparison], fail_below:
         f"- *vs sequential*, *vs {base}*: the mean paired difference in test accuracy points, seed by seed over "
         "the seeds where neither run failed; the verdict; the difference's 95% t-interval (clipped to "
         f"[-100, +100]; over fewer than {FEW_SEEDS} seeds instead the seeds on which the method is higher and "
-        "the range of the differences); its p-value after "
+        "the range of the differences; the interval is not adjusted, so a verdict of no detectable difference "
+        "can stand beside an interval that excludes 0); its p-value (the exact sign-flip test up to 20 seeds, "
+        "which never gives 0; the t-test beyond) after "
         f"Holm's correction over the {plural(tested, 'tested comparison')} of this table. "
         f"'better' / 'worse' only where that p-value is below {ALPHA:g} (with fewer than {FEW_SEEDS} seeds a "
         "real difference is often missed)",
@@ -473,6 +487,12 @@ def _failed_part(results: Sequence[Result], fail_below: float | None) -> str:
     counts = [(key, sum(id(r) in failed for r in best[key]), len(best[key])) for key in _ordered(best)]
     bad = [f"{m}{f' at {w} workers' if w > 1 else ''} failed in {k} of {n} runs" for (m, w), k, n in counts if k]
     if not bad:
+        picked_ids = {id(r) for runs in best.values() for r in runs}
+        elsewhere = [r for r in results if id(r) not in picked_ids]
+        others = sum(id(r) in failed for r in elsewhere)
+        if others:
+            return (f"no run at the picked learning rates failed ({others} of the {len(elsewhere)} runs at other "
+                    "rates did)")
         return "no run failed"
     return ", ".join(bad) + (" and every other row in none" if len(bad) < len(counts) else "")
 
