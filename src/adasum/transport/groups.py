@@ -357,8 +357,14 @@ def _destroy_gloo_groups() -> None:
     with _registry.lock:
         for comm in _registry.communicators.values():
             if comm.guard is not None:
-                undelivered = comm.guard.stop()  # its gloo group is gone with its thread
+                guard = comm.guard
+                undelivered = guard.stop(guard.EXIT_FENCE_S)  # its gloo group is gone with its thread
                 comm.guard = None
+                if guard.alive():
+                    undelivered = RuntimeError(
+                        f"the deferred layout check could not compare the last calls with every peer within "
+                        f"{guard.EXIT_FENCE_S:g} s (a peer gone, stalled or still running)"
+                    )
                 if undelivered is not None:  # one write: a whole line beside the other ranks' under torchrun
                     sys.stderr.write(f"adasum: at exit: {undelivered}\n")
                     sys.stderr.flush()
