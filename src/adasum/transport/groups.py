@@ -24,6 +24,7 @@ groups are left to their owner: destroying them at exit can wait on peers that a
 from __future__ import annotations
 
 import atexit
+import functools
 import re
 import sys
 import threading
@@ -335,6 +336,7 @@ def _install_teardown_hook() -> None:
         finally:
             original(group, *args, **kwargs)
 
+    @functools.wraps(barrier)  # torch's name, signature and documentation
     def fenced_barrier(group=None, *args, **kwargs):
         if dist.is_initialized() and (group is None or isinstance(group, dist.ProcessGroup)):
             found = _registry.communicators.get(_resolved(group))
@@ -344,7 +346,6 @@ def _install_teardown_hook() -> None:
         return barrier(group, *args, **kwargs)
 
     destroy_process_group.__wrapped__ = original  # type: ignore[attr-defined]
-    fenced_barrier.__wrapped__ = barrier  # type: ignore[attr-defined]
     dist.destroy_process_group = destroy_process_group
     dist.distributed_c10d.destroy_process_group = destroy_process_group
     dist.barrier = fenced_barrier
