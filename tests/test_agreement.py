@@ -403,6 +403,14 @@ def float8_body(rank, world):
     flat = torch.cat([t.reshape(-1) for t in mine])
     adasum.Mean().all_reduce_flat(flat, [6, 6])
     out["mean flat"] = flat.float().tolist()
+    from adasum.reducers.base import ShardGroups
+
+    alone = [dist.new_group([r]) for r in range(world)]  # one shard per replica: the sharded form's grid
+    grid = ShardGroups(None, dist.new_group(list(range(world))), alone[rank], tuple(range(world)), world, 1)
+    for name in ("mean", "adacons"):
+        sharded = torch.cat([t.reshape(-1) for t in mine])
+        adasum.get_reducer(name).all_reduce_shards(sharded, [6, 6], grid)
+        out[f"{name} shards"] = sharded.float().tolist()
     nan = [t.clone() for t in mine]
     if rank == 1:
         nan[1][0, 1] = float("nan")
@@ -425,4 +433,6 @@ def test_float8_works_in_every_reducer_and_the_non_finite_check():
         # the distributed form rounds once to float8 as the single-process one: equal within one float8 step
         for got, ref in zip(outs[0][name], want):
             assert torch.allclose(torch.tensor(got), ref, rtol=0.13, atol=1e-2), (name, got, ref)
+    for name in ("mean", "adacons"):  # the sharded form, one shard per replica: the flat form's result
+        assert outs[0][f"{name} shards"] == [x for t in outs[0][name] for x in torch.tensor(t).reshape(-1).tolist()]
     assert outs[0]["raise"].startswith("adasum.all_reduce: tensor 1 has NaN on rank 1 "), outs[0]["raise"]

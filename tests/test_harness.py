@@ -377,7 +377,6 @@ def _shrink_first_weight(state):
     (_shrink_first_weight, "holds a state this run cannot take (RuntimeError: Error(s) in loading state_dict"),
     (lambda state: state.pop("history"), "holds a state this run cannot take (KeyError: 'history')"),
     (lambda state: state.update(rng=state["rng"][:10]), "holds a state this run cannot take (RuntimeError:"),
-    (lambda state: state.update(epoch=-1), "holds epoch -1, not a count (an integer >= 0)"),
 ])
 def test_a_checkpoint_with_a_valid_checksum_but_foreign_contents_is_one_line(
     tmp_path, capsys, finished_run, change, named
@@ -390,3 +389,11 @@ def test_a_checkpoint_with_a_valid_checksum_but_foreign_contents_is_one_line(
     capsys.readouterr()
     status = main(_train_args(out, "--resume", epochs=2))
     _one_line(capsys, status, 2, "checkpoint.pt", named)
+
+
+def test_a_checkpoint_whose_epoch_is_not_a_count_is_refused(tmp_path):
+    path = tmp_path / "checkpoint.pt"
+    ckpt.save_atomic({"config": {}, "epoch": -1, "engine": {}}, path)  # checksummed: only its contents are wrong
+    with pytest.raises(ValueError, match=r"checkpoint.pt holds epoch -1, not a count \(an integer >= 0\); it is "
+                                         r"not a checkpoint of a run"):
+        ckpt.read_checkpoint(path)

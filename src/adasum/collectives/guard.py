@@ -64,6 +64,8 @@ pauses name a divergence sooner but take the cores the data exchange runs on mor
 LAG = 2 * SLOTS
 """Calls a rank may run ahead of the guard's verdicts: its next call waits for the guard beyond that, and a
 divergence found at call i is raised by call ``i + LAG`` on every rank (module doc)."""
+EXIT_FENCE_S = 10.0
+"""How long the exit handler waits for a guard's last comparison with its peers (`Guard.stop`)."""
 ABORT_AFTER_S = 2.0
 """How long the guard waits, after a fatal divergence, for a rank that makes no further call (blocked, e.g. on the
 device behind a kernel of the divergent call) before it aborts the NCCL communicator itself; and how long the call
@@ -86,6 +88,8 @@ _Slot = tuple[Any, str, str, "Problem | None", "_Waiter | None"]
 
 class Guard:
     """The thread that compares a group's checked calls across ranks (module doc). Made by `guard_of`."""
+
+    EXIT_FENCE_S = EXIT_FENCE_S
 
     def __init__(
         self,
@@ -200,16 +204,17 @@ class Guard:
             self._abort_once()
         raise _fresh(self.error)  # type: ignore[arg-type]
 
-    def stop(self) -> BaseException | None:
+    def stop(self, wait_s: float | None = None) -> BaseException | None:
         """Let the thread compare what was posted and run a fence round (module doc), then end it. Returns a kept
         fatal divergence that no call raised (to be raised by the caller, on every rank alike), else None. Peers
         that posted the same calls answer when they stop or fence too; a missing peer fails the round within the
-        group's timeout."""
+        group's timeout. `wait_s` bounds the wait instead (the exit handler's: a peer still running, or stalled,
+        does not hold the process past it; the thread, a daemon, is left to its round)."""
         self._stopping = True
         self._fence_asked = True
         self._wake.set()
         self._raised.set()  # no abort once the group is being released
-        self._thread.join(self.timeout.total_seconds() + 5)
+        self._thread.join(self.timeout.total_seconds() + 5 if wait_s is None else wait_s)
         return self._undelivered()
 
     def fence(self) -> None:

@@ -34,6 +34,9 @@ How a call's fingerprint is compared (``check="call"``):
   aborted, which ends kernels that wait for data no peer sends: by the call that raises the error, or by
   the guard where the rank made no call for `adasum.collectives.guard.ABORT_AFTER_S` (it is blocked on the
   device behind such a kernel).
+  A divergence no call raised yet, and ranks that made different numbers of checked calls, are raised on
+  every rank by the group's next ``torch.distributed.barrier``, `adasum.release` or ``destroy_process_group``
+  (a line on stderr at exit: the guard's fences, `adasum.collectives.guard`).
   Afterwards the process group must be destroyed and training restarted (docs/faults.md).
 """
 

@@ -681,7 +681,7 @@ def write_report(results: Sequence[Result], out: Path, title: str = "Comparison"
         "are orthogonal (Adasum adds them), 1/P when they are identical (Adasum averages them). "
         "*failed*: why the run counts as failed (see the summary's footnote).", "",
     ]
-    names = ("lr.png", "accuracy.png", "loss.png", "orthogonality.png") if several else (
+    names: tuple[str, ...] = ("lr.png", "accuracy.png", "loss.png", "orthogonality.png") if several else (
         "accuracy.png", "loss.png", "orthogonality.png")
     names += ("curves.png", "steps-to-target.png")
     plots = [p for p in names if (out / p).exists()]

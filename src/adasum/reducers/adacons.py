@@ -379,6 +379,10 @@ class AdaCons(Reducer):
         check_key(key, "adasum.AdaCons.all_reduce_shards")
         sizes = [int(n) for n in sizes]
         key = self._key([(buffer.dtype, n) for n in sizes], key)
+        if is_float8(buffer.dtype):  # in float32, rounded once (`adasum.reducers.base.widened`)
+            with widened(buffer) as wide:
+                self.all_reduce_shards(wide, sizes, groups, key=key)
+            return
         replicas = groups.replicas
         mean = buffer.clone()
         with failures_named("adasum.AdaCons.all_reduce_shards", "the mean all-reduce", groups.replicate):

@@ -24,6 +24,7 @@ groups are left to their owner: destroying them at exit can wait on peers that a
 from __future__ import annotations
 
 import atexit
+import functools
 import re
 import sys
 import threading
@@ -336,6 +337,7 @@ def _install_teardown_hook() -> None:
         finally:
             original(group, *args, **kwargs)
 
+    @functools.wraps(barrier)  # torch's name, signature and documentation
     def fenced_barrier(group=None, *args, **kwargs):
         if dist.is_initialized() and (group is None or isinstance(group, dist.ProcessGroup)):
             found = _registry.communicators.get(_resolved(group))
@@ -345,7 +347,6 @@ def _install_teardown_hook() -> None:
         return barrier(group, *args, **kwargs)
 
     destroy_process_group.__wrapped__ = original  # type: ignore[attr-defined]
-    fenced_barrier.__wrapped__ = barrier  # type: ignore[attr-defined]
     dist.destroy_process_group = destroy_process_group
     dist.distributed_c10d.destroy_process_group = destroy_process_group
     dist.barrier = fenced_barrier
@@ -358,8 +359,14 @@ def _destroy_gloo_groups() -> None:
     with _registry.lock:
         for comm in _registry.communicators.values():
             if comm.guard is not None:
-                undelivered = comm.guard.stop()  # its gloo group is gone with its thread
+                guard = comm.guard
+                undelivered = guard.stop(guard.EXIT_FENCE_S)  # its gloo group is gone with its thread
                 comm.guard = None
+                if guard.alive():
+                    undelivered = RuntimeError(
+                        f"the deferred layout check could not compare the last calls with every peer within "
+                        f"{guard.EXIT_FENCE_S:g} s (a peer gone, stalled or still running)"
+                    )
                 if undelivered is not None:  # one write: a whole line beside the other ranks' under torchrun
                     sys.stderr.write(f"adasum: at exit: {undelivered}\n")
                     sys.stderr.flush()
