@@ -6,8 +6,8 @@ picked on the mean **validation** accuracy over seeds (a diverged run scores 0);
 
 A run **failed** when it diverged, ended at chance (the runner's flag), or its validation accuracy ended
 below the midpoint between chance and the best run of its cell (method, workers, learning rate), or its
-test accuracy below a threshold the caller sets instead (`fail_below`). Rows say "k/n failed"; their mean, 95% Student-t interval
-(clipped to [0, 100]) and range are over the runs that did not fail.
+test accuracy below a threshold the caller sets instead (`fail_below`). Rows say "k/n failed"; their
+mean, 95% Student-t interval (clipped to [0, 100]) and range are over the runs that did not fail.
 
 Two methods are compared **seed by seed** (runs of one seed share data order and initialisation):
 the mean paired difference over the seeds where neither run failed, its 95% t-interval, and a

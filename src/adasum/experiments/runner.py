@@ -127,7 +127,10 @@ def make_optimizer(config: RunConfig, lr: float) -> Callable[[list[torch.Tensor]
         try:
             from pytorch_optimizer import Lamb
         except ImportError:
-            raise ValueError("the LAMB optimizer needs pytorch-optimizer (pip install 'adasum[experiments]')") from None
+            raise ValueError(
+                "the LAMB optimizer needs pytorch-optimizer: pip install 'adasum[experiments]' "
+                "(from a checkout: pip install '.[experiments]')"
+            ) from None
         return lambda ps: Lamb(ps, lr=lr, weight_decay=config.weight_decay)
     raise ValueError(f"unknown optimizer {config.optimizer!r}; choose from {', '.join(OPTIMIZERS)}")
 
@@ -302,7 +305,10 @@ def _tensorboard_writer(path: Path):
     try:
         from torch.utils.tensorboard import SummaryWriter
     except ImportError:
-        raise ValueError("--tensorboard needs the tensorboard extra: pip install 'adasum[tensorboard]'") from None
+        raise ValueError(
+            "--tensorboard needs the tensorboard extra: pip install 'adasum[tensorboard]' "
+            "(from a checkout: pip install '.[tensorboard]')"
+        ) from None
     return SummaryWriter(str(path))
 
 
