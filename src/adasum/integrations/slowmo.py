@@ -24,10 +24,14 @@ import torch.distributed as dist
 from adasum.collectives.agreement import agree, local_problem
 from adasum.collectives.nonfinite import apply_nonfinite_policy, check_policy
 from adasum.core.statistics import StepStatistics
+from adasum.integrations.delta import DeltaCombiner
 from adasum.integrations.optim import check_same_parameters, check_wrappable, optimizer_param_names
 from adasum.options import Buffers, Nonfinite, check_count, check_flag, check_number, check_option, check_saved_settings
 from adasum.reducers import Mean, Reducer, get_reducer
 from adasum.transport.groups import failures_named, group_device
+
+BUCKET_CAP_MB = 25.0
+"""The largest delta slot of a sync with a per-tensor reducer, in MiB (`adasum.integrations.delta`)."""
 
 
 def slow_momentum_update(
@@ -106,9 +110,11 @@ class SlowMo:
     * One worker (no process group, or world size 1): nothing is communicated (every reducer is the
       identity on one worker); this is Lookahead.
 
-    Memory: two extra copies of the parameters, the anchor ``x_{t,0}`` and the slow momentum
-    buffer ``u``, each in the parameter's dtype; a sync also needs the reducer's flat buffer per
-    dtype (one more parameter-sized copy while it runs; AdaCons two). A model converted after
+    Memory: two extra copies of the parameters, the anchor ``x_{t,0}`` (flat buckets) and the slow
+    momentum buffer ``u``, each in the parameter's dtype; a sync also needs the delta combiner's
+    slots (`adasum.integrations.delta`: `adasum.integrations.delta.IN_FLIGHT` flat buffers of at most
+    `BUCKET_CAP_MB` MiB, kept between syncs; a whole-model reducer such as AdaCons one bucket per
+    dtype, the whole model). A model converted after
     construction (``model.double()``, ``model.to(device)``) is followed: each sync first moves the
     anchor and ``u`` to the parameters' dtypes and devices.
 
@@ -190,11 +196,14 @@ class SlowMo:
                 check_same_parameters(self._params, group, optimizer_param_names(optimizer), operation="adasum.SlowMo")
                 if module is not None:  # the buffers averaged at each sync: a fixed layout, checked once
                     self._agree("module buffers", self._buffer_layout(), None)
-        with torch.no_grad():
-            self._anchor = [p.detach().clone() for p in self._params]
-            self._momentum = [torch.zeros_like(p) for p in self._params]
         self._step = 0
         self._statistics = StepStatistics()  # the last sync's records (`statistics`)
+        cap = int(BUCKET_CAP_MB * 2**20) if self.reducer.per_tensor else None
+        # the anchor x_{t,0} (flat buckets), the delta slots and the pipeline (`adasum.integrations.delta`)
+        self._deltas = DeltaCombiner(self.reducer, group, cap, self._statistics)
+        with torch.no_grad():
+            self._deltas.save(self._params)
+            self._momentum = [torch.zeros_like(p) for p in self._params]
 
     # -- pass-through
 
@@ -239,19 +248,10 @@ class SlowMo:
             description, state_tensors = self._state_layout()
             problem = local_problem(state_tensors, group_device(self.group), in_place=False, group=self.group)
             self._agree("optimizer state entries", description, problem)
-        if world > 1:
-            # the layouts were checked at construction (parameters) and just now (state)
-            tensors = [p.detach() for p in self._params]  # views: the reducer works in place
-            with self._statistics.call("sync", tensors[0].device):
-                if self.reducer.exact_average:
-                    self.reducer.all_reduce(tensors, self.group, check_layout=False)  # the average of the models
-                else:
-                    for x, anchor in zip(tensors, self._anchor):
-                        x.sub_(anchor)
-                    self.reducer.all_reduce(tensors, self.group, check_layout=False)
-                    for x, anchor in zip(tensors, self._anchor):
-                        x.add_(anchor)
-            self._statistics.finish_step()
+        if world > 1 and self._params:
+            # the layouts were checked at construction (parameters) and just now (state); the average of the
+            # models, or the anchor plus the combined deltas, into the parameters (the anchor stays x_{t,0})
+            self._deltas.combine(self._params, deltas=not self.reducer.exact_average, advance=False)
         index = 0
         for group in self.optimizer.param_groups:
             lr = float(group["lr"])
@@ -293,20 +293,26 @@ class SlowMo:
         """
         return list(self._anchor) if self._step % self.local_steps else None
 
+    @property
+    def _anchor(self) -> list[torch.Tensor]:
+        """The anchor x_{t,0}, per parameter (views of the delta combiner's flat buckets)."""
+        assert self._deltas.anchor is not None
+        return self._deltas.anchor
+
     def _follow_parameters(self) -> None:
         """The anchor and the slow momentum in each parameter's dtype and device: a model converted after
         construction (``model.double()``, ``model.to(device)``) keeps its parameters and changes their dtype or
         device. ValueError for a parameter whose shape changed (its anchor no longer fits)."""
-        for i, p in enumerate(self._params):
-            anchor = self._anchor[i]
+        if self._deltas.fits(self._params):
+            return
+        for i, (p, anchor) in enumerate(zip(self._params, self._anchor)):
             if anchor.shape != p.shape:
                 raise ValueError(
                     f"adasum.SlowMo.sync: parameter {i} has shape {list(p.shape)}, its anchor {list(anchor.shape)}: "
                     "a parameter changed shape since SlowMo was constructed"
                 )
-            if anchor.dtype != p.dtype or anchor.device != p.device:
-                self._anchor[i] = anchor.to(device=p.device, dtype=p.dtype)
-                self._momentum[i] = self._momentum[i].to(device=p.device, dtype=p.dtype)
+        self._deltas.move(self._params, "adasum.SlowMo.sync")
+        self._momentum = [m.to(device=p.device, dtype=p.dtype) for m, p in zip(self._momentum, self._params)]
 
     def _nonfinite_round(self) -> bool:
         """Whether this round is discarded: a NaN/Inf in any rank's local model (checked across ranks)."""
