@@ -34,18 +34,23 @@ import torch
 import torch.distributed as dist
 
 from adasum import kernels
+from adasum.collectives.agreement import agree, describe
 from adasum.core.layout import Scattered
 from adasum.core.statistics import StepStatistics
 from adasum.reducers import Reducer
-from adasum.transport.groups import communicator, side_stream
+from adasum.transport.groups import communicator, failures_named, side_stream
 
 IN_FLIGHT = 3
 """Delta slots: buckets whose deltas are computed, combined or applied at once on a GPU (module doc)."""
 
 _data_ptr = torch.Tensor.data_ptr
 
-CombineFlat = Callable[[torch.Tensor, list[int]], None]
-"""Combines one bucket's flat buffer in place across ranks, given its tensors' sizes."""
+CombineFlat = Callable[[torch.Tensor, list[int], int], None]
+"""Combines one bucket's flat buffer in place across ranks, given its tensors' sizes and the bucket's number
+(`adasum.integrations.compression.CompressedCombine` is one)."""
+
+ApplyFlat = Callable[[int, torch.Tensor], None]
+"""Takes bucket `number`'s combined flat deltas instead of adding them to the parameters (an outer optimizer)."""
 
 
 def buckets(tensors: list[torch.Tensor], cap_bytes: int | None) -> list[list[int]]:
@@ -176,6 +181,19 @@ class DeltaCombiner:
 
     # -- the combination -----------------------------------------------------------------------
 
+    def check(self, params: list[torch.Tensor], operation: str, names: list[str] | None = None) -> None:
+        """Every rank's parameters have the same dtypes, shapes and device type now, or the same ValueError on
+        every rank naming the first parameter that differs, before anything is combined: one 24-byte all-reduce
+        on the checks' group (`adasum.collectives.agreement.agree`; a gather only on a difference). Run by the
+        wrappers before each combination, so that a model converted on one rank only (``model.double()``) is
+        an error, not a combination of buffers of different sizes (which gloo answers by aborting the peer)."""
+        if self.group is None and not dist.is_initialized() or dist.get_world_size(self.group) == 1:
+            return
+        labels = names if names is not None else [str(i) for i in range(len(params))]
+        description = [(f"parameter {label}", *entry) for label, entry in zip(labels, describe(params))]
+        with failures_named(operation, "the per-step parameter layout check", self.group):
+            agree(description, None, self.group, "parameters (dtype, shape, device type)", operation)
+
     def plan(self, params: list[torch.Tensor]) -> list[tuple[list[torch.Tensor] | Scattered, list[int]]]:
         """Per bucket (as `new` cut them): its parameters, as a `Scattered` view when all are contiguous on a GPU
         (one kernel reads and writes them in place), and their sizes. Kept while the parameters keep their
@@ -214,23 +232,38 @@ class DeltaCombiner:
         deltas: bool = True,
         advance: bool = True,
         combine: CombineFlat | None = None,
+        apply: ApplyFlat | None = None,
     ) -> None:
         """Set x to x0 plus the combined x - x0, bucket by bucket (with ``deltas=False``: x to the combined x,
         the models themselves, for reducers that average exactly); with `advance` the anchor takes the result too,
         from the same pass (the next round's start). The anchor and the combination agree on every rank, so the
-        parameters come out bitwise identical. Returns with the compute stream ordered after every bucket."""
+        parameters come out bitwise identical. Returns with the compute stream ordered after every bucket.
+
+        `combine` replaces the reducer's call on each bucket (compressed deltas); `apply` takes each bucket's
+        combined deltas instead of adding them (the parameters are then left alone: an outer optimizer's
+        pseudo-gradients)."""
         assert self.anchor is not None
-        combine = combine if combine is not None else self.combine_flat
+
+        def combined(flat: torch.Tensor, sizes: list[int], number: int) -> None:
+            if combine is None:
+                self.combine_flat(flat, sizes)
+                return
+            key = ("delta", number, flat.data_ptr(), flat.dtype, flat.numel(), tuple(sizes))
+            with self.statistics.call(key, flat.device):
+                combine(flat, sizes, number)
         device = params[0].device if params else None
         comm = side_stream(device, "comm") if device is not None and device.type == "cuda" else None
         main = torch.cuda.current_stream(device) if comm is not None else None
         pending: deque = deque()
         tables = communicator(self.group).tiles  # the buckets' tile addresses, kept between rounds
 
-        def apply(members: list[torch.Tensor] | Scattered, anchor: torch.Tensor, flat: torch.Tensor, done) -> None:
+        def finish(number: int, members, anchor: torch.Tensor, flat: torch.Tensor, done) -> None:
             if done is not None:
                 assert main is not None  # there is a side stream
                 main.wait_event(done)
+            if apply is not None:
+                apply(number, flat)
+                return
             if deltas:  # one pass: x0 + combined, into the parameters (and into the anchor)
                 kernels.add_into(members, anchor, flat, base_too=advance, tables=tables)
                 return
@@ -250,18 +283,18 @@ class DeltaCombiner:
                 listed = members.tensors if isinstance(members, Scattered) else members
                 torch.cat([t.reshape(-1) for t in listed], out=flat)
             if comm is None:
-                combine(flat, sizes)
-                apply(members, anchor, flat, None)
+                combined(flat, sizes, number)
+                finish(number, members, anchor, flat, None)
                 continue
             comm.wait_stream(cast(torch.cuda.Stream, main))  # the compute stream, set with `comm`
             with torch.cuda.stream(comm):
-                combine(flat, sizes)
+                combined(flat, sizes, number)
                 done = comm.record_event()
-            pending.append((members, anchor, flat, done))
+            pending.append((number, members, anchor, flat, done))
             if len(pending) >= IN_FLIGHT:
-                apply(*pending.popleft())
+                finish(*pending.popleft())
         while pending:
-            apply(*pending.popleft())
-        if advance:
+            finish(*pending.popleft())
+        if advance and apply is None:
             self._mark = versions(params)
         self.statistics.finish_step()

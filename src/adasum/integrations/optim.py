@@ -252,9 +252,11 @@ class DistributedOptimizer(torch.optim.Optimizer):
             MiB: a finite number > 0 (a tensor larger than the cap gets a bucket of its own).
         check (True or False): at construction and in `add_param_group`, check that every rank has the same
             parameter shapes, dtypes, device type and (by a checksum) values; ValueError on every
-            rank names the first difference. The layout is then fixed: steps combine without a
-            per-step layout check (gradient mode checks the gradients' layout once, on the first
-            step: sparse gradients raise TypeError on every rank).
+            rank names the first difference. Each combination then sends a 24-byte signature of
+            the dtypes and shapes (gradient mode: in its presence check; delta mode: before the
+            step that ends a round), so that a model converted on one rank only is a ValueError on
+            every rank (docs/faults.md); gradient mode checks the gradients' full layout once per
+            set of gradients: sparse gradients raise TypeError on every rank.
         nonfinite: what a NaN or Inf in any rank's local gradients does, decided identically on
             every rank before anything is combined or stepped: "propagate" (default, as DDP does)
             checks nothing, and a non-finite gradient makes the parameters non-finite identically
@@ -460,6 +462,8 @@ class DistributedOptimizer(torch.optim.Optimizer):
                 return self.optimizer.step()
             with torch.enable_grad():
                 return self.optimizer.step(self._combining(closure))
+        if self._round_step + 1 >= self.local_steps:  # this step combines: the layouts first, before it changes
+            self._deltas.check(params, "adasum.DistributedOptimizer.step", self._names())
         if self._round_step == 0 and not self._deltas.current(params):
             self._deltas.save(params)
         with torch.enable_grad():
@@ -674,16 +678,21 @@ class DistributedOptimizer(torch.optim.Optimizer):
         self._statistics.finish_step()
 
     def _present_gradients(self, params: list[torch.Tensor]) -> tuple[int, ...]:
-        """Indices of the parameters with a gradient on at least one rank, the same on every rank.
+        """Indices of the parameters with a gradient on at least one rank, the same on every rank; ValueError on
+        every rank when a gradient's dtype or shape differs across ranks (a model converted on one rank only).
 
         Shaped like every check of the control group (`adasum.collectives.agreement.agree`), so that it can pair
-        only with checks: one all-reduce (MAX) of three int64 (a signature of this rank's indices, its negation,
-        a flag); when the ranks' indices differ, a gather of them gives the union. A rank at another check
-        (say `add_param_group` on one rank only) gets a ValueError on both sides instead of a mixed result."""
+        only with checks: one all-reduce (MAX) of three int64 (a signature of this rank's presence, dtype and
+        shape of every gradient, its negation, a flag); when the signatures differ, a gather of the descriptions
+        gives the union of the indices, or the difference. A rank at another check (say `add_param_group` on one
+        rank only) gets a ValueError on both sides instead of a mixed result."""
+        description = [
+            ("gradient of parameter", i, p.grad is not None, *(describe([p.grad if p.grad is not None else p])[0]))
+            for i, p in enumerate(params)
+        ]
         mine = tuple(i for i, p in enumerate(params) if p.grad is not None)
         if dist.get_world_size(self.group) == 1:
             return mine
-        description = [("gradient of parameter", i) for i in mine]
         digest = hashlib.blake2b(repr(description).encode(), digest_size=8).digest()
         signature = int.from_bytes(digest, "little") >> 2  # 62 bits: its negation fits int64
         probe = torch.tensor([signature, -signature, 0], dtype=torch.int64)
@@ -696,15 +705,26 @@ class DistributedOptimizer(torch.optim.Optimizer):
                 return mine
             everyone: list = [None] * dist.get_world_size(self.group)
             dist.all_gather_object(everyone, (description, None), group=control)
-        union: set[int] = set()
         for rank, (theirs, _) in enumerate(everyone):
-            if any(not (isinstance(e, tuple) and e[:1] == ("gradient of parameter",)) for e in theirs):
+            if len(theirs) != len(params) or any(
+                not (isinstance(e, tuple) and e[:1] == ("gradient of parameter",)) for e in theirs
+            ):
                 raise ValueError(
                     f"{operation}: rank {rank} was at another check than step()'s gradient presence check "
                     "(a collective such as add_param_group called on some ranks only); call step() on every rank"
                 )
-            union.update(i for _, i in theirs)
-        return tuple(sorted(union))
+        for i in range(len(params)):
+            layouts = [theirs[i][3:] for theirs, _ in everyone]
+            if any(layout != layouts[0] for layout in layouts):
+                rank = next(r for r, layout in enumerate(layouts) if layout != layouts[0])
+                dtype, shape, device = layouts[0]
+                other_dtype, other_shape, other_device = layouts[rank]
+                raise ValueError(
+                    f"{operation}: the gradient of parameter {self._label(i)} is {dtype} of shape {list(shape)} on "
+                    f"{device} on rank 0 but {other_dtype} of shape {list(other_shape)} on {other_device} on rank "
+                    f"{rank}; convert the model the same way on every rank (model.double() or model.to() on all)"
+                )
+        return tuple(i for i in range(len(params)) if any(theirs[i][2] for theirs, _ in everyone))
 
     def _check_gradients(self, grads: list[torch.Tensor], present: tuple[int, ...], operation: str) -> None:
         """Same layout on every rank and no local problem (sparse, misplaced), or the same error on every rank."""
@@ -763,14 +783,15 @@ class DistributedOptimizer(torch.optim.Optimizer):
         check_same_parameters(self._params(), self.group, self._names(), operation="adasum.DistributedOptimizer")
 
     def state_dict(self) -> dict[str, Any]:
-        """The wrapped optimizer's state, the accumulation counters, the round's length and, in the middle
-        of a round of local steps, the round's starting weights; the wrapper's state_dict hooks run
+        """The wrapped optimizer's state, the mode, the accumulation counters, the round's length and, in the
+        middle of a round of local steps, the round's starting weights; the wrapper's state_dict hooks run
         around it, as torch's optimizers run theirs."""
         for pre_hook in self._optimizer_state_dict_pre_hooks.values():
             pre_hook(self)
         anchor = [a.clone() for a in self._anchor] if (self._round_step and self._anchor is not None) else None
         state = {
             "optimizer": self.optimizer.state_dict(),
+            "mode": self.mode,
             "passes": self._passes,
             "round_step": self._round_step,
             "local_steps": self.local_steps,
@@ -787,13 +808,15 @@ class DistributedOptimizer(torch.optim.Optimizer):
         """Restore what `state_dict` returned. A state saved in the middle of a round of local steps (or
         of accumulated passes) loads only into a wrapper with the same ``local_steps``
         (``backward_passes_per_step``), and a reducer state only into the reducer that saved it (the reducer's
-        ``load_state_dict`` decides: another reducer's state, other AdaCons settings): otherwise ValueError,
-        and nothing is changed. Checked on each rank against its own state (every rank loads the state it
+        ``load_state_dict`` decides: another reducer's state, other AdaCons settings), and a delta-mode state
+        not into gradient mode (`_check_mode`: its optimizer state is per rank): otherwise ValueError, and
+        nothing is changed. Checked on each rank against its own state (every rank loads the state it
         saved, with the same counters)."""
         state_dict = state_dict.copy()
         for pre_hook in self._optimizer_load_state_dict_pre_hooks.values():
             state_dict = pre_hook(self, state_dict) or state_dict
         self._check_counters(state_dict)
+        self._check_mode(state_dict.get("mode"))
         previous = self.reducer.state_dict()
         self.reducer.load_state_dict(state_dict["reducer"])  # refuses another reducer's state: first
         try:
@@ -809,6 +832,21 @@ class DistributedOptimizer(torch.optim.Optimizer):
             self._deltas.load(self._params(), state_dict["anchor"])
         for post_hook in self._optimizer_load_state_dict_post_hooks.values():
             post_hook(self)
+
+    def _check_mode(self, saved: object) -> None:
+        """A state loads into the mode it was saved in, or from gradient mode into delta mode (gradient mode's
+        optimizer state is the same on every rank; delta mode lets it drift per rank from there). A delta-mode
+        state into gradient mode is refused: its optimizer state (momenta, Adam moments) is each rank's own, and
+        gradient mode, which assumes it equal, would step the ranks apart. A state without a mode (saved before
+        it was recorded) loads as it is."""
+        if saved is None or saved == self.mode or (saved == "gradient" and self.mode == "delta"):
+            return
+        raise ValueError(
+            f"adasum.DistributedOptimizer.load_state_dict: the state was saved in mode={saved!r}, whose optimizer "
+            f"state is each rank's own, but this wrapper has mode={self.mode!r}, which needs it equal on every rank; "
+            "build the wrapper with mode='delta', or load the state into the wrapped optimizer on every rank and "
+            "then make it equal (adasum.broadcast_optimizer_state(opt.optimizer, root_rank=0)) before wrapping"
+        )
 
     def _check_counters(self, state_dict: dict[str, Any]) -> None:
         """A saved round (or accumulation) in progress must have the length this wrapper counts to: a round

@@ -239,8 +239,10 @@ class SlowMo:
         params = [p for g in self.optimizer.param_groups for p in g["params"]]
         if len(params) != len(self._params) or any(p is not q for p, q in zip(params, self._params)):
             raise ValueError("the optimizer's parameters changed since SlowMo was constructed")
-        self._follow_parameters()
         world = _world_size(self.group)
+        if world > 1:  # before anything moves: the same dtypes and shapes on every rank (a 24-byte all-reduce)
+            self._deltas.check(self._params, "adasum.SlowMo.sync", optimizer_param_names(self.optimizer))
+        self._follow_parameters()
         if self._nonfinite_round():
             return
         state_tensors: list[torch.Tensor] = []
