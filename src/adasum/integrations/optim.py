@@ -76,6 +76,7 @@ from adasum.collectives.agreement import Problem, agree, check_not_sharded, chec
 from adasum.collectives.nonfinite import apply_nonfinite_policy, check_policy, nonfinite_message
 from adasum.core.layout import Scattered, flatten, unflatten_into
 from adasum.core.statistics import StepStatistics
+from adasum.integrations.compression import CompressedCombine, communication_dtype
 from adasum.integrations.delta import IN_FLIGHT as IN_FLIGHT  # noqa: F401  (the delta slots, named here as before)
 from adasum.integrations.delta import DeltaCombiner, buckets
 from adasum.options import Mode, Nonfinite, check_count, check_flag, check_number, check_option
@@ -269,6 +270,12 @@ class DistributedOptimizer(torch.optim.Optimizer):
             queueing work ahead (docs/benchmarks.md), hence not the default.
         named_parameters: ``model.named_parameters()`` (as Horovod takes it): the names that error
             messages give the parameters. Every parameter of the optimizer must be named.
+        compression: delta mode: the dtype the weight changes cross the network in (Horovod's
+            ``compression=hvd.Compression.fp16``): None (default: their own dtype), ``torch.bfloat16``,
+            ``torch.float16``, ``torch.float8_e4m3fn`` (one scale per tensor, agreed across ranks) or a
+            name ("bf16", "fp16", "fp8", "none"; Horovod's ``Compression.fp16`` and ``.none`` are taken
+            too). Each rank's compressed deltas are gathered and combined in float32 in one process, the
+            same on every rank (`adasum.integrations.compression`). Gradient mode refuses it (ValueError).
         sparse_as_dense (True or False): turn sparse gradients (``nn.Embedding(sparse=True)``) into dense ones
             before anything else in ``step()`` (Horovod's option). Without it gradient mode refuses
             sparse gradients; delta mode steps them locally as they are.
@@ -315,6 +322,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
         nonfinite: Nonfinite = "propagate",
         named_parameters: Iterable[tuple[str, torch.Tensor]] | None = None,
         sparse_as_dense: bool = False,
+        compression: Any = None,
     ) -> None:
         operation = "adasum.DistributedOptimizer"
         check_policy(nonfinite)
@@ -324,6 +332,13 @@ class DistributedOptimizer(torch.optim.Optimizer):
         check_count(operation, "local_steps", local_steps)
         if mode == "gradient" and local_steps != 1:
             raise ValueError(f"{operation}: local_steps > 1 needs mode='delta'")
+        wire = communication_dtype(compression, operation, "compression")
+        if mode == "gradient" and wire is not None:
+            raise ValueError(
+                f"{operation}: compression= sends delta mode's weight changes in {wire}; gradient mode combines the "
+                "gradients in their own dtype: use mode='delta', or DDP with the Adasum hook inside torch's "
+                "fp16_compress_wrapper / bf16_compress_wrapper"
+            )
         check_number(operation, "bucket_cap_mb", bucket_cap_mb, "a finite number > 0 (MiB)", lambda v: 0 < v < math.inf)
         check_flag(operation, "check", check)
         check_flag(operation, "sparse_as_dense", sparse_as_dense)
@@ -344,6 +359,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
                     "pass the named_parameters() of the model the optimizer trains"
                 )
         self.sparse_as_dense = sparse_as_dense
+        self.compression = wire
         self.reducer = get_reducer(reducer)
         self.mode = mode
         self.group = group
@@ -362,6 +378,11 @@ class DistributedOptimizer(torch.optim.Optimizer):
         self._statistics = StepStatistics()  # the last combination's records (`statistics`)
         # delta mode: the round's starting weights, the delta slots and the pipeline (`adasum.integrations.delta`)
         self._deltas = DeltaCombiner(self.reducer, group, self.bucket_cap_bytes, self._statistics)
+        self._compressed = (
+            CompressedCombine(self.reducer, wire, group, operation="adasum.DistributedOptimizer.step")
+            if wire is not None
+            else None
+        )
         # what torch.optim.Optimizer's own methods expect to find
         self._optimizer_step_pre_hooks: OrderedDict = OrderedDict()
         self._optimizer_step_post_hooks: OrderedDict = OrderedDict()
@@ -472,7 +493,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
         if self._round_step >= self.local_steps:
             if self.local_steps > 1 and not self._deltas.fits(params):  # converted in the round (model.double())
                 self._deltas.move(params, "adasum.DistributedOptimizer.step")
-            self._deltas.combine(params)
+            self._deltas.combine(params, combine=self._compressed)
             self._round_step = 0
         return loss
 
@@ -770,6 +791,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
             ("bucket_cap_bytes", self.bucket_cap_bytes),
             ("sparse_as_dense", self.sparse_as_dense),
             ("grad_scaler", self.grad_scaler is not None),
+            ("compression", str(self.compression)),
         ]
 
     def _delta_plan(self, params: list[torch.Tensor]) -> list[tuple[list[torch.Tensor] | Scattered, list[int]]]:
