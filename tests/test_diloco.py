@@ -235,3 +235,25 @@ def compression_body(rank, world):
 def test_distributed_optimizer_compression_in_delta_mode(world):
     results = distributed.run(world, compression_body)
     distributed.assert_ranks_agree(results)
+
+
+@pytest.mark.parametrize("world", [2, 3, 5])
+def test_the_simulator_runs_the_same_diloco(world):
+    """`SimulatedWorkers(outer_optimizer=, communication_dtype=, error_feedback=)` against the same reference (its
+    outer step and its wire rounding are the distributed path's functions)."""
+    for reducer, comm, feedback in CASES:
+        model = torch.nn.Linear(4, 3)
+        with torch.no_grad():
+            for p, v in zip(model.parameters(), start()):
+                p.copy_(torch.from_numpy(v))
+        sim = adasum.SimulatedWorkers(
+            model, world, lambda ps: torch.optim.SGD(ps, lr=LR), reducer=reducer, combine="delta", local_steps=H,
+            outer_optimizer=adasum.diloco_outer(OUTER_LR, OUTER_MOMENTUM), communication_dtype=comm,
+            error_feedback=feedback, loss_fn=lambda out, y: 0.5 * (out - y).pow(2).sum(-1).mean(), diagnostics=False,
+        )
+        xs = torch.stack([torch.from_numpy(data(j)[0]).float() for j in range(world)])
+        ys = torch.stack([torch.from_numpy(data(j)[1]).float() for j in range(world)])
+        for _ in range(ROUNDS * H):
+            sim.step(xs, ys)
+        for p, e in zip(model.parameters(), reference(world, reducer, comm, feedback)):
+            assert np.allclose(p.detach().numpy(), e, rtol=2e-4, atol=2e-5), (reducer, comm, feedback)

@@ -44,3 +44,14 @@ def test_fsdp_example():
     out = torchrun("fsdp_transformer.py", "--shards", "1", "--steps", "20")  # 2 replicas x 1 shard
     assert "parameters identical on 2 ranks: True" in out
     assert "Adasum combined 60 unit gradients across 2 replicas" in out  # 3 units x 20 steps
+
+
+ADASUM_BF16 = ("--reduce", "adasum", "--outer-lr", "0.35", "--communication-dtype", "bf16", "--error-feedback")
+
+
+@pytest.mark.parametrize("args", [(), ADASUM_BF16])
+def test_diloco_example(args):
+    out = torchrun("diloco.py", "--steps", "100", "--local-steps", "5", *args)
+    assert "parameters identical on 2 ranks: True" in out
+    first, last = [float(line.split("loss")[1]) for line in out.splitlines() if line.startswith("step")]
+    assert last < first / 5

@@ -84,7 +84,8 @@ def real_run(rank: int, world: int, case: tuple) -> list[torch.Tensor]:
 # and the whole-model reducer, every delta method); local_steps=2 with 5 steps an epoch: epoch 1
 # ends in the middle of a round (evaluation sees the last combined model), the run ends on a
 # combination (rank 0's checkpoint holds the model every rank agrees on)
-TRAIN_METHODS = ["adasum", "adacons", "adasum-delta", "localsgd", "adasum-localsgd", "slowmo"]
+TRAIN_METHODS = ["adasum", "adacons", "adasum-delta", "localsgd", "adasum-localsgd", "slowmo", "adasum-diloco",
+                 "adacons-diloco"]
 
 
 def train_config(world: int, method: str = "adasum", model: str = "mlp"):

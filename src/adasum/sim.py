@@ -14,7 +14,10 @@ What is combined (the names of `adasum.DistributedOptimizer`'s ``mode``):
   state for ``local_steps`` steps; then the model deltas ``x_i - x_0`` are reduced and every
   worker restarts from ``x_0 + reduce(deltas)`` (Horovod's ``DistributedOptimizer(op=Adasum)``
   with ``local_steps=1``, local SGD with the mean). With ``slow_momentum`` set, the restart point
-  is SlowMo's outer step instead.
+  is SlowMo's outer step instead; with ``outer_optimizer`` (DiLoCo) that optimizer's step on the
+  pseudo-gradients (`adasum.integrations.slowmo.pseudo_gradient`), and with ``communication_dtype``
+  the deltas are rounded as the wire rounds them (`adasum.integrations.compression.compress`, with
+  error feedback's residual per worker) before they are combined.
 
 Per-worker copies are stacked as ``[P, ...]`` tensors under one ordinary optimizer: for
 elementwise optimizers (SGD, Adam, ...) that is exactly P independent optimizers. Optimizers
@@ -44,7 +47,9 @@ from torch.func import functional_call, grad, vmap
 
 from adasum.collectives.nonfinite import NonFinite, check_policy, decide_nonfinite
 from adasum.diagnostics import Orthogonality, orthogonality_stacked
-from adasum.integrations.slowmo import check_slow_options, slow_momentum_update
+from adasum.integrations.compression import communication_dtype as wire_dtype
+from adasum.integrations.compression import compress, dequantize
+from adasum.integrations.slowmo import check_slow_options, outer_description, pseudo_gradient, slow_momentum_update
 from adasum.options import Mode, Nonfinite, check_count, check_option, check_saved_settings
 from adasum.reducers import Reducer, get_reducer
 
@@ -186,6 +191,9 @@ class SimulatedWorkers:
         diagnostics: bool = True,
         nonfinite: Nonfinite = "propagate",
         seed: int = 0,
+        outer_optimizer: Callable[[list[torch.Tensor]], torch.optim.Optimizer] | None = None,
+        communication_dtype: Any = None,
+        error_feedback: bool = False,
     ) -> None:
         operation = "adasum.SimulatedWorkers"
         check_policy(nonfinite)
@@ -199,6 +207,14 @@ class SimulatedWorkers:
                 f"{operation}: slow_lr={slow_lr!r} needs slow_momentum (SlowMo's outer step, combine='delta'); "
                 "without it every worker restarts from the combined model, as slow_lr=1.0 with slow_momentum=0.0 does"
             )
+        self.communication_dtype = wire_dtype(communication_dtype, operation)
+        if (outer_optimizer is not None or self.communication_dtype is not None) and combine != "delta":
+            raise ValueError(f"{operation}: outer_optimizer and communication_dtype need combine='delta'")
+        if outer_optimizer is not None and slow_momentum is not None:
+            raise ValueError(f"{operation}: give either slow_momentum (SlowMo's outer step) or outer_optimizer")
+        if error_feedback and self.communication_dtype is None:
+            raise ValueError(f"{operation}: error_feedback=True needs a communication_dtype (bf16, fp16 or fp8)")
+        self.error_feedback = bool(error_feedback)
         if chunk_size is not None:
             check_count(operation, "chunk_size", chunk_size)
         for m in model.modules():
@@ -246,6 +262,9 @@ class SimulatedWorkers:
             if slow_momentum is not None
             else []
         )
+        # DiLoCo: the outer optimizer steps the model the workers agree on, with the pseudo-gradients as gradients
+        self.outer_optimizer = outer_optimizer(self._anchor) if outer_optimizer is not None else None
+        self.residuals: list[torch.Tensor] = []  # error feedback: per tensor, [P, ...] float32
 
     def _per_worker_grads(
         self, inputs: torch.Tensor, targets: torch.Tensor
@@ -313,7 +332,18 @@ class SimulatedWorkers:
         """Combine the workers' model deltas and restart every worker from the result."""
         assert self.stacked is not None
         deltas = [w - a for w, a in zip(self.stacked, self._anchor)]
+        if self.communication_dtype is not None:
+            deltas = self._through_the_wire(deltas)
         combined = self.reducer.reduce(_unstack(deltas, self.workers))
+        if self.outer_optimizer is not None:
+            for p, delta in zip(self._anchor, combined):
+                p.grad = pseudo_gradient(p, delta, p.dtype)
+            with torch.enable_grad():
+                self.outer_optimizer.step()
+            for i, p in enumerate(self._anchor):
+                p.grad = None
+                self.stacked[i].copy_(p.detach().unsqueeze(0).expand_as(self.stacked[i]))
+            return
         lr = self.optimizer.param_groups[0]["lr"]
         for i, (anchor, delta) in enumerate(zip(self._anchor, combined)):
             target = anchor + delta
@@ -325,9 +355,31 @@ class SimulatedWorkers:
                 )
             self.stacked[i].copy_(anchor.unsqueeze(0).expand_as(self.stacked[i]))
 
+    def _through_the_wire(self, deltas: list[torch.Tensor]) -> list[torch.Tensor]:
+        """The workers' deltas ([P, ...] per tensor) as `adasum.SlowMo` sends them in `communication_dtype`: each
+        worker's tensors end to end, plus its residual, compressed (fp8: one scale per tensor from the largest
+        magnitude over every worker, as the ranks agree on it) and dequantized to float32."""
+        assert self.communication_dtype is not None
+        sizes = [d[0].numel() for d in deltas]
+        values = torch.cat([d.reshape(self.workers, -1).to(torch.float32) for d in deltas], dim=1)  # [P, n]
+        if self.error_feedback and self.residuals:
+            values = values + torch.cat([r.reshape(self.workers, -1) for r in self.residuals], dim=1)
+        amax = torch.stack([v.abs().max() if v.numel() else v.new_zeros(()) for v in values.split(sizes, dim=1)])
+        sent = []
+        for v in values:
+            q, scale = compress(v, sizes, self.communication_dtype, amax)
+            sent.append(dequantize(q, scale))
+        received = torch.stack(sent)
+        if self.error_feedback:
+            self.residuals = [r.reshape(d.shape) for r, d in zip((values - received).split(sizes, dim=1), deltas)]
+        return [r.reshape(d.shape).to(d.dtype) for r, d in zip(received.split(sizes, dim=1), deltas)]
+
     def _settings(self) -> dict[str, Any]:
         """What a state depends on (`state_dict`'s "settings", compared by `load_state_dict`)."""
         return {
+            "outer_optimizer": outer_description(self.outer_optimizer) if self.outer_optimizer is not None else None,
+            "communication_dtype": str(self.communication_dtype) if self.communication_dtype is not None else None,
+            "error_feedback": self.error_feedback,
             "workers": self.workers,
             "combine": self.combine,
             "local_steps": self.local_steps,
@@ -350,6 +402,8 @@ class SimulatedWorkers:
             "skipped_steps": self.skipped_steps,
             "draws": self.draws,
             "settings": self._settings(),
+            "outer": self.outer_optimizer.state_dict() if self.outer_optimizer is not None else None,
+            "residuals": [r.clone() for r in self.residuals],
         }
 
     @torch.no_grad()
@@ -370,6 +424,9 @@ class SimulatedWorkers:
         self.steps = int(state["steps"])
         self.skipped_steps = int(state.get("skipped_steps", 0))
         self.draws = int(state.get("draws", self.steps + self.skipped_steps))
+        if self.outer_optimizer is not None and state.get("outer") is not None:
+            self.outer_optimizer.load_state_dict(state["outer"])
+        self.residuals = [r.clone() for r in state.get("residuals", [])]
 
 
 def _first_nonfinite_stacked(grads: Sequence[torch.Tensor], names: Sequence[str]) -> NonFinite | None:
