@@ -257,3 +257,121 @@ def test_the_simulator_runs_the_same_diloco(world):
             sim.step(xs, ys)
         for p, e in zip(model.parameters(), reference(world, reducer, comm, feedback)):
             assert np.allclose(p.detach().numpy(), e, rtol=2e-4, atol=2e-5), (reducer, comm, feedback)
+
+
+# Streaming DiLoCo: a model of three tensors (two halves of the weight and the bias), so that it splits into 2 or 3
+# fragments
+SPLIT_SHAPES = [(3, 2), (3, 2), (3,)]
+BOUNDS = {2: [(0, 2), (2, 3)], 3: [(0, 1), (1, 2), (2, 3)]}  # by size: [6, 6, 3] elements
+
+
+class Split(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        values = start3()
+        self.w1, self.w2, self.b = (torch.nn.Parameter(torch.from_numpy(v).float()) for v in values)
+
+    def forward(self, x):
+        return x[:, :2] @ self.w1.T + x[:, 2:] @ self.w2.T + self.b
+
+
+def start3():
+    rng = np.random.default_rng(1)
+    return [np.float32(rng.standard_normal(s) * 0.5).astype(np.float64) for s in SPLIT_SHAPES]
+
+
+def grads3(params, worker):
+    x, y = data(worker)
+    w1, w2, b = params
+    r = x[:, :2] @ w1.T + x[:, 2:] @ w2.T + b - y
+    return [r.T @ x[:, :2] / len(x), r.T @ x[:, 2:] / len(x), r.sum(0) / len(x)]
+
+
+def streaming_reference(world, reducer, fragments, delay, mixing, local_steps, steps):
+    """Every worker's model after `steps` inner SGD steps of Streaming DiLoCo, written out (float32 values)."""
+    f32 = np.float32
+    xs = [start3() for _ in range(world)]
+    anchor = start3()
+    outer = [a.copy() for a in anchor]
+    buf = [None] * len(SPLIT_SHAPES)
+    offsets = [(k * local_steps) // fragments for k in range(fragments)]
+    combine = {"mean": lambda ts: sum(ts) / len(ts), "adasum": lambda ts: tree([np.ravel(t) for t in ts])}[reducer]
+    pending = {}
+
+    def apply(k):
+        _, g = pending.pop(k)
+        for i in range(*BOUNDS.get(fragments, [(0, 3)])[k]) if fragments > 1 else range(3):
+            buf[i] = g[i].copy() if buf[i] is None else f32(OUTER_MOMENTUM * buf[i] + g[i])
+            outer[i] = f32(outer[i] - OUTER_LR * f32(g[i] + OUTER_MOMENTUM * buf[i]))
+            anchor[i] = outer[i].copy()
+            for j in range(world):
+                xs[j][i] = anchor[i].copy() if mixing == 1.0 else f32((1 - mixing) * xs[j][i] + mixing * anchor[i])
+
+    for s in range(1, steps + 1):
+        for j in range(world):
+            xs[j] = [f32(p - LR * g) for p, g in zip(xs[j], grads3(xs[j], j))]
+        for k in sorted(k for k, (due, _) in pending.items() if due <= s):
+            apply(k)
+        for k, offset in enumerate(offsets):
+            if s % local_steps == offset:
+                members = range(*BOUNDS[fragments][k]) if fragments > 1 else range(3)
+                g = {i: -np.reshape(combine([f32(xs[j][i] - anchor[i]) for j in range(world)]), SPLIT_SHAPES[i])
+                     for i in members}
+                pending[k] = (s + delay, g)
+                if delay == 0:
+                    apply(k)
+    return xs, anchor
+
+
+STREAMS = [("mean", 2, 0, 1.0), ("adasum", 2, 1, 1.0), ("mean", 3, 2, 0.5), ("adasum", 3, 1, 1.0)]
+STREAM_H, STREAM_STEPS = 6, 20  # ends with fragments in flight
+
+
+def streaming_body(rank, world):
+    out = {}
+    x, y = (torch.from_numpy(a).float() for a in data(rank))
+    for reducer, fragments, delay, mixing in STREAMS:
+        model = Split()
+        opt = adasum.SlowMo(torch.optim.SGD(model.parameters(), lr=LR), local_steps=STREAM_H, reducer=reducer,
+                            outer_optimizer=adasum.diloco_outer(OUTER_LR, OUTER_MOMENTUM), fragments=fragments,
+                            delay=delay, mixing=mixing)
+        for _ in range(STREAM_STEPS):
+            opt.zero_grad()
+            (0.5 * (model(x) - y).pow(2).sum(1).mean()).backward()
+            opt.step()
+        xs, anchor = streaming_reference(world, reducer, fragments, delay, mixing, STREAM_H, STREAM_STEPS)
+        case = (reducer, fragments, delay, mixing)
+        for p, e in zip(model.parameters(), xs[rank]):
+            assert np.allclose(p.detach().numpy(), e, rtol=1e-4, atol=1e-5), case
+        for a, e in zip(opt.last_combined(), anchor):
+            assert np.allclose(a.numpy(), e, rtol=1e-4, atol=1e-5), case
+        out[case] = b"".join(a.numpy().tobytes() for a in opt.last_combined())  # the synced fragments
+    return out
+
+
+@pytest.mark.parametrize("world", [2, 3, 5])
+def test_streaming_diloco_against_the_numpy_reference(world):
+    results = distributed.run(world, streaming_body, timeout_s=240)
+    distributed.assert_ranks_agree(results)
+
+
+def test_streaming_options_refused_and_one_worker():
+    model = Split()
+    sgd = torch.optim.SGD(model.parameters(), lr=LR)
+    with pytest.raises(ValueError, match="Streaming DiLoCo's: give outer_optimizer"):
+        adasum.SlowMo(sgd, local_steps=4, fragments=2)
+    with pytest.raises(ValueError, match="delay=4 must be below local_steps=4"):
+        adasum.SlowMo(sgd, local_steps=4, outer_optimizer=adasum.diloco_outer(), fragments=2, delay=4)
+    with pytest.raises(ValueError, match="buffers='average'"):
+        adasum.SlowMo(sgd, local_steps=4, outer_optimizer=adasum.diloco_outer(), fragments=2, buffers="average")
+    # one worker, no process group: each fragment's pseudo-gradient is its own delta (the reference at P = 1)
+    opt = adasum.SlowMo(sgd, local_steps=STREAM_H, outer_optimizer=adasum.diloco_outer(OUTER_LR, OUTER_MOMENTUM),
+                        fragments=3, delay=1)
+    x, y = (torch.from_numpy(a).float() for a in data(0))
+    for _ in range(STREAM_STEPS):
+        opt.zero_grad()
+        (0.5 * (model(x) - y).pow(2).sum(1).mean()).backward()
+        opt.step()
+    xs, _ = streaming_reference(1, "mean", 3, 1, 1.0, STREAM_H, STREAM_STEPS)
+    for p, e in zip(model.parameters(), xs[0]):
+        assert np.allclose(p.detach().numpy(), e, rtol=1e-4, atol=1e-5)

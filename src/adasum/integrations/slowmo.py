@@ -36,6 +36,7 @@ from adasum.core.statistics import StepStatistics
 from adasum.integrations.compression import CompressedCombine, communication_dtype
 from adasum.integrations.delta import DeltaCombiner, buckets
 from adasum.integrations.optim import check_same_parameters, check_wrappable, optimizer_param_names
+from adasum.integrations.streaming import Streaming, make_group
 from adasum.options import Buffers, Nonfinite, check_count, check_flag, check_number, check_option, check_saved_settings
 from adasum.reducers import Mean, Reducer, get_reducer
 from adasum.transport.groups import failures_named, group_device
@@ -127,6 +128,24 @@ def check_slow_options(operation: str, local_steps: object, slow_lr: object, slo
         check_number(operation, "slow_momentum", slow_momentum, "a number in [0, 1)", lambda v: 0 <= v < 1)
 
 
+def _check_streaming(
+    operation: str, outer: object, local_steps: int, fragments: int, delay: int, buffers: str, module: object,
+    nonfinite: str,
+) -> None:
+    """The rules of Streaming DiLoCo's options (`adasum.integrations.streaming`)."""
+    if outer is None:
+        raise ValueError(f"{operation}: fragments, delay and mixing are Streaming DiLoCo's: give outer_optimizer too")
+    if fragments > local_steps:
+        raise ValueError(f"{operation}: fragments={fragments} needs local_steps >= fragments, got {local_steps}")
+    if delay >= local_steps:
+        raise ValueError(f"{operation}: delay={delay} must be below local_steps={local_steps}")
+    if buffers == "average" or module is not None or nonfinite == "skip":
+        raise ValueError(
+            f"{operation}: streaming fragments combine in the background; buffers='average', module= and "
+            "nonfinite='skip' would need the group in the foreground at the same time: leave them out"
+        )
+
+
 def _outer_dtype(dtype: torch.dtype) -> torch.dtype:
     """The outer state's dtype for parameters of `dtype`: float64 for float64, float32 otherwise."""
     return torch.float64 if dtype == torch.float64 else torch.float32
@@ -200,6 +219,10 @@ class SlowMo:
     ``communication_dtype`` (None, "bf16", "fp16", "fp8" or a torch dtype) sends the deltas in that
     dtype, combined in float32 on every rank (`adasum.integrations.compression`), and
     ``error_feedback=True`` adds each round's rounding residual to the next round's deltas.
+    ``fragments``, ``delay`` and ``mixing`` (with an outer optimizer) are Streaming DiLoCo's: the
+    parameters split into fragments synced at staggered steps, each combined on a background thread
+    and applied ``delay`` inner steps later, mixed into the local weights
+    (`adasum.integrations.streaming`).
 
     Learning-rate schedulers take the base optimizer (``param_groups`` is shared).
     ``state_dict()`` carries the base optimizer's state, the anchor, the slow momentum, the step
@@ -239,6 +262,9 @@ class SlowMo:
         outer_optimizer: Callable[[list[torch.Tensor]], torch.optim.Optimizer] | None = None,
         communication_dtype: Any = None,
         error_feedback: bool = False,
+        fragments: int = 1,
+        delay: int = 0,
+        mixing: float = 1.0,
     ) -> None:
         operation = "adasum.SlowMo"
         check_policy(nonfinite)
@@ -259,6 +285,12 @@ class SlowMo:
                 f"{operation}: slow_lr and slow_momentum are the built-in outer step's; with outer_optimizer= give "
                 "the outer learning rate and momentum to that optimizer (SGD(lr=alpha, momentum=beta) is SlowMo's step)"
             )
+        check_count(operation, "fragments", fragments)
+        check_number(operation, "delay", delay, "an integer in [0, local_steps)", lambda v: v == int(v) and v >= 0)
+        check_number(operation, "mixing", mixing, "a number in (0, 1]", lambda v: 0 < v <= 1)
+        streaming = fragments > 1 or delay > 0 or mixing != 1.0
+        if streaming:
+            _check_streaming(operation, outer_optimizer, local_steps, fragments, delay, buffers, module, nonfinite)
         compress = _communication_dtype(communication_dtype, operation)
         check_flag(operation, "error_feedback", error_feedback)
         if error_feedback and compress is None:
@@ -306,6 +338,22 @@ class SlowMo:
                     f"{operation}: outer_optimizer returned {type(self.outer_optimizer).__name__}, not a torch "
                     "optimizer"
                 )
+        self.fragments, self.delay, self.mixing = int(fragments), int(delay), float(mixing)
+        self._streaming: Streaming | None = None
+        if streaming:
+            assert self.outer_optimizer is not None
+            stream_group = make_group(group)  # the background combinations' own group
+            stream_compressed = (
+                CompressedCombine(self.reducer, compress, stream_group, error_feedback, "adasum.SlowMo.step")
+                if compress is not None
+                else None
+            )
+            self._compressed = stream_compressed
+            self._streaming = Streaming(
+                self._params, self._anchor, self._outer_params, self.outer_optimizer.step, self.reducer,
+                stream_group, cap, stream_compressed, nonfinite,
+                fragments=fragments, local_steps=local_steps, delay=delay, mixing=mixing,
+            )
 
     # -- pass-through
 
@@ -330,14 +378,35 @@ class SlowMo:
         the slow momentum step. Returns what the base step returns."""
         loss = self.optimizer.step() if closure is None else self.optimizer.step(closure)
         self._step += 1
+        if self._streaming is not None:
+            self._stream()
+            return loss
         if self._step % self.local_steps == 0:
             self.sync()
         return loss
 
+    def _stream(self) -> None:
+        """Streaming: apply the fragments due now, then start those whose turn it is (module streaming doc)."""
+        assert self._streaming is not None
+        world = _world_size(self.group)
+        self._streaming.finish_due(self._step)
+        for k in self._streaming.due_to_start(self._step):
+            self._streaming.start(k, self._step, world)
+            if self.delay == 0:
+                self._streaming.finish(k)
+        self._statistics.finish_step()
+
     @torch.no_grad()
     def sync(self) -> None:
         """Combine the workers' models and take the slow momentum step now (`step` calls this
-        every `local_steps` steps)."""
+        every `local_steps` steps). Streaming: every fragment is synced now (those in flight finished)."""
+        if self._streaming is not None:
+            world = _world_size(self.group)
+            for k in range(len(self._streaming.bounds)):
+                if k not in self._streaming.in_flight:
+                    self._streaming.start(k, self._step, world)
+            self._streaming.finish_all()
+            return
         params = [p for g in self.optimizer.param_groups for p in g["params"]]
         if len(params) != len(self._params) or any(p is not q for p, q in zip(params, self._params)):
             raise ValueError("the optimizer's parameters changed since SlowMo was constructed")
@@ -426,6 +495,8 @@ class SlowMo:
         >>> model(torch.ones(2)).sum().backward(); opt.step()    # step 2: the sync
         >>> agreed = opt.last_combined() or [p for g in opt.param_groups for p in g["params"]]   # the parameters
         """
+        if self._streaming is not None:  # the fragments' last synced weights
+            return list(self._anchor)
         return list(self._anchor) if self._step % self.local_steps else None
 
     @property
@@ -514,6 +585,9 @@ class SlowMo:
             "outer_optimizer": outer_description(self.outer_optimizer) if self.outer_optimizer is not None else None,
             "communication_dtype": str(self.communication_dtype) if self.communication_dtype is not None else None,
             "error_feedback": self.error_feedback,
+            "fragments": self.fragments,
+            "delay": self.delay,
+            "mixing": self.mixing,
         }
 
     def state_dict(self) -> dict[str, Any]:
@@ -530,6 +604,7 @@ class SlowMo:
             "outer": self.outer_optimizer.state_dict() if self.outer_optimizer is not None else None,
             "outer_params": list(self._outer_params) if self.outer_optimizer is not None else None,
             "compression": self._compressed.state_dict() if self._compressed is not None else None,
+            "streaming": self._streaming.state_dict() if self._streaming is not None else None,
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
@@ -565,6 +640,8 @@ class SlowMo:
                     mine.copy_(theirs)
         if self._compressed is not None and state.get("compression") is not None:
             self._compressed.load_state_dict(state["compression"])
+        if self._streaming is not None and state.get("streaming") is not None:
+            self._streaming.load_state_dict(state["streaming"])
 
     def __repr__(self) -> str:
         return (
