@@ -52,10 +52,10 @@ def rounded(values, dtype):
     return out
 
 
-def reference(world, reducer, comm=None, feedback=False):
-    """Every worker's model after ROUNDS rounds of H inner SGD steps and the outer Nesterov step (float64)."""
-    x0 = start()
-    buf = None
+def reference(world, reducer, comm=None, feedback=False, x0=None, buf=None, rounds=ROUNDS, with_buf=False):
+    """Every worker's model after `rounds` rounds of H inner SGD steps and the outer Nesterov step (float64), from
+    `x0` and the outer momentum `buf` (default: `start()` and none)."""
+    x0 = start() if x0 is None else x0
     combine = {
         "mean": lambda ws: [sum(w[k] for w in ws) / len(ws) for k in range(len(SHAPES))],
         "adasum": lambda ws: [
@@ -64,7 +64,7 @@ def reference(world, reducer, comm=None, feedback=False):
         "adacons": AdaConsReference(),
     }[reducer]
     residuals = [[np.zeros(s) for s in SHAPES] for _ in range(world)]
-    for _ in range(ROUNDS):
+    for _ in range(rounds):
         deltas = []
         for j in range(world):
             x = [p.copy() for p in x0]
@@ -87,7 +87,7 @@ def reference(world, reducer, comm=None, feedback=False):
         buf = [gi.copy() for gi in g] if buf is None else [OUTER_MOMENTUM * b + gi for b, gi in zip(buf, g)]
         step = [gi + OUTER_MOMENTUM * b for gi, b in zip(g, buf)]  # Nesterov
         x0 = [np.float32(a - OUTER_LR * s) for a, s in zip(x0, step)]
-    return x0
+    return (x0, buf) if with_buf else x0
 
 
 def make(reducer, **options):
@@ -375,3 +375,25 @@ def test_streaming_options_refused_and_one_worker():
     xs, _ = streaming_reference(1, "mean", 3, 1, 1.0, STREAM_H, STREAM_STEPS)
     for p, e in zip(model.parameters(), xs[0]):
         assert np.allclose(p.detach().numpy(), e, rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_the_simulator_streams_as_the_reference(world):
+    """`SimulatedWorkers(fragments=, delay=, mixing=)` against the same written-out schedule, every worker."""
+    for reducer, fragments, delay, mixing in STREAMS:
+        model = Split()
+        sim = adasum.SimulatedWorkers(
+            model, world, lambda ps: torch.optim.SGD(ps, lr=LR), reducer=reducer, combine="delta",
+            local_steps=STREAM_H, outer_optimizer=adasum.diloco_outer(OUTER_LR, OUTER_MOMENTUM), fragments=fragments,
+            delay=delay, mixing=mixing, loss_fn=lambda out, y: 0.5 * (out - y).pow(2).sum(-1).mean(), diagnostics=False,
+        )
+        xs_in = torch.stack([torch.from_numpy(data(j)[0]).float() for j in range(world)])
+        ys = torch.stack([torch.from_numpy(data(j)[1]).float() for j in range(world)])
+        for _ in range(STREAM_STEPS):
+            sim.step(xs_in, ys)
+        xs, anchor = streaming_reference(world, reducer, fragments, delay, mixing, STREAM_H, STREAM_STEPS)
+        for j in range(world):
+            for stacked, e in zip(sim.stacked, xs[j]):
+                assert np.allclose(stacked[j].detach().numpy(), e, rtol=1e-4, atol=1e-5), (reducer, fragments, j)
+        for p, e in zip(model.parameters(), anchor):
+            assert np.allclose(p.detach().numpy(), e, rtol=1e-4, atol=1e-5)

@@ -166,6 +166,9 @@ def _common(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--error-feedback", action="store_true", default=None, help="add the rounding residual next round (diloco)"
     )
+    p.add_argument("--fragments", type=_positive_int, default=None, help="fragments (streaming-diloco; 2)")
+    p.add_argument("--delay", type=int, default=None, help="steps before a fragment's outer step (streaming-diloco; 1)")
+    p.add_argument("--mixing", type=_positive_float, default=None, help="synced weights' share (streaming-diloco; 0.5)")
     p.add_argument(
         "--train-limit", type=_positive_int, default=None, help="use only the first N training examples (default: all)"
     )
@@ -302,6 +305,9 @@ def check_flags_apply(args: argparse.Namespace, methods: Sequence[Method], worke
         ("outer_momentum", "--outer-momentum", lambda m: m.outer),
         ("communication_dtype", "--communication-dtype", lambda m: m.outer),
         ("error_feedback", "--error-feedback", lambda m: m.outer),
+        ("fragments", "--fragments", lambda m: m.streaming),
+        ("delay", "--delay", lambda m: m.streaming),
+        ("mixing", "--mixing", lambda m: m.streaming),
     ):
         if dest in given and not any(has(m) for m in methods):
             users = [m.name for m in METHODS.values() if has(m)]

@@ -28,10 +28,11 @@ slowmo              mean      delta      tau          yes           lr
 diloco              mean      delta      tau          Nesterov      lr (outer lr 0.7, momentum 0.9)
 adasum-diloco       adasum    delta      tau          Nesterov      lr (outer lr 0.7, momentum 0.9)
 adacons-diloco      adacons   delta      tau          Nesterov      lr (outer lr 0.7, momentum 0.9)
+streaming-diloco    mean      delta      tau          Nesterov      lr (2 fragments, delay 1, mixing 0.5)
 ==================  ========  =========  ===========  ============  ===============================
 
 The DiLoCo rows take ``--outer-lr``, ``--outer-momentum``, ``--communication-dtype`` (bf16, fp16, fp8) and
-``--error-feedback``.
+``--error-feedback``; ``streaming-diloco`` also ``--fragments``, ``--delay`` and ``--mixing``.
 """
 
 from __future__ import annotations
@@ -56,6 +57,7 @@ class Method:
     local: bool = False
     slow_momentum: bool = False
     outer: bool = False  # DiLoCo's outer optimizer over the pseudo-gradients
+    streaming: bool = False  # Streaming DiLoCo's fragments
     linear_lr_scaling: bool = False
     single_worker: bool = False
     description: str = ""
@@ -87,6 +89,10 @@ METHODS: Mapping[str, Method] = MappingProxyType({
         Method("diloco", "mean", combine="delta", local=True, outer=True, description="DiLoCo, mean pseudo-gradient"),
         Method("adasum-diloco", "adasum", combine="delta", local=True, outer=True, description="DiLoCo, Adasum"),
         Method("adacons-diloco", "adacons", combine="delta", local=True, outer=True, description="DiLoCo, AdaCons"),
+        Method(
+            "streaming-diloco", "mean", combine="delta", local=True, outer=True, streaming=True,
+            description="Streaming DiLoCo, mean",
+        ),
     ]
 })
 

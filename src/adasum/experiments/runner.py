@@ -66,6 +66,9 @@ class RunConfig:
     outer_momentum: float | None = None  # and its momentum (None: 0.9)
     communication_dtype: str | None = None  # DiLoCo methods: the pseudo-gradients' wire dtype (bf16, fp16, fp8)
     error_feedback: bool | None = None  # DiLoCo methods with a communication dtype (None: no)
+    fragments: int | None = None  # streaming-diloco: fragments (None: 2)
+    delay: int | None = None  # streaming-diloco: inner steps before a fragment's outer step (None: 1)
+    mixing: float | None = None  # streaming-diloco: the synced weights' share when mixed in (None: 0.5)
     seed: int = 0
     train_limit: int | None = None
     data_dir: str | None = None
@@ -215,6 +218,9 @@ class DistributedWorker:
         outer_optimizer: Callable[[list[torch.Tensor]], torch.optim.Optimizer] | None = None,
         communication_dtype: str | None = None,
         error_feedback: bool = False,
+        fragments: int = 1,
+        delay: int = 0,
+        mixing: float = 1.0,
         diagnostics_every: int = 10,
         nonfinite: Nonfinite = "propagate",
         seed: int = 0,
@@ -244,6 +250,9 @@ class DistributedWorker:
                 outer_optimizer=outer_optimizer,
                 communication_dtype=communication_dtype,
                 error_feedback=error_feedback,
+                fragments=fragments,
+                delay=delay,
+                mixing=mixing,
             )
         else:
             self.optimizer = DistributedOptimizer(
@@ -778,11 +787,16 @@ def diloco_options(config: RunConfig, method: Method) -> dict[str, Any]:
         return {}
     lr = 0.7 if config.outer_lr is None else config.outer_lr
     momentum = 0.9 if config.outer_momentum is None else config.outer_momentum
-    return {
+    options: dict[str, Any] = {
         "outer_optimizer": diloco_outer(lr, momentum),
         "communication_dtype": config.communication_dtype,
         "error_feedback": bool(config.error_feedback),
     }
+    if method.streaming:
+        options["fragments"] = 2 if config.fragments is None else config.fragments
+        options["delay"] = 1 if config.delay is None else config.delay
+        options["mixing"] = 0.5 if config.mixing is None else config.mixing
+    return options
 
 
 def identity(config: dict[str, Any]) -> dict[str, Any]:

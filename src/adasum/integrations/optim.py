@@ -65,6 +65,7 @@ from __future__ import annotations
 import gc
 import hashlib
 import math
+import warnings
 from collections import OrderedDict
 from collections.abc import Callable, Iterable
 from typing import Any
@@ -821,6 +822,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
             "anchor": anchor,
             "reducer": self.reducer.state_dict(),
             "skipped_steps": self.skipped_steps,
+            "world_size": dist.get_world_size(self.group),
         }
         for post_hook in self._optimizer_state_dict_post_hooks.values():
             state = post_hook(self, state) or state
@@ -839,6 +841,12 @@ class DistributedOptimizer(torch.optim.Optimizer):
             state_dict = pre_hook(self, state_dict) or state_dict
         self._check_counters(state_dict)
         self._check_mode(state_dict.get("mode"))
+        saved_world, world = state_dict.get("world_size"), dist.get_world_size(self.group)
+        if saved_world is not None and int(saved_world) != world:  # an elastic restart (docs/faults.md)
+            self._load_resized(state_dict, int(saved_world), world)
+            for post_hook in self._optimizer_load_state_dict_post_hooks.values():
+                post_hook(self)
+            return
         previous = self.reducer.state_dict()
         self.reducer.load_state_dict(state_dict["reducer"])  # refuses another reducer's state: first
         try:
@@ -854,6 +862,42 @@ class DistributedOptimizer(torch.optim.Optimizer):
             self._deltas.load(self._params(), state_dict["anchor"])
         for post_hook in self._optimizer_load_state_dict_post_hooks.values():
             post_hook(self)
+
+    def _load_resized(self, state_dict: dict[str, Any], saved_world: int, world: int) -> None:
+        """A state saved on `saved_world` ranks loaded on `world` (docs/faults.md, elastic restarts): the wrapped
+        optimizer's state loads as saved (gradient mode: the same on every rank; delta mode: the saved rank's on
+        every rank); a round of local steps in flight is discarded (the parameters go back to its start weights,
+        the round begins again); the reducer's cross-call state (AdaCons' per-worker momentum) starts afresh.
+        Passes accumulated toward a step cannot be resized (their gradients are not in the state): ValueError.
+        The rules taken are named in one warning, the same on every rank."""
+        operation = "adasum.DistributedOptimizer.load_state_dict"
+        if int(state_dict["passes"]):
+            raise ValueError(
+                f"{operation}: the state was saved after {state_dict['passes']} of {self.backward_passes_per_step} "
+                f"backward passes on {saved_world} ranks; a resized job ({world} ranks) cannot take the gradients "
+                "accumulated toward that step: resume from a state saved at a step boundary"
+            )
+        self.optimizer.load_state_dict(state_dict["optimizer"])
+        self.skipped_steps = int(state_dict.get("skipped_steps", 0))
+        self._passes = 0
+        self._deltas.forget()
+        notes = ["the wrapped optimizer's state is the saved rank's on every rank" if self.mode == "delta"
+                 else "the wrapped optimizer's state loads as saved"]
+        if int(state_dict["round_step"]) and state_dict["anchor"] is not None:
+            with torch.no_grad():
+                for p, a in zip(self._params(), state_dict["anchor"]):
+                    p.copy_(a.to(device=p.device, dtype=p.dtype))
+            notes.append(
+                f"the round in flight ({state_dict['round_step']} of {self.local_steps} local steps) restarts from "
+                "its start weights"
+            )
+        self._round_step = 0
+        if state_dict.get("reducer"):
+            notes.append(f"{type(self.reducer).__name__}'s state (one entry per rank) starts afresh")
+        warnings.warn(
+            f"{operation}: the state was saved on {saved_world} ranks and loads on {world}: " + "; ".join(notes),
+            stacklevel=3,
+        )
 
     def _check_mode(self, saved: object) -> None:
         """A state loads into the mode it was saved in, or from gradient mode into delta mode (gradient mode's

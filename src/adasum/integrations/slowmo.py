@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import functools
 import math
+import warnings
 from collections.abc import Callable
 from typing import Any
 
@@ -605,6 +606,7 @@ class SlowMo:
             "outer_params": list(self._outer_params) if self.outer_optimizer is not None else None,
             "compression": self._compressed.state_dict() if self._compressed is not None else None,
             "streaming": self._streaming.state_dict() if self._streaming is not None else None,
+            "world_size": _world_size(self.group),
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
@@ -632,6 +634,10 @@ class SlowMo:
                 mine.copy_(theirs)
         self._step = int(state["step"])
         self.skipped_steps = int(state.get("skipped_steps", 0))
+        saved_world, world = state.get("world_size"), _world_size(self.group)
+        if saved_world is not None and int(saved_world) != world:  # an elastic restart (docs/faults.md)
+            self._resized(state, int(saved_world), world)
+            return
         self.reducer.load_state_dict(state.get("reducer", {}))
         if self.outer_optimizer is not None and state.get("outer") is not None:
             self.outer_optimizer.load_state_dict(state["outer"])
@@ -642,6 +648,37 @@ class SlowMo:
             self._compressed.load_state_dict(state["compression"])
         if self._streaming is not None and state.get("streaming") is not None:
             self._streaming.load_state_dict(state["streaming"])
+
+    def _resized(self, state: dict[str, Any], saved_world: int, world: int) -> None:
+        """The rules of a state saved on `saved_world` ranks loaded on `world` (SPEC 3.2, docs/faults.md): the
+        replicated state (anchor, slow momentum, outer optimizer and its parameters, counters) loads as saved; the
+        per-rank state follows a rule, named on every rank in one warning. A round (or a streaming fragment) in
+        flight is discarded: the parameters go back to its start weights (the anchor) and the step counter to the
+        round's start; the reducer's cross-call state (AdaCons' per-worker momentum: one entry per rank) and error
+        feedback's residuals start afresh; the base optimizer's state is the saved rank's on every rank."""
+        if self.outer_optimizer is not None and state.get("outer") is not None:
+            self.outer_optimizer.load_state_dict(state["outer"])
+            with torch.no_grad():
+                for mine, theirs in zip(self._outer_params, state["outer_params"]):
+                    mine.copy_(theirs)
+        notes = ["the base optimizer's state is the saved rank's on every rank"]
+        in_round = self._step % self.local_steps
+        streaming = dict(state.get("streaming") or {}).get("in_flight")
+        if in_round or streaming:
+            with torch.no_grad():
+                for p, anchor in zip(self._params, self._anchor):
+                    p.detach().copy_(anchor)
+            self._step -= in_round
+            notes.append(f"the round in flight ({in_round} of {self.local_steps} steps) restarts from its start")
+        if state.get("reducer"):
+            notes.append(f"{type(self.reducer).__name__}'s state (one entry per rank) starts afresh")
+        if dict(state.get("compression") or {}).get("residuals"):
+            notes.append("error feedback's residuals start at zero")
+        warnings.warn(
+            f"adasum.SlowMo.load_state_dict: the state was saved on {saved_world} ranks and loads on {world}: "
+            + "; ".join(notes),
+            stacklevel=3,
+        )
 
     def __repr__(self) -> str:
         return (

@@ -30,6 +30,9 @@ import torch.distributed as dist
 from adasum.collectives.nonfinite import apply_nonfinite_policy
 from adasum.integrations.delta import CombineFlat, DeltaCombiner, buckets
 
+FRAGMENT_KEY = 2**20
+"""Bucket keys of fragment k start at k * FRAGMENT_KEY (a compressed combine's residuals, one per bucket)."""
+
 
 def make_group(group: dist.ProcessGroup | None) -> dist.ProcessGroup | None:
     """A process group of `group`'s ranks for the background combinations (None where nothing is combined: no
@@ -170,7 +173,14 @@ class Streaming:
                     i = a + j
                     flight.grads[i] = delta.reshape(self.anchor[i].shape).to(self.outer_params[i].dtype).neg()
 
-            combiner.combine(self.snapshots[k], advance=False, combine=self.combine_fn, apply=take)
+            combine = self.combine_fn
+            if combine is not None:  # its per-bucket state (error feedback's residuals) keyed by fragment too
+                inner = combine
+
+                def combine(flat: torch.Tensor, sizes: list[int], number: int) -> None:
+                    inner(flat, sizes, k * FRAGMENT_KEY + number)
+
+            combiner.combine(self.snapshots[k], advance=False, combine=combine, apply=take)
 
     def finish_due(self, step: int) -> None:
         """Apply every fragment due at inner step `step` (or earlier)."""
