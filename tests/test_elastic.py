@@ -166,3 +166,49 @@ def test_gradient_mode_resumes_on_another_world_size(tmp_path):
     distributed.run(3, gradient_body, str(tmp_path), True)
     results = distributed.run(2, gradient_body, str(tmp_path), False)
     distributed.assert_ranks_agree(results)
+
+
+def ddp_body(rank, world, folder, save):
+    """The DDP hook's state (AdaCons with momentum: one entry per rank) pickled on one world size and run on
+    another: the momentum starts afresh (a warning on every rank), so the gradients equal a fresh state's."""
+    import pickle
+
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    from adasum.ddp import AdasumState, adasum_hook
+
+    x, y = (torch.from_numpy(a).float() for a in data(rank))
+
+    def gradients(state, passes=1):
+        model = torch.nn.Linear(4, 3)
+        with torch.no_grad():
+            for p, v in zip(model.parameters(), start()):
+                p.copy_(torch.from_numpy(v))
+        ddp = DDP(model)
+        ddp.register_comm_hook(state, adasum_hook)
+        for _ in range(passes):
+            model.zero_grad()
+            (0.5 * (ddp(x) - y).pow(2).sum(1).mean()).backward()
+        return [p.grad.numpy().copy() for p in model.parameters()]
+
+    if save:
+        state = AdasumState(reducer=adasum.AdaCons(momentum=0.5))
+        gradients(state, passes=2)
+        if rank == 0:
+            with open(f"{folder}/hook.pkl", "wb") as f:
+                pickle.dump(state, f)
+        dist.barrier()
+        return None
+    with open(f"{folder}/hook.pkl", "rb") as f:
+        state = pickle.load(f)
+    with pytest.warns(UserWarning, match=f"pickled on 2 ranks and runs on {world}: .*AdaCons's state"):
+        resumed = gradients(state)
+    fresh = gradients(AdasumState(reducer=adasum.AdaCons(momentum=0.5)))
+    assert all(np.array_equal(a, b) for a, b in zip(resumed, fresh))
+    return [g.tobytes() for g in resumed]
+
+
+def test_the_ddp_hook_state_resumes_on_another_world_size(tmp_path):
+    distributed.run(2, ddp_body, str(tmp_path), True)
+    results = distributed.run(3, ddp_body, str(tmp_path), False)
+    distributed.assert_ranks_agree(results)
