@@ -461,6 +461,17 @@ CLAIMS = [
          ("hierarchical_vs_definition_rel_err", "rel. err.")],
     ),
     Claim(
+        "Streaming DiLoCo: inner steps over a slow link",
+        "`adasum.SlowMo` (outer Nesterov SGD) on 2 gloo ranks, a 4-layer MLP of width 256; each combination first\n"
+        "sleeps the latency (the link). Inner-step times in ms (a step with its backward): blocking DiLoCo waits\n"
+        "once a round, streaming combines its fragments on a background thread while the inner steps go on.",
+        "python benchmarks/bench_streaming.py --latency-ms 20 --local-steps 16 --fragments 2 --delay 7 --steps 96",
+        "streaming.jsonl",
+        lambda rows: rows[-3:],
+        [("config", "configuration"), ("latency_ms", "latency ms"), ("median_step_ms", "median step ms"),
+         ("max_step_ms", "largest step ms"), ("total_ms", "96 steps ms")],
+    ),
+    Claim(
         "Real multi-GPU training against the simulator (same seeds and data split)",
         "Test accuracy and train loss after each epoch of `adasum train` on 4 GPUs and of `--simulate 4`.",
         "torchrun --nproc-per-node 4 -m adasum train --method M --task digits --model cnn --epochs 3 --lr 0.05 \\\n"

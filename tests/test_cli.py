@@ -210,7 +210,12 @@ def _blocked_dir(tmp_path: Path) -> str:
         # a flag given where it has no effect (the audit's command: the first such flag is named)
         (["train", "--method", "adasum", "--local-steps", "8", "--slow-momentum", "0.9", "--slow-lr", "3",
           "--optimizer", "adam", "--momentum", "0.9", "--chunk-size", "7"],
-         "adasum: error: --local-steps applies to localsgd, adasum-localsgd and slowmo, not adasum"),
+         "adasum: error: --local-steps applies to localsgd, adasum-localsgd, slowmo, diloco, adasum-diloco, "
+         "adacons-diloco and streaming-diloco, not adasum"),
+        (["train", "--method", "slowmo", "--outer-lr", "0.5"],
+         "adasum: error: --outer-lr applies to diloco, adasum-diloco, adacons-diloco and streaming-diloco, not slowmo"),
+        (["train", "--method", "diloco", "--fragments", "2"],
+         "adasum: error: --fragments applies to streaming-diloco, not diloco"),
         (["train", "--method", "localsgd", "--slow-momentum", "0.9"],
          "adasum: error: --slow-momentum applies to slowmo, not localsgd"),
         (["train", "--method", "adasum-localsgd", "--slow-lr", "3"],
@@ -224,7 +229,8 @@ def _blocked_dir(tmp_path: Path) -> str:
         (["train", "--method", "sequential", "--simulate", "4"],
          "adasum: error: --simulate applies to methods of several workers, not sequential (one worker)"),
         (["compare", "--methods", "adasum,mean", "--local-steps", "8"],
-         "adasum: error: --local-steps applies to localsgd, adasum-localsgd and slowmo, not adasum or mean"),
+         "adasum: error: --local-steps applies to localsgd, adasum-localsgd, slowmo, diloco, adasum-diloco, "
+         "adacons-diloco and streaming-diloco, not adasum or mean"),
         (["compare", "--methods", "localsgd,adasum-localsgd", "--slow-lr", "2"],
          "adasum: error: --slow-lr applies to slowmo, not localsgd or adasum-localsgd"),
         (["compare", "--optimizer", "adam", "--momentum", "0.9"],
@@ -311,7 +317,8 @@ def test_python_dash_m_entry_point_reports_bad_input_without_traceback(tmp_path)
     assert proc.returncode == 2
     assert proc.stderr.strip().splitlines() == [
         "adasum: error: unknown method 'nope'; choose from sequential, mean-scaled, mean, sum, adasum, "
-        "adasum-delta, adacons, localsgd, adasum-localsgd, slowmo"
+        "adasum-delta, adacons, localsgd, adasum-localsgd, slowmo, diloco, adasum-diloco, adacons-diloco, "
+        "streaming-diloco"
     ]
 
 

@@ -52,3 +52,14 @@ def test_horovod_port_example():
     line = out.split("loss averaged over 2 ranks: ")[1].splitlines()[0]  # "first 1.0966, last 0.1503"
     first, last = (float(part.split()[-1]) for part in line.split(","))
     assert last < first / 2, out  # it learns (1.22 to 0.44 over 30 steps)
+
+
+ADASUM_BF16 = ("--reduce", "adasum", "--outer-lr", "0.35", "--communication-dtype", "bf16", "--error-feedback")
+
+
+@pytest.mark.parametrize("args", [(), ADASUM_BF16])
+def test_diloco_example(args):
+    out = torchrun("diloco.py", "--steps", "100", "--local-steps", "5", *args)
+    assert "parameters identical on 2 ranks: True" in out
+    first, last = [float(line.split("loss")[1]) for line in out.splitlines() if line.startswith("step")]
+    assert last < first / 5

@@ -210,6 +210,10 @@ TABLE = {  # adasum.experiments.methods' table: reducer, combines, local steps, 
     "localsgd": ("mean", "delta", True, False, False),
     "adasum-localsgd": ("adasum", "delta", True, False, False),
     "slowmo": ("mean", "delta", True, True, False),
+    "diloco": ("mean", "delta", True, False, False),
+    "adasum-diloco": ("adasum", "delta", True, False, False),
+    "adacons-diloco": ("adacons", "delta", True, False, False),
+    "streaming-diloco": ("mean", "delta", True, False, False),
 }
 REDUCERS = {  # each reducer name as the table means it: the class with its default options
     "mean": (Mean, "Mean()"),
@@ -231,6 +235,7 @@ def test_methods_table():
     assert list(METHODS) == list(TABLE)
     for m in METHODS.values():
         assert (m.reducer, m.combine, m.local, m.slow_momentum, m.linear_lr_scaling) == TABLE[m.name], m.name
+        assert m.outer == m.name.endswith("diloco") and m.streaming == m.name.startswith("streaming"), m.name
         cls, text = REDUCERS[m.reducer]
         reducer = method_reducer(m)
         assert type(reducer) is cls and reducer.name == m.reducer and repr(reducer) == text, (m.name, reducer)

@@ -239,3 +239,81 @@ def test_dead_or_stalled_peer_in_a_training_step(where, world, action):
             # the stall is met there first (the hook checks each new batch of buckets across ranks)
             named = "adasum.all_reduce" in r["message"] or r["message"].startswith("adasum_hook on rank")
             assert named and "CollectiveError" in r["error"] + r["message"], r
+
+
+def _typed_backward(model: nn.Module, rank: int, step: int) -> None:
+    """`_backward` in the model's own dtype (a model converted on one rank takes its inputs in its dtype)."""
+    g = torch.Generator().manual_seed(100 * step + rank)
+    dtype = next(model.parameters()).dtype
+    x, y = torch.randn(6, 5, generator=g).to(dtype), torch.randint(0, 3, (6,), generator=g)
+    nn.functional.cross_entropy(model(x), y).backward()
+
+
+def converted_on_one_rank_body(rank, world):
+    """Each wrapper takes a step, then the last rank converts its model to float64 and the ranks step again:
+    the same ValueError on every rank (before: gloo aborted the peer on a buffer of another size)."""
+    out = {}
+    makers = {
+        "gradient": lambda m: adasum.DistributedOptimizer(torch.optim.SGD(m.parameters(), lr=0.1), mode="gradient"),
+        "delta": lambda m: adasum.DistributedOptimizer(torch.optim.Adam(m.parameters(), lr=0.01), mode="delta"),
+        "delta-rounds": lambda m: adasum.DistributedOptimizer(torch.optim.SGD(m.parameters(), lr=0.1), local_steps=2),
+        "slowmo": lambda m: adasum.SlowMo(torch.optim.SGD(m.parameters(), lr=0.1), local_steps=1, reducer="adasum"),
+    }
+    for name, make in makers.items():
+        model = _model()
+        opt = make(model)
+        for step in range(2):
+            _typed_backward(model, rank, step)
+            opt.step()
+            opt.zero_grad()
+        before = [p.detach().clone() for p in model.parameters()]
+        if rank == world - 1:
+            model.double()
+        _typed_backward(model, rank, 2)
+        with pytest.raises(ValueError) as caught:
+            opt.step()
+            if name == "delta-rounds":  # the round's first step is local; its second combines
+                opt.zero_grad()
+                _typed_backward(model, rank, 3)
+                opt.step()
+        message = str(caught.value)
+        assert "\n" not in message and "rank" in message, message
+        if name in ("gradient", "delta"):  # nothing changed (the check comes before the step; SlowMo's base step
+            # and the first local step of a round are local, before the combination's check)
+            assert all(torch.equal(p.detach().to(b.dtype), b) for p, b in zip(model.parameters(), before)), name
+        out[name] = message
+    return out
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_a_model_converted_on_one_rank_is_the_same_error_on_every_rank(world):
+    results = distributed.run(world, converted_on_one_rank_body)
+    distributed.assert_ranks_agree(results)
+    assert "parameter" in results[0]["delta"] and "float64" in results[0]["delta"], results[0]["delta"]
+    assert "float64" in results[0]["gradient"], results[0]["gradient"]
+
+
+def test_a_delta_mode_state_is_refused_by_gradient_mode():
+    """Delta mode's optimizer state is per rank: loaded into gradient mode (which assumes it equal) it would step
+    the ranks apart, so it is refused, naming the fix; a gradient-mode state loads into delta mode."""
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        states = {}
+        for mode in ("delta", "gradient"):
+            model = _model()
+            opt = adasum.DistributedOptimizer(torch.optim.Adam(model.parameters(), lr=0.01), mode=mode)
+            _backward(model, 0, 0)
+            opt.step()
+            states[mode] = opt.state_dict()
+            assert states[mode]["mode"] == mode
+        gradient = adasum.DistributedOptimizer(torch.optim.Adam(_model().parameters(), lr=0.01), mode="gradient")
+        before = gradient.state_dict()
+        with pytest.raises(ValueError, match=r"mode='delta'.*broadcast_optimizer_state"):
+            gradient.load_state_dict(states["delta"])
+        assert gradient.state_dict()["optimizer"]["state"] == before["optimizer"]["state"]  # nothing changed
+        delta = adasum.DistributedOptimizer(torch.optim.Adam(_model().parameters(), lr=0.01), mode="delta")
+        delta.load_state_dict(states["gradient"])
+        old = {k: v for k, v in states["delta"].items() if k != "mode"}  # saved before the mode was recorded
+        gradient.load_state_dict(old)
+    finally:
+        dist.destroy_process_group()

@@ -84,7 +84,8 @@ def real_run(rank: int, world: int, case: tuple) -> list[torch.Tensor]:
 # and the whole-model reducer, every delta method); local_steps=2 with 5 steps an epoch: epoch 1
 # ends in the middle of a round (evaluation sees the last combined model), the run ends on a
 # combination (rank 0's checkpoint holds the model every rank agrees on)
-TRAIN_METHODS = ["adasum", "adacons", "adasum-delta", "localsgd", "adasum-localsgd", "slowmo"]
+TRAIN_METHODS = ["adasum", "adacons", "adasum-delta", "localsgd", "adasum-localsgd", "slowmo", "adasum-diloco",
+                 "adacons-diloco", "streaming-diloco"]
 
 
 def train_config(world: int, method: str = "adasum", model: str = "mlp"):
@@ -119,6 +120,9 @@ def real_train(rank: int, world: int, out: str) -> dict:
         if rank == 0:
             state = torch.load(Path(out) / method / "checkpoint.pt", weights_only=True)
             result["final_model"] = {k: v.numpy() for k, v in state["engine"]["model"].items()}
+            if method.startswith("streaming"):  # mixing keeps the local weights apart: the synced ones (the anchor)
+                anchor = state["engine"]["optimizer"]["anchor"]
+                result["final_model"] = {k: a.numpy() for k, a in zip(state["engine"]["model"], anchor)}
         results[method] = result
     for method in DROPOUT_METHODS:
         result = train(train_config(world, method, "cnn"), Path(out) / f"cnn-{method}", dataset=data, distributed=True)

@@ -15,7 +15,7 @@ from adasum.collectives.nonfinite import NonFinite, NonFiniteError, check_finite
 from adasum.diagnostics import Orthogonality, all_reduce_orthogonality, orthogonality, orthogonality_stacked
 from adasum.integrations.broadcast import broadcast_optimizer_state, broadcast_parameters
 from adasum.integrations.optim import DistributedOptimizer
-from adasum.integrations.slowmo import SlowMo
+from adasum.integrations.slowmo import SlowMo, diloco_outer
 from adasum.kernels.reduce import combine, reduce
 from adasum.reducers import AdaCons, Adasum, Mean, Reducer, Sum, get_reducer
 from adasum.sim import SimulatedWorkers
@@ -42,6 +42,7 @@ __all__ = [
     "check_finite",
     "combine",
     "ddp",
+    "diloco_outer",
     "find_nonfinite",
     "get_reducer",
     "group_timeout",

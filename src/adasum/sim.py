@@ -14,7 +14,10 @@ What is combined (the names of `adasum.DistributedOptimizer`'s ``mode``):
   state for ``local_steps`` steps; then the model deltas ``x_i - x_0`` are reduced and every
   worker restarts from ``x_0 + reduce(deltas)`` (Horovod's ``DistributedOptimizer(op=Adasum)``
   with ``local_steps=1``, local SGD with the mean). With ``slow_momentum`` set, the restart point
-  is SlowMo's outer step instead.
+  is SlowMo's outer step instead; with ``outer_optimizer`` (DiLoCo) that optimizer's step on the
+  pseudo-gradients (`adasum.integrations.slowmo.pseudo_gradient`), and with ``communication_dtype``
+  the deltas are rounded as the wire rounds them (`adasum.integrations.compression.compress`, with
+  error feedback's residual per worker) before they are combined.
 
 Per-worker copies are stacked as ``[P, ...]`` tensors under one ordinary optimizer: for
 elementwise optimizers (SGD, Adam, ...) that is exactly P independent optimizers. Optimizers
@@ -44,7 +47,10 @@ from torch.func import functional_call, grad, vmap
 
 from adasum.collectives.nonfinite import NonFinite, check_policy, decide_nonfinite
 from adasum.diagnostics import Orthogonality, orthogonality_stacked
-from adasum.integrations.slowmo import check_slow_options, slow_momentum_update
+from adasum.integrations.compression import communication_dtype as wire_dtype
+from adasum.integrations.compression import compress, dequantize
+from adasum.integrations.slowmo import check_slow_options, outer_description, pseudo_gradient, slow_momentum_update
+from adasum.integrations.streaming import fragment_bounds, sync_offsets
 from adasum.options import Mode, Nonfinite, check_count, check_option, check_saved_settings
 from adasum.reducers import Reducer, get_reducer
 
@@ -189,6 +195,12 @@ class SimulatedWorkers:
         diagnostics: bool = True,
         nonfinite: Nonfinite = "propagate",
         seed: int = 0,
+        outer_optimizer: Callable[[list[torch.Tensor]], torch.optim.Optimizer] | None = None,
+        communication_dtype: Any = None,
+        error_feedback: bool = False,
+        fragments: int = 1,
+        delay: int = 0,
+        mixing: float = 1.0,
     ) -> None:
         operation = "adasum.SimulatedWorkers"
         check_policy(nonfinite)
@@ -202,6 +214,22 @@ class SimulatedWorkers:
                 f"{operation}: slow_lr={slow_lr!r} needs slow_momentum (SlowMo's outer step, combine='delta'); "
                 "without it every worker restarts from the combined model, as slow_lr=1.0 with slow_momentum=0.0 does"
             )
+        self.communication_dtype = wire_dtype(communication_dtype, operation)
+        if (outer_optimizer is not None or self.communication_dtype is not None) and combine != "delta":
+            raise ValueError(f"{operation}: outer_optimizer and communication_dtype need combine='delta'")
+        if outer_optimizer is not None and slow_momentum is not None:
+            raise ValueError(f"{operation}: give either slow_momentum (SlowMo's outer step) or outer_optimizer")
+        if error_feedback and self.communication_dtype is None:
+            raise ValueError(f"{operation}: error_feedback=True needs a communication_dtype (bf16, fp16 or fp8)")
+        self.error_feedback = bool(error_feedback)
+        self.streaming = fragments > 1 or delay > 0 or mixing != 1.0
+        if self.streaming and outer_optimizer is None:
+            raise ValueError(f"{operation}: fragments, delay and mixing are Streaming DiLoCo's: give outer_optimizer")
+        if self.streaming and not (fragments <= local_steps and 0 <= delay < local_steps and 0 < mixing <= 1):
+            raise ValueError(
+                f"{operation}: streaming needs fragments <= local_steps, 0 <= delay < local_steps and mixing in (0, 1]"
+            )
+        self.fragments, self.delay, self.mixing = fragments, delay, float(mixing)
         if chunk_size is not None:
             check_count(operation, "chunk_size", chunk_size)
         for m in model.modules():
@@ -249,6 +277,13 @@ class SimulatedWorkers:
             if slow_momentum is not None
             else []
         )
+        # DiLoCo: the outer optimizer steps the model the workers agree on, with the pseudo-gradients as gradients
+        self.outer_optimizer = outer_optimizer(self._anchor) if outer_optimizer is not None else None
+        self.residuals: dict[int, torch.Tensor] = {}  # error feedback: per tensor index, [P, ...] float32
+        # Streaming DiLoCo: the fragments (as `adasum.SlowMo` cuts them) and those in flight: {k: (due, grads)}
+        self.bounds = fragment_bounds([p.numel() for p in self._anchor], fragments) if self.streaming else []
+        self.offsets = sync_offsets(local_steps, fragments)
+        self.in_flight: dict[int, tuple[int, dict[int, torch.Tensor]]] = {}
 
     def _per_worker_grads(
         self, inputs: torch.Tensor, targets: torch.Tensor
@@ -307,15 +342,62 @@ class SimulatedWorkers:
                 p.grad = g
             self.optimizer.step()
         self.steps += 1
-        if self.stacked is not None and self.steps % self.local_steps == 0:
+        if self.streaming:
+            self._stream()
+        elif self.stacked is not None and self.steps % self.local_steps == 0:
             self.synchronize()
         return StepResult(losses, diag)
+
+    @torch.no_grad()
+    def _stream(self) -> None:
+        """Streaming DiLoCo's schedule (`adasum.integrations.streaming`): the fragments due are applied, then those
+        whose turn it is start (and with no delay are applied at once)."""
+        for k in sorted(k for k, (due, _) in self.in_flight.items() if due <= self.steps):
+            self._apply_fragment(k)
+        for k, offset in enumerate(self.offsets):
+            if self.steps % self.local_steps == offset:
+                indices = list(range(*self.bounds[k]))
+                self.in_flight[k] = (self.steps + self.delay, self._pseudo_gradients(indices))
+                if self.delay == 0:
+                    self._apply_fragment(k)
+
+    def _apply_fragment(self, k: int) -> None:
+        """The outer step of fragment k, mixed into every worker's copy."""
+        assert self.stacked is not None and self.outer_optimizer is not None
+        _, grads = self.in_flight.pop(k)
+        for i, g in grads.items():
+            self._anchor[i].grad = g
+        with torch.enable_grad():
+            self.outer_optimizer.step()
+        for i in grads:
+            p = self._anchor[i]
+            p.grad = None
+            synced = p.detach().unsqueeze(0).expand_as(self.stacked[i])
+            if self.mixing == 1.0:
+                self.stacked[i].copy_(synced)
+            else:
+                self.stacked[i].mul_(1.0 - self.mixing).add_(synced, alpha=self.mixing)
+
+    def _pseudo_gradients(self, indices: list[int]) -> dict[int, torch.Tensor]:
+        """x_0 - R(x_i - x_0) of the tensors `indices` (through the wire's dtype where set)."""
+        assert self.stacked is not None
+        deltas = [self.stacked[i] - self._anchor[i] for i in indices]
+        if self.communication_dtype is not None:
+            deltas = self._through_the_wire(deltas, indices)
+        combined = self.reducer.reduce(_unstack(deltas, self.workers))
+        return {i: pseudo_gradient(self._anchor[i], d, self._anchor[i].dtype) for i, d in zip(indices, combined)}
 
     @torch.no_grad()
     def synchronize(self) -> None:
         """Combine the workers' model deltas and restart every worker from the result."""
         assert self.stacked is not None
+        if self.outer_optimizer is not None:
+            self.in_flight = {-1: (self.steps, self._pseudo_gradients(list(range(len(self._anchor)))))}
+            self._apply_fragment(-1)
+            return
         deltas = [w - a for w, a in zip(self.stacked, self._anchor)]
+        if self.communication_dtype is not None:
+            deltas = self._through_the_wire(deltas, list(range(len(deltas))))
         combined = self.reducer.reduce(_unstack(deltas, self.workers))
         lr = self.optimizer.param_groups[0]["lr"]
         for i, (anchor, delta) in enumerate(zip(self._anchor, combined)):
@@ -328,9 +410,35 @@ class SimulatedWorkers:
                 )
             self.stacked[i].copy_(anchor.unsqueeze(0).expand_as(self.stacked[i]))
 
+    def _through_the_wire(self, deltas: list[torch.Tensor], indices: list[int]) -> list[torch.Tensor]:
+        """The workers' deltas ([P, ...] per tensor) as `adasum.SlowMo` sends them in `communication_dtype`: each
+        worker's tensors end to end, plus its residual, compressed (fp8: one scale per tensor from the largest
+        magnitude over every worker, as the ranks agree on it) and dequantized to float32."""
+        assert self.communication_dtype is not None
+        sizes = [d[0].numel() for d in deltas]
+        values = torch.cat([d.reshape(self.workers, -1).to(torch.float32) for d in deltas], dim=1)  # [P, n]
+        if self.error_feedback and all(i in self.residuals for i in indices):
+            values = values + torch.cat([self.residuals[i].reshape(self.workers, -1) for i in indices], dim=1)
+        amax = torch.stack([v.abs().max() if v.numel() else v.new_zeros(()) for v in values.split(sizes, dim=1)])
+        sent = []
+        for v in values:
+            q, scale = compress(v, sizes, self.communication_dtype, amax)
+            sent.append(dequantize(q, scale))
+        received = torch.stack(sent)
+        if self.error_feedback:
+            for i, r, d in zip(indices, (values - received).split(sizes, dim=1), deltas):
+                self.residuals[i] = r.reshape(d.shape)
+        return [r.reshape(d.shape).to(d.dtype) for r, d in zip(received.split(sizes, dim=1), deltas)]
+
     def _settings(self) -> dict[str, Any]:
         """What a state depends on (`state_dict`'s "settings", compared by `load_state_dict`)."""
         return {
+            "outer_optimizer": outer_description(self.outer_optimizer) if self.outer_optimizer is not None else None,
+            "communication_dtype": str(self.communication_dtype) if self.communication_dtype is not None else None,
+            "error_feedback": self.error_feedback,
+            "fragments": self.fragments,
+            "delay": self.delay,
+            "mixing": self.mixing,
             "workers": self.workers,
             "combine": self.combine,
             "local_steps": self.local_steps,
@@ -353,6 +461,11 @@ class SimulatedWorkers:
             "skipped_steps": self.skipped_steps,
             "draws": self.draws,
             "settings": self._settings(),
+            "outer": self.outer_optimizer.state_dict() if self.outer_optimizer is not None else None,
+            "residuals": {i: r.clone() for i, r in self.residuals.items()},
+            "in_flight": {
+                k: (due, {i: g.clone() for i, g in grads.items()}) for k, (due, grads) in self.in_flight.items()
+            },
         }
 
     @torch.no_grad()
@@ -373,6 +486,13 @@ class SimulatedWorkers:
         self.steps = int(state["steps"])
         self.skipped_steps = int(state.get("skipped_steps", 0))
         self.draws = int(state.get("draws", self.steps + self.skipped_steps))
+        if self.outer_optimizer is not None and state.get("outer") is not None:
+            self.outer_optimizer.load_state_dict(state["outer"])
+        self.residuals = {int(i): r.clone() for i, r in dict(state.get("residuals") or {}).items()}
+        self.in_flight = {
+            int(k): (int(due), {int(i): g.clone() for i, g in grads.items()})
+            for k, (due, grads) in dict(state.get("in_flight") or {}).items()
+        }
 
 
 def _first_nonfinite_stacked(grads: Sequence[torch.Tensor], names: Sequence[str]) -> NonFinite | None:

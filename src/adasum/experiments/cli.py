@@ -161,6 +161,17 @@ def _common(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument("--slow-momentum", type=float, default=0.5, help="SlowMo's beta (slowmo only)")
     p.add_argument("--slow-lr", type=_positive_float, default=1.0, help="SlowMo's alpha (slowmo only)")
+    p.add_argument("--outer-lr", type=_positive_float, default=None, help="the outer lr (diloco methods; 0.7)")
+    p.add_argument("--outer-momentum", type=float, default=None, help="the outer Nesterov momentum (diloco; 0.9)")
+    p.add_argument(
+        "--communication-dtype", default=None, choices=["bf16", "fp16", "fp8"], help="pseudo-gradients' dtype (diloco)"
+    )
+    p.add_argument(
+        "--error-feedback", action="store_true", default=None, help="add the rounding residual next round (diloco)"
+    )
+    p.add_argument("--fragments", type=_positive_int, default=None, help="fragments (streaming-diloco; 2)")
+    p.add_argument("--delay", type=int, default=None, help="steps before a fragment's outer step (streaming-diloco; 1)")
+    p.add_argument("--mixing", type=_positive_float, default=None, help="synced weights' share (streaming-diloco; 0.5)")
     p.add_argument(
         "--train-limit", type=_positive_int, default=None, help="use only the first N training examples (default: all)"
     )
@@ -404,6 +415,13 @@ def check_flags_apply(args: argparse.Namespace, methods: Sequence[Method], worke
         ("local_steps", "--local-steps", lambda m: m.local),
         ("slow_momentum", "--slow-momentum", lambda m: m.slow_momentum),
         ("slow_lr", "--slow-lr", lambda m: m.slow_momentum),
+        ("outer_lr", "--outer-lr", lambda m: m.outer),
+        ("outer_momentum", "--outer-momentum", lambda m: m.outer),
+        ("communication_dtype", "--communication-dtype", lambda m: m.outer),
+        ("error_feedback", "--error-feedback", lambda m: m.outer),
+        ("fragments", "--fragments", lambda m: m.streaming),
+        ("delay", "--delay", lambda m: m.streaming),
+        ("mixing", "--mixing", lambda m: m.streaming),
     ):
         if dest in given and not any(has(m) for m in methods):
             users = [m.name for m in METHODS.values() if has(m)]

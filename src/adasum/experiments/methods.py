@@ -2,7 +2,8 @@
 
 Every method is a row of three answers (how to combine, what is combined, what happens after): which reducer
 combines across workers, what is combined (gradients, or model deltas after `local_steps` local
-steps), and whether SlowMo's outer step follows. Learning-rate scaling is part of the recipe.
+steps), and which outer step follows (SlowMo's slow momentum, or DiLoCo's outer Nesterov SGD over the
+pseudo-gradients, `adasum.diloco_outer`). Learning-rate scaling is part of the recipe.
 
 AdaCons's learning rate: the library's AdaCons (``scale="mean_norm"``) is a weighted mean of the
 workers' gradients whose weights sum to 1, rescaled to the mean's length: ``|m| sum_i c_i g_i/|g_i|``
@@ -24,7 +25,14 @@ adacons             adacons   gradient   1            no            lr x P (a we
 localsgd            mean      delta      tau          no            lr
 adasum-localsgd     adasum    delta      tau          no            lr
 slowmo              mean      delta      tau          yes           lr
+diloco              mean      delta      tau          Nesterov      lr (outer lr 0.7, momentum 0.9)
+adasum-diloco       adasum    delta      tau          Nesterov      lr (outer lr 0.7, momentum 0.9)
+adacons-diloco      adacons   delta      tau          Nesterov      lr (outer lr 0.7, momentum 0.9)
+streaming-diloco    mean      delta      tau          Nesterov      lr (2 fragments, delay 1, mixing 0.5)
 ==================  ========  =========  ===========  ============  ===============================
+
+The DiLoCo rows take ``--outer-lr``, ``--outer-momentum``, ``--communication-dtype`` (bf16, fp16, fp8) and
+``--error-feedback``; ``streaming-diloco`` also ``--fragments``, ``--delay`` and ``--mixing``.
 """
 
 from __future__ import annotations
@@ -48,6 +56,8 @@ class Method:
     combine: Mode = "gradient"
     local: bool = False
     slow_momentum: bool = False
+    outer: bool = False  # DiLoCo's outer optimizer over the pseudo-gradients
+    streaming: bool = False  # Streaming DiLoCo's fragments
     linear_lr_scaling: bool = False
     single_worker: bool = False
     description: str = ""
@@ -76,6 +86,13 @@ METHODS: Mapping[str, Method] = MappingProxyType({
             "adasum-localsgd", "adasum", combine="delta", local=True, description="local SGD, Adasum of model deltas"
         ),
         Method("slowmo", "mean", combine="delta", local=True, slow_momentum=True, description="SlowMo over local SGD"),
+        Method("diloco", "mean", combine="delta", local=True, outer=True, description="DiLoCo, mean pseudo-gradient"),
+        Method("adasum-diloco", "adasum", combine="delta", local=True, outer=True, description="DiLoCo, Adasum"),
+        Method("adacons-diloco", "adacons", combine="delta", local=True, outer=True, description="DiLoCo, AdaCons"),
+        Method(
+            "streaming-diloco", "mean", combine="delta", local=True, outer=True, streaming=True,
+            description="Streaming DiLoCo, mean",
+        ),
     ]
 })
 

@@ -29,11 +29,11 @@ from adasum.diagnostics import Orthogonality, all_reduce_orthogonality
 from adasum.experiments.checkpoint import applied, load_checkpoint, save_checkpoint
 from adasum.experiments.data import DEFAULT_MODELS, Dataset, load_task
 from adasum.experiments.io import read_jsonl, write_json_atomic, write_text_atomic
-from adasum.experiments.methods import get_method, method_reducer
+from adasum.experiments.methods import Method, get_method, method_reducer
 from adasum.experiments.models import build_model
 from adasum.experiments.progress import ProgressBar
 from adasum.integrations.optim import DistributedOptimizer
-from adasum.integrations.slowmo import SlowMo
+from adasum.integrations.slowmo import SlowMo, diloco_outer
 from adasum.options import Mode, Nonfinite
 from adasum.reducers import Reducer
 from adasum.sim import SimulatedWorkers, StepResult, cross_entropy, set_dropout_keys
@@ -62,6 +62,13 @@ class RunConfig:
     local_steps: int = 4
     slow_momentum: float = 0.5
     slow_lr: float = 1.0
+    outer_lr: float | None = None  # DiLoCo methods: the outer Nesterov SGD's lr (None: 0.7)
+    outer_momentum: float | None = None  # and its momentum (None: 0.9)
+    communication_dtype: str | None = None  # DiLoCo methods: the pseudo-gradients' wire dtype (bf16, fp16, fp8)
+    error_feedback: bool | None = None  # DiLoCo methods with a communication dtype (None: no)
+    fragments: int | None = None  # streaming-diloco: fragments (None: 2)
+    delay: int | None = None  # streaming-diloco: inner steps before a fragment's outer step (None: 1)
+    mixing: float | None = None  # streaming-diloco: the synced weights' share when mixed in (None: 0.5)
     seed: int = 0
     train_limit: int | None = None
     data_dir: str | None = None
@@ -95,6 +102,15 @@ class RunConfig:
             (self.local_steps >= 1, f"local steps must be >= 1, got {self.local_steps}"),
             (0 <= self.slow_momentum < 1, f"slow momentum must be in [0, 1), got {self.slow_momentum}"),
             (self.slow_lr > 0, f"slow learning rate must be > 0, got {self.slow_lr}"),
+            (self.outer_lr is None or self.outer_lr > 0, f"outer learning rate must be > 0, got {self.outer_lr}"),
+            (
+                self.outer_momentum is None or 0 <= self.outer_momentum < 1,
+                f"outer momentum must be in [0, 1), got {self.outer_momentum}",
+            ),
+            (
+                not self.error_feedback or self.communication_dtype is not None,
+                "error feedback needs a communication dtype",
+            ),
             (self.train_limit is None or self.train_limit >= 1, f"train limit must be >= 1, got {self.train_limit}"),
             (self.chunk_size is None or self.chunk_size >= 1, f"chunk size must be >= 1, got {self.chunk_size}"),
             (self.nonfinite in POLICIES, f"nonfinite must be one of {', '.join(POLICIES)}, got {self.nonfinite!r}"),
@@ -207,6 +223,12 @@ class DistributedWorker:
         local_steps: int = 1,
         slow_momentum: float | None = None,
         slow_lr: float = 1.0,
+        outer_optimizer: Callable[[list[torch.Tensor]], torch.optim.Optimizer] | None = None,
+        communication_dtype: str | None = None,
+        error_feedback: bool = False,
+        fragments: int = 1,
+        delay: int = 0,
+        mixing: float = 1.0,
         diagnostics_every: int = 10,
         nonfinite: Nonfinite = "propagate",
         seed: int = 0,
@@ -225,14 +247,20 @@ class DistributedWorker:
                 dist.broadcast(p, 0)
         base = optimizer(self.params)
         self.optimizer: DistributedOptimizer | SlowMo
-        if slow_momentum is not None:
+        if slow_momentum is not None or outer_optimizer is not None:
             self.optimizer = SlowMo(
                 base,
                 local_steps=local_steps,
                 slow_lr=slow_lr,
-                slow_momentum=slow_momentum,
+                slow_momentum=slow_momentum or 0.0,
                 reducer=reducer,
                 nonfinite="propagate",  # the policy is applied per step in `step`, as the simulator does
+                outer_optimizer=outer_optimizer,
+                communication_dtype=communication_dtype,
+                error_feedback=error_feedback,
+                fragments=fragments,
+                delay=delay,
+                mixing=mixing,
             )
         else:
             self.optimizer = DistributedOptimizer(
@@ -473,6 +501,7 @@ class _Run:
             local_steps=config.local_steps if self.method.local else 1,
             slow_momentum=config.slow_momentum if self.method.slow_momentum else None,
             slow_lr=config.slow_lr if self.method.slow_momentum else 1.0,
+            **diloco_options(config, self.method),
         )
         self.engine: SimulatedWorkers | DistributedWorker
         if self.distributed:
@@ -788,6 +817,25 @@ def _null() -> Iterator[None]:
 def _finite_mean(values: list[float]) -> float | None:
     good = [v for v in values if math.isfinite(v)]
     return sum(good) / len(good) if good else None
+
+
+def diloco_options(config: RunConfig, method: Method) -> dict[str, Any]:
+    """The DiLoCo options of `method` under `config` for `SimulatedWorkers` and `DistributedWorker` ({} for the
+    other methods): the outer Nesterov SGD, the communication dtype, error feedback."""
+    if not method.outer:
+        return {}
+    lr = 0.7 if config.outer_lr is None else config.outer_lr
+    momentum = 0.9 if config.outer_momentum is None else config.outer_momentum
+    options: dict[str, Any] = {
+        "outer_optimizer": diloco_outer(lr, momentum),
+        "communication_dtype": config.communication_dtype,
+        "error_feedback": bool(config.error_feedback),
+    }
+    if method.streaming:
+        options["fragments"] = 2 if config.fragments is None else config.fragments
+        options["delay"] = 1 if config.delay is None else config.delay
+        options["mixing"] = 0.5 if config.mixing is None else config.mixing
+    return options
 
 
 def identity(config: dict[str, Any]) -> dict[str, Any]:

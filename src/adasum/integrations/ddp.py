@@ -54,6 +54,7 @@ annotations with ``dist.GradBucket`` and ``torch.futures.Future[torch.Tensor]`` 
 
 import contextlib
 import math
+import warnings
 import weakref
 from collections.abc import Iterable
 from dataclasses import dataclass
@@ -222,7 +223,10 @@ class AdasumState:
             "group", "_batch_checked", "_plans", "_agreed", "_parameters", "_learning", "_open", "_open_bytes",
             "_statistics",
         )
-        return {k: v for k, v in self.__dict__.items() if k not in skip}
+        state = {k: v for k, v in self.__dict__.items() if k not in skip}
+        # the world the reducer's cross-call state was made on (`_follow_world` resets it on another)
+        state["_saved_world"] = dist.get_world_size(self.group) if dist.is_initialized() else None
+        return state
 
     def __setstate__(self, state: dict[str, Any]) -> None:
         self.__dict__.update(state)
@@ -392,6 +396,23 @@ def _check_batch_limit(state: AdasumState, operation: str) -> None:
     state._batch_checked = True
 
 
+def _follow_world(state: AdasumState, operation: str) -> None:
+    """An unpickled state on another world size than it was pickled on (an elastic restart, docs/faults.md): the
+    reducer's cross-call state (AdaCons' per-worker momentum, one entry per rank) starts afresh, the rest carries
+    over; one warning on every rank says so."""
+    saved = state.__dict__.pop("_saved_world", None)
+    world = dist.get_world_size(state.group)
+    if saved is None or int(saved) == world:
+        return
+    notes = ["the iteration counter carries over"]
+    kept = state.reducer.state_dict()
+    if kept.get("states"):
+        state.reducer.load_state_dict({**kept, "states": {}})
+        notes.append(f"{type(state.reducer).__name__}'s state (one entry per rank) starts afresh")
+    warnings.warn(f"{operation}: the state was pickled on {saved} ranks and runs on {world}: " + "; ".join(notes),
+                  stacklevel=3)
+
+
 def adasum_hook(state: AdasumState, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
     """Combine one DDP bucket across the group with ``state.reducer``, per parameter, in place.
 
@@ -425,6 +446,7 @@ def adasum_hook(state: AdasumState, bucket: dist.GradBucket) -> torch.futures.Fu
             state.skipped_steps += 1
             raise
     if not state._batch_checked:
+        _follow_world(state, "adasum_hook")
         _check_batch_limit(state, "adasum_hook")
     plan = _plan(state, bucket, buffer)
     last = bucket.is_last()

@@ -41,10 +41,11 @@ inf flag, so when any rank sees inf/NaN every rank skips the step together. Pass
 backs off together (otherwise parameters still agree, loss scales may not).
 
 Memory: delta mode keeps one extra copy of the parameters (the starting weights, one flat buffer per
-bucket) and `IN_FLIGHT` (3) flat delta buffers of at most `bucket_cap_mb` each, kept between steps
-(reducers with whole-model coefficients, such as AdaCons or ``Adasum(per_tensor=False)``, need one
-bucket per dtype, so the delta buffers hold the whole model). Gradient mode keeps no copy; while it
-combines, a transient flat buffer of at most `bucket_cap_mb` exists.
+bucket) and `adasum.integrations.delta.IN_FLIGHT` (3) flat delta buffers of at most `bucket_cap_mb`
+each, kept between steps (reducers with whole-model coefficients, such as AdaCons or
+``Adasum(per_tensor=False)``, need one bucket per dtype, so the delta buffers hold the whole model).
+Gradient mode keeps no copy; while it combines, a transient flat buffer of at most `bucket_cap_mb`
+exists.
 
 Speed (delta mode on GPUs): each bucket's deltas and its update are one Triton pass over the
 parameters where they lie (per-tensor ops for non-contiguous ones, such as channels-last weights),
@@ -64,18 +65,21 @@ from __future__ import annotations
 import gc
 import hashlib
 import math
-from collections import OrderedDict, deque
+import warnings
+from collections import OrderedDict
 from collections.abc import Callable, Iterable
-from typing import Any, cast
+from typing import Any
 
 import torch
 import torch.distributed as dist
 
-from adasum import kernels
 from adasum.collectives.agreement import Problem, agree, check_not_sharded, check_same_layout, describe, local_problem
 from adasum.collectives.nonfinite import apply_nonfinite_policy, check_policy, nonfinite_message
 from adasum.core.layout import Scattered, flatten, unflatten_into
 from adasum.core.statistics import StepStatistics
+from adasum.integrations.compression import CompressedCombine, communication_dtype
+from adasum.integrations.delta import IN_FLIGHT as IN_FLIGHT  # noqa: F401  (the delta slots, named here as before)
+from adasum.integrations.delta import DeltaCombiner, buckets
 from adasum.options import (
     Mode,
     Nonfinite,
@@ -87,40 +91,9 @@ from adasum.options import (
     reducer_of_op,
 )
 from adasum.reducers import Reducer, get_reducer
-from adasum.transport.groups import communicator, control_group, failures_named, group_device, side_stream
-
-_data_ptr = torch.Tensor.data_ptr
-
-IN_FLIGHT = 3
-"""Delta mode on a GPU: buckets whose deltas are computed, combined or applied at once (module doc)."""
+from adasum.transport.groups import control_group, failures_named, group_device
 
 __all__ = ["DistributedOptimizer", "buckets", "check_same_parameters", "checksum", "nonfinite_message"]
-
-
-def buckets(tensors: list[torch.Tensor], cap_bytes: int | None) -> list[list[int]]:
-    """Indices of `tensors` in buckets of one device and dtype, in order; a bucket closes once it
-    holds `cap_bytes` (a larger tensor gets one of its own). ``cap_bytes=None``: one bucket per
-    device and dtype.
-
-    >>> buckets([torch.zeros(4), torch.zeros(4), torch.zeros(4, dtype=torch.float64)], 16)
-    [[0], [1], [2]]
-    """
-    by_kind: dict[tuple[str, str], list[int]] = {}
-    for i, t in enumerate(tensors):
-        by_kind.setdefault((str(t.device), str(t.dtype)), []).append(i)
-    out: list[list[int]] = []
-    for kind in sorted(by_kind):
-        current: list[int] = []
-        size = 0
-        for i in by_kind[kind]:
-            current.append(i)
-            size += tensors[i].numel() * tensors[i].element_size()
-            if cap_bytes is not None and size >= cap_bytes:
-                out.append(current)
-                current, size = [], 0
-        if current:
-            out.append(current)
-    return out
 
 
 def checksum(tensor: torch.Tensor) -> torch.Tensor:
@@ -290,9 +263,11 @@ class DistributedOptimizer(torch.optim.Optimizer):
             MiB: a finite number > 0 (a tensor larger than the cap gets a bucket of its own).
         check (True or False): at construction and in `add_param_group`, check that every rank has the same
             parameter shapes, dtypes, device type and (by a checksum) values; ValueError on every
-            rank names the first difference. The layout is then fixed: steps combine without a
-            per-step layout check (gradient mode checks the gradients' layout once, on the first
-            step: sparse gradients raise TypeError on every rank).
+            rank names the first difference. Each combination then sends a 24-byte signature of
+            the dtypes and shapes (gradient mode: in its presence check; delta mode: before the
+            step that ends a round), so that a model converted on one rank only is a ValueError on
+            every rank (docs/faults.md); gradient mode checks the gradients' full layout once per
+            set of gradients: sparse gradients raise TypeError on every rank.
         nonfinite: what a NaN or Inf in any rank's local gradients does, decided identically on
             every rank before anything is combined or stepped: "propagate" (default, as DDP does)
             checks nothing, and a non-finite gradient makes the parameters non-finite identically
@@ -305,6 +280,12 @@ class DistributedOptimizer(torch.optim.Optimizer):
             queueing work ahead (docs/benchmarks.md), hence not the default.
         named_parameters: ``model.named_parameters()`` (as Horovod takes it): the names that error
             messages give the parameters. Every parameter of the optimizer must be named.
+        compression: delta mode: the dtype the weight changes cross the network in (Horovod's
+            ``compression=hvd.Compression.fp16``): None (default: their own dtype), ``torch.bfloat16``,
+            ``torch.float16``, ``torch.float8_e4m3fn`` (one scale per tensor, agreed across ranks) or a
+            name ("bf16", "fp16", "fp8", "none"; Horovod's ``Compression.fp16`` and ``.none`` are taken
+            too). Each rank's compressed deltas are gathered and combined in float32 in one process, the
+            same on every rank (`adasum.integrations.compression`). Gradient mode refuses it (ValueError).
         sparse_as_dense (True or False): turn sparse gradients (``nn.Embedding(sparse=True)``) into dense ones
             before anything else in ``step()`` (Horovod's option). Without it gradient mode refuses
             sparse gradients; delta mode steps them locally as they are.
@@ -356,6 +337,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
         named_parameters: Iterable[tuple[str, torch.Tensor]] | None = None,
         sparse_as_dense: bool = False,
         op: object = None,
+        compression: Any = None,
     ) -> None:
         operation = "adasum.DistributedOptimizer"
         reducer = cast("str | Reducer", reducer_of_op(operation, op, reducer))
@@ -366,6 +348,13 @@ class DistributedOptimizer(torch.optim.Optimizer):
         check_count(operation, "local_steps", local_steps)
         if mode == "gradient" and local_steps != 1:
             raise ValueError(f"{operation}: local_steps > 1 needs mode='delta'")
+        wire = communication_dtype(compression, operation, "compression")
+        if mode == "gradient" and wire is not None:
+            raise ValueError(
+                f"{operation}: compression= sends delta mode's weight changes in {wire}; gradient mode combines the "
+                "gradients in their own dtype: use mode='delta', or DDP with the Adasum hook inside torch's "
+                "fp16_compress_wrapper / bf16_compress_wrapper"
+            )
         check_number(operation, "bucket_cap_mb", bucket_cap_mb, "a finite number > 0 (MiB)", lambda v: 0 < v < math.inf)
         check_flag(operation, "check", check)
         check_flag(operation, "sparse_as_dense", sparse_as_dense)
@@ -386,6 +375,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
                     "pass the named_parameters() of the model the optimizer trains"
                 )
         self.sparse_as_dense = sparse_as_dense
+        self.compression = wire
         self.reducer = get_reducer(reducer)
         self.mode = mode
         self.group = group
@@ -399,16 +389,16 @@ class DistributedOptimizer(torch.optim.Optimizer):
         self._checked_present: tuple[int, ...] | None = None  # gradient mode: the gradients whose layout was checked
         self._ddp_checked = False  # the first step looks for a DDP wrapper again (one made after construction)
         self._device = group_device(group)
-        self._anchor: list[torch.Tensor] | None = None  # delta mode: the round's starting weights
-        self._delta_buffers: dict[tuple, torch.Tensor] = {}  # delta mode: `IN_FLIGHT` flat buffers per dtype
-        self._anchor_flats: list[torch.Tensor] = []  # delta mode: the storage of `_anchor`, one per bucket
-        self._anchor_memory: tuple = ()  # the addresses of the parameters the anchor was made for (`_anchor_fits`)
-        self._plan: list = []  # delta mode: the buckets' parameters (`_delta_plan`), for `_plan_key`
-        self._plan_key: tuple | None = None
-        self._anchor_mark: tuple | None = None  # delta mode: the parameters as the last combination left them
         self._passes = 0  # backward passes accumulated since the last real step
         self._round_step = 0  # local steps taken since the last combination
         self._statistics = StepStatistics()  # the last combination's records (`statistics`)
+        # delta mode: the round's starting weights, the delta slots and the pipeline (`adasum.integrations.delta`)
+        self._deltas = DeltaCombiner(self.reducer, group, self.bucket_cap_bytes, self._statistics)
+        self._compressed = (
+            CompressedCombine(self.reducer, wire, group, operation="adasum.DistributedOptimizer.step")
+            if wire is not None
+            else None
+        )
         # what torch.optim.Optimizer's own methods expect to find
         self._optimizer_step_pre_hooks: OrderedDict = OrderedDict()
         self._optimizer_step_post_hooks: OrderedDict = OrderedDict()
@@ -455,8 +445,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
             except BaseException:
                 self.optimizer.param_groups.pop()
                 raise
-        self._anchor = None
-        self._anchor_mark = None
+        self._deltas.drop()
         self._checked_present = None
 
     def zero_grad(self, set_to_none: bool = True) -> None:
@@ -510,15 +499,17 @@ class DistributedOptimizer(torch.optim.Optimizer):
                 return self.optimizer.step()
             with torch.enable_grad():
                 return self.optimizer.step(self._combining(closure))
-        if self._round_step == 0 and not self._anchor_current(params):
-            self._save_anchor(params)
+        if self._round_step + 1 >= self.local_steps:  # this step combines: the layouts first, before it changes
+            self._deltas.check(params, "adasum.DistributedOptimizer.step", self._names())
+        if self._round_step == 0 and not self._deltas.current(params):
+            self._deltas.save(params)
         with torch.enable_grad():
             loss = self.optimizer.step(self._densifying(closure)) if closure is not None else self.optimizer.step()
         self._round_step += 1
         if self._round_step >= self.local_steps:
-            if self.local_steps > 1 and not self._anchor_fits(params):  # converted in the round (model.double())
-                self._move_anchor(params)
-            self._combine_deltas(params)
+            if self.local_steps > 1 and not self._deltas.fits(params):  # converted in the round (model.double())
+                self._deltas.move(params, "adasum.DistributedOptimizer.step")
+            self._deltas.combine(params, combine=self._compressed)
             self._round_step = 0
         return loss
 
@@ -625,13 +616,6 @@ class DistributedOptimizer(torch.optim.Optimizer):
         """
         return {"step": self._statistics.steps, "skipped_steps": self.skipped_steps, **self._statistics.summary()}
 
-    def _combine_flat(self, flat: torch.Tensor, sizes: list[int], mode: str) -> None:
-        """The reducer on one bucket's flat buffer, recorded as one call of the combination (`statistics`); the
-        key names what a captured CUDA graph of the call depends on (its buffer and layout)."""
-        key = (mode, flat.data_ptr(), flat.dtype, flat.numel(), tuple(sizes))
-        with self._statistics.call(key, flat.device):
-            self.reducer.all_reduce_flat(flat, sizes, self.group, check_layout=False)
-
     def last_combined(self) -> list[torch.Tensor] | None:
         """The parameters as of the last combination (the round's starting weights, in the order of
         ``param_groups``) while a round of local steps is under way; None when the parameters are
@@ -690,60 +674,22 @@ class DistributedOptimizer(torch.optim.Optimizer):
         for device in {g.device for g in grads}:
             torch._foreach_mul_([g for g in grads if g.device == device], inv.to(device))
 
+    @property
+    def _anchor(self) -> list[torch.Tensor] | None:
+        """Delta mode: the round's starting weights (`adasum.integrations.delta.DeltaCombiner.anchor`)."""
+        return self._deltas.anchor
+
     def _anchor_current(self, params: list[torch.Tensor]) -> bool:
-        """Whether the anchor holds the parameters already: the last combination wrote both in one pass and no
-        parameter changed since, by its version counter (every in-place torch op bumps it: an optimizer's or a
-        ``load_state_dict``'s) and its storage. A write through ``.data`` or a raw pointer is not counted; after
-        one, call `resync_anchor`."""
-        return self._anchor_mark is not None and self._anchor_mark == _versions(params)
+        """Whether the anchor holds the parameters already (`adasum.integrations.delta.DeltaCombiner.current`): the
+        last combination wrote both in one pass and no parameter changed since. A write through ``.data`` or a raw
+        pointer is not counted; after one, call `resync_anchor`."""
+        return self._deltas.current(params)
 
     def resync_anchor(self) -> None:
         """Take the parameters as they are as the next round's starting weights (delta mode), after changing them
         in a way torch does not count (through ``p.data``, or a kernel of one's own). In-place torch ops on the
         parameters need no call: `step` sees them."""
-        self._anchor_mark = None
-
-    def _anchor_fits(self, params: list[torch.Tensor]) -> bool:
-        """Whether the anchor was made for these parameters as they lie: the same memory of each (a model converted
-        after wrapping, ``model.double()`` or ``.to(device)``, keeps its parameter objects and gives each new memory
-        of its new dtype and device; one C-level map, not a comparison of every shape, dtype and device a step)."""
-        return self._anchor is not None and tuple(map(_data_ptr, params)) == self._anchor_memory
-
-    def _save_anchor(self, params: list[torch.Tensor]) -> None:
-        if not self._anchor_fits(params):
-            self._new_anchor(params)
-        assert self._anchor is not None
-        if params:
-            torch._foreach_copy_(self._anchor, params)
-
-    def _move_anchor(self, params: list[torch.Tensor]) -> None:
-        """The round's starting weights converted to the parameters' dtypes and devices, which changed in the middle
-        of a round of local steps; ValueError when a parameter was added or changed shape (no starting weights for
-        it)."""
-        assert self._anchor is not None
-        old = self._anchor
-        if len(old) != len(params) or any(a.shape != p.shape for a, p in zip(old, params)):
-            raise ValueError(
-                "adasum.DistributedOptimizer.step: parameters were added or changed shape in the middle of a round of "
-                "local steps; change them between rounds (add_param_group refuses the middle of a round)"
-            )
-        self._new_anchor(params)
-        torch._foreach_copy_(self._anchor, [a.to(p.device) for a, p in zip(old, params)])
-
-    def _new_anchor(self, params: list[torch.Tensor]) -> None:
-        """Room for the starting weights: one flat buffer per bucket of `params` (`_anchor_flats`), seen per
-        parameter, in its shape, by `_anchor` (views)."""
-        self._anchor_mark = None
-        anchor: list[torch.Tensor] = [torch.empty(0)] * len(params)
-        self._anchor_flats = []
-        for bucket in buckets(params, self.bucket_cap_bytes):
-            sizes = [params[i].numel() for i in bucket]
-            flat = torch.empty(sum(sizes), dtype=params[bucket[0]].dtype, device=params[bucket[0]].device)
-            self._anchor_flats.append(flat)
-            for i, view in zip(bucket, flat.split(sizes)):
-                anchor[i] = view.view(params[i].shape)
-        self._anchor = anchor
-        self._anchor_memory = tuple(map(_data_ptr, params))  # what `_anchor_fits` compares
+        self._deltas.forget()
 
     def _combine_gradients(self, params: list[torch.Tensor]) -> None:
         """Combine the gradients of the parameters that have one on any rank (`_present_gradients`); the others
@@ -764,21 +710,26 @@ class DistributedOptimizer(torch.optim.Optimizer):
         for bucket in buckets(grads, self.bucket_cap_bytes):
             members = [grads[i] for i in bucket]
             flat = flatten(members)
-            self._combine_flat(flat, [g.numel() for g in members], "gradient")
+            self._deltas.combine_flat(flat, [g.numel() for g in members], "gradient")
             unflatten_into(flat, members)
         self._statistics.finish_step()
 
     def _present_gradients(self, params: list[torch.Tensor]) -> tuple[int, ...]:
-        """Indices of the parameters with a gradient on at least one rank, the same on every rank.
+        """Indices of the parameters with a gradient on at least one rank, the same on every rank; ValueError on
+        every rank when a gradient's dtype or shape differs across ranks (a model converted on one rank only).
 
         Shaped like every check of the control group (`adasum.collectives.agreement.agree`), so that it can pair
-        only with checks: one all-reduce (MAX) of three int64 (a signature of this rank's indices, its negation,
-        a flag); when the ranks' indices differ, a gather of them gives the union. A rank at another check
-        (say `add_param_group` on one rank only) gets a ValueError on both sides instead of a mixed result."""
+        only with checks: one all-reduce (MAX) of three int64 (a signature of this rank's presence, dtype and
+        shape of every gradient, its negation, a flag); when the signatures differ, a gather of the descriptions
+        gives the union of the indices, or the difference. A rank at another check (say `add_param_group` on one
+        rank only) gets a ValueError on both sides instead of a mixed result."""
+        description = [
+            ("gradient of parameter", i, p.grad is not None, *(describe([p.grad if p.grad is not None else p])[0]))
+            for i, p in enumerate(params)
+        ]
         mine = tuple(i for i, p in enumerate(params) if p.grad is not None)
         if dist.get_world_size(self.group) == 1:
             return mine
-        description = [("gradient of parameter", i) for i in mine]
         digest = hashlib.blake2b(repr(description).encode(), digest_size=8).digest()
         signature = int.from_bytes(digest, "little") >> 2  # 62 bits: its negation fits int64
         probe = torch.tensor([signature, -signature, 0], dtype=torch.int64)
@@ -791,15 +742,26 @@ class DistributedOptimizer(torch.optim.Optimizer):
                 return mine
             everyone: list = [None] * dist.get_world_size(self.group)
             dist.all_gather_object(everyone, (description, None), group=control)
-        union: set[int] = set()
         for rank, (theirs, _) in enumerate(everyone):
-            if any(not (isinstance(e, tuple) and e[:1] == ("gradient of parameter",)) for e in theirs):
+            if len(theirs) != len(params) or any(
+                not (isinstance(e, tuple) and e[:1] == ("gradient of parameter",)) for e in theirs
+            ):
                 raise ValueError(
                     f"{operation}: rank {rank} was at another check than step()'s gradient presence check "
                     "(a collective such as add_param_group called on some ranks only); call step() on every rank"
                 )
-            union.update(i for _, i in theirs)
-        return tuple(sorted(union))
+        for i in range(len(params)):
+            layouts = [theirs[i][3:] for theirs, _ in everyone]
+            if any(layout != layouts[0] for layout in layouts):
+                rank = next(r for r, layout in enumerate(layouts) if layout != layouts[0])
+                dtype, shape, device = layouts[0]
+                other_dtype, other_shape, other_device = layouts[rank]
+                raise ValueError(
+                    f"{operation}: the gradient of parameter {self._label(i)} is {dtype} of shape {list(shape)} on "
+                    f"{device} on rank 0 but {other_dtype} of shape {list(other_shape)} on {other_device} on rank "
+                    f"{rank}; convert the model the same way on every rank (model.double() or model.to() on all)"
+                )
+        return tuple(i for i in range(len(params)) if any(theirs[i][2] for theirs, _ in everyone))
 
     def _check_gradients(self, grads: list[torch.Tensor], present: tuple[int, ...], operation: str) -> None:
         """Same layout on every rank and no local problem (sparse, misplaced), or the same error on every rank."""
@@ -845,75 +807,12 @@ class DistributedOptimizer(torch.optim.Optimizer):
             ("bucket_cap_bytes", self.bucket_cap_bytes),
             ("sparse_as_dense", self.sparse_as_dense),
             ("grad_scaler", self.grad_scaler is not None),
+            ("compression", str(self.compression)),
         ]
 
-    def _combine_deltas(self, params: list[torch.Tensor]) -> None:
-        """Set x := x0 + combine(x - x0), bucket by bucket; x0 and the combination agree on every
-        rank, so the parameters come out bitwise identical.
-
-        On a GPU the buckets are pipelined: the compute stream writes bucket k's deltas while the "comm" side
-        stream combines bucket k - 1 and the compute stream applies bucket k - 2 (each ordered by events), so
-        the elementwise passes, which load local memory, overlap the combination, which waits on the link. At
-        most `IN_FLIGHT` buckets' delta buffers exist at once. `step()` returns with the compute stream
-        ordered after every bucket: the parameters are final for anything enqueued after it."""
-        assert self._anchor is not None
-        device = params[0].device if params else None
-        comm = side_stream(device, "comm") if device is not None and device.type == "cuda" else None
-        main = torch.cuda.current_stream(device) if comm is not None else None
-        pending: deque = deque()
-        tables = communicator(self.group).tiles  # the buckets' tile addresses, kept between steps
-
-        def apply(members: list[torch.Tensor] | Scattered, anchor: torch.Tensor, flat: torch.Tensor, done) -> None:
-            if done is not None:
-                assert main is not None  # there is a side stream
-                main.wait_event(done)
-            # one pass: x0 + combined, straight into the parameters and into the anchor (the next round's start)
-            kernels.add_into(members, anchor, flat, base_too=True, tables=tables)
-
-        for number, (members, sizes) in enumerate(self._delta_plan(params)):
-            anchor = self._anchor_flats[number]  # the bucket's dtype and device, and its size
-            flat = self._delta_buffer(number % IN_FLIGHT, anchor.numel(), anchor)
-            kernels.subtract_into(flat, members, anchor, tables)
-            if comm is None:
-                self._combine_flat(flat, sizes, "delta")
-                apply(members, anchor, flat, None)
-                continue
-            comm.wait_stream(cast(torch.cuda.Stream, main))  # the compute stream, set with `comm`
-            with torch.cuda.stream(comm):
-                self._combine_flat(flat, sizes, "delta")
-                done = comm.record_event()
-            pending.append((members, anchor, flat, done))
-            if len(pending) >= IN_FLIGHT:
-                apply(*pending.popleft())
-        while pending:
-            apply(*pending.popleft())
-        self._anchor_mark = _versions(params)
-        self._statistics.finish_step()
-
     def _delta_plan(self, params: list[torch.Tensor]) -> list[tuple[list[torch.Tensor] | Scattered, list[int]]]:
-        """Per bucket (as `_new_anchor` cut them): its parameters, as a `Scattered` view when all are contiguous
-        (one kernel reads and writes them in place), and their sizes. Kept while the parameters keep their
-        storage and shapes (checked every step: a parameter given new storage gets a new plan)."""
-        key = (tuple(map(torch.Tensor.data_ptr, params)), tuple(p.shape for p in params))
-        if self._plan_key != key:
-            plan = []
-            for bucket in buckets(params, self.bucket_cap_bytes):
-                members = [params[i] for i in bucket]
-                inplace = all(p.is_contiguous() for p in members) and members[0].device.type == "cuda"
-                plan.append((Scattered(members) if inplace else members, [p.numel() for p in members]))
-            self._plan, self._plan_key = plan, key
-        return self._plan
-
-    def _delta_buffer(self, slot: int, numel: int, like: torch.Tensor) -> torch.Tensor:
-        """The first `numel` elements of delta buffer `slot` for `like`'s dtype and device (`IN_FLIGHT` slots, kept
-        between steps and grown as needed). The same buffers step after step give the combination the same
-        addresses, so its captured CUDA graphs replay. Bucket k reuses the slot of bucket k - IN_FLIGHT only after
-        that bucket was applied, which waited for its combination."""
-        key = (slot, like.device, like.dtype)
-        buffer = self._delta_buffers.get(key)
-        if buffer is None or buffer.numel() < numel:
-            buffer = self._delta_buffers[key] = torch.empty(numel, dtype=like.dtype, device=like.device)
-        return buffer[:numel]
+        """Per bucket: its parameters and their sizes (`adasum.integrations.delta.DeltaCombiner.plan`)."""
+        return self._deltas.plan(params)
 
     # -- checks and checkpoints ---------------------------------------------------------------
 
@@ -922,14 +821,15 @@ class DistributedOptimizer(torch.optim.Optimizer):
         check_same_parameters(self._params(), self.group, self._names(), operation="adasum.DistributedOptimizer")
 
     def state_dict(self) -> dict[str, Any]:
-        """The wrapped optimizer's state, the accumulation counters, the round's length and, in the middle
-        of a round of local steps, the round's starting weights; the wrapper's state_dict hooks run
+        """The wrapped optimizer's state, the mode, the accumulation counters, the round's length and, in the
+        middle of a round of local steps, the round's starting weights; the wrapper's state_dict hooks run
         around it, as torch's optimizers run theirs."""
         for pre_hook in self._optimizer_state_dict_pre_hooks.values():
             pre_hook(self)
         anchor = [a.clone() for a in self._anchor] if (self._round_step and self._anchor is not None) else None
         state = {
             "optimizer": self.optimizer.state_dict(),
+            "mode": self.mode,
             "passes": self._passes,
             "round_step": self._round_step,
             "local_steps": self.local_steps,
@@ -937,6 +837,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
             "anchor": anchor,
             "reducer": self.reducer.state_dict(),
             "skipped_steps": self.skipped_steps,
+            "world_size": dist.get_world_size(self.group),
         }
         for post_hook in self._optimizer_state_dict_post_hooks.values():
             state = post_hook(self, state) or state
@@ -946,13 +847,21 @@ class DistributedOptimizer(torch.optim.Optimizer):
         """Restore what `state_dict` returned. A state saved in the middle of a round of local steps (or
         of accumulated passes) loads only into a wrapper with the same ``local_steps``
         (``backward_passes_per_step``), and a reducer state only into the reducer that saved it (the reducer's
-        ``load_state_dict`` decides: another reducer's state, other AdaCons settings): otherwise ValueError,
-        and nothing is changed. Checked on each rank against its own state (every rank loads the state it
+        ``load_state_dict`` decides: another reducer's state, other AdaCons settings), and a delta-mode state
+        not into gradient mode (`_check_mode`: its optimizer state is per rank): otherwise ValueError, and
+        nothing is changed. Checked on each rank against its own state (every rank loads the state it
         saved, with the same counters)."""
         state_dict = state_dict.copy()
         for pre_hook in self._optimizer_load_state_dict_pre_hooks.values():
             state_dict = pre_hook(self, state_dict) or state_dict
         self._check_counters(state_dict)
+        self._check_mode(state_dict.get("mode"))
+        saved_world, world = state_dict.get("world_size"), dist.get_world_size(self.group)
+        if saved_world is not None and int(saved_world) != world:  # an elastic restart (docs/faults.md)
+            self._load_resized(state_dict, int(saved_world), world)
+            for post_hook in self._optimizer_load_state_dict_post_hooks.values():
+                post_hook(self)
+            return
         previous = self.reducer.state_dict()
         self.reducer.load_state_dict(state_dict["reducer"])  # refuses another reducer's state: first
         try:
@@ -963,14 +872,62 @@ class DistributedOptimizer(torch.optim.Optimizer):
         self.skipped_steps = int(state_dict.get("skipped_steps", 0))
         self._passes = int(state_dict["passes"])
         self._round_step = int(state_dict["round_step"])
-        self._anchor_mark = None
+        self._deltas.forget()
         if state_dict["anchor"] is not None:
-            params = self._params()
-            self._new_anchor(params)
-            assert self._anchor is not None
-            torch._foreach_copy_(self._anchor, [a.to(p.device) for a, p in zip(state_dict["anchor"], params)])
+            self._deltas.load(self._params(), state_dict["anchor"])
         for post_hook in self._optimizer_load_state_dict_post_hooks.values():
             post_hook(self)
+
+    def _load_resized(self, state_dict: dict[str, Any], saved_world: int, world: int) -> None:
+        """A state saved on `saved_world` ranks loaded on `world` (docs/faults.md, elastic restarts): the wrapped
+        optimizer's state loads as saved (gradient mode: the same on every rank; delta mode: the saved rank's on
+        every rank); a round of local steps in flight is discarded (the parameters go back to its start weights,
+        the round begins again); the reducer's cross-call state (AdaCons' per-worker momentum) starts afresh.
+        Passes accumulated toward a step cannot be resized (their gradients are not in the state): ValueError.
+        The rules taken are named in one warning, the same on every rank."""
+        operation = "adasum.DistributedOptimizer.load_state_dict"
+        if int(state_dict["passes"]):
+            raise ValueError(
+                f"{operation}: the state was saved after {state_dict['passes']} of {self.backward_passes_per_step} "
+                f"backward passes on {saved_world} ranks; a resized job ({world} ranks) cannot take the gradients "
+                "accumulated toward that step: resume from a state saved at a step boundary"
+            )
+        self.optimizer.load_state_dict(state_dict["optimizer"])
+        self.skipped_steps = int(state_dict.get("skipped_steps", 0))
+        self._passes = 0
+        self._deltas.forget()
+        notes = ["the wrapped optimizer's state is the saved rank's on every rank" if self.mode == "delta"
+                 else "the wrapped optimizer's state loads as saved"]
+        if int(state_dict["round_step"]) and state_dict["anchor"] is not None:
+            with torch.no_grad():
+                for p, a in zip(self._params(), state_dict["anchor"]):
+                    p.copy_(a.to(device=p.device, dtype=p.dtype))
+            notes.append(
+                f"the round in flight ({state_dict['round_step']} of {self.local_steps} local steps) restarts from "
+                "its start weights"
+            )
+        self._round_step = 0
+        if state_dict.get("reducer"):
+            notes.append(f"{type(self.reducer).__name__}'s state (one entry per rank) starts afresh")
+        warnings.warn(
+            f"{operation}: the state was saved on {saved_world} ranks and loads on {world}: " + "; ".join(notes),
+            stacklevel=3,
+        )
+
+    def _check_mode(self, saved: object) -> None:
+        """A state loads into the mode it was saved in, or from gradient mode into delta mode (gradient mode's
+        optimizer state is the same on every rank; delta mode lets it drift per rank from there). A delta-mode
+        state into gradient mode is refused: its optimizer state (momenta, Adam moments) is each rank's own, and
+        gradient mode, which assumes it equal, would step the ranks apart. A state without a mode (saved before
+        it was recorded) loads as it is."""
+        if saved is None or saved == self.mode or (saved == "gradient" and self.mode == "delta"):
+            return
+        raise ValueError(
+            f"adasum.DistributedOptimizer.load_state_dict: the state was saved in mode={saved!r}, whose optimizer "
+            f"state is each rank's own, but this wrapper has mode={self.mode!r}, which needs it equal on every rank; "
+            "build the wrapper with mode='delta', or load the state into the wrapped optimizer on every rank and "
+            "then make it equal (adasum.broadcast_optimizer_state(opt.optimizer, root_rank=0)) before wrapping"
+        )
 
     def _check_counters(self, state_dict: dict[str, Any]) -> None:
         """A saved round (or accumulation) in progress must have the length this wrapper counts to: a round
@@ -1002,8 +959,3 @@ def _densify(params: list[torch.Tensor]) -> None:
     for p in params:
         if p.grad is not None and p.grad.is_sparse:
             p.grad = p.grad.to_dense()
-
-
-def _versions(params: list[torch.Tensor]) -> tuple:
-    """The parameters' storage and version counters: what `DistributedOptimizer._anchor_current` compares."""
-    return tuple((p.data_ptr(), p._version) for p in params)

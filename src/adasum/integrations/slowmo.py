@@ -8,13 +8,23 @@ x_{t,0}; then, per parameter::
     x_{t+1,0} = x_{t,0} - alpha gamma_t u_{t+1}          (every worker restarts here)
 
 alpha = 1, beta = 0 is local SGD (periodic averaging); one worker with beta = 0 is Lookahead.
-`slow_momentum_update` is the outer step for one tensor (the simulator uses it too); `SlowMo`
-wraps a torch optimizer and runs it across a process group with any reducer.
+
+DiLoCo (Douillard et al. 2023) takes any outer optimizer over the pseudo-gradients::
+
+    Delta_t   = x_{t,0} - x_bar = -(combine of the deltas x_i - x_{t,0})
+    x_{t+1,0} = outer_optimizer.step(x_{t,0}, gradient Delta_t)    (DiLoCo: Nesterov SGD, lr 0.7, momentum 0.9)
+
+SlowMo's update is the outer optimizer ``SGD(lr=alpha, momentum=beta)`` on Delta_t for a constant
+gamma (u = v / gamma). `slow_momentum_update` is the built-in outer step for one tensor and
+`pseudo_gradient` the outer gradient (the simulator uses both); `SlowMo` wraps a torch optimizer
+and runs it across a process group with any reducer.
 """
 
 from __future__ import annotations
 
+import functools
 import math
+import warnings
 from collections.abc import Callable
 from typing import Any
 
@@ -24,10 +34,16 @@ import torch.distributed as dist
 from adasum.collectives.agreement import agree, local_problem
 from adasum.collectives.nonfinite import apply_nonfinite_policy, check_policy
 from adasum.core.statistics import StepStatistics
+from adasum.integrations.compression import CompressedCombine, communication_dtype
+from adasum.integrations.delta import DeltaCombiner, buckets
 from adasum.integrations.optim import check_same_parameters, check_wrappable, optimizer_param_names
+from adasum.integrations.streaming import Streaming, make_group
 from adasum.options import Buffers, Nonfinite, check_count, check_flag, check_number, check_option, check_saved_settings
 from adasum.reducers import Mean, Reducer, get_reducer
 from adasum.transport.groups import failures_named, group_device
+
+BUCKET_CAP_MB = 25.0
+"""The largest delta slot of a sync with a per-tensor reducer, in MiB (`adasum.integrations.delta`)."""
 
 
 def slow_momentum_update(
@@ -60,6 +76,44 @@ def slow_momentum_update(
 
 
 
+def pseudo_gradient(anchor: torch.Tensor, combined_delta: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """The outer optimizer's gradient for one parameter: ``x_{t,0} - x_bar = -combined_delta``, in `dtype`
+    (the outer parameters' float32 or float64). `anchor` names the parameter it belongs to (its shape).
+
+    >>> pseudo_gradient(torch.zeros(2), torch.tensor([0.5, -1.0]), torch.float32)
+    tensor([-0.5000,  1.0000])
+    """
+    return combined_delta.reshape(anchor.shape).to(dtype).neg()
+
+
+def diloco_outer(lr: float = 0.7, momentum: float = 0.9) -> Callable[[list[torch.Tensor]], torch.optim.Optimizer]:
+    """DiLoCo's outer optimizer as a factory for ``SlowMo(outer_optimizer=...)``: Nesterov SGD (lr 0.7,
+    momentum 0.9 in the paper).
+
+    >>> diloco_outer()([torch.zeros(2)])
+    SGD (
+    Parameter Group 0
+        dampening: 0
+        differentiable: False
+        foreach: None
+        fused: None
+        lr: 0.7
+        maximize: False
+        momentum: 0.9
+        nesterov: True
+        weight_decay: 0
+    )
+    """
+    return functools.partial(torch.optim.SGD, lr=lr, momentum=momentum, nesterov=True)
+
+
+def outer_description(optimizer: torch.optim.Optimizer) -> str:
+    """An outer optimizer as a state's settings record it: its class and its first group's numbers."""
+    group = optimizer.param_groups[0] if optimizer.param_groups else {}
+    numbers = {k: v for k, v in sorted(group.items()) if k != "params" and isinstance(v, (int, float, bool, tuple))}
+    return f"{type(optimizer).__name__}({numbers})"
+
+
 def check_slow_options(operation: str, local_steps: object, slow_lr: object, slow_momentum: object) -> None:
     """The rules of SlowMo's numbers, for `SlowMo` and the simulator alike: `local_steps` an integer >= 1,
     `slow_lr` a finite number > 0 (at 0 the anchor never moves), `slow_momentum` a number in [0, 1) (None: no
@@ -73,6 +127,33 @@ def check_slow_options(operation: str, local_steps: object, slow_lr: object, slo
     check_number(operation, "slow_lr", slow_lr, "a finite number > 0", lambda v: 0 < v < math.inf)
     if slow_momentum is not None:
         check_number(operation, "slow_momentum", slow_momentum, "a number in [0, 1)", lambda v: 0 <= v < 1)
+
+
+def _check_streaming(
+    operation: str, outer: object, local_steps: int, fragments: int, delay: int, buffers: str, module: object,
+    nonfinite: str,
+) -> None:
+    """The rules of Streaming DiLoCo's options (`adasum.integrations.streaming`)."""
+    if outer is None:
+        raise ValueError(f"{operation}: fragments, delay and mixing are Streaming DiLoCo's: give outer_optimizer too")
+    if fragments > local_steps:
+        raise ValueError(f"{operation}: fragments={fragments} needs local_steps >= fragments, got {local_steps}")
+    if delay >= local_steps:
+        raise ValueError(f"{operation}: delay={delay} must be below local_steps={local_steps}")
+    if buffers == "average" or module is not None or nonfinite == "skip":
+        raise ValueError(
+            f"{operation}: streaming fragments combine in the background; buffers='average', module= and "
+            "nonfinite='skip' would need the group in the foreground at the same time: leave them out"
+        )
+
+
+def _outer_dtype(dtype: torch.dtype) -> torch.dtype:
+    """The outer state's dtype for parameters of `dtype`: float64 for float64, float32 otherwise."""
+    return torch.float64 if dtype == torch.float64 else torch.float32
+
+
+def _communication_dtype(value: Any, operation: str) -> torch.dtype | None:
+    return communication_dtype(value, operation)
 
 
 def _world_size(group: dist.ProcessGroup | None) -> int:
@@ -106,9 +187,11 @@ class SlowMo:
     * One worker (no process group, or world size 1): nothing is communicated (every reducer is the
       identity on one worker); this is Lookahead.
 
-    Memory: two extra copies of the parameters, the anchor ``x_{t,0}`` and the slow momentum
-    buffer ``u``, each in the parameter's dtype; a sync also needs the reducer's flat buffer per
-    dtype (one more parameter-sized copy while it runs; AdaCons two). A model converted after
+    Memory: two extra copies of the parameters, the anchor ``x_{t,0}`` (flat buckets) and the slow
+    momentum buffer ``u``, each in the parameter's dtype; a sync also needs the delta combiner's
+    slots (`adasum.integrations.delta`: `adasum.integrations.delta.IN_FLIGHT` flat buffers of at most
+    `BUCKET_CAP_MB` MiB, kept between syncs; a whole-model reducer such as AdaCons one bucket per
+    dtype, the whole model). A model converted after
     construction (``model.double()``, ``model.to(device)``) is followed: each sync first moves the
     anchor and ``u`` to the parameters' dtypes and devices.
 
@@ -129,11 +212,25 @@ class SlowMo:
     synchronisation on every step; here one per sync, amortised over `local_steps` steps, and a
     non-finite model averaged into every rank would poison the anchor and the slow momentum.
 
+    ``outer_optimizer``: a factory of any torch optimizer (``params -> Optimizer``) that takes the
+    outer step instead of the slow momentum: it steps float32 copies of the anchor (float64 for
+    float64 parameters) with the pseudo-gradient ``x_{t,0} - x_bar`` as their gradient
+    (`pseudo_gradient`), and every worker restarts from the result; `diloco_outer` is DiLoCo's
+    Nesterov SGD. ``slow_lr``/``slow_momentum`` then stay at their defaults (ValueError otherwise).
+    ``communication_dtype`` (None, "bf16", "fp16", "fp8" or a torch dtype) sends the deltas in that
+    dtype, combined in float32 on every rank (`adasum.integrations.compression`), and
+    ``error_feedback=True`` adds each round's rounding residual to the next round's deltas.
+    ``fragments``, ``delay`` and ``mixing`` (with an outer optimizer) are Streaming DiLoCo's: the
+    parameters split into fragments synced at staggered steps, each combined on a background thread
+    and applied ``delay`` inner steps later, mixed into the local weights
+    (`adasum.integrations.streaming`).
+
     Learning-rate schedulers take the base optimizer (``param_groups`` is shared).
     ``state_dict()`` carries the base optimizer's state, the anchor, the slow momentum, the step
     counter, the reducer's state and the settings; together with the model's own state dict, a run
     resumed from any step continues exactly as if never stopped. It loads only into a SlowMo with
-    the same ``local_steps``, ``slow_lr``, ``slow_momentum``, ``buffers`` and reducer: otherwise
+    the same ``local_steps``, ``slow_lr``, ``slow_momentum``, ``buffers``, reducer, outer optimizer
+    (its class and numbers), ``communication_dtype`` and ``error_feedback``: otherwise
     ValueError naming the settings that differ, and nothing changes.
 
     ``local_steps`` is an integer >= 1, ``slow_lr`` a finite number > 0 (at 0 the anchor would never
@@ -163,6 +260,12 @@ class SlowMo:
         module: torch.nn.Module | None = None,
         nonfinite: Nonfinite = "raise",
         check: bool = True,
+        outer_optimizer: Callable[[list[torch.Tensor]], torch.optim.Optimizer] | None = None,
+        communication_dtype: Any = None,
+        error_feedback: bool = False,
+        fragments: int = 1,
+        delay: int = 0,
+        mixing: float = 1.0,
     ) -> None:
         operation = "adasum.SlowMo"
         check_policy(nonfinite)
@@ -172,6 +275,29 @@ class SlowMo:
         check_flag(operation, "check", check)
         if module is not None and not isinstance(module, torch.nn.Module):
             raise TypeError(f"module must be a torch.nn.Module, got {type(module).__name__}")
+        if outer_optimizer is not None and not callable(outer_optimizer):
+            raise TypeError(
+                f"{operation}: outer_optimizer must be a factory of a torch optimizer (params -> Optimizer), such as "
+                "adasum.diloco_outer() or functools.partial(torch.optim.SGD, lr=0.7), got "
+                f"{type(outer_optimizer).__name__}"
+            )
+        if outer_optimizer is not None and (slow_lr != 1.0 or slow_momentum != 0.0):
+            raise ValueError(
+                f"{operation}: slow_lr and slow_momentum are the built-in outer step's; with outer_optimizer= give "
+                "the outer learning rate and momentum to that optimizer (SGD(lr=alpha, momentum=beta) is SlowMo's step)"
+            )
+        check_count(operation, "fragments", fragments)
+        check_number(operation, "delay", delay, "an integer in [0, local_steps)", lambda v: v == int(v) and v >= 0)
+        check_number(operation, "mixing", mixing, "a number in (0, 1]", lambda v: 0 < v <= 1)
+        streaming = fragments > 1 or delay > 0 or mixing != 1.0
+        if streaming:
+            _check_streaming(operation, outer_optimizer, local_steps, fragments, delay, buffers, module, nonfinite)
+        compress = _communication_dtype(communication_dtype, operation)
+        check_flag(operation, "error_feedback", error_feedback)
+        if error_feedback and compress is None:
+            raise ValueError(f"{operation}: error_feedback=True needs a communication_dtype (bf16, fp16 or fp8)")
+        self.communication_dtype = compress
+        self.error_feedback = error_feedback
         self.optimizer = optimizer
         self.local_steps = local_steps
         self.slow_lr = float(slow_lr)
@@ -190,11 +316,45 @@ class SlowMo:
                 check_same_parameters(self._params, group, optimizer_param_names(optimizer), operation="adasum.SlowMo")
                 if module is not None:  # the buffers averaged at each sync: a fixed layout, checked once
                     self._agree("module buffers", self._buffer_layout(), None)
-        with torch.no_grad():
-            self._anchor = [p.detach().clone() for p in self._params]
-            self._momentum = [torch.zeros_like(p) for p in self._params]
         self._step = 0
         self._statistics = StepStatistics()  # the last sync's records (`statistics`)
+        cap = int(BUCKET_CAP_MB * 2**20) if self.reducer.per_tensor else None
+        # the anchor x_{t,0} (flat buckets), the delta slots and the pipeline (`adasum.integrations.delta`)
+        self._deltas = DeltaCombiner(self.reducer, group, cap, self._statistics)
+        self._compressed = (
+            CompressedCombine(self.reducer, compress, group, error_feedback, "adasum.SlowMo.sync")
+            if compress is not None
+            else None
+        )
+        with torch.no_grad():
+            self._deltas.save(self._params)
+            self._momentum = [torch.zeros_like(p) for p in self._params]
+            # the outer optimizer's parameters: the anchor in float32 (float64 for float64 parameters)
+            self._outer_params = [a.to(_outer_dtype(a.dtype), copy=True) for a in self._anchor]
+        self.outer_optimizer: torch.optim.Optimizer | None = None
+        if outer_optimizer is not None:
+            self.outer_optimizer = outer_optimizer(self._outer_params)
+            if not isinstance(self.outer_optimizer, torch.optim.Optimizer):
+                raise TypeError(
+                    f"{operation}: outer_optimizer returned {type(self.outer_optimizer).__name__}, not a torch "
+                    "optimizer"
+                )
+        self.fragments, self.delay, self.mixing = int(fragments), int(delay), float(mixing)
+        self._streaming: Streaming | None = None
+        if streaming:
+            assert self.outer_optimizer is not None
+            stream_group = make_group(group)  # the background combinations' own group
+            stream_compressed = (
+                CompressedCombine(self.reducer, compress, stream_group, error_feedback, "adasum.SlowMo.step")
+                if compress is not None
+                else None
+            )
+            self._compressed = stream_compressed
+            self._streaming = Streaming(
+                self._params, self._anchor, self._outer_params, self.outer_optimizer.step, self.reducer,
+                stream_group, cap, stream_compressed, nonfinite,
+                fragments=fragments, local_steps=local_steps, delay=delay, mixing=mixing,
+            )
 
     # -- pass-through
 
@@ -219,19 +379,42 @@ class SlowMo:
         the slow momentum step. Returns what the base step returns."""
         loss = self.optimizer.step() if closure is None else self.optimizer.step(closure)
         self._step += 1
+        if self._streaming is not None:
+            self._stream()
+            return loss
         if self._step % self.local_steps == 0:
             self.sync()
         return loss
 
+    def _stream(self) -> None:
+        """Streaming: apply the fragments due now, then start those whose turn it is (module streaming doc)."""
+        assert self._streaming is not None
+        world = _world_size(self.group)
+        self._streaming.finish_due(self._step)
+        for k in self._streaming.due_to_start(self._step):
+            self._streaming.start(k, self._step, world)
+            if self.delay == 0:
+                self._streaming.finish(k)
+        self._statistics.finish_step()
+
     @torch.no_grad()
     def sync(self) -> None:
         """Combine the workers' models and take the slow momentum step now (`step` calls this
-        every `local_steps` steps)."""
+        every `local_steps` steps). Streaming: every fragment is synced now (those in flight finished)."""
+        if self._streaming is not None:
+            world = _world_size(self.group)
+            for k in range(len(self._streaming.bounds)):
+                if k not in self._streaming.in_flight:
+                    self._streaming.start(k, self._step, world)
+            self._streaming.finish_all()
+            return
         params = [p for g in self.optimizer.param_groups for p in g["params"]]
         if len(params) != len(self._params) or any(p is not q for p, q in zip(params, self._params)):
             raise ValueError("the optimizer's parameters changed since SlowMo was constructed")
-        self._follow_parameters()
         world = _world_size(self.group)
+        if world > 1:  # before anything moves: the same dtypes and shapes on every rank (a 24-byte all-reduce)
+            self._deltas.check(self._params, "adasum.SlowMo.sync", optimizer_param_names(self.optimizer))
+        self._follow_parameters()
         if self._nonfinite_round():
             return
         state_tensors: list[torch.Tensor] = []
@@ -239,33 +422,55 @@ class SlowMo:
             description, state_tensors = self._state_layout()
             problem = local_problem(state_tensors, group_device(self.group), in_place=False, group=self.group)
             self._agree("optimizer state entries", description, problem)
-        if world > 1:
-            # the layouts were checked at construction (parameters) and just now (state)
-            tensors = [p.detach() for p in self._params]  # views: the reducer works in place
-            with self._statistics.call("sync", tensors[0].device):
-                if self.reducer.exact_average:
-                    self.reducer.all_reduce(tensors, self.group, check_layout=False)  # the average of the models
-                else:
-                    for x, anchor in zip(tensors, self._anchor):
-                        x.sub_(anchor)
-                    self.reducer.all_reduce(tensors, self.group, check_layout=False)
-                    for x, anchor in zip(tensors, self._anchor):
-                        x.add_(anchor)
-            self._statistics.finish_step()
-        index = 0
-        for group in self.optimizer.param_groups:
-            lr = float(group["lr"])
-            for p in group["params"]:
-                anchor, momentum = self._anchor[index], self._momentum[index]
-                slow_momentum_update(anchor, p.detach(), momentum, lr, self.slow_lr, self.slow_momentum)
-                p.detach().copy_(anchor)
-                index += 1
+        if self.outer_optimizer is not None:
+            self._outer_step(world)
+        else:
+            if world > 1 and self._params:
+                # the layouts were checked at construction (parameters) and just now (state); the average of the
+                # models, or the anchor plus the combined deltas, into the parameters (the anchor stays x_{t,0})
+                self._deltas.combine(
+                    self._params,
+                    deltas=self._compressed is not None or not self.reducer.exact_average,
+                    advance=False,
+                    combine=self._compressed,
+                )
+            index = 0
+            for group in self.optimizer.param_groups:
+                lr = float(group["lr"])
+                for p in group["params"]:
+                    anchor, momentum = self._anchor[index], self._momentum[index]
+                    slow_momentum_update(anchor, p.detach(), momentum, lr, self.slow_lr, self.slow_momentum)
+                    p.detach().copy_(anchor)
+                    index += 1
         if self.buffers == "reset":
             self.optimizer.state.clear()
         elif self.buffers == "average" and world > 1:
             Mean().all_reduce(state_tensors, self.group, check_layout=False)
         if self.module is not None and world > 1:
             Mean().all_reduce(self._floating_buffers(), self.group, check_layout=False)
+
+    def _outer_step(self, world: int) -> None:
+        """The outer optimizer's step on the pseudo-gradients (module doc), then every worker restarts there."""
+        assert self.outer_optimizer is not None
+        outer = self._outer_params
+        if world > 1 and self._params:
+            cuts = buckets(self._params, self._deltas.bucket_cap_bytes)
+
+            def take(number: int, flat: torch.Tensor) -> None:
+                sizes = [self._params[i].numel() for i in cuts[number]]
+                for i, delta in zip(cuts[number], flat.split(sizes)):
+                    outer[i].grad = pseudo_gradient(outer[i], delta, outer[i].dtype)
+
+            self._deltas.combine(self._params, advance=False, combine=self._compressed, apply=take)
+        else:  # one worker: the combination of one delta is itself
+            for o, p, anchor in zip(outer, self._params, self._anchor):
+                o.grad = pseudo_gradient(o, p.detach() - anchor, o.dtype)
+        with torch.enable_grad():  # torch's optimizers step under their own no_grad
+            self.outer_optimizer.step()
+        for o, p, anchor in zip(outer, self._params, self._anchor):
+            o.grad = None
+            anchor.copy_(o)
+            p.detach().copy_(anchor)
 
     def statistics(self) -> dict[str, float | int | list[float]]:
         """The last sync's statistics, identical on every rank, kept from what the reducer computes anyway (no
@@ -291,22 +496,30 @@ class SlowMo:
         >>> model(torch.ones(2)).sum().backward(); opt.step()    # step 2: the sync
         >>> agreed = opt.last_combined() or [p for g in opt.param_groups for p in g["params"]]   # the parameters
         """
+        if self._streaming is not None:  # the fragments' last synced weights
+            return list(self._anchor)
         return list(self._anchor) if self._step % self.local_steps else None
+
+    @property
+    def _anchor(self) -> list[torch.Tensor]:
+        """The anchor x_{t,0}, per parameter (views of the delta combiner's flat buckets)."""
+        assert self._deltas.anchor is not None
+        return self._deltas.anchor
 
     def _follow_parameters(self) -> None:
         """The anchor and the slow momentum in each parameter's dtype and device: a model converted after
         construction (``model.double()``, ``model.to(device)``) keeps its parameters and changes their dtype or
         device. ValueError for a parameter whose shape changed (its anchor no longer fits)."""
-        for i, p in enumerate(self._params):
-            anchor = self._anchor[i]
+        if self._deltas.fits(self._params):
+            return
+        for i, (p, anchor) in enumerate(zip(self._params, self._anchor)):
             if anchor.shape != p.shape:
                 raise ValueError(
                     f"adasum.SlowMo.sync: parameter {i} has shape {list(p.shape)}, its anchor {list(anchor.shape)}: "
                     "a parameter changed shape since SlowMo was constructed"
                 )
-            if anchor.dtype != p.dtype or anchor.device != p.device:
-                self._anchor[i] = anchor.to(device=p.device, dtype=p.dtype)
-                self._momentum[i] = self._momentum[i].to(device=p.device, dtype=p.dtype)
+        self._deltas.move(self._params, "adasum.SlowMo.sync")
+        self._momentum = [m.to(device=p.device, dtype=p.dtype) for m, p in zip(self._momentum, self._params)]
 
     def _nonfinite_round(self) -> bool:
         """Whether this round is discarded: a NaN/Inf in any rank's local model (checked across ranks)."""
@@ -370,6 +583,12 @@ class SlowMo:
             "slow_momentum": self.slow_momentum,
             "buffers": self.buffers,
             "reducer": repr(self.reducer),
+            "outer_optimizer": outer_description(self.outer_optimizer) if self.outer_optimizer is not None else None,
+            "communication_dtype": str(self.communication_dtype) if self.communication_dtype is not None else None,
+            "error_feedback": self.error_feedback,
+            "fragments": self.fragments,
+            "delay": self.delay,
+            "mixing": self.mixing,
         }
 
     def state_dict(self) -> dict[str, Any]:
@@ -383,6 +602,11 @@ class SlowMo:
             "reducer": self.reducer.state_dict(),
             "skipped_steps": self.skipped_steps,
             "settings": self._settings(),
+            "outer": self.outer_optimizer.state_dict() if self.outer_optimizer is not None else None,
+            "outer_params": list(self._outer_params) if self.outer_optimizer is not None else None,
+            "compression": self._compressed.state_dict() if self._compressed is not None else None,
+            "streaming": self._streaming.state_dict() if self._streaming is not None else None,
+            "world_size": _world_size(self.group),
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
@@ -410,7 +634,51 @@ class SlowMo:
                 mine.copy_(theirs)
         self._step = int(state["step"])
         self.skipped_steps = int(state.get("skipped_steps", 0))
+        saved_world, world = state.get("world_size"), _world_size(self.group)
+        if saved_world is not None and int(saved_world) != world:  # an elastic restart (docs/faults.md)
+            self._resized(state, int(saved_world), world)
+            return
         self.reducer.load_state_dict(state.get("reducer", {}))
+        if self.outer_optimizer is not None and state.get("outer") is not None:
+            self.outer_optimizer.load_state_dict(state["outer"])
+            with torch.no_grad():
+                for mine, theirs in zip(self._outer_params, state["outer_params"]):
+                    mine.copy_(theirs)
+        if self._compressed is not None and state.get("compression") is not None:
+            self._compressed.load_state_dict(state["compression"])
+        if self._streaming is not None and state.get("streaming") is not None:
+            self._streaming.load_state_dict(state["streaming"])
+
+    def _resized(self, state: dict[str, Any], saved_world: int, world: int) -> None:
+        """The rules of a state saved on `saved_world` ranks loaded on `world` (SPEC 3.2, docs/faults.md): the
+        replicated state (anchor, slow momentum, outer optimizer and its parameters, counters) loads as saved; the
+        per-rank state follows a rule, named on every rank in one warning. A round (or a streaming fragment) in
+        flight is discarded: the parameters go back to its start weights (the anchor) and the step counter to the
+        round's start; the reducer's cross-call state (AdaCons' per-worker momentum: one entry per rank) and error
+        feedback's residuals start afresh; the base optimizer's state is the saved rank's on every rank."""
+        if self.outer_optimizer is not None and state.get("outer") is not None:
+            self.outer_optimizer.load_state_dict(state["outer"])
+            with torch.no_grad():
+                for mine, theirs in zip(self._outer_params, state["outer_params"]):
+                    mine.copy_(theirs)
+        notes = ["the base optimizer's state is the saved rank's on every rank"]
+        in_round = self._step % self.local_steps
+        streaming = dict(state.get("streaming") or {}).get("in_flight")
+        if in_round or streaming:
+            with torch.no_grad():
+                for p, anchor in zip(self._params, self._anchor):
+                    p.detach().copy_(anchor)
+            self._step -= in_round
+            notes.append(f"the round in flight ({in_round} of {self.local_steps} steps) restarts from its start")
+        if state.get("reducer"):
+            notes.append(f"{type(self.reducer).__name__}'s state (one entry per rank) starts afresh")
+        if dict(state.get("compression") or {}).get("residuals"):
+            notes.append("error feedback's residuals start at zero")
+        warnings.warn(
+            f"adasum.SlowMo.load_state_dict: the state was saved on {saved_world} ranks and loads on {world}: "
+            + "; ".join(notes),
+            stacklevel=3,
+        )
 
     def __repr__(self) -> str:
         return (
