@@ -68,7 +68,7 @@ import math
 import warnings
 from collections import OrderedDict
 from collections.abc import Callable, Iterable
-from typing import Any
+from typing import Any, cast
 
 import torch
 import torch.distributed as dist
