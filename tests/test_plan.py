@@ -86,6 +86,9 @@ def release_body(rank, world):
     buffer = weakref.ref(pool.staging(1 << 21, torch.empty(0))[0])
     comm.tiles.get(Scattered([torch.ones(3), torch.ones(5)]), 0, 8)
     had = (len(comm.plans), len(comm.transports), control is not None, pool.held(), len(comm.tiles))
+    from adasum.core.tiles import tiles
+
+    table = tiles((3, 5), torch.device("cpu"))  # a cached device tile table (the process's, not the group's)
     adasum.release()
     after = {
         "communicators": len(groups._registry.communicators),
@@ -95,10 +98,11 @@ def release_body(rank, world):
         "control": comm.control,
         "control group alive": control in dist.distributed_c10d._world.pg_map,
         "streams": len(groups._registry.streams),
-        "symmetric memory": comm.symmetric,
+        "resources": comm.resources,
         "symmetric buffers": pool.held(),
         "buffer alive": buffer() is not None,
         "tile addresses": len(comm.tiles),
+        "tile tables": tiles((3, 5), torch.device("cpu")) is table,
     }
     t = torch.ones(4) * (rank + 1)
     adasum.all_reduce([t])  # a released group starts afresh on CPU
@@ -111,8 +115,8 @@ def test_release_leaves_nothing_behind():
     before, had, after, values = results[0]
     assert before == 1 and had[0] >= 2 and had[1] >= 1 and had[2] and had[3] == 1 and had[4] == 1, had
     assert after == {"communicators": 0, "plans": 0, "transports": 0, "graphs": 0, "control": None,
-                     "control group alive": False, "streams": 0, "symmetric memory": None, "symmetric buffers": 0,
-                     "buffer alive": False, "tile addresses": 0}
+                     "control group alive": False, "streams": 0, "resources": {}, "symmetric buffers": 0,
+                     "buffer alive": False, "tile addresses": 0, "tile tables": False}
     assert np.allclose(values, reference_tree([np.ones(4), 2 * np.ones(4)]))
 
 

@@ -24,10 +24,11 @@ from adasum.collectives.nonfinite import check_finite, check_policy
 from adasum.collectives.plan import Plan, prepare, recheck
 from adasum.collectives.vhdd import adasum_flat_, transport_for
 from adasum.core.layout import Scattered, flatten, group_by_dtype, unflatten_into
-from adasum.options import Nonfinite, TransportName, check_flag, choices, not_initialised
+from adasum.options import Nonfinite, TransportName, check_flag, not_initialised
 from adasum.transport.base import Transport
 from adasum.transport.graphs import MAX_GRAPHS, tensor_key
 from adasum.transport.groups import Communicator, check_group, communicator, group_device
+from adasum.transport.registry import transport_names
 
 
 def all_reduce(
@@ -149,8 +150,10 @@ def _all_reduce(
 
 
 def check_transport(transport: object, operation: str) -> None:
-    """Raise unless `transport` is a name a caller may give (`adasum.options.TransportName`), a `Transport` or None:
-    before the one-rank shortcut, so that a typo raises at every world size (TypeError for another type).
+    """Raise unless `transport` is a name a caller may give (a row of the movers' table,
+    `adasum.transport.registry.transport_names`: the built-ins of `adasum.options.TransportName` and any registered
+    since), a `Transport` or None: before the one-rank shortcut, so that a typo raises at every world size
+    (TypeError for another type).
 
     >>> check_transport("p2pp", "adasum.all_reduce")  # doctest: +ELLIPSIS
     Traceback (most recent call last):
@@ -158,7 +161,7 @@ def check_transport(transport: object, operation: str) -> None:
     """
     if transport is None or isinstance(transport, Transport):
         return
-    names = list(choices(TransportName))
+    names = list(transport_names())
     if not isinstance(transport, str):
         raise TypeError(f"{operation}: transport must be one of {names}, a Transport or None, got {transport!r}")
     if transport not in names:

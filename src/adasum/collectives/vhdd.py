@@ -56,6 +56,7 @@ from adasum.settings import current
 from adasum.transport import one_shot, select
 from adasum.transport.base import GatherStep, Level, Transport, aligned_cut
 from adasum.transport.groups import communicator, failures_named
+from adasum.transport.registry import serves
 
 
 @functools.lru_cache(maxsize=256)
@@ -189,7 +190,7 @@ def adasum_flat_(
     if not isinstance(transport, Transport):
         transport = transport_for(group, transport, placement is None and tree.folded == 0, placement is not None,
                                   buffer.numel() * buffer.element_size())
-    slice_parallel = transport.name in ("slices", "one-shot")
+    slice_parallel = serves(transport) == "slices"  # its row of the movers' table (`adasum.transport.registry`)
     if slice_parallel and placement is not None:
         raise ValueError(f"transport={transport.name!r} runs the tree over the whole group (no hierarchical placement)")
     if isinstance(buffer, Scattered) and not (
@@ -202,7 +203,7 @@ def adasum_flat_(
 
     def run() -> None:
         if slice_parallel:
-            mover = cast(SliceMover, transport)  # transport.name is "slices" or "one-shot"
+            mover = cast(SliceMover, transport)  # a mover of the slice-parallel schedule
             with failures_named("adasum.all_reduce", "the slice-parallel schedule", group, mover.timeout):
                 adasum_slices_(buffer, layout, mover)
             return

@@ -35,14 +35,17 @@ from collections import OrderedDict
 from collections.abc import Callable, Hashable, Iterator
 from contextlib import contextmanager
 from datetime import timedelta
-from typing import Any
+from typing import Any, TypeVar, cast
 
 import torch
 import torch.distributed as dist
 
+from adasum.kernels import clear_device_caches
 from adasum.kernels.addresses import AddressTables
 from adasum.options import user_stacklevel
 from adasum.transport.graphs import Graphs
+
+R = TypeVar("R")
 
 
 class CollectiveError(RuntimeError):
@@ -87,7 +90,8 @@ class Communicator:
     """Everything adasum keeps for one process group, made on the group's first collective
     (`communicator`) and dropped by `release`: the transports (built once per name), the checks'
     control group, the plans per layout (`adasum.collectives.plan`), the captured CUDA graphs and
-    their one capture point (`run`), the symmetric memory (`adasum.transport.symmetric.SymmetricPool`),
+    their one capture point (`run`), the resources by owner (`resource`: the symmetric memory,
+    `adasum.transport.symmetric.SymmetricPool`),
     the tile addresses of lists the kernels read in place (`adasum.kernels.addresses.AddressTables`),
     the CPU workspaces, and the guard thread of the deferred checks (stopped by `clear`).
 
@@ -102,7 +106,8 @@ class Communicator:
         self.plans: dict[Hashable, Any] = {}
         self.plans_built = 0
         self.graphs = Graphs()
-        self.symmetric: Any = None  # the group's `SymmetricPool`, made by its first symmetric transport
+        # per-group resources by owner (`resource`): the symmetric transports' `SymmetricPool`, say
+        self.resources: dict[type, Any] = {}
         self.tiles = AddressTables()
         self.workspace = Workspace()
         # the recent captured list calls, by (number of tensors, first tensor's address): their replays skip the plan
@@ -112,6 +117,20 @@ class Communicator:
         # the last list call's plan, a weak reference to its first tensor, and how many list calls in a row of that
         # plan ran eagerly on tensors re-made at new addresses (`run`, `_note_moves`)
         self._moves: tuple[Hashable, Any, int] = (None, None, 0)
+
+    def resource(self, owner: type[R], make: Callable[[], R]) -> R:
+        """The group's resource of class `owner` (memory that several of its transports share), made once
+        (``make()``); `clear` calls its ``release()`` (after the captured graphs, which may point into it). One
+        whose ``held()`` is above 0 holds memory another group's graphs may point into (`release`)."""
+        found = self.resources.get(owner)
+        if found is None:
+            found = self.resources[owner] = make()
+        return cast(R, found)
+
+    def holds_shared(self) -> bool:
+        """Whether a resource of this group holds memory (``held() > 0``) that other groups' graphs may point into
+        (hierarchical mode's node groups run the node group's mover inside the outer call)."""
+        return any(getattr(r, "held", lambda: 0)() > 0 for r in self.resources.values())
 
     def transport(self, key: Hashable, build: Callable[[], Any]) -> Any:
         """The transport of `key`, built once (`build()`) for this group."""
@@ -174,9 +193,9 @@ class Communicator:
         if self.control is not None and dist.is_initialized():
             _registry.destroy(self.control)
         self.graphs.clear()  # first: a captured graph loads and stores at the symmetric buffers' addresses
-        if self.symmetric is not None:
-            self.symmetric.release()
-        self.symmetric = None
+        for resource in self.resources.values():
+            resource.release()
+        self.resources.clear()
         self.tiles.clear()
         self.transports.clear()
         self.plans.clear()
@@ -190,7 +209,8 @@ class Communicator:
 
 class _Registry:
     """The package's one piece of process-wide mutable state: communicators by process group, side
-    streams by device, the reducer classes by name (`adasum.reducers.register`), how many guard threads each
+    streams by device, the reducer classes by name (`adasum.reducers.register`), the transports' table by name
+    (`adasum.transport.registry.register_transport`), how many guard threads each
     group name had (`adasum.collectives.guard`; never emptied), and whether the exit
     handler and the teardown hook are in place. `release` empties the first two."""
 
@@ -199,6 +219,7 @@ class _Registry:
         self.communicators: dict[dist.ProcessGroup, Communicator] = {}
         self.streams: dict[tuple[torch.device, str], torch.cuda.Stream] = {}
         self.reducers: dict[str, type] = {}
+        self.transports: dict[str, Any] = {}  # the movers' table by name (`adasum.transport.registry`)
         self.guards_made: dict[str, int] = {}
         self.exit_handler = False
         self.teardown_hook = False
@@ -251,9 +272,11 @@ def communicator(group: dist.ProcessGroup | None = None) -> Communicator:
 
 
 def release(group: dist.ProcessGroup | None = None) -> None:
-    """Drop what adasum keeps for process groups: captured CUDA graphs, then symmetric buffers, then
-    transports, control groups, plans, tile addresses, workspaces, side streams, and the guard threads of
-    deferred checks (each first compares what it was given with its peers', which gave it the same).
+    """Drop what adasum keeps for process groups: captured CUDA graphs, then the groups' resources (symmetric
+    buffers), then transports, control groups, plans, tile addresses, workspaces, side streams, the device tensors
+    of the process's caches (tile tables and the kernels' index tensors: `adasum.kernels.clear_device_caches`), and
+    the guard threads of deferred checks (each first compares what it was given with its peers', which gave it the
+    same).
     Otherwise local (no collective). With a `group`, only that group's communicator goes; if it holds
     symmetric memory, every group's captured graphs go first (a graph of one group may point into another's
     buffers: hierarchical mode's node groups).
@@ -290,7 +313,7 @@ def release(group: dist.ProcessGroup | None = None) -> None:
             found = _registry.communicators.pop(_resolved(group), None)
             if found is None:
                 return
-            shared = found.symmetric is not None and found.symmetric.held() > 0
+            shared = found.holds_shared()
             others = list(_registry.communicators.values()) if shared else []
             _synchronize_if(found.graphs.count() > 0 or any(c.graphs.count() for c in others))
             for comm in others:
@@ -305,6 +328,7 @@ def release(group: dist.ProcessGroup | None = None) -> None:
             undelivered = next((error for error in kept if error is not None), None)
             _registry.communicators.clear()
             _registry.streams.clear()
+            clear_device_caches()  # the tile tables and the kernels' small index tensors, kept per device
     if undelivered is not None:
         raise undelivered
 

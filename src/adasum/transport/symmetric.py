@@ -180,10 +180,7 @@ class SymmetricPool:
 def pool(group: dist.ProcessGroup | None, backend=None) -> SymmetricPool:
     """`group`'s `SymmetricPool`, kept by its communicator; made on first use with `backend` (`SymmetricPool`).
     A group's memory comes from one backend: another one for a group whose pool exists is a ValueError."""
-    comm = communicator(group)
-    if comm.symmetric is None:
-        comm.symmetric = SymmetricPool(group, backend, outgrown=retire_graphs)
-    found = cast(SymmetricPool, comm.symmetric)
+    found = communicator(group).resource(SymmetricPool, lambda: SymmetricPool(group, backend, outgrown=retire_graphs))
     if backend is not None and found.backend is not backend:
         raise ValueError("this group's symmetric memory comes from another backend (adasum.release() drops it)")
     return found
