@@ -8,7 +8,7 @@ import torch.distributed as dist
 
 from adasum.transport import register_transport
 from adasum.transport.base import PointToPoint
-from adasum.transport.c10d import global_rank
+from adasum.transport.topology import global_rank
 
 
 class Toy(PointToPoint):

@@ -34,7 +34,6 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Sequence
-from dataclasses import dataclass
 from typing import cast
 
 import torch
@@ -57,6 +56,7 @@ from adasum.transport import one_shot, select
 from adasum.transport.base import GatherStep, Level, Transport, aligned_cut
 from adasum.transport.groups import communicator, failures_named
 from adasum.transport.registry import serves
+from adasum.transport.topology import Topology
 
 
 @functools.lru_cache(maxsize=256)
@@ -110,20 +110,8 @@ def _fold_(
     combine_from_sums(buffer, other, sums, 1, 1, lengths, out=buffer)
 
 
-@dataclass(frozen=True)
-class Placement:
-    """Where one VHDD tree runs inside a larger group (hierarchical mode uses this).
-
-    `peers` are the group ranks of the tree's workers in tree order (the calling rank is one of
-    them); the caller's buffer holds elements [offset, offset + numel) of the layout. Other ranks of
-    the group run their own trees on other slices of the same layout at the same time; the
-    per-tensor partial sums are all-reduced over the whole group, each rank writing its tree
-    block's row, so the slices of one tensor add up to whole-tensor dot products. Every rank of the
-    group must call with trees of the same size.
-    """
-
-    peers: tuple[int, ...]
-    offset: int
+Placement = Topology.placement
+"""A tree over `peers` on the slice of the layout at `offset` (`adasum.transport.topology.Topology.placement`)."""
 
 
 def transport_for(
@@ -159,7 +147,7 @@ def adasum_flat_(
     buffer: torch.Tensor | Scattered,
     sizes: Sequence[int],
     group: dist.ProcessGroup | None = None,
-    placement: Placement | None = None,
+    placement: Topology | None = None,
     *,
     transport: str | Transport | None = None,
 ) -> None:
@@ -168,8 +156,12 @@ def adasum_flat_(
 
     Every rank must pass the same sizes and dtype; nothing is checked here (see `all_reduce`).
     A dead or stalled peer raises `adasum.CollectiveError` within the group's timeout (gloo).
-    With a `placement`, the buffer is a slice of the layout and the tree runs over
-    ``placement.peers`` only (see `Placement`). `transport` names how bytes move ("p2p",
+    With a `placement` (a `Topology`: hierarchical mode's, FSDP's grid), the buffer is the slice of the layout
+    at ``placement.offset`` and the tree runs over ``placement.peers`` only: `peers` are the group ranks of the
+    tree's workers in tree order (the calling rank is one of them); other ranks of the group run their own trees on
+    other slices of the same layout at the same time; the per-tensor partial sums are all-reduced over the whole
+    group, each rank writing its tree block's row, so the slices of one tensor add up to whole-tensor dot
+    products. Every rank of the group must call with trees of the same size. `transport` names how bytes move ("p2p",
     "collectives", "symmetric"; None: the fastest the group supports, see `adasum.transport.select`).
     """
     layout = _layout(tuple(int(n) for n in sizes))

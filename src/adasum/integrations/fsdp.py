@@ -33,7 +33,7 @@ shard, zero-padded to the same length on every shard rank, end to end. It combin
 across the replicate dimension with the reducer's sharded form (`Reducer.all_reduce_shards`),
 **per parameter over the whole parameter**, not per shard:
 
-* Adasum: the VHDD tree runs over the replicas holding the same shard (`Placement`), and the
+* Adasum: the VHDD tree runs over the replicas holding the same shard (`adasum.transport.topology.Topology`), and the
   per-parameter partial ``<a,b>``, ``|a|^2``, ``|b|^2`` of each level are summed over the shard
   group as well as over the replicas merged so far, so every shard applies the coefficients of
   the whole parameter (the padding adds nothing). The result, per parameter, is
@@ -89,9 +89,10 @@ import torch.nn as nn
 
 from adasum.collectives.agreement import Agreement, agree, agree_async
 from adasum.options import check_flag, user_stacklevel
-from adasum.reducers import Reducer, ShardGroups, get_reducer
+from adasum.reducers import Reducer, get_reducer
 from adasum.settings import current
 from adasum.transport.groups import side_stream
+from adasum.transport.topology import Topology, group_rank
 
 DIMS = ("replicate", "shard")
 
@@ -233,7 +234,7 @@ def fill_unused_grads(module: nn.Module) -> None:
 # --- the groups of the mesh ----------------------------------------------------------------------
 
 
-def mesh_groups(mesh: Any) -> ShardGroups:
+def mesh_groups(mesh: Any) -> Topology:
     """Check that `mesh` is a 2-D ("replicate", "shard") DeviceMesh and build its groups (collective)."""
     names = tuple(getattr(mesh, "mesh_dim_names", None) or ())
     if mesh.ndim == 1:
@@ -251,12 +252,9 @@ def mesh_groups(mesh: Any) -> ShardGroups:
     everyone = sorted(int(r) for r in ranks.reshape(-1).tolist())
     group = None if everyone == list(range(dist.get_world_size())) else dist.new_group(everyone)
     mine = mesh.get_local_rank("shard")
-
-    def group_rank(global_rank: int) -> int:
-        return global_rank if group is None else dist.get_group_rank(group, global_rank)
-
-    peers = tuple(group_rank(int(ranks[r, mine])) for r in range(replicas))
-    return ShardGroups(group, mesh.get_group("replicate"), mesh.get_group("shard"), peers, int(replicas), int(shards))
+    peers = tuple(group_rank(group, int(ranks[r, mine])) for r in range(replicas))
+    return Topology(group, peers, inner=mesh.get_group("shard"), outer=mesh.get_group("replicate"),
+                    inner_size=int(shards), inner_rank=int(mine), position=int(mesh.get_local_rank("replicate")))
 
 
 # --- the layouts the ranks agree on ---------------------------------------------------------------
@@ -299,7 +297,7 @@ class FSDPState:
     def __init__(
         self,
         reducer: Reducer,
-        groups: ShardGroups,
+        groups: Topology,
         units: Sequence[tuple[str, nn.Module]] = (),
         fills_unused: bool = False,
     ) -> None:
@@ -445,7 +443,7 @@ def _units(model: nn.Module) -> list[tuple[str, Any]]:  # (name, a module that i
     return [(name or "<root>", m) for name, m in model.named_modules() if isinstance(m, FSDPModule)]
 
 
-def _check_sharding(model: nn.Module, mesh: Any, groups: ShardGroups) -> None:
+def _check_sharding(model: nn.Module, mesh: Any, groups: Topology) -> None:
     """Every parameter sharded by `fully_shard` on mesh['shard'] (public DTensor attributes only)."""
     from torch.distributed.tensor import DTensor
 

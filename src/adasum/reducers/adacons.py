@@ -61,8 +61,9 @@ from adasum.core import statistics
 from adasum.core.operator import ZERO_NORM
 from adasum.kernels import dot_and_norms
 from adasum.options import Scale, check_number, check_option
-from adasum.reducers.base import Reducer, ShardGroups, check_state_keys, check_workers, is_float8, widened
+from adasum.reducers.base import Reducer, check_state_keys, check_workers, is_float8, widened
 from adasum.transport.groups import failures_named
+from adasum.transport.topology import Topology
 
 # --- the coefficient math: pure functions on [S, N] float64 tensors (segments x workers), shared by
 # --- the single-process and the distributed forms
@@ -372,7 +373,7 @@ class AdaCons(Reducer):
     def check_shards(self, shards: int) -> None:
         """Any number of shards: the partials are summed over the shard group."""
 
-    def all_reduce_shards(self, buffer, sizes, groups: ShardGroups, *, key=None):
+    def all_reduce_shards(self, buffer, sizes, groups: Topology, *, key=None):
         """As `all_reduce_flat` over the replicate group, except that each replica's per-tensor partial
         ``<g_i, m>``, ``|g_i|^2``, ``|m|^2`` are first summed over its shard group (coefficients of the
         whole tensors). `key` names the momentum state (default: the layout of the shards)."""

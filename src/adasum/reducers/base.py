@@ -48,7 +48,6 @@ import difflib
 import operator
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
-from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -58,21 +57,13 @@ from adasum.collectives.agreement import tensor_list
 from adasum.collectives.api import fused_per_dtype
 from adasum.collectives.plan import prepare
 from adasum.transport.groups import check_group, reducer_names
+from adasum.transport.topology import Topology
 
-
-@dataclass(frozen=True)
-class ShardGroups:
-    """A grid of `replicas` x `shards` ranks, as one rank sees it: each replica holds every tensor,
-    split over the `shards` ranks of its `shard` group; `replicate` holds the ranks with this rank's
-    shard, one per replica. `group` holds every rank of the grid (None: the default group);
-    `peers` are the `group` ranks of `replicate`, in replica order."""
-
-    group: dist.ProcessGroup | None
-    replicate: dist.ProcessGroup
-    shard: dist.ProcessGroup
-    peers: tuple[int, ...]
-    replicas: int
-    shards: int
+ShardGroups = Topology
+"""A grid of `replicas` x `shards` ranks, as one rank sees it (a `adasum.transport.topology.Topology` whose inner
+tier is a replica's shards): each replica holds every tensor, split over the `shards` ranks of its `shard` group;
+`replicate` holds the ranks with this rank's shard, one per replica. `group` holds every rank of the grid (None:
+the default group); `peers` are the `group` ranks of `replicate`, in replica order."""
 
 
 class Reducer:
@@ -206,7 +197,7 @@ class Reducer:
             )
 
     def all_reduce_shards(
-        self, buffer: torch.Tensor, sizes: Sequence[int], groups: ShardGroups, *, key: str | None = None
+        self, buffer: torch.Tensor, sizes: Sequence[int], groups: Topology, *, key: str | None = None
     ) -> None:
         """In place across the replicas of `groups`: `buffer` holds this rank's shard of each tensor of
         `sizes` (shard sizes, end to end; zero padding adds nothing), combined per whole tensor.
