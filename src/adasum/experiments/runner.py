@@ -14,8 +14,8 @@ import logging
 import math
 import os
 import time
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from collections.abc import Callable
+from contextlib import nullcontext
 from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 from typing import Any, cast
@@ -756,7 +756,7 @@ def train(
     except ValueError as e:
         error = str(e)
     _agree(error, distributed)
-    with open(metrics_path, "a") if metrics_path is not None else _null() as metrics:
+    with open(metrics_path, "a") if metrics_path is not None else nullcontext() as metrics:
         for epoch in range(state.epoch, config.epochs):
             if state.history and state.history[-1]["diverged"]:
                 break
@@ -772,11 +772,6 @@ def train(
     if out is not None and run.rank == 0:
         write_json_atomic(out / "result.json", result)
     return result
-
-
-@contextmanager
-def _null() -> Iterator[None]:
-    yield None
 
 
 def _finite_mean(values: list[float]) -> float | None:

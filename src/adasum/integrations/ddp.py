@@ -228,7 +228,6 @@ class AdasumState:
         self.__dict__.update(state)
         self.group = None
         self.skipped_steps = int(state.get("skipped_steps", 0))
-        self._batch_mb = float(state.get("_batch_mb", BATCH_MB))  # BATCH_MB: a state pickled before batches existed
         self._reset_caches()
 
     def __repr__(self) -> str:
