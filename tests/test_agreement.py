@@ -18,7 +18,7 @@ import torch.distributed as dist
 import adasum
 from adasum.collectives import agreement
 from adasum.reducers import AdaCons, Adasum, Mean, Sum
-from adasum.transport.groups import CollectiveError, failures_named, is_transport_error
+from adasum.transport.errors import CollectiveError, failures_named, is_transport_error
 
 import distributed
 from reference import U32, U64, combine_with_bound, error_of, gamma, mean_with_bound, sum_with_bound

@@ -14,14 +14,15 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 import adasum
 from adasum.core.layout import Scattered
 from adasum.ddp import AdasumState, adasum_hook
-from adasum.transport import groups, symmetric
+from adasum.transport import communicator as communicators
+from adasum.transport import symmetric
 
 import distributed
 from reference import tree as reference_tree
 
 
 def _built() -> int:
-    return groups.communicator(None).plans_built
+    return communicators.communicator(None).plans_built
 
 
 def entry_points_body(rank, world):
@@ -47,7 +48,7 @@ def entry_points_body(rank, world):
     adasum.all_reduce([torch.randn(7, generator=g)])
     built["new layout"] = _built() - before
     # the list call's plan records the transport chosen and the fusion (two float32 tensors: one flat buffer)
-    plans = groups.communicator(None).plans.values()
+    plans = communicators.communicator(None).plans.values()
     listed = [p for p in plans if p.config[0] == "adasum.all_reduce" and len(p.description) == 2]
     built["list plan"] = [(p.transport.name, p.fusion) for p in listed]
 
@@ -76,8 +77,8 @@ def test_each_entry_point_builds_its_plan_once():
 def release_body(rank, world):
     adasum.all_reduce([torch.ones(4) * (rank + 1)])
     adasum.Adasum().all_reduce([torch.ones(3)])
-    before = len(groups._registry.communicators)
-    comm = groups.communicator(None)
+    before = len(communicators._registry.communicators)
+    comm = communicators.communicator(None)
     control = comm.control
     # the group's symmetric memory, on a backend that allocates host memory, and the tile addresses of a list
     host_memory = SimpleNamespace(empty=lambda n, dtype, device: torch.empty(n, dtype=dtype, device=device),
@@ -91,13 +92,13 @@ def release_body(rank, world):
     table = tiles((3, 5), torch.device("cpu"))  # a cached device tile table (the process's, not the group's)
     adasum.release()
     after = {
-        "communicators": len(groups._registry.communicators),
+        "communicators": len(communicators._registry.communicators),
         "plans": len(comm.plans),
         "transports": len(comm.transports),
         "graphs": comm.graphs.count(),
         "control": comm.control,
         "control group alive": control in dist.distributed_c10d._world.pg_map,
-        "streams": len(groups._registry.streams),
+        "streams": len(communicators._registry.streams),
         "resources": comm.resources,
         "symmetric buffers": pool.held(),
         "buffer alive": buffer() is not None,
@@ -203,7 +204,7 @@ def remade_body(rank, world, calls):
 
     model = [torch.ones(3, 2), torch.ones(5), torch.ones(4)]
     config = ("test",)
-    comm = groups.communicator(None)
+    comm = communicators.communicator(None)
     held = []
     sizes = []
     for i in range(calls):
@@ -219,7 +220,7 @@ def remade_body(rank, world, calls):
         adasum.all_reduce([torch.ones_like(p) for p in model])
     disjoint = max(len(p.disjoint) for p in comm.plans.values())
     adasum.release()
-    return sizes, plans, disjoint, DISJOINT, MAX_PLANS, len(groups.communicator(None).plans)
+    return sizes, plans, disjoint, DISJOINT, MAX_PLANS, len(communicators.communicator(None).plans)
 
 
 def test_gradients_remade_every_call_keep_the_caches_flat():

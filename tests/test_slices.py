@@ -251,7 +251,7 @@ it rides in its round."""
 
 def _kept_bytes(group=None) -> int:
     """What the group's movers keep: symmetric buffers and c10d workspaces."""
-    from adasum.transport.groups import communicator
+    from adasum.transport.communicator import communicator
 
     comm = communicator(group)
     kept = 0

@@ -137,7 +137,7 @@ def test_the_symmetric_transports_take_their_memory_backend_and_share_the_groups
     import torch.distributed as dist
 
     import adasum
-    from adasum.transport.groups import communicator
+    from adasum.transport.communicator import communicator
     from adasum.transport.symmetric import SymmetricMemory, SymmetricPool, SymmetricSlices
 
     made: list = []
@@ -376,7 +376,7 @@ def test_the_table_holds_the_built_in_transports_in_the_names_order():
 def toy_body(rank, world):
     import adasum
     import toy_transport
-    from adasum.transport.groups import communicator
+    from adasum.transport.communicator import communicator
     from adasum.transport.registry import register_transport
 
     toy_transport.register()

@@ -19,7 +19,9 @@ from adasum.integrations.slowmo import SlowMo
 from adasum.kernels.reduce import combine, reduce
 from adasum.reducers import AdaCons, Adasum, Mean, Reducer, Sum, get_reducer
 from adasum.sim import SimulatedWorkers
-from adasum.transport.groups import CollectiveError, group_timeout, release
+from adasum.transport.communicator import release
+from adasum.transport.errors import CollectiveError
+from adasum.transport.groups import group_timeout
 
 __all__ = [
     "AdaCons",

@@ -32,7 +32,8 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from adasum.transport.groups import accepts, control_group
+from adasum.transport.communicator import control_group
+from adasum.transport.groups import accepts
 
 Entry = tuple[str, tuple[int, ...], str]
 """One tensor as the check sees it: dtype name, shape, device type."""
@@ -375,7 +376,7 @@ class Agreement:
     def __init__(self, description: Sequence[tuple], problem: Problem | None, group: dist.ProcessGroup | None,
                  config: tuple) -> None:
         self.description, self.problem, self.config = description, problem, config
-        self.control = control_group(group)  # the checks' own gloo group (`adasum.transport.groups.control_group`)
+        self.control = control_group(group)  # the checks' own gloo group (`control_group`)
         sig = signature([config, *description])
         self._values = torch.tensor([sig, -sig, 0 if problem is None else 1], dtype=torch.int64)
         self._work = dist.all_reduce(self._values, op=dist.ReduceOp.MAX, group=self.control, async_op=True)

@@ -26,8 +26,9 @@ from adasum.collectives.vhdd import adasum_flat_, transport_for
 from adasum.core.layout import Scattered, flatten, group_by_dtype, unflatten_into
 from adasum.options import Nonfinite, TransportName, check_flag, not_initialised
 from adasum.transport.base import Transport
+from adasum.transport.communicator import Communicator, communicator
 from adasum.transport.graphs import MAX_GRAPHS, tensor_key
-from adasum.transport.groups import Communicator, check_group, communicator, group_device
+from adasum.transport.groups import check_group, group_device
 from adasum.transport.registry import transport_names
 
 
@@ -71,7 +72,7 @@ def all_reduce(
     the tensors weakly). The group remembers as many recent captured lists as it keeps graphs (`RECENT`), so a
     step that combines several lists (one per block, say) replays each. Tensors at new addresses every call
     (gradients re-made by ``zero_grad()`` that the allocator places elsewhere) run eagerly every call, and a group
-    warns once when that goes on (`adasum.transport.groups.MOVED_CALLS`); ``zero_grad(set_to_none=False)`` keeps
+    warns once when that goes on (`adasum.transport.communicator.MOVED_CALLS`); ``zero_grad(set_to_none=False)`` keeps
     gradients where they lie.
 
     Non-finite inputs: ``nonfinite="propagate"`` (the default) lets them through; a tensor with a

@@ -54,7 +54,9 @@ import torch
 import torch.distributed as dist
 
 from adasum.collectives.agreement import Problem, _entry, named_difference
-from adasum.transport.groups import Communicator, failures_named, group_timeout, next_guard
+from adasum.transport.communicator import Communicator, next_guard
+from adasum.transport.errors import failures_named
+from adasum.transport.groups import group_timeout
 
 SLOTS = 128
 """Calls compared per round at most (a round's vector has 2 + 4 x SLOTS int64)."""

@@ -43,7 +43,8 @@ from adasum.kernels.reduce import reduce
 from adasum.options import check_flag
 from adasum.settings import current
 from adasum.transport.c10d import all_gather_single, reduce_scatter_single
-from adasum.transport.groups import check_group, failures_named, group_device
+from adasum.transport.errors import failures_named
+from adasum.transport.groups import check_group, group_device
 from adasum.transport.topology import Topology, global_rank
 
 Hierarchy = Topology

@@ -31,7 +31,8 @@ import torch.distributed as dist
 
 from adasum.collectives.agreement import tensor_list
 from adasum.options import Nonfinite, check_option, choices
-from adasum.transport.groups import check_group, failures_named, group_device
+from adasum.transport.errors import failures_named
+from adasum.transport.groups import check_group, group_device
 
 POLICIES = choices(Nonfinite)
 """What to do about a NaN or Inf (`adasum.options.Nonfinite`)."""

@@ -65,7 +65,9 @@ from adasum.collectives.agreement import (
 )
 from adasum.collectives.guard import guard_of
 from adasum.settings import current
-from adasum.transport.groups import Communicator, communicator, failures_named, group_device
+from adasum.transport.communicator import Communicator, communicator
+from adasum.transport.errors import failures_named
+from adasum.transport.groups import group_device
 
 Check = Literal["call", "once", "none"]
 

@@ -54,7 +54,8 @@ from adasum.kernels import combine_from_sums, dot_and_norms
 from adasum.settings import current
 from adasum.transport import one_shot, select
 from adasum.transport.base import GatherStep, Level, Transport, aligned_cut
-from adasum.transport.groups import communicator, failures_named
+from adasum.transport.communicator import communicator
+from adasum.transport.errors import failures_named
 from adasum.transport.registry import serves
 from adasum.transport.topology import Topology
 

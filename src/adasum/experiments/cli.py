@@ -35,7 +35,7 @@ from adasum.experiments.data import TASKS
 from adasum.experiments.io import WriteFailed, writing
 from adasum.experiments.methods import METHODS, Method, did_you_mean
 from adasum.experiments.models import MODELS
-from adasum.transport.groups import CollectiveError
+from adasum.transport.errors import CollectiveError
 
 log = logging.getLogger("adasum")
 

@@ -37,7 +37,7 @@ from adasum.integrations.slowmo import SlowMo
 from adasum.options import Mode, Nonfinite
 from adasum.reducers import Reducer
 from adasum.sim import SimulatedWorkers, StepResult, cross_entropy, set_dropout_keys
-from adasum.transport.groups import failures_named
+from adasum.transport.errors import failures_named
 
 log = logging.getLogger("adasum")
 

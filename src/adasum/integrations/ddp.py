@@ -68,7 +68,8 @@ from adasum.collectives.plan import prepare
 from adasum.core.statistics import StepStatistics
 from adasum.options import Nonfinite, check_number
 from adasum.reducers import Adasum, Reducer, get_reducer
-from adasum.transport.groups import communicator, failures_named, side_stream
+from adasum.transport.communicator import communicator, side_stream
+from adasum.transport.errors import failures_named
 
 HOOK_POLICIES = ("propagate", "raise")
 BATCH_MB = 256.0

@@ -91,7 +91,7 @@ from adasum.collectives.agreement import Agreement, agree, agree_async
 from adasum.options import check_flag, user_stacklevel
 from adasum.reducers import Reducer, get_reducer
 from adasum.settings import current
-from adasum.transport.groups import side_stream
+from adasum.transport.communicator import side_stream
 from adasum.transport.topology import Topology, group_rank
 
 DIMS = ("replicate", "shard")

@@ -87,7 +87,9 @@ from adasum.options import (
     reducer_of_op,
 )
 from adasum.reducers import Reducer, get_reducer
-from adasum.transport.groups import communicator, control_group, failures_named, group_device, side_stream
+from adasum.transport.communicator import communicator, control_group, side_stream
+from adasum.transport.errors import failures_named
+from adasum.transport.groups import group_device
 
 _data_ptr = torch.Tensor.data_ptr
 

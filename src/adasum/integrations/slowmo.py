@@ -27,7 +27,8 @@ from adasum.core.statistics import StepStatistics
 from adasum.integrations.optim import check_same_parameters, check_wrappable, optimizer_param_names
 from adasum.options import Buffers, Nonfinite, check_count, check_flag, check_number, check_option, check_saved_settings
 from adasum.reducers import Mean, Reducer, get_reducer
-from adasum.transport.groups import failures_named, group_device
+from adasum.transport.errors import failures_named
+from adasum.transport.groups import group_device
 
 
 def slow_momentum_update(

@@ -167,7 +167,7 @@ def subtract_into(out: torch.Tensor, tensors, base: torch.Tensor, tables: Addres
     """``out = tensors - base`` with `out` and `base` flat (the tensors end to end, each in its own shape and
     strides; a list or a `Scattered` view), rounded as ``torch.sub`` rounds: one kernel on GPUs with Triton when
     the tensors are contiguous, one op per tensor otherwise (a channels-last weight is read in its logical order).
-    `tables` keeps the list's tile addresses between calls (a group's, `adasum.transport.groups.Communicator`)."""
+    `tables` keeps the list's tile addresses between calls (a group's, `adasum.transport.communicator.Communicator`)."""
     triton_kernels, where, tensors = _in_place(tensors, out, tables)
     sizes = [t.numel() for t in tensors]
     if triton_kernels is not None:

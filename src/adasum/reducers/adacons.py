@@ -62,7 +62,7 @@ from adasum.core.operator import ZERO_NORM
 from adasum.kernels import dot_and_norms
 from adasum.options import Scale, check_number, check_option
 from adasum.reducers.base import Reducer, check_state_keys, check_workers, is_float8, widened
-from adasum.transport.groups import failures_named
+from adasum.transport.errors import failures_named
 from adasum.transport.topology import Topology
 
 # --- the coefficient math: pure functions on [S, N] float64 tensors (segments x workers), shared by

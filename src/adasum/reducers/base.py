@@ -56,7 +56,7 @@ import torch.distributed as dist
 from adasum.collectives.agreement import tensor_list
 from adasum.collectives.api import fused_per_dtype
 from adasum.collectives.plan import prepare
-from adasum.transport.groups import check_group, reducer_names
+from adasum.transport.groups import check_group
 from adasum.transport.topology import Topology
 
 ShardGroups = Topology
@@ -312,10 +312,18 @@ def check_state_keys(reducer: Reducer, state: Any, keys: Iterable[str]) -> None:
     )
 
 
+_REDUCERS: dict[str, type[Reducer]] = {}
+"""The reducer classes by name (`register`): process-wide, never released (a name outlives every process group)."""
+
+
+def reducer_names() -> dict[str, type[Reducer]]:
+    """The reducer classes by name (`register` adds to it)."""
+    return _REDUCERS
+
+
 def register(name: str, cls: type[Reducer]) -> None:
-    """Make `cls` available by `name` to every place that takes a reducer name (kept in the package's one
-    registry, `adasum.transport.groups`)."""
-    reducer_names()[name] = cls
+    """Make `cls` available by `name` to every place that takes a reducer name (`reducer_names`)."""
+    _REDUCERS[name] = cls
 
 
 def get_reducer(reducer: str | Reducer) -> Reducer:

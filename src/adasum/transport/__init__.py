@@ -1,4 +1,5 @@
-"""How bytes move between ranks: process-group facts and named failures (`groups`), the protocol
+"""How bytes move between ranks: process-group facts (`groups`), named failures (`errors`), what adasum keeps
+per group (`communicator`), the ranks' grid (`topology`), the protocol
 the collectives' schedules call (`base`), and its implementations: c10d point-to-point and NCCL
 collectives (`c10d`), torch symmetric memory on NVLink (`symmetric`), the slice-parallel movers (`slices`). Each is
 a row of the movers' table (`registry`: the built-ins are registered at the end of this module); `select` builds

@@ -23,7 +23,7 @@ from typing import Any, Literal, get_args
 
 import torch.distributed as dist
 
-from adasum.transport.groups import _registry
+from adasum.transport.communicator import _registry
 
 Schedule = Literal["vhdd", "slices"]
 """The schedule a mover serves: "vhdd" (the VHDD levels, `adasum.collectives.vhdd`, over the
@@ -88,7 +88,7 @@ def register_transport(
     prefers: Sequence[Requirement] = (),
 ) -> None:
     """Make `name` a transport ``transport=`` takes: ``factory(need)`` builds it (once per group and choice: its
-    `adasum.transport.groups.Communicator` keeps it) for the `Need` of a group; `serves` is the schedule it moves
+    `adasum.transport.communicator.Communicator` keeps it) for the `Need` of a group; `serves` is the schedule it moves
     the bytes of (`Schedule`: a "vhdd" mover implements `adasum.transport.base.Transport`, a "slices" one
     `adasum.collectives.slices.SliceMover`); `requires` what the group must have (`Requirement`), else asking for
     it raises ValueError on every rank; `prefers` what it must have besides to be the default where it is in the

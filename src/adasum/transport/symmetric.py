@@ -66,7 +66,8 @@ from adasum.kernels import triton as triton_kernels
 from adasum.kernels.addresses import AddressTables, CopyTables
 from adasum.settings import current
 from adasum.transport.base import CUT_ALIGN, GatherStep, Level, Transport, split
-from adasum.transport.groups import communicator, retire_graphs, side_stream, uses_nccl
+from adasum.transport.communicator import communicator, retire_graphs, side_stream
+from adasum.transport.groups import uses_nccl
 from adasum.transport.slices import InPlace, buffer_bytes, round_elements
 
 try:  # pragma: no cover - CUDA builds only
@@ -91,7 +92,7 @@ def _group_name(group) -> str:
 class SymmetricPool:
     """One process group's symmetric memory: whether the group can run these transports, its symmetric buffers
     (by dtype and purpose), and the views of peers' buffers. Owned by the group's
-    `adasum.transport.groups.Communicator` (`pool`) and freed by its teardown (`adasum.release()`), after
+    `adasum.transport.communicator.Communicator` (`pool`) and freed by its teardown (`adasum.release()`), after
     the captured graphs that point into it.
 
     `backend` is torch's ``torch.distributed._symmetric_memory`` unless given: an object with ``empty(numel,
@@ -131,7 +132,7 @@ class SymmetricPool:
 
         A growth first waits for the device (the only wait on the host here): kernels and CUDA graphs captured on
         the outgrown buffer may still be running. Then every group's graphs are dropped (`outgrown`,
-        `adasum.transport.groups.retire_graphs`: a graph of one group may point into another's buffers), and so is
+        `adasum.transport.communicator.retire_graphs`: a graph of one group may point into another's buffers), and so is
         the outgrown buffer with its peers' views: nothing keeps memory for an earlier, smaller layout. A graph
         replayed on the old buffer would also meet a peer that had not captured the same call (keys hold
         addresses) running it on the new buffer, and the two would wait at different signal pads."""
