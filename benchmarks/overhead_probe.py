@@ -15,8 +15,8 @@ import torch.multiprocessing as mp
 
 import adasum
 from adasum import kernels as ops
+from adasum.checks.agreement import check_same_layout
 from adasum.collectives import vhdd as collectives
-from adasum.collectives.agreement import check_same_layout
 from adasum.core.operator import coefficients
 from adasum.transport.c10d import exchange
 

@@ -16,7 +16,7 @@ import torch
 import torch.distributed as dist
 
 import adasum
-from adasum.collectives import agreement
+from adasum.checks import agreement
 from adasum.reducers import AdaCons, Adasum, Mean, Sum
 from adasum.transport.errors import CollectiveError, failures_named, is_transport_error
 

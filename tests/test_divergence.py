@@ -11,9 +11,9 @@ import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 import adasum
-from adasum.collectives import agreement
-from adasum.collectives.guard import LAG
-from adasum.collectives.plan import prepare
+from adasum.checks import agreement
+from adasum.checks.guard import LAG
+from adasum.checks.plan import prepare
 from adasum.ddp import AdasumState, adasum_hook
 from adasum.settings import override
 from adasum.transport import communicator as communicators

@@ -240,8 +240,8 @@ def test_a_repeat_on_the_same_memory_replays_before_any_check_of_the_list():
     import torch.distributed as dist
 
     import adasum
+    from adasum.checks.plan import prepare
     from adasum.collectives import api
-    from adasum.collectives.plan import prepare
     from adasum.transport import communicator as communicators
 
     def remember(comm, tensors, key, plan):
@@ -388,8 +388,8 @@ def test_a_replayed_call_posts_its_fingerprint_once_after_the_launch_and_a_stale
     """A repeat of a captured list call (`adasum.collectives.api._replayed`) takes its guard slot (which raises a
     kept error, or waits for the guard) before the replay and posts its fingerprint after it; a repeat whose
     graph was dropped posts nothing, since the checked path it falls back to posts the call's own."""
+    from adasum.checks import plan as plan_module
     from adasum.collectives import api
-    from adasum.collectives import plan as plan_module
 
     events: list = []
 

@@ -200,7 +200,7 @@ def remade_body(rank, world, calls):
     meanwhile so that the allocator cannot hand back the last ones' memory), each layout's cache measured: the
     memory-overlap verdicts and the plans stay within their bounds (the prepare step of every entry point; a run
     of real calls last), and release frees them."""
-    from adasum.collectives.plan import DISJOINT, MAX_PLANS, prepare
+    from adasum.checks.plan import DISJOINT, MAX_PLANS, prepare
 
     model = [torch.ones(3, 2), torch.ones(5), torch.ones(4)]
     config = ("test",)

@@ -12,7 +12,7 @@ from typing import Literal
 import torch
 import torch.distributed as dist
 
-from adasum.collectives.agreement import (
+from adasum.checks.agreement import (
     _data_ptr,
     _dtype,
     _requires_grad,
@@ -20,8 +20,8 @@ from adasum.collectives.agreement import (
     _stride,
     tensor_list,
 )
-from adasum.collectives.nonfinite import check_finite, check_policy
-from adasum.collectives.plan import Plan, prepare, recheck
+from adasum.checks.nonfinite import check_finite, check_policy
+from adasum.checks.plan import Plan, prepare, recheck
 from adasum.collectives.vhdd import adasum_flat_, transport_for
 from adasum.core.layout import Scattered, flatten, group_by_dtype, unflatten_into
 from adasum.options import Nonfinite, TransportName, check_flag, not_initialised
@@ -48,7 +48,7 @@ def all_reduce(
 
     With `check_layout` (the default) every call first checks that every rank passed the same
     number of tensors with the same shapes and dtypes, and the same `nonfinite` and `transport`
-    (`adasum.collectives.plan`: on gloo one 24-byte all-reduce before data moves; on NCCL the
+    (`adasum.checks.plan`: on gloo one 24-byte all-reduce before data moves; on NCCL the
     layout's first call so, later calls by a fingerprint compared at the group's next call, with no
     host synchronisation); a difference raises ValueError on every rank, naming the first
     difference and the ranks. Non-floating dtypes raise TypeError, anything but a tensor or a list
@@ -263,7 +263,7 @@ def _replayed(comm: Communicator, group, transport, tensors, check_layout: bool)
     # host time is what the GPU waits for between calls: C-level maps, not a Python loop, and numbers of elements
     # rather than shapes for a recent call's own tensors (a shape is a new torch.Size per tensor; docs/benchmarks.md,
     # where the time goes); the addresses first for other objects, which most often differ (`_placed_like` after
-    # them); the fingerprint still goes out (`adasum.collectives.plan`). `tensors` is the caller's argument,
+    # them); the fingerprint still goes out (`adasum.checks.plan`). `tensors` is the caller's argument,
     # unchecked: a tensor, or a list or tuple of a recent call's (checked) tensors or of others placed like them.
     # The graph reads and writes each tensor as the elements from its address on, so that call's tensors replay it
     # wherever their addresses and sizes are the same

@@ -30,7 +30,7 @@ from pathlib import Path
 from types import MappingProxyType
 from typing import Any
 
-from adasum.collectives.nonfinite import NonFiniteError
+from adasum.checks.nonfinite import NonFiniteError
 from adasum.experiments.data import TASKS
 from adasum.experiments.io import WriteFailed, writing
 from adasum.experiments.methods import METHODS, Method, did_you_mean

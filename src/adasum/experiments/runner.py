@@ -24,7 +24,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from adasum.collectives.nonfinite import POLICIES, apply_nonfinite_policy
+from adasum.checks.nonfinite import POLICIES, apply_nonfinite_policy
 from adasum.diagnostics import Orthogonality, all_reduce_orthogonality
 from adasum.experiments.checkpoint import applied, load_checkpoint, save_checkpoint
 from adasum.experiments.data import DEFAULT_MODELS, Dataset, load_task

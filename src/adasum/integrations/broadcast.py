@@ -33,7 +33,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from adasum.collectives.agreement import check_same_layout
+from adasum.checks.agreement import check_same_layout
 from adasum.core.layout import flatten, unflatten_into
 from adasum.integrations.optim import buckets
 from adasum.transport.communicator import control_group

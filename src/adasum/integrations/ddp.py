@@ -62,9 +62,9 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from adasum.collectives.agreement import agree
-from adasum.collectives.nonfinite import NonFiniteError, apply_nonfinite_policy, check_policy
-from adasum.collectives.plan import prepare
+from adasum.checks.agreement import agree
+from adasum.checks.nonfinite import NonFiniteError, apply_nonfinite_policy, check_policy
+from adasum.checks.plan import prepare
 from adasum.core.statistics import StepStatistics
 from adasum.options import Nonfinite, check_number
 from adasum.reducers import Adasum, Reducer, get_reducer
@@ -366,7 +366,7 @@ def _close_batch(state: AdasumState) -> None:
 
 def _agree_batch(state: AdasumState, batch: list[tuple[torch.Tensor, _BucketPlan, Any]]) -> None:
     """A batch's first call: every rank must combine the same segments (DDP buckets of another ``bucket_cap_mb``
-    on one rank differ here), checked across ranks once per batch (its plan, `adasum.collectives.plan`)."""
+    on one rank differ here), checked across ranks once per batch (its plan, `adasum.checks.plan`)."""
     sizes = [n for _, plan, _ in batch for n in plan.sizes]
     buffers = [buffer for buffer, _, _ in batch]
     prepare(buffers, state.group, config=("adasum_hook", repr(state.reducer)), operation="adasum_hook",

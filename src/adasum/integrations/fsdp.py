@@ -55,7 +55,7 @@ Before data moves, all ranks of the mesh have the same layouts (dtype and padded
 every trainable parameter, and FSDP's flags), or raise the same ValueError naming the first
 difference. `enable` checks it (one blocking agreement). Then each forward posts a probe, the
 signature of the layouts all-reduced on the checks' own gloo group without waiting
-(`adasum.collectives.agreement.agree_async`); the backward's first reduction reads its result, long
+(`adasum.checks.agreement.agree_async`); the backward's first reduction reads its result, long
 arrived: the same layouts everywhere need no round trip, a difference makes every rank run the
 blocking check, which raises. No host round trip is left in the reduction path. With
 ``include_unused=False`` FSDP leaves parameters without a gradient out, the layout depends on the
@@ -87,7 +87,7 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from adasum.collectives.agreement import Agreement, agree, agree_async
+from adasum.checks.agreement import Agreement, agree, agree_async
 from adasum.options import check_flag, user_stacklevel
 from adasum.reducers import Reducer, get_reducer
 from adasum.settings import current

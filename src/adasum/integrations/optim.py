@@ -72,8 +72,8 @@ import torch
 import torch.distributed as dist
 
 from adasum import kernels
-from adasum.collectives.agreement import Problem, agree, check_not_sharded, check_same_layout, describe, local_problem
-from adasum.collectives.nonfinite import apply_nonfinite_policy, check_policy, nonfinite_message
+from adasum.checks.agreement import Problem, agree, check_not_sharded, check_same_layout, describe, local_problem
+from adasum.checks.nonfinite import apply_nonfinite_policy, check_policy, nonfinite_message
 from adasum.core.layout import Scattered, flatten, unflatten_into
 from adasum.core.statistics import StepStatistics
 from adasum.options import (
@@ -302,7 +302,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
             (its name when the optimizer was given ``model.named_parameters()``) and the rank;
             "skip" skips the step on every rank (parameters, optimizer state and the round of
             local steps untouched) and counts it in ``skipped_steps``
-            (`adasum.collectives.nonfinite.apply_nonfinite_policy`). "raise" and "skip" cost one
+            (`adasum.checks.nonfinite.apply_nonfinite_policy`). "raise" and "skip" cost one
             8-byte all-reduce and a host synchronisation per step, which stops the host from
             queueing work ahead (docs/benchmarks.md), hence not the default.
         named_parameters: ``model.named_parameters()`` (as Horovod takes it): the names that error
@@ -773,7 +773,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
     def _present_gradients(self, params: list[torch.Tensor]) -> tuple[int, ...]:
         """Indices of the parameters with a gradient on at least one rank, the same on every rank.
 
-        Shaped like every check of the control group (`adasum.collectives.agreement.agree`), so that it can pair
+        Shaped like every check of the control group (`adasum.checks.agreement.agree`), so that it can pair
         only with checks: one all-reduce (MAX) of three int64 (a signature of this rank's indices, its negation,
         a flag); when the ranks' indices differ, a gather of them gives the union. A rank at another check
         (say `add_param_group` on one rank only) gets a ValueError on both sides instead of a mixed result."""

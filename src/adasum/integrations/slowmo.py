@@ -21,8 +21,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from adasum.collectives.agreement import agree, local_problem
-from adasum.collectives.nonfinite import apply_nonfinite_policy, check_policy
+from adasum.checks.agreement import agree, local_problem
+from adasum.checks.nonfinite import apply_nonfinite_policy, check_policy
 from adasum.core.statistics import StepStatistics
 from adasum.integrations.optim import check_same_parameters, check_wrappable, optimizer_param_names
 from adasum.options import Buffers, Nonfinite, check_count, check_flag, check_number, check_option, check_saved_settings

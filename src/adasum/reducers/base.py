@@ -12,7 +12,7 @@ list do they agree on? Each reducer has two forms that compute the same thing:
 Both distributed forms first check, with one small all-reduce, that every rank passed the same
 layout (count, shapes or sizes, dtypes, device type) and that no rank's input has a local problem
 (sparse, non-floating, wrong device, a tensor that requires grad, overlapping views): the same
-ValueError or TypeError on every rank, before any data moves (`adasum.collectives.agreement`).
+ValueError or TypeError on every rank, before any data moves (`adasum.checks.agreement`).
 ``check_layout=False`` skips it, for callers that verified a fixed layout once (the optimizer
 wrappers at construction, the DDP hook, whose buckets DDP keeps identical). A failure of the
 communication itself (a dead or stalled peer) raises `adasum.CollectiveError` on every reducer.
@@ -53,9 +53,9 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from adasum.collectives.agreement import tensor_list
+from adasum.checks.agreement import tensor_list
+from adasum.checks.plan import prepare
 from adasum.collectives.api import fused_per_dtype
-from adasum.collectives.plan import prepare
 from adasum.transport.groups import check_group
 from adasum.transport.topology import Topology
 
@@ -108,7 +108,7 @@ class Reducer:
 
         With `check_layout` (default) every call first checks that every rank passed the same
         count, shapes, dtypes and device type to the same reducer with the same options, and that
-        no rank's input has a local problem (`adasum.collectives.plan`); the same ValueError/TypeError
+        no rank's input has a local problem (`adasum.checks.plan`); the same ValueError/TypeError
         on every rank names the first difference or problem. Local problems are looked for even with
         ``check_layout=False`` (then raised on this rank only). A dead peer raises
         `adasum.CollectiveError`. `options` are the reducer's `call_options` (AdaCons: ``key``); any
@@ -171,7 +171,7 @@ class Reducer:
         what: str,
         options: dict[str, Any],
     ) -> None:
-        """The call's plan (`adasum.collectives.plan.prepare`): the reducer, its options and the layout agree
+        """The call's plan (`adasum.checks.plan.prepare`): the reducer, its options and the layout agree
         across ranks on every call (with `check_layout`), local problems are raised."""
         check_group(group, operation)
         config = (operation, repr(self), repr(sorted(options.items())))

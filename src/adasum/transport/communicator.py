@@ -59,7 +59,7 @@ class Workspace:
 class Communicator:
     """Everything adasum keeps for one process group, made on the group's first collective
     (`communicator`) and dropped by `release`: the transports (built once per name), the checks'
-    control group, the plans per layout (`adasum.collectives.plan`), the captured CUDA graphs and
+    control group, the plans per layout (`adasum.checks.plan`), the captured CUDA graphs and
     their one capture point (`run`), the resources by owner (`resource`: the symmetric memory,
     `adasum.transport.symmetric.SymmetricPool`),
     the tile addresses of lists the kernels read in place (`adasum.kernels.addresses.AddressTables`),
@@ -83,7 +83,7 @@ class Communicator:
         # the recent captured list calls, by (number of tensors, first tensor's address): their replays skip the plan
         # look-up (`adasum.collectives.api`)
         self.recent: OrderedDict[tuple[int, int], Any] = OrderedDict()
-        self.guard: Any = None  # the thread that compares deferred checks (`adasum.collectives.guard`)
+        self.guard: Any = None  # the thread that compares deferred checks (`adasum.checks.guard`)
         # the last list call's plan, a weak reference to its first tensor, and how many list calls in a row of that
         # plan ran eagerly on tensors re-made at new addresses (`run`, `_note_moves`)
         self._moves: tuple[Hashable, Any, int] = (None, None, 0)
@@ -114,7 +114,7 @@ class Communicator:
         first: torch.Tensor | None = None,
     ) -> Hashable:
         """`fn()` eagerly, captured into a CUDA graph, or replayed (`adasum.transport.graphs`): the package's one
-        capture point. `plan` names the call's layout and configuration (`adasum.collectives.plan.Plan.key`, or
+        capture point. `plan` names the call's layout and configuration (`adasum.checks.plan.Plan.key`, or
         the schedule's), `where` the tensors (`adasum.transport.graphs.tensor_key`). A call made while another
         runs (the schedule inside a captured list call or hook) runs eagerly into it. `first`: a list call's first
         tensor, for the warning on tensors re-made at new addresses (`_note_moves`). Returns the graph's key."""
@@ -158,7 +158,7 @@ class Communicator:
 
     def clear(self) -> BaseException | None:
         """Drop everything, and destroy the control group this communicator made (local but for the guard's fence,
-        `adasum.collectives.guard.Guard.stop`). Returns the guard's fatal divergence that no call raised, if any."""
+        `adasum.checks.guard.Guard.stop`). Returns the guard's fatal divergence that no call raised, if any."""
         undelivered = None
         if self.control is not None and dist.is_initialized():
             _registry.destroy(self.control)
@@ -180,7 +180,7 @@ class Communicator:
 class _Registry:
     """The transport layer's process-wide mutable state: communicators by process group, side streams by device,
     the transports' table by name (`adasum.transport.registry.register_transport`), how many guard threads each
-    group name had (`adasum.collectives.guard`; never emptied), and whether the teardown hook is in place.
+    group name had (`adasum.checks.guard`; never emptied), and whether the teardown hook is in place.
     `release` empties the first two. (The reducers' names are the reducers' own: `adasum.reducers.base`.)"""
 
     def __init__(self) -> None:
@@ -246,9 +246,9 @@ def release(group: dist.ProcessGroup | None = None) -> None:
     symmetric memory, every group's captured graphs go first (a graph of one group may point into another's
     buffers: hierarchical mode's node groups).
 
-    With deferred checks (`adasum.collectives.plan`) each guard first compares what was posted and the number of
+    With deferred checks (`adasum.checks.plan`) each guard first compares what was posted and the number of
     calls with its peers' (they do the same in their own release, or barrier): a divergence that no call raised yet
-    (found within the last `adasum.collectives.guard.LAG` calls, or ranks that made different numbers of calls) is
+    (found within the last `adasum.checks.guard.LAG` calls, or ranks that made different numbers of calls) is
     raised as its ValueError on every rank, once everything is dropped. A call of another thread still waiting for
     a guard's verdict raises RuntimeError.
 
@@ -307,7 +307,7 @@ def _install_teardown_hook() -> None:
     """Make ``torch.distributed.destroy_process_group`` call `release` first (a process hung in
     ``destroy_process_group`` with a captured graph alive; the group is destroyed even where `release` raises a
     divergence its guard found), and ``torch.distributed.barrier`` fence the group's guard first
-    (`adasum.collectives.guard.Guard.fence`: a divergence no call raised yet is raised before the barrier)."""
+    (`adasum.checks.guard.Guard.fence`: a divergence no call raised yet is raised before the barrier)."""
     if _registry.teardown_hook:
         return
     _registry.teardown_hook = True

@@ -19,7 +19,7 @@ Traceback (most recent call last):
 ValueError: adasum.Mean.all_reduce: on rank 0, tensors 0 and 1 share memory (overlapping views of one storage); ...
 >>> dist.destroy_process_group()
 
-The entry points reach these checks through their plan (`adasum.collectives.plan.prepare`).
+The entry points reach these checks through their plan (`adasum.checks.plan.prepare`).
 """
 
 from __future__ import annotations
