@@ -243,7 +243,23 @@ def run_schedule(
     transport: Transport,
     sliced: bool,
 ) -> None:
-    """The VHDD schedule (module doc) on `transport`: fold, levels, gather."""
+    """The VHDD schedule (module doc) on `transport`: fold, levels, gather. Its arguments, in one place (the
+    transport's protocol, `adasum.transport.base`, and `adasum_flat_` refer here):
+
+    * `buffer`: this rank's flat copy (or a `Scattered` list where the transport reads lists in place), combined in
+      place; every rank's is the same length.
+    * `layout`: the tensors' sizes end to end (`adasum.core.layout.Layout`); each tensor gets its own coefficients,
+      so the float64 sums are per tensor ([3, T] per block of a level).
+    * `group`: the process group every rank of the schedule is in; the level sums are all-reduced over all of it.
+    * `peers`: the group ranks of the tree's workers in tree order (every rank of the group, or a placement's
+      peers: `adasum.transport.topology.Topology`); `rank` is this rank's index among them.
+    * `offset`: where `buffer` starts in `layout` (0 unless a placement runs the tree on a slice of it).
+    * `tree`: the tree over ``len(peers)`` workers (`adasum.core.tree.Tree`: the fold of the ranks past the largest
+      power of two, then the levels).
+    * `transport`: how the bytes move (`adasum.transport.base.Transport`: exchange, exchange_and_dot,
+      all_reduce_sums, combine, gather).
+    * `sliced`: the buffer is one slice of a tensor layout that other trees of the group share (a placement): the
+      fold's sums are all-reduced over the group too."""
     me = tree.group_of(rank)
     partial_shape = (3, len(layout.sizes))
     timeout = getattr(transport, "timeout", None)

@@ -323,15 +323,20 @@ class AdaCons(Reducer):
         count: int,
         group: dist.ProcessGroup | None,
         key: str,
+        shard: dist.ProcessGroup | None = None,
+        operation: str = "adasum.AdaCons.all_reduce",
     ) -> None:
-        """The distributed form over flat buffers; `indices[b]` places buffer b's tensors in call order (8-bit
-        floats combined in float32 and rounded once, `adasum.reducers.base.widened`)."""
+        """The distributed form over flat buffers, across the workers of `group`; `indices[b]` places buffer b's
+        tensors in call order. With a `shard` group (the sharded form), each buffer holds this rank's shards of the
+        tensors, and each worker's partial sums are first added up over its shard group (coefficients of the whole
+        tensors); every rank of the grid then computes the same weights. 8-bit floats are combined in float32 and rounded once
+        (`adasum.reducers.base.widened`)."""
         if count == 0:
             return
         if any(is_float8(f.dtype) for f in flats):
             with ExitStack() as stack:
                 wide = [stack.enter_context(widened(f)) for f in flats]
-                self._all_reduce_buffers(wide, sizes, indices, count, group, key)
+                self._all_reduce_buffers(wide, sizes, indices, count, group, key, shard, operation)
             return
         world = dist.get_world_size(group)
         rank = dist.get_rank(group)
@@ -339,17 +344,20 @@ class AdaCons(Reducer):
         partials = torch.zeros(3, count, dtype=torch.float64, device=device)
         for flat, segment_sizes, where in zip(flats, sizes, indices):
             mean = flat.clone()
-            with failures_named("adasum.AdaCons.all_reduce", "the mean all-reduce", group):
+            with failures_named(operation, "the mean all-reduce", group):
                 dist.all_reduce(mean, group=group)
             mean.div_(world)
             # rows: <g_i, m>, |g_i|^2, |m|^2 for each tensor of this buffer
             part = dot_and_norms(flat, mean, segment_sizes)  # float64 sums, no float64 copies
             partials[:, torch.tensor(where, dtype=torch.int64, device=device)] = part.to(device)
             del mean
+        if shard is not None and dist.get_world_size(shard) > 1:
+            with failures_named(operation, "the shard sums", shard):
+                dist.all_reduce(partials, group=shard)
         if not self.per_tensor:  # whole model: gather 3 numbers per rank, not 3 per tensor
             partials = partials.sum(1, keepdim=True)
         gathered = [torch.empty_like(partials) for _ in range(world)]
-        with failures_named("adasum.AdaCons.all_reduce", "the all-gather of dot products", group):
+        with failures_named(operation, "the all-gather of dot products", group):
             dist.all_gather(gathered, partials, group=group)
         stacked = torch.stack(gathered)  # [N, 3, T]
         # |m|^2 from rank 0 so that every rank uses the very same value
@@ -360,7 +368,7 @@ class AdaCons(Reducer):
                 scale_segments_(flat, mine[torch.tensor(where, dtype=torch.int64, device=mine.device)], segment_sizes)
             else:
                 scale_segments_(flat, mine, segment_sizes)
-            with failures_named("adasum.AdaCons.all_reduce", "the weighted-sum all-reduce", group):
+            with failures_named(operation, "the weighted-sum all-reduce", group):
                 dist.all_reduce(flat, group=group)
 
     # -- sharded: `Reducer.all_reduce_shards`
@@ -376,34 +384,13 @@ class AdaCons(Reducer):
     def all_reduce_shards(self, buffer, sizes, groups: Topology, *, key=None):
         """As `all_reduce_flat` over the replicate group, except that each replica's per-tensor partial
         ``<g_i, m>``, ``|g_i|^2``, ``|m|^2`` are first summed over its shard group (coefficients of the
-        whole tensors). `key` names the momentum state (default: the layout of the shards)."""
+        whole tensors): the one distributed form (`_all_reduce_buffers`) with the grid's shard group. `key`
+        names the momentum state (default: the layout of the shards)."""
         check_key(key, "adasum.AdaCons.all_reduce_shards")
         sizes = [int(n) for n in sizes]
         key = self._key([(buffer.dtype, n) for n in sizes], key)
-        if is_float8(buffer.dtype):  # in float32, rounded once (`adasum.reducers.base.widened`)
-            with widened(buffer) as wide:
-                self.all_reduce_shards(wide, sizes, groups, key=key)
-            return
-        replicas = groups.replicas
-        mean = buffer.clone()
-        with failures_named("adasum.AdaCons.all_reduce_shards", "the mean all-reduce", groups.replicate):
-            dist.all_reduce(mean, group=groups.replicate)
-        mean.div_(replicas)
-        partials = dot_and_norms(buffer, mean, sizes)  # [3, T] float64: <g, m>, |g|^2, |m|^2 over my shards
-        del mean
-        if groups.shards > 1:
-            with failures_named("adasum.AdaCons.all_reduce_shards", "the shard sums", groups.shard):
-                dist.all_reduce(partials, group=groups.shard)
-        if not self.per_tensor:
-            partials = partials.sum(1, keepdim=True)
-        gathered = [torch.empty_like(partials) for _ in range(replicas)]
-        with failures_named("adasum.AdaCons.all_reduce_shards", "the all-gather of dot products", groups.replicate):
-            dist.all_gather(gathered, partials, group=groups.replicate)
-        stacked = torch.stack(gathered)  # [N, 3, T], the same on every rank of the grid
-        weights = self._weights(key, stacked[:, 0].T, stacked[:, 1].T, stacked[0, 2])
-        scale_segments_(buffer, weights[:, dist.get_rank(groups.replicate)], sizes)
-        with failures_named("adasum.AdaCons.all_reduce_shards", "the weighted-sum all-reduce", groups.replicate):
-            dist.all_reduce(buffer, group=groups.replicate)
+        self._all_reduce_buffers([buffer], [sizes], [list(range(len(sizes)))], len(sizes), groups.replicate, key,
+                                 groups.shard, "adasum.AdaCons.all_reduce_shards")
 
     # -- state
 

@@ -277,7 +277,14 @@ class SymmetricMemory(Transport):
         return list(zip(split(klo, khi, count), split(glo, ghi, count)))
 
     def exchange_and_dot(self, level: Level) -> None:
-        """The level's exchange through symmetric memory (push or pull, pipelined; module doc), sums included."""
+        """The level's exchange through symmetric memory (push or pull, pipelined; module doc), sums included.
+
+        The pull's streams on a first level in pieces 0, 1, 2 (``|b|``: a barrier with the partner; the current
+        stream waits for the staging of piece c before its barrier)::
+
+            copies   B 0 -> S   B 1 -> S   B 2 -> S
+            current          |b| pull 0 + sums |b| pull 1 + sums |b| pull 2 + sums
+        """
         buffer = level.buffer
         self._gathered = False
         if self._push():
@@ -330,7 +337,14 @@ class SymmetricMemory(Transport):
         pushed.
 
         ``R`` is free when the first piece is pushed: the partner read it last in the previous call's
-        combination, which ended before that call's last barrier."""
+        combination, which ended before that call's last barrier.
+
+        The streams, for pieces 0, 1, 2 (``|b|``: a barrier with the partner; the side stream waits for the
+        current one after each barrier, and the current one for the side stream at the end)::
+
+            current  push 0 -> R' |b| push 1 -> R' |b| push 2 -> R' |b|               join
+            copies                    sums 0 (R)       sums 1 (R)       sums 2 (R) ---^
+        """
         buffer = level.buffer
         klo, glo = level.kept[0], level.given[0]
         received, handle = self._receive(level.kept, level.given, buffer)
@@ -390,7 +404,14 @@ class SymmetricMemory(Transport):
         c + 1 is combined. The gather then has nothing left to do.
 
         The results buffer is free when a piece is stored into it: this rank copied it out last in the previous
-        run, before that run's side stream joined, which precedes this run's first barrier."""
+        run, before that run's side stream joined, which precedes this run's first barrier.
+
+        The streams, for pieces 0, 1, 2 (``|b|``: a barrier with the partner; the side stream starts each copy
+        after the barrier of its piece)::
+
+            current  combine 0 -> B, peer's results |b| combine 1 -> ... |b| combine 2 -> ... |b|             join
+            copies                                      results 0 -> B       results 1 -> B       results 2 ---^
+        """
         klo, glo = level.kept[0], level.given[0]
         results, handle = self._stage(max(level.kept[1] - klo, level.given[1] - glo), level.buffer, "results")
         peer = self.pool.peer_view(handle, level.peer, results.numel(), results.dtype)
@@ -408,7 +429,11 @@ class SymmetricMemory(Transport):
     def _pipelined_combine(self, level: Level, shared: torch.Tensor, handle, pieces, staged: bool) -> None:
         """The last level of a group of two in pieces: combine piece c into B and the partner's S, barrier (the
         partner's piece c has landed in this rank's S), then copy it out of S into B on a side stream while
-        piece c + 1 is combined (nothing to copy when B is S). The gather then has nothing left to do."""
+        piece c + 1 is combined (nothing to copy when B is S). The gather then has nothing left to do::
+
+            current  combine 0 -> B, peer's S |b| combine 1 -> ... |b| combine 2 -> ... |b|         join
+            copies                                S 0 -> B             S 1 -> B             S 2 ---^
+        """
         peer = self.pool.peer_view(handle, level.peer, shared.numel(), shared.dtype)
         main = torch.cuda.current_stream(shared.device)
         side = side_stream(shared.device, "copies")
