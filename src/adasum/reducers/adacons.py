@@ -30,13 +30,19 @@ Rules chosen here (the paper leaves them open):
   (``per_tensor=False``); ``per_tensor=True`` gives each tensor its own coefficients and momentum.
   In a DDP communication hook each bucket is one call, so "whole model" means "whole bucket".
 
-Numerics: dot products and norms are accumulated in float64 whatever the dtype; coefficients are
-float64; the scaled gradient is computed in float32 or float64 (the wider of the tensor's dtype and
-float32) and written back in the tensor's dtype before the second all-reduce.
-
-Communication per call: two all-reduces of the gradient buffer (one flat buffer per dtype each,
-never one per tensor) and one all-gather of ``3 x S`` float64 values per rank (S = 1 whole-model,
-S = number of tensors per-tensor).
+Communication per call. A call on one flat buffer (`all_reduce_flat`, a DDP bucket; a list of one dtype) that fits
+one round of the slice-parallel schedule's rows (the memory budget, `adasum.settings`) runs on its movers, as
+Adasum does (`adasum.collectives.slices`, the same code with AdaCons' weights as its rule): each rank receives
+every rank's copy of its slice, adds the slice's share of each tensor's Gram matrix of the N copies
+(``G_ij = <g_i, g_j>``, float64), one small all-reduce of the ``[N, N, T]`` sums gives every rank
+``<g_i, m> = (1/N) sum_j G_ij``, ``|g_i|^2 = G_ii`` and ``|m|^2 = (1/N^2) sum_ij G_ij``, hence the same
+weights, and one pass writes its slice of ``sum_i w_i g_i`` (float64, rounded once to the dtype), which the
+gather hands to every rank: the bytes of one all-reduce. Otherwise (several dtypes in one whole-model call,
+FSDP's shards, a buffer larger than a round): two all-reduces of the gradient buffer (one flat buffer per dtype
+each, never one per tensor) and one all-gather of ``3 x S`` float64 values per rank (S = 1 whole-model, S =
+number of tensors per-tensor), with dot products and norms accumulated in float64 and the scaled gradient computed
+in float32 or float64 (the wider of the tensor's dtype and float32) and written back in the tensor's dtype before
+the second all-reduce.
 
 Momentum state is kept per call site: one float64 ``[S, N]`` tensor per *layout key*, by default a
 digest of the call's tensor dtypes and element counts in order (``key=`` overrides it). So the
@@ -51,13 +57,16 @@ from __future__ import annotations
 import hashlib
 from collections.abc import Sequence
 from contextlib import ExitStack
-from typing import Any
+from typing import Any, cast
 
 import torch
 import torch.distributed as dist
 
 from adasum.collectives.api import fused_per_dtype
+from adasum.collectives.slices import SliceMover, rule_slices_
+from adasum.collectives.vhdd import transport_for
 from adasum.core import statistics
+from adasum.core.layout import Layout
 from adasum.core.operator import ZERO_NORM
 from adasum.kernels import dot_and_norms
 from adasum.options import Scale, check_number, check_option
@@ -195,6 +204,24 @@ def layout_key(description: Sequence[tuple[torch.dtype, int]], per_tensor: bool)
     return f"{'tensor' if per_tensor else 'model'}:{len(description)}:{digest.hexdigest()}"
 
 
+class _GramWeights:
+    """AdaCons as a Gram rule of the slice-parallel schedule (`adasum.collectives.slices.GramRule`): from the
+    [P, P, T] Gram sums ``G_ij = <g_i, g_j>`` per tensor, ``<g_i, m> = (1/P) sum_j G_ij``, ``|g_i|^2 = G_ii`` and
+    ``|m|^2 = (1/P^2) sum_ij G_ij``, then the reducer's weights (`AdaCons._weights`: momentum, the key's state)."""
+
+    def __init__(self, reducer: AdaCons, key: str) -> None:
+        self.reducer, self.key = reducer, key
+
+    def weights(self, gram: torch.Tensor) -> torch.Tensor:
+        """The [P, T] weights of the P copies per tensor (the whole model's, repeated, unless `per_tensor`)."""
+        workers, _, count = gram.shape
+        dots = gram.sum(1) / workers  # [P, T]
+        sq_norms = torch.diagonal(gram, dim1=0, dim2=1)  # [T, P]
+        mean_sq = gram.sum((0, 1)) / workers**2  # [T]
+        weights = self.reducer._weights(self.key, dots.T.contiguous(), sq_norms.contiguous(), mean_sq)  # [S, P]
+        return weights.T.expand(workers, count).contiguous()
+
+
 class AdaCons(Reducer):
     """Adaptive consensus aggregation (module docstring for the formula and the rules).
 
@@ -329,14 +356,16 @@ class AdaCons(Reducer):
         """The distributed form over flat buffers, across the workers of `group`; `indices[b]` places buffer b's
         tensors in call order. With a `shard` group (the sharded form), each buffer holds this rank's shards of the
         tensors, and each worker's partial sums are first added up over its shard group (coefficients of the whole
-        tensors); every rank of the grid then computes the same weights. 8-bit floats are combined in float32 and rounded once
-        (`adasum.reducers.base.widened`)."""
+        tensors); every rank of the grid then computes the same weights. 8-bit floats are combined in float32 and
+        rounded once (`adasum.reducers.base.widened`)."""
         if count == 0:
             return
         if any(is_float8(f.dtype) for f in flats):
             with ExitStack() as stack:
                 wide = [stack.enter_context(widened(f)) for f in flats]
                 self._all_reduce_buffers(wide, sizes, indices, count, group, key, shard, operation)
+            return
+        if shard is None and len(flats) == 1 and self._on_movers(flats[0], sizes[0], group, key, operation):
             return
         world = dist.get_world_size(group)
         rank = dist.get_rank(group)
@@ -370,6 +399,20 @@ class AdaCons(Reducer):
                 scale_segments_(flat, mine, segment_sizes)
             with failures_named(operation, "the weighted-sum all-reduce", group):
                 dist.all_reduce(flat, group=group)
+
+    def _on_movers(self, flat: torch.Tensor, sizes: list[int], group: dist.ProcessGroup | None, key: str,
+                   operation: str) -> bool:
+        """One flat buffer on the slice-parallel schedule's movers (`adasum.collectives.slices.rule_slices_`, the
+        memory budget's rows; on NVLink symmetric memory): every rank's copy of its slice arrives, one pass adds
+        the slice's share of each tensor's Gram matrix of the P copies, one small all-reduce completes them, the
+        weights come from them (`_GramWeights`), and one pass writes the slice of ``sum_i w_i g_i`` that the gather
+        hands to every rank: the traffic of one all-reduce, not two. False where the buffer needs several rounds
+        of the movers (the two all-reduces then run, `_all_reduce_buffers`)."""
+        if dist.get_world_size(group) == 1:
+            return False
+        mover = cast(SliceMover, transport_for(group, "slices", whole_group=True))
+        with failures_named(operation, "the slice-parallel schedule", group, mover.timeout):
+            return rule_slices_(flat, Layout(tuple(sizes)), mover, _GramWeights(self, key))
 
     # -- sharded: `Reducer.all_reduce_shards`
 
