@@ -203,7 +203,7 @@ def movers_body(rank, world, per_tensor, memory_mb):
     reference = AdaConsReference(0.9, per_tensor, "mean_norm")
     reducer = adasum.AdaCons(momentum=0.9, per_tensor=per_tensor)
     errors = []
-    with override(memory_mb=memory_mb):
+    with override(memory_mb=memory_mb, transport_first="slices"):  # the slice movers on gloo too
         for step in range(3):
             g = torch.Generator().manual_seed(100 * step + world)
             per_worker = [torch.randn(sum(sizes), generator=g, dtype=torch.float64) * (1 + j) for j in range(world)]
@@ -213,6 +213,11 @@ def movers_body(rank, world, per_tensor, memory_mb):
             ref = np.concatenate(reference([[t.numpy() for t in w.split(sizes)] for w in per_worker]))
             errors.append(float(np.linalg.norm(buffer.numpy() - ref) / np.linalg.norm(ref)))
     movers = sorted({type(m).__name__ for m in communicator().transports.values()})
+    with override(transport_first=""):  # gloo's default: the two all-reduces
+        before = len(communicator().transports)
+        buffer = per_worker[rank].clone()
+        reducer.all_reduce_flat(buffer, sizes)
+        assert len(communicator().transports) == before
     return max(errors), movers, buffer.numpy().tobytes()
 
 

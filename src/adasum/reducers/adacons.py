@@ -31,7 +31,8 @@ Rules chosen here (the paper leaves them open):
   In a DDP communication hook each bucket is one call, so "whole model" means "whole bucket".
 
 Communication per call. A call on one flat buffer (`all_reduce_flat`, a DDP bucket; a list of one dtype) that fits
-one round of the slice-parallel schedule's rows (the memory budget, `adasum.settings`) runs on its movers, as
+one round of the slice-parallel schedule's rows (the memory budget, `adasum.settings`), in a group whose movers are
+NVLink's (every rank on one host; anywhere the settings put "slices" first), runs on those movers, as
 Adasum does (`adasum.collectives.slices`, the same code with AdaCons' weights as its rule): each rank receives
 every rank's copy of its slice, adds the slice's share of each tensor's Gram matrix of the N copies
 (``G_ij = <g_i, g_j>``, float64), one small all-reduce of the ``[N, N, T]`` sums gives every rank
@@ -71,7 +72,10 @@ from adasum.core.operator import ZERO_NORM
 from adasum.kernels import dot_and_norms
 from adasum.options import Scale, check_number, check_option
 from adasum.reducers.base import Reducer, check_state_keys, check_workers, is_float8, widened
+from adasum.settings import current
+from adasum.transport import symmetric
 from adasum.transport.errors import failures_named
+from adasum.transport.groups import uses_nccl
 from adasum.transport.topology import Topology
 
 # --- the coefficient math: pure functions on [S, N] float64 tensors (segments x workers), shared by
@@ -406,9 +410,14 @@ class AdaCons(Reducer):
         memory budget's rows; on NVLink symmetric memory): every rank's copy of its slice arrives, one pass adds
         the slice's share of each tensor's Gram matrix of the P copies, one small all-reduce completes them, the
         weights come from them (`_GramWeights`), and one pass writes the slice of ``sum_i w_i g_i`` that the gather
-        hands to every rank: the traffic of one all-reduce, not two. False where the buffer needs several rounds
-        of the movers (the two all-reduces then run, `_all_reduce_buffers`)."""
+        hands to every rank: the traffic of one all-reduce, not two. Where the movers are NVLink's (one host,
+        `adasum.transport.symmetric.supported`; elsewhere only where the settings put "slices" first, the test
+        suite's ``ADASUM_TEST_TRANSPORT``: on gloo the two all-reduces measured faster for a ResNet-50-shaped
+        bucket, docs/benchmarks.md). False where it does not run there, or the buffer needs several rounds of the
+        movers (the two all-reduces then run, `_all_reduce_buffers`)."""
         if dist.get_world_size(group) == 1:
+            return False
+        if current().transport_first != "slices" and not (uses_nccl(group) and symmetric.supported(group)):
             return False
         mover = cast(SliceMover, transport_for(group, "slices", whole_group=True))
         with failures_named(operation, "the slice-parallel schedule", group, mover.timeout):
