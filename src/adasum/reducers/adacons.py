@@ -73,7 +73,6 @@ from adasum.kernels import dot_and_norms
 from adasum.options import Scale, check_number, check_option
 from adasum.reducers.base import Reducer, check_state_keys, check_workers, is_float8, widened
 from adasum.settings import current
-from adasum.transport import symmetric
 from adasum.transport.errors import failures_named
 from adasum.transport.groups import uses_nccl
 from adasum.transport.topology import Topology
@@ -417,8 +416,13 @@ class AdaCons(Reducer):
         movers (the two all-reduces then run, `_all_reduce_buffers`)."""
         if dist.get_world_size(group) == 1:
             return False
-        if current().transport_first != "slices" and not (uses_nccl(group) and symmetric.supported(group)):
-            return False
+        if current().transport_first != "slices":
+            if not uses_nccl(group):
+                return False
+            from adasum.transport import symmetric  # loads Triton: never in a CPU process
+
+            if not symmetric.supported(group):
+                return False
         mover = cast(SliceMover, transport_for(group, "slices", whole_group=True))
         with failures_named(operation, "the slice-parallel schedule", group, mover.timeout):
             return rule_slices_(flat, Layout(tuple(sizes)), mover, _GramWeights(self, key))

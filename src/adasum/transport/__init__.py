@@ -132,10 +132,11 @@ def select(
 
 def _slices(need: Need, whole: bool) -> Any:
     """The slice-parallel mover: on symmetric memory where the group runs it, else on c10d point-to-point."""
-    from adasum.transport import symmetric
+    if need.nccl:  # symmetric memory loads Triton: never in a CPU process
+        from adasum.transport import symmetric
 
-    if need.nccl and symmetric.supported(need.group):
-        return symmetric.SymmetricSlices(need.group, whole=whole)
+        if symmetric.supported(need.group):
+            return symmetric.SymmetricSlices(need.group, whole=whole)
     from adasum.transport.slices import C10dSlices
 
     return C10dSlices(need.group, need.timeout, whole=whole)
