@@ -36,7 +36,7 @@ How a call's fingerprint is compared (``check="call"``):
   device behind such a kernel).
   A divergence no call raised yet, and ranks that made different numbers of checked calls, are raised on
   every rank by the group's next ``torch.distributed.barrier``, `adasum.release` or ``destroy_process_group``
-  (a line on stderr at exit: the guard's fences, `adasum.collectives.guard`).
+  (a line on stderr at exit: the guard's fences, `adasum.checks.guard`).
   Afterwards the process group must be destroyed and training restarted (docs/faults.md).
 """
 
