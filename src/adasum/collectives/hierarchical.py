@@ -45,12 +45,7 @@ from adasum.settings import current
 from adasum.transport.c10d import all_gather_single, reduce_scatter_single
 from adasum.transport.errors import failures_named
 from adasum.transport.groups import check_group, group_device
-from adasum.transport.topology import Topology, global_rank
-
-Hierarchy = Topology
-"""The nodes of a process group and this rank's place in them: a `adasum.transport.topology.Topology` whose inner
-tier is the node (`local_group`, the intra-node sub-group; `local_size`, `local_rank`) and whose `peers` are the
-group ranks that share this rank's local rank, one per node, in node order (`nodes`, `node`)."""
+from adasum.transport.topology import Hierarchy, global_rank
 
 
 def _known(value: int | None) -> int:
@@ -168,9 +163,7 @@ def build_hierarchy(
         members = [global_rank(group, node * size + i) for i in range(size)]
         # only the node's own ranks take part, so building it needs no global order of calls
         local_group = dist.new_group(members, use_local_synchronization=True)
-    peers = tuple(n * size + local_rank for n in range(nodes))
-    return Topology(group, peers, inner=local_group, inner_size=size, inner_rank=local_rank, position=node,
-                    exact=exact)
+    return Hierarchy(group, local_group, size, nodes, node, local_rank, exact)
 
 
 def adasum_hierarchical_flat_(buffer: torch.Tensor, sizes: Sequence[int], hierarchy: Hierarchy) -> None:

@@ -92,7 +92,7 @@ from adasum.options import check_flag, user_stacklevel
 from adasum.reducers import Reducer, get_reducer
 from adasum.settings import current
 from adasum.transport.communicator import side_stream
-from adasum.transport.topology import Topology, group_rank
+from adasum.transport.topology import ShardGroups, Topology, group_rank
 
 DIMS = ("replicate", "shard")
 
@@ -253,8 +253,7 @@ def mesh_groups(mesh: Any) -> Topology:
     group = None if everyone == list(range(dist.get_world_size())) else dist.new_group(everyone)
     mine = mesh.get_local_rank("shard")
     peers = tuple(group_rank(group, int(ranks[r, mine])) for r in range(replicas))
-    return Topology(group, peers, inner=mesh.get_group("shard"), outer=mesh.get_group("replicate"),
-                    inner_size=int(shards), inner_rank=int(mine), position=int(mesh.get_local_rank("replicate")))
+    return ShardGroups(group, mesh.get_group("replicate"), mesh.get_group("shard"), peers, int(replicas), int(shards))
 
 
 # --- the layouts the ranks agree on ---------------------------------------------------------------

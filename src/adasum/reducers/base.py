@@ -57,13 +57,8 @@ from adasum.checks.agreement import tensor_list
 from adasum.checks.plan import prepare
 from adasum.collectives.api import fused_per_dtype
 from adasum.transport.groups import check_group
+from adasum.transport.topology import ShardGroups as ShardGroups  # its public path, `adasum.reducers.ShardGroups`
 from adasum.transport.topology import Topology
-
-ShardGroups = Topology
-"""A grid of `replicas` x `shards` ranks, as one rank sees it (a `adasum.transport.topology.Topology` whose inner
-tier is a replica's shards): each replica holds every tensor, split over the `shards` ranks of its `shard` group;
-`replicate` holds the ranks with this rank's shard, one per replica. `group` holds every rank of the grid (None:
-the default group); `peers` are the `group` ranks of `replicate`, in replica order."""
 
 
 class Reducer:

@@ -15,7 +15,8 @@ per-tensor sums added over the whole group so that every slice of a tensor gets 
 
 Hierarchical mode names the tiers nodes (`local_group`, `local_size`, `local_rank`, `nodes`, `node`:
 `adasum.hierarchical.build_hierarchy` builds it), FSDP replicas and shards (`replicate`, `shard`, `replicas`,
-`shards`: `adasum.fsdp`'s mesh builds it); those names are properties of the one class.
+`shards`: `adasum.fsdp`'s mesh builds it); those names are properties of the one class, and `Hierarchy` and
+`ShardGroups` are its constructors from those names.
 """
 
 from __future__ import annotations
@@ -65,7 +66,8 @@ class Topology:
 
     def at(self, offset: int) -> Topology:
         """The same grid, its trees on the slice of the layout that starts at `offset`."""
-        return dataclasses.replace(self, offset=offset)
+        values = {f.name: getattr(self, f.name) for f in dataclasses.fields(Topology)}
+        return Topology(**{**values, "offset": offset})
 
     def global_rank(self, rank: int) -> int:
         """The global rank of `rank` of `group`."""
@@ -124,3 +126,30 @@ class Topology:
     def shards(self) -> int:
         """Shards per replica (`inner_size`)."""
         return self.inner_size
+
+
+class Hierarchy(Topology):
+    """The nodes of a process group and this rank's place in them (hierarchical mode's name and constructor, as
+    `adasum.hierarchical.build_hierarchy` builds it): the inner tier is the node (`local_group`, the intra-node
+    sub-group, of `local_size` ranks; this rank its `local_rank`-th), and `peers` are the group ranks that share
+    this rank's local rank, one per node, in node order (`nodes` of them; this rank's node is `node`)."""
+
+    def __init__(self, group: dist.ProcessGroup | None, local_group: dist.ProcessGroup | None, local_size: int,
+                 nodes: int, node: int, local_rank: int, exact: bool = False) -> None:
+        peers = tuple(n * local_size + local_rank for n in range(nodes))
+        super().__init__(group, peers, inner=local_group, inner_size=local_size, inner_rank=local_rank,
+                         position=node, exact=exact)
+
+
+class ShardGroups(Topology):
+    """A grid of `replicas` x `shards` ranks, as one rank sees it (FSDP's name and constructor, as `adasum.fsdp`
+    builds it from its 2-D mesh): each replica holds every tensor, split over the `shards` ranks of its `shard`
+    group; `replicate` holds the ranks with this rank's shard, one per replica. `group` holds every rank of the
+    grid (None: the default group); `peers` are the `group` ranks of `replicate`, in replica order."""
+
+    def __init__(self, group: dist.ProcessGroup | None, replicate: dist.ProcessGroup, shard: dist.ProcessGroup,
+                 peers: tuple[int, ...], replicas: int, shards: int) -> None:
+        if len(peers) != replicas:
+            raise ValueError(f"ShardGroups: {len(peers)} peers for {replicas} replicas")
+        super().__init__(group, tuple(peers), inner=shard, outer=replicate, inner_size=int(shards),
+                         inner_rank=dist.get_rank(shard), position=dist.get_rank(replicate))
