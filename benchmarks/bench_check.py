@@ -21,10 +21,11 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 import adasum
-from adasum.collectives.agreement import describe, local_problem
-from adasum.collectives.plan import plan_for, prepare
+from adasum.checks.agreement import describe, local_problem
+from adasum.checks.plan import plan_for, prepare
 from adasum.settings import override
-from adasum.transport.groups import communicator, control_group, group_device
+from adasum.transport.communicator import communicator, control_group
+from adasum.transport.groups import group_device
 
 
 def per_call_us(fns: dict[str, Callable[[], object]], calls: int, repeats: int) -> dict[str, float]:

@@ -15,10 +15,10 @@ import torch.multiprocessing as mp
 
 import adasum
 from adasum import kernels as ops
+from adasum.checks.agreement import check_same_layout
 from adasum.collectives import vhdd as collectives
-from adasum.collectives.agreement import check_same_layout
 from adasum.core.operator import coefficients
-from adasum.transport.c10d import exchange
+from adasum.transport.c10d import post, wait
 
 
 def worker(rank: int, store: str) -> None:
@@ -36,7 +36,7 @@ def worker(rank: int, store: str) -> None:
         "dist.all_reduce fp32 1024": lambda: dist.all_reduce(x),
         "dist.all_reduce f64 x6": lambda: dist.all_reduce(small64),
         "int64 all_reduce + tolist (layout check)": lambda: check_same_layout([x], None, dev),
-        "batch_isend_irecv 512 + wait": lambda: exchange(half, recv, 1 - rank, None),
+        "batch_isend_irecv 512 + wait": lambda: wait(sum(post([half], [recv], 1 - rank, None), [])),
         "dot_and_norms (Triton) 512": lambda: ops.dot_and_norms(half, recv, [512]),
         "coefficients": lambda: coefficients(parts, 0.5, 0.5),
         "scale_add (Triton) 512": lambda: ops.scale_add(half, recv, ca, cb, [512], half),

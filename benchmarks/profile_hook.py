@@ -40,7 +40,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import bench_e2e  # noqa: E402
 from adasum.integrations import ddp as ddp_hook  # noqa: E402
-from adasum.transport.groups import side_stream  # noqa: E402
+from adasum.transport.communicator import side_stream  # noqa: E402
 
 from machine import device_name  # noqa: E402
 

@@ -394,6 +394,22 @@ CLAIMS = [
          ("allreduce_ms", "all_reduce ms"), ("ratio", "ratio"), ("flat_ratio", "flat ratio")],
     ),
     Claim(
+        "Host time per repeated call of each entry point (gloo)",
+        "The wall time of a repeated call on 2 processes, one thread each, for a list shaped like ResNet-50's\n"
+        "gradients (161 tensors, 21,776 float32 values: the data's share is small), median of 100 calls after 10;\n"
+        "on gloo the exchanges are host work too. The machine was shared with other jobs: the medians moved by up\n"
+        "to 2x between runs (`adasum.all_reduce` 20-47 ms over three runs), so a row is a baseline to compare a\n"
+        "change against in one run. Every door replays at its own depth (the whole call for `adasum.all_reduce`,\n"
+        "the schedule for the reducers and the optimizer). AdaCons on the slice movers took 1.5-1.7x the time of\n"
+        "its two all-reduces in each of three runs at this size (gloo's all-reduce is one call, the movers'\n"
+        "scatter and gather point-to-point batches): on gloo AdaCons keeps its two all-reduces; inside one NVLink\n"
+        "host it runs on the movers (one all-reduce's bytes), not measured yet.",
+        'python benchmarks/bench_doors.py --world 2 --out benchmarks/results/doors.jsonl --label "..."',
+        "doors.jsonl",
+        lambda rows: [{**r, "host_ms": r["host_us_median"] / 1e3} for r in rows],
+        [("door", "door"), ("tensors", "tensors"), ("elements", "values"), ("host_ms", "host ms per call")],
+    ),
+    Claim(
         "FSDP2 across replicas (`adasum.fsdp.enable`) against FSDP's own replica averaging",
         "Step time (slowest rank) of a 1.04 B-parameter decoder under FSDP2 (replicas x shards), bf16 parameters,\n"
         "the reduction in bf16, AdamW; `native` is FSDP's 2-D HSDP averaging, `mean` the same hook route as Adasum\n"

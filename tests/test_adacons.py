@@ -191,3 +191,51 @@ def test_get_reducer_knows_adacons_without_importing_it():
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, check=True)
     assert out.stdout.strip() == "AdaCons"
+
+
+def movers_body(rank, world, per_tensor, memory_mb):
+    """AdaCons' flat form over three steps with momentum, against the NumPy reference; which movers the group
+    built (the slice-parallel schedule's where the buffer fits one round of its rows)."""
+    from adasum.settings import override
+    from adasum.transport.communicator import communicator
+
+    sizes = [5, 0, 17, 3, 40]
+    reference = AdaConsReference(0.9, per_tensor, "mean_norm")
+    reducer = adasum.AdaCons(momentum=0.9, per_tensor=per_tensor)
+    errors = []
+    with override(memory_mb=memory_mb, transport_first="slices"):  # the slice movers on gloo too
+        for step in range(3):
+            g = torch.Generator().manual_seed(100 * step + world)
+            per_worker = [torch.randn(sum(sizes), generator=g, dtype=torch.float64) * (1 + j) for j in range(world)]
+            per_worker[0] += 3 * per_worker[-1]  # the workers differ in direction and length
+            buffer = per_worker[rank].clone()
+            reducer.all_reduce_flat(buffer, sizes)
+            ref = np.concatenate(reference([[t.numpy() for t in w.split(sizes)] for w in per_worker]))
+            errors.append(float(np.linalg.norm(buffer.numpy() - ref) / np.linalg.norm(ref)))
+    movers = sorted({type(m).__name__ for m in communicator().transports.values()})
+    with override(transport_first=""):  # gloo's default: the two all-reduces
+        before = len(communicator().transports)
+        buffer = per_worker[rank].clone()
+        reducer.all_reduce_flat(buffer, sizes)
+        assert len(communicator().transports) == before
+    return max(errors), movers, buffer.numpy().tobytes()
+
+
+@pytest.mark.parametrize("world", [2, 3, 4, 5])
+@pytest.mark.parametrize("per_tensor", [False, True])
+def test_the_flat_form_runs_on_the_slice_movers_and_matches_the_reference(world, per_tensor):
+    import distributed
+
+    results = distributed.run(world, movers_body, per_tensor, 512)
+    assert all(err < 1e-12 for err, _, _ in results), [err for err, _, _ in results]
+    assert all(movers == ["C10dSlices"] for _, movers, _ in results), results[0][1]
+    assert all(r[2] == results[0][2] for r in results)  # ranks end bitwise equal
+
+
+def test_a_buffer_past_one_round_of_the_movers_runs_the_two_all_reduces():
+    """A budget whose rows hold less than the buffer: the movers are asked, and the two all-reduces combine it."""
+    import distributed
+
+    results = distributed.run(3, movers_body, False, 0.0001)
+    assert all(err < 1e-12 for err, _, _ in results), [err for err, _, _ in results]
+    assert all(r[2] == results[0][2] for r in results)

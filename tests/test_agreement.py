@@ -16,9 +16,9 @@ import torch
 import torch.distributed as dist
 
 import adasum
-from adasum.collectives import agreement
+from adasum.checks import agreement
 from adasum.reducers import AdaCons, Adasum, Mean, Sum
-from adasum.transport.groups import CollectiveError, failures_named, is_transport_error
+from adasum.transport.errors import CollectiveError, failures_named, is_transport_error
 
 import distributed
 from reference import U32, U64, combine_with_bound, error_of, gamma, mean_with_bound, sum_with_bound
@@ -436,3 +436,24 @@ def test_float8_works_in_every_reducer_and_the_non_finite_check():
     for name in ("mean", "adacons"):  # the sharded form, one shard per replica: the flat form's result
         assert outs[0][f"{name} shards"] == [x for t in outs[0][name] for x in torch.tensor(t).reshape(-1).tolist()]
     assert outs[0]["raise"].startswith("adasum.all_reduce: tensor 1 has NaN on rank 1 "), outs[0]["raise"]
+
+
+def agree_async_body(rank, world):
+    """Two agreements posted before either is waited for: the first the same everywhere, the second not."""
+    same = agreement.agree_async([("tensor", 3)], None, None, ("op",))
+    differ = agreement.agree_async([("tensor", 3 + rank)], None, None, ("op",))
+    answers = [same.same(), differ.same()]
+    same.check("the units", "adasum.test")  # passes
+    try:
+        differ.check("the units", "adasum.test")
+    except ValueError as error:
+        return answers, str(error)
+    return answers, None
+
+
+def test_an_agreement_posted_without_waiting_gives_every_rank_the_same_answer_and_error():
+    results = distributed.run(2, agree_async_body)
+    distributed.assert_ranks_agree(results)
+    answers, error = results[0]
+    assert answers == [True, False]
+    assert error is not None and error.startswith("adasum.test: ") and "rank 1" in error, error

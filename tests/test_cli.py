@@ -402,7 +402,7 @@ def test_the_runners_own_all_reduce_names_a_failure(monkeypatch):
 
     from adasum.experiments import runner
     from adasum.reducers import get_reducer
-    from adasum.transport.groups import CollectiveError
+    from adasum.transport.errors import CollectiveError
 
     dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
     try:

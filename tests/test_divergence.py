@@ -11,12 +11,12 @@ import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 import adasum
-from adasum.collectives import agreement
-from adasum.collectives.guard import LAG
-from adasum.collectives.plan import prepare
+from adasum.checks import agreement
+from adasum.checks.guard import LAG
+from adasum.checks.plan import prepare
 from adasum.ddp import AdasumState, adasum_hook
 from adasum.settings import override
-from adasum.transport import groups
+from adasum.transport import communicator as communicators
 
 import distributed
 from reference import combine_with_bound
@@ -150,7 +150,7 @@ def overlap_once_body(rank, world):
     config = ("test",)
     first = prepare(columns, None, config=config, operation="test")
     second = prepare(columns, None, config=config, operation="test")
-    return first is second, len(first.disjoint), groups.communicator(None).plans_built
+    return first is second, len(first.disjoint), communicators.communicator(None).plans_built
 
 
 def test_the_overlap_check_runs_once_per_layout_and_addresses():
@@ -261,7 +261,7 @@ def gan_blocked_body(rank, world):
     aborted = []
     with override(deferred_checks=True):
         _gan_step(g, d)
-        guard = groups.communicator(None).guard
+        guard = communicators.communicator(None).guard
         guard.abort = lambda: aborted.append((time.monotonic(), threading.current_thread().name))
         guard.drains = lambda seconds: False  # the device behind the divergent call never drains (a stand-in)
         for _ in range(5):
@@ -304,7 +304,7 @@ def gan_going_on_body(rank, world, drains):
     aborted = []
     with override(deferred_checks=True):
         _gan_step(g, d)
-        guard = groups.communicator(None).guard
+        guard = communicators.communicator(None).guard
         guard.abort = lambda: aborted.append(threading.current_thread().name)
         guard.drains = lambda seconds: drains
         start = time.monotonic()
@@ -350,7 +350,7 @@ def matching_body(rank, world):
         for _ in range(10):
             _gan_step(g, d)
             calls += 2
-        guard = groups.communicator(None).guard
+        guard = communicators.communicator(None).guard
     adasum.release()
     return guard.error, guard.checked == calls, guard.alive(), len(_guard_threads()), problem
 
@@ -373,7 +373,7 @@ def new_layout_on_one_rank_body(rank, world):
     aborted = []
     with override(deferred_checks=True):
         prepare(a, None, config=config, operation="test")
-        guard = groups.communicator(None).guard
+        guard = communicators.communicator(None).guard
         guard.abort = lambda: aborted.append(threading.current_thread().name)
         guard.drains = lambda seconds: False
         mine = [torch.ones(2, 3)] if rank == 0 else a
@@ -471,7 +471,7 @@ def subgroup_body(rank, world):
         for _ in range(3):
             adasum.all_reduce(g, group=sub)
             adasum.all_reduce(d, group=sub)
-        guard = groups.communicator(sub).guard
+        guard = communicators.communicator(sub).guard
         adasum.all_reduce(d if rank == 1 else g, group=sub)
         start = time.monotonic()
         while guard.error is None and time.monotonic() - start < BOUND_S:
@@ -508,7 +508,7 @@ def late_divergence_body(rank, world, where, end):
     g, d = [torch.ones(4, 2)], [torch.ones(8)]
     with override(deferred_checks=True):
         _gan_step(g, d)
-        guard = groups.communicator(None).guard
+        guard = communicators.communicator(None).guard
         calls = 40
         where = calls - 1 if where is None else where
         for step in range(calls):
@@ -570,7 +570,7 @@ def matching_then_barrier_body(rank, world):
         dist.barrier()
         for _ in range(5):
             _gan_step(g, d)
-        guard = groups.communicator(None).guard
+        guard = communicators.communicator(None).guard
         dist.barrier()
     adasum.release()
     return guard.error, guard.checked, guard.alive()

@@ -18,7 +18,7 @@ from adasum.experiments.methods import METHODS, get_method, method_reducer, pars
 from adasum.experiments.models import MODELS, build_model
 from adasum.experiments.runner import RunConfig, train, worker_batches
 from adasum.reducers import AdaCons, Adasum, Mean, Sum
-from adasum.transport.groups import reducer_names
+from adasum.reducers.base import reducer_names
 
 
 @pytest.fixture(scope="module")

@@ -10,8 +10,8 @@ from types import SimpleNamespace
 import torch
 
 from adasum.transport import graphs as graphs_module
+from adasum.transport.communicator import Communicator
 from adasum.transport.graphs import Graphs
-from adasum.transport.groups import Communicator
 
 CPU = torch.device("cpu")
 SRC = Path(__file__).resolve().parents[1] / "src" / "adasum"
@@ -160,7 +160,7 @@ def test_the_communicator_is_the_only_caller_of_the_graphs():
         for number, line in enumerate(path.read_text().splitlines(), 1):
             if re.search(r"graphs\.run\(", line):
                 callers.append(f"{path.relative_to(SRC).as_posix()}:{number}")
-    assert [c.split(":")[0] for c in callers] == ["transport/groups.py"], callers
+    assert [c.split(":")[0] for c in callers] == ["transport/communicator.py"], callers
 
 
 def test_an_outgrown_symmetric_buffer_retires_the_groups_graphs():
@@ -207,19 +207,19 @@ def test_an_outgrown_buffer_retires_the_graphs_of_every_group():
     mover), so a growth retires the graphs of every group's communicator."""
     import torch.distributed as dist
 
-    from adasum.transport import groups
+    from adasum.transport import communicator as communicators
 
     dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
     try:
         log: list = []
-        comms = [groups.communicator(None), groups.communicator(dist.new_group([0]))]
+        comms = [communicators.communicator(None), communicators.communicator(dist.new_group([0]))]
         for comm in comms:
             comm.graphs = Graphs(RecordingCapture(log))
             for _ in range(2):
                 key = comm.run("plan", (1,), lambda: log.append("launch"), CPU)
             comm.recent[(1, 0)] = key
             assert comm.graphs.handle(key) is not None
-        groups.retire_graphs()
+        communicators.retire_graphs()
         assert all(c.graphs.count() == 0 and not c.recent for c in comms)
     finally:
         dist.destroy_process_group()
@@ -240,9 +240,9 @@ def test_a_repeat_on_the_same_memory_replays_before_any_check_of_the_list():
     import torch.distributed as dist
 
     import adasum
+    from adasum.checks.plan import prepare
     from adasum.collectives import api
-    from adasum.collectives.plan import prepare
-    from adasum.transport import groups
+    from adasum.transport import communicator as communicators
 
     def remember(comm, tensors, key, plan):
         api.remember(comm, api._Last.of(tensors, None, comm.graphs.handle(key), plan))
@@ -250,7 +250,7 @@ def test_a_repeat_on_the_same_memory_replays_before_any_check_of_the_list():
     dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
     try:
         log: list = []
-        comm = groups.communicator(None)
+        comm = communicators.communicator(None)
         comm.graphs = Graphs(RecordingCapture(log))
         tensors = [torch.ones(2, 3), torch.ones(4)]
         config = ("adasum.all_reduce", "transport=None", "nonfinite=propagate")
@@ -323,7 +323,7 @@ def test_a_layout_whose_tensors_are_remade_elsewhere_every_call_warns_once():
 
     import pytest
 
-    from adasum.transport import groups
+    from adasum.transport import communicator as communicators
 
     log: list = []
     comm, _ = _communicator(log)
@@ -331,23 +331,23 @@ def test_a_layout_whose_tensors_are_remade_elsewhere_every_call_warns_once():
     def call(plan, where, tensor):
         comm.run(plan, where, lambda: None, CPU, first=tensor)
 
-    held = [torch.ones(1) for _ in range(3 * groups.MOVED_CALLS)]
+    held = [torch.ones(1) for _ in range(3 * communicators.MOVED_CALLS)]
     with warnings.catch_warnings():
         warnings.simplefilter("error")  # any warning fails these
         for where, tensor in enumerate(held):  # per-block lists: all alive, each at its own place
             call("plan", ("block", where), tensor)
-        for where in range(3 * groups.MOVED_CALLS):  # two layouts in turn, re-made every call
+        for where in range(3 * communicators.MOVED_CALLS):  # two layouts in turn, re-made every call
             call(("plan", where % 2), ("turns", where), torch.ones(1))
-        for _ in range(3 * groups.MOVED_CALLS):  # re-made at one place: eager, captured, replayed
+        for _ in range(3 * communicators.MOVED_CALLS):  # re-made at one place: eager, captured, replayed
             call("plan", "here", torch.ones(1))
-        for where in range(groups.MOVED_CALLS - 1):  # one short of the count, then back to a known place
+        for where in range(communicators.MOVED_CALLS - 1):  # one short of the count, then back to a known place
             call("plan", ("short", where), torch.ones(1))
         call("plan", "here", torch.ones(1))
         off = Communicator(None)  # graphs off (the CPU): nothing is counted
-        for where in range(3 * groups.MOVED_CALLS):
+        for where in range(3 * communicators.MOVED_CALLS):
             off.run("plan", where, lambda: None, CPU, first=torch.ones(1))
     with pytest.warns(RuntimeWarning, match="set_to_none=False") as caught:
-        for where in range(3 * groups.MOVED_CALLS):  # re-made at new addresses every call
+        for where in range(3 * communicators.MOVED_CALLS):  # re-made at new addresses every call
             call("plan", ("moved", where), torch.ones(1))
     assert len(caught) == 1
     assert caught[0].filename == __file__  # the caller's line, not adasum's
@@ -388,8 +388,8 @@ def test_a_replayed_call_posts_its_fingerprint_once_after_the_launch_and_a_stale
     """A repeat of a captured list call (`adasum.collectives.api._replayed`) takes its guard slot (which raises a
     kept error, or waits for the guard) before the replay and posts its fingerprint after it; a repeat whose
     graph was dropped posts nothing, since the checked path it falls back to posts the call's own."""
+    from adasum.checks import plan as plan_module
     from adasum.collectives import api
-    from adasum.collectives import plan as plan_module
 
     events: list = []
 

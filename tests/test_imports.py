@@ -17,10 +17,13 @@ BELOW = {
     "core": set(),
     "kernels": {"core", "settings"},
     "transport": {"core", "kernels", "settings", "options"},
-    "collectives": {"core", "kernels", "transport", "settings", "options"},
-    "reducers": {"core", "kernels", "transport", "collectives", "settings", "options"},
-    "diagnostics": {"core", "kernels", "transport", "collectives", "settings", "options"},
-    "integrations": {"core", "kernels", "transport", "collectives", "reducers", "settings", "options", "extras"},
+    "checks": {"core", "kernels", "transport", "settings", "options"},
+    "collectives": {"core", "kernels", "transport", "checks", "settings", "options"},
+    "reducers": {"core", "kernels", "transport", "checks", "collectives", "settings", "options"},
+    "diagnostics": {"core", "kernels", "transport", "checks", "collectives", "settings", "options"},
+    "integrations": {
+        "core", "kernels", "transport", "checks", "collectives", "reducers", "settings", "options", "extras",
+    },
     "jax": {"core", "options", "extras"},
 }
 

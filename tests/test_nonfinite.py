@@ -9,7 +9,7 @@ import pytest
 import torch
 
 import adasum
-from adasum.collectives.nonfinite import NonFinite, check_policy
+from adasum.checks.nonfinite import NonFinite, check_policy
 
 import distributed
 from reference import combine_with_bound

@@ -14,14 +14,15 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 import adasum
 from adasum.core.layout import Scattered
 from adasum.ddp import AdasumState, adasum_hook
-from adasum.transport import groups, symmetric
+from adasum.transport import communicator as communicators
+from adasum.transport import symmetric
 
 import distributed
 from reference import tree as reference_tree
 
 
 def _built() -> int:
-    return groups.communicator(None).plans_built
+    return communicators.communicator(None).plans_built
 
 
 def entry_points_body(rank, world):
@@ -47,7 +48,7 @@ def entry_points_body(rank, world):
     adasum.all_reduce([torch.randn(7, generator=g)])
     built["new layout"] = _built() - before
     # the list call's plan records the transport chosen and the fusion (two float32 tensors: one flat buffer)
-    plans = groups.communicator(None).plans.values()
+    plans = communicators.communicator(None).plans.values()
     listed = [p for p in plans if p.config[0] == "adasum.all_reduce" and len(p.description) == 2]
     built["list plan"] = [(p.transport.name, p.fusion) for p in listed]
 
@@ -76,8 +77,8 @@ def test_each_entry_point_builds_its_plan_once():
 def release_body(rank, world):
     adasum.all_reduce([torch.ones(4) * (rank + 1)])
     adasum.Adasum().all_reduce([torch.ones(3)])
-    before = len(groups._registry.communicators)
-    comm = groups.communicator(None)
+    before = len(communicators._registry.communicators)
+    comm = communicators.communicator(None)
     control = comm.control
     # the group's symmetric memory, on a backend that allocates host memory, and the tile addresses of a list
     host_memory = SimpleNamespace(empty=lambda n, dtype, device: torch.empty(n, dtype=dtype, device=device),
@@ -86,19 +87,23 @@ def release_body(rank, world):
     buffer = weakref.ref(pool.staging(1 << 21, torch.empty(0))[0])
     comm.tiles.get(Scattered([torch.ones(3), torch.ones(5)]), 0, 8)
     had = (len(comm.plans), len(comm.transports), control is not None, pool.held(), len(comm.tiles))
+    from adasum.core.tiles import tiles
+
+    table = tiles((3, 5), torch.device("cpu"))  # a cached device tile table (the process's, not the group's)
     adasum.release()
     after = {
-        "communicators": len(groups._registry.communicators),
+        "communicators": len(communicators._registry.communicators),
         "plans": len(comm.plans),
         "transports": len(comm.transports),
         "graphs": comm.graphs.count(),
         "control": comm.control,
         "control group alive": control in dist.distributed_c10d._world.pg_map,
-        "streams": len(groups._registry.streams),
-        "symmetric memory": comm.symmetric,
+        "streams": len(communicators._registry.streams),
+        "resources": comm.resources,
         "symmetric buffers": pool.held(),
         "buffer alive": buffer() is not None,
         "tile addresses": len(comm.tiles),
+        "tile tables": tiles((3, 5), torch.device("cpu")) is table,
     }
     t = torch.ones(4) * (rank + 1)
     adasum.all_reduce([t])  # a released group starts afresh on CPU
@@ -111,8 +116,8 @@ def test_release_leaves_nothing_behind():
     before, had, after, values = results[0]
     assert before == 1 and had[0] >= 2 and had[1] >= 1 and had[2] and had[3] == 1 and had[4] == 1, had
     assert after == {"communicators": 0, "plans": 0, "transports": 0, "graphs": 0, "control": None,
-                     "control group alive": False, "streams": 0, "symmetric memory": None, "symmetric buffers": 0,
-                     "buffer alive": False, "tile addresses": 0}
+                     "control group alive": False, "streams": 0, "resources": {}, "symmetric buffers": 0,
+                     "buffer alive": False, "tile addresses": 0, "tile tables": False}
     assert np.allclose(values, reference_tree([np.ones(4), 2 * np.ones(4)]))
 
 
@@ -195,11 +200,11 @@ def remade_body(rank, world, calls):
     meanwhile so that the allocator cannot hand back the last ones' memory), each layout's cache measured: the
     memory-overlap verdicts and the plans stay within their bounds (the prepare step of every entry point; a run
     of real calls last), and release frees them."""
-    from adasum.collectives.plan import DISJOINT, MAX_PLANS, prepare
+    from adasum.checks.plan import DISJOINT, MAX_PLANS, prepare
 
     model = [torch.ones(3, 2), torch.ones(5), torch.ones(4)]
     config = ("test",)
-    comm = groups.communicator(None)
+    comm = communicators.communicator(None)
     held = []
     sizes = []
     for i in range(calls):
@@ -215,7 +220,7 @@ def remade_body(rank, world, calls):
         adasum.all_reduce([torch.ones_like(p) for p in model])
     disjoint = max(len(p.disjoint) for p in comm.plans.values())
     adasum.release()
-    return sizes, plans, disjoint, DISJOINT, MAX_PLANS, len(groups.communicator(None).plans)
+    return sizes, plans, disjoint, DISJOINT, MAX_PLANS, len(communicators.communicator(None).plans)
 
 
 def test_gradients_remade_every_call_keep_the_caches_flat():

@@ -251,12 +251,15 @@ it rides in its round."""
 
 def _kept_bytes(group=None) -> int:
     """What the group's movers keep: symmetric buffers and c10d workspaces."""
-    from adasum.transport.groups import communicator
+    from adasum.transport.communicator import communicator
 
     comm = communicator(group)
     kept = 0
-    if comm.symmetric is not None:
-        kept += sum(b.numel() * b.element_size() for b, _ in comm.symmetric.buffers.values())
+    from adasum.transport.symmetric import SymmetricPool
+
+    pool = comm.resources.get(SymmetricPool)
+    if pool is not None:
+        kept += sum(b.numel() * b.element_size() for b, _ in pool.buffers.values())
     movers = list(comm.transports.values())
     movers += [m.in_place for m in movers if m.in_place is not None]
     for mover in movers:

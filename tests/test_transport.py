@@ -137,8 +137,8 @@ def test_the_symmetric_transports_take_their_memory_backend_and_share_the_groups
     import torch.distributed as dist
 
     import adasum
-    from adasum.transport.groups import communicator
-    from adasum.transport.symmetric import SymmetricMemory, SymmetricSlices
+    from adasum.transport.communicator import communicator
+    from adasum.transport.symmetric import SymmetricMemory, SymmetricPool, SymmetricSlices
 
     made: list = []
     backend = fake_symmetric_memory(made)
@@ -148,7 +148,7 @@ def test_the_symmetric_transports_take_their_memory_backend_and_share_the_groups
         fused = moving.fusion_buffer(10, torch.zeros(1))
         assert fused.numel() == 10 and fused.data_ptr() == made[0].data_ptr()
         slices = SymmetricSlices(None, backend=backend)
-        assert slices.pool is moving.pool is communicator(None).symmetric
+        assert slices.pool is moving.pool is communicator(None).resources[SymmetricPool]
         with pytest.raises(ValueError, match="another backend"):
             SymmetricMemory(None, backend=fake_symmetric_memory([]))
         alive = weakref.ref(made.pop())
@@ -355,3 +355,50 @@ def test_a_transport_the_group_cannot_run_is_refused_on_every_rank():
               "transport=None nonfinite=propagate, rank 1 has adasum.all_reduce transport=collectives "
               "nonfinite=propagate")  # what each rank asked for: compared before the (possibly collective) choice
     assert results == [("ValueError", differ, True, True)] * 3, results
+
+
+def test_the_table_holds_the_built_in_transports_in_the_names_order():
+    """The names ``transport=`` takes, the settings' names and the `TransportName` type are the table's rows."""
+    from adasum.options import TransportName, choices
+    from adasum.settings import TRANSPORT_NAMES
+    from adasum.transport import BUILT_IN
+    from adasum.transport.registry import entry, register_transport, transport_names
+
+    assert transport_names()[: len(BUILT_IN)] == BUILT_IN == choices(TransportName) == TRANSPORT_NAMES
+    assert [entry(n).serves for n in BUILT_IN] == ["vhdd", "vhdd", "vhdd", "slices", "slices"]
+    with pytest.raises(ValueError, match="serves must be one of"):
+        register_transport("bad", lambda need: None, serves="ring")
+    with pytest.raises(ValueError, match="requirements must be among"):
+        register_transport("bad", lambda need: None, requires=("infiniband",))
+    assert "bad" not in transport_names()
+
+
+def toy_body(rank, world):
+    import adasum
+    import toy_transport
+    from adasum.transport.communicator import communicator
+    from adasum.transport.registry import register_transport
+
+    toy_transport.register()
+    g = torch.Generator().manual_seed(world)
+    every = [[torch.randn(n, generator=g, dtype=torch.float64) for n in SIZES] for _ in range(world)]
+    mine = [t.clone() for t in every[rank]]
+    adasum.all_reduce(mine, transport="toy")
+    posts = sum(m.posts for m in communicator().transports.values() if isinstance(m, toy_transport.Toy))
+    errors = [float((m - torch.from_numpy(reference_tree([w[i].numpy() for w in every]))).norm())
+              for i, m in enumerate(mine) if m.numel()]
+    # a row whose requirement the group lacks is refused on every rank, after the cross-rank check
+    register_transport("toy-nccl", toy_transport.Toy, requires=("nccl",))
+    with pytest.raises(ValueError, match=r"transport='toy-nccl' needs NCCL"):
+        adasum.all_reduce([torch.ones(2)], transport="toy-nccl")
+    with pytest.raises(ValueError, match=r"one of \[.*'toy', 'toy-nccl'\]"):
+        adasum.all_reduce([torch.ones(2)], transport="toy-pigeon")
+    return max(errors), posts, b"".join(m.numpy().tobytes() for m in mine)
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_a_registered_toy_transport_carries_all_reduce(world):
+    results = distributed.run(world, toy_body)
+    assert all(err < 1e-12 for err, _, _ in results), results
+    assert all(posts > 0 for _, posts, _ in results)  # the schedule moved its bytes through the toy
+    assert all(r[2] == results[0][2] for r in results)  # ranks end bitwise equal

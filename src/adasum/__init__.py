@@ -10,8 +10,8 @@ import importlib as _importlib
 from types import ModuleType as _ModuleType
 
 from adasum import ddp
+from adasum.checks.nonfinite import NonFinite, NonFiniteError, check_finite, find_nonfinite
 from adasum.collectives import all_reduce, all_reduce_async, hierarchical
-from adasum.collectives.nonfinite import NonFinite, NonFiniteError, check_finite, find_nonfinite
 from adasum.diagnostics import Orthogonality, all_reduce_orthogonality, orthogonality, orthogonality_stacked
 from adasum.integrations.broadcast import broadcast_optimizer_state, broadcast_parameters
 from adasum.integrations.optim import DistributedOptimizer
@@ -19,7 +19,9 @@ from adasum.integrations.slowmo import SlowMo, diloco_outer
 from adasum.kernels.reduce import combine, reduce
 from adasum.reducers import AdaCons, Adasum, Mean, Reducer, Sum, get_reducer
 from adasum.sim import SimulatedWorkers
-from adasum.transport.groups import CollectiveError, group_timeout, release
+from adasum.transport.communicator import release
+from adasum.transport.errors import CollectiveError
+from adasum.transport.groups import group_timeout
 
 __all__ = [
     "AdaCons",

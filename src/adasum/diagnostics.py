@@ -18,8 +18,9 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from adasum.collectives.agreement import agree, local_problem, tensor_list
-from adasum.transport.groups import check_group, failures_named, group_device
+from adasum.checks.agreement import agree, local_problem, tensor_list
+from adasum.transport.errors import failures_named
+from adasum.transport.groups import check_group, group_device
 
 
 @dataclass(frozen=True)

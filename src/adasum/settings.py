@@ -152,7 +152,7 @@ class Settings:
     """This process's node, as torchrun sets it (``GROUP_RANK``)."""
     deferred_checks: bool | None = None
     """Compare a repeated call's fingerprint on the group's guard thread instead of before its data (None: on NCCL
-    only, where the host must not wait; `adasum.collectives.plan`)."""
+    only, where the host must not wait; `adasum.checks.plan`)."""
     symmetric: bool = True
     """Symmetric memory may be chosen on NCCL (``ADASUM_SYMMETRIC``)."""
     symmetric_push: bool = True
@@ -225,7 +225,7 @@ class Settings:
     def shaping(self) -> tuple[str, ...]:
         """The settings that shape a collective's schedule or its checks (rounds, pieces, protocols, the transport
         put first, where checks run), as ``name=value`` for each that differs from its default: every rank of a
-        group must have the same (`adasum.collectives.plan.prepare` compares them with the call's configuration),
+        group must have the same (`adasum.checks.plan.prepare` compares them with the call's configuration),
         or the ranks would move different pieces in different orders."""
         defaults = Settings()
         return tuple(

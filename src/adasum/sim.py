@@ -45,7 +45,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.func import functional_call, grad, vmap
 
-from adasum.collectives.nonfinite import NonFinite, check_policy, decide_nonfinite
+from adasum.checks.nonfinite import NonFinite, check_policy, decide_nonfinite
 from adasum.diagnostics import Orthogonality, orthogonality_stacked
 from adasum.integrations.compression import communication_dtype as wire_dtype
 from adasum.integrations.compression import compress, dequantize
@@ -165,7 +165,7 @@ class SimulatedWorkers:
     ``reducer="adasum"`` to simulate those.
     `chunk_size` bounds how many workers' backward passes run at once (memory).
     `nonfinite` ("propagate" by default, "raise", "skip"): what a NaN/Inf in any worker's gradients
-    does, decided before any worker steps (`adasum.collectives.nonfinite.decide_nonfinite`, with
+    does, decided before any worker steps (`adasum.checks.nonfinite.decide_nonfinite`, with
     workers in place of ranks); skipped steps are counted in ``skipped_steps``.
     `seed` keys the workers' `KeyedDropout` masks (``dropout_key(seed, worker, step, layer)``).
     `local_steps`, `slow_lr` and `slow_momentum` follow `adasum.SlowMo`'s rules

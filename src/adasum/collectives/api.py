@@ -12,7 +12,7 @@ from typing import Literal
 import torch
 import torch.distributed as dist
 
-from adasum.collectives.agreement import (
+from adasum.checks.agreement import (
     _data_ptr,
     _dtype,
     _requires_grad,
@@ -20,14 +20,16 @@ from adasum.collectives.agreement import (
     _stride,
     tensor_list,
 )
-from adasum.collectives.nonfinite import check_finite, check_policy
-from adasum.collectives.plan import Plan, prepare, recheck
+from adasum.checks.nonfinite import check_finite, check_policy
+from adasum.checks.plan import Plan, prepare, recheck
 from adasum.collectives.vhdd import adasum_flat_, transport_for
 from adasum.core.layout import Scattered, flatten, group_by_dtype, unflatten_into
-from adasum.options import Nonfinite, TransportName, check_flag, choices, not_initialised
+from adasum.options import Nonfinite, TransportName, check_flag, not_initialised
 from adasum.transport.base import Transport
+from adasum.transport.communicator import Communicator, communicator
 from adasum.transport.graphs import MAX_GRAPHS, tensor_key
-from adasum.transport.groups import Communicator, check_group, communicator, group_device
+from adasum.transport.groups import check_group, group_device
+from adasum.transport.registry import transport_names
 
 
 def all_reduce(
@@ -46,7 +48,7 @@ def all_reduce(
 
     With `check_layout` (the default) every call first checks that every rank passed the same
     number of tensors with the same shapes and dtypes, and the same `nonfinite` and `transport`
-    (`adasum.collectives.plan`: on gloo one 24-byte all-reduce before data moves; on NCCL the
+    (`adasum.checks.plan`: on gloo one 24-byte all-reduce before data moves; on NCCL the
     layout's first call so, later calls by a fingerprint compared at the group's next call, with no
     host synchronisation); a difference raises ValueError on every rank, naming the first
     difference and the ranks. Non-floating dtypes raise TypeError, anything but a tensor or a list
@@ -70,7 +72,7 @@ def all_reduce(
     the tensors weakly). The group remembers as many recent captured lists as it keeps graphs (`RECENT`), so a
     step that combines several lists (one per block, say) replays each. Tensors at new addresses every call
     (gradients re-made by ``zero_grad()`` that the allocator places elsewhere) run eagerly every call, and a group
-    warns once when that goes on (`adasum.transport.groups.MOVED_CALLS`); ``zero_grad(set_to_none=False)`` keeps
+    warns once when that goes on (`adasum.transport.communicator.MOVED_CALLS`); ``zero_grad(set_to_none=False)`` keeps
     gradients where they lie.
 
     Non-finite inputs: ``nonfinite="propagate"`` (the default) lets them through; a tensor with a
@@ -149,8 +151,10 @@ def _all_reduce(
 
 
 def check_transport(transport: object, operation: str) -> None:
-    """Raise unless `transport` is a name a caller may give (`adasum.options.TransportName`), a `Transport` or None:
-    before the one-rank shortcut, so that a typo raises at every world size (TypeError for another type).
+    """Raise unless `transport` is a name a caller may give (a row of the movers' table,
+    `adasum.transport.registry.transport_names`: the built-ins of `adasum.options.TransportName` and any registered
+    since), a `Transport` or None: before the one-rank shortcut, so that a typo raises at every world size
+    (TypeError for another type).
 
     >>> check_transport("p2pp", "adasum.all_reduce")  # doctest: +ELLIPSIS
     Traceback (most recent call last):
@@ -158,7 +162,7 @@ def check_transport(transport: object, operation: str) -> None:
     """
     if transport is None or isinstance(transport, Transport):
         return
-    names = list(choices(TransportName))
+    names = list(transport_names())
     if not isinstance(transport, str):
         raise TypeError(f"{operation}: transport must be one of {names}, a Transport or None, got {transport!r}")
     if transport not in names:
@@ -259,7 +263,7 @@ def _replayed(comm: Communicator, group, transport, tensors, check_layout: bool)
     # host time is what the GPU waits for between calls: C-level maps, not a Python loop, and numbers of elements
     # rather than shapes for a recent call's own tensors (a shape is a new torch.Size per tensor; docs/benchmarks.md,
     # where the time goes); the addresses first for other objects, which most often differ (`_placed_like` after
-    # them); the fingerprint still goes out (`adasum.collectives.plan`). `tensors` is the caller's argument,
+    # them); the fingerprint still goes out (`adasum.checks.plan`). `tensors` is the caller's argument,
     # unchecked: a tensor, or a list or tuple of a recent call's (checked) tensors or of others placed like them.
     # The graph reads and writes each tensor as the elements from its address on, so that call's tensors replay it
     # wherever their addresses and sizes are the same

@@ -31,42 +31,21 @@ over the whole group; then each node gathers its slices. Other placements are re
 
 import numbers
 from collections.abc import Sequence
-from dataclasses import dataclass
 from typing import cast
 
 import torch
 import torch.distributed as dist
 
 from adasum.collectives.slices import SliceMover, adasum_slices_
-from adasum.collectives.vhdd import Placement, adasum_flat_, transport_for
+from adasum.collectives.vhdd import adasum_flat_, transport_for
 from adasum.core.layout import Layout
 from adasum.kernels.reduce import reduce
 from adasum.options import check_flag
 from adasum.settings import current
-from adasum.transport.c10d import all_gather_single, global_rank, reduce_scatter_single
-from adasum.transport.groups import check_group, failures_named, group_device
-
-
-@dataclass(frozen=True)
-class Hierarchy:
-    """The nodes of a process group and this rank's place in them.
-
-    `local_group` is the intra-node sub-group; `peers` are the group ranks that share this rank's
-    local rank, one per node, in node order.
-    """
-
-    group: dist.ProcessGroup | None
-    local_group: dist.ProcessGroup | None
-    local_size: int
-    nodes: int
-    node: int
-    local_rank: int
-    exact: bool = False  # the flat tree in two tiers (module doc), not Adasum over node means
-
-    @property
-    def peers(self) -> tuple[int, ...]:
-        """The ranks at this rank's local position on every node, in node order."""
-        return tuple(n * self.local_size + self.local_rank for n in range(self.nodes))
+from adasum.transport.c10d import all_gather_single, reduce_scatter_single
+from adasum.transport.errors import failures_named
+from adasum.transport.groups import check_group, group_device
+from adasum.transport.topology import Hierarchy, global_rank
 
 
 def _known(value: int | None) -> int:
@@ -210,7 +189,7 @@ def adasum_hierarchical_flat_(buffer: torch.Tensor, sizes: Sequence[int], hierar
     shard.div_(size)
     start = min(hierarchy.local_rank * shard_len, numel)
     owned = min(numel - start, shard_len)  # the last shards may be partly or wholly padding
-    adasum_flat_(shard[:owned], sizes, hierarchy.group, Placement(hierarchy.peers, start))
+    adasum_flat_(shard[:owned], sizes, hierarchy.group, hierarchy.at(start))
     with failures_named("adasum.hierarchical", "the intra-node all-gather", hierarchy.local_group):
         all_gather_single(padded, shard, group=hierarchy.local_group)
     if padded is not buffer:
@@ -229,7 +208,7 @@ def adasum_two_tier_flat_(buffer: torch.Tensor, sizes: Sequence[int], hierarchy:
 
     def across(mine: torch.Tensor, offset: int) -> None:
         if hierarchy.nodes > 1:
-            adasum_flat_(mine, layout.sizes, hierarchy.group, Placement(hierarchy.peers, offset))
+            adasum_flat_(mine, layout.sizes, hierarchy.group, hierarchy.at(offset))
 
     # built once per node group and kept by its communicator, with its buffers (as every transport is)
     mover = cast(SliceMover, transport_for(hierarchy.local_group, "slices", whole_group=True))

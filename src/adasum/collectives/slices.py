@@ -244,18 +244,30 @@ def by_gram(dtype: torch.dtype, tree: Tree) -> bool:
     return dtype != torch.float64 and tree.workers > 2
 
 
-def first_sums(tree: Tree, width: int, dtype: torch.dtype, device) -> torch.Tensor:
-    """Zeroed float64 sums for the first pass over a slice of `dtype` (`by_gram`): [P, P, T] Gram matrices, or
-    [pairs, 3, T] for the first level's pairs."""
-    if by_gram(dtype, tree):
+class GramRule(Protocol):
+    """A combine rule other than Adasum's tree that the schedule runs from the Gram matrices of the P copies: the
+    result is ``sum_j w_j x_j`` per tensor, with the weights the rule gives from the whole group's Gram sums (the
+    schedule's arguments and passes as for Adasum's Gram form: one pass of sums, one all-reduce, one pass).
+    AdaCons is one (`adasum.reducers.adacons.AdaCons`); None stands for Adasum's tree (`by_gram` chooses its
+    form)."""
+
+    def weights(self, gram: torch.Tensor) -> torch.Tensor:
+        """The [P, T] float64 weights (last dimension contiguous) from the [P, P, T] float64 Gram sums of a round's
+        T tensors, the same on every rank (the sums are)."""
+
+
+def first_sums(tree: Tree, width: int, dtype: torch.dtype, device, rule: GramRule | None = None) -> torch.Tensor:
+    """Zeroed float64 sums for the first pass over a slice of `dtype` (`by_gram`, or a `rule`'s Gram form):
+    [P, P, T] Gram matrices, or [pairs, 3, T] for the first level's pairs."""
+    if rule is not None or by_gram(dtype, tree):
         return torch.zeros((tree.workers, tree.workers, width), dtype=torch.float64, device=device)
     return torch.zeros((len(level_pairs(tree)[0]), 3, width), dtype=torch.float64, device=device)
 
 
 def add_first_sums(parts, layout: Layout, where: tuple[int, int], tree: Tree, p0: int, p1: int, sums,
-                   first_tensor: int) -> None:
+                   first_tensor: int, rule: GramRule | None = None) -> None:
     """Add positions [p0, p1)'s share of the first pass's sums (`first_sums`) into `sums`."""
-    if by_gram(parts[0][1][0].dtype, tree):
+    if rule is not None or by_gram(parts[0][1][0].dtype, tree):
         _gram(parts, layout, where, p0, p1, sums, first_tensor)
     else:
         _dots(parts, level_pairs(tree)[0], layout, where, p0, p1, sums, first_tensor)
@@ -274,19 +286,29 @@ def tree_on_slice_(
     tensors: tuple[int, int],
     sums: torch.Tensor | None = None,
     record: bool = True,
+    rule: GramRule | None = None,
 ) -> Callable[[int, int, Sequence], None]:
     """Step 2 of the module doc on one rank's slice up to its last pass: the `parts` hold every rank's copy of
     positions `where` of `layout` (a level-by-level tree overwrites them); `tensors` is the round's (first, end)
     tensor range, the columns of the sums. `sums`: the first pass's sums (`first_sums`), already added up over the
     slice. `record`: the sums are the whole group's (not one tier's), so a statistics recording may take every
-    level's (`adasum.core.statistics`). Returns ``finish(p0, p1, outs)``, which writes positions [p0, p1) of the
-    result into `outs` (it reads every row there)."""
+    level's (`adasum.core.statistics`). `rule`: another combine rule than Adasum's tree (`GramRule`), run from the
+    Gram sums. Returns ``finish(p0, p1, outs)``, which writes positions [p0, p1) of the result into `outs` (it
+    reads every row there)."""
     width = tensors[1] - tensors[0]
     size = where[1] - where[0]
     if sums is None:
-        sums = first_sums(tree, width, parts[0][1][0].dtype, parts[0][1][0].device)
-        add_first_sums(parts, layout, where, tree, 0, size, sums, tensors[0])
+        sums = first_sums(tree, width, parts[0][1][0].dtype, parts[0][1][0].device, rule)
+        add_first_sums(parts, layout, where, tree, 0, size, sums, tensors[0], rule)
     levels = level_pairs(tree)
+    if rule is not None:
+        all_reduce_sums(sums)
+        weights = rule.weights(sums)
+
+        def finish_rule(p0: int, p1: int, outs: Sequence) -> None:
+            _weighted(parts, weights, layout, where, p0, p1, tensors[0], outs)
+
+        return finish_rule
     if by_gram(parts[0][1][0].dtype, tree):
         all_reduce_sums(sums)
         weights, pair_sums = tree_weights(sums, tree)
@@ -322,17 +344,19 @@ def _complete(sums: torch.Tensor) -> None:
     """The sums of a one-shot round: this rank's are the whole round's, nothing to add."""
 
 
-def _start(buffer, layout: Layout, mover: SliceMover, tensors: tuple[int, int], bounds, across, offset: int):
+def _start(buffer, layout: Layout, mover: SliceMover, tensors: tuple[int, int], bounds, across, offset: int,
+           rule: GramRule | None = None):
     """One round of `adasum_slices_` (module doc) up to its scatter: `bounds` every rank's slice of `buffer`
     (positions of `layout`), `tensors` the round's tensor range; `offset` where `buffer` starts in the caller's
-    layout (what `across` is told). Returns the rest of the round (its tree and gather) to call later."""
+    layout (what `across` is told); `rule` the combine rule (None: Adasum's tree). Returns the rest of the round
+    (its tree and gather) to call later."""
     tree = Tree(mover.world)
     where = bounds[mover.rank]
     parts = mover.rows(buffer, bounds)
-    sums = first_sums(tree, tensors[1] - tensors[0], parts[0][1][0].dtype, parts[0][1][0].device)
+    sums = first_sums(tree, tensors[1] - tensors[0], parts[0][1][0].dtype, parts[0][1][0].device, rule)
 
     def landed(p0: int, p1: int) -> None:
-        add_first_sums(parts, layout, where, tree, p0, p1, sums, tensors[0])
+        add_first_sums(parts, layout, where, tree, p0, p1, sums, tensors[0], rule)
 
     join = mover.scatter(buffer, bounds, landed)
 
@@ -342,7 +366,7 @@ def _start(buffer, layout: Layout, mover: SliceMover, tensors: tuple[int, int], 
         # two tiers (`across`): the mover's sums are one host's, the levels across hosts record theirs; one-shot:
         # every rank's sums are the whole round's already
         add_up = _complete if mover.whole else mover.all_reduce_sums
-        finish = tree_on_slice_(parts, layout, where, tree, add_up, tensors, sums, across is None)
+        finish = tree_on_slice_(parts, layout, where, tree, add_up, tensors, sums, across is None, rule)
         if across is None:
             mover.gather(buffer, bounds, finish)
             return
@@ -403,3 +427,19 @@ def adasum_slices_(
             started.pop(0)()
     while started:
         started.pop(0)()
+
+
+def rule_slices_(buffer: torch.Tensor, layout: Layout, mover: SliceMover, rule: GramRule) -> bool:
+    """Another combine rule than Adasum's tree (`GramRule`) over a flat `buffer` across the mover's group, in
+    place, on the slice-parallel schedule's moves and passes, where the layout runs in one round of the mover (a
+    rule's weights may couple every tensor of the call, as AdaCons' whole-model form does, so they need the whole
+    call's Gram sums at once). Returns False, having done nothing, where the layout needs several rounds or runs in
+    place (the caller combines it otherwise)."""
+    if mover.world == 1:
+        return True
+    cut, _ = slice_rounds(layout, mover, buffer, 1)
+    if len(cut) != 1 or cut[0][4] is None or (cut[0][0], cut[0][1]) != (0, len(layout.sizes)):
+        return False
+    _, _, _, _, bounds = cut[0]
+    _start(buffer, layout, mover, (0, len(layout.sizes)), bounds, None, 0, rule)()
+    return True

@@ -34,7 +34,6 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Sequence
-from dataclasses import dataclass
 from typing import cast
 
 import torch
@@ -55,7 +54,10 @@ from adasum.kernels import combine_from_sums, dot_and_norms
 from adasum.settings import current
 from adasum.transport import one_shot, select
 from adasum.transport.base import GatherStep, Level, Transport, aligned_cut
-from adasum.transport.groups import communicator, failures_named
+from adasum.transport.communicator import communicator
+from adasum.transport.errors import failures_named
+from adasum.transport.registry import serves
+from adasum.transport.topology import Topology
 
 
 @functools.lru_cache(maxsize=256)
@@ -109,20 +111,8 @@ def _fold_(
     combine_from_sums(buffer, other, sums, 1, 1, lengths, out=buffer)
 
 
-@dataclass(frozen=True)
-class Placement:
-    """Where one VHDD tree runs inside a larger group (hierarchical mode uses this).
-
-    `peers` are the group ranks of the tree's workers in tree order (the calling rank is one of
-    them); the caller's buffer holds elements [offset, offset + numel) of the layout. Other ranks of
-    the group run their own trees on other slices of the same layout at the same time; the
-    per-tensor partial sums are all-reduced over the whole group, each rank writing its tree
-    block's row, so the slices of one tensor add up to whole-tensor dot products. Every rank of the
-    group must call with trees of the same size.
-    """
-
-    peers: tuple[int, ...]
-    offset: int
+Placement = Topology.placement
+"""A tree over `peers` on the slice of the layout at `offset` (`adasum.transport.topology.Topology.placement`)."""
 
 
 def transport_for(
@@ -158,7 +148,7 @@ def adasum_flat_(
     buffer: torch.Tensor | Scattered,
     sizes: Sequence[int],
     group: dist.ProcessGroup | None = None,
-    placement: Placement | None = None,
+    placement: Topology | None = None,
     *,
     transport: str | Transport | None = None,
 ) -> None:
@@ -167,8 +157,12 @@ def adasum_flat_(
 
     Every rank must pass the same sizes and dtype; nothing is checked here (see `all_reduce`).
     A dead or stalled peer raises `adasum.CollectiveError` within the group's timeout (gloo).
-    With a `placement`, the buffer is a slice of the layout and the tree runs over
-    ``placement.peers`` only (see `Placement`). `transport` names how bytes move ("p2p",
+    With a `placement` (a `Topology`: hierarchical mode's, FSDP's grid), the buffer is the slice of the layout
+    at ``placement.offset`` and the tree runs over ``placement.peers`` only: `peers` are the group ranks of the
+    tree's workers in tree order (the calling rank is one of them); other ranks of the group run their own trees on
+    other slices of the same layout at the same time; the per-tensor partial sums are all-reduced over the whole
+    group, each rank writing its tree block's row, so the slices of one tensor add up to whole-tensor dot
+    products. Every rank of the group must call with trees of the same size. `transport` names how bytes move ("p2p",
     "collectives", "symmetric"; None: the fastest the group supports, see `adasum.transport.select`).
     """
     layout = _layout(tuple(int(n) for n in sizes))
@@ -189,7 +183,7 @@ def adasum_flat_(
     if not isinstance(transport, Transport):
         transport = transport_for(group, transport, placement is None and tree.folded == 0, placement is not None,
                                   buffer.numel() * buffer.element_size())
-    slice_parallel = transport.name in ("slices", "one-shot")
+    slice_parallel = serves(transport) == "slices"  # its row of the movers' table (`adasum.transport.registry`)
     if slice_parallel and placement is not None:
         raise ValueError(f"transport={transport.name!r} runs the tree over the whole group (no hierarchical placement)")
     if isinstance(buffer, Scattered) and not (
@@ -202,7 +196,7 @@ def adasum_flat_(
 
     def run() -> None:
         if slice_parallel:
-            mover = cast(SliceMover, transport)  # transport.name is "slices" or "one-shot"
+            mover = cast(SliceMover, transport)  # a mover of the slice-parallel schedule
             with failures_named("adasum.all_reduce", "the slice-parallel schedule", group, mover.timeout):
                 adasum_slices_(buffer, layout, mover)
             return
@@ -249,7 +243,23 @@ def run_schedule(
     transport: Transport,
     sliced: bool,
 ) -> None:
-    """The VHDD schedule (module doc) on `transport`: fold, levels, gather."""
+    """The VHDD schedule (module doc) on `transport`: fold, levels, gather. Its arguments, in one place (the
+    transport's protocol, `adasum.transport.base`, and `adasum_flat_` refer here):
+
+    * `buffer`: this rank's flat copy (or a `Scattered` list where the transport reads lists in place), combined in
+      place; every rank's is the same length.
+    * `layout`: the tensors' sizes end to end (`adasum.core.layout.Layout`); each tensor gets its own coefficients,
+      so the float64 sums are per tensor ([3, T] per block of a level).
+    * `group`: the process group every rank of the schedule is in; the level sums are all-reduced over all of it.
+    * `peers`: the group ranks of the tree's workers in tree order (every rank of the group, or a placement's
+      peers: `adasum.transport.topology.Topology`); `rank` is this rank's index among them.
+    * `offset`: where `buffer` starts in `layout` (0 unless a placement runs the tree on a slice of it).
+    * `tree`: the tree over ``len(peers)`` workers (`adasum.core.tree.Tree`: the fold of the ranks past the largest
+      power of two, then the levels).
+    * `transport`: how the bytes move (`adasum.transport.base.Transport`: exchange, exchange_and_dot,
+      all_reduce_sums, combine, gather).
+    * `sliced`: the buffer is one slice of a tensor layout that other trees of the group share (a placement): the
+      fold's sums are all-reduced over the group too."""
     me = tree.group_of(rank)
     partial_shape = (3, len(layout.sizes))
     timeout = getattr(transport, "timeout", None)

@@ -66,3 +66,8 @@ def _tiles(lengths: tuple[int, ...], device: torch.device) -> Tiles:
         as_tensor(starts), as_tensor(sizes), as_tensor(segments), as_tensor(first), as_tensor(count),
         len(starts), max(count, default=0), math.gcd(*starts, *sizes),
     )
+
+
+def clear_cache() -> None:
+    """Forget the device tile tables (`tiles`; the host ones, `table`, hold no device memory)."""
+    _tiles.cache_clear()

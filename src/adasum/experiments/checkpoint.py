@@ -53,7 +53,7 @@ import torch
 import torch.distributed as dist
 
 from adasum.experiments.io import WriteFailed, write_atomic
-from adasum.transport.groups import failures_named
+from adasum.transport.errors import failures_named
 
 REQUIRED = ("config", "epoch", "engine")
 CHECKSUM = "checksum"

@@ -30,12 +30,12 @@ from pathlib import Path
 from types import MappingProxyType
 from typing import Any
 
-from adasum.collectives.nonfinite import NonFiniteError
+from adasum.checks.nonfinite import NonFiniteError
 from adasum.experiments.data import TASKS
 from adasum.experiments.io import WriteFailed, writing
 from adasum.experiments.methods import METHODS, Method, did_you_mean
 from adasum.experiments.models import MODELS
-from adasum.transport.groups import CollectiveError
+from adasum.transport.errors import CollectiveError
 
 log = logging.getLogger("adasum")
 

@@ -14,8 +14,8 @@ import logging
 import math
 import os
 import time
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from collections.abc import Callable
+from contextlib import nullcontext
 from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 from typing import Any, cast
@@ -24,7 +24,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from adasum.collectives.nonfinite import POLICIES, apply_nonfinite_policy
+from adasum.checks.nonfinite import POLICIES, apply_nonfinite_policy
 from adasum.diagnostics import Orthogonality, all_reduce_orthogonality
 from adasum.experiments.checkpoint import applied, load_checkpoint, save_checkpoint
 from adasum.experiments.data import DEFAULT_MODELS, Dataset, load_task
@@ -37,7 +37,7 @@ from adasum.integrations.slowmo import SlowMo, diloco_outer
 from adasum.options import Mode, Nonfinite
 from adasum.reducers import Reducer
 from adasum.sim import SimulatedWorkers, StepResult, cross_entropy, set_dropout_keys
-from adasum.transport.groups import failures_named
+from adasum.transport.errors import failures_named
 
 log = logging.getLogger("adasum")
 
@@ -791,7 +791,7 @@ def train(
     except ValueError as e:
         error = str(e)
     _agree(error, distributed)
-    with open(metrics_path, "a") if metrics_path is not None else _null() as metrics:
+    with open(metrics_path, "a") if metrics_path is not None else nullcontext() as metrics:
         for epoch in range(state.epoch, config.epochs):
             if state.history and state.history[-1]["diverged"]:
                 break
@@ -807,11 +807,6 @@ def train(
     if out is not None and run.rank == 0:
         write_json_atomic(out / "result.json", result)
     return result
-
-
-@contextmanager
-def _null() -> Iterator[None]:
-    yield None
 
 
 def _finite_mean(values: list[float]) -> float | None:

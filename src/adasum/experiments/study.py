@@ -74,7 +74,8 @@ class Design:
     evals_per_epoch: int = 8
     local_steps: int = 4
     slow_momentum: float = 0.5
-    only: Mapping[str, tuple[int, ...]] = field(default_factory=dict)  # method -> the worker counts it runs at
+    # method -> the worker counts it runs at (a read-only mapping: the designs are module-level constants)
+    only: Mapping[str, tuple[int, ...]] = field(default_factory=lambda: MappingProxyType({}))
     rule: tuple[str, ...] = ("mean-scaled", "adasum")  # run at sequential's picked base rate, untuned
     max_extensions: int = 2
     data_dir: str | None = None

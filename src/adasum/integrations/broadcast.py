@@ -33,10 +33,12 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from adasum.collectives.agreement import check_same_layout
+from adasum.checks.agreement import check_same_layout
 from adasum.core.layout import flatten, unflatten_into
 from adasum.integrations.delta import buckets
-from adasum.transport.groups import control_group, failures_named, group_device
+from adasum.transport.communicator import control_group
+from adasum.transport.errors import failures_named
+from adasum.transport.groups import group_device
 
 __all__ = ["broadcast_optimizer_state", "broadcast_parameters"]
 

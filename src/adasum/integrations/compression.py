@@ -27,7 +27,7 @@ import torch
 import torch.distributed as dist
 
 from adasum.reducers import Reducer
-from adasum.transport.groups import failures_named
+from adasum.transport.errors import failures_named
 
 FP8 = getattr(torch, "float8_e4m3fn", None)
 """torch's float8 e4m3 dtype where this torch has it (None otherwise)."""

@@ -63,13 +63,14 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from adasum.collectives.agreement import agree
-from adasum.collectives.nonfinite import NonFiniteError, apply_nonfinite_policy, check_policy
-from adasum.collectives.plan import prepare
+from adasum.checks.agreement import agree
+from adasum.checks.nonfinite import NonFiniteError, apply_nonfinite_policy, check_policy
+from adasum.checks.plan import prepare
 from adasum.core.statistics import StepStatistics
 from adasum.options import Nonfinite, check_number
 from adasum.reducers import Adasum, Reducer, get_reducer
-from adasum.transport.groups import communicator, failures_named, side_stream
+from adasum.transport.communicator import communicator, side_stream
+from adasum.transport.errors import failures_named
 
 HOOK_POLICIES = ("propagate", "raise")
 BATCH_MB = 256.0
@@ -232,7 +233,6 @@ class AdasumState:
         self.__dict__.update(state)
         self.group = None
         self.skipped_steps = int(state.get("skipped_steps", 0))
-        self._batch_mb = float(state.get("_batch_mb", BATCH_MB))  # BATCH_MB: a state pickled before batches existed
         self._reset_caches()
 
     def __repr__(self) -> str:
@@ -370,7 +370,7 @@ def _close_batch(state: AdasumState) -> None:
 
 def _agree_batch(state: AdasumState, batch: list[tuple[torch.Tensor, _BucketPlan, Any]]) -> None:
     """A batch's first call: every rank must combine the same segments (DDP buckets of another ``bucket_cap_mb``
-    on one rank differ here), checked across ranks once per batch (its plan, `adasum.collectives.plan`)."""
+    on one rank differ here), checked across ranks once per batch (its plan, `adasum.checks.plan`)."""
     sizes = [n for _, plan, _ in batch for n in plan.sizes]
     buffers = [buffer for buffer, _, _ in batch]
     prepare(buffers, state.group, config=("adasum_hook", repr(state.reducer)), operation="adasum_hook",

@@ -34,11 +34,12 @@ import torch
 import torch.distributed as dist
 
 from adasum import kernels
-from adasum.collectives.agreement import agree, describe
+from adasum.checks.agreement import agree, describe
 from adasum.core.layout import Scattered
 from adasum.core.statistics import StepStatistics
 from adasum.reducers import Reducer
-from adasum.transport.groups import communicator, failures_named, side_stream
+from adasum.transport.communicator import communicator, side_stream
+from adasum.transport.errors import failures_named
 
 IN_FLIGHT = 3
 """Delta slots: buckets whose deltas are computed, combined or applied at once on a GPU (module doc)."""
@@ -184,7 +185,7 @@ class DeltaCombiner:
     def check(self, params: list[torch.Tensor], operation: str, names: list[str] | None = None) -> None:
         """Every rank's parameters have the same dtypes, shapes and device type now, or the same ValueError on
         every rank naming the first parameter that differs, before anything is combined: one 24-byte all-reduce
-        on the checks' group (`adasum.collectives.agreement.agree`; a gather only on a difference). Run by the
+        on the checks' group (`adasum.checks.agreement.agree`; a gather only on a difference). Run by the
         wrappers before each combination, so that a model converted on one rank only (``model.double()``) is
         an error, not a combination of buffers of different sizes (which gloo answers by aborting the peer)."""
         if self.group is None and not dist.is_initialized() or dist.get_world_size(self.group) == 1:

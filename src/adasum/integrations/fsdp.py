@@ -33,7 +33,7 @@ shard, zero-padded to the same length on every shard rank, end to end. It combin
 across the replicate dimension with the reducer's sharded form (`Reducer.all_reduce_shards`),
 **per parameter over the whole parameter**, not per shard:
 
-* Adasum: the VHDD tree runs over the replicas holding the same shard (`Placement`), and the
+* Adasum: the VHDD tree runs over the replicas holding the same shard (`adasum.transport.topology.Topology`), and the
   per-parameter partial ``<a,b>``, ``|a|^2``, ``|b|^2`` of each level are summed over the shard
   group as well as over the replicas merged so far, so every shard applies the coefficients of
   the whole parameter (the padding adds nothing). The result, per parameter, is
@@ -54,12 +54,12 @@ parameter a zero gradient just before FSDP collects the unit's gradients (`fill_
 Before data moves, all ranks of the mesh have the same layouts (dtype and padded shard size of
 every trainable parameter, and FSDP's flags), or raise the same ValueError naming the first
 difference. `enable` checks it (one blocking agreement). Then each forward posts a probe, the
-signature of the layouts all-reduced on the checks' own gloo group without waiting; the
-backward's first reduction reads its result, long arrived: the same layouts everywhere need no
-round trip, a difference makes every rank run the blocking check, which raises. No host round
-trip is left in the reduction path. With ``include_unused=False`` FSDP leaves parameters without
-a gradient out, the layout depends on the batch, and every reduction of a unit checks its buffer
-(a host round trip per unit).
+signature of the layouts all-reduced on the checks' own gloo group without waiting
+(`adasum.checks.agreement.agree_async`); the backward's first reduction reads its result, long
+arrived: the same layouts everywhere need no round trip, a difference makes every rank run the
+blocking check, which raises. No host round trip is left in the reduction path. With
+``include_unused=False`` FSDP leaves parameters without a gradient out, the layout depends on the
+batch, and every reduction of a unit checks its buffer (a host round trip per unit).
 
 Not supported, refused with a clear error: a 1-D mesh (plain FSDP: there are no replicas to combine
 across; Adasum across the shard ranks themselves, each rank's micro-batch gradient a worker, is a
@@ -87,11 +87,12 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from adasum.collectives.agreement import agree, signature
+from adasum.checks.agreement import Agreement, agree, agree_async
 from adasum.options import check_flag, user_stacklevel
-from adasum.reducers import Reducer, ShardGroups, get_reducer
+from adasum.reducers import Reducer, get_reducer
 from adasum.settings import current
-from adasum.transport.groups import control_group, side_stream
+from adasum.transport.communicator import side_stream
+from adasum.transport.topology import ShardGroups, Topology, group_rank
 
 DIMS = ("replicate", "shard")
 
@@ -233,7 +234,7 @@ def fill_unused_grads(module: nn.Module) -> None:
 # --- the groups of the mesh ----------------------------------------------------------------------
 
 
-def mesh_groups(mesh: Any) -> ShardGroups:
+def mesh_groups(mesh: Any) -> Topology:
     """Check that `mesh` is a 2-D ("replicate", "shard") DeviceMesh and build its groups (collective)."""
     names = tuple(getattr(mesh, "mesh_dim_names", None) or ())
     if mesh.ndim == 1:
@@ -251,11 +252,7 @@ def mesh_groups(mesh: Any) -> ShardGroups:
     everyone = sorted(int(r) for r in ranks.reshape(-1).tolist())
     group = None if everyone == list(range(dist.get_world_size())) else dist.new_group(everyone)
     mine = mesh.get_local_rank("shard")
-
-    def group_rank(global_rank: int) -> int:
-        return global_rank if group is None else dist.get_group_rank(group, global_rank)
-
-    peers = tuple(group_rank(int(ranks[r, mine])) for r in range(replicas))
+    peers = tuple(group_rank(group, int(ranks[r, mine])) for r in range(replicas))
     return ShardGroups(group, mesh.get_group("replicate"), mesh.get_group("shard"), peers, int(replicas), int(shards))
 
 
@@ -279,21 +276,8 @@ def layout_entries(layouts: dict[str, tuple]) -> list[tuple]:
     return entries
 
 
-class _Probe:
-    """The signature of the units' layouts, all-reduced (MAX of it and of its negation) on the checks'
-    gloo group without waiting: posted at the forward, waited on at the backward's first reduction."""
-
-    def __init__(self, layouts: dict[str, tuple], group: dist.ProcessGroup | None) -> None:
-        self.layouts = layouts
-        sig = signature(list(layouts.items()))
-        self._values = torch.tensor([sig, -sig], dtype=torch.int64)
-        self._work = dist.all_reduce(self._values, op=dist.ReduceOp.MAX, group=control_group(group), async_op=True)
-
-    def same_everywhere(self) -> bool:
-        """Whether every rank of the group posted the same layouts (the same answer on every rank)."""
-        self._work.wait()
-        high, neg_low = self._values.tolist()
-        return high == -neg_low
+WHAT = "the FSDP units' gradient layouts"
+"""What the layout checks name (with the schedule-shaping settings, `adasum.settings.Settings.shaping`)."""
 
 
 # --- the hook ------------------------------------------------------------------------------------
@@ -312,7 +296,7 @@ class FSDPState:
     def __init__(
         self,
         reducer: Reducer,
-        groups: ShardGroups,
+        groups: Topology,
         units: Sequence[tuple[str, nn.Module]] = (),
         fills_unused: bool = False,
     ) -> None:
@@ -323,7 +307,7 @@ class FSDPState:
         self.reductions = 0
         self.agreements = 0
         self._agreed: dict[str, tuple] = {}  # each unit's layout, the same on every rank
-        self._probe: _Probe | None = None
+        self._probe: tuple[dict[str, tuple], Agreement] | None = None  # the forward's layouts, being compared
         self._tree_checked = False  # every unit of FSDP's tree has this state's hooks (`_check_tree`)
 
     def _layouts(self) -> dict[str, tuple]:
@@ -340,14 +324,14 @@ class FSDPState:
         ValueError on every rank names the first difference (collective)."""
         layouts = self._layouts()
         self.agreements += 1
-        agree(layout_entries(layouts), None, self.groups.group, "the FSDP units' gradient layouts", "adasum.fsdp",
-              current().shaping)  # the schedule-shaping settings too (`adasum.settings.Settings.shaping`)
+        agree(layout_entries(layouts), None, self.groups.group, WHAT, "adasum.fsdp", current().shaping)
         self._agreed = layouts
 
     def new_step(self, *_: Any) -> None:
         """The model's forward pre-hook: post this step's probe of the layouts (no wait)."""
         if torch.is_grad_enabled() and dist.get_world_size(self.groups.group) > 1:
-            self._probe = _Probe(self._layouts(), self.groups.group)
+            layouts = self._layouts()  # compared as `agree_layouts` compares them, without waiting
+            self._probe = (layouts, agree_async(layout_entries(layouts), None, self.groups.group, current().shaping))
 
     def _check_probe(self) -> None:
         """At a backward's first reduction: the forward's probe found the same layouts on every rank
@@ -355,8 +339,9 @@ class FSDPState:
         probe, self._probe = self._probe, None
         if probe is None:
             return
-        if probe.same_everywhere():
-            self._agreed = probe.layouts
+        layouts, posted = probe
+        if posted.same():
+            self._agreed = layouts
         else:
             self.agree_layouts()
 
@@ -457,7 +442,7 @@ def _units(model: nn.Module) -> list[tuple[str, Any]]:  # (name, a module that i
     return [(name or "<root>", m) for name, m in model.named_modules() if isinstance(m, FSDPModule)]
 
 
-def _check_sharding(model: nn.Module, mesh: Any, groups: ShardGroups) -> None:
+def _check_sharding(model: nn.Module, mesh: Any, groups: Topology) -> None:
     """Every parameter sharded by `fully_shard` on mesh['shard'] (public DTensor attributes only)."""
     from torch.distributed.tensor import DTensor
 

@@ -37,7 +37,7 @@ import torch  # noqa: E402
 from lightning.pytorch.overrides.distributed import _sync_module_states  # noqa: E402
 from lightning.pytorch.strategies import DDPStrategy, StrategyRegistry  # noqa: E402
 
-from adasum.collectives.nonfinite import check_policy  # noqa: E402
+from adasum.checks.nonfinite import check_policy  # noqa: E402
 from adasum.integrations.ddp import AdasumState  # noqa: E402
 from adasum.integrations.glue import FRAMEWORKS, check_state, register_hook, warn_one_process  # noqa: E402
 from adasum.integrations.loggers import PREFIX, HasStatistics, scalars  # noqa: E402

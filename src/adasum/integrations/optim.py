@@ -73,8 +73,8 @@ from typing import Any, cast
 import torch
 import torch.distributed as dist
 
-from adasum.collectives.agreement import Problem, agree, check_not_sharded, check_same_layout, describe, local_problem
-from adasum.collectives.nonfinite import apply_nonfinite_policy, check_policy, nonfinite_message
+from adasum.checks.agreement import Problem, agree, check_not_sharded, check_same_layout, describe, local_problem
+from adasum.checks.nonfinite import apply_nonfinite_policy, check_policy, nonfinite_message
 from adasum.core.layout import Scattered, flatten, unflatten_into
 from adasum.core.statistics import StepStatistics
 from adasum.integrations.compression import CompressedCombine, communication_dtype
@@ -91,7 +91,10 @@ from adasum.options import (
     reducer_of_op,
 )
 from adasum.reducers import Reducer, get_reducer
-from adasum.transport.groups import control_group, failures_named, group_device
+from adasum.transport.communicator import control_group
+from adasum.transport.errors import failures_named
+from adasum.transport.groups import group_device
+
 
 __all__ = ["DistributedOptimizer", "buckets", "check_same_parameters", "checksum", "nonfinite_message"]
 
@@ -275,7 +278,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
             (its name when the optimizer was given ``model.named_parameters()``) and the rank;
             "skip" skips the step on every rank (parameters, optimizer state and the round of
             local steps untouched) and counts it in ``skipped_steps``
-            (`adasum.collectives.nonfinite.apply_nonfinite_policy`). "raise" and "skip" cost one
+            (`adasum.checks.nonfinite.apply_nonfinite_policy`). "raise" and "skip" cost one
             8-byte all-reduce and a host synchronisation per step, which stops the host from
             queueing work ahead (docs/benchmarks.md), hence not the default.
         named_parameters: ``model.named_parameters()`` (as Horovod takes it): the names that error
@@ -718,7 +721,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
         """Indices of the parameters with a gradient on at least one rank, the same on every rank; ValueError on
         every rank when a gradient's dtype or shape differs across ranks (a model converted on one rank only).
 
-        Shaped like every check of the control group (`adasum.collectives.agreement.agree`), so that it can pair
+        Shaped like every check of the control group (`adasum.checks.agreement.agree`), so that it can pair
         only with checks: one all-reduce (MAX) of three int64 (a signature of this rank's presence, dtype and
         shape of every gradient, its negation, a flag); when the signatures differ, a gather of the descriptions
         gives the union of the indices, or the difference. A rank at another check (say `add_param_group` on one

@@ -31,8 +31,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from adasum.collectives.agreement import agree, local_problem
-from adasum.collectives.nonfinite import apply_nonfinite_policy, check_policy
+from adasum.checks.agreement import agree, local_problem
+from adasum.checks.nonfinite import apply_nonfinite_policy, check_policy
 from adasum.core.statistics import StepStatistics
 from adasum.integrations.compression import CompressedCombine, communication_dtype
 from adasum.integrations.delta import DeltaCombiner, buckets
@@ -40,7 +40,8 @@ from adasum.integrations.optim import check_same_parameters, check_wrappable, op
 from adasum.integrations.streaming import Streaming, make_group
 from adasum.options import Buffers, Nonfinite, check_count, check_flag, check_number, check_option, check_saved_settings
 from adasum.reducers import Mean, Reducer, get_reducer
-from adasum.transport.groups import failures_named, group_device
+from adasum.transport.errors import failures_named
+from adasum.transport.groups import group_device
 
 BUCKET_CAP_MB = 25.0
 """The largest delta slot of a sync with a per-tensor reducer, in MiB (`adasum.integrations.delta`)."""

@@ -27,7 +27,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from adasum.collectives.nonfinite import apply_nonfinite_policy
+from adasum.checks.nonfinite import apply_nonfinite_policy
 from adasum.integrations.delta import CombineFlat, DeltaCombiner, buckets
 
 FRAGMENT_KEY = 2**20

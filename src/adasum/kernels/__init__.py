@@ -10,6 +10,7 @@ parts of those tensors that the slice holds (whole tensors only when the slice i
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Sequence
 
 import torch
@@ -166,7 +167,7 @@ def subtract_into(out: torch.Tensor, tensors, base: torch.Tensor, tables: Addres
     """``out = tensors - base`` with `out` and `base` flat (the tensors end to end, each in its own shape and
     strides; a list or a `Scattered` view), rounded as ``torch.sub`` rounds: one kernel on GPUs with Triton when
     the tensors are contiguous, one op per tensor otherwise (a channels-last weight is read in its logical order).
-    `tables` keeps the list's tile addresses between calls (a group's, `adasum.transport.groups.Communicator`)."""
+    `tables` keeps the list's tile addresses between calls (a group's, `adasum.transport.communicator.Communicator`)."""
     triton_kernels, where, tensors = _in_place(tensors, out, tables)
     sizes = [t.numel() for t in tensors]
     if triton_kernels is not None:
@@ -192,3 +193,17 @@ def add_into(
         torch.add(b.view(t.shape), d.view(t.shape), out=t)
         if base_too:
             b.view(t.shape).copy_(t)
+
+
+def clear_device_caches() -> None:
+    """Empty the process's caches of small device tensors the kernels read: the tile tables
+    (`adasum.core.tiles.tiles`), the Triton tree kernels' pair tables and the single-process tree's segment counts
+    (`adasum.kernels.reduce`), where their modules are loaded (a CPU process never loads Triton's). A CUDA graph
+    that reads one keeps it (`adasum.core.keep`); `adasum.release` calls this after dropping the graphs."""
+    from adasum.core import tiles
+
+    tiles.clear_cache()
+    for name in ("adasum.kernels.triton", "adasum.kernels.reduce"):
+        module = sys.modules.get(name)
+        if module is not None:
+            module.clear_cache()

@@ -3,7 +3,7 @@ of tensors where it lies.
 
 A slice [lo, hi) of a `Scattered` buffer is named to a kernel by the address of each tile's first element
 (the tile table of its overlap lengths, `adasum.core.tiles.table`). Building one costs host work and a copy
-to the device, so each process group's communicator keeps an `AddressTables` (`adasum.transport.groups`):
+to the device, so each process group's communicator keeps an `AddressTables` (`adasum.transport.communicator`):
 a layout's first, eager call builds its tables and a CUDA graph capture of a later call finds them made.
 `adasum.release()` drops them with the communicator.
 """

@@ -92,6 +92,11 @@ def _segment_counts(counts: tuple[int, ...], tensors: int, device: torch.device)
     return torch.tensor(counts, dtype=torch.int64, device=device).repeat_interleave(tensors)
 
 
+def clear_cache() -> None:
+    """Forget the segment counts kept on devices (`adasum.kernels.clear_device_caches`)."""
+    _segment_counts.cache_clear()
+
+
 def reduce_stacked(stacked: torch.Tensor, sizes: Sequence[int]) -> torch.Tensor:
     """Adasum over the rows of `stacked` ([P, N]: P workers' flat buffers, each holding tensors of
     `sizes` elements end to end), per tensor, on the collective's tree. Returns the [N] result.

@@ -740,6 +740,11 @@ def _ops_tensor(ops: tuple[tuple[int, int, int, int], ...], device: torch.device
     return torch.tensor([x for op in ops for x in op], dtype=torch.int64, device=device)
 
 
+def clear_cache() -> None:
+    """Forget the trees' pair tables kept on devices (`adasum.kernels.clear_device_caches`)."""
+    _ops_tensor.cache_clear()
+
+
 def weighted_sum(rows: Sequence[torch.Tensor], weights: torch.Tensor, lengths: Sequence[int], out,
                  *more_outs: torch.Tensor) -> None:
     """``out = sum_j weights[j, seg] rows[j]`` per segment, in float64, stored in out's dtype: one kernel. `rows`

@@ -30,13 +30,20 @@ Rules chosen here (the paper leaves them open):
   (``per_tensor=False``); ``per_tensor=True`` gives each tensor its own coefficients and momentum.
   In a DDP communication hook each bucket is one call, so "whole model" means "whole bucket".
 
-Numerics: dot products and norms are accumulated in float64 whatever the dtype; coefficients are
-float64; the scaled gradient is computed in float32 or float64 (the wider of the tensor's dtype and
-float32) and written back in the tensor's dtype before the second all-reduce.
-
-Communication per call: two all-reduces of the gradient buffer (one flat buffer per dtype each,
-never one per tensor) and one all-gather of ``3 x S`` float64 values per rank (S = 1 whole-model,
-S = number of tensors per-tensor).
+Communication per call. A call on one flat buffer (`all_reduce_flat`, a DDP bucket; a list of one dtype) that fits
+one round of the slice-parallel schedule's rows (the memory budget, `adasum.settings`), in a group whose movers are
+NVLink's (every rank on one host; anywhere the settings put "slices" first), runs on those movers, as
+Adasum does (`adasum.collectives.slices`, the same code with AdaCons' weights as its rule): each rank receives
+every rank's copy of its slice, adds the slice's share of each tensor's Gram matrix of the N copies
+(``G_ij = <g_i, g_j>``, float64), one small all-reduce of the ``[N, N, T]`` sums gives every rank
+``<g_i, m> = (1/N) sum_j G_ij``, ``|g_i|^2 = G_ii`` and ``|m|^2 = (1/N^2) sum_ij G_ij``, hence the same
+weights, and one pass writes its slice of ``sum_i w_i g_i`` (float64, rounded once to the dtype), which the
+gather hands to every rank: the bytes of one all-reduce. Otherwise (several dtypes in one whole-model call,
+FSDP's shards, a buffer larger than a round): two all-reduces of the gradient buffer (one flat buffer per dtype
+each, never one per tensor) and one all-gather of ``3 x S`` float64 values per rank (S = 1 whole-model, S =
+number of tensors per-tensor), with dot products and norms accumulated in float64 and the scaled gradient computed
+in float32 or float64 (the wider of the tensor's dtype and float32) and written back in the tensor's dtype before
+the second all-reduce.
 
 Momentum state is kept per call site: one float64 ``[S, N]`` tensor per *layout key*, by default a
 digest of the call's tensor dtypes and element counts in order (``key=`` overrides it). So the
@@ -51,18 +58,24 @@ from __future__ import annotations
 import hashlib
 from collections.abc import Sequence
 from contextlib import ExitStack
-from typing import Any
+from typing import Any, cast
 
 import torch
 import torch.distributed as dist
 
 from adasum.collectives.api import fused_per_dtype
+from adasum.collectives.slices import SliceMover, rule_slices_
+from adasum.collectives.vhdd import transport_for
 from adasum.core import statistics
+from adasum.core.layout import Layout
 from adasum.core.operator import ZERO_NORM
 from adasum.kernels import dot_and_norms
 from adasum.options import Scale, check_number, check_option
-from adasum.reducers.base import Reducer, ShardGroups, check_state_keys, check_workers, is_float8, widened
-from adasum.transport.groups import failures_named
+from adasum.reducers.base import Reducer, check_state_keys, check_workers, is_float8, widened
+from adasum.settings import current
+from adasum.transport.errors import failures_named
+from adasum.transport.groups import uses_nccl
+from adasum.transport.topology import Topology
 
 # --- the coefficient math: pure functions on [S, N] float64 tensors (segments x workers), shared by
 # --- the single-process and the distributed forms
@@ -194,6 +207,24 @@ def layout_key(description: Sequence[tuple[torch.dtype, int]], per_tensor: bool)
     return f"{'tensor' if per_tensor else 'model'}:{len(description)}:{digest.hexdigest()}"
 
 
+class _GramWeights:
+    """AdaCons as a Gram rule of the slice-parallel schedule (`adasum.collectives.slices.GramRule`): from the
+    [P, P, T] Gram sums ``G_ij = <g_i, g_j>`` per tensor, ``<g_i, m> = (1/P) sum_j G_ij``, ``|g_i|^2 = G_ii`` and
+    ``|m|^2 = (1/P^2) sum_ij G_ij``, then the reducer's weights (`AdaCons._weights`: momentum, the key's state)."""
+
+    def __init__(self, reducer: AdaCons, key: str) -> None:
+        self.reducer, self.key = reducer, key
+
+    def weights(self, gram: torch.Tensor) -> torch.Tensor:
+        """The [P, T] weights of the P copies per tensor (the whole model's, repeated, unless `per_tensor`)."""
+        workers, _, count = gram.shape
+        dots = gram.sum(1) / workers  # [P, T]
+        sq_norms = torch.diagonal(gram, dim1=0, dim2=1)  # [T, P]
+        mean_sq = gram.sum((0, 1)) / workers**2  # [T]
+        weights = self.reducer._weights(self.key, dots.T.contiguous(), sq_norms.contiguous(), mean_sq)  # [S, P]
+        return weights.T.expand(workers, count).contiguous()
+
+
 class AdaCons(Reducer):
     """Adaptive consensus aggregation (module docstring for the formula and the rules).
 
@@ -322,15 +353,22 @@ class AdaCons(Reducer):
         count: int,
         group: dist.ProcessGroup | None,
         key: str,
+        shard: dist.ProcessGroup | None = None,
+        operation: str = "adasum.AdaCons.all_reduce",
     ) -> None:
-        """The distributed form over flat buffers; `indices[b]` places buffer b's tensors in call order (8-bit
-        floats combined in float32 and rounded once, `adasum.reducers.base.widened`)."""
+        """The distributed form over flat buffers, across the workers of `group`; `indices[b]` places buffer b's
+        tensors in call order. With a `shard` group (the sharded form), each buffer holds this rank's shards of the
+        tensors, and each worker's partial sums are first added up over its shard group (coefficients of the whole
+        tensors); every rank of the grid then computes the same weights. 8-bit floats are combined in float32 and
+        rounded once (`adasum.reducers.base.widened`)."""
         if count == 0:
             return
         if any(is_float8(f.dtype) for f in flats):
             with ExitStack() as stack:
                 wide = [stack.enter_context(widened(f)) for f in flats]
-                self._all_reduce_buffers(wide, sizes, indices, count, group, key)
+                self._all_reduce_buffers(wide, sizes, indices, count, group, key, shard, operation)
+            return
+        if shard is None and len(flats) == 1 and self._on_movers(flats[0], sizes[0], group, key, operation):
             return
         world = dist.get_world_size(group)
         rank = dist.get_rank(group)
@@ -338,17 +376,20 @@ class AdaCons(Reducer):
         partials = torch.zeros(3, count, dtype=torch.float64, device=device)
         for flat, segment_sizes, where in zip(flats, sizes, indices):
             mean = flat.clone()
-            with failures_named("adasum.AdaCons.all_reduce", "the mean all-reduce", group):
+            with failures_named(operation, "the mean all-reduce", group):
                 dist.all_reduce(mean, group=group)
             mean.div_(world)
             # rows: <g_i, m>, |g_i|^2, |m|^2 for each tensor of this buffer
             part = dot_and_norms(flat, mean, segment_sizes)  # float64 sums, no float64 copies
             partials[:, torch.tensor(where, dtype=torch.int64, device=device)] = part.to(device)
             del mean
+        if shard is not None and dist.get_world_size(shard) > 1:
+            with failures_named(operation, "the shard sums", shard):
+                dist.all_reduce(partials, group=shard)
         if not self.per_tensor:  # whole model: gather 3 numbers per rank, not 3 per tensor
             partials = partials.sum(1, keepdim=True)
         gathered = [torch.empty_like(partials) for _ in range(world)]
-        with failures_named("adasum.AdaCons.all_reduce", "the all-gather of dot products", group):
+        with failures_named(operation, "the all-gather of dot products", group):
             dist.all_gather(gathered, partials, group=group)
         stacked = torch.stack(gathered)  # [N, 3, T]
         # |m|^2 from rank 0 so that every rank uses the very same value
@@ -359,8 +400,32 @@ class AdaCons(Reducer):
                 scale_segments_(flat, mine[torch.tensor(where, dtype=torch.int64, device=mine.device)], segment_sizes)
             else:
                 scale_segments_(flat, mine, segment_sizes)
-            with failures_named("adasum.AdaCons.all_reduce", "the weighted-sum all-reduce", group):
+            with failures_named(operation, "the weighted-sum all-reduce", group):
                 dist.all_reduce(flat, group=group)
+
+    def _on_movers(self, flat: torch.Tensor, sizes: list[int], group: dist.ProcessGroup | None, key: str,
+                   operation: str) -> bool:
+        """One flat buffer on the slice-parallel schedule's movers (`adasum.collectives.slices.rule_slices_`, the
+        memory budget's rows; on NVLink symmetric memory): every rank's copy of its slice arrives, one pass adds
+        the slice's share of each tensor's Gram matrix of the P copies, one small all-reduce completes them, the
+        weights come from them (`_GramWeights`), and one pass writes the slice of ``sum_i w_i g_i`` that the gather
+        hands to every rank: the traffic of one all-reduce, not two. Where the movers are NVLink's (one host,
+        `adasum.transport.symmetric.supported`; elsewhere only where the settings put "slices" first, the test
+        suite's ``ADASUM_TEST_TRANSPORT``: on gloo the two all-reduces measured faster for a ResNet-50-shaped
+        bucket, docs/benchmarks.md). False where it does not run there, or the buffer needs several rounds of the
+        movers (the two all-reduces then run, `_all_reduce_buffers`)."""
+        if dist.get_world_size(group) == 1:
+            return False
+        if current().transport_first != "slices":
+            if not uses_nccl(group):
+                return False
+            from adasum.transport import symmetric  # loads Triton: never in a CPU process
+
+            if not symmetric.supported(group):
+                return False
+        mover = cast(SliceMover, transport_for(group, "slices", whole_group=True))
+        with failures_named(operation, "the slice-parallel schedule", group, mover.timeout):
+            return rule_slices_(flat, Layout(tuple(sizes)), mover, _GramWeights(self, key))
 
     # -- sharded: `Reducer.all_reduce_shards`
 
@@ -372,37 +437,16 @@ class AdaCons(Reducer):
     def check_shards(self, shards: int) -> None:
         """Any number of shards: the partials are summed over the shard group."""
 
-    def all_reduce_shards(self, buffer, sizes, groups: ShardGroups, *, key=None):
+    def all_reduce_shards(self, buffer, sizes, groups: Topology, *, key=None):
         """As `all_reduce_flat` over the replicate group, except that each replica's per-tensor partial
         ``<g_i, m>``, ``|g_i|^2``, ``|m|^2`` are first summed over its shard group (coefficients of the
-        whole tensors). `key` names the momentum state (default: the layout of the shards)."""
+        whole tensors): the one distributed form (`_all_reduce_buffers`) with the grid's shard group. `key`
+        names the momentum state (default: the layout of the shards)."""
         check_key(key, "adasum.AdaCons.all_reduce_shards")
         sizes = [int(n) for n in sizes]
         key = self._key([(buffer.dtype, n) for n in sizes], key)
-        if is_float8(buffer.dtype):  # in float32, rounded once (`adasum.reducers.base.widened`)
-            with widened(buffer) as wide:
-                self.all_reduce_shards(wide, sizes, groups, key=key)
-            return
-        replicas = groups.replicas
-        mean = buffer.clone()
-        with failures_named("adasum.AdaCons.all_reduce_shards", "the mean all-reduce", groups.replicate):
-            dist.all_reduce(mean, group=groups.replicate)
-        mean.div_(replicas)
-        partials = dot_and_norms(buffer, mean, sizes)  # [3, T] float64: <g, m>, |g|^2, |m|^2 over my shards
-        del mean
-        if groups.shards > 1:
-            with failures_named("adasum.AdaCons.all_reduce_shards", "the shard sums", groups.shard):
-                dist.all_reduce(partials, group=groups.shard)
-        if not self.per_tensor:
-            partials = partials.sum(1, keepdim=True)
-        gathered = [torch.empty_like(partials) for _ in range(replicas)]
-        with failures_named("adasum.AdaCons.all_reduce_shards", "the all-gather of dot products", groups.replicate):
-            dist.all_gather(gathered, partials, group=groups.replicate)
-        stacked = torch.stack(gathered)  # [N, 3, T], the same on every rank of the grid
-        weights = self._weights(key, stacked[:, 0].T, stacked[:, 1].T, stacked[0, 2])
-        scale_segments_(buffer, weights[:, dist.get_rank(groups.replicate)], sizes)
-        with failures_named("adasum.AdaCons.all_reduce_shards", "the weighted-sum all-reduce", groups.replicate):
-            dist.all_reduce(buffer, group=groups.replicate)
+        self._all_reduce_buffers([buffer], [sizes], [list(range(len(sizes)))], len(sizes), groups.replicate, key,
+                                 groups.shard, "adasum.AdaCons.all_reduce_shards")
 
     # -- state
 

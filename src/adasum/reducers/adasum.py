@@ -10,11 +10,12 @@ import torch.distributed as dist
 
 from adasum.collectives import hierarchical
 from adasum.collectives.api import adasum_list_, list_transport
-from adasum.collectives.vhdd import Placement, adasum_flat_
+from adasum.collectives.vhdd import adasum_flat_
 from adasum.core.layout import group_by_dtype
 from adasum.core.operator import check_floating
 from adasum.kernels.reduce import reduce_stacked
-from adasum.reducers.base import Reducer, ShardGroups, check_workers
+from adasum.reducers.base import Reducer, check_workers
+from adasum.transport.topology import Topology
 
 
 def _per_dtype_whole(whole: Reducer, per_worker, count: int) -> list[torch.Tensor]:
@@ -131,8 +132,8 @@ class Adasum(Reducer):
                 "(shard means are combined across replicas); use Adasum() without hierarchical"
             )
 
-    def all_reduce_shards(self, buffer, sizes, groups: ShardGroups, *, key=None):
-        """The VHDD tree over the replicas holding this rank's shard (`Placement`); each level's per-tensor
+    def all_reduce_shards(self, buffer, sizes, groups: Topology, *, key=None):
+        """The VHDD tree over the replicas holding this rank's shard (`groups.peers`); each level's per-tensor
         partial ``<a,b>``, ``|a|^2``, ``|b|^2`` are summed over the shard group too, so every shard applies
         the coefficients of the whole tensor. One shard per replica: the replicate group's own tree, on
         the transport `adasum.all_reduce` picks there."""
@@ -140,7 +141,7 @@ class Adasum(Reducer):
         if groups.shards == 1:
             adasum_flat_(buffer, segments, groups.replicate)
         else:
-            adasum_flat_(buffer, segments, groups.group, Placement(groups.peers, 0))
+            adasum_flat_(buffer, segments, groups.group, groups.at(0))
 
     def __getstate__(self) -> dict[str, Any]:
         # process groups do not pickle; they are rebuilt on first use

@@ -12,7 +12,7 @@ list do they agree on? Each reducer has two forms that compute the same thing:
 Both distributed forms first check, with one small all-reduce, that every rank passed the same
 layout (count, shapes or sizes, dtypes, device type) and that no rank's input has a local problem
 (sparse, non-floating, wrong device, a tensor that requires grad, overlapping views): the same
-ValueError or TypeError on every rank, before any data moves (`adasum.collectives.agreement`).
+ValueError or TypeError on every rank, before any data moves (`adasum.checks.agreement`).
 ``check_layout=False`` skips it, for callers that verified a fixed layout once (the optimizer
 wrappers at construction, the DDP hook, whose buckets DDP keeps identical). A failure of the
 communication itself (a dead or stalled peer) raises `adasum.CollectiveError` on every reducer.
@@ -48,31 +48,17 @@ import difflib
 import operator
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
-from dataclasses import dataclass
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
-from adasum.collectives.agreement import tensor_list
+from adasum.checks.agreement import tensor_list
+from adasum.checks.plan import prepare
 from adasum.collectives.api import fused_per_dtype
-from adasum.collectives.plan import prepare
-from adasum.transport.groups import check_group, reducer_names
-
-
-@dataclass(frozen=True)
-class ShardGroups:
-    """A grid of `replicas` x `shards` ranks, as one rank sees it: each replica holds every tensor,
-    split over the `shards` ranks of its `shard` group; `replicate` holds the ranks with this rank's
-    shard, one per replica. `group` holds every rank of the grid (None: the default group);
-    `peers` are the `group` ranks of `replicate`, in replica order."""
-
-    group: dist.ProcessGroup | None
-    replicate: dist.ProcessGroup
-    shard: dist.ProcessGroup
-    peers: tuple[int, ...]
-    replicas: int
-    shards: int
+from adasum.transport.groups import check_group
+from adasum.transport.topology import ShardGroups as ShardGroups  # its public path, `adasum.reducers.ShardGroups`
+from adasum.transport.topology import Topology
 
 
 class Reducer:
@@ -117,7 +103,7 @@ class Reducer:
 
         With `check_layout` (default) every call first checks that every rank passed the same
         count, shapes, dtypes and device type to the same reducer with the same options, and that
-        no rank's input has a local problem (`adasum.collectives.plan`); the same ValueError/TypeError
+        no rank's input has a local problem (`adasum.checks.plan`); the same ValueError/TypeError
         on every rank names the first difference or problem. Local problems are looked for even with
         ``check_layout=False`` (then raised on this rank only). A dead peer raises
         `adasum.CollectiveError`. `options` are the reducer's `call_options` (AdaCons: ``key``); any
@@ -180,7 +166,7 @@ class Reducer:
         what: str,
         options: dict[str, Any],
     ) -> None:
-        """The call's plan (`adasum.collectives.plan.prepare`): the reducer, its options and the layout agree
+        """The call's plan (`adasum.checks.plan.prepare`): the reducer, its options and the layout agree
         across ranks on every call (with `check_layout`), local problems are raised."""
         check_group(group, operation)
         config = (operation, repr(self), repr(sorted(options.items())))
@@ -206,7 +192,7 @@ class Reducer:
             )
 
     def all_reduce_shards(
-        self, buffer: torch.Tensor, sizes: Sequence[int], groups: ShardGroups, *, key: str | None = None
+        self, buffer: torch.Tensor, sizes: Sequence[int], groups: Topology, *, key: str | None = None
     ) -> None:
         """In place across the replicas of `groups`: `buffer` holds this rank's shard of each tensor of
         `sizes` (shard sizes, end to end; zero padding adds nothing), combined per whole tensor.
@@ -321,10 +307,18 @@ def check_state_keys(reducer: Reducer, state: Any, keys: Iterable[str]) -> None:
     )
 
 
+_REDUCERS: dict[str, type[Reducer]] = {}
+"""The reducer classes by name (`register`): process-wide, never released (a name outlives every process group)."""
+
+
+def reducer_names() -> dict[str, type[Reducer]]:
+    """The reducer classes by name (`register` adds to it)."""
+    return _REDUCERS
+
+
 def register(name: str, cls: type[Reducer]) -> None:
-    """Make `cls` available by `name` to every place that takes a reducer name (kept in the package's one
-    registry, `adasum.transport.groups`)."""
-    reducer_names()[name] = cls
+    """Make `cls` available by `name` to every place that takes a reducer name (`reducer_names`)."""
+    _REDUCERS[name] = cls
 
 
 def get_reducer(reducer: str | Reducer) -> Reducer:

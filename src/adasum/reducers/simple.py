@@ -6,7 +6,8 @@ import torch
 import torch.distributed as dist
 
 from adasum.reducers.base import Reducer, check_workers, is_float8, widened
-from adasum.transport.groups import failures_named, uses_nccl
+from adasum.transport.errors import failures_named
+from adasum.transport.groups import uses_nccl
 
 
 def _summed(copies: list[torch.Tensor], divisor: int = 1) -> torch.Tensor:

@@ -12,15 +12,11 @@ import torch
 import torch.distributed as dist
 
 from adasum.transport.base import GatherStep, Level, PointToPoint
+from adasum.transport.topology import global_rank
 
 # the collectives into and out of one tensor: torch >= 2.13 names them ``*_single`` (its old names warn)
 all_gather_single = getattr(dist, "all_gather_single", dist.all_gather_into_tensor)
 reduce_scatter_single = getattr(dist, "reduce_scatter_single", dist.reduce_scatter_tensor)
-
-
-def global_rank(group: dist.ProcessGroup | None, group_rank: int) -> int:
-    """The global rank of `group_rank` in `group` (None: the default group)."""
-    return group_rank if group is None else dist.get_global_rank(group, group_rank)
 
 
 def post(
@@ -48,18 +44,6 @@ def wait(works, timeout: timedelta | None = None) -> None:
     for work in works:
         if work is not None:
             work.wait() if timeout is None else work.wait(timeout)
-
-
-def exchange(
-    send: torch.Tensor | None,
-    recv: torch.Tensor | None,
-    peer: int,
-    group: dist.ProcessGroup | None,
-    timeout: timedelta | None = None,
-) -> None:
-    """Send `send` to and receive `recv` from `peer` (a group rank), and wait for both."""
-    send_works, recv_works = post([] if send is None else [send], [] if recv is None else [recv], peer, group)
-    wait(send_works + recv_works, timeout)
 
 
 class PointToPointC10d(PointToPoint):

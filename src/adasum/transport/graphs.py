@@ -9,7 +9,7 @@ replays the graph from then on. The key names everything the launches depend on:
 strides and dtypes; so "the same key" means "the same launches", and replaying reads whatever the
 tensors hold now. A call made while a run is under way runs eagerly into it (no nested capture).
 
-Each process group's communicator (`adasum.transport.groups.Communicator`) holds one `Graphs` and
+Each process group's communicator (`adasum.transport.communicator.Communicator`) holds one `Graphs` and
 reaches it through `Communicator.run`, the only capture point of the package. Every rank must take
 the same path (eager, capture, replay) at the same call, as every rank calls with its own copies of
 the same layout; captures are collective (NCCL ops inside a graph pair with their peers' at
@@ -21,7 +21,7 @@ A key's graph is captured when *this* rank sees it the second time, and keys hol
 from rank to rank: one rank may replay a call that its peer runs eagerly or captures. That is safe while
 both run against the same symmetric buffers; so when a symmetric buffer is outgrown (a collective step that
 every rank of its group takes at the same call), the device is drained and every group's graphs are dropped
-(`Graphs.clear`, from `adasum.transport.groups.retire_graphs`; a graph of one group may point into another's
+(`Graphs.clear`, from `adasum.transport.communicator.retire_graphs`; a graph of one group may point into another's
 buffers, as the two tiers' do): a graph replayed on
 the old buffer against a peer running on the new one would wait at a signal pad the peer never sets (this
 hung FSDP2's reductions, whose buffers the caching allocator places differently on each rank).
@@ -170,7 +170,7 @@ class Graphs:
 
     def clear(self) -> None:
         """Forget every graph and sighting, and free each graph (`CudaCapture.free`), evicted ones that something
-        still refers to included; the callers have drained the device first (`adasum.transport.groups.release`,
+        still refers to included; the callers have drained the device first (`adasum.transport.communicator.release`,
         `retire_graphs`)."""
         for graph in [*(g for g in self._graphs.values() if g is not _FAILED), *self._evicted]:
             self.backend.free(graph)

@@ -1,11 +1,7 @@
-"""Facts about a torch.distributed process group that the collectives need: the device its
-backend works on, the timeout it was created with, and clear errors when one of its steps fails.
-
-On gloo a wait on a dead peer fails at once ("Connection closed by peer") and a wait on a stalled
-peer fails when the group's timeout runs out; both point-to-point ``work.wait()`` and collectives
-use the group's timeout. `failures_named` turns those transport errors into a `CollectiveError`
-that says which step, level and peer failed, and after how long; any other error (a local one:
-autograd, out of memory, a bad argument) passes through as itself (`is_transport_error`).
+"""Facts about a torch.distributed process group that the collectives need: the device its backend works on
+(`group_device`, `uses_nccl`, `accepts`), the timeout it was created with (`group_timeout`), and the refusal of
+what is not a group (`check_group`). The communicator each group gets (`adasum.transport.communicator`) and the
+errors its steps raise (`adasum.transport.errors`) stand on these.
 
 Exit: a process that ran gloo collectives can abort at interpreter exit ("terminate called without
 an active exception", SIGABRT), and torchrun then reports a finished job as failed. Seen under gdb:
@@ -19,294 +15,24 @@ first time adasum works on a process group it registers an exit handler that, wh
 interpreter is still whole, gives gloo's threads a moment (with the GIL released) to
 finish releasing their last work, then destroys the process groups if they use gloo only (NCCL
 groups are left to their owner: destroying them at exit can wait on peers that are gone).
+
+The first half of that handler is the communicators' (`adasum.transport.communicator`: the guards stopped, the
+control groups let go), registered after this one so that it runs first (``atexit`` runs the last registered
+first).
 """
 
 from __future__ import annotations
 
 import atexit
 import functools
-import re
-import sys
-import threading
 import time
-import warnings
-import weakref
-from collections import OrderedDict
-from collections.abc import Callable, Hashable, Iterator
-from contextlib import contextmanager
 from datetime import timedelta
-from typing import Any
 
 import torch
 import torch.distributed as dist
 
-from adasum.kernels.addresses import AddressTables
-from adasum.options import user_stacklevel
-from adasum.transport.graphs import Graphs
-
-
-class CollectiveError(RuntimeError):
-    """A collective step failed: a peer died, stalled past the group's timeout, or the link broke.
-
-    The message names the operation, the step, the level and peer, and the timeout; the
-    transport's own error is chained as ``__cause__``. The process group is unusable afterwards:
-    destroy it (or exit) and restart, e.g. under torchrun's restarts.
-    """
-
-
 EXIT_DRAIN_S = 0.05
 """How long the exit handler lets gloo's threads release their last work (microseconds suffice)."""
-
-MOVED_CALLS = 8
-"""List calls in a row of one layout re-made at new addresses (each run eagerly) before a group's communicator warns
-(`Communicator.run`): a repeated call replays its CUDA graph only where its tensors lie where they lay."""
-
-
-class Workspace:
-    """Reusable host buffers of one group's collectives. Large fresh CPU allocations are returned to the OS on
-    free and page-fault anew on every call (about as slow as the data exchange itself), so the CPU path keeps
-    its fusion and receive buffers; CUDA's caching allocator already does this on GPUs. One per group: two
-    threads that drive two groups never share one."""
-
-    def __init__(self) -> None:
-        self._buffers: dict[tuple[str, torch.dtype], torch.Tensor] = {}
-
-    def get(self, name: str, numel: int, like: torch.Tensor) -> torch.Tensor:
-        """A buffer of `numel` elements like `like` for `name` (kept and reused on the CPU, fresh on GPUs)."""
-        if like.device.type != "cpu":
-            return torch.empty(numel, dtype=like.dtype, device=like.device)
-        key = (name, like.dtype)
-        buf = self._buffers.get(key)
-        if buf is None or buf.numel() < numel:
-            buf = torch.empty(numel, dtype=like.dtype)
-            self._buffers[key] = buf
-        return buf[:numel]
-
-
-class Communicator:
-    """Everything adasum keeps for one process group, made on the group's first collective
-    (`communicator`) and dropped by `release`: the transports (built once per name), the checks'
-    control group, the plans per layout (`adasum.collectives.plan`), the captured CUDA graphs and
-    their one capture point (`run`), the symmetric memory (`adasum.transport.symmetric.SymmetricPool`),
-    the tile addresses of lists the kernels read in place (`adasum.kernels.addresses.AddressTables`),
-    the CPU workspaces, and the guard thread of the deferred checks (stopped by `clear`).
-
-    Calls on one group must come from one thread at a time (as torch.distributed's own collectives
-    must: their order pairs them across ranks); different groups may run on different threads.
-    """
-
-    def __init__(self, group: dist.ProcessGroup | None) -> None:
-        self.group = group
-        self.transports: dict[Hashable, Any] = {}
-        self.control: dist.ProcessGroup | None = None
-        self.plans: dict[Hashable, Any] = {}
-        self.plans_built = 0
-        self.graphs = Graphs()
-        self.symmetric: Any = None  # the group's `SymmetricPool`, made by its first symmetric transport
-        self.tiles = AddressTables()
-        self.workspace = Workspace()
-        # the recent captured list calls, by (number of tensors, first tensor's address): their replays skip the plan
-        # look-up (`adasum.collectives.api`)
-        self.recent: OrderedDict[tuple[int, int], Any] = OrderedDict()
-        self.guard: Any = None  # the thread that compares deferred checks (`adasum.collectives.guard`)
-        # the last list call's plan, a weak reference to its first tensor, and how many list calls in a row of that
-        # plan ran eagerly on tensors re-made at new addresses (`run`, `_note_moves`)
-        self._moves: tuple[Hashable, Any, int] = (None, None, 0)
-
-    def transport(self, key: Hashable, build: Callable[[], Any]) -> Any:
-        """The transport of `key`, built once (`build()`) for this group."""
-        found = self.transports.get(key)
-        if found is None:
-            found = self.transports[key] = build()
-        return found
-
-    def run(
-        self, plan: Hashable, where: Hashable, fn: Callable[[], None], device: torch.device,
-        first: torch.Tensor | None = None,
-    ) -> Hashable:
-        """`fn()` eagerly, captured into a CUDA graph, or replayed (`adasum.transport.graphs`): the package's one
-        capture point. `plan` names the call's layout and configuration (`adasum.collectives.plan.Plan.key`, or
-        the schedule's), `where` the tensors (`adasum.transport.graphs.tensor_key`). A call made while another
-        runs (the schedule inside a captured list call or hook) runs eagerly into it. `first`: a list call's first
-        tensor, for the warning on tensors re-made at new addresses (`_note_moves`). Returns the graph's key."""
-        key = (plan, where)
-        first_sight = self.graphs.run(key, fn, device)
-        if first is not None:
-            self._note_moves(plan, first, first_sight)
-        return key
-
-    def _note_moves(self, plan: Hashable, first: torch.Tensor, first_sight: bool) -> None:
-        """Count a list call on tensors whose first is `first` where it ran eagerly as a first sighting
-        (`first_sight`) of the last list call's `plan` at new addresses while that call's tensors are gone
-        (re-made, as gradients after ``zero_grad()``; other live lists of one layout, as per-block calls, do not
-        count), and warn once `MOVED_CALLS` such calls come in a row: a graph replays only where its tensors lay."""
-        last_plan, last_first, count = self._moves
-        moved = first_sight and plan == last_plan and last_first is not None and last_first() is None
-        self._moves = (plan, weakref.ref(first), count + 1 if moved else 0)
-        if moved and count + 1 == MOVED_CALLS:
-            warnings.warn(
-                f"adasum: {MOVED_CALLS} calls in a row of the same layout found its tensors re-made at new addresses, "
-                "so each ran eagerly, with its full host work, rather than replaying a captured CUDA graph; pass the "
-                "same tensors every call (optimizer.zero_grad(set_to_none=False) keeps gradients where they lie), or "
-                "combine through adasum.DistributedOptimizer or the DDP hook, which keep their own buffers",
-                RuntimeWarning, stacklevel=user_stacklevel(),
-            )
-
-    def retire_graphs(self) -> None:
-        """Drop the graphs captured so far (`adasum.transport.graphs.Graphs.clear`: every key starts again from an
-        eager call), and the recent list calls': a symmetric buffer they may load and store at was outgrown, and the
-        device has drained (`retire_graphs`)."""
-        self.graphs.clear()
-        self.recent.clear()
-
-    def control_group(self) -> dist.ProcessGroup | None:
-        """See `control_group`."""
-        if self.group is not None and self.group is not dist.GroupMember.WORLD:
-            return self.group
-        if self.control is None:
-            self.control = dist.new_group(timeout=group_timeout(None), backend="gloo")
-        return self.control
-
-    def clear(self) -> BaseException | None:
-        """Drop everything, and destroy the control group this communicator made (local but for the guard's fence,
-        `adasum.collectives.guard.Guard.stop`). Returns the guard's fatal divergence that no call raised, if any."""
-        undelivered = None
-        if self.control is not None and dist.is_initialized():
-            _registry.destroy(self.control)
-        self.graphs.clear()  # first: a captured graph loads and stores at the symmetric buffers' addresses
-        if self.symmetric is not None:
-            self.symmetric.release()
-        self.symmetric = None
-        self.tiles.clear()
-        self.transports.clear()
-        self.plans.clear()
-        if self.guard is not None:
-            undelivered = self.guard.stop()
-            self.guard = None
-        self.recent.clear()
-        self.control = None
-        return undelivered
-
-
-class _Registry:
-    """The package's one piece of process-wide mutable state: communicators by process group, side
-    streams by device, the reducer classes by name (`adasum.reducers.register`), how many guard threads each
-    group name had (`adasum.collectives.guard`; never emptied), and whether the exit
-    handler and the teardown hook are in place. `release` empties the first two."""
-
-    def __init__(self) -> None:
-        self.lock = threading.Lock()
-        self.communicators: dict[dist.ProcessGroup, Communicator] = {}
-        self.streams: dict[tuple[torch.device, str], torch.cuda.Stream] = {}
-        self.reducers: dict[str, type] = {}
-        self.guards_made: dict[str, int] = {}
-        self.exit_handler = False
-        self.teardown_hook = False
-        self.destroy = dist.destroy_process_group  # torch's own, also once the teardown hook wraps it
-
-
-_registry = _Registry()
-
-
-def next_guard(name: str) -> int:
-    """The number of the next guard thread of the group named `name` in this process (0, 1, ...): a group's next
-    guard (after `adasum.release`) rendezvouses on a fresh store prefix, never on the keys of the one before."""
-    with _registry.lock:
-        made = _registry.guards_made[name] = _registry.guards_made.get(name, -1) + 1
-    return made
-
-
-def retire_graphs() -> None:
-    """Every group's `Communicator.retire_graphs`: a symmetric buffer was outgrown, and a graph of one group may
-    point into another's buffers (the two tiers' outer call runs the node group's mover). Retiring is local and
-    only costs a capture again; it never makes a rank's launches differ from its peers'."""
-    with _registry.lock:
-        comms = list(_registry.communicators.values())
-    for comm in comms:
-        comm.retire_graphs()
-
-
-def reducer_names() -> dict[str, type]:
-    """The reducer classes by name (`adasum.reducers.register` adds to it)."""
-    return _registry.reducers
-
-
-def _resolved(group: dist.ProcessGroup | None) -> dist.ProcessGroup:
-    return group if group is not None else dist.distributed_c10d._get_default_group()
-
-
-def communicator(group: dist.ProcessGroup | None = None) -> Communicator:
-    """The communicator of `group` (None: the default group), made on first use (thread-safe)."""
-    pg = _resolved(group)
-    found = _registry.communicators.get(pg)
-    if found is not None:
-        return found
-    with _registry.lock:
-        found = _registry.communicators.get(pg)
-        if found is None:
-            _install_teardown_hook()
-            default = pg is dist.distributed_c10d._get_default_group()
-            found = _registry.communicators[pg] = Communicator(None if default else pg)
-        return found
-
-
-def release(group: dist.ProcessGroup | None = None) -> None:
-    """Drop what adasum keeps for process groups: captured CUDA graphs, then symmetric buffers, then
-    transports, control groups, plans, tile addresses, workspaces, side streams, and the guard threads of
-    deferred checks (each first compares what it was given with its peers', which gave it the same).
-    Otherwise local (no collective). With a `group`, only that group's communicator goes; if it holds
-    symmetric memory, every group's captured graphs go first (a graph of one group may point into another's
-    buffers: hierarchical mode's node groups).
-
-    For teardown: ``torch.distributed.destroy_process_group`` calls it first (once adasum has worked on
-    a group). Collectives after a full release are not supported on GPUs: a benchmark that released
-    between two models and went on training hung in the second model's first steps.
-
-    With deferred checks (`adasum.collectives.plan`) each guard first compares what was posted and the number of
-    calls with its peers' (they do the same in their own release, or barrier): a divergence that no call raised yet
-    (found within the last `adasum.collectives.guard.LAG` calls, or ranks that made different numbers of calls) is
-    raised as its ValueError on every rank, once everything is dropped. A call of another thread still waiting for
-    a guard's verdict raises RuntimeError.
-
-    A `group` that is not a process group (nor None) raises TypeError.
-
-    >>> adasum.release()  # doctest: +SKIP
-
-    On one process (a group of one rank):
-
-    >>> import torch.distributed as dist
-    >>> from adasum.transport.groups import communicator
-    >>> dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
-    >>> adasum.all_reduce([torch.ones(2)])
-    >>> kept = communicator()                  # what adasum keeps for the default group
-    >>> adasum.release()
-    >>> communicator() is kept                 # dropped: the next use makes a new one
-    False
-    >>> dist.destroy_process_group()
-    """
-    check_group(group, "adasum.release")
-    with _registry.lock:
-        if group is not None:
-            found = _registry.communicators.pop(_resolved(group), None)
-            if found is None:
-                return
-            shared = found.symmetric is not None and found.symmetric.held() > 0
-            others = list(_registry.communicators.values()) if shared else []
-            _synchronize_if(found.graphs.count() > 0 or any(c.graphs.count() for c in others))
-            for comm in others:
-                comm.graphs.clear()
-            undelivered = found.clear()
-        else:
-            comms = list(_registry.communicators.values())
-            _synchronize_if(any(c.graphs.count() for c in comms))
-            for comm in comms:  # every graph before any buffer (a graph may point into another group's buffers)
-                comm.graphs.clear()
-            kept = [comm.clear() for comm in comms]
-            undelivered = next((error for error in kept if error is not None), None)
-            _registry.communicators.clear()
-            _registry.streams.clear()
-    if undelivered is not None:
-        raise undelivered
 
 
 def check_group(group: object, operation: str) -> None:
@@ -315,89 +41,17 @@ def check_group(group: object, operation: str) -> None:
         raise TypeError(f"{operation}: group must be a torch.distributed ProcessGroup or None, got {group!r}")
 
 
-def _synchronize_if(graphs_alive: bool) -> None:
-    if graphs_alive and torch.cuda.is_available():
-        torch.cuda.synchronize()
-
-
-def _install_teardown_hook() -> None:
-    """Make ``torch.distributed.destroy_process_group`` call `release` first (a process hung in
-    ``destroy_process_group`` with a captured graph alive; the group is destroyed even where `release` raises a
-    divergence its guard found), and ``torch.distributed.barrier`` fence the group's guard first
-    (`adasum.collectives.guard.Guard.fence`: a divergence no call raised yet is raised before the barrier)."""
-    if _registry.teardown_hook:
-        return
-    _registry.teardown_hook = True
-    original = _registry.destroy = dist.destroy_process_group
-    barrier = dist.barrier
-
-    def destroy_process_group(group=None, *args, **kwargs):
-        try:
-            release(group)
-        finally:
-            original(group, *args, **kwargs)
-
-    @functools.wraps(barrier)  # torch's name, signature and documentation
-    def fenced_barrier(group=None, *args, **kwargs):
-        if dist.is_initialized() and (group is None or isinstance(group, dist.ProcessGroup)):
-            found = _registry.communicators.get(_resolved(group))
-            guard = found.guard if found is not None else None
-            if guard is not None:
-                guard.fence()
-        return barrier(group, *args, **kwargs)
-
-    destroy_process_group.__wrapped__ = original  # type: ignore[attr-defined]
-    dist.destroy_process_group = destroy_process_group
-    dist.distributed_c10d.destroy_process_group = destroy_process_group
-    dist.barrier = fenced_barrier
-    dist.distributed_c10d.barrier = fenced_barrier
-
-
-def _destroy_gloo_groups() -> None:
-    """At interpreter exit (module doc): stop the guards of deferred checks, let gloo's threads finish, then destroy
-    gloo-only groups."""
-    with _registry.lock:
-        for comm in _registry.communicators.values():
-            if comm.guard is not None:
-                guard = comm.guard
-                undelivered = guard.stop(guard.EXIT_FENCE_S)  # its gloo group is gone with its thread
-                comm.guard = None
-                if guard.alive():
-                    undelivered = RuntimeError(
-                        f"the deferred layout check could not compare the last calls with every peer within "
-                        f"{guard.EXIT_FENCE_S:g} s (a peer gone, stalled or still running)"
-                    )
-                if undelivered is not None:  # one write: a whole line beside the other ranks' under torchrun
-                    sys.stderr.write(f"adasum: at exit: {undelivered}\n")
-                    sys.stderr.flush()
+def _drain_and_destroy() -> None:
+    """At interpreter exit (module doc): let gloo's threads finish, then destroy gloo-only groups."""
     time.sleep(EXIT_DRAIN_S)  # releases the GIL: a thread releasing its last work can take it
-    with _registry.lock:
-        for comm in _registry.communicators.values():
-            comm.control = None  # no reference of ours keeps a group (and its threads) alive
     if dist.is_available() and dist.is_initialized() and dist.get_backend() == "gloo":
         dist.destroy_process_group()
 
 
-def _register_exit_handler() -> None:
-    if not _registry.exit_handler:
-        atexit.register(_destroy_gloo_groups)
-        _registry.exit_handler = True
-
-
-def side_stream(device: torch.device, purpose: str) -> torch.cuda.Stream:
-    """One CUDA stream per device and `purpose`, made on first use: "comm" for collectives that overlap the
-    compute stream (the DDP hook, `DistributedOptimizer`), "fsdp" for `adasum.fsdp`'s reductions, "copies" for
-    the symmetric transport's staging copies (which overlap its own kernels, on whatever stream those run),
-    "pushes" for the in-place mover's stores of results into its peers, "signals" for its barriers, "stores" for
-    the slice mover's stores of the next round beside the current round's math (`adasum.transport.symmetric`).
-    "stores" has the high priority: a copy kernel beside a kernel bound by local memory overlaps it only when its
-    blocks are scheduled first."""
-    key = (torch.device(device), purpose)
-    stream = _registry.streams.get(key)
-    if stream is None:
-        priority = -1 if purpose == "stores" else 0  # lower is higher (out of range: the nearest valid one)
-        stream = _registry.streams[key] = torch.cuda.Stream(key[0], priority=priority)
-    return stream
+@functools.cache
+def register_exit_handler() -> None:
+    """Register the exit handler of the module doc, once per process."""
+    atexit.register(_drain_and_destroy)
 
 
 def uses_nccl(group: dist.ProcessGroup | None = None) -> bool:
@@ -421,26 +75,10 @@ def group_device(group: dist.ProcessGroup | None = None) -> torch.device:
 
     Every collective path of adasum asks this or `group_timeout` first, so these register the exit
     handler of the module doc."""
-    _register_exit_handler()
+    register_exit_handler()
     if uses_nccl(group):
         return torch.device("cuda", torch.cuda.current_device())
     return torch.device("cpu")
-
-
-def control_group(group: dist.ProcessGroup | None = None) -> dist.ProcessGroup | None:
-    """The group the small cross-rank checks (layouts, parameter checksums) run on: for the default
-    group, a gloo group over all ranks, created on first use (every rank checks there, so every rank
-    creates it at the same point) and kept by the group's `Communicator`; for any other group, that
-    group itself.
-
-    The checks never share the default group with the data they guard: when ranks' control flow
-    diverges (one rank checks a new parameter group while its peer already combines gradients), a
-    check paired with a data collective of another size aborts the process inside gloo (SIGABRT);
-    on their own group both simply wait, and fail within the timeout with a `CollectiveError`.
-    Sub-groups keep their checks on themselves: a group made lazily by some ranks only
-    (``use_local_synchronization``) deadlocked when ranks had made different numbers of groups.
-    """
-    return communicator(group).control_group()
 
 
 def accepts(group: dist.ProcessGroup | None, device: torch.device) -> bool:
@@ -465,82 +103,10 @@ def group_timeout(group: dist.ProcessGroup | None = None) -> timedelta:
     >>> dist.destroy_process_group()
     """
     check_group(group, "adasum.group_timeout")
-    _register_exit_handler()
+    register_exit_handler()
     pg = group if group is not None else dist.distributed_c10d._get_default_group()
     try:
         timeout = pg._get_backend(group_device(group)).options._timeout
     except (AttributeError, RuntimeError):
         timeout = None
     return timeout if isinstance(timeout, timedelta) else dist.constants.default_pg_timeout
-
-
-_TRANSPORT_PATTERNS = re.compile(
-    r"gloo|nccl|timed out|timeout|connection (closed|reset|refused)|broken pipe|read error|write error|"
-    r"socket|peer|watchdog|communicator|aborted",
-    re.IGNORECASE,
-)
-
-
-def is_transport_error(error: BaseException) -> bool:
-    """Whether `error` is a failure of the transport (a peer died or stalled, a link broke) rather
-    than a local error. torch raises `torch.distributed.DistError` subclasses on NCCL and for store
-    and network errors; gloo raises plain RuntimeError whose text names gloo's source file
-    (``[.../gloo/transport/tcp/pair.cc:553] Connection closed by peer``) or a timeout.
-
-    >>> is_transport_error(RuntimeError("[../gloo/transport/tcp/pair.cc:553] Connection closed by peer"))
-    True
-    >>> is_transport_error(RuntimeError("a leaf Variable that requires grad is being used in an in-place operation."))
-    False
-    """
-    if isinstance(error, dist.DistError):
-        return True
-    if not isinstance(error, RuntimeError):
-        return False
-    first = str(error).strip().splitlines()[0] if str(error).strip() else ""
-    return bool(_TRANSPORT_PATTERNS.search(first))
-
-
-@contextmanager
-def failures_named(
-    operation: str, step: str, group: dist.ProcessGroup | None, timeout: timedelta | None = None
-) -> Iterator[None]:
-    """Re-raise a transport failure inside the block as a `CollectiveError` naming `step`; any other
-    error (`is_transport_error` false) is raised as itself. Keep only communication in the block.
-
-    >>> with failures_named("adasum.all_reduce", "the exchange at level 1 of 2 with rank 3", group):  # doctest: +SKIP
-    ...     work.wait()
-
-    On one process (a group of one rank), with the error gloo raises when a peer's connection closes:
-
-    >>> import textwrap
-    >>> import torch.distributed as dist
-    >>> dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1, timeout=timedelta(seconds=60))
-    >>> try:
-    ...     with failures_named("adasum.all_reduce", "the exchange at level 1", None):
-    ...         raise RuntimeError("[../gloo/transport/tcp/pair.cc:553] Connection closed by peer")
-    ... except adasum.CollectiveError as error:
-    ...     print(textwrap.fill(str(error), 100))
-    adasum.all_reduce on rank 0 of 1: the exchange at level 1 failed (group timeout 60 s): a peer died,
-    stalled past the timeout or the connection broke; Connection closed by peer
-    >>> with failures_named("adasum.all_reduce", "the exchange at level 1", None):   # a local error: as itself
-    ...     raise RuntimeError("a leaf Variable that requires grad is being used in an in-place operation.")
-    Traceback (most recent call last):
-    RuntimeError: a leaf Variable that requires grad is being used in an in-place operation.
-    >>> dist.destroy_process_group()
-    """
-    try:
-        yield
-    except CollectiveError:
-        raise
-    except RuntimeError as error:  # gloo raises RuntimeError (DistBackendError is one)
-        if not is_transport_error(error):
-            raise
-        timeout = timeout if timeout is not None else group_timeout(group)
-        lines = str(error).strip().splitlines()
-        # gloo prefixes its source location: "[/path/gloo/transport/tcp/pair.cc:553] Connection closed ..."
-        cause = re.sub(r"^\[[^\]]*\]\s*", "", lines[0]) if lines else type(error).__name__
-        raise CollectiveError(
-            f"{operation} on rank {dist.get_rank(group)} of {dist.get_world_size(group)}: {step} failed "
-            f"(group timeout {timeout.total_seconds():g} s): a peer died, stalled past the timeout or "
-            f"the connection broke; {cause}"
-        ) from error

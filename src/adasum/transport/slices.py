@@ -21,7 +21,8 @@ import torch.distributed as dist
 from adasum.core.keep import kept
 from adasum.settings import current
 from adasum.transport.base import CUT_ALIGN, Transport
-from adasum.transport.c10d import global_rank, wait
+from adasum.transport.c10d import wait
+from adasum.transport.topology import global_rank
 
 RESERVED_BYTES = 32 << 20
 """Of the memory budget, what the buffers leave for everything else adasum keeps on a device (captured graphs, tile

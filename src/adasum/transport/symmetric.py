@@ -66,7 +66,8 @@ from adasum.kernels import triton as triton_kernels
 from adasum.kernels.addresses import AddressTables, CopyTables
 from adasum.settings import current
 from adasum.transport.base import CUT_ALIGN, GatherStep, Level, Transport, split
-from adasum.transport.groups import communicator, retire_graphs, side_stream, uses_nccl
+from adasum.transport.communicator import communicator, retire_graphs, side_stream
+from adasum.transport.groups import uses_nccl
 from adasum.transport.slices import InPlace, buffer_bytes, round_elements
 
 try:  # pragma: no cover - CUDA builds only
@@ -91,7 +92,7 @@ def _group_name(group) -> str:
 class SymmetricPool:
     """One process group's symmetric memory: whether the group can run these transports, its symmetric buffers
     (by dtype and purpose), and the views of peers' buffers. Owned by the group's
-    `adasum.transport.groups.Communicator` (`pool`) and freed by its teardown (`adasum.release()`), after
+    `adasum.transport.communicator.Communicator` (`pool`) and freed by its teardown (`adasum.release()`), after
     the captured graphs that point into it.
 
     `backend` is torch's ``torch.distributed._symmetric_memory`` unless given: an object with ``empty(numel,
@@ -131,7 +132,7 @@ class SymmetricPool:
 
         A growth first waits for the device (the only wait on the host here): kernels and CUDA graphs captured on
         the outgrown buffer may still be running. Then every group's graphs are dropped (`outgrown`,
-        `adasum.transport.groups.retire_graphs`: a graph of one group may point into another's buffers), and so is
+        `adasum.transport.communicator.retire_graphs`: a graph of one group may point into another's buffers), and so is
         the outgrown buffer with its peers' views: nothing keeps memory for an earlier, smaller layout. A graph
         replayed on the old buffer would also meet a peer that had not captured the same call (keys hold
         addresses) running it on the new buffer, and the two would wait at different signal pads."""
@@ -180,10 +181,7 @@ class SymmetricPool:
 def pool(group: dist.ProcessGroup | None, backend=None) -> SymmetricPool:
     """`group`'s `SymmetricPool`, kept by its communicator; made on first use with `backend` (`SymmetricPool`).
     A group's memory comes from one backend: another one for a group whose pool exists is a ValueError."""
-    comm = communicator(group)
-    if comm.symmetric is None:
-        comm.symmetric = SymmetricPool(group, backend, outgrown=retire_graphs)
-    found = cast(SymmetricPool, comm.symmetric)
+    found = communicator(group).resource(SymmetricPool, lambda: SymmetricPool(group, backend, outgrown=retire_graphs))
     if backend is not None and found.backend is not backend:
         raise ValueError("this group's symmetric memory comes from another backend (adasum.release() drops it)")
     return found
@@ -279,7 +277,14 @@ class SymmetricMemory(Transport):
         return list(zip(split(klo, khi, count), split(glo, ghi, count)))
 
     def exchange_and_dot(self, level: Level) -> None:
-        """The level's exchange through symmetric memory (push or pull, pipelined; module doc), sums included."""
+        """The level's exchange through symmetric memory (push or pull, pipelined; module doc), sums included.
+
+        The pull's streams on a first level in pieces 0, 1, 2 (``|b|``: a barrier with the partner; the current
+        stream waits for the staging of piece c before its barrier)::
+
+            copies   B 0 -> S   B 1 -> S   B 2 -> S
+            current          |b| pull 0 + sums |b| pull 1 + sums |b| pull 2 + sums
+        """
         buffer = level.buffer
         self._gathered = False
         if self._push():
@@ -332,7 +337,14 @@ class SymmetricMemory(Transport):
         pushed.
 
         ``R`` is free when the first piece is pushed: the partner read it last in the previous call's
-        combination, which ended before that call's last barrier."""
+        combination, which ended before that call's last barrier.
+
+        The streams, for pieces 0, 1, 2 (``|b|``: a barrier with the partner; the side stream waits for the
+        current one after each barrier, and the current one for the side stream at the end)::
+
+            current  push 0 -> R' |b| push 1 -> R' |b| push 2 -> R' |b|               join
+            copies                    sums 0 (R)       sums 1 (R)       sums 2 (R) ---^
+        """
         buffer = level.buffer
         klo, glo = level.kept[0], level.given[0]
         received, handle = self._receive(level.kept, level.given, buffer)
@@ -392,7 +404,14 @@ class SymmetricMemory(Transport):
         c + 1 is combined. The gather then has nothing left to do.
 
         The results buffer is free when a piece is stored into it: this rank copied it out last in the previous
-        run, before that run's side stream joined, which precedes this run's first barrier."""
+        run, before that run's side stream joined, which precedes this run's first barrier.
+
+        The streams, for pieces 0, 1, 2 (``|b|``: a barrier with the partner; the side stream starts each copy
+        after the barrier of its piece)::
+
+            current  combine 0 -> B, peer's results |b| combine 1 -> ... |b| combine 2 -> ... |b|             join
+            copies                                      results 0 -> B       results 1 -> B       results 2 ---^
+        """
         klo, glo = level.kept[0], level.given[0]
         results, handle = self._stage(max(level.kept[1] - klo, level.given[1] - glo), level.buffer, "results")
         peer = self.pool.peer_view(handle, level.peer, results.numel(), results.dtype)
@@ -410,7 +429,11 @@ class SymmetricMemory(Transport):
     def _pipelined_combine(self, level: Level, shared: torch.Tensor, handle, pieces, staged: bool) -> None:
         """The last level of a group of two in pieces: combine piece c into B and the partner's S, barrier (the
         partner's piece c has landed in this rank's S), then copy it out of S into B on a side stream while
-        piece c + 1 is combined (nothing to copy when B is S). The gather then has nothing left to do."""
+        piece c + 1 is combined (nothing to copy when B is S). The gather then has nothing left to do::
+
+            current  combine 0 -> B, peer's S |b| combine 1 -> ... |b| combine 2 -> ... |b|         join
+            copies                                S 0 -> B             S 1 -> B             S 2 ---^
+        """
         peer = self.pool.peer_view(handle, level.peer, shared.numel(), shared.dtype)
         main = torch.cuda.current_stream(shared.device)
         side = side_stream(shared.device, "copies")

@@ -19,7 +19,7 @@ Traceback (most recent call last):
 ValueError: adasum.Mean.all_reduce: on rank 0, tensors 0 and 1 share memory (overlapping views of one storage); ...
 >>> dist.destroy_process_group()
 
-The entry points reach these checks through their plan (`adasum.collectives.plan.prepare`).
+The entry points reach these checks through their plan (`adasum.checks.plan.prepare`).
 """
 
 from __future__ import annotations
@@ -32,7 +32,8 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from adasum.transport.groups import accepts, control_group
+from adasum.transport.communicator import control_group
+from adasum.transport.groups import accepts
 
 Entry = tuple[str, tuple[int, ...], str]
 """One tensor as the check sees it: dtype name, shape, device type."""
@@ -355,7 +356,7 @@ def agree(
 
     One all-reduce (MAX) of three int64 values, on the checks' own gloo group (`control_group`: a
     check never pairs with a data collective of a rank that went on): the signature, its negation
-    and a problem flag.
+    and a problem flag (`agree_async`, waited for at once).
     Only on a mismatch or a problem are the descriptions and problems gathered
     (``all_gather_object``), to name the first difference from rank 0's (`difference`, ValueError)
     or else the lowest rank with a problem (its error, TypeError or ValueError).
@@ -364,14 +365,48 @@ def agree(
         if problem is not None:
             raise problem.exception(operation, dist.get_rank(group))
         return
-    sig = signature([config, *description])
-    control = control_group(group)  # the checks' own gloo group (`adasum.transport.groups.control_group`)
-    probe = torch.tensor([sig, -sig, 0 if problem is None else 1], dtype=torch.int64)
-    dist.all_reduce(probe, op=dist.ReduceOp.MAX, group=control)
-    high, neg_low, any_problem = probe.tolist()
-    if high == -neg_low and not any_problem:
-        return
-    raise_difference(control, config, description, problem, what, operation)
+    agree_async(description, problem, group, config).check(what, operation)
+
+
+class Agreement:
+    """A comparison of every rank's fingerprint under way (`agree_async`): `same` waits for it and says whether
+    every rank posted the same one with no problem (the same answer on every rank); `check` raises the same error
+    on every rank where not (`agree`'s)."""
+
+    def __init__(self, description: Sequence[tuple], problem: Problem | None, group: dist.ProcessGroup | None,
+                 config: tuple) -> None:
+        self.description, self.problem, self.config = description, problem, config
+        self.control = control_group(group)  # the checks' own gloo group (`control_group`)
+        sig = signature([config, *description])
+        self._values = torch.tensor([sig, -sig, 0 if problem is None else 1], dtype=torch.int64)
+        self._work = dist.all_reduce(self._values, op=dist.ReduceOp.MAX, group=self.control, async_op=True)
+        self._same: bool | None = None
+
+    def same(self) -> bool:
+        """Whether every rank posted the same configuration and description and none a problem (waits once)."""
+        if self._same is None:
+            self._work.wait()
+            high, neg_low, any_problem = self._values.tolist()
+            self._same = high == -neg_low and not any_problem
+        return self._same
+
+    def check(self, what: str = "tensors", operation: str = "adasum") -> None:
+        """Return where `same`, else gather every rank's parts and raise the same error on every rank
+        (`raise_difference`: collective, so every rank of the group calls it)."""
+        if not self.same():
+            raise_difference(self.control, self.config, self.description, self.problem, what, operation)
+
+
+def agree_async(
+    description: Sequence[tuple],
+    problem: Problem | None,
+    group: dist.ProcessGroup | None,
+    config: tuple = (),
+) -> Agreement:
+    """`agree`'s all-reduce posted without waiting: the one agreement helper's asynchronous form (the FSDP
+    integration posts its units' layouts at the forward and waits at the backward's first reduction). Every rank
+    of `group` posts the same number of agreements in the same order."""
+    return Agreement(description, problem, group, config)
 
 
 def raise_difference(

@@ -1,5 +1,5 @@
 """The guard of a process group's deferred layout checks: a thread that compares, across ranks, the fingerprint
-of every checked call, off the calls' path (`adasum.collectives.plan` says when checks are deferred).
+of every checked call, off the calls' path (`adasum.checks.plan` says when checks are deferred).
 
 The caller's side costs a list append per call (`Guard.post`); the thread runs *rounds* on a gloo group of its
 own (a ``ProcessGroupGloo`` over the group's store, shared with no other thread, so its collectives pair up
@@ -13,7 +13,7 @@ however fast the calls come.
 A call that must be compared before its data (a layout's first call, a local problem; `Guard.check`) posts its
 slot and waits for its verdict. A slot that differs (or has a problem on some rank) is named as the
 synchronous check names it: every rank's configuration and description are gathered on the guard's group and
-every rank gets the same error (`adasum.collectives.agreement.named_difference`). Where every rank was waiting
+every rank gets the same error (`adasum.checks.agreement.named_difference`). Where every rank was waiting
 for that slot, nothing moved: the error is raised by the waiting call and the guard goes on. Where some rank
 had posted it without waiting (its data collectives enqueued), the error is *fatal*: it is kept, and every
 rank raises it at the same call, the `LAG`-th after the divergent one (and at every call after it), so that no
@@ -53,8 +53,10 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from adasum.collectives.agreement import Problem, _entry, named_difference
-from adasum.transport.groups import Communicator, failures_named, group_timeout, next_guard
+from adasum.checks.agreement import Problem, _entry, named_difference
+from adasum.transport.communicator import Communicator, next_guard
+from adasum.transport.errors import failures_named
+from adasum.transport.groups import group_timeout
 
 SLOTS = 128
 """Calls compared per round at most (a round's vector has 2 + 4 x SLOTS int64)."""

@@ -7,7 +7,7 @@ layout once: its description and fingerprint, the checks done (agreed across ran
 whose memory was found disjoint), the transport and the fusion. `prepare` then does the per-call
 part, the same on every entry point:
 
-* local problems (`adasum.collectives.agreement.local_problem`; with `sizes`, a size that is not an integer, a
+* local problems (`adasum.checks.agreement.local_problem`; with `sizes`, a size that is not an integer, a
   negative size or sizes that do not add up to the buffer's elements); the memory-overlap search runs once per
   set of addresses, not per call (a plan remembers its last `DISJOINT` sets, a group its last `MAX_PLANS` plans:
   gradients re-made at new addresses every call, or a new layout every call, keep memory flat);
@@ -22,21 +22,21 @@ How a call's fingerprint is compared (``check="call"``):
   whose calls come in a different order, get the same ValueError on every rank naming the first
   difference and the ranks; nothing was changed.
 * NCCL (``deferred_checks``, on by default where the group's device is a GPU): every checked call
-  hands its plan to the group's guard (`adasum.collectives.guard`), a thread that compares the i-th
+  hands its plan to the group's guard (`adasum.checks.guard`), a thread that compares the i-th
   checked call of every rank with its peers' on a gloo group of its own. A plan's first call, and a
   call with a local problem, wait for the verdict (nothing moves before it; an error leaves the
   group usable). Later calls do not wait: the call appends its plan (a few microseconds) and its
   data goes on. A divergent one is named by the thread within 0.1 s on every rank; the
-  error is kept and raised on every rank by the same later call, the `adasum.collectives.guard.LAG`-th
+  error is kept and raised on every rank by the same later call, the `adasum.checks.guard.LAG`-th
   after the divergent one, and every call after it (ValueError, ending ``(a call already under way on
   some rank: its result is undefined; destroy the process group)``), so that no rank enqueues a
   collective its peers never match; where the device does not drain, the group's NCCL communicator is
   aborted, which ends kernels that wait for data no peer sends: by the call that raises the error, or by
-  the guard where the rank made no call for `adasum.collectives.guard.ABORT_AFTER_S` (it is blocked on the
+  the guard where the rank made no call for `adasum.checks.guard.ABORT_AFTER_S` (it is blocked on the
   device behind such a kernel).
   A divergence no call raised yet, and ranks that made different numbers of checked calls, are raised on
   every rank by the group's next ``torch.distributed.barrier``, `adasum.release` or ``destroy_process_group``
-  (a line on stderr at exit: the guard's fences, `adasum.collectives.guard`).
+  (a line on stderr at exit: the guard's fences, `adasum.checks.guard`).
   Afterwards the process group must be destroyed and training restarted (docs/faults.md).
 """
 
@@ -50,7 +50,7 @@ from typing import Any, Literal
 import torch
 import torch.distributed as dist
 
-from adasum.collectives.agreement import (
+from adasum.checks.agreement import (
     Problem,
     _data_ptr,
     _dtype,
@@ -63,9 +63,11 @@ from adasum.collectives.agreement import (
     local_problem,
     signature,
 )
-from adasum.collectives.guard import guard_of
+from adasum.checks.guard import guard_of
 from adasum.settings import current
-from adasum.transport.groups import Communicator, communicator, failures_named, group_device
+from adasum.transport.communicator import Communicator, communicator
+from adasum.transport.errors import failures_named
+from adasum.transport.groups import group_device
 
 Check = Literal["call", "once", "none"]
 
@@ -217,7 +219,7 @@ def recheck(plan: Plan, group: dist.ProcessGroup | None, operation: str, launch:
             what: str = "tensors") -> None:
     """The cross-rank part of ``check="call"`` for a repeat of an agreed plan on a GPU (a replayed graph, whose
     plan look-up is skipped), around `launch` (the replay): where checks are deferred, a kept error is raised and
-    the guard waited for before the launch (`adasum.collectives.guard.Guard.reserve`), and the fingerprint posted
+    the guard waited for before the launch (`adasum.checks.guard.Guard.reserve`), and the fingerprint posted
     after it, off the host time the device waits for; else it is compared at once, before the launch."""
     if _deferred(_CUDA):
         guard = guard_of(communicator(group), group)

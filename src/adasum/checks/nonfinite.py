@@ -29,9 +29,10 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from adasum.collectives.agreement import tensor_list
+from adasum.checks.agreement import tensor_list
 from adasum.options import Nonfinite, check_option, choices
-from adasum.transport.groups import check_group, failures_named, group_device
+from adasum.transport.errors import failures_named
+from adasum.transport.groups import check_group, group_device
 
 POLICIES = choices(Nonfinite)
 """What to do about a NaN or Inf (`adasum.options.Nonfinite`)."""
@@ -229,7 +230,7 @@ def check_finite(
     >>> grads = [torch.ones(3), torch.tensor([0.0, float("nan")])]
     >>> adasum.check_finite(grads, names=["fc.weight", "fc.bias"])  # doctest: +ELLIPSIS
     Traceback (most recent call last):
-    adasum.collectives.nonfinite.NonFiniteError: adasum.check_finite: tensor 1 ('fc.bias') has NaN on rank 0 (...)...
+    adasum.checks.nonfinite.NonFiniteError: adasum.check_finite: tensor 1 ('fc.bias') has NaN on rank 0 (...)...
     """
     tensors = tensor_list(tensors, operation)
     check_group(group, operation)
