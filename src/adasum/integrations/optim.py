@@ -95,7 +95,6 @@ from adasum.transport.communicator import control_group
 from adasum.transport.errors import failures_named
 from adasum.transport.groups import group_device
 
-
 __all__ = ["DistributedOptimizer", "buckets", "check_same_parameters", "checksum", "nonfinite_message"]
 
 
