@@ -188,28 +188,30 @@ def _identity_body(rank, world):
 def async_errors_body(rank, world):
     """all_reduce_async's wrong arguments, each raised by the call (the same on every rank), naming it."""
     errors = []
+    device = distributed.device_for(rank)
     for kwargs in (dict(group="world"), dict(nonfinite="skip"), dict(check_layout="no"), dict(check_layout=None)):
         try:
-            adasum.all_reduce_async([torch.ones(2)], **kwargs)
+            adasum.all_reduce_async([torch.ones(2, device=device)], **kwargs)
             errors.append(None)
         except (TypeError, ValueError) as error:
             errors.append(f"{type(error).__name__}: {error}")
     try:
-        adasum.all_reduce_async([torch.ones(2, dtype=torch.int64)])
+        adasum.all_reduce_async([torch.ones(2, dtype=torch.int64, device=device)])
     except TypeError as error:
         errors.append(str(error))
     try:
-        adasum.all_reduce([torch.ones(2)], check_layout="no")
+        adasum.all_reduce([torch.ones(2, device=device)], check_layout="no")
     except TypeError as error:
         errors.append(str(error))
     # the two entry points are one collective: ranks may mix them
-    t = torch.full((3,), float(rank + 1))
+    t = torch.full((3,), float(rank + 1), device=device)
     adasum.all_reduce_async(t).wait() if rank == 0 else adasum.all_reduce(t)
     return errors, t.tolist()
 
 
-def test_all_reduce_async_refuses_bad_arguments_naming_itself():
-    results = distributed.run(2, async_errors_body)
+@pytest.mark.parametrize("world", distributed.world_sizes(2))  # NCCL: one GPU per rank
+def test_all_reduce_async_refuses_bad_arguments_naming_itself(world):
+    results = distributed.run(world, async_errors_body)
     assert results[0][0] == results[1][0]
     assert results[0][0] == [
         "TypeError: adasum.all_reduce_async: group must be a torch.distributed ProcessGroup or None, got 'world'",

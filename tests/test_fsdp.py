@@ -448,8 +448,9 @@ def native_hsdp(mesh):
     adasum.fsdp.enable(model, mesh)
 
 
-def test_hsdp_2_replicas_x_1_shard():
-    results = distributed.run(2, setup_body, timeout_s=120)
+@pytest.mark.parametrize("world", distributed.world_sizes(2))  # NCCL: one GPU per rank
+def test_hsdp_2_replicas_x_1_shard(world):
+    results = distributed.run(world, setup_body, timeout_s=120)
     check_replica_groups([r[0] for r in results], 2, 1)
     errors = [r[1] for r in results]
     assert errors[0] == errors[1]
