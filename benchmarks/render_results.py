@@ -11,8 +11,6 @@ design DESIGN, as `benchmarks/study.py` writes them). Everything is computed on 
 from __future__ import annotations
 
 import argparse
-import gzip
-import json
 import os
 import re
 import sys
@@ -22,6 +20,7 @@ HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent
 sys.path.insert(0, str(ROOT / "src"))
 
+from adasum.experiments.io import read_jsonl  # noqa: E402
 from adasum.experiments.study import DESIGNS, draw, render  # noqa: E402
 
 DOC = ROOT / "docs" / "results.md"
@@ -30,8 +29,7 @@ IMAGES = ROOT / "docs" / "img"
 
 def rows(design: str) -> list[dict]:
     """The stored rows of one design."""
-    with gzip.open(HERE / "results" / f"study-{design}.jsonl.gz", "rt") as f:
-        return [json.loads(line) for line in f if line.strip()]
+    return read_jsonl(HERE / "results" / f"study-{design}.jsonl.gz")
 
 
 def tables() -> dict[str, str]:

@@ -17,7 +17,6 @@ import argparse
 import gzip
 import json
 import multiprocessing as mp
-import os
 import shutil
 import sys
 import time
@@ -26,7 +25,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
 
-from adasum.experiments.io import read_jsonl  # noqa: E402
+from adasum.experiments.io import read_jsonl, write_atomic  # noqa: E402
 from adasum.experiments.runner import RunConfig, identity  # noqa: E402
 from adasum.experiments.study import DESIGNS, confirm_runs, extensions, picks, pilot_runs  # noqa: E402
 
@@ -52,19 +51,12 @@ def _key(config: dict) -> str:
 
 
 def _load(path: Path) -> list[dict]:
-    if not path.exists():
-        return []
-    if path.suffix == ".gz":
-        with gzip.open(path, "rt") as f:
-            return [json.loads(line) for line in f if line.strip()]
-    return read_jsonl(path)
+    return read_jsonl(path) if path.exists() else []  # gzip-compressed where the name ends in .gz
 
 
 def _save(rows: list[dict], path: Path, copy_to: Path | None) -> None:
-    tmp = path.with_suffix(path.suffix + ".tmp")
-    with (gzip.open(tmp, "wt") if path.suffix == ".gz" else open(tmp, "w")) as f:
-        f.writelines(json.dumps(r) + "\n" for r in rows)
-    os.replace(tmp, path)
+    data = "".join(json.dumps(r) + "\n" for r in rows).encode()
+    write_atomic(path, lambda f: f.write(gzip.compress(data) if path.suffix == ".gz" else data))
     if copy_to is not None:
         shutil.copy(path, copy_to / path.name)
 

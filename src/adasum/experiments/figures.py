@@ -105,6 +105,25 @@ def curves(groups: Groups, out: Path, failed: Callable[[Row], bool], key: str = 
     return path
 
 
+def steps_to(row: Row, target: float) -> int | None:
+    """The first evaluated step of the run's ``curve`` at which validation accuracy reached `target`; None if it
+    never did."""
+    for point in row.get("curve", []):
+        if point["val_accuracy"] >= target:
+            return int(point["step"])
+    return None
+
+
+def target_below(accuracies: Sequence[float]) -> float | None:
+    """The target accuracy a study sets from sequential training: the mean of `accuracies`, rounded down to a
+    half point (None without any).
+
+    >>> target_below([80.2, 80.6])
+    80.0
+    """
+    return math.floor(2 * statistics.fmean(accuracies)) / 2 if accuracies else None
+
+
 def censored_median(steps: Sequence[float | None]) -> float | None:
     """The median of steps to target where a run that never reached it counts as more than any that did
     (None: the median itself is such a run, so more than half never reached it).
@@ -124,7 +143,7 @@ def steps_table(groups: Groups, target: float) -> dict[tuple[str, int], tuple[fl
     never), the runs that reached it, and the runs."""
     out = {}
     for cell, runs in groups.items():
-        steps = [next((p["step"] for p in r.get("curve", []) if p["val_accuracy"] >= target), None) for r in runs]
+        steps = [steps_to(r, target) for r in runs]
         out[cell] = (censored_median(steps), sum(s is not None for s in steps), len(runs))
     return out
 

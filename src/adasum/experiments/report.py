@@ -799,8 +799,8 @@ def _curve_figures(results: Sequence[Result], out: Path) -> list[Path]:
         return []
     failed = failures(results)
     written = [figures.curves(best, out, lambda r: id(r) in failed)]
-    first = [h["val_accuracy"] for r in best.get(("sequential", 1), []) for h in r["history"][:1]]
-    if first:
-        target = math.floor(2 * sum(first) / len(first)) / 2
+    first_epoch = [h["val_accuracy"] for r in best.get(("sequential", 1), []) for h in r["history"][:1]]
+    target = figures.target_below(first_epoch)
+    if target is not None:
         written.append(figures.steps_to_target(best, target, out))
     return [p for p in written if p is not None]

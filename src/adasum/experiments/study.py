@@ -27,7 +27,7 @@ from dataclasses import dataclass, field, replace
 from types import MappingProxyType
 from typing import Any
 
-from adasum.experiments.figures import censored_median
+from adasum.experiments.figures import censored_median, steps_to, target_below
 from adasum.experiments.runner import RunConfig
 from adasum.experiments.stats import ALPHA, Paired, Stat, detectable_difference, failure_p, holm, sign_flip_p
 
@@ -282,14 +282,6 @@ def _validation_size(row: Row) -> int:
     return sizes.get(row["config"].get("task"), 1000)
 
 
-def steps_to(row: Row, target: float) -> int | None:
-    """The first evaluated step at which validation accuracy reached `target`; None if it never did."""
-    for point in row.get("curve", []):
-        if point["val_accuracy"] >= target:
-            return int(point["step"])
-    return None
-
-
 def target_accuracy(rows: Sequence[Row], design: Design) -> float | None:
     """The target validation accuracy: sequential training's (tuned) mean validation accuracy after one
     epoch over the confirmatory seeds, rounded down to a half point; None without those runs."""
@@ -299,8 +291,7 @@ def target_accuracy(rows: Sequence[Row], design: Design) -> float | None:
     runs = [r for r in rows_of(rows, design, design.confirm_seeds)
             if r["method"] == "sequential" and r["lr"] == chosen[0]]
     points = [at_epoch(r, 1) for r in runs]
-    values = [p["val_accuracy"] for p in points if p is not None]
-    return math.floor(2 * statistics.fmean(values)) / 2 if values else None
+    return target_below([p["val_accuracy"] for p in points if p is not None])
 
 
 # --- the analysis ------------------------------------------------------------------------------------------
@@ -430,7 +421,7 @@ def _test(design: Design, h: Hypothesis, cells: Mapping[tuple[str, int, float], 
         effect = float(sum(fa) - sum(fb))
         return Outcome(h, len(seeds), effect, math.nan, math.nan, p, math.nan, math.nan, detail)
     a = _cell_runs(cells, chosen, h.method, h.workers, None)
-    b = _cell_runs(cells, chosen, h.against, h.workers, None)
+    b = _cell_runs(cells, chosen, h.against, 1 if h.against == "sequential" else h.workers, None)
     xs, ys, lost_a, lost_b = _pair(design, a, b, h.budget)
     paired = Paired.of(xs, ys)
     p = sign_flip_p([x - y for x, y in zip(xs, ys)]) if len(xs) >= 2 else math.nan
@@ -488,12 +479,8 @@ def analyze(rows: Sequence[Row], design: Design) -> Analysis:
                 continue
             if against != "sequential" and (against, workers) not in chosen:
                 continue
-            h = Hypothesis(f"E-{method}-{against}-{workers}", "", method, against,
-                           workers if against != "sequential" else workers, budget=design.budget)
-            if against == "sequential":
-                explore.append(_against_sequential(design, h, cells, chosen, sd))
-            else:
-                explore.append(_test(design, h, cells, chosen, sd, 1))
+            h = Hypothesis(f"E-{method}-{against}-{workers}", "", method, against, workers, budget=design.budget)
+            explore.append(_test(design, h, cells, chosen, sd, 1))
     sequential = chosen.get(("sequential", 1))
     if sequential is not None and len(design.rule) == 2:
         for workers in design.workers:
@@ -502,17 +489,6 @@ def analyze(rows: Sequence[Row], design: Design) -> Analysis:
                                kind="failures", budget=design.budget)
                 explore.append(_test(design, h, cells, chosen, sd, 1))
     return Analysis(design, chosen, target, _summaries(design, cells, chosen, target), outcomes, sd, pooled, explore)
-
-
-def _against_sequential(design: Design, h: Hypothesis, cells: Mapping[tuple[str, int, float], list[Row]],
-                        chosen: Mapping[Cell, tuple[float, bool]], sd: float) -> Outcome:
-    a = _cell_runs(cells, chosen, h.method, h.workers, None)
-    b = _cell_runs(cells, chosen, "sequential", 1, None)
-    xs, ys, lost_a, lost_b = _pair(design, a, b, h.budget)
-    paired = Paired.of(xs, ys)
-    p = sign_flip_p([x - y for x, y in zip(xs, ys)]) if len(xs) >= 2 else math.nan
-    return Outcome(h, paired.n, paired.mean, paired.lo, paired.hi, p, p, math.nan,
-                   f"failed: {lost_a} and {lost_b}")
 
 
 # --- the page's tables -------------------------------------------------------------------------------------
