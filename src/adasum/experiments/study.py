@@ -28,6 +28,7 @@ from types import MappingProxyType
 from typing import Any
 
 from adasum.experiments.figures import censored_median, steps_to, target_below
+from adasum.experiments.report import cells as by_cell  # runs by (method, workers, lr)
 from adasum.experiments.runner import RunConfig
 from adasum.experiments.stats import ALPHA, Paired, Stat, detectable_difference, failure_p, holm, sign_flip_p
 
@@ -193,11 +194,8 @@ def rows_of(rows: Sequence[Row], design: Design, seeds: Sequence[int]) -> list[R
 
 def grid_scores(rows: Sequence[Row], design: Design) -> dict[Cell, dict[float, float]]:
     """Mean pilot validation accuracy at the primary budget, per cell and base learning rate."""
-    by: dict[tuple[str, int, float], list[Row]] = {}
-    for r in rows_of(rows, design, design.pilot_seeds):
-        by.setdefault((r["method"], r["workers"], r["lr"]), []).append(r)
     out: dict[Cell, dict[float, float]] = {}
-    for (method, workers, lr), runs in by.items():
+    for (method, workers, lr), runs in by_cell(rows_of(rows, design, design.pilot_seeds)).items():
         if len({r["seed"] for r in runs}) == len(design.pilot_seeds):  # complete: every pilot seed
             out.setdefault((method, workers), {})[lr] = _mean_val(runs, design.budget)
     return out
@@ -354,11 +352,7 @@ class Analysis:
 
 
 def _confirm_cells(rows: Sequence[Row], design: Design) -> dict[tuple[str, int, float], list[Row]]:
-    by: dict[tuple[str, int, float], list[Row]] = {}
-    for r in rows_of(rows, design, design.confirm_seeds):
-        if r["epochs"] == design.epochs:
-            by.setdefault((r["method"], r["workers"], r["lr"]), []).append(r)
-    return by
+    return by_cell([r for r in rows_of(rows, design, design.confirm_seeds) if r["epochs"] == design.epochs])
 
 
 def pilot_spread(rows: Sequence[Row], design: Design) -> tuple[float, int]:
