@@ -27,14 +27,23 @@ DOC = ROOT / "docs" / "results.md"
 IMAGES = ROOT / "docs" / "img"
 
 
+def path(design: str) -> Path:
+    return HERE / "results" / f"study-{design}.jsonl.gz"
+
+
 def rows(design: str) -> list[dict]:
     """The stored rows of one design."""
-    return read_jsonl(HERE / "results" / f"study-{design}.jsonl.gz")
+    return read_jsonl(path(design))
+
+
+def stored() -> dict:
+    """The designs whose rows are stored (a design registered before its runs has none yet)."""
+    return {name: design for name, design in DESIGNS.items() if path(name).exists()}
 
 
 def tables() -> dict[str, str]:
     out: dict[str, str] = {}
-    for name, design in DESIGNS.items():
+    for name, design in stored().items():
         out.update(render(rows(name), design))
     return out
 
@@ -58,9 +67,9 @@ def main() -> None:
     if args.check:
         sys.exit(0 if new == text else "docs/results.md differs from its stored rows: run benchmarks/render_results.py")
     DOC.write_text(new)
-    for name, design in DESIGNS.items():
-        for path in draw(rows(name), design, IMAGES):
-            print(f"wrote {os.path.relpath(path, ROOT)}")
+    for name, design in stored().items():
+        for written in draw(rows(name), design, IMAGES):
+            print(f"wrote {os.path.relpath(written, ROOT)}")
 
 
 if __name__ == "__main__":

@@ -157,6 +157,9 @@ def _common(p: argparse.ArgumentParser) -> None:
     p.add_argument("--momentum", type=float, default=0.5, help="SGD momentum (--optimizer sgd only)")
     p.add_argument("--weight-decay", type=float, default=0.0, help="the optimizer's weight decay")
     p.add_argument(
+        "--warmup-epochs", type=float, default=0.0, help="linear learning-rate warm-up from 0 over these epochs"
+    )
+    p.add_argument(
         "--local-steps", type=_positive_int, default=4, help="tau for localsgd / adasum-localsgd / slowmo only"
     )
     p.add_argument("--slow-momentum", type=float, default=0.5, help="SlowMo's beta (slowmo only)")

@@ -21,6 +21,12 @@ task                      source                                          train 
                           files (bytes, next-byte prediction)
 ``word2vec``              skip-gram (center word -> context word) pairs
                           from the same standard-library sources
+``english``               English prose: the definitions and quotations   byte-level LM
+                          of GCIDE (the Collaborative International
+                          Dictionary of English), Debian's package
+                          ``dict-gcide`` (``apt-get install dict-gcide``,
+                          ``/usr/share/dictd``) or ``gcide.dict[.dz]`` in
+                          ``--data-dir``; next-byte prediction
 ========================  ==============================================  =================
 
 For ``mnist``, ``fashion-mnist`` and ``cifar10`` the directory may be the one torchvision
@@ -62,7 +68,9 @@ from adasum.experiments.io import write_atomic
 log = logging.getLogger("adasum")
 
 VALIDATION_SEED = 1234  # the validation split is the same for every run, method and seed
-TASKS = ("digits", "sklearn-digits", "mnist1d", "mnist", "fashion-mnist", "cifar10", "text", "word2vec")
+TASKS = (
+    "digits", "sklearn-digits", "mnist1d", "mnist", "fashion-mnist", "cifar10", "text", "word2vec", "english"
+)
 # the model each task trains unless --model says otherwise
 DEFAULT_MODELS: Mapping[str, str] = MappingProxyType({
     "digits": "cnn",
@@ -73,6 +81,7 @@ DEFAULT_MODELS: Mapping[str, str] = MappingProxyType({
     "cifar10": "resnet",
     "text": "transformer",
     "word2vec": "skipgram",
+    "english": "transformer",
 })
 
 
@@ -162,12 +171,15 @@ def load_task(
         return text_corpus()
     if name == "word2vec":
         return skipgram_pairs()
+    if name == "english":
+        return english_corpus(_need_dir(name, data_dir))
     raise ValueError(f"unknown task {name!r}; choose one of {', '.join(TASKS)}")
 
 
 PACKAGED: Mapping[str, tuple[str, str]] = MappingProxyType({
     # task: (where a system package puts its files, the command that installs it)
     "fashion-mnist": ("/usr/share/datasets/fashion-mnist", "apt-get install dataset-fashion-mnist"),
+    "english": ("/usr/share/dictd", "apt-get install dict-gcide"),
 })
 
 
@@ -538,3 +550,61 @@ def skipgram_pairs(vocab: int = 2000, window: int = 2, max_pairs: int = 300_000,
     train_x, train_y = pairs(tokens[:cut], max_pairs)
     test_x, test_y = pairs(tokens[cut:], max_pairs // 10)
     return Dataset("word2vec", train_x, train_y, test_x, test_y, vocab, DEFAULT_MODELS["word2vec"])
+
+
+# ---- English prose from GCIDE ---------------------------------------------------------------------
+
+
+def gcide_text(folder: str | os.PathLike) -> bytes:
+    """The prose of GCIDE's entries (``gcide.dict.dz``, a gzip-readable dictzip file, or ``gcide.dict``
+    in `folder`) as ASCII: the database's own header entries, the source tags on their own lines
+    (``[1913 Webster]``), the pronunciations between backslashes and the cross-reference braces
+    removed, runs of white space made one space, one entry a line."""
+    root = Path(folder)
+    for name, opener in (("gcide.dict.dz", gzip.open), ("gcide.dict", open)):
+        path = root / name
+        if path.is_file():
+            try:
+                with opener(path, "rb") as f:
+                    raw = f.read()
+            except (OSError, EOFError, zlib.error) as e:
+                raise ValueError(
+                    f"{path} is damaged ({e}); reinstall it: apt-get install --reinstall dict-gcide"
+                ) from None
+            break
+    else:
+        raise FileNotFoundError(
+            f"no gcide.dict.dz or gcide.dict in {str(root)!r}: `apt-get install dict-gcide` puts it in /usr/share/dictd"
+        )
+    text = raw.decode("ascii", errors="ignore")
+    text = re.sub(r"(?m)^\s*\[[^\]\n]*\]\s*$", "", text)  # source tags on their own lines
+    text = re.sub(r"\\[^\\\n]*\\", "", text)  # pronunciations: Ab*jure"
+    text = text.replace("{", "").replace("}", "")
+    entries = [" ".join(e.split()) for e in re.split(r"\n(?=\S)", text)]  # an entry starts at column 0
+    kept = [e for e in entries if e and not e.startswith("00-database") and not e.startswith("00database")]
+    if len(kept) < 1000:
+        raise ValueError(f"{root} holds {len(kept)} GCIDE entries, not the dictionary; reinstall dict-gcide")
+    return "\n".join(kept).encode("ascii")
+
+
+def english_corpus(folder: str | os.PathLike, context: int = 64, max_bytes: int = 8_000_000,
+                   block: int = 65_536) -> Dataset:
+    """Next-byte prediction over GCIDE's English prose (`gcide_text`): inputs are `context` bytes, targets
+    the same bytes shifted by one. The text is cut into `block`-byte blocks; every tenth block is test
+    data, and `max_bytes` of the others, evenly spaced over the alphabet, are training data."""
+    data = gcide_text(folder)
+    blocks = [data[i : i + block] for i in range(0, len(data) - block + 1, block)]
+    test = blocks[::10]
+    train = [b for i, b in enumerate(blocks) if i % 10]
+    keep = max(1, min(len(train), max_bytes // block))
+    train = [train[round(i * len(train) / keep)] for i in range(keep)]
+    test = test[: max(1, keep // 9)]
+
+    def windows(parts: list[bytes]) -> tuple[torch.Tensor, torch.Tensor]:
+        tokens = torch.frombuffer(bytearray(b"".join(parts)), dtype=torch.uint8).to(torch.int64)
+        n = (tokens.numel() - 1) // context
+        return tokens[: n * context].view(n, context), tokens[1 : n * context + 1].view(n, context)
+
+    train_x, train_y = windows(train)
+    test_x, test_y = windows(test)
+    return Dataset("english", train_x, train_y, test_x, test_y, 128, DEFAULT_MODELS["english"])

@@ -59,6 +59,7 @@ class RunConfig:
     optimizer: str = "sgd"
     momentum: float = 0.5
     weight_decay: float = 0.0
+    warmup_epochs: float = 0.0  # the learning rate rises linearly from 0 over these epochs (Goyal et al. 2017)
     local_steps: int = 4
     slow_momentum: float = 0.5
     slow_lr: float = 1.0
@@ -99,6 +100,10 @@ class RunConfig:
                 f"unknown optimizer {self.optimizer!r}; choose from {', '.join(OPTIMIZERS)}",
             ),
             (0 <= self.momentum < 1, f"momentum must be in [0, 1), got {self.momentum}"),
+            (
+                0 <= self.warmup_epochs <= self.epochs and math.isfinite(self.warmup_epochs),
+                f"warm-up epochs must be in [0, epochs = {self.epochs}], got {self.warmup_epochs}",
+            ),
             (self.local_steps >= 1, f"local steps must be >= 1, got {self.local_steps}"),
             (0 <= self.slow_momentum < 1, f"slow momentum must be in [0, 1), got {self.slow_momentum}"),
             (self.slow_lr > 0, f"slow learning rate must be > 0, got {self.slow_lr}"),
@@ -133,8 +138,36 @@ class RunConfig:
 RESUMABLE = frozenset({"epochs", "device", "chunk_size", "data_dir", "nonfinite", "checkpoint_every", "deterministic"})
 
 
-def make_optimizer(config: RunConfig, lr: float) -> Callable[[list[torch.Tensor]], torch.optim.Optimizer]:
-    """A factory for the configured optimizer at learning rate `lr` (LAMB from pytorch_optimizer)."""
+def make_optimizer(
+    config: RunConfig, lr: float, warmup_steps: int = 0
+) -> Callable[[list[torch.Tensor]], torch.optim.Optimizer]:
+    """A factory for the configured optimizer at learning rate `lr` (LAMB from pytorch_optimizer).
+
+    With `warmup_steps`, the optimizer's k-th step (k = 1, 2, ...) runs at ``lr * min(1, k / warmup_steps)``:
+    the linear warm-up of large-batch training. The count lives in the optimizer's parameter groups
+    (``warmup_step``), so it is saved and restored with the optimizer's state.
+    """
+    factory = _optimizer(config, lr)
+    if warmup_steps <= 0:
+        return factory
+
+    def warmed(params: list[torch.Tensor]) -> torch.optim.Optimizer:
+        optimizer = factory(params)
+        for group in optimizer.param_groups:
+            group["warmup_step"], group["base_lr"] = 0, group["lr"]
+
+        def before_step(opt: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+            for group in opt.param_groups:
+                group["warmup_step"] += 1
+                group["lr"] = group["base_lr"] * min(1.0, group["warmup_step"] / warmup_steps)
+
+        optimizer.register_step_pre_hook(before_step)
+        return optimizer
+
+    return warmed
+
+
+def _optimizer(config: RunConfig, lr: float) -> Callable[[list[torch.Tensor]], torch.optim.Optimizer]:
     if config.optimizer == "sgd":
         return lambda ps: torch.optim.SGD(ps, lr=lr, momentum=config.momentum, weight_decay=config.weight_decay)
     if config.optimizer == "adam":
@@ -495,7 +528,7 @@ class _Run:
         self.model_name = config.model or self.data.default_model
         torch.manual_seed(config.seed)  # the same initial model for every method and worker count
         model = build_model(self.model_name, self.data.input_shape, self.data.classes).to(self.device)
-        optimizer = make_optimizer(config, self.lr)
+        optimizer = make_optimizer(config, self.lr, round(config.warmup_epochs * self.steps_per_epoch))
         options: dict[str, Any] = dict(  # the method, the same for simulated and real workers
             combine=self.method.combine,
             local_steps=config.local_steps if self.method.local else 1,
@@ -705,6 +738,7 @@ class _Run:
             "train_loss": last["train_loss"],
             "best_val_accuracy": max(h["val_accuracy"] for h in history),
             "chance_accuracy": self.chance.accuracy,
+            "chance_noise": self.chance.noise,
             "skipped_steps": self.engine.skipped_steps,
             "steps": len(history) * self.steps_per_epoch,
             "wall_s": sum(h["wall_s"] for h in history),
@@ -835,8 +869,11 @@ def diloco_options(config: RunConfig, method: Method) -> dict[str, Any]:
 
 def identity(config: dict[str, Any]) -> dict[str, Any]:
     """The fields of a run's configuration that make it that run (all but the RESUMABLE ones); no
-    model stands for the task's default model (``--model cnn`` on digits is the same run)."""
-    values: dict[str, Any] = {f.name: config.get(f.name) for f in fields(RunConfig) if f.name not in RESUMABLE}
+    model stands for the task's default model (``--model cnn`` on digits is the same run), and a field the
+    configuration lacks (written before the field existed) has its default."""
+    values: dict[str, Any] = {
+        f.name: config.get(f.name, f.default) for f in fields(RunConfig) if f.name not in RESUMABLE
+    }
     if values["model"] is None:
         values["model"] = DEFAULT_MODELS.get(values["task"])
     return values

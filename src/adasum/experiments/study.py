@@ -72,6 +72,7 @@ class Design:
     batch_size: int = 32
     optimizer: str = "sgd"
     momentum: float = 0.5
+    warmup_epochs: float = 0.0
     evals_per_epoch: int = 8
     local_steps: int = 4
     slow_momentum: float = 0.5
@@ -80,12 +81,20 @@ class Design:
     rule: tuple[str, ...] = ("mean-scaled", "adasum")  # run at sequential's picked base rate, untuned
     max_extensions: int = 2
     data_dir: str | None = None
+    # sequential training's confirmatory length (None: `epochs`); it sets the target after one epoch, and one
+    # step of 32 examples is the slow part of a simulated study on a GPU
+    sequential_epochs: int | None = None
+
+    def length(self, method: str) -> int:
+        """The confirmatory runs' length in epochs for `method`."""
+        return self.sequential_epochs if method == "sequential" and self.sequential_epochs else self.epochs
 
     def base(self) -> RunConfig:
         """The configuration every run of this design shares."""
         return RunConfig(
             task=self.task, model=self.model, batch_size=self.batch_size, optimizer=self.optimizer,
-            momentum=self.momentum, local_steps=self.local_steps, slow_momentum=self.slow_momentum,
+            momentum=self.momentum, warmup_epochs=self.warmup_epochs, local_steps=self.local_steps,
+            slow_momentum=self.slow_momentum,
             data_dir=self.data_dir,
         )
 
@@ -146,7 +155,93 @@ DIGITS_CNN = Design(
     budget=8,
     epochs=16,
 )
-DESIGNS: Mapping[str, Design] = MappingProxyType({d.name: d for d in (FASHION_CNN, DIGITS_CNN)})
+# --- the second family: registered after the first's runs, before its own (docs/protocol.md, part 2) ------
+FASHION_RESNET = Design(
+    name="fashion-mnist-resnet",
+    task="fashion-mnist",
+    model="resnet",
+    workers=(16, 64),
+    methods=MappingProxyType({
+        "sequential": (0.003, 0.01, 0.03),
+        "mean": (0.03, 0.1, 0.3, 1.0),
+        "adasum": (0.01, 0.03, 0.1, 0.3),
+        "adacons": (0.001, 0.003, 0.01),  # lr x P
+    }),
+    only=MappingProxyType({"adacons": (64,)}),
+    momentum=0.9,
+    warmup_epochs=1.0,
+    pilot_seeds=(200, 201),
+    confirm_seeds=tuple(range(2000, 2008)),
+    budget=4,
+    epochs=8,
+    sequential_epochs=4,
+    rule=(),
+    primary=(
+        Hypothesis("R1", "at the largest batch (64 x 32 = 2,048), momentum SGD with warm-up, Adasum gets further "
+                   "than averaging (the ResNet-50 claim, paper)", "adasum", "mean", 64, budget=4),
+        Hypothesis("R2", "AdaCons beats averaging at the largest batch (arXiv 2411.03742)", "adacons", "mean", 64,
+                   budget=4),
+    ),
+)
+ENGLISH_LAMB = Design(
+    name="english-lm-lamb",
+    task="english",
+    model="transformer",
+    workers=(16, 64),
+    methods=MappingProxyType({
+        "sequential": (0.001, 0.003, 0.01),
+        "mean": (0.003, 0.01, 0.03, 0.1),
+        "adasum": (0.001, 0.003, 0.01, 0.03),
+    }),
+    optimizer="lamb",
+    pilot_seeds=(200, 201),
+    confirm_seeds=tuple(range(2000, 2006)),
+    budget=3,
+    epochs=6,
+    sequential_epochs=3,
+    rule=(),
+    primary=(
+        Hypothesis("L1", "with LAMB at the largest batch (64 x 32 sequences), Adasum gets further than averaging "
+                   "(LAMB + Adasum in 30 % fewer steps, paper)", "adasum", "mean", 64, budget=3),
+    ),
+)
+ENGLISH_ADAM = replace(
+    ENGLISH_LAMB,
+    name="english-lm-adam",
+    optimizer="adam",
+    primary=(
+        Hypothesis("L2", "with Adam at the largest batch (64 x 32 sequences), Adasum gets further than averaging "
+                   "(Adam with Adasum scales to 64K, paper)", "adasum", "mean", 64, budget=3),
+    ),
+)
+FASHION_DILOCO = Design(
+    name="fashion-mnist-diloco",
+    task="fashion-mnist",
+    model="cnn",
+    workers=(16,),
+    methods=MappingProxyType({
+        "sequential": (0.0003, 0.001, 0.003),
+        "diloco": (0.0003, 0.001, 0.003, 0.01),
+        "adasum-diloco": (0.0003, 0.001, 0.003, 0.01),
+        "adacons-diloco": (0.0003, 0.001, 0.003, 0.01),
+    }),
+    optimizer="adam",
+    local_steps=8,
+    pilot_seeds=(200, 201),
+    confirm_seeds=tuple(range(2000, 2012)),
+    budget=2,
+    epochs=4,
+    sequential_epochs=2,
+    rule=(),
+    primary=(
+        Hypothesis("D1", "DiLoCo (inner Adam, tau = 8, outer Nesterov 0.7 / 0.9) with Adasum's combine of the "
+                   "pseudo-gradients beats DiLoCo's mean at 16 workers", "adasum-diloco", "diloco", 16),
+        Hypothesis("D2", "the same with AdaCons' combine", "adacons-diloco", "diloco", 16),
+    ),
+)
+DESIGNS: Mapping[str, Design] = MappingProxyType({
+    d.name: d for d in (FASHION_CNN, DIGITS_CNN, FASHION_RESNET, ENGLISH_LAMB, ENGLISH_ADAM, FASHION_DILOCO)
+})
 
 
 def _config(design: Design, method: str, workers: int, lr: float, seed: int, epochs: int, curve: bool) -> RunConfig:
@@ -183,8 +278,8 @@ def rows_of(rows: Sequence[Row], design: Design, seeds: Sequence[int]) -> list[R
     keep = []
     for r in rows:
         c = r["config"]
-        setting = (c.get("task"), c.get("batch_size"), c.get("optimizer"))
-        if setting != (wanted.task, wanted.batch_size, wanted.optimizer):
+        setting = (c.get("task"), c.get("batch_size"), c.get("optimizer"), c.get("warmup_epochs", 0.0))
+        if setting != (wanted.task, wanted.batch_size, wanted.optimizer, wanted.warmup_epochs):
             continue
         if (c.get("model") or "cnn") != (design.model or "cnn") or r["seed"] not in seeds:
             continue
@@ -233,7 +328,7 @@ def confirm_runs(design: Design, chosen: Mapping[Cell, tuple[float, bool]]) -> l
     sequential's picked base rate), on the confirmatory seeds, with learning curves."""
     runs = []
     for (method, workers), (lr, _) in chosen.items():
-        runs += [_config(design, method, workers, lr, s, design.epochs, True) for s in design.confirm_seeds]
+        runs += [_config(design, method, workers, lr, s, design.length(method), True) for s in design.confirm_seeds]
     sequential = chosen.get(("sequential", 1))
     if sequential is not None:
         for method in design.rule:
@@ -270,12 +365,15 @@ def failed(row: Row, epoch: int) -> bool:
     chance = row.get("chance_accuracy")
     if chance is None:
         return False
-    n = _validation_size(row)
-    noise = 100 * VALIDATION_FAILURE_SD * math.sqrt(chance / 100 * (1 - chance / 100) / n)
+    noise = row.get("chance_noise")  # the runner's: 3 binomial standard deviations over its validation set
+    if noise is None:
+        n = _validation_size(row)
+        noise = 100 * VALIDATION_FAILURE_SD * math.sqrt(chance / 100 * (1 - chance / 100) / n)
     return point["val_accuracy"] <= chance + noise
 
 
 def _validation_size(row: Row) -> int:
+    """The validation set's size, for rows written before the runner recorded `chance_noise`."""
     sizes = {"fashion-mnist": 6000, "mnist": 6000, "digits": 400}
     return sizes.get(row["config"].get("task"), 1000)
 
@@ -352,7 +450,8 @@ class Analysis:
 
 
 def _confirm_cells(rows: Sequence[Row], design: Design) -> dict[tuple[str, int, float], list[Row]]:
-    return by_cell([r for r in rows_of(rows, design, design.confirm_seeds) if r["epochs"] == design.epochs])
+    confirm = rows_of(rows, design, design.confirm_seeds)
+    return by_cell([r for r in confirm if r["epochs"] == design.length(r["method"])])
 
 
 def pilot_spread(rows: Sequence[Row], design: Design) -> tuple[float, int]:
@@ -431,11 +530,12 @@ def _summaries(design: Design, cells: Mapping[tuple[str, int, float], list[Row]]
     budgets = sorted({1, design.budget, design.epochs})
     for (method, workers, lr), runs in sorted(cells.items(), key=lambda kv: (kv[0][1], _order(kv[0][0]), kv[0][2])):
         test, lost = {}, {}
+        length = design.length(method)
         for b in budgets:
-            good = [at_epoch(r, b) for r in runs if not failed(r, b)]
+            good = [at_epoch(r, b) for r in runs if not failed(r, b)] if b <= length else []
             values = [p["test_accuracy"] for p in good if p is not None]
             test[b] = Stat.of(values) if values else None
-            lost[b] = sum(failed(r, b) for r in runs)
+            lost[b] = sum(failed(r, min(b, length)) for r in runs)  # a shorter cell: failed by its end
         steps = [steps_to(r, target) for r in runs] if target is not None else []
         per_epoch = runs[0]["steps"] / runs[0]["epochs_run"] if runs[0]["epochs_run"] else math.nan
         median = censored_median(steps)
@@ -447,7 +547,8 @@ def _summaries(design: Design, cells: Mapping[tuple[str, int, float], list[Row]]
     return out
 
 
-ORDER = ("sequential", "mean", "mean-scaled", "adasum", "adasum-delta", "adacons", "localsgd", "slowmo")
+ORDER = ("sequential", "mean", "mean-scaled", "adasum", "adasum-delta", "adacons", "localsgd", "slowmo", "diloco",
+         "adasum-diloco", "adacons-diloco")
 
 
 def _order(method: str) -> int:
@@ -467,7 +568,8 @@ def analyze(rows: Sequence[Row], design: Design) -> Analysis:
     explore = []
     primary = {(h.method, h.against, h.workers) for h in design.primary}
     for method, against in (("adasum", "mean"), ("adacons", "mean"), ("slowmo", "localsgd"), ("mean", "sequential"),
-                            ("adasum", "sequential")):
+                            ("adasum", "sequential"),
+                            ("adasum-diloco", "diloco"), ("adacons-diloco", "diloco")):
         for workers in design.workers:
             if (method, against, workers) in primary or (method, workers) not in chosen:
                 continue
@@ -623,7 +725,7 @@ def draw(rows: Sequence[Row], design: Design, out: Any) -> list[Any]:
     folder = Path(out)
     cells = groups(rows, design)
     title = f"{design.task}, {design.model}: validation accuracy, median and min-max over seeds"
-    written = [figures.curves(cells, folder, lambda r: failed(r, design.epochs),
+    written = [figures.curves(cells, folder, lambda r: failed(r, min(design.epochs, r["epochs"])),
                               filename=f"{design.name}-curves.png", title=title)]
     target = target_accuracy(rows, design)
     if target is not None:
