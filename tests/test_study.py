@@ -220,3 +220,24 @@ def test_the_stored_cell_comes_out_of_the_current_code():
             assert curve == pytest.approx(cell["curve_val_accuracy"], abs=1.0), label
     finally:
         torch.set_num_threads(threads)
+
+
+@pytest.mark.parametrize("name", list(st.DESIGNS))
+def test_every_primary_test_can_reach_its_holm_level(name):
+    """The exact sign-flip test with n pairs never gives p below 2 / 2^n: a design whose primary cells have too
+    few seeds for Holm's first level (0.05 / family) could never give a verdict, whatever the effect."""
+    design = st.DESIGNS[name]
+    for h in design.primary:
+        if h.kind != "accuracy":
+            continue
+        n = len(set(design.seeds(h.method, h.workers)) & set(design.seeds(h.against, h.workers)))
+        assert 2 / 2**n < st.ALPHA / len(design.primary), f"{h.name}: {n} seeds"
+
+
+def test_added_seeds_go_to_the_primary_cells_only():
+    design = replace(TOY, primary_seeds=(77, 78))
+    chosen = {("sequential", 1): (0.1, False), ("mean", 4): (0.1, False), ("adasum", 4): (0.1, False),
+              ("adacons", 4): (0.1, False)}
+    runs = st.confirm_runs(design, chosen)
+    extra = {(c.method, c.workers) for c in runs if c.seed in (77, 78)}
+    assert extra == {("mean", 4), ("adasum", 4)}
