@@ -553,7 +553,8 @@ def _summaries(design: Design, cells: Mapping[tuple[str, int, float], list[Row]]
         median = censored_median(steps)
         out.append(CellSummary(
             method, workers, lr, chosen.get((method, workers), (None,))[0] == lr, len(runs),
-            workers * design.batch_size, MappingProxyType(test), MappingProxyType(lost), len(steps), median,
+            workers * design.batch_size, MappingProxyType(test), MappingProxyType(lost),
+            sum(s is not None for s in steps), median,
             median / per_epoch if median is not None else None,
         ))
     return out
@@ -587,7 +588,9 @@ def analyze(rows: Sequence[Row], design: Design) -> Analysis:
                 continue
             if against != "sequential" and (against, workers) not in chosen:
                 continue
-            h = Hypothesis(f"E-{method}-{against}-{workers}", "", method, against, workers, budget=design.budget)
+            # against sequential training, at the epochs both ran (sequential may stop early: `sequential_epochs`)
+            budget = min(design.budget, design.length(against))
+            h = Hypothesis(f"E-{method}-{against}-{workers}", "", method, against, workers, budget=budget)
             explore.append(_test(design, h, cells, chosen, sd, 1))
     sequential = chosen.get(("sequential", 1))
     if sequential is not None and len(design.rule) == 2:
@@ -645,7 +648,9 @@ def exploratory_table(analysis: Analysis) -> str:
                          f"{_p(o.p)} (exact sign test) | {o.detail} |")
             continue
         diff = f"{o.effect:+.2f} [{o.lo:+.2f}, {o.hi:+.2f}]" if o.n >= 2 else "-"
-        lines.append(f"| {h.method} - {h.against} | {h.workers} | {o.n} | {diff} | {_p(o.p)} | {o.detail[8:]} |")
+        when = "" if h.budget == analysis.design.budget else f" (after {h.budget} ep.)"
+        lines.append(f"| {h.method} - {h.against}{when} | {h.workers} | {o.n} | {diff} | {_p(o.p)} | "
+                     f"{o.detail[8:]} |")
     return "\n".join(lines)
 
 
@@ -702,7 +707,9 @@ def render(rows: Sequence[Row], design: Design) -> dict[str, str]:
         pooled = math.sqrt(statistics.fmean(o.spread**2 for o in spreads))
         n = min(o.n for o in spreads)
         found = detectable_difference(pooled, n, len(design.primary))
-        facts += (f" The confirmatory runs' own paired differences (H1-H{len(spreads)}) have a pooled spread of "
+        first, last = spreads[0].hypothesis.name, spreads[-1].hypothesis.name
+        names = f"{first}-{last}" if len(spreads) > 1 else first
+        facts += (f" The confirmatory runs' own paired differences ({names}) have a pooled spread of "
                   f"{pooled:.2f} points, for which the test at level 0.05 / {len(design.primary)} with {n} pairs "
                   f"finds {found:.2f} points at 80 % power (after the runs, for reading the verdicts; the "
                   "protocol's power column stays as planned).")
