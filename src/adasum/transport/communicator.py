@@ -84,6 +84,7 @@ class Communicator:
         # look-up (`adasum.collectives.api`)
         self.recent: OrderedDict[tuple[int, int], Any] = OrderedDict()
         self.guard: Any = None  # the thread that compares deferred checks (`adasum.checks.guard`)
+        self.one_rank_warned = False  # a group of one rank was warned for (`adasum.transport.alone`)
         # the last list call's plan, a weak reference to its first tensor, and how many list calls in a row of that
         # plan ran eagerly on tensors re-made at new addresses (`run`, `_note_moves`)
         self._moves: tuple[Hashable, Any, int] = (None, None, 0)
