@@ -152,6 +152,26 @@ def test_momentum_state_is_keyed_by_layout():
         assert all(np.allclose(x.numpy(), e, rtol=1e-12) for x, e in zip(got, expected))
 
 
+def test_momentum_states_are_bounded_and_release_empties_them():
+    """Layouts re-made with new sizes every call keep at most `MOST` momentum states, the most recent (a key used every
+    call stays); `adasum.release()` empties them, also those of a copy and of an unpickled object."""
+    import copy
+    import pickle
+
+    from adasum.transport.caches import MOST
+
+    reducer = adasum.AdaCons(momentum=0.5)
+    for n in range(1, MOST + 100):
+        reducer.reduce([[torch.ones(n)], [torch.arange(n, dtype=torch.float32)]])
+        reducer.reduce([[torch.ones(1)], [torch.full((1,), 2.0)]], key="kept")
+    states = reducer.state_dict()["states"]
+    assert len(states) == MOST and "kept" in states, len(states)
+    copies = [copy.deepcopy(reducer), pickle.loads(pickle.dumps(reducer))]
+    assert all(len(c.state_dict()["states"]) == MOST for c in copies)
+    adasum.release()
+    assert reducer.state_dict()["states"] == {} and all(c.state_dict()["states"] == {} for c in copies)
+
+
 def test_state_dict_round_trip_continues_identically():
     data = [random_workers(30 + s, 4, [(5,), (3, 3)]) for s in range(5)]
     whole = adasum.AdaCons(momentum=0.7, per_tensor=True)

@@ -534,15 +534,18 @@ def test_a_divergence_within_lag_of_the_end_is_raised_on_every_rank_at_the_end(w
 
 
 def extra_call_body(rank, world, end):
-    """Rank 1 makes one checked call more than rank 0 (posted: its data would go on), then both end (release or
-    barrier): the same ValueError on every rank, naming the counts and the extra call, not "a peer died"."""
+    """Rank 1 makes one checked call more than rank 0 (a repeat, posted), then both end (release or barrier): the
+    same ValueError on every rank, naming the counts and the extra call, not "a peer died". On gloo, where a call
+    waits for its message sizes' comparison (no abort), rank 1's extra call raises it (nothing moved), and rank 0's
+    end; elsewhere both ends (the extra call's data went on)."""
     config, a = ("test",), [torch.ones(6)]
     with override(deferred_checks=True):
         for _ in range(3):
             prepare(a, None, config=config, operation="test")
-        if rank == 1:
-            prepare(a, None, config=config, operation="test")
+        extra = _error_of(lambda: prepare(a, None, config=config, operation="test")) if rank == 1 else (None,)
         kind, message, seconds = _error_of(adasum.release if end == "release" else dist.barrier)
+        if extra[0] is not None:
+            kind, message, seconds = extra
         later = _error_of(lambda: prepare(a, None, config=config, operation="test"))[:2] if end == "barrier" else None
     adasum.release()
     return kind, message, seconds < BOUND_S, later
@@ -611,6 +614,46 @@ def test_release_while_another_thread_waits_for_a_verdict_wakes_it():
     assert "rank 0 made 2, rank 1 made 1" in waiter[1], waiter
     assert in_time and threads == 0 and results[1][2] and results[1][3] == 0, results
     assert results[1][1] == (waiter[0], waiter[1]), results  # the peer's release raises the same error
+
+
+def new_sizes_against_an_agreed_layout_body(rank, world, other):
+    """Deferred checks forced on gloo, which has no abort: a layout agreed by both ranks, then rank 1 calls a layout
+    whose messages have other sizes (`other`: another number of elements, or of tensors) while rank 0 calls the agreed
+    one (posted without waiting, as on NCCL). gloo would abort the process on data of another size, so those sizes
+    are compared before the data: the same ValueError on every rank, nothing moved, the group and its guard go on."""
+    a = [torch.full((4, 2), 1.0 + rank)]
+    with override(deferred_checks=True):
+        adasum.all_reduce(a)
+        adasum.all_reduce(a)
+        guard = communicators.communicator(None).guard
+        mine = [torch.full(shape, 2.0 + rank) for shape in other] if rank == 1 else [a[0].clone()]
+        before = [t.clone() for t in mine]
+        kind, message, _ = _error_of(lambda: adasum.all_reduce(mine))
+        untouched = all(torch.equal(x, y) for x, y in zip(mine, before))
+        after = [torch.full((3,), float(rank))]
+        adasum.all_reduce(after)  # the group is still usable: nothing moved
+        adasum.all_reduce(a)
+        dist.barrier()  # the guard's fence: every posted call compared
+        kept = guard.error
+    adasum.release()
+    return kind, message, untouched, after[0].tolist(), kept, len(_guard_threads())
+
+
+@pytest.mark.parametrize("other, named", [([(5,)], "float32 [5] on cpu"),
+                                          ([(4,), (4,)], "float32 [4] on cpu")])
+def test_deferred_checks_on_gloo_refuse_a_new_size_against_an_agreed_layout_on_every_rank(other, named):
+    results = distributed.run(2, new_sizes_against_an_agreed_layout_body, other)
+    distributed.assert_ranks_agree(results)
+    kind, message, untouched, after, kept, threads = results[0]
+    assert kind == "ValueError" and untouched and kept is None and threads == 0, results[0]
+    if len(other) == 1:
+        assert message == ("adasum.all_reduce: tensors differ across ranks at index 0: rank 0 has float32 [4, 2] on "
+                           f"cpu, rank 1 has {named}"), message
+    else:
+        assert message == "adasum.all_reduce: tensors differ across ranks: rank 0 passed 1, rank 1 passed 2", message
+    ref, bound = combine_with_bound([torch.full((3,), float(r)) for r in range(2)])
+    err = float((torch.tensor(after, dtype=torch.float64) - ref).norm())
+    assert err <= bound, (after, ref, err, bound)
 
 
 def test_the_overlap_check_of_ten_thousand_columns_is_fast():

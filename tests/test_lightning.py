@@ -249,14 +249,15 @@ def test_strategies_warn_on_one_process(strategy, one_process_group):
     with pytest.warns(UserWarning, match="only one process, so Adasum has nothing to combine") as caught:
         fit(Tiny(), strategy, devices=1)
     ours = [w for w in caught if str(w.message).startswith("adasum.")]
-    assert ours and all(w.filename == __file__ for w in ours), [(w.filename, w.lineno) for w in ours]  # trainer.fit
+    # one warning (the optimizer under the delta strategy adds no one-rank warning of its own), at trainer.fit
+    assert len(ours) == 1 and ours[0].filename == __file__, [(w.filename, w.lineno, str(w.message)) for w in ours]
 
 
 def test_callback_warns_on_one_process():
     with pytest.warns(UserWarning, match="AdasumCallback: only one process") as caught:
         fit(Tiny(), "auto", [adasum.lightning.AdasumCallback()], devices=1)
     ours = [w for w in caught if str(w.message).startswith("adasum.")]
-    assert ours and all(w.filename == __file__ for w in ours), [(w.filename, w.lineno) for w in ours]
+    assert len(ours) == 1 and ours[0].filename == __file__, [(w.filename, w.lineno, str(w.message)) for w in ours]
 
 
 def test_strategies_refuse_options_that_do_not_apply():

@@ -205,10 +205,12 @@ def test_lightning_callback_logs_the_statistics_through_the_trainers_logger(tmp_
         enable_progress_bar=False,
         enable_model_summary=False,
     )
-    with pytest.warns(UserWarning, match="only one process"):  # the wrapped optimizer combines nothing, but counts
-        trainer.fit(
+    with pytest.warns(UserWarning, match="only one process") as caught:  # the wrapped optimizer combines nothing,
+        trainer.fit(  # but counts
             Regression(), torch.utils.data.DataLoader(torch.utils.data.TensorDataset(x, x[:, :1]), batch_size=4)
         )
+    ours = [str(w.message) for w in caught if str(w.message).startswith("adasum.")]
+    assert len(ours) == 1, ours  # the strategy's, not the wrapped optimizer's too
     with open(tmp_path / "run" / "version_0" / "metrics.csv") as f:
         rows = [r for r in csv.DictReader(f) if r.get("adasum/step")]
     assert [(int(r["step"]), float(r["adasum/step"]), float(r["adasum/skipped_steps"])) for r in rows] == [

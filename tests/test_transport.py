@@ -129,6 +129,26 @@ def test_a_symmetric_buffer_grows_within_its_cap_and_the_outgrown_one_is_dropped
     assert not pool.buffers
 
 
+def test_the_views_of_peers_buffers_are_bounded_and_released():
+    """A view of a peer's buffer per (buffer, peer, elements, dtype): a new size every call keeps at most `MOST`
+    views, the most recently used (one in use every call stays the very view); the pool's release drops them."""
+    from types import SimpleNamespace
+
+    from adasum.transport.caches import MOST
+    from adasum.transport.symmetric import SymmetricPool
+
+    pool = SymmetricPool(SimpleNamespace(group_name="fake"), backend=fake_symmetric_memory([]))
+    _, handle = pool.staging(10, torch.empty(0))
+    handle.get_buffer = lambda peer, shape, dtype, offset: torch.empty(shape, dtype=dtype)
+    kept = pool.peer_view(handle, 1, 3, torch.float32)
+    for numel in range(4, MOST + 200):
+        pool.peer_view(handle, 1, numel, torch.float32)
+        assert pool.peer_view(handle, 1, 3, torch.float32) is kept
+    assert pool.held() == 1 + MOST, pool.held()  # the buffer and its peers' views
+    pool.release()
+    assert pool.held() == 0
+
+
 def test_the_symmetric_transports_take_their_memory_backend_and_share_the_groups_pool():
     """The backend comes through the transport's constructor; both symmetric transports of a group use its one
     pool, which `adasum.release()` frees; another backend for a group whose pool exists is refused."""

@@ -25,6 +25,7 @@ The entry points reach these checks through their plan (`adasum.checks.plan.prep
 from __future__ import annotations
 
 import hashlib
+import math
 import operator
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
@@ -49,6 +50,18 @@ def describe_flat(buffer: torch.Tensor, sizes: Sequence) -> list[Entry]:
     not an integer as it was given, so that a rank's float shows in the difference)."""
     dtype = str(buffer.dtype).removeprefix("torch.")
     return [(dtype, (n,), buffer.device.type) for n in sizes]
+
+
+def message_sizes(description: Sequence[Entry]) -> list[Entry]:
+    """What the sizes of a call's messages depend on besides its configuration: each tensor's dtype, number of
+    elements and device type (a combination reads each tensor as one vector of its elements: the shapes do not
+    change what travels). A size that is not an integer stays as it was given.
+
+    >>> message_sizes([("float32", (4, 2), "cpu"), ("float16", (3,), "cpu")])
+    [('float32', (8,), 'cpu'), ('float16', (3,), 'cpu')]
+    """
+    return [(dtype, (math.prod(shape),) if all(isinstance(n, int) for n in shape) else shape, device)
+            for dtype, shape, device in description]
 
 
 def signature(description: Sequence) -> int:

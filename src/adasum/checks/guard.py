@@ -4,14 +4,20 @@ of every checked call, off the calls' path (`adasum.checks.plan` says when check
 The caller's side costs a list append per call (`Guard.post`); the thread runs *rounds* on a gloo group of its
 own (a ``ProcessGroupGloo`` over the group's store, shared with no other thread, so its collectives pair up
 across ranks in order). A round all-reduces (MAX) a fixed-size int64 vector: minus the number of calls this rank
-brings (at most `SLOTS`), then per call its fingerprint, its negation, a problem flag and a deferred flag, and
-last the number it brings. The first ``min`` over ranks of those calls are compared slot by slot: the i-th
-checked call of every rank against the i-th of its peers, whatever their history. Rounds follow each other at
+brings (at most `SLOTS`), then per call its fingerprint, its negation, its message sizes' fingerprint
+(`Guard.sizes_first`), its negation, a problem flag and a deferred flag, and last the number it brings. The first
+``min`` over ranks of those calls are compared slot by slot: the i-th checked call of every rank against the i-th
+of its peers, whatever their history. Rounds follow each other at
 most every `ROUND_PAUSE_S` unless a caller waits for a verdict, so the thread takes the interpreter's lock rarely
 however fast the calls come.
 
 A call that must be compared before its data (a layout's first call, a local problem; `Guard.check`) posts its
-slot and waits for its verdict. A slot that differs (or has a problem on some rank) is named as the
+slot and waits for its verdict. *Sizes first*: where the data group has no communicator abort (gloo), data of other
+sizes than its peers' would abort the process inside the backend, so every call waits for its round (`Guard.post`
+too): where the sizes of its messages (`adasum.checks.agreement.message_sizes`) differ across ranks, or some rank
+has a problem with it, nothing moved on any rank, and the error is raised by the call on every rank, as where every
+rank waited; a call whose sizes agree goes on (its data moves) before its layout's verdict, as on NCCL, so a layout
+that differs in shapes only is named as below. A slot that differs (or has a problem on some rank) is named as the
 synchronous check names it: every rank's configuration and description are gathered on the guard's group and
 every rank gets the same error (`adasum.checks.agreement.named_difference`). Where every rank was waiting
 for that slot, nothing moved: the error is raised by the waiting call and the guard goes on. Where some rank
@@ -53,13 +59,13 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from adasum.checks.agreement import Problem, _entry, named_difference
+from adasum.checks.agreement import Problem, _entry, message_sizes, named_difference, signature
 from adasum.transport.communicator import Communicator, next_guard
 from adasum.transport.errors import failures_named
 from adasum.transport.groups import group_timeout
 
 SLOTS = 128
-"""Calls compared per round at most (a round's vector has 2 + 4 x SLOTS int64)."""
+"""Calls compared per round at most (a round's vector has 2 + 6 x SLOTS int64)."""
 ROUND_PAUSE_S = 0.05
 """Pause between two rounds while no caller waits for a verdict: a round's calls are batched over it (shorter
 pauses name a divergence sooner but take the cores the data exchange runs on more often)."""
@@ -75,13 +81,15 @@ that raises the divergence waits for the device to drain before it aborts."""
 
 
 class _Waiter:
-    """A caller waiting for the verdict of its slot."""
+    """A caller waiting for the verdict of its slot: its layout's (`Guard.check`), or only its message sizes'
+    (`Guard.post` where sizes come first: its data goes on before its layout's verdict)."""
 
-    __slots__ = ("done", "error")
+    __slots__ = ("done", "error", "layout")
 
-    def __init__(self) -> None:
+    def __init__(self, layout: bool = True) -> None:
         self.done = threading.Event()
         self.error: BaseException | None = None
+        self.layout = layout
 
 
 # one checked call: (plan, what, operation, problem, waiter); waiter None: posted without waiting
@@ -105,12 +113,16 @@ class Guard:
         self.timeout: timedelta = group_timeout(group)
         self.store = dist.PrefixStore(prefix, dist.distributed_c10d._get_default_store())
         self.abort = abort
+        # no communicator abort (gloo, whose own abort of a message of another size kills the process): every call
+        # waits for the comparison of its message sizes (module doc)
+        self.sizes_first = abort is None
         # whether this rank's device finishes its queued work within s seconds
         device = torch.cuda.current_device() if torch.cuda.is_available() and torch.cuda.is_initialized() else None
         self.drains = drains if drains is not None else (lambda seconds: device_drains(seconds, device))
         self.slots: deque[_Slot] = deque()
         self.error: BaseException | None = None  # a fatal divergence or a failure of the guard's group
         self.checked = 0  # slots compared and found equal
+        self.refused = 0  # slots compared and refused before their data (every rank waited for them)
         self.posted = 0  # slots the caller handed over (the index of the next call's slot)
         self.raise_at: int | None = None  # after a fatal divergence: the slot from which every call raises it
         self.aborted = False
@@ -127,7 +139,7 @@ class Guard:
         self._stopping = False
         # the round's vector and the gathers' tensors outlive the guard's gloo group: its worker threads never drop
         # the last reference to a tensor (that needs the interpreter's lock; groups.py's module doc)
-        self._vector = torch.zeros(2 + 4 * SLOTS, dtype=torch.int64)
+        self._vector = torch.zeros(2 + 6 * SLOTS, dtype=torch.int64)
         self._kept: list[torch.Tensor] = []
         self._thread = threading.Thread(target=self._run, name="adasum-guard", daemon=True)
         self._thread.start()
@@ -136,9 +148,14 @@ class Guard:
 
     def post(self, plan: Any, what: str, operation: str, reserved: bool = False) -> None:
         """Compare this call's fingerprint later (its data goes on now). What must come before the data moves
-        comes first (`reserve`), unless the call `reserved` its slot already."""
+        comes first (`reserve`), unless the call `reserved` its slot already. Where sizes come first
+        (`sizes_first`), the call waits for the comparison of its message sizes (module doc): raises the same
+        error on every rank where they differ, else returns (its data goes on) before its layout's verdict."""
         if not reserved:
             self.reserve()
+            if self.sizes_first and self.error is None:
+                self._wait(plan, None, what, operation, self.posted - 1, _Waiter(layout=False))
+                return
         self.slots.append((plan, what, operation, None, None))
         if self._idle:
             self._wake.set()
@@ -148,7 +165,7 @@ class Guard:
         call on, module doc), and waits for the guard where this rank would run more than `LAG` calls ahead of
         its verdicts. A call that posts after launching its data (a replayed graph) reserves before."""
         index = self._next_index()
-        if self.error is None and index - self.checked >= LAG:
+        if self.error is None and index - self.checked - self.refused >= LAG:
             self._catch_up(index - LAG)
 
     def _next_index(self) -> int:
@@ -164,7 +181,7 @@ class Guard:
     def _catch_up(self, index: int) -> None:
         """Wait until the guard has compared slot `index` (or kept an error, or ended)."""
         self._wake.set()
-        while self.checked <= index and self.error is None and self._thread.is_alive():
+        while self.checked + self.refused <= index and self.error is None and self._thread.is_alive():
             self._progress.wait(0.05)
             self._progress.clear()
 
@@ -175,7 +192,10 @@ class Guard:
         if self.error is not None:  # a fatal divergence to be raised by a later call: no verdict comes
             self.slots.append((plan, what, operation, problem, None))
             return
-        waiter = _Waiter()
+        self._wait(plan, problem, what, operation, index, _Waiter())
+
+    def _wait(self, plan: Any, problem: Problem | None, what: str, operation: str, index: int, waiter: _Waiter) -> None:
+        """Post slot `index` with `waiter` and wait for its verdict (`check`, module doc)."""
         self.slots.append((plan, what, operation, problem, waiter))
         self._wake.set()
         while not waiter.done.wait(0.05) and self.error is None:
@@ -221,14 +241,17 @@ class Guard:
 
     def fence(self) -> None:
         """Compare every call posted so far with the peers', and their numbers (module doc), before a barrier:
-        raises a kept fatal divergence that no call raised yet (the same on every rank)."""
+        raises a kept fatal divergence that no call raised yet, or that this rank's next call would raise (the same
+        on every rank: a rank that raised it at a call never enters a barrier its peers do not)."""
         if self._thread.is_alive() and self.error is None:
             self._fenced.clear()
             self._fence_asked = True
             self._wake.set()
             while not self._fenced.wait(0.05) and self._thread.is_alive() and self.error is None:
                 pass
-        if self.error is not None and self._fatal and not self._delivered:
+        if self.error is None or not self._fatal:
+            return
+        if not self._delivered or (self.raise_at is not None and self.posted >= self.raise_at):
             self._raise()  # as a call would: after a divergence whose kernels do not end, the abort first
 
     def _undelivered(self) -> BaseException | None:
@@ -283,7 +306,7 @@ class Guard:
     def _settle(self, pg: Any, carry: list[_Slot]) -> bool:
         """One round over `carry`'s first slots; False once a fatal error was kept, or a fence passed while
         stopping (the thread ends)."""
-        compared, bad, fatal, most = _round(pg, carry, self._vector)
+        compared, bad, fatal, most = _round(pg, carry, self._vector, self.sizes_first)
         if compared == 0:  # some rank fences (module doc)
             if most == 0:  # every rank does: the same number of calls
                 self._fence_asked = self._stopping
@@ -293,7 +316,7 @@ class Guard:
             first = carry[0] if carry else None
             mine = (counts, None if first is None else (first[2], first[1], list(first[0].description)))
             error: BaseException = count_difference(_gather(pg, mine, self.world, self._kept), self.checked)
-            self.raise_at = self.checked  # every rank's next call raises it
+            self.raise_at = self.checked + self.refused  # every rank's next call raises it
             self._fatal = True
             self._fail(error, carry)
             self._progress.set()
@@ -311,13 +334,15 @@ class Guard:
         self.checked += bad
         error = self._named(pg, carry[bad], fatal)
         if fatal:
-            self.raise_at = self.checked + LAG  # the divergent slot's index + LAG: the same on every rank
+            # the divergent slot's index + LAG: the same on every rank
+            self.raise_at = self.checked + self.refused + LAG
             self._fatal = True
             self._fail(error, carry)
             self._progress.set()
             self._abort_unless_raised()
             return False
         waiter = carry[bad][4]  # every rank waits for this slot: nothing moved, the guard goes on
+        self.refused += 1
         if waiter is not None:
             waiter.error = error
             waiter.done.set()
@@ -385,14 +410,19 @@ def device_drains(seconds: float, device: int | None) -> bool:
     return done.wait(seconds)
 
 
-def _round(pg: Any, carry: list[_Slot], vector: torch.Tensor) -> tuple[int, int | None, bool, int]:
+def _round(
+    pg: Any, carry: list[_Slot], vector: torch.Tensor, sizes_first: bool = False
+) -> tuple[int, int | None, bool, int]:
     """All-reduce (MAX) the first `SLOTS` slots of `carry` in `vector`: how many every rank brought, the first of
-    them that differs or has a problem on some rank (None: none), whether some rank posted that one without
-    waiting, and the most calls a rank brought."""
+    them that differs or has a problem on some rank (None: none), whether its divergence is fatal (some rank posted
+    it without waiting for its layout's verdict; where sizes come first, and its message sizes differ or some rank
+    has a problem with it, every rank waited and nothing moved: not fatal), and the most calls a rank brought."""
     brought = min(len(carry), SLOTS)
     values = [-brought]
     for plan, _, _, problem, waiter in carry[:SLOTS]:
-        values += (plan.fingerprint, -plan.fingerprint, problem is not None, waiter is None)
+        sizes = _sizes_fingerprint(plan) if sizes_first else 0
+        values += (plan.fingerprint, -plan.fingerprint, sizes, -sizes, problem is not None,
+                   waiter is None or not waiter.layout)
     vector.zero_()
     vector[: len(values)] = torch.tensor(values, dtype=torch.int64)
     vector[-1] = brought
@@ -400,10 +430,18 @@ def _round(pg: Any, carry: list[_Slot], vector: torch.Tensor) -> tuple[int, int 
     out = vector.tolist()
     compared, most = -out[0], out[-1]
     for i in range(compared):
-        high, neg_low, problem, deferred = out[1 + 4 * i : 5 + 4 * i]
+        high, neg_low, sizes_high, sizes_neg_low, problem, deferred = out[1 + 6 * i : 7 + 6 * i]
         if high != -neg_low or problem:
-            return compared, i, bool(deferred), most
+            moved = not (sizes_first and (sizes_high != -sizes_neg_low or problem))
+            return compared, i, bool(deferred) and moved, most
     return compared, None, False, most
+
+
+def _sizes_fingerprint(plan: Any) -> int:
+    """The fingerprint of `plan`'s configuration and `message_sizes` (kept in the plan, made at its first round)."""
+    if plan.sizes is None:
+        plan.sizes = signature([plan.config, *message_sizes(plan.description)])
+    return plan.sizes
 
 
 def count_difference(everyone: list, checked: int) -> ValueError:

@@ -38,6 +38,9 @@ How a call's fingerprint is compared (``check="call"``):
   every rank by the group's next ``torch.distributed.barrier``, `adasum.release` or ``destroy_process_group``
   (a line on stderr at exit: the guard's fences, `adasum.checks.guard`).
   Afterwards the process group must be destroyed and training restarted (docs/faults.md).
+  Where the group's backend has no communicator abort (gloo, with ``deferred_checks=True``), every call also
+  waits for the guard's comparison of its message sizes (`adasum.checks.guard.Guard.sizes_first`): data of
+  other sizes is never sent (gloo would kill the process); such a difference raises at the call on every rank.
 """
 
 from __future__ import annotations
@@ -65,15 +68,16 @@ from adasum.checks.agreement import (
 )
 from adasum.checks.guard import guard_of
 from adasum.settings import current
+from adasum.transport.caches import MOST
 from adasum.transport.communicator import Communicator, communicator
 from adasum.transport.errors import failures_named
 from adasum.transport.groups import group_device
 
 Check = Literal["call", "once", "none"]
 
-MAX_PLANS = 512
-"""Plans a group keeps (the least recently used goes first: its layout's next call builds it again and compares it
-as a first call)."""
+MAX_PLANS = MOST
+"""Plans a group keeps: 512, the bound of every per-layout cache (`adasum.transport.caches`); the least recently
+used goes first (its layout's next call builds it again and compares it as a first call)."""
 DISJOINT = 8
 """Sets of addresses a plan remembers as free of shared memory (the oldest goes first): gradients re-made at new
 addresses every call are searched every call, as they were before any was remembered, and kept within this."""
@@ -92,6 +96,7 @@ class Plan:
     uses: int = 0
     key: Hashable = None  # what names it in its communicator (and its CUDA graphs, `Communicator.run`)
     fusion: tuple[str, ...] | None = None  # per dtype, at its first call: "in place", "view" or "fused" (`api.fusion`)
+    sizes: int | None = None  # the fingerprint of its message sizes, where the guard compares them first (guard.py)
 
 
 def _layout_key(tensors: Sequence[torch.Tensor], sizes: Sequence[int] | None) -> tuple:

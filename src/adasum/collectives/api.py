@@ -25,6 +25,7 @@ from adasum.checks.plan import Plan, prepare, recheck
 from adasum.collectives.vhdd import adasum_flat_, transport_for
 from adasum.core.layout import Scattered, flatten, group_by_dtype, unflatten_into
 from adasum.options import Nonfinite, TransportName, check_flag, not_initialised
+from adasum.transport.alone import warn_one_rank
 from adasum.transport.base import Transport
 from adasum.transport.communicator import Communicator, communicator
 from adasum.transport.graphs import MAX_GRAPHS, tensor_key
@@ -53,7 +54,8 @@ def all_reduce(
     host synchronisation); a difference raises ValueError on every rank, naming the first
     difference and the ranks. Non-floating dtypes raise TypeError, anything but a tensor or a list
     of tensors (a dict), a `group` that is not a process group or a `check_layout` that is not True or
-    False TypeError. World size 1 leaves the tensors unchanged.
+    False TypeError. World size 1 leaves the tensors unchanged (and warns once per group,
+    `adasum.transport.alone`).
 
     `transport` names how bytes move: "p2p" (c10d point-to-point), "collectives" (NCCL, the gather
     as one all-gather), "symmetric" (NVLink symmetric memory), "slices" (the slice-parallel schedule, any number
@@ -131,6 +133,7 @@ def _all_reduce(
     if nonfinite == "raise":
         check_finite(tensors, group, operation=operation)
     if dist.get_world_size(group) == 1:
+        warn_one_rank(group, operation)
         return
     try:
         chosen = list_transport(group, transport)

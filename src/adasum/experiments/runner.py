@@ -37,6 +37,7 @@ from adasum.integrations.slowmo import SlowMo, diloco_outer
 from adasum.options import Mode, Nonfinite
 from adasum.reducers import Reducer
 from adasum.sim import SimulatedWorkers, StepResult, cross_entropy, set_dropout_keys
+from adasum.transport.alone import quiet_one_rank
 from adasum.transport.errors import failures_named
 
 log = logging.getLogger("adasum")
@@ -278,6 +279,7 @@ class DistributedWorker:
         with torch.no_grad():  # every rank starts from rank 0's model (before the wrappers copy it)
             for p in model.state_dict().values():
                 dist.broadcast(p, 0)
+        quiet_one_rank(None)  # one process is a sequential run here (`adasum train` says so), not a mistake
         base = optimizer(self.params)
         self.optimizer: DistributedOptimizer | SlowMo
         if slow_momentum is not None or outer_optimizer is not None:

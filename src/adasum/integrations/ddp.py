@@ -69,6 +69,7 @@ from adasum.checks.plan import prepare
 from adasum.core.statistics import StepStatistics
 from adasum.options import Nonfinite, check_number
 from adasum.reducers import Adasum, Reducer, get_reducer
+from adasum.transport.alone import warn_one_rank
 from adasum.transport.communicator import communicator, side_stream
 from adasum.transport.errors import failures_named
 
@@ -394,6 +395,7 @@ def _check_batch_limit(state: AdasumState, operation: str) -> None:
     with failures_named(operation, "the configuration check", state.group):
         agree([], None, state.group, "the hook's configurations", operation, config)
     state._batch_checked = True
+    warn_one_rank(state.group, operation, "torch")  # the hook's first bucket: the user's backward() on the CPU
 
 
 def _follow_world(state: AdasumState, operation: str) -> None:

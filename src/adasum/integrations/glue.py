@@ -12,6 +12,7 @@ from torch.nn.parallel import DistributedDataParallel
 
 from adasum.integrations.ddp import AdasumState, adasum_hook
 from adasum.options import user_stacklevel
+from adasum.transport.alone import quiet_one_rank
 
 FRAMEWORKS = ("lightning", "pytorch_lightning")
 """The frameworks whose own frames lie between the user's line and a warning of the glue (`user_stacklevel`)."""
@@ -26,6 +27,7 @@ def warn_one_process(user: str, launch: str) -> bool:
     """Warn (and return True) when this is the only process: nothing to combine, so Adasum does nothing."""
     if world_size() > 1:
         return False
+    quiet_one_rank(None)  # this warning counts for the group: the entry points under the glue say nothing more
     warnings.warn(
         f"{user}: only one process, so Adasum has nothing to combine and training runs as on a single worker; "
         f"start several processes ({launch})",

@@ -91,6 +91,7 @@ from adasum.options import (
     reducer_of_op,
 )
 from adasum.reducers import Reducer, get_reducer
+from adasum.transport.alone import warn_one_rank
 from adasum.transport.communicator import control_group
 from adasum.transport.errors import failures_named
 from adasum.transport.groups import group_device
@@ -412,6 +413,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
         if check:
             self._check_parameters()
         self.reducer.setup(group)
+        warn_one_rank(group, operation)
 
     # -- pass-through -------------------------------------------------------------------------
 

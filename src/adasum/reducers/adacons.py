@@ -50,7 +50,10 @@ digest of the call's tensor dtypes and element counts in order (``key=`` overrid
 buckets of a DDP model, which differ in layout, each keep their own momentum; two calls with the
 same layout (identical buckets, or one object used for gradients and for model deltas of the same
 parameters) share one state, updated once per call. Use one AdaCons object per purpose, or pass
-`key`. The states travel in `state_dict()`.
+`key`. The states travel in `state_dict()`. An object keeps the states of its last 512 keys
+(`adasum.transport.caches.MOST`; a key that comes back after that starts afresh, as a first call),
+and `adasum.release()` (so ``destroy_process_group``) empties them: they belong to the group they were
+made on (one entry per rank); take `state_dict()` before.
 """
 
 from __future__ import annotations
@@ -73,6 +76,7 @@ from adasum.kernels import dot_and_norms
 from adasum.options import Scale, check_number, check_option
 from adasum.reducers.base import Reducer, check_state_keys, check_workers, is_float8, widened
 from adasum.settings import current
+from adasum.transport.caches import Released
 from adasum.transport.errors import failures_named
 from adasum.transport.groups import uses_nccl
 from adasum.transport.topology import Topology
@@ -254,7 +258,7 @@ class AdaCons(Reducer):
         self.momentum = float(momentum)
         self.per_tensor = per_tensor
         self.scale = scale
-        self._states: dict[str, torch.Tensor] = {}
+        self._states: Released[str, torch.Tensor] = Released()  # bounded; adasum.release() empties it
 
     # -- shared by both forms
 
@@ -469,7 +473,8 @@ class AdaCons(Reducer):
                     f"adasum.AdaCons.load_state_dict: the state has {name}={state[name]!r}, this reducer has "
                     f"{getattr(self, name)!r}"
                 )
-        self._states = {k: v.detach().clone().to(torch.float64) for k, v in state["states"].items()}
+        self._states = Released()
+        self._states.update((k, v.detach().clone().to(torch.float64)) for k, v in state["states"].items())
 
     def __repr__(self) -> str:
         return f"AdaCons(momentum={self.momentum}, per_tensor={self.per_tensor}, scale={self.scale!r})"

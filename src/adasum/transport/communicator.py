@@ -84,6 +84,7 @@ class Communicator:
         # look-up (`adasum.collectives.api`)
         self.recent: OrderedDict[tuple[int, int], Any] = OrderedDict()
         self.guard: Any = None  # the thread that compares deferred checks (`adasum.checks.guard`)
+        self.one_rank_warned = False  # a group of one rank was warned for (`adasum.transport.alone`)
         # the last list call's plan, a weak reference to its first tensor, and how many list calls in a row of that
         # plan ran eagerly on tensors re-made at new addresses (`run`, `_note_moves`)
         self._moves: tuple[Hashable, Any, int] = (None, None, 0)
@@ -180,8 +181,9 @@ class Communicator:
 class _Registry:
     """The transport layer's process-wide mutable state: communicators by process group, side streams by device,
     the transports' table by name (`adasum.transport.registry.register_transport`), how many guard threads each
-    group name had (`adasum.checks.guard`; never emptied), and whether the teardown hook is in place.
-    `release` empties the first two. (The reducers' names are the reducers' own: `adasum.reducers.base`.)"""
+    group name had (`adasum.checks.guard`; never emptied), the caches objects keep for the groups
+    (`emptied_by_release`), and whether the teardown hook is in place. `release` empties the first two and the
+    caches. (The reducers' names are the reducers' own: `adasum.reducers.base`.)"""
 
     def __init__(self) -> None:
         self.lock = threading.Lock()
@@ -190,12 +192,21 @@ class _Registry:
         self.reducers: dict[str, type] = {}
         self.transports: dict[str, Any] = {}  # the movers' table by name (`adasum.transport.registry`)
         self.guards_made: dict[str, int] = {}
+        # the caches `release` empties besides the communicators' (`adasum.transport.caches.Released`), by id
+        self.caches: weakref.WeakValueDictionary[int, Any] = weakref.WeakValueDictionary()
         self.exit_handler = False
         self.teardown_hook = False
         self.destroy = dist.destroy_process_group  # torch's own, also once the teardown hook wraps it
 
 
 _registry = _Registry()
+
+
+def emptied_by_release(cache: Any) -> None:
+    """Have `release` (of every group) empty `cache` (``cache.clear()``), held weakly: what an object that outlives
+    the groups keeps for them (`adasum.transport.caches.Released`)."""
+    with _registry.lock:
+        _registry.caches[id(cache)] = cache
 
 
 def next_guard(name: str) -> int:
@@ -238,7 +249,8 @@ def communicator(group: dist.ProcessGroup | None = None) -> Communicator:
 
 def release(group: dist.ProcessGroup | None = None) -> None:
     """Drop what adasum keeps for process groups: captured CUDA graphs, then the groups' resources (symmetric
-    buffers), then transports, control groups, plans, tile addresses, workspaces, side streams, the device tensors
+    buffers), then transports, control groups, plans, tile addresses, workspaces, side streams, the caches that
+    objects keep for the groups (AdaCons' momentum per layout: `adasum.transport.caches.Released`), the device tensors
     of the process's caches (tile tables and the kernels' index tensors: `adasum.kernels.clear_device_caches`), and
     the guard threads of deferred checks (each first compares what it was given with its peers', which gave it the
     same).
@@ -293,6 +305,8 @@ def release(group: dist.ProcessGroup | None = None) -> None:
             undelivered = next((error for error in kept if error is not None), None)
             _registry.communicators.clear()
             _registry.streams.clear()
+            for cache in list(_registry.caches.values()):  # AdaCons' momentum per layout, say
+                cache.clear()
             clear_device_caches()  # the tile tables and the kernels' small index tensors, kept per device
     if undelivered is not None:
         raise undelivered

@@ -66,6 +66,7 @@ from adasum.kernels import triton as triton_kernels
 from adasum.kernels.addresses import AddressTables, CopyTables
 from adasum.settings import current
 from adasum.transport.base import CUT_ALIGN, GatherStep, Level, Transport, split
+from adasum.transport.caches import Bounded
 from adasum.transport.communicator import communicator, retire_graphs, side_stream
 from adasum.transport.groups import uses_nccl
 from adasum.transport.slices import InPlace, buffer_bytes, round_elements
@@ -105,7 +106,8 @@ class SymmetricPool:
         self.outgrown = outgrown  # called when a buffer is replaced by a larger one (`staging`)
         self.verdict: bool | None = None
         self.buffers: dict[tuple[torch.dtype, str], tuple[torch.Tensor, object]] = {}
-        self.remote: dict[tuple[int, int, int, torch.dtype], torch.Tensor] = {}
+        # the peers' views by (handle, peer, elements, dtype), bounded: a new layout every call keeps memory flat
+        self.remote: Bounded[tuple[int, int, int, torch.dtype], torch.Tensor] = Bounded()
 
     def supported(self) -> bool:
         """Whether the group can run this transport: NCCL, Triton, a symmetric-memory backend, every rank on one
@@ -150,7 +152,8 @@ class SymmetricPool:
                 if self.outgrown is not None:
                     self.outgrown()
                 del self.buffers[key]
-                self.remote = {k: v for k, v in self.remote.items() if k[0] != id(entry[1])}
+                for gone in [k for k in self.remote if k[0] == id(entry[1])]:
+                    del self.remote[gone]
                 entry = None
             with warnings.catch_warnings():
                 warnings.simplefilter("ignore")
@@ -161,7 +164,8 @@ class SymmetricPool:
         return entry
 
     def peer_view(self, handle, peer: int, numel: int, dtype: torch.dtype) -> torch.Tensor:
-        """`peer`'s buffer of `handle` as a flat tensor of `numel` elements of `dtype` (made once)."""
+        """`peer`'s buffer of `handle` as a flat tensor of `numel` elements of `dtype` (made once, and kept among the
+        pool's last `adasum.transport.caches.MOST` views: one evicted is made again)."""
         key = (id(handle), peer, numel, dtype)
         view = self.remote.get(key)
         if view is None:
