@@ -714,11 +714,11 @@ def render(rows: Sequence[Row], design: Design) -> dict[str, str]:
                   f"finds {found:.2f} points at 80 % power (after the runs, for reading the verdicts; the "
                   "protocol's power column stays as planned).")
     name = design.name
-    first = {}
+    before: dict[str, str] = {}
     if design.primary_seeds:  # the primary tests on the confirmatory seeds alone, before seeds were added
-        first[f"{name}-primary-first"] = primary_table(analyze(rows, replace(design, primary_seeds=())))
+        before[f"{name}-primary-first"] = primary_table(analyze(rows, replace(design, primary_seeds=())))
     return {
-        **first,
+        **before,
         f"{name}-primary": primary_table(a),
         f"{name}-cells": cells_table(a),
         f"{name}-picks": picks_table(rows, design),
