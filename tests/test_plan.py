@@ -182,9 +182,9 @@ def shaped_body(rank, world):
 
 
 def test_a_schedule_shaping_setting_on_one_rank_is_refused_on_every_rank():
-    from adasum.settings import _SHAPING
+    from adasum.settings import SHAPING
 
-    assert set(SHAPED) == set(_SHAPING) - {"deferred_checks"}
+    assert set(SHAPED) == set(SHAPING) - {"deferred_checks"}
     results = distributed.run(2, shaped_body, timeout_s=30)
     distributed.assert_ranks_agree(results)
     for name, value in SHAPED.items():
