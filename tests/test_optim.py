@@ -510,24 +510,19 @@ def test_delta_mode_on_the_backend_device(world):
 
 
 def test_delta_plan_follows_new_parameter_storage():
-    """The per-bucket plan (the parameters' views that one GPU kernel reads and writes in place) is rebuilt
-    when a parameter gets new storage: stale views would write the update into memory the model no longer uses."""
-    import torch.distributed as dist
+    """The delta combiner's per-bucket plan (the parameters' views that one GPU kernel reads and writes in place;
+    `adasum.integrations.delta.DeltaCombiner`, behind delta mode and SlowMo) is rebuilt when a parameter gets new
+    storage: stale views would write the update into memory the model no longer uses."""
+    from adasum.integrations.delta import DeltaCombiner
 
-    store = dist.HashStore()
-    dist.init_process_group("gloo", store=store, rank=0, world_size=1)
-    try:
-        model = make_model()
-        opt = adasum.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1))
-        params = opt._params()
-        first = opt._delta_plan(params)
-        assert opt._delta_plan(params) is first  # same storage: kept
-        with torch.no_grad():
-            params[0].data = params[0].data.clone()
-        second = opt._delta_plan(params)
-        assert second is not first and second[0][0][0] is params[0]
-    finally:
-        dist.destroy_process_group()
+    params = list(make_model().parameters())
+    combiner = DeltaCombiner(adasum.get_reducer("adasum"), None, bucket_cap_bytes=25 << 20)
+    first = combiner.plan(params)
+    assert combiner.plan(params) is first  # same storage: kept
+    with torch.no_grad():
+        params[0].data = params[0].data.clone()
+    second = combiner.plan(params)
+    assert second is not first and second[0][0][0] is params[0]
 
 
 def mixed_dtype_body(rank, world):
