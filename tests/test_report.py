@@ -128,11 +128,11 @@ def test_a_run_still_learning_is_not_called_collapsed():
     rows += [run("mean-scaled", 16, s, acc, collapsed=acc < 25) for s, acc in enumerate([21.8, 11.0, 93.0, 92.0, 94.0])]
     line = next(x for x in summary_table(rows).splitlines() if x.startswith("| mean-scaled | 16 |"))
     assert "2/5 failed (1 at chance, 1 not learnt yet)" in line, line
-    from adasum.experiments.cli import _flag
+    from adasum.experiments.cli import failure_note
 
     learning = run("adasum", 4, 0, 21.8, collapsed=True)
-    assert _flag(learning) == " (not learnt yet: more epochs would tell)"
-    assert _flag({**learning, "test_accuracy": 11.0}) == " (collapsed to chance)"
+    assert failure_note(learning) == " (not learnt yet: more epochs would tell)"
+    assert failure_note({**learning, "test_accuracy": 11.0}) == " (collapsed to chance)"
 
 
 def test_robustness_does_not_reward_a_method_equally_bad_at_every_rate(tmp_path):
