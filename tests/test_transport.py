@@ -7,8 +7,9 @@ import time
 import pytest
 import torch
 
-from adasum.collectives.vhdd import _halves, adasum_flat_, final_slices
+from adasum.collectives.vhdd import adasum_flat_, final_slices
 from adasum.transport import select
+from adasum.transport.base import aligned_cut
 from adasum.transport.c10d import Collectives, post
 from adasum.transport.groups import group_timeout
 
@@ -87,8 +88,9 @@ def test_final_slices_tile_the_buffer_in_halving_order():
             covered = sorted((lo, hi) for lo, hi in finals if hi > lo)
             assert sum(hi - lo for lo, hi in covered) == numel
             segment = (0, numel)
-            for d in levels:  # rank 0 always keeps the lower half
-                segment = _halves(*segment, True)[0]
+            for d in levels:  # rank 0 always keeps the lower half, cut where the transports cut
+                lo, hi = segment
+                segment = (lo, aligned_cut(lo, lo + (hi - lo) // 2))
             assert finals[0] == segment
 
 
