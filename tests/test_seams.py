@@ -27,18 +27,15 @@ TESTS = ROOT / "tests"
 LIMIT = 10
 
 SLICE_MOVER = (
-    "the thread stand-ins of `SymmetricSlices` (test_transport: its buffer's layout, its gather's ordering on P "
-    "threads): the mover is built only on a process group with symmetric memory, so the tests build it bare "
-    "and set its round state and copy step themselves"
+    "the thread stand-in of `SymmetricSlices.gather` (test_transport: its ordering on P threads): the mover is "
+    "built only on a process group with symmetric memory, so the test builds it bare and sets its rounds in "
+    "flight and its copy step (a kernel on a GPU) itself"
 )
 LIST_REPLAY = (
     "the list call's replay of a remembered layout (test_graphs: `adasum.collectives.api`'s record of the last "
     "calls and the fast path that replays it before any check), which has no public face yet"
 )
 LEFT: dict[str, str] = {
-    "_SliceRound": SLICE_MOVER,
-    "_bytes": SLICE_MOVER,
-    "_halves": SLICE_MOVER,
     "_moves": SLICE_MOVER,
     "_rounds": SLICE_MOVER,
     "_Last": LIST_REPLAY,

@@ -208,7 +208,7 @@ GROWING = [200_000, 900_000, 50_000, 700_000, 300_000, 880_000]
 """Under a budget of 7.3 MiB (rounds of about a million fp32 elements at 3 and 4 ranks) these make rounds whose rows
 grow and shrink. A rank's previous rank stores its result into the rank's output row while the rank's last pass
 still reads its receive rows: the output row must lie where no round's receive rows reach
-(`adasum.transport.symmetric._SliceRound`), and a round's stores into a half's rows must wait until every rank has
+(`adasum.transport.symmetric.SliceRound`), and a round's stores into a half's rows must wait until every rank has
 copied the results of the round before that used the half out of them (the next round's stores run beside this
 round's tree)."""
 

@@ -166,21 +166,20 @@ def test_the_slice_movers_output_row_lies_past_every_rounds_receive_rows():
     round's results from that peer's output row: the output row sits where no round's receive rows reach, in any
     buffer large enough for the round, however the rounds' rows grow or shrink (a layout's or the next call's); and
     each half of the buffer (rounds in flight, `SymmetricSlices.ahead`) keeps its rows and output row to itself."""
-    from adasum.transport.symmetric import OUTPUT_ALIGN, SymmetricSlices, _SliceRound
+    from adasum.transport.symmetric import OUTPUT_ALIGN, SliceRound, slices_bytes
 
     g = torch.Generator().manual_seed(0)
     for world in range(2, 9):
         for ahead in (1, 2, 3):
-            mover = SymmetricSlices.__new__(SymmetricSlices)
-            mover.world, mover._halves = world, ahead
             rows = [int(x) for x in torch.randint(1, 5000, (12,), generator=g)] + [1, 4999, 5000]
-            numel = max(mover._bytes(r, 4) for r in rows) // 4 + int(torch.randint(0, 40, (1,), generator=g))
+            extra = int(torch.randint(0, 40, (1,), generator=g))
+            numel = max(slices_bytes(world, ahead, r, 4) for r in rows) // 4 + extra
             size = numel // ahead // OUTPUT_ALIGN * OUTPUT_ALIGN  # as `SymmetricSlices.rows` cuts the halves
             for half in range(ahead):
                 base = half * size
                 assert base % OUTPUT_ALIGN == 0 and base + size <= numel, (world, ahead, numel)
                 for row in rows:
-                    state = _SliceRound(torch.empty(0), None, row, half, size)
+                    state = SliceRound(torch.empty(0), None, row, half, size)
                     start = state.output()
                     assert state.at(0) == base and state.at(world) == base + world * row
                     assert start % OUTPUT_ALIGN == 0 and start + row <= base + size, (world, ahead, row, numel)
@@ -198,7 +197,7 @@ def test_the_slice_movers_gather_routes_every_result_once_its_rows_are_read():
     from collections import deque
     from types import SimpleNamespace
 
-    from adasum.transport.symmetric import SymmetricSlices, _SliceRound
+    from adasum.transport.symmetric import SliceRound, SymmetricSlices, slices_bytes
 
     for world in range(2, 7):
         rows = [5 + 3 * j for j in range(world)]  # slices of different lengths
@@ -209,13 +208,13 @@ def test_the_slice_movers_gather_routes_every_result_once_its_rows_are_read():
         movers = []
         for rank in range(world):
             mover = SymmetricSlices.__new__(SymmetricSlices)
-            mover.world, mover.rank, mover._halves = world, rank, 1
+            mover.world, mover.rank = world, rank
             movers.append(mover)
-        size = movers[0]._bytes(width, 8) // 8
+        size = slices_bytes(world, 1, width, 8) // 8
         shared = [torch.randn(size, generator=g, dtype=torch.float64) for _ in range(world)]
         barrier = threading.Barrier(world, timeout=30)  # a rank that never arrives breaks it instead of hanging
         handle = SimpleNamespace(barrier=lambda channel: barrier.wait())
-        state = [_SliceRound(shared[r], handle, width, 0, size) for r in range(world)]
+        state = [SliceRound(shared[r], handle, width, 0, size) for r in range(world)]
 
         def last_pass(r: int) -> torch.Tensor:  # rank r's result: its own copy plus every receive row of its slice
             lo, hi = bounds[r]
