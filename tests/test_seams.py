@@ -26,18 +26,11 @@ TESTS = ROOT / "tests"
 
 LIMIT = 10
 
-SLICE_MOVER = (
-    "the thread stand-in of `SymmetricSlices.gather` (test_transport: its ordering on P threads): the mover is "
-    "built only on a process group with symmetric memory, so the test builds it bare and sets its rounds in "
-    "flight and its copy step (a kernel on a GPU) itself"
-)
 LIST_REPLAY = (
     "the list call's replay of a remembered layout (test_graphs: `adasum.collectives.api`'s record of the last "
     "calls and the fast path that replays it before any check), which has no public face yet"
 )
 LEFT: dict[str, str] = {
-    "_moves": SLICE_MOVER,
-    "_rounds": SLICE_MOVER,
     "_Last": LIST_REPLAY,
     "_replayed": LIST_REPLAY,
 }
