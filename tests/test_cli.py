@@ -22,6 +22,14 @@ def read_jsonl(path: Path) -> list[dict]:
     return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
 
 
+def _shown_help(parser, prog, action) -> str:
+    """`action`'s help as ``--help`` prints it (the parser's formatter, lines wide enough not to wrap)."""
+    formatter = parser.formatter_class(prog=prog, width=10_000, max_help_position=10_000)
+    formatter.add_argument(action)
+    line = formatter.format_help().strip()
+    return line.split("  ", 1)[1].strip() if line else ""  # past the flags' column (none: a hidden flag)
+
+
 def test_every_flag_with_a_default_shows_it_in_its_help():
     """A zero default is shown (a switch's False and an unset None are not): `--weight-decay` 0.0, `train --seeds`
     0; every other flag whose default is set shows it too."""
@@ -33,10 +41,11 @@ def test_every_flag_with_a_default_shows_it_in_its_help():
     subs = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
     shown = 0
     for name, sub in subs.choices.items():
-        helps = {a.dest: (a, sub.formatter_class(prog=name)._get_help_string(a)) for a in sub._actions}
+        helps = {a.dest: (a, _shown_help(sub, name, a)) for a in sub._actions}
         for action, text in helps.values():
             unset = action.default is None or action.default is False or action.default is argparse.SUPPRESS
-            if action.option_strings and not unset:
+            hidden = action.help is argparse.SUPPRESS  # not in --help at all
+            if action.option_strings and not unset and not hidden:
                 assert "(default" in text, (name, action.option_strings, text)
                 shown += 1
         if name == "train":

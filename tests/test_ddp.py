@@ -3,6 +3,7 @@ independent reference (tests/reference.py) of every rank's local gradients, with
 bucket rebuild, no_sync, join, static graphs, gradient-as-bucket-view, fp16/bf16 compression and hierarchical
 mode, and with bitwise-identical parameters on every rank."""
 
+import contextlib
 import copy
 import gc
 import pickle
@@ -15,6 +16,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 import adasum
 from adasum.ddp import BATCH_MB, AdasumState, adasum_hook
+from adasum.integrations import ddp as hook_module
 
 import distributed
 from reference import combine_with_bound, error_of, half_with_bound, hierarchical_with_bound, mean_with_bound
@@ -36,10 +38,34 @@ def batch(rank, step, micro=0):
 
 
 def record(state, bucket: dist.GradBucket):
-    """adasum_hook, also recording how many parameters each bucket held."""
+    """adasum_hook, also recording how many parameters each bucket held, its bytes and the Future it returned."""
     state.bucket_params.append(len(bucket.gradients()))
     state.bucket_bytes.append(bucket.buffer().numel() * bucket.buffer().element_size())
-    return adasum_hook(state, bucket)
+    future = adasum_hook(state, bucket)
+    state.futures.append(future)
+    return future
+
+
+def recording(futures: list):
+    """adasum_hook, also appending each Future it returns to `futures` (a bucket waiting in the open batch is one
+    not done yet)."""
+    def hook(state, bucket: dist.GradBucket):
+        futures.append(adasum_hook(state, bucket))
+        return futures[-1]
+
+    return hook
+
+
+@contextlib.contextmanager
+def learnt_layouts():
+    """The buckets whose segments the hook learns meanwhile (its `adasum.ddp.bucket_sizes` calls, once per buffer
+    while DDP keeps it), by index."""
+    original, seen = hook_module.bucket_sizes, []
+    hook_module.bucket_sizes = lambda bucket: seen.append(bucket.index()) or original(bucket)
+    try:
+        yield seen
+    finally:
+        hook_module.bucket_sizes = original
 
 
 def batches(bucket_bytes, batch_mb) -> int:
@@ -152,26 +178,25 @@ def ddp_body(rank, world):
     # (the whole model is one batch, closed by the last bucket), bucket by bucket, and two buckets a batch
     for name, batch_mb in [("basic", BATCH_MB), ("per-bucket", 0), ("pairs", 1.5 * BUCKET_CAP_MB)]:
         state = AdasumState(batch_mb=batch_mb)
-        state.bucket_params, state.bucket_bytes = [], []
+        state.bucket_params, state.bucket_bytes, state.futures = [], [], []
         ddp = DDP(make_model(), bucket_cap_mb=BUCKET_CAP_MB)
         ddp.register_comm_hook(state, record)
         out[name] = check_steps(rank, world, ddp, plain, combine_with_bound, steps=3)
-        plans = dict(state._plans)
         state.bucket_params.clear()
         state.bucket_bytes.clear()
         calls = count_combines(state)
-        out[name] += check_steps(rank, world, ddp, plain, combine_with_bound, steps=1)
+        with learnt_layouts() as learnt:
+            out[name] += check_steps(rank, world, ddp, plain, combine_with_bound, steps=1)
         buckets = len(state.bucket_params)
         assert max(state.bucket_params) >= 2 and buckets >= 3, state.bucket_params
         assert state.iteration == 4
-        # a bucket's segments are learnt once while DDP keeps its buffer
-        assert all(state._plans[i] is plans[i] for i in range(buckets)), (plans, state._plans)
+        assert learnt == [], learnt  # a bucket's segments are learnt once while DDP keeps its buffer
         expected = batches(state.bucket_bytes, batch_mb)
         assert expected == {"basic": 1, "per-bucket": buckets}.get(name, expected), (name, expected)
         if name == "pairs":
             assert 1 < expected < buckets, state.bucket_bytes
         assert len(calls) == expected, (name, calls, state.bucket_bytes)
-        assert not state._open
+        assert all(future.done() for future in state.futures)  # no bucket left in an open batch
 
     # a float32 and a float64 layer: a batch holds one dtype, so two batches an iteration
     state = AdasumState()
@@ -223,7 +248,7 @@ def ddp_body(rank, world):
     state.iteration = 7
     restored = pickle.loads(pickle.dumps(state))
     assert restored.process_group is None and restored.iteration == 7
-    assert restored.batch_mb == 64 and restored._batch_bytes == 64 << 20 and restored._open == []
+    assert restored.batch_mb == 64 and restored.batch_bytes == 64 << 20
     assert isinstance(restored.reducer, adasum.Adasum)
     restored.process_group = state.group  # set again, by torch's states' name for it
     assert restored.group is state.group
@@ -238,24 +263,27 @@ def stale_batch_body(rank, world):
     """A backward pass that raised in the hook leaves buckets in the open batch; the next pass drops them."""
     plain, model = make_model(), make_model()
     state = AdasumState(nonfinite="raise")
+    futures: list = []
     ddp = DDP(model, bucket_cap_mb=BUCKET_CAP_MB)
-    ddp.register_comm_hook(state, adasum_hook)
+    ddp.register_comm_hook(state, recording(futures))
     check_steps(rank, world, ddp, plain, combine_with_bound, steps=1)  # the buckets are rebuilt after this one
     # the first layer's gradient comes last, in the last bucket: the buckets before it wait in the open batch
     handle = model[0].weight.register_hook(lambda g: g * float("nan")) if rank == world - 1 else None
     x, y = batch(rank, 5)
+    futures.clear()
     with pytest.raises(adasum.NonFiniteError, match="has NaN on rank"):
         torch.nn.functional.mse_loss(ddp(x), y).backward()
-    left = [future for _, _, future in state._open]
+    left = list(futures)  # the Futures of the buckets before the last one, in the open batch
     assert left and not any(future.done() for future in left)
+    pickle.dumps(state)  # the open batch stays out of the state's pickle (a Future cannot be pickled)
     if handle is not None:
         handle.remove()
     del ddp  # as the docs say: a new DDP model after the error (the old one's reducer is mid-iteration)
     gc.collect()
     ddp = DDP(model, bucket_cap_mb=BUCKET_CAP_MB)
-    ddp.register_comm_hook(state, adasum_hook)
+    ddp.register_comm_hook(state, recording(futures))
     out = check_steps(rank, world, ddp, plain, combine_with_bound, steps=2)
-    assert all(future.done() for future in left) and not state._open
+    assert len(futures) > len(left) and all(future.done() for future in futures)  # the stale ones dropped too
     with pytest.raises(RuntimeError, match="ended before its last bucket"):
         left[0].wait()
     return out
@@ -302,16 +330,18 @@ def batch_mismatch_body(rank, world):
         AdasumState(batch_mb=64 if rank == 1 else BATCH_MB)
     with pytest.raises(AttributeError):
         AdasumState().batch_mb = 64  # fixed at construction, where it was checked
-    state = AdasumState()
-    if rank == 1:
-        state._batch_mb = 64.0  # as if rank 1's state had been saved from another configuration
+    # rank 1's state as if saved from another configuration: made (and checked) on a group of each rank's own
+    alone = [dist.new_group([r]) for r in range(world)]  # every rank makes every group
+    state = AdasumState(alone[rank], batch_mb=64 if rank == 1 else BATCH_MB)
+    state.group = None  # the default group, which pickling keeps out of the state anyway
     state = pickle.loads(pickle.dumps(state))  # not checked yet: its first bucket checks it, on every rank alike
+    futures: list = []
     ddp = DDP(make_model(), bucket_cap_mb=BUCKET_CAP_MB)
-    ddp.register_comm_hook(state, adasum_hook)
+    ddp.register_comm_hook(state, recording(futures))
     x, y = batch(rank, 0)
     with pytest.raises(ValueError) as in_the_hook:
         torch.nn.functional.mse_loss(ddp(x), y).backward()
-    assert not state._open
+    assert all(future.done() for future in futures)  # no bucket left waiting in an open batch
     del ddp
     gc.collect()
     ddp = DDP(make_model(), bucket_cap_mb=BUCKET_CAP_MB)
@@ -360,6 +390,6 @@ def test_state_options():
         assert str(e.value) == f"adasum.ddp.AdasumState: batch_mb must be a finite number >= 0 (MB), got {bad!r}"
     assert AdasumState(batch_mb=0).batch_mb == 0.0 and AdasumState(batch_mb=64).batch_mb == 64.0
     # whole-model reducers combine bucket by bucket whatever batch_mb says: their coefficients span a call
-    assert AdasumState(reducer=adasum.Adasum(per_tensor=False))._batch_bytes == 0
-    assert AdasumState(reducer="adacons")._batch_bytes == 0
-    assert AdasumState()._batch_bytes == int(BATCH_MB * 2**20)
+    assert AdasumState(reducer=adasum.Adasum(per_tensor=False)).batch_bytes == 0
+    assert AdasumState(reducer="adacons").batch_bytes == 0
+    assert AdasumState().batch_bytes == int(BATCH_MB * 2**20)

@@ -670,7 +670,9 @@ def _shares_a_byte(tensors):
     seen: set = set()
     for t in tensors:
         size = t.element_size()
-        mine = {o * size + b for o in agreement._elements(t).tolist() for b in range(size)} if t.numel() else set()
+        # each element's storage offset: an index of the whole storage seen with t's own shape, strides and offset
+        index = torch.arange(t.untyped_storage().nbytes() // size).as_strided(t.shape, t.stride(), t.storage_offset())
+        mine = {o * size + b for o in index.reshape(-1).tolist() for b in range(size)}
         if seen & mine:
             return True
         seen |= mine

@@ -152,10 +152,10 @@ def test_mnist1d_is_generated_locally(tmp_path, monkeypatch, caplog):
 
     monkeypatch.setattr(socket, "socket", no_network)
     with caplog.at_level(logging.INFO, logger="adasum"):
-        data = data_mod._mnist1d(tmp_path, samples=700)
+        data = data_mod.load_mnist1d(tmp_path, samples=700)
         generated = [r.getMessage() for r in caplog.records]
         caplog.clear()
-        again = data_mod._mnist1d(tmp_path, samples=700)  # from the cache
+        again = data_mod.load_mnist1d(tmp_path, samples=700)  # from the cache
     assert len(generated) == 1 and generated[0].startswith("generating MNIST-1D")  # not a minute of silence
     assert caplog.records == []
     assert data.train_x.shape == (600, 1, 40) and data.test_x.shape == (100, 1, 40)
@@ -362,7 +362,7 @@ def test_an_mnist1d_cache_of_the_wrong_shape_is_one_line(tmp_path):
     np.savez(path, x=np.zeros((600, 40)), y=np.zeros(599, np.int64), x_test=np.zeros((100, 40)),
              y_test=np.zeros(100, np.int64))
     with pytest.raises(ValueError, match=r"mnist1d-700-seed42.npz: not an MNIST-1D cache \(x \[600, 40\], y \[599\]"):
-        data_mod._mnist1d(tmp_path, samples=700)
+        data_mod.load_mnist1d(tmp_path, samples=700)
     path.write_bytes(b"PK\x03\x04 damaged")
     with pytest.raises(ValueError, match=r"mnist1d-700-seed42.npz: not a complete MNIST-1D cache"):
-        data_mod._mnist1d(tmp_path, samples=700)
+        data_mod.load_mnist1d(tmp_path, samples=700)

@@ -90,8 +90,9 @@ def nonfinite_body(rank, world, victim, bad):
             _backward(model, rank, step)
             slow.step()
             slow.zero_grad()
-        anchor = [a.clone() for a in slow._anchor]
-        momentum = [m.clone() for m in slow._momentum]
+        saved = slow.state_dict()  # references to its anchor and slow momentum: copied here
+        anchor = [a.clone() for a in saved["anchor"]]
+        momentum = [m.clone() for m in saved["momentum"]]
         _backward(model, rank, 3)
         slow.step()
         slow.zero_grad()
@@ -108,7 +109,7 @@ def nonfinite_body(rank, world, victim, bad):
         out[key]["skipped"] = slow.skipped_steps
         if policy == "skip":
             out[key]["at_anchor"] = all(torch.equal(p, a) for p, a in zip(model.parameters(), anchor))
-            out[key]["momentum_kept"] = all(torch.equal(m, n) for m, n in zip(slow._momentum, momentum))
+            out[key]["momentum_kept"] = all(torch.equal(m, n) for m, n in zip(slow.state_dict()["momentum"], momentum))
             out[key]["params"] = b"".join(p.detach().numpy().tobytes() for p in model.parameters())
     # DDP hook with nonfinite="raise": backward raises on every rank
     model = _model()

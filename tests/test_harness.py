@@ -314,9 +314,9 @@ def test_progress_on_a_terminal_logs_through_its_console_and_keeps_one_run_bar()
         advance(4)
         log.info("epoch line")
         bar.task("adasum P=4", total=4)
-        tasks = bar._progress.tasks
-        assert [t.description for t in tasks] == ["sweep: 3 runs", "run 3/3: adasum P=4"]  # the finished bar removed
-        assert tasks[0].completed == 2 and tasks[0].total == 3  # the sweep bar: runs done of all
+        bars = bar.bars
+        assert [b[0] for b in bars] == ["sweep: 3 runs", "run 3/3: adasum P=4"]  # the finished bar removed
+        assert bars[0][1:] == (2, 3)  # the sweep bar: runs done of all
     assert log.handlers == [plain]  # restored when the bars end
     assert "epoch line" in screen.getvalue()
 

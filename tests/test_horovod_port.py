@@ -134,10 +134,13 @@ def broadcast_body(rank, world):
     adasum.broadcast_parameters(model.parameters(), root=0)  # Adam moved rank 0's
     out["moved"] = copies(model.parameters())
     wrapped = adasum.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9), local_steps=2)
-    if rank == 1:
-        wrapped._round_step = 1  # as if loaded mid-round on one rank: the broadcast gives rank 0's counters
+    if rank == 1:  # loaded mid-round on one rank: the broadcast gives rank 0's counters
+        start = [p.detach().clone() for p in model.parameters()]
+        mid_round = {**wrapped.state_dict(), "round_step": 1, "anchor": start}
+        wrapped.load_state_dict(mid_round)
+        assert wrapped.state_dict()["round_step"] == 1
     adasum.broadcast_optimizer_state(wrapped, root=0)
-    assert wrapped._round_step == 0
+    assert wrapped.state_dict()["round_step"] == 0
 
     bad = torch.zeros(3 if rank == 0 else 4)
     with pytest.raises(ValueError) as info:

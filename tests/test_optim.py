@@ -510,24 +510,19 @@ def test_delta_mode_on_the_backend_device(world):
 
 
 def test_delta_plan_follows_new_parameter_storage():
-    """The per-bucket plan (the parameters' views that one GPU kernel reads and writes in place) is rebuilt
-    when a parameter gets new storage: stale views would write the update into memory the model no longer uses."""
-    import torch.distributed as dist
+    """The delta combiner's per-bucket plan (the parameters' views that one GPU kernel reads and writes in place;
+    `adasum.integrations.delta.DeltaCombiner`, behind delta mode and SlowMo) is rebuilt when a parameter gets new
+    storage: stale views would write the update into memory the model no longer uses."""
+    from adasum.integrations.delta import DeltaCombiner
 
-    store = dist.HashStore()
-    dist.init_process_group("gloo", store=store, rank=0, world_size=1)
-    try:
-        model = make_model()
-        opt = adasum.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1))
-        params = opt._params()
-        first = opt._delta_plan(params)
-        assert opt._delta_plan(params) is first  # same storage: kept
-        with torch.no_grad():
-            params[0].data = params[0].data.clone()
-        second = opt._delta_plan(params)
-        assert second is not first and second[0][0][0] is params[0]
-    finally:
-        dist.destroy_process_group()
+    params = list(make_model().parameters())
+    combiner = DeltaCombiner(adasum.get_reducer("adasum"), None, bucket_cap_bytes=25 << 20)
+    first = combiner.plan(params)
+    assert combiner.plan(params) is first  # same storage: kept
+    with torch.no_grad():
+        params[0].data = params[0].data.clone()
+    second = combiner.plan(params)
+    assert second is not first and second[0][0][0] is params[0]
 
 
 def mixed_dtype_body(rank, world):
@@ -583,10 +578,9 @@ def anchor_body(rank, world):
         return to_bytes([w.detach()])
 
     seen = [step_and_check()]
-    assert opt._anchor_current([w]) and torch.equal(opt._anchor[0], w.detach())  # the next round starts here
+    seen.append(step_and_check())  # nothing changed: the round starts from the anchor the combination wrote
     with torch.no_grad():
         w.mul_(0.5)  # a torch op: counted
-    assert not opt._anchor_current([w])
     seen.append(step_and_check())
     w.data.add_(1.0)  # through .data: not counted, so say it
     opt.resync_anchor()
@@ -597,6 +591,35 @@ def anchor_body(rank, world):
 def test_delta_mode_anchor_follows_changes_between_steps():
     results = distributed.run(2, anchor_body)
     assert results[0] == results[1]
+
+
+def test_the_delta_combiners_anchor_is_current_after_a_combination_until_a_parameter_changes():
+    """The combination writes the parameters and the next round's anchor in one pass (`DeltaCombiner.combine`,
+    ``advance``): the anchor then holds the parameters and `current` says so, so the next round copies nothing;
+    an in-place torch op on a parameter (its version counter) makes it stale, and so does `forget` (a change
+    torch does not count)."""
+    from adasum.integrations.delta import DeltaCombiner
+
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        w = torch.nn.Parameter(torch.randn(9, generator=torch.Generator().manual_seed(0)))
+        combiner = DeltaCombiner(adasum.get_reducer("adasum"), None, bucket_cap_bytes=25 << 20)
+        with torch.no_grad():  # as the wrappers' steps run it
+            combiner.save([w])
+            assert not combiner.current([w])  # a copy, not a combination's pass
+            w.add_(1.0)  # a local step
+            combiner.combine([w])
+            assert combiner.current([w]) and combiner.anchor is not None
+            assert torch.equal(combiner.anchor[0], w.detach())
+            w.mul_(0.5)  # a torch op: counted
+            assert not combiner.current([w])
+            combiner.save([w])
+            combiner.combine([w])
+            assert combiner.current([w])
+        combiner.forget()  # after a change through .data (`DistributedOptimizer.resync_anchor`)
+        assert not combiner.current([w])
+    finally:
+        dist.destroy_process_group()
 
 
 def test_delta_mode_follows_parameters_converted_after_wrapping():

@@ -266,7 +266,7 @@ def resume_body(rank, world):
         )
         with pytest.raises(ValueError) as info:
             other.load_state_dict(state)
-        assert other._round_step == 0
+        assert other.state_dict()["round_step"] == 0
         messages.append(str(info.value))
     resumed = torch.nn.Linear(5, 2)
     opt2 = adasum.DistributedOptimizer(torch.optim.SGD(resumed.parameters(), lr=0.1), local_steps=4)

@@ -108,12 +108,21 @@ def test_missing_extra_names_it(module, blocked, extra, monkeypatch):
 
 
 def test_tensorboard_without_its_extra_names_it(monkeypatch, tmp_path):
-    from adasum.experiments import runner
+    """A run asked for TensorBoard logs without the extra stops before its first step, naming the extra."""
+    import torch
+
+    from adasum.experiments.data import Dataset
+    from adasum.experiments.runner import RunConfig, train
 
     monkeypatch.setitem(sys.modules, "torch.utils.tensorboard", None)
+    x = torch.randn(40, 4, generator=torch.Generator().manual_seed(0))
+    toy = Dataset("toy", x[:32], (x[:32, 0] > 0).long(), x[32:], (x[32:, 0] > 0).long(), 2, "mlp")
+    steps: list = []
     message = "--tensorboard needs the tensorboard extra: pip install 'adasum[tensorboard]'"
     with pytest.raises(ValueError, match=re.escape(message)):
-        runner._tensorboard_writer(tmp_path)
+        train(RunConfig(task="toy", method="adasum", workers=2, lr=0.1, epochs=1, batch_size=8), tmp_path,
+              dataset=toy, tensorboard=True, on_step=lambda rank, step: steps.append(step))
+    assert steps == []
 
 
 def test_optional_modules_load_on_first_access():

@@ -128,11 +128,11 @@ def test_a_run_still_learning_is_not_called_collapsed():
     rows += [run("mean-scaled", 16, s, acc, collapsed=acc < 25) for s, acc in enumerate([21.8, 11.0, 93.0, 92.0, 94.0])]
     line = next(x for x in summary_table(rows).splitlines() if x.startswith("| mean-scaled | 16 |"))
     assert "2/5 failed (1 at chance, 1 not learnt yet)" in line, line
-    from adasum.experiments.cli import _flag
+    from adasum.experiments.cli import failure_note
 
     learning = run("adasum", 4, 0, 21.8, collapsed=True)
-    assert _flag(learning) == " (not learnt yet: more epochs would tell)"
-    assert _flag({**learning, "test_accuracy": 11.0}) == " (collapsed to chance)"
+    assert failure_note(learning) == " (not learnt yet: more epochs would tell)"
+    assert failure_note({**learning, "test_accuracy": 11.0}) == " (collapsed to chance)"
 
 
 def test_robustness_does_not_reward_a_method_equally_bad_at_every_rate(tmp_path):
@@ -155,9 +155,11 @@ def test_robustness_does_not_reward_a_method_equally_bad_at_every_rate(tmp_path)
 
 
 def test_plurals_and_the_setting_of_one_epoch():
-    from adasum.experiments.report import _setting
+    from adasum.experiments.report import setting_line
 
-    one = _setting([{"task": "digits", "model": "cnn", "batch_size": 8, "epochs": 1, "seed": 0, "optimizer": "sgd"}])
+    one = setting_line(
+        [{"task": "digits", "model": "cnn", "batch_size": 8, "epochs": 1, "seed": 0, "optimizer": "sgd"}]
+    )
     assert "1 epoch," in one and "1 epochs" not in one
     text = summary_table([run("sequential", 1, 0, 95.0), run("adasum", 8, 0, 96.0)])
     assert "With 1 seed (" in text and "1 seeds" not in text
@@ -265,11 +267,11 @@ def test_comparisons_outside_the_summary_join_the_family():
 
 def test_the_setting_line_names_momentum_only_where_the_optimizer_takes_it():
     """An Adam or LAMB run records no momentum (None): the report's setting line leaves it out; SGD's is named."""
-    from adasum.experiments.report import _setting
+    from adasum.experiments.report import setting_line
 
     run = {"task": "digits", "model": "cnn", "batch_size": 8, "epochs": 2, "seed": 0}
-    assert "(momentum 0.9)" in _setting([{**run, "optimizer": "sgd", "momentum": 0.9}])
-    adam = _setting([{**run, "optimizer": "adam", "momentum": None}])
+    assert "(momentum 0.9)" in setting_line([{**run, "optimizer": "sgd", "momentum": 0.9}])
+    adam = setting_line([{**run, "optimizer": "adam", "momentum": None}])
     assert "momentum" not in adam and "optimizer `adam`, 8 examples per worker" in adam
 
 

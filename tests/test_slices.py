@@ -208,7 +208,7 @@ GROWING = [200_000, 900_000, 50_000, 700_000, 300_000, 880_000]
 """Under a budget of 7.3 MiB (rounds of about a million fp32 elements at 3 and 4 ranks) these make rounds whose rows
 grow and shrink. A rank's previous rank stores its result into the rank's output row while the rank's last pass
 still reads its receive rows: the output row must lie where no round's receive rows reach
-(`adasum.transport.symmetric._SliceRound`), and a round's stores into a half's rows must wait until every rank has
+(`adasum.transport.symmetric.SliceRound`), and a round's stores into a half's rows must wait until every rank has
 copied the results of the round before that used the half out of them (the next round's stores run beside this
 round's tree)."""
 
@@ -322,13 +322,22 @@ def vhdd_in_place(rank, world):
         def in_place(self):
             return self.mover
 
+    class Recording(C10dInPlace):
+        def __init__(self, *args):
+            super().__init__(*args)
+            self.seen: list[int] = []  # the sizes of the buffers it was handed
+
+        def rows(self, buffer, bounds):
+            self.seen.append(buffer.numel())
+            return super().rows(buffer, bounds)
+
     transport = Budgeted(None, 1 << 20, timedelta(seconds=60))
-    transport.mover = C10dInPlace(None, timedelta(seconds=60))
+    transport.mover = Recording(None, timedelta(seconds=60))
     g = torch.Generator().manual_seed(700 + world)
     data = [[torch.randn(n, generator=g, dtype=torch.float64) for n in IN_PLACE_SIZES] for _ in range(world)]
     flat = torch.cat(data[rank])
     adasum_flat_(flat, IN_PLACE_SIZES, transport=transport)
-    assert transport.mover._space is not None  # the two large tensors went through the in-place mover
+    assert transport.mover.seen == [20003, 9000]  # the two tensors larger than a round went through the mover
     assert _worst_error(list(flat.split(IN_PLACE_SIZES)), data) < BOUNDS[torch.float64]
     return flat.numpy().tobytes()
 

@@ -7,8 +7,9 @@ import time
 import pytest
 import torch
 
-from adasum.collectives.vhdd import _halves, adasum_flat_, final_slices
+from adasum.collectives.vhdd import adasum_flat_, final_slices
 from adasum.transport import select
+from adasum.transport.base import aligned_cut
 from adasum.transport.c10d import Collectives, post
 from adasum.transport.groups import group_timeout
 
@@ -87,8 +88,9 @@ def test_final_slices_tile_the_buffer_in_halving_order():
             covered = sorted((lo, hi) for lo, hi in finals if hi > lo)
             assert sum(hi - lo for lo, hi in covered) == numel
             segment = (0, numel)
-            for d in levels:  # rank 0 always keeps the lower half
-                segment = _halves(*segment, True)[0]
+            for d in levels:  # rank 0 always keeps the lower half, cut where the transports cut
+                lo, hi = segment
+                segment = (lo, aligned_cut(lo, lo + (hi - lo) // 2))
             assert finals[0] == segment
 
 
@@ -184,96 +186,107 @@ def test_the_slice_movers_output_row_lies_past_every_rounds_receive_rows():
     round's results from that peer's output row: the output row sits where no round's receive rows reach, in any
     buffer large enough for the round, however the rounds' rows grow or shrink (a layout's or the next call's); and
     each half of the buffer (rounds in flight, `SymmetricSlices.ahead`) keeps its rows and output row to itself."""
-    from adasum.transport.symmetric import OUTPUT_ALIGN, SymmetricSlices, _SliceRound
+    from adasum.transport.symmetric import OUTPUT_ALIGN, SliceRound, slices_bytes
 
     g = torch.Generator().manual_seed(0)
     for world in range(2, 9):
         for ahead in (1, 2, 3):
-            mover = SymmetricSlices.__new__(SymmetricSlices)
-            mover.world, mover._halves = world, ahead
             rows = [int(x) for x in torch.randint(1, 5000, (12,), generator=g)] + [1, 4999, 5000]
-            numel = max(mover._bytes(r, 4) for r in rows) // 4 + int(torch.randint(0, 40, (1,), generator=g))
+            extra = int(torch.randint(0, 40, (1,), generator=g))
+            numel = max(slices_bytes(world, ahead, r, 4) for r in rows) // 4 + extra
             size = numel // ahead // OUTPUT_ALIGN * OUTPUT_ALIGN  # as `SymmetricSlices.rows` cuts the halves
             for half in range(ahead):
                 base = half * size
                 assert base % OUTPUT_ALIGN == 0 and base + size <= numel, (world, ahead, numel)
                 for row in rows:
-                    state = _SliceRound(torch.empty(0), None, row, half, size)
+                    state = SliceRound(torch.empty(0), None, row, half, size)
                     start = state.output()
                     assert state.at(0) == base and state.at(world) == base + world * row
                     assert start % OUTPUT_ALIGN == 0 and start + row <= base + size, (world, ahead, row, numel)
                     assert all(base + world * other <= start for other in rows), (world, ahead, row, numel)
 
 
-def test_the_slice_movers_gather_routes_every_result_once_its_rows_are_read():
+def test_the_slice_movers_gather_routes_every_result_once_its_rows_are_read(monkeypatch):
     """`SymmetricSlices.gather` on P threads standing in for the ranks (their symmetric buffers CPU tensors, each
     barrier a thread barrier, each copy kernel its copies in order, random pauses between steps): the last pass
     (here the sum of the rank's rows) reads every receive row before any peer stores into it, the previous rank's
     result is copied out of the output row only once its last pass is done, and every rank's `B` ends with every
-    rank's result, for P = 2..6 and rows of odd lengths."""
+    rank's result, for P = 2..6 and rows of odd lengths. The movers are made on a group of one process, each then
+    told its thread's rank and given its thread's memory; `rows` lays out the round the gather then routes."""
     import random
     import threading
-    from collections import deque
     from types import SimpleNamespace
 
-    from adasum.transport.symmetric import SymmetricSlices, _SliceRound
+    import torch.distributed as dist
 
-    for world in range(2, 7):
-        rows = [5 + 3 * j for j in range(world)]  # slices of different lengths
-        bounds = [(sum(rows[:j]), sum(rows[: j + 1])) for j in range(world)]
-        width = max(rows)
-        g = torch.Generator().manual_seed(world)
-        buffers = [torch.randn(bounds[-1][1], generator=g, dtype=torch.float64) for _ in range(world)]
-        movers = []
-        for rank in range(world):
-            mover = SymmetricSlices.__new__(SymmetricSlices)
-            mover.world, mover.rank, mover._halves = world, rank, 1
-            movers.append(mover)
-        size = movers[0]._bytes(width, 8) // 8
-        shared = [torch.randn(size, generator=g, dtype=torch.float64) for _ in range(world)]
-        barrier = threading.Barrier(world, timeout=30)  # a rank that never arrives breaks it instead of hanging
-        handle = SimpleNamespace(barrier=lambda channel: barrier.wait())
-        state = [_SliceRound(shared[r], handle, width, 0, size) for r in range(world)]
+    import adasum
+    from adasum.kernels import triton as triton_kernels
+    from adasum.transport.symmetric import SymmetricSlices, slices_bytes
 
-        def last_pass(r: int) -> torch.Tensor:  # rank r's result: its own copy plus every receive row of its slice
-            lo, hi = bounds[r]
-            return buffers[r][lo:hi] + sum(shared[r][state[r].at(j) : state[r].at(j) + hi - lo]
-                                           for j in range(world) if j != r)
+    host_memory = SimpleNamespace(empty=lambda n, dtype, device: torch.empty(n, dtype=dtype, device=device),
+                                  rendezvous=lambda buffer, name: SimpleNamespace(name=name))
+    chance = random.Random(0)
 
-        expected = [last_pass(r) for r in range(world)]
-        chance = random.Random(world)
+    def pause() -> None:
+        time.sleep(chance.random() * 0.002)
 
-        def pause() -> None:
-            time.sleep(chance.random() * 0.002)
+    def moves(pairs, like) -> None:  # the copy kernel: its (source run, target run) pairs in order
+        for (src, a, b), (dst, c, d) in pairs:
+            pause()
+            dst[c:d].copy_(src[a:b])
 
-        def moves(pairs, like) -> None:
-            for (src, a, b), (dst, c, d) in pairs:
-                pause()
-                dst[c:d].copy_(src[a:b])
+    monkeypatch.setattr(triton_kernels, "copy_tiles", moves)
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        for world in range(2, 7):
+            rows = [5 + 3 * j for j in range(world)]  # slices of different lengths
+            bounds = [(sum(rows[:j]), sum(rows[: j + 1])) for j in range(world)]
+            width = max(rows)
+            g = torch.Generator().manual_seed(world)
+            buffers = [torch.randn(bounds[-1][1], generator=g, dtype=torch.float64) for _ in range(world)]
+            size = slices_bytes(world, 1, width, 8) // 8
+            shared = [torch.randn(size, generator=g, dtype=torch.float64) for _ in range(world)]
+            barrier = threading.Barrier(world, timeout=30)  # a rank that never arrives breaks it instead of hanging
+            handle = SimpleNamespace(barrier=lambda channel: barrier.wait())
+            movers, received = [], []
+            for rank in range(world):
+                mover = SymmetricSlices(None, backend=host_memory)
+                mover.world, mover.rank = world, rank
+                mover.pool = SimpleNamespace(
+                    staging=lambda numel, like, purpose, most=None, r=rank: (shared[r].view(torch.uint8), handle),
+                    peer_view=lambda handle, j, numel, dtype: shared[j],
+                )
+                mover.copies = SimpleNamespace(get=lambda pairs, device: pairs)  # the copy kernel's table: its pairs
+                (offset, views), = mover.rows(buffers[rank], bounds)  # the round's receive rows, its own copy in `B`
+                assert offset == 0 and [v.numel() for v in views] == [rows[rank]] * world
+                movers.append(mover)
+                received.append(views)
 
-        for r, mover in enumerate(movers):
-            mover.pool = SimpleNamespace(peer_view=lambda handle, j, numel, dtype: shared[j])
-            mover.tiles = None
-            mover._rounds = deque([state[r]])
-            mover._moves = moves
+            def last_pass(r: int) -> torch.Tensor:  # rank r's result: its own copy plus every receive row
+                return sum(received[r][1:], received[r][0].clone())
 
-        def run(r: int) -> None:
-            def finish(p0, p1, outs):  # the last pass reads every row of this rank's slice
-                pause()
-                result = last_pass(r)
-                for out in outs:
-                    out.copy_(result[p0:p1])
+            expected = [last_pass(r) for r in range(world)]
 
-            movers[r].gather(buffers[r], bounds, finish)
+            def run(r: int) -> None:
+                def finish(p0, p1, outs):  # the last pass reads every row of this rank's slice
+                    pause()
+                    result = last_pass(r)
+                    for out in outs:
+                        out.copy_(result[p0:p1])
 
-        threads = [threading.Thread(target=run, args=(r,)) for r in range(world)]
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join()
-        for r in range(world):
-            for j in range(world):
-                assert torch.equal(buffers[r][bounds[j][0] : bounds[j][1]], expected[j]), (world, r, j)
+                movers[r].gather(buffers[r], bounds, finish)
+
+            threads = [threading.Thread(target=run, args=(r,)) for r in range(world)]
+            for t in threads:
+                t.start()
+            for t in threads:
+                t.join()
+            for r in range(world):
+                for j in range(world):
+                    assert torch.equal(buffers[r][bounds[j][0] : bounds[j][1]], expected[j]), (world, r, j)
+            adasum.release()  # the group's pool (its memory from `host_memory`), for the next world's movers
+    finally:
+        dist.destroy_process_group()
 
 
 def test_nccl_is_found_behind_a_group_of_several_backends(monkeypatch):

@@ -265,24 +265,25 @@ def test_vector_width_only_where_every_tile_allows_it():
 
     cpu = torch.device("cpu")
     f32, bf16 = torch.zeros(1), torch.zeros(1, dtype=torch.bfloat16)
-    assert tk._align(tiles((16384, 0, 32, 4096), cpu), bf16) == 8
-    assert tk._align(tiles((16384, 0, 32, 4096), cpu), f32) == 4
-    assert tk._align(tiles((16384, 0, 30, 4096), cpu), f32) == 1  # 30 fp32: not a multiple of 16 bytes
+    assert tk.vector_width(tiles((16384, 0, 32, 4096), cpu), bf16) == 8
+    assert tk.vector_width(tiles((16384, 0, 32, 4096), cpu), f32) == 4
+    assert tk.vector_width(tiles((16384, 0, 30, 4096), cpu), f32) == 1  # 30 fp32: not a multiple of 16 bytes
     with override(triton_vectors="2-byte"):
-        assert tk._align(tiles((16384, 0, 32, 4096), cpu), f32) == 1
-        assert tk._align(tiles((16384, 0, 32, 4096), cpu), bf16) == 8
+        assert tk.vector_width(tiles((16384, 0, 32, 4096), cpu), f32) == 1
+        assert tk.vector_width(tiles((16384, 0, 32, 4096), cpu), bf16) == 8
     with override(triton_vectors="0"):
-        assert tk._align(tiles((16384, 0, 32, 4096), cpu), bf16) == 1
-    assert tk._align(tiles((16384, 16384 + 8, 8), cpu), bf16) == 8
-    assert tk._align(tiles((16384, 16385, 1), cpu), bf16) == 1  # a tile of odd size
-    assert tk._align(tiles((36, 4), cpu), bf16) == 1  # 36 elements: not a multiple of 8 bf16
+        assert tk.vector_width(tiles((16384, 0, 32, 4096), cpu), bf16) == 1
+    assert tk.vector_width(tiles((16384, 16384 + 8, 8), cpu), bf16) == 8
+    assert tk.vector_width(tiles((16384, 16385, 1), cpu), bf16) == 1  # a tile of odd size
+    assert tk.vector_width(tiles((36, 4), cpu), bf16) == 1  # 36 elements: not a multiple of 8 bf16
     aligned = Scattered([torch.zeros(64, dtype=torch.bfloat16), torch.zeros(32, dtype=torch.bfloat16)])
-    assert tk._align(tiles((64, 32), cpu), bf16, tile_addresses(aligned, 0, 96)) == 8
-    assert tk._align(tiles((56, 32), cpu), bf16, tile_addresses(aligned, 8, 96)) == 8  # 16 bytes in: still aligned
+    assert tk.vector_width(tiles((64, 32), cpu), bf16, tile_addresses(aligned, 0, 96)) == 8
+    # 16 bytes in: still aligned
+    assert tk.vector_width(tiles((56, 32), cpu), bf16, tile_addresses(aligned, 8, 96)) == 8
     assert not tile_addresses(aligned, 4, 96).aligned  # 8 bytes in
     odd = Scattered([torch.zeros(65, dtype=torch.bfloat16)[1:], torch.zeros(32, dtype=torch.bfloat16)])
     assert not tile_addresses(odd, 0, 96).aligned  # the first tensor starts 2 bytes into its storage
-    assert tk._align(tiles((64, 32), cpu), bf16, tile_addresses(odd, 0, 96)) == 1
+    assert tk.vector_width(tiles((64, 32), cpu), bf16, tile_addresses(odd, 0, 96)) == 1
 
 
 def test_kernels_compile_for_hopper_with_vector_accesses_where_told():
@@ -309,7 +310,7 @@ def test_kernels_compile_for_hopper_with_vector_accesses_where_told():
     def vectors(text):
         return len(re.findall(r"(ld|st)\.global(\.\w+)*\.v4", text))
 
-    for dtype in ("bf16",):  # fp32 keeps 4-byte accesses by policy (`_align`), so it is never told
+    for dtype in ("bf16",):  # fp32 keeps 4-byte accesses by policy (`vector_width`), so it is never told
         ints = {"starts_ptr": "*i64", "sizes_ptr": "*i64", "segs_ptr": "*i64", "counts_ptr": "*i64"}
         pull = {"mine_ptr": "*" + dtype, "peer_ptr": "*" + dtype, "theirs_ptr": "*" + dtype, "out_ptr": "*fp64",
                 "mine_tiles": "*i64", **ints}
@@ -323,16 +324,16 @@ def test_kernels_compile_for_hopper_with_vector_accesses_where_told():
         copy = {"like_ptr": "*" + dtype, "sources_ptr": "*i64", "targets_ptr": "*i64", "sizes_ptr": "*i64",
                 "n": "i64", "programs": "i64"}
         for align in (1, 8 if dtype == "bf16" else 4):
-            rows, fold, _ = tk._steps(align, tk.PAIR_STEPS, tk.PAIR_PLAIN)
+            rows, fold, _ = tk.sum_steps(align, tk.PAIR_STEPS, tk.PAIR_PLAIN)
             found = [
-                vectors(ptx(tk._pull_tile_sums_kernel, pull, {"R": rows, "F": fold, "ITERS": 8, "LOWER": True,
+                vectors(ptx(tk.pull_tile_sums_kernel, pull, {"R": rows, "F": fold, "ITERS": 8, "LOWER": True,
                                                               "MINE_TILES": True, "ALIGN": align, "KEEP": True})),
-                vectors(ptx(tk._combine_kernel, combine, {"BLOCK": tk.BLOCK, "ITERS": tk.ITERS, "PER_SEGMENT": False,
+                vectors(ptx(tk.combine_kernel, combine, {"BLOCK": tk.BLOCK, "ITERS": tk.ITERS, "PER_SEGMENT": False,
                                                           "OUTS": 2, "A_TILES": True, "B_TILES": False,
                                                           "OUT_TILES": True, "ALIGN": align})),
-                vectors(ptx(tk._add_kernel, add, {"BLOCK": tk.BLOCK, "ITERS": tk.ITERS, "MODE": 2, "X_TOO": False,
+                vectors(ptx(tk.add_kernel, add, {"BLOCK": tk.BLOCK, "ITERS": tk.ITERS, "MODE": 2, "X_TOO": False,
                                                   "X_TILES": True, "OUT_TILES": False, "ALIGN": align})),
-                vectors(ptx(tk._copy_tiles_kernel, copy, {"BLOCK": tk.COPY_BLOCK, "ITERS": tk.COPY_ITERS, "ROUNDS": 4,
+                vectors(ptx(tk.copy_tiles_kernel, copy, {"BLOCK": tk.COPY_BLOCK, "ITERS": tk.COPY_ITERS, "ROUNDS": 4,
                                                           "ALIGN": align})),
             ]
             if align == 1:

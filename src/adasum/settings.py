@@ -229,7 +229,7 @@ class Settings:
         or the ranks would move different pieces in different orders."""
         defaults = Settings()
         return tuple(
-            f"{name}={getattr(self, name)}" for name in _SHAPING if getattr(self, name) != getattr(defaults, name)
+            f"{name}={getattr(self, name)}" for name in SHAPING if getattr(self, name) != getattr(defaults, name)
         )
 
     @classmethod
@@ -268,7 +268,7 @@ class Settings:
         return found
 
 
-_SHAPING = (
+SHAPING = (
     "transport_first", "piece_elements", "deferred_checks", "symmetric_push", "symmetric_chunks",
     "symmetric_chunk_bytes", "symmetric_max_chunks", "one_shot_bytes", "memory_mb",
 )

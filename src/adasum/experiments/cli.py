@@ -505,7 +505,9 @@ def _setup_logging(quiet: bool, rank: int) -> None:
     log.propagate = False
 
 
-def _flag(result: dict) -> str:
+def failure_note(result: dict) -> str:
+    """What the train and compare commands print after a failed run's accuracy: diverged, collapsed to chance or not
+    learnt yet (`adasum.experiments.report.chance_reason`); nothing for a run that learnt."""
     from adasum.experiments.report import chance_reason
 
     if result["diverged"]:
@@ -545,7 +547,7 @@ def cmd_train(args: argparse.Namespace) -> int:
         print(
             f"{result['method']} P={result['workers']}: validation accuracy {result['val_accuracy']:.2f}%, "
             f"test accuracy {result['test_accuracy']:.2f}% after {plural(result['epochs_run'], 'epoch')}"
-            f"{_flag(result)} ({out / 'result.json'})"
+            f"{failure_note(result)} ({out / 'result.json'})"
         )
         return 0
 
@@ -592,7 +594,7 @@ def cmd_train(args: argparse.Namespace) -> int:
         if rank == 0:
             print(
                 f"{result['method']} P={result['workers']} (torchrun): validation accuracy "
-                f"{result['val_accuracy']:.2f}%, test accuracy {result['test_accuracy']:.2f}%{_flag(result)}"
+                f"{result['val_accuracy']:.2f}%, test accuracy {result['test_accuracy']:.2f}%{failure_note(result)}"
             )
     finally:
         dist.destroy_process_group()

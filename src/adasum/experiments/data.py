@@ -162,7 +162,7 @@ def load_task(
     if name == "sklearn-digits":
         return _sklearn_digits()
     if name == "mnist1d":
-        return _mnist1d(cache_dir)
+        return load_mnist1d(cache_dir)
     if name in ("mnist", "fashion-mnist"):
         return read_mnist_dir(_need_dir(name, data_dir), name)
     if name == "cifar10":
@@ -248,8 +248,10 @@ def default_cache_dir() -> Path:
     return Path(os.environ.get("ADASUM_CACHE", Path.home() / ".cache" / "adasum"))
 
 
-def _mnist1d(cache_dir: str | os.PathLike | None, samples: int = 70000) -> Dataset:
-    """MNIST-1D: `samples` signals (6/7 for training), generated locally and cached as .npz."""
+def load_mnist1d(cache_dir: str | os.PathLike | None, samples: int = 70000) -> Dataset:
+    """MNIST-1D (the ``mnist1d`` task of `load_task`): `samples` signals (6/7 for training), generated locally by the
+    ``mnist1d`` package and cached as .npz in `cache_dir` (default: `default_cache_dir`); a damaged or foreign cache
+    is a one-line ValueError naming it."""
     cache = Path(cache_dir) if cache_dir is not None else default_cache_dir()
     path = cache / f"mnist1d-{samples}-seed42.npz"
     if not path.exists():

@@ -73,6 +73,13 @@ class ProgressBar:
         """Whether rich bars are drawn (a terminal), not plain lines."""
         return self._progress is not None
 
+    @property
+    def bars(self) -> list[tuple[str, float, float | None]]:
+        """The bars drawn now, as (description, completed, total), the sweep's first; none unless `live`."""
+        if self._progress is None:
+            return []
+        return [(t.description, t.completed, t.total) for t in self._progress.tasks]
+
     def __enter__(self) -> ProgressBar:
         if self._progress is not None:
             from rich.logging import RichHandler

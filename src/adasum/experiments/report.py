@@ -628,7 +628,9 @@ def table(results: Sequence[Result], fail_below: float | None = None) -> str:
     return "\n".join(rows)
 
 
-def _setting(results: Sequence[Result]) -> str:
+def setting_line(results: Sequence[Result]) -> str:
+    """The report's paragraph on the runs' setting (task, model, optimizer, batch, epochs, seeds) and how it reads
+    them, from the first run's record and every run's seed."""
     first = results[0] if results else {}
     seeds = sorted({r["seed"] for r in results})
     few = f" ({len(seeds)}, fewer than {FEW_SEEDS}: verdicts say so)" if len(seeds) < FEW_SEEDS else ""
@@ -667,7 +669,7 @@ def write_report(results: Sequence[Result], out: Path, title: str = "Comparison"
     setting are refused (`check_one_setting`)."""
     check_one_setting(results)
     several = _several_rates(results)
-    text = [f"# {title}", "", _setting(results), "", "## Summary", "", summary_table(results, fail_below), ""]
+    text = [f"# {title}", "", setting_line(results), "", "## Summary", "", summary_table(results, fail_below), ""]
     if several:
         text += ["## Learning-rate robustness (validation accuracy, mean over seeds)", "",
                  robustness_table(results), "",

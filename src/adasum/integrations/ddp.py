@@ -172,7 +172,7 @@ class AdasumState:
         return self._batch_mb
 
     @property
-    def _batch_bytes(self) -> int:
+    def batch_bytes(self) -> int:
         """A batch is combined once it holds this many bytes (0 with a whole-model reducer: bucket by bucket)."""
         return int(self._batch_mb * 2**20) if self.reducer.per_tensor else 0
 
@@ -390,7 +390,7 @@ def _check_batch_limit(state: AdasumState, operation: str) -> None:
     non-finite policy and the batch limit (the batches decide which collectives run, so ranks with different
     limits would pair different calls). Once per state: at construction, or at the first bucket of a state made
     before the process group or unpickled (then on every rank alike)."""
-    batches = f"batch_mb={state._batch_mb:g}" if state._batch_bytes else "bucket by bucket"
+    batches = f"batch_mb={state._batch_mb:g}" if state.batch_bytes else "bucket by bucket"
     config = (f"reducer={state.reducer!r}", f"nonfinite={state.nonfinite}", batches)
     with failures_named(operation, "the configuration check", state.group):
         agree([], None, state.group, "the hook's configurations", operation, config)
@@ -461,7 +461,7 @@ def adasum_hook(state: AdasumState, bucket: dist.GradBucket) -> torch.futures.Fu
     )
     state._open.append((buffer, plan, future))
     state._open_bytes += buffer.numel() * buffer.element_size()
-    if last or state._open_bytes >= state._batch_bytes:
+    if last or state._open_bytes >= state.batch_bytes:
         _close_batch(state)
     if last:
         state._statistics.finish_step()

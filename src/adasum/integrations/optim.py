@@ -75,7 +75,7 @@ import torch.distributed as dist
 
 from adasum.checks.agreement import Problem, agree, check_not_sharded, check_same_layout, describe, local_problem
 from adasum.checks.nonfinite import apply_nonfinite_policy, check_policy, nonfinite_message
-from adasum.core.layout import Scattered, flatten, unflatten_into
+from adasum.core.layout import flatten, unflatten_into
 from adasum.core.statistics import StepStatistics
 from adasum.integrations.compression import CompressedCombine, communication_dtype
 from adasum.integrations.delta import IN_FLIGHT as IN_FLIGHT  # noqa: F401  (the delta slots, named here as before)
@@ -683,12 +683,6 @@ class DistributedOptimizer(torch.optim.Optimizer):
         """Delta mode: the round's starting weights (`adasum.integrations.delta.DeltaCombiner.anchor`)."""
         return self._deltas.anchor
 
-    def _anchor_current(self, params: list[torch.Tensor]) -> bool:
-        """Whether the anchor holds the parameters already (`adasum.integrations.delta.DeltaCombiner.current`): the
-        last combination wrote both in one pass and no parameter changed since. A write through ``.data`` or a raw
-        pointer is not counted; after one, call `resync_anchor`."""
-        return self._deltas.current(params)
-
     def resync_anchor(self) -> None:
         """Take the parameters as they are as the next round's starting weights (delta mode), after changing them
         in a way torch does not count (through ``p.data``, or a kernel of one's own). In-place torch ops on the
@@ -813,10 +807,6 @@ class DistributedOptimizer(torch.optim.Optimizer):
             ("grad_scaler", self.grad_scaler is not None),
             ("compression", str(self.compression)),
         ]
-
-    def _delta_plan(self, params: list[torch.Tensor]) -> list[tuple[list[torch.Tensor] | Scattered, list[int]]]:
-        """Per bucket: its parameters and their sizes (`adasum.integrations.delta.DeltaCombiner.plan`)."""
-        return self._deltas.plan(params)
 
     # -- checks and checkpoints ---------------------------------------------------------------
 

@@ -72,7 +72,7 @@ if triton is not None:
     @triton.jit
     def _folded(it, R: tl.constexpr, F: tl.constexpr):
         # step `it`'s elements of a tile as [R, F]: F consecutive elements a row (16 bytes, one vector load a
-        # thread, `_steps`), whose products the thread sums before they reach [R] float64 accumulators: a quarter
+        # thread, `sum_steps`), whose products the thread sums before they reach [R] float64 accumulators: a quarter
         # to an eighth of the registers of [R * F] accumulators, so more loads in flight (docs/benchmarks.md,
         # settings)
         return it * (R * F) + tl.arange(0, R)[:, None] * F + tl.arange(0, F)[None, :]
@@ -132,16 +132,16 @@ if triton is not None:
         tl.store(out_ptr + 2 * row_stride + seg, bb_sum)
 
     @triton.jit(do_not_specialize=["workers_a", "workers_b", "segments"])  # a 1 would become a Python int
-    def _combine_kernel(
+    def combine_kernel(
         a_ptr, b_ptr, sums_ptr, row_stride, workers_a, workers_b, counts_ptr, segments, out_ptr, starts_ptr,
         sizes_ptr, segs_ptr, out2_ptr, out3_ptr, out4_ptr, a_tiles, b_tiles, out_tiles, BLOCK: tl.constexpr,
         ITERS: tl.constexpr, PER_SEGMENT: tl.constexpr, OUTS: tl.constexpr, A_TILES: tl.constexpr,
         B_TILES: tl.constexpr, OUT_TILES: tl.constexpr, ALIGN: tl.constexpr,
     ):
-        # The coefficients of `adasum.core.operator.coefficients`, computed per tile from the segment's three sums.
-        # Python floats would arrive as float32 (1/3 inexact, the zero guard 2**-511 flushed to 0),
-        # so the weights come as worker counts and the guard is built from its float64 bits.
-        # With PER_SEGMENT the counts come per segment from counts_ptr ([2, segments] int64).
+        """The coefficients of `adasum.core.operator.coefficients`, computed per tile from the segment's three sums.
+        Python floats would arrive as float32 (1/3 inexact, the zero guard 2**-511 flushed to 0),
+        so the weights come as worker counts and the guard is built from its float64 bits.
+        With PER_SEGMENT the counts come per segment from counts_ptr ([2, segments] int64)."""
         tile = tl.program_id(0)
         start, size = _tile_extent(starts_ptr, sizes_ptr, tile, ALIGN)
         seg = tl.load(segs_ptr + tile)
@@ -178,13 +178,13 @@ if triton is not None:
                 tl.store(out4_ptr + start + offs, out, mask=mask)
 
     @triton.jit
-    def _pull_tile_sums_kernel(
+    def pull_tile_sums_kernel(
         mine_ptr, peer_ptr, theirs_ptr, starts_ptr, sizes_ptr, out_ptr, mine_tiles, R: tl.constexpr, F: tl.constexpr,
         ITERS: tl.constexpr, LOWER: tl.constexpr, MINE_TILES: tl.constexpr, ALIGN: tl.constexpr, KEEP: tl.constexpr,
     ):
-        # One pass: load this rank's slice and the partner's copy (a peer's memory: NVLink loads), keep the
-        # partner's copy in `theirs` (with KEEP), and reduce the three sums of the tile in float64 ("a" = the lower
-        # side). Without KEEP the partner's copy is already local (pushed there) and only read.
+        """One pass: load this rank's slice and the partner's copy (a peer's memory: NVLink loads), keep the
+        partner's copy in `theirs` (with KEEP), and reduce the three sums of the tile in float64 ("a" = the lower
+        side). Without KEEP the partner's copy is already local (pushed there) and only read."""
         tile = tl.program_id(0)
         start, size = _tile_extent(starts_ptr, sizes_ptr, tile, ALIGN)
         ab = _accumulator(R, F)
@@ -211,12 +211,12 @@ if triton is not None:
         tl.store(out_ptr + tile * 3 + 2, bb)
 
     @triton.jit
-    def _add_kernel(
+    def add_kernel(
         x_ptr, y_ptr, out_ptr, starts_ptr, sizes_ptr, x_tiles, out_tiles, BLOCK: tl.constexpr, ITERS: tl.constexpr,
         MODE: tl.constexpr, X_TILES: tl.constexpr, OUT_TILES: tl.constexpr, ALIGN: tl.constexpr, X_TOO: tl.constexpr,
     ):
-        # MODE 0: out = x (a copy, bits as they are); 1: out = x + y; 2: out = x - y, rounded once as torch rounds
-        # it: float64 in float64, every other dtype in float32. X_TOO: the result is stored into x as well
+        """MODE 0: out = x (a copy, bits as they are); 1: out = x + y; 2: out = x - y, rounded once as torch rounds
+        it: float64 in float64, every other dtype in float32. X_TOO: the result is stored into x as well."""
         tile = tl.program_id(0)
         start, size = _tile_extent(starts_ptr, sizes_ptr, tile, ALIGN)
         x_at = _tile_base(x_tiles, tile, x_ptr, start, X_TILES, ALIGN)
@@ -241,10 +241,10 @@ if triton is not None:
                     tl.store(x_at + offs, result.to(out_ptr.dtype.element_ty), mask=mask)
 
     @triton.jit
-    def _copy_tiles_kernel(like_ptr, sources_ptr, targets_ptr, sizes_ptr, n, programs, BLOCK: tl.constexpr,
+    def copy_tiles_kernel(like_ptr, sources_ptr, targets_ptr, sizes_ptr, n, programs, BLOCK: tl.constexpr,
                            ITERS: tl.constexpr, ROUNDS: tl.constexpr, ALIGN: tl.constexpr):
-        # the tiles of a `CopyTable`, program k copying tiles k, k + programs, ... (bits as they are); a round past
-        # the table copies nothing (its size reads as 0)
+        """The tiles of a `CopyTable`, program k copying tiles k, k + programs, ... (bits as they are); a round past
+        the table copies nothing (its size reads as 0)."""
         for r in range(ROUNDS):
             tile = r * programs + tl.program_id(0)
             valid = tile < n
@@ -428,7 +428,7 @@ if triton is not None:
             if OUTS > 3:
                 tl.store(out4_ptr + start + offs, out, mask=mask)
 
-def _align(table, *operands) -> int:
+def vector_width(table, *operands) -> int:
     """The vector width the kernels may assume, in elements: 16 bytes' worth when every tile starts and ends on
     such a boundary and every `TileAddresses` operand is 16-byte aligned, else 1. Without the hint Triton cannot
     prove alignment from the tile table and moves bf16 2 bytes per instruction, fp32 4 (docs/benchmarks.md lists
@@ -446,7 +446,7 @@ def _align(table, *operands) -> int:
 
 def _vectors(element_size: int) -> bool:
     """Whether the settings let kernels move elements of `element_size` bytes in 16-byte vectors where aligned
-    (`_align`'s rule: every dtype; ``ADASUM_TRITON_VECTORS=0`` none, ``=2-byte`` 2-byte dtypes only)."""
+    (`vector_width`'s rule: every dtype; ``ADASUM_TRITON_VECTORS=0`` none, ``=2-byte`` 2-byte dtypes only)."""
     setting = current().triton_vectors
     return setting != "0" and (element_size < 4 or setting != "2-byte")
 
@@ -470,8 +470,8 @@ def dot_and_norms(
     assert out.stride(1) == 1 and out.dtype == torch.float64
     tile_sums = torch.empty(max(table.n_tiles, 1), 3, dtype=torch.float64, device=a.device)
     if table.n_tiles:
-        align = _align(table, a, b)
-        step_rows, fold, warps = _steps(align, PAIR_STEPS, PAIR_PLAIN)
+        align = vector_width(table, a, b)
+        step_rows, fold, warps = sum_steps(align, PAIR_STEPS, PAIR_PLAIN)
         _tile_sums_kernel[(table.n_tiles,)](
             a, b, table.starts, table.sizes, tile_sums, R=step_rows, F=fold, ITERS=_iters(step_rows * fold),
             ALIGN=align, num_warps=warps,
@@ -517,11 +517,11 @@ def combine(
         (a_ptr, a_tiles, a_at), (b_ptr, b_tiles, b_at) = _operand(a, like), _operand(b, like)
         out_ptr, out_tiles, out_at = _operand(out, like)
         extra = list(more_outs) + [out_ptr] * (MORE_OUTS - len(more_outs))  # unused pointers when fewer
-        _combine_kernel[(table.n_tiles,)](
+        combine_kernel[(table.n_tiles,)](
             a_ptr, b_ptr, sums, sums.stride(0), 0 if per_segment else workers_a, 0 if per_segment else workers_b,
             counts, len(lengths), out_ptr, table.starts, table.sizes, table.segments, *extra,
             a_tiles, b_tiles, out_tiles, BLOCK=BLOCK, ITERS=ITERS, PER_SEGMENT=per_segment, OUTS=1 + len(more_outs),
-            A_TILES=a_at, B_TILES=b_at, OUT_TILES=out_at, ALIGN=_align(table, a, b, out, *more_outs),
+            A_TILES=a_at, B_TILES=b_at, OUT_TILES=out_at, ALIGN=vector_width(table, a, b, out, *more_outs),
         )
 
 
@@ -541,9 +541,9 @@ def pull_dot_and_norms(
     tile_sums = torch.empty(max(table.n_tiles, 1), 3, dtype=torch.float64, device=peer.device)
     if table.n_tiles:
         mine_ptr, mine_tiles, mine_at = _operand(mine, peer)
-        align = _align(table, mine, peer, *([theirs] if theirs is not None else []))
-        step_rows, fold, warps = _steps(align, PAIR_STEPS, PAIR_PLAIN)
-        _pull_tile_sums_kernel[(table.n_tiles,)](
+        align = vector_width(table, mine, peer, *([theirs] if theirs is not None else []))
+        step_rows, fold, warps = sum_steps(align, PAIR_STEPS, PAIR_PLAIN)
+        pull_tile_sums_kernel[(table.n_tiles,)](
             mine_ptr, peer, theirs if theirs is not None else peer, table.starts, table.sizes, tile_sums, mine_tiles,
             R=step_rows, F=fold, ITERS=_iters(step_rows * fold), LOWER=lower, MINE_TILES=mine_at,
             KEEP=theirs is not None, ALIGN=align, num_warps=warps,
@@ -566,10 +566,10 @@ def add(
         x_ptr, x_tiles, x_at = _operand(x, like)
         out_ptr, out_tiles, out_at = _operand(out, like)
         operands = (x, out) if y is None else (x, y, out)
-        _add_kernel[(table.n_tiles,)](
+        add_kernel[(table.n_tiles,)](
             x_ptr, y if y is not None else like, out_ptr, table.starts, table.sizes, x_tiles, out_tiles, BLOCK=BLOCK,
             ITERS=ITERS, MODE=0 if y is None else (2 if subtract else 1), X_TILES=x_at, OUT_TILES=out_at,
-            ALIGN=_align(table, *operands), X_TOO=x_too,
+            ALIGN=vector_width(table, *operands), X_TOO=x_too,
         )
 
 
@@ -589,7 +589,7 @@ CPU_COPY_PROGRAMS = 5
 def copy_tiles(table, like: torch.Tensor) -> None:
     """Every tile of a `adasum.kernels.addresses.CopyTable` copied (bits as they are), in one kernel of at most
     `COPY_PROGRAMS_PER_SM` programs per multiprocessor, each taking every grid-th tile; `like` a tensor of the
-    table's dtype on its device. It moves 16 bytes per access where the table is aligned (`_align`'s rule)."""
+    table's dtype on its device. It moves 16 bytes per access where the table is aligned (`vector_width`'s rule)."""
     if not table.n:
         return
     device = like.device
@@ -603,7 +603,7 @@ def launch_copy(table, like: torch.Tensor, programs: int, warps: int, block: int
     """The copy kernel of `copy_tiles` over a non-empty `table` in another shape: `programs` programs (at most the
     table's tiles) of `warps` warps, `block` elements a step, `iters` steps a tile (benchmarks compare shapes)."""
     size = like.element_size()
-    _copy_tiles_kernel[(programs,)](
+    copy_tiles_kernel[(programs,)](
         like, table.sources, table.targets, table.sizes, table.n, programs, BLOCK=block, ITERS=iters,
         ROUNDS=_rounds(table.n, programs), ALIGN=16 // size if table.aligned and _vectors(size) else 1,
         num_warps=warps,
@@ -617,7 +617,7 @@ def _multiprocessors(index: int) -> int:
 
 GRAM_STEPS = ((256, 4), (64, 2))
 """(R, warps) of the Gram kernel's [R, F] steps up to 4 rows and above (up to 36 accumulators), where the rows are
-16-byte aligned (`_steps`); the fastest of the shapes measured on one H200 (docs/benchmarks.md, settings)."""
+16-byte aligned (`sum_steps`); the fastest of the shapes measured on one H200 (docs/benchmarks.md, settings)."""
 
 GRAM_PLAIN = ((512, 4), (128, 4))
 """(R, warps) of the Gram kernel's steps where the rows are not 16-byte aligned (F = 1), up to 4 rows and above."""
@@ -629,11 +629,11 @@ PAIR_PLAIN = (1024, 4)
 """(R, warps) of the pair kernels' steps where not aligned (F = 1)."""
 
 
-def _steps(align: int, folded: tuple[int, int], plain: tuple[int, int]) -> tuple[int, int, int]:
-    """(R, F, warps) of a sum kernel's steps for tiles of vector width `align` (`_align`): with vectors, F = `align`
-    (16 bytes a thread, one load) and `folded`'s R and warps; without, F = 1 and `plain`'s, the 1-D steps where
-    neighbouring threads load neighbouring elements (F elements a thread would each be a load of its own, F times
-    the memory sectors a warp's load touches)."""
+def sum_steps(align: int, folded: tuple[int, int], plain: tuple[int, int]) -> tuple[int, int, int]:
+    """(R, F, warps) of a sum kernel's steps for tiles of vector width `align` (`vector_width`): with vectors,
+    F = `align` (16 bytes a thread, one load) and `folded`'s R and warps; without, F = 1 and `plain`'s, the 1-D
+    steps where neighbouring threads load neighbouring elements (F elements a thread would each be a load of its
+    own, F times the memory sectors a warp's load touches)."""
     if align > 1:
         return folded[0], align, folded[1]
     return plain[0], 1, plain[1]
@@ -684,9 +684,9 @@ def gram(rows: Sequence[torch.Tensor], lengths: Sequence[int], out: torch.Tensor
         return out
     padded = _pad(workers)
     tile_sums = torch.empty(table.n_tiles, padded, padded, dtype=torch.float64, device=base.device)
-    align = _align(table, base) if aligned else 1
+    align = vector_width(table, base) if aligned else 1
     above = int(workers > 4)
-    step_rows, fold, warps = _steps(align, GRAM_STEPS[above], GRAM_PLAIN[above])
+    step_rows, fold, warps = sum_steps(align, GRAM_STEPS[above], GRAM_PLAIN[above])
     _gram_tile_kernel[(table.n_tiles,)](
         base, *offsets, table.starts, table.sizes, tile_sums, P=workers, PP=padded, R=step_rows, F=fold,
         ITERS=_iters(step_rows * fold), ALIGN=align, num_warps=warps,
@@ -758,7 +758,7 @@ def weighted_sum(rows: Sequence[torch.Tensor], weights: torch.Tensor, lengths: S
     out_ptr, out_tiles, out_at = _operand(out, base)
     extra = list(more_outs) + [out_ptr] * (MORE_OUTS - len(more_outs))
     block = 2 * BLOCK  # with 8 warps: the fastest of the sizes and warps measured (docs/benchmarks.md, settings)
-    align = _align(table, base, out, *more_outs) if aligned else 1
+    align = vector_width(table, base, out, *more_outs) if aligned else 1
     _weighted_kernel[(table.n_tiles,)](
         base, *offsets, weights, weights.stride(0), table.starts, table.sizes, table.segments, out_ptr, *extra,
         out_tiles, P=len(rows), BLOCK=block, ITERS=_iters(block), OUTS=1 + len(more_outs),

@@ -312,6 +312,13 @@ def release(group: dist.ProcessGroup | None = None) -> None:
         raise undelivered
 
 
+def held() -> dict[str, int]:
+    """How many communicators (one per process group adasum worked on) and side streams the process holds now:
+    what a full `release` drops (local, no collective; for leak checks)."""
+    with _registry.lock:
+        return {"communicators": len(_registry.communicators), "streams": len(_registry.streams)}
+
+
 def _synchronize_if(graphs_alive: bool) -> None:
     if graphs_alive and torch.cuda.is_available():
         torch.cuda.synchronize()

@@ -506,7 +506,7 @@ def _copy(dst: torch.Tensor | Scattered, src: torch.Tensor | Scattered, lo: int,
         dst[lo:hi].copy_(src[lo:hi])
 
 
-class _SliceRound:
+class SliceRound:
     """One round's place in `SymmetricSlices`' buffer: its half (``size`` elements from ``base``), the width of its
     rows and the buffer's handle. The half holds the P receive rows from its start and the output row at its end,
     aligned down, past the receive rows of any round of the layout (the half holds ``(P + 1) C + 2 OUTPUT_ALIGN``
@@ -527,11 +527,17 @@ class _SliceRound:
         return self.base + (self.size - self.row) // OUTPUT_ALIGN * OUTPUT_ALIGN
 
 
+def slices_bytes(world: int, halves: int, row: int, element_size: int) -> int:
+    """Bytes of `SymmetricSlices`' buffer of `halves` halves for rows of `row` elements: per half (`SliceRound`),
+    the `world` receive rows, the output row and the room to align the half and its output row."""
+    return halves * ((world + 1) * row + 2 * OUTPUT_ALIGN) * element_size
+
+
 class SymmetricSlices(Transport):
     """The slice-parallel schedule's mover (`adasum.collectives.slices`) on symmetric memory, any group size
     inside one host. One symmetric buffer of bytes per group, viewed in the dtype of the call, holds `ahead`
     halves, and round k of a call takes half k mod `ahead`: P receive rows of ``C`` elements each at its start and
-    one output row at its end (`_SliceRound`; the halves' ``ahead (P + 1) C`` at most the memory budget,
+    one output row at its end (`SliceRound`; the halves' ``ahead (P + 1) C`` at most the memory budget,
     `adasum.transport.slices.round_elements`; a tensor larger than a round runs in place, `SymmetricInPlace`).
     Every move is a store into a peer's memory: NVLink stores measured faster than loads.
 
@@ -598,7 +604,7 @@ class SymmetricSlices(Transport):
         self.copies = CopyTables()  # the tables of the steps' copy kernels, by memory and positions
         self._halves = 1  # the current layout's rounds in flight (`reserve`): round k takes half k mod this
         self._issued = 0  # rounds given rows since the layout's `reserve`
-        self._rounds: deque[_SliceRound] = deque()  # rounds given rows and not yet gathered, oldest first
+        self._rounds: deque[SliceRound] = deque()  # rounds given rows and not yet gathered, oldest first
 
     def round_elements(self, element_size: int, ahead: int = 1) -> int:
         """The most elements one round holds within the memory budget with the buffer cut into `ahead` halves (each:
@@ -612,7 +618,8 @@ class SymmetricSlices(Transport):
         self._halves = ahead
         size = like.element_size()
         budget = buffer_bytes()
-        self.pool.staging(self._bytes(row, size), _bytes_like(like), "slices", most=budget - budget % 16)
+        need = slices_bytes(self.world, ahead, row, size)
+        self.pool.staging(need, _bytes_like(like), "slices", most=budget - budget % 16)
         self._issued = 0
         self._rounds.clear()
 
@@ -622,10 +629,11 @@ class SymmetricSlices(Transport):
         """The P receive rows of the next half of this group's symmetric buffer (grown collectively when needed)."""
         row = max(hi - lo for lo, hi in bounds)
         size = buffer.element_size()
-        raw, handle = self.pool.staging(self._bytes(row, size), _bytes_like(buffer), "slices")
+        need = slices_bytes(self.world, self._halves, row, size)
+        raw, handle = self.pool.staging(need, _bytes_like(buffer), "slices")
         shared = raw[: raw.numel() - raw.numel() % size].view(buffer.dtype)
         half = shared.numel() // self._halves // OUTPUT_ALIGN * OUTPUT_ALIGN
-        state = _SliceRound(shared, handle, row, self._issued % self._halves, half)
+        state = SliceRound(shared, handle, row, self._issued % self._halves, half)
         self._issued += 1
         self._rounds.append(state)
         lo, hi = bounds[self.rank]
@@ -633,11 +641,6 @@ class SymmetricSlices(Transport):
         if isinstance(buffer, torch.Tensor) and not self.whole:  # its own copy is read (and overwritten) where it lies
             rows[self.rank] = buffer[lo:hi]
         return [(0, rows)]
-
-    def _bytes(self, row: int, element_size: int) -> int:
-        """Bytes of a buffer for rows of `row` elements: per half, P receive rows, the output row and the room to
-        align the half and its output row."""
-        return self._halves * ((self.world + 1) * row + 2 * OUTPUT_ALIGN) * element_size
 
     def _pieces(self, row: int, size: int, element_size: int) -> list[tuple[int, int]]:
         count = max(1, min(self.pieces, row * element_size // CHUNK_BYTES))
