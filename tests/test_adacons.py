@@ -239,3 +239,211 @@ def test_a_buffer_past_one_round_of_the_movers_runs_the_two_all_reduces():
     results = distributed.run(3, movers_body, False, 0.0001)
     assert all(err < 1e-12 for err, _, _ in results), [err for err, _, _ in results]
     assert all(r[2] == results[0][2] for r in results)
+
+
+def _capacity(world: int, element_size: int) -> int:
+    """Elements one round of the c10d slice movers holds under the current budget."""
+    from adasum.transport.slices import round_elements
+
+    return round_elements(world, world, element_size)
+
+
+def _counting_gathers():
+    """Count the calls of ``dist.all_gather`` (only the two all-reduces' form gathers): (restore, counts)."""
+    import torch.distributed as dist
+
+    counts = {"all_gather": 0}
+    original = dist.all_gather
+
+    def counted(*args, **kwargs):
+        counts["all_gather"] += 1
+        return original(*args, **kwargs)
+
+    dist.all_gather = counted
+
+    def restore() -> None:
+        dist.all_gather = original
+
+    return restore, counts
+
+
+def rounds_body(rank, world, per_tensor, memory_mb, sizes, dtypes):
+    """AdaCons' list form over three steps with momentum on the slice movers, tensors of `dtypes` in turn, against
+    the float64 NumPy reference on the dtype-rounded inputs: the largest element-wise error in units of each
+    element's bound (module doc of the test), the result's bytes, how many rounds the largest buffer took and the
+    all-gathers the two all-reduces' form would have made."""
+    from adasum.settings import override
+
+    reference = AdaConsReference(0.9, per_tensor, "mean_norm")
+    reducer = adasum.AdaCons(momentum=0.9, per_tensor=per_tensor)
+    worst, restore, counts = 0.0, *_counting_gathers()
+    try:
+        with override(memory_mb=memory_mb, transport_first="slices"):
+            capacity = min(_capacity(world, torch.empty(0, dtype=d).element_size()) for d in dtypes)
+            for step in range(3):
+                g = torch.Generator().manual_seed(100 * step + world)
+                per_worker = []
+                for j in range(world):
+                    tensors = [torch.randn(n, generator=g, dtype=torch.float64) * (1 + j) for n in sizes]
+                    per_worker.append([t.to(dtypes[i % len(dtypes)]) for i, t in enumerate(tensors)])
+                for i, t in enumerate(per_worker[0]):  # the workers differ in direction and length
+                    per_worker[0][i] = (t.double() + 3 * per_worker[-1][i].double()).to(t.dtype)
+                mine = [t.clone() for t in per_worker[rank]]
+                reducer.all_reduce(mine)
+                ref = reference([[t.double().numpy() for t in w] for w in per_worker])
+                peak = max(float(np.abs(r).max()) for r in ref if r.size)
+                for got, want in zip(mine, ref):
+                    eps = torch.finfo(got.dtype).eps  # the result rounded once to its dtype: at most an ulp
+                    bound = eps * np.abs(want) + 1e-12 * peak  # plus the float64 sums' error
+                    error = np.abs(got.double().numpy() - want)
+                    worst = max(worst, float((error / bound).max()) if error.size else 0.0)
+    finally:
+        restore()
+    out = b"".join(t.view(torch.uint8).numpy().tobytes() for t in mine)
+    return worst, out, -(-max(sizes) // capacity) if capacity else 0, counts["all_gather"]
+
+
+@pytest.mark.parametrize("world", [2, 3, 5])
+@pytest.mark.parametrize("per_tensor", [False, True])
+def test_several_rounds_run_on_the_movers_and_match_the_reference(world, per_tensor):
+    """A budget whose rounds hold a few dozen elements: whole-model weights take the two sweeps (rounds cut the
+    tensors), per-tensor ones rounds of whole tensors (the 300-element tensor in place). No all-gather: the two
+    all-reduces never ran."""
+    import distributed
+
+    results = distributed.run(world, rounds_body, per_tensor, 0.001, [5, 0, 17, 3, 40, 300], [torch.float64])
+    assert all(err <= 1 for err, *_ in results), [err for err, *_ in results]
+    assert all(r[1] == results[0][1] for r in results)  # ranks end bitwise equal
+    assert all(rounds > 2 for *_, rounds, _ in results), results[0][2]
+    assert all(gathers == 0 for *_, gathers in results)
+
+
+@pytest.mark.parametrize("per_tensor", [False, True])
+@pytest.mark.parametrize("memory_mb", [512, 0.001])
+def test_several_dtypes_run_on_the_movers_and_match_the_reference(per_tensor, memory_mb):
+    """float32, bfloat16 and float64 tensors in one call: whole-model weights couple the three buffers (two
+    sweeps), per-tensor ones run each buffer on its own; each result within an ulp of its dtype of the reference."""
+    import distributed
+
+    dtypes = [torch.float32, torch.bfloat16, torch.float64]
+    results = distributed.run(3, rounds_body, per_tensor, memory_mb, [7, 64, 1, 33, 0, 50], dtypes)
+    assert all(err <= 1 for err, *_ in results), [err for err, *_ in results]
+    assert all(r[1] == results[0][1] for r in results)
+    assert all(gathers == 0 for *_, gathers in results)
+
+
+def shards_body(rank, world, shards, per_tensor, memory_mb, transport_first):
+    """AdaCons' sharded form on a grid of ``world // shards`` replicas of `shards` ranks (rank = replica * shards
+    + shard), two steps with momentum, against the reference over the replicas' whole tensors: this rank's shard
+    of it (padded shards, as FSDP's)."""
+    import torch.distributed as dist
+
+    from adasum.reducers.base import ShardGroups
+    from adasum.settings import override
+
+    replicas = world // shards
+    replica, shard = divmod(rank, shards)
+    replicate_groups = [dist.new_group([r * shards + s for r in range(replicas)]) for s in range(shards)]
+    shard_groups = [dist.new_group([r * shards + s for s in range(shards)]) for r in range(replicas)]
+    peers = tuple(r * shards + shard for r in range(replicas))
+    grid = ShardGroups(None, replicate_groups[shard], shard_groups[replica], peers, replicas, shards)
+    sizes = [10, 7, 33, 1]
+    widths = [-(-n // shards) for n in sizes]  # padded shard sizes
+    reference = AdaConsReference(0.9, per_tensor, "mean_norm")
+    reducer = adasum.AdaCons(momentum=0.9, per_tensor=per_tensor)
+    worst, restore, counts = 0.0, *_counting_gathers()
+    try:
+        with override(memory_mb=memory_mb, transport_first=transport_first):
+            for step in range(2):
+                g = torch.Generator().manual_seed(7 + step)
+                whole = [[torch.randn(n, generator=g, dtype=torch.float64) * (1 + r) for n in sizes]
+                         for r in range(replicas)]
+                for i in range(len(sizes)):
+                    whole[0][i] += 2 * whole[-1][i]
+                buffer = torch.cat([
+                    torch.nn.functional.pad(t, (0, w * shards - t.numel()))[shard * w : (shard + 1) * w]
+                    for t, w in zip(whole[replica], widths)
+                ])
+                reducer.all_reduce_shards(buffer, widths, grid)
+                ref = reference([[t.numpy() for t in w] for w in whole])
+                want = np.concatenate([
+                    np.pad(r, (0, w * shards - r.size))[shard * w : (shard + 1) * w] for r, w in zip(ref, widths)
+                ])
+                worst = max(worst, float(np.abs(buffer.numpy() - want).max() / np.abs(want).max()))
+    finally:
+        restore()
+    return worst, buffer.numpy().tobytes(), counts["all_gather"]
+
+
+@pytest.mark.parametrize("replicas,shards", [(2, 2), (3, 2)])
+@pytest.mark.parametrize("per_tensor", [False, True])
+def test_the_sharded_form_runs_on_the_movers_and_matches_the_whole_tensors(replicas, shards, per_tensor):
+    """Shards on the slice movers over the replicate group, their Gram sums added up over the shard group: the
+    coefficients of the whole tensors (one round and, through a small budget, several); the ranks holding one shard
+    end bitwise equal; the two all-reduces' form (gloo's default) agrees within float64 rounding."""
+    import distributed
+
+    world = replicas * shards
+    for memory_mb in (512, 0.001):
+        results = distributed.run(world, shards_body, shards, per_tensor, memory_mb, "slices")
+        assert all(err < 1e-12 for err, *_ in results), [err for err, *_ in results]
+        assert all(gathers == 0 for *_, gathers in results)
+        for s in range(shards):
+            assert all(results[r * shards + s][1] == results[s][1] for r in range(replicas))
+    results = distributed.run(world, shards_body, shards, per_tensor, 512, "")
+    assert all(err < 1e-12 for err, *_ in results) and all(gathers > 0 for *_, gathers in results)
+
+
+def test_the_op_updates_the_momentum_state_in_place_and_keys_it_by_call():
+    """The combine rule the movers ask (`adacons.Consensus`): its weights are those of the NumPy reference from the
+    Gram sums, step after step with momentum, and the momentum state is one tensor written in place (what a
+    replayed CUDA graph, which runs no Python, updates too); a new state starts without momentum."""
+    reducer = adasum.AdaCons(momentum=0.5, per_tensor=True)
+    reference = AdaConsReference(0.5, True, "mean_norm")
+    g = torch.Generator().manual_seed(3)
+    states = []
+    for _ in range(3):
+        per_worker = [[torch.randn(4, generator=g, dtype=torch.float64) * (1 + j) for _ in range(2)]
+                      for j in range(3)]
+        gram = torch.stack([torch.stack([torch.stack([a[i] @ b[i] for i in range(2)]) for b in per_worker])
+                            for a in per_worker])  # [P, P, T]
+        op = adacons.Consensus(reducer, "k", 2, 3, torch.device("cpu"))
+        weights = op.weights(gram.clone(), 0)  # [P, T]
+        got = [sum(weights[j, i] * per_worker[j][i] for j in range(3)) for i in range(2)]
+        want = reference([[t.numpy() for t in w] for w in per_worker])
+        assert all(np.allclose(a.numpy(), b, rtol=1e-12, atol=0) for a, b in zip(got, want))
+        states.append(op.state)
+    assert states[1] is states[2] and states[0] is states[1]  # one tensor, written in place
+    assert adacons.Consensus(reducer, "other", 2, 3, torch.device("cpu")).fresh
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU (CUDA graphs)")
+def test_a_captured_graph_of_the_op_replays_the_momentum():
+    """On a GPU: the op's weights captured in a CUDA graph once and replayed give, step after step, the eager op's
+    weights and momentum (the state is read and written in place; nothing of it lives in Python)."""
+    device = torch.device("cuda")
+    eager, captured = (adasum.AdaCons(momentum=0.9) for _ in range(2))
+    g = torch.Generator().manual_seed(5)
+    grams = []
+    for _ in range(5):
+        x = torch.randn(3, 2, 16, generator=g, dtype=torch.float64)
+        grams.append(torch.einsum("itn,jtn->ijt", x, x).to(device))
+    static = grams[0].clone()
+    op = adacons.Consensus(captured, "k", 2, 3, device)
+    op.weights(static.clone(), 0)  # the first call, eager: makes the state
+    op = adacons.Consensus(captured, "k", 2, 3, device)
+    graph = torch.cuda.CUDAGraph()
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        graph.capture_begin()
+        out = op.weights(static, 0)
+        graph.capture_end()
+    torch.cuda.current_stream().wait_stream(stream)
+    adacons.Consensus(eager, "k", 2, 3, device).weights(grams[0].clone(), 0)
+    for gram in grams[1:]:
+        static.copy_(gram)
+        graph.replay()
+        want = adacons.Consensus(eager, "k", 2, 3, device).weights(gram.clone(), 0)
+        torch.testing.assert_close(out, want, rtol=1e-12, atol=0)
+    torch.testing.assert_close(captured.state_dict()["states"]["k"], eager.state_dict()["states"]["k"])
