@@ -22,6 +22,12 @@ runs the same kernels on the same rows, laid out alike in every rank's buffer. I
 shots above P = 2 (as many at P = 2) but takes no all-reduce and no second exchange: the default for small
 buffers where measured faster (`adasum.transport.one_shot`).
 
+**The combine rule is an op** (`CombineOp`): the schedule asks it for the weights from the Gram sums (or, in its
+level form, combines each pair from the level's sums). Adasum's tree is `AdasumTree`, the default; AdaCons'
+consensus is another (`adasum.reducers.adacons.Consensus`, through `combine_slices_`). An op whose weights couple
+the tensors of a call (AdaCons' whole-model form) runs a call of several rounds in two sweeps: the Gram sums round
+by round, then, with the call's weights, the weighted sums round by round (`combine_slices_`).
+
 A mover may keep rounds in flight (`SliceMover.ahead`; the symmetric one keeps two, in two halves of its
 buffer): the schedule then scatters round k + 1 before it runs round k's tree and gather, so the next round's
 moves run beside this round's math. A layout that fits one round of the whole buffer runs in one.

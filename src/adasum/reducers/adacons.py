@@ -30,20 +30,22 @@ Rules chosen here (the paper leaves them open):
   (``per_tensor=False``); ``per_tensor=True`` gives each tensor its own coefficients and momentum.
   In a DDP communication hook each bucket is one call, so "whole model" means "whole bucket".
 
-Communication per call. A call on one flat buffer (`all_reduce_flat`, a DDP bucket; a list of one dtype) that fits
-one round of the slice-parallel schedule's rows (the memory budget, `adasum.settings`), in a group whose movers are
-NVLink's (every rank on one host; anywhere the settings put "slices" first), runs on those movers, as
-Adasum does (`adasum.collectives.slices`, the same code with AdaCons' weights as its rule): each rank receives
-every rank's copy of its slice, adds the slice's share of each tensor's Gram matrix of the N copies
+Communication per call. Where the group's movers are NVLink's (every rank on one host; anywhere the settings put
+"slices" first), a call runs on the slice-parallel schedule's movers (`adasum.collectives.slices.combine_slices_`)
+with AdaCons' weights as its combine op (`Consensus`), within the memory budget (`adasum.settings`): each rank
+receives every rank's copy of its slice, adds the slice's share of each tensor's Gram matrix of the N copies
 (``G_ij = <g_i, g_j>``, float64), one small all-reduce of the ``[N, N, T]`` sums gives every rank
-``<g_i, m> = (1/N) sum_j G_ij``, ``|g_i|^2 = G_ii`` and ``|m|^2 = (1/N^2) sum_ij G_ij``, hence the same
-weights, and one pass writes its slice of ``sum_i w_i g_i`` (float64, rounded once to the dtype), which the
-gather hands to every rank: the bytes of one all-reduce. Otherwise (several dtypes in one whole-model call,
-FSDP's shards, a buffer larger than a round): two all-reduces of the gradient buffer (one flat buffer per dtype
-each, never one per tensor) and one all-gather of ``3 x S`` float64 values per rank (S = 1 whole-model, S =
-number of tensors per-tensor), with dot products and norms accumulated in float64 and the scaled gradient computed
-in float32 or float64 (the wider of the tensor's dtype and float32) and written back in the tensor's dtype before
-the second all-reduce.
+``<g_i, m> = (1/N) sum_j G_ij``, ``|g_i|^2 = G_ii`` and ``|m|^2 = (1/N^2) sum_ij G_ij``, hence the same weights,
+and one pass writes its slice of ``sum_i w_i g_i`` (float64, rounded once to the dtype), which the gather hands to
+every rank: the bytes of one all-reduce for a call of one buffer that fits one round. Whole-model weights over
+several rounds or several dtypes take two sweeps (the Gram sums round by round, then the weighted sums: 3/4 of the
+two all-reduces' bytes); per-tensor weights run round by round as Adasum does. The sharded form adds the Gram
+sums up over the shard group first. On a GPU the schedule runs through the group's capture point, and the
+momentum state, updated in place, advances under a replayed graph. Elsewhere (gloo's default): two all-reduces of
+the gradient buffer (one flat buffer per dtype each, never one per tensor) and one all-gather of ``3 x S`` float64
+values per rank (S = 1 whole-model, S = number of tensors per-tensor), with dot products and norms accumulated in
+float64 and the scaled gradient computed in float32 or float64 (the wider of the tensor's dtype and float32) and
+written back in the tensor's dtype before the second all-reduce.
 
 Momentum state is kept per call site: one float64 ``[S, N]`` tensor per *layout key*, by default a
 digest of the call's tensor dtypes and element counts in order (``key=`` overrides it). So the
