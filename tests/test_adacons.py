@@ -276,7 +276,7 @@ def rounds_body(rank, world, per_tensor, memory_mb, sizes, dtypes):
 
     reference = AdaConsReference(0.9, per_tensor, "mean_norm")
     reducer = adasum.AdaCons(momentum=0.9, per_tensor=per_tensor)
-    worst, restore, counts = 0.0, *_counting_gathers()
+    worst, on_movers, (restore, counts) = 0.0, 0, _counting_gathers()
     try:
         with override(memory_mb=memory_mb, transport_first="slices"):
             capacity = min(_capacity(world, torch.empty(0, dtype=d).element_size()) for d in dtypes)
@@ -289,7 +289,9 @@ def rounds_body(rank, world, per_tensor, memory_mb, sizes, dtypes):
                 for i, t in enumerate(per_worker[0]):  # the workers differ in direction and length
                     per_worker[0][i] = (t.double() + 3 * per_worker[-1][i].double()).to(t.dtype)
                 mine = [t.clone() for t in per_worker[rank]]
+                before = counts["all_gather"]
                 reducer.all_reduce(mine)
+                on_movers += counts["all_gather"] - before
                 ref = reference([[t.double().numpy() for t in w] for w in per_worker])
                 peak = max(float(np.abs(r).max()) for r in ref if r.size)
                 for got, want in zip(mine, ref):
@@ -299,19 +301,23 @@ def rounds_body(rank, world, per_tensor, memory_mb, sizes, dtypes):
                     worst = max(worst, float((error / bound).max()) if error.size else 0.0)
     finally:
         restore()
+    (state,) = reducer.state_dict()["states"].values()  # the momentum of every tensor, empty ones included
+    (want,) = reference.states.values()
+    assert np.allclose(state.numpy(), np.array(want, dtype=np.float64), rtol=1e-10, atol=1e-300), (state, want)
     out = b"".join(t.view(torch.uint8).numpy().tobytes() for t in mine)
-    return worst, out, -(-max(sizes) // capacity) if capacity else 0, counts["all_gather"]
+    return worst, out, -(-max(sizes) // capacity) if capacity else 0, on_movers
 
 
 @pytest.mark.parametrize("world", [2, 3, 5])
 @pytest.mark.parametrize("per_tensor", [False, True])
 def test_several_rounds_run_on_the_movers_and_match_the_reference(world, per_tensor):
     """A budget whose rounds hold a few dozen elements: whole-model weights take the two sweeps (rounds cut the
-    tensors), per-tensor ones rounds of whole tensors (the 300-element tensor in place). No all-gather: the two
-    all-reduces never ran."""
+    tensors), per-tensor ones rounds of whole tensors (the 300-element tensor in place, a zero-size tensor beside
+    it); the momentum states those of the reference. No all-gather on the movers: the two all-reduces never ran
+    there."""
     import distributed
 
-    results = distributed.run(world, rounds_body, per_tensor, 0.001, [5, 0, 17, 3, 40, 300], [torch.float64])
+    results = distributed.run(world, rounds_body, per_tensor, 0.001, [0, 300, 5, 0, 17, 3, 40, 0], [torch.float64])
     assert all(err <= 1 for err, *_ in results), [err for err, *_ in results]
     assert all(r[1] == results[0][1] for r in results)  # ranks end bitwise equal
     assert all(rounds > 2 for *_, rounds, _ in results), results[0][2]
@@ -321,12 +327,13 @@ def test_several_rounds_run_on_the_movers_and_match_the_reference(world, per_ten
 @pytest.mark.parametrize("per_tensor", [False, True])
 @pytest.mark.parametrize("memory_mb", [512, 0.001])
 def test_several_dtypes_run_on_the_movers_and_match_the_reference(per_tensor, memory_mb):
-    """float32, bfloat16 and float64 tensors in one call: whole-model weights couple the three buffers (two
-    sweeps), per-tensor ones run each buffer on its own; each result within an ulp of its dtype of the reference."""
+    """float32, bfloat16, float64 and (empty) float16 tensors in one call: whole-model weights couple the buffers
+    (two sweeps), per-tensor ones run each buffer on its own; each result within an ulp of its dtype of the
+    reference, the momentum of every tensor (the empty ones' too) the reference's."""
     import distributed
 
-    dtypes = [torch.float32, torch.bfloat16, torch.float64]
-    results = distributed.run(3, rounds_body, per_tensor, memory_mb, [7, 64, 1, 33, 0, 50], dtypes)
+    dtypes = [torch.float32, torch.bfloat16, torch.float64, torch.float16]  # the float16 tensors are empty
+    results = distributed.run(3, rounds_body, per_tensor, memory_mb, [7, 64, 1, 0, 33, 50, 9, 0], dtypes)
     assert all(err <= 1 for err, *_ in results), [err for err, *_ in results]
     assert all(r[1] == results[0][1] for r in results)
     assert all(gathers == 0 for *_, gathers in results)

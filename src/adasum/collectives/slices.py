@@ -453,17 +453,20 @@ def _start(buffer, layout: Layout, mover: SliceMover, tensors: tuple[int, int], 
 
 def adasum_in_place_(
     flat: torch.Tensor, mover: InPlaceMover, across: Callable[[torch.Tensor, int], None] | None = None,
-    offset: int = 0, op: CombineOp | None = None, column: int = 0,
+    offset: int = 0, op: CombineOp | None = None, column: int = 0, sizes: Sequence[int] | None = None,
 ) -> None:
     """Adasum of one tensor's flat buffer across the mover's group, in place, with no more memory than the mover's
     fixed ring (`InPlaceMover`): each rank's copies of the other ranks' slices go to their owners piece by piece,
     and the owners' copies of this rank's slice land where they were; the tree runs there, and the result reaches
     every rank the same way. `across`, `offset`: as in `adasum_slices_`, `offset` being where `flat` starts. `op`,
-    `column`: another combine rule than Adasum's tree, and the tensor's place among the call's (`combine_slices_`)."""
+    `column`, `sizes`: another combine rule than Adasum's tree, the round's first tensor among the call's
+    (`combine_slices_`), and the round's tensors (the one with elements, and zero-size ones beside it, whose columns
+    the op's weights cover too: its state per tensor)."""
     bounds = mover.cut(flat.numel())
     if bounds is None:
         raise ValueError(f"a buffer of {flat.numel()} elements is too small to run in place over {mover.world} ranks")
-    _start(flat, Layout((flat.numel(),)), mover, (0, 1), bounds, across, offset, op, column)()
+    layout = Layout((flat.numel(),) if sizes is None else tuple(sizes))
+    _start(flat, layout, mover, (0, len(layout.sizes)), bounds, across, offset, op, column)()
 
 
 def adasum_slices_(
@@ -492,7 +495,7 @@ def adasum_slices_(
             while started:
                 started.pop(0)()
             adasum_in_place_(round_tensor(buffer, first, end, lo, hi), cast(InPlaceMover, mover.in_place), across, lo,
-                             op, column + first)
+                             op, column + first, None if op is None else layout.sizes[first:end])
             continue
         started.append(_start(buffer, layout, mover, (first, end), bounds, across, 0, op, column))
         if len(started) >= ahead:  # the next round's scatter is issued: this one's tree and gather run beside it
@@ -522,6 +525,10 @@ def combine_slices_(buffers: Sequence[tuple[torch.Tensor, Layout]], mover: Slice
     if not op.coupled:
         column = 0
         for buffer, layout in buffers:
+            if layout.numel == 0:  # no round to run: the op still sees the (zero) sums of the empty tensors
+                width = len(layout.sizes)
+                op.weights(torch.zeros((mover.world, mover.world, width), dtype=torch.float64, device=buffer.device),
+                           column)
             adasum_slices_(buffer, layout, mover, None, op, column)
             column += len(layout.sizes)
         return
