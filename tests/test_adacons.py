@@ -454,3 +454,71 @@ def test_a_captured_graph_of_the_op_replays_the_momentum():
         want = adacons.Consensus(eager, "k", 2, 3, device).weights(gram.clone(), 0)
         torch.testing.assert_close(out, want, rtol=1e-12, atol=0)
     torch.testing.assert_close(captured.state_dict()["states"]["k"], eager.state_dict()["states"]["k"])
+
+
+def replay_body(rank, world):
+    """Five calls of AdaCons' flat form on the movers through the group's capture point, with a capture stand-in
+    that logs which calls ran eagerly, were captured and were replayed, and replays by running the captured call's
+    function again: the objects of the captured call (its op, its momentum state), not those of the call that
+    replays, as a graph works on the captured call's memory; then another reducer's call on the same buffer."""
+    from adasum.settings import override
+    from adasum.transport.communicator import communicator
+    from adasum.transport.graphs import Graphs
+
+    log: list = []
+
+    class Graph:
+        def __init__(self, fn) -> None:
+            self.fn = fn
+
+        def replay(self) -> None:
+            log.append("replay")
+            self.fn()
+
+    class StandIn:
+        def enabled(self, device) -> bool:
+            return True
+
+        def capturing(self) -> bool:
+            return False
+
+        def capture(self, fn, device):
+            log.append("capture")
+            return Graph(fn)
+
+        def free(self, graph) -> None:
+            pass
+
+    sizes = [5, 0, 17, 3, 40]
+    reference = AdaConsReference(0.9, False, "mean_norm")
+    reducer = adasum.AdaCons(momentum=0.9)
+    buffer = torch.empty(sum(sizes), dtype=torch.float64)
+    errors = []
+    with override(transport_first="slices"):
+        comm = communicator()
+        comm.graphs = Graphs(StandIn())
+        for step in range(5):
+            g = torch.Generator().manual_seed(step)
+            per_worker = [torch.randn(sum(sizes), generator=g, dtype=torch.float64) * (1 + j) for j in range(world)]
+            buffer.copy_(per_worker[rank])
+            before = len(log)
+            reducer.all_reduce_flat(buffer, sizes)
+            log.append("eager" if len(log) == before else "")
+            ref = np.concatenate(reference([[t.numpy() for t in w.split(sizes)] for w in per_worker]))
+            errors.append(float(np.linalg.norm(buffer.numpy() - ref) / np.linalg.norm(ref)))
+        before = len(log)
+        adasum.AdaCons(momentum=0.5).all_reduce_flat(buffer, sizes)  # another rule: another key, eager
+        other = log[before:]
+    return [entry for entry in log if entry], other, max(errors)
+
+
+def test_a_repeated_call_on_the_movers_reaches_the_capture_points_replay():
+    """The schedule runs through the group's capture point with one key per (rule and momentum state, layout,
+    mover, buffers): the first call (a new momentum state) and the second (the state kept) run eagerly, the third
+    is captured, the fourth and fifth replay, each result the reference's (the captured call's momentum state is
+    the one the later calls hold); another reducer's call gets a key of its own."""
+    import distributed
+
+    for log, other, error in distributed.run(2, replay_body):
+        assert log == ["eager", "eager", "capture", "replay", "replay", "replay"], log
+        assert other == [] and error < 1e-12
