@@ -69,6 +69,7 @@ from adasum.collectives.api import fused_per_dtype
 from adasum.collectives.slices import CombineOp, SliceMover, combine_slices_
 from adasum.collectives.vhdd import transport_for
 from adasum.core import statistics
+from adasum.core.gram import consensus_sums
 from adasum.core.keep import kept
 from adasum.core.layout import Layout
 from adasum.core.operator import ZERO_NORM
@@ -214,8 +215,9 @@ def layout_key(description: Sequence[tuple[torch.dtype, int]], per_tensor: bool)
 class Consensus(CombineOp):
     """AdaCons as the slice-parallel schedule's combine rule (`adasum.collectives.slices.CombineOp`): from the
     [P, P, T] Gram sums ``G_ij = <g_i, g_j>`` of T tensors, ``<g_i, m> = (1/P) sum_j G_ij``, ``|g_i|^2 = G_ii``
-    and ``|m|^2 = (1/P^2) sum_ij G_ij``, then the reducer's weights (`consensus`, `worker_weights`) with the
-    momentum state of `key`. Whole-model (``per_tensor=False``) couples every tensor of the call (`coupled`).
+    and ``|m|^2 = (1/P^2) sum_ij G_ij`` (`adasum.core.gram.consensus_sums`), then the reducer's weights
+    (`consensus`, `worker_weights`) with the momentum state of `key`. Whole-model (``per_tensor=False``) couples
+    every tensor of the call (`coupled`).
 
     The state is the reducer's tensor for `key` on the data's `device`, updated in place, so that a CUDA graph of
     the call replays the momentum too (`AdaCons._momentum`). `order`: the call position of each of the schedule's
@@ -238,9 +240,7 @@ class Consensus(CombineOp):
             with failures_named(self.operation, "the shard sums", self.shard):
                 dist.all_reduce(gram, group=self.shard)
         workers, _, count = gram.shape
-        dots = (gram.sum(1) / workers).T  # [T, P]
-        sq_norms = torch.diagonal(gram, dim1=0, dim2=1)  # [T, P]
-        mean_sq = gram.sum((0, 1)) / workers**2  # [T]
+        dots, sq_norms, mean_sq = consensus_sums(gram)  # [T, P], [T, P], [T]
         rows: slice | torch.Tensor = slice(first, first + count)
         if not self.reducer.per_tensor:
             dots, sq_norms, mean_sq = (x.sum(0, keepdim=True) for x in (dots, sq_norms, mean_sq))
