@@ -525,3 +525,86 @@ def test_a_repeated_call_on_the_movers_reaches_the_capture_points_replay():
     for log, other, error in distributed.run(2, replay_body):
         assert log == ["eager", "eager", "capture", "replay", "replay", "replay"], log
         assert other == [] and error < 1e-12
+
+
+class _Recording:
+    """A slice mover of rank 0 of two, in one process, that logs the schedule's calls (rows, scatter, join, the
+    sums' all-reduce, discard, gather) and checks that rounds are let go in the order they were given rows; every
+    rank's copy of the slice is this rank's, so the two workers are equal."""
+
+    name, scattered, world, rank, timeout, whole, in_place = "recording", False, 2, 0, None, False, None
+
+    def __init__(self, ahead: int, capacity: int, calls: list) -> None:
+        self.ahead, self.capacity, self.calls = ahead, capacity, calls
+        self.given = 0
+        self.waiting: list[tuple[int, list]] = []
+
+    def round_elements(self, element_size: int, ahead: int = 1) -> int:
+        return self.capacity
+
+    def reserve(self, row: int, like, ahead: int = 1) -> None:
+        assert not self.waiting, "a reserve with rounds in flight"
+        self.calls.append(f"reserve {ahead}")
+        self.given = 0
+
+    def rows(self, buffer, bounds):
+        k, self.given = self.given, self.given + 1
+        self.waiting.append((k, list(bounds)))
+        self.calls.append(f"rows {k}")
+        lo, hi = bounds[self.rank]
+        return [(0, [buffer[lo:hi].clone() for _ in range(self.world)])]
+
+    def scatter(self, buffer, bounds, landed):
+        k = self.waiting[-1][0]
+        self.calls.append(f"scatter {k}")
+        landed(0, bounds[self.rank][1] - bounds[self.rank][0])
+        return lambda: self.calls.append(f"join {k}")
+
+    def all_reduce_sums(self, sums) -> None:
+        self.calls.append("sums")
+
+    def _done(self, bounds, what: str) -> None:
+        k, given = self.waiting.pop(0)
+        assert given == list(bounds), (k, given, bounds)  # in the order they were given rows
+        self.calls.append(f"{what} {k}")
+
+    def discard(self, buffer, bounds) -> None:
+        self._done(bounds, "discard")
+
+    def gather(self, buffer, bounds, finish) -> None:
+        self._done(bounds, "gather")
+        lo, hi = bounds[self.rank]
+        finish(0, hi - lo, [buffer[lo:hi]])
+
+
+@pytest.mark.parametrize("ahead", [1, 2])
+def test_the_two_sweeps_keep_rounds_in_flight_and_let_each_go_in_order(ahead):
+    """Whole-model weights over rounds that cut the tensors (a capacity of 8): the first sweep scatters round
+    k + ahead - 1 before round k's join and discard, one all-reduce of the call's sums follows, then the second
+    sweep scatters and gathers the rounds the same way; equal workers aggregate to themselves."""
+    from adasum.collectives.slices import combine_slices_
+    from adasum.core.layout import Layout
+
+    calls: list[str] = []
+    mover = _Recording(ahead, 8, calls)
+    sizes = (3, 30, 7)
+    buffer = torch.randn(sum(sizes), dtype=torch.float64)
+    before = buffer.clone()
+    op = adacons.Consensus(adasum.AdaCons(), "k", len(sizes), 2, torch.device("cpu"))
+    combine_slices_([(buffer, Layout(sizes))], mover, op)
+
+    def sweep(done: str) -> list[str]:
+        out = [f"reserve {ahead}"]
+        for k in range(5):
+            out += [f"rows {k}", f"scatter {k}"]
+            if k >= ahead - 1:
+                out += [f"join {k - ahead + 1}", f"{done} {k - ahead + 1}"]
+        for k in range(5 - ahead + 1, 5):
+            out += [f"join {k}", f"{done} {k}"]
+        return out
+
+    assert calls == [*sweep("discard"), "sums", *sweep("gather")], calls
+    lo, hi = 0, 0
+    for k in range(5):  # rank 0's slice of each round holds the result
+        lo, hi = 8 * k, 8 * k + 4
+        torch.testing.assert_close(buffer[lo:hi], before[lo:hi], rtol=1e-15, atol=0)

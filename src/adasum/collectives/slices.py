@@ -534,9 +534,10 @@ def combine_slices_(buffers: Sequence[tuple[torch.Tensor, Layout]], mover: Slice
         return
     if len(buffers) == 1:
         buffer, layout = buffers[0]
-        cut, _ = slice_rounds(layout, mover, buffer, 1)
-        if len(cut) == 1 and cut[0][4] is not None and (cut[0][0], cut[0][1]) == (0, len(layout.sizes)):
-            _start(buffer, layout, mover, (0, len(layout.sizes)), cut[0][4], None, 0, op)()
+        capacity = mover.round_elements(buffer.element_size(), 1)
+        if layout.numel and (capacity is None or layout.numel <= capacity):  # one round of the whole layout
+            ((_, _, _, _, bounds),), _ = slice_rounds(layout, mover, buffer, 1)
+            _start(buffer, layout, mover, (0, len(layout.sizes)), bounds, None, 0, op)()
             return
     _two_sweeps(buffers, mover, op)
 
