@@ -231,7 +231,7 @@ def movers_body(rank, world, per_tensor, memory_mb):
             buffer = per_worker[rank].clone()
             reducer.all_reduce_flat(buffer, sizes)
             ref = np.concatenate(reference([[t.numpy() for t in w.split(sizes)] for w in per_worker]))
-            errors.append(float(np.linalg.norm(buffer.numpy() - ref) / np.linalg.norm(ref)))
+            errors.append(float(np.linalg.norm(buffer.cpu().numpy() - ref) / np.linalg.norm(ref)))
     movers = sorted({type(m).__name__ for m in communicator().transports.values()})
     with override(transport_first=""):  # gloo's default: the two all-reduces
         before = len(communicator().transports)
@@ -259,3 +259,397 @@ def test_a_buffer_past_one_round_of_the_movers_runs_the_two_all_reduces():
     results = distributed.run(3, movers_body, False, 0.0001)
     assert all(err < 1e-12 for err, _, _ in results), [err for err, _, _ in results]
     assert all(r[2] == results[0][2] for r in results)
+
+
+def _capacity(world: int, element_size: int) -> int:
+    """Elements one round of the c10d slice movers holds under the current budget."""
+    from adasum.transport.slices import round_elements
+
+    return round_elements(world, world, element_size)
+
+
+def _counting_gathers():
+    """Count the calls of ``dist.all_gather`` (only the two all-reduces' form gathers): (restore, counts)."""
+    import torch.distributed as dist
+
+    counts = {"all_gather": 0}
+    original = dist.all_gather
+
+    def counted(*args, **kwargs):
+        counts["all_gather"] += 1
+        return original(*args, **kwargs)
+
+    dist.all_gather = counted
+
+    def restore() -> None:
+        dist.all_gather = original
+
+    return restore, counts
+
+
+def rounds_body(rank, world, per_tensor, memory_mb, sizes, dtypes):
+    """AdaCons' list form over three steps with momentum on the slice movers, tensors of `dtypes` in turn, against
+    the float64 NumPy reference on the dtype-rounded inputs: the largest element-wise error in units of each
+    element's bound (module doc of the test), the result's bytes, how many rounds the largest buffer took and the
+    all-gathers the two all-reduces' form would have made."""
+    from adasum.settings import override
+
+    import distributed
+
+    device = distributed.device_for(rank)  # on NCCL the GPU's movers (symmetric memory inside one host)
+    reference = AdaConsReference(0.9, per_tensor, "mean_norm")
+    reducer = adasum.AdaCons(momentum=0.9, per_tensor=per_tensor)
+    worst, on_movers, (restore, counts) = 0.0, 0, _counting_gathers()
+    try:
+        with override(memory_mb=memory_mb, transport_first="slices"):
+            capacity = min(_capacity(world, torch.empty(0, dtype=d).element_size()) for d in dtypes)
+            for step in range(3):
+                g = torch.Generator().manual_seed(100 * step + world)
+                per_worker = []
+                for j in range(world):
+                    tensors = [torch.randn(n, generator=g, dtype=torch.float64) * (1 + j) for n in sizes]
+                    per_worker.append([t.to(dtypes[i % len(dtypes)]) for i, t in enumerate(tensors)])
+                for i, t in enumerate(per_worker[0]):  # the workers differ in direction and length
+                    per_worker[0][i] = (t.double() + 3 * per_worker[-1][i].double()).to(t.dtype)
+                mine = [t.to(device, copy=True) for t in per_worker[rank]]
+                before = counts["all_gather"]
+                reducer.all_reduce(mine)
+                on_movers += counts["all_gather"] - before
+                ref = reference([[t.double().numpy() for t in w] for w in per_worker])
+                peak = max(float(np.abs(r).max()) for r in ref if r.size)
+                for got, want in zip(mine, ref):
+                    eps = torch.finfo(got.dtype).eps  # the result rounded once to its dtype: at most an ulp
+                    bound = eps * np.abs(want) + 1e-12 * peak  # plus the float64 sums' error
+                    error = np.abs(got.double().cpu().numpy() - want)
+                    worst = max(worst, float((error / bound).max()) if error.size else 0.0)
+    finally:
+        restore()
+    (state,) = reducer.state_dict()["states"].values()  # the momentum of every tensor, empty ones included
+    (want,) = reference.states.values()
+    assert np.allclose(state.numpy(), np.array(want, dtype=np.float64), rtol=1e-10, atol=1e-300), (state, want)
+    out = b"".join(t.cpu().view(torch.uint8).numpy().tobytes() for t in mine)
+    return worst, out, -(-max(sizes) // capacity) if capacity else 0, on_movers
+
+
+@pytest.mark.nccl
+@pytest.mark.parametrize("world", [2, 5])
+@pytest.mark.parametrize("per_tensor", [False, True])
+def test_several_rounds_run_on_the_movers_and_match_the_reference(world, per_tensor):
+    """A budget whose rounds hold about a hundred elements: whole-model weights take the two sweeps (rounds cut the
+    tensors), per-tensor ones rounds of whole tensors (the 300-element tensor in place, a zero-size tensor beside
+    it); the momentum states those of the reference. No all-gather on the movers: the two all-reduces never ran
+    there."""
+    import distributed
+
+    if world not in distributed.world_sizes(world):
+        pytest.skip(f"{world} ranks need {world} GPUs on NCCL")
+    results = distributed.run(world, rounds_body, per_tensor, 0.002, [0, 300, 5, 0, 17, 3, 40, 0], [torch.float64])
+    assert all(err <= 1 for err, *_ in results), [err for err, *_ in results]
+    assert all(r[1] == results[0][1] for r in results)  # ranks end bitwise equal
+    assert all(rounds > 2 for *_, rounds, _ in results), results[0][2]
+    assert all(gathers == 0 for *_, gathers in results)
+
+
+@pytest.mark.nccl
+@pytest.mark.parametrize("per_tensor", [False, True])
+@pytest.mark.parametrize("memory_mb", [512, 0.001])
+def test_several_dtypes_run_on_the_movers_and_match_the_reference(per_tensor, memory_mb):
+    """float32, bfloat16, float64 and (empty) float16 tensors in one call: whole-model weights couple the buffers
+    (two sweeps), per-tensor ones run each buffer on its own; each result within an ulp of its dtype of the
+    reference, the momentum of every tensor (the empty ones' too) the reference's."""
+    import distributed
+
+    dtypes = [torch.float32, torch.bfloat16, torch.float64, torch.float16]  # the float16 tensors are empty
+    if 3 not in distributed.world_sizes(3):
+        pytest.skip("3 ranks need 3 GPUs on NCCL")
+    results = distributed.run(3, rounds_body, per_tensor, memory_mb, [7, 64, 1, 0, 33, 50, 9, 0], dtypes)
+    assert all(err <= 1 for err, *_ in results), [err for err, *_ in results]
+    assert all(r[1] == results[0][1] for r in results)
+    assert all(gathers == 0 for *_, gathers in results)
+
+
+def shards_body(rank, world, shards, per_tensor, budgets):
+    """AdaCons' sharded form on the movers on a grid of ``world // shards`` replicas of `shards` ranks (rank =
+    replica * shards + shard), two steps with momentum under each memory budget, against the reference over the
+    replicas' whole tensors: this rank's shard of it (padded shards, as FSDP's). Per budget: the error, the result's
+    bytes and how many rounds the buffer took; and the all-gathers of the two all-reduces' form (none ran)."""
+    import torch.distributed as dist
+
+    from adasum.reducers.base import ShardGroups
+    from adasum.settings import override
+
+    import distributed
+
+    device = distributed.device_for(rank)
+    replicas = world // shards
+    replica, shard = divmod(rank, shards)
+    replicate_groups = [dist.new_group([r * shards + s for r in range(replicas)]) for s in range(shards)]
+    shard_groups = [dist.new_group([r * shards + s for s in range(shards)]) for r in range(replicas)]
+    peers = tuple(r * shards + shard for r in range(replicas))
+    grid = ShardGroups(None, replicate_groups[shard], shard_groups[replica], peers, replicas, shards)
+    sizes = [10, 7, 133, 1]
+    widths = [-(-n // shards) for n in sizes]  # padded shard sizes
+    out, (restore, counts) = [], _counting_gathers()
+    try:
+        for memory_mb in budgets:
+            reference = AdaConsReference(0.9, per_tensor, "mean_norm")
+            reducer = adasum.AdaCons(momentum=0.9, per_tensor=per_tensor)
+            worst = 0.0
+            with override(memory_mb=memory_mb, transport_first="slices"):
+                rounds = -(-sum(widths) // _capacity(replicas, 8))
+                for step in range(2):
+                    g = torch.Generator().manual_seed(7 + step)
+                    whole = [[torch.randn(n, generator=g, dtype=torch.float64) * (1 + r) for n in sizes]
+                             for r in range(replicas)]
+                    for i in range(len(sizes)):
+                        whole[0][i] += 2 * whole[-1][i]
+                    buffer = torch.cat([
+                        torch.nn.functional.pad(t, (0, w * shards - t.numel()))[shard * w : (shard + 1) * w]
+                        for t, w in zip(whole[replica], widths)
+                    ]).to(device)
+                    reducer.all_reduce_shards(buffer, widths, grid)
+                    buffer = buffer.cpu()
+                    ref = reference([[t.numpy() for t in w] for w in whole])
+                    want = np.concatenate([
+                        np.pad(r, (0, w * shards - r.size))[shard * w : (shard + 1) * w] for r, w in zip(ref, widths)
+                    ])
+                    worst = max(worst, float(np.abs(buffer.numpy() - want).max() / np.abs(want).max()))
+            out.append((worst, buffer.numpy().tobytes(), rounds))
+    finally:
+        restore()
+    return out, counts["all_gather"]
+
+
+@pytest.mark.nccl
+@pytest.mark.parametrize("replicas,shards,per_tensor", [(2, 2, True), (3, 2, False)])
+def test_the_sharded_form_runs_on_the_movers_and_matches_the_whole_tensors(replicas, shards, per_tensor):
+    """Shards on the slice movers over the replicate group, their Gram sums added up over the shard group: the
+    coefficients of the whole tensors, in one round and, through a small budget, in several (two sweeps for
+    whole-model weights); the ranks holding one shard end bitwise equal; the two all-reduces never ran."""
+    import distributed
+
+    world = replicas * shards
+    if world not in distributed.world_sizes(world):
+        pytest.skip(f"{world} ranks need {world} GPUs on NCCL")
+    results = distributed.run(world, shards_body, shards, per_tensor, [512, 0.001])
+    for budget in range(2):
+        assert all(out[budget][0] < 1e-12 for out, _ in results), [out[budget][0] for out, _ in results]
+        for s in range(shards):
+            assert all(results[r * shards + s][0][budget][1] == results[s][0][budget][1] for r in range(replicas))
+    assert results[0][0][0][2] == 1 and results[0][0][1][2] > 1  # one round, then several
+    assert all(gathers == 0 for _, gathers in results)
+
+
+def test_the_op_updates_the_momentum_state_in_place_and_keys_it_by_call():
+    """The combine rule the movers ask (`adacons.Consensus`): its weights are those of the NumPy reference from the
+    Gram sums, step after step with momentum, and the momentum state is one tensor written in place (what a
+    replayed CUDA graph, which runs no Python, updates too); a new state starts without momentum."""
+    reducer = adasum.AdaCons(momentum=0.5, per_tensor=True)
+    reference = AdaConsReference(0.5, True, "mean_norm")
+    g = torch.Generator().manual_seed(3)
+    states = []
+    for _ in range(3):
+        per_worker = [[torch.randn(4, generator=g, dtype=torch.float64) * (1 + j) for _ in range(2)]
+                      for j in range(3)]
+        gram = torch.stack([torch.stack([torch.stack([a[i] @ b[i] for i in range(2)]) for b in per_worker])
+                            for a in per_worker])  # [P, P, T]
+        op = adacons.Consensus(reducer, "k", 2, 3, torch.device("cpu"))
+        weights = op.weights(gram.clone(), 0)  # [P, T]
+        got = [sum(weights[j, i] * per_worker[j][i] for j in range(3)) for i in range(2)]
+        want = reference([[t.numpy() for t in w] for w in per_worker])
+        assert all(np.allclose(a.numpy(), b, rtol=1e-12, atol=0) for a, b in zip(got, want))
+        states.append(op.state)
+    assert states[1] is states[2] and states[0] is states[1]  # one tensor, written in place
+    assert adacons.Consensus(reducer, "other", 2, 3, torch.device("cpu")).fresh
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU (CUDA graphs)")
+def test_a_captured_graph_of_the_op_replays_the_momentum():
+    """On a GPU: the op's weights captured in a CUDA graph once and replayed give, step after step, the eager op's
+    weights and momentum (the state is read and written in place; nothing of it lives in Python)."""
+    device = torch.device("cuda")
+    eager, captured = (adasum.AdaCons(momentum=0.9) for _ in range(2))
+    g = torch.Generator().manual_seed(5)
+    grams = []
+    for _ in range(5):
+        x = torch.randn(3, 2, 16, generator=g, dtype=torch.float64)
+        grams.append(torch.einsum("itn,jtn->ijt", x, x).to(device))
+    static = grams[0].clone()
+    op = adacons.Consensus(captured, "k", 2, 3, device)
+    op.weights(static.clone(), 0)  # the first call, eager: makes the state
+    op = adacons.Consensus(captured, "k", 2, 3, device)
+    graph = torch.cuda.CUDAGraph()
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        graph.capture_begin()
+        out = op.weights(static, 0)
+        graph.capture_end()
+    torch.cuda.current_stream().wait_stream(stream)
+    adacons.Consensus(eager, "k", 2, 3, device).weights(grams[0].clone(), 0)
+    for gram in grams[1:]:
+        static.copy_(gram)
+        graph.replay()
+        want = adacons.Consensus(eager, "k", 2, 3, device).weights(gram.clone(), 0)
+        torch.testing.assert_close(out, want, rtol=1e-12, atol=0)
+    torch.testing.assert_close(captured.state_dict()["states"]["k"], eager.state_dict()["states"]["k"])
+
+
+def replay_body(rank, world):
+    """Five calls of AdaCons' flat form on the movers through the group's capture point, with a capture stand-in
+    that logs which calls ran eagerly, were captured and were replayed, and replays by running the captured call's
+    function again: the objects of the captured call (its op, its momentum state), not those of the call that
+    replays, as a graph works on the captured call's memory; then another reducer's call on the same buffer."""
+    from adasum.settings import override
+    from adasum.transport.communicator import communicator
+    from adasum.transport.graphs import Graphs
+
+    log: list = []
+
+    class Graph:
+        def __init__(self, fn) -> None:
+            self.fn = fn
+
+        def replay(self) -> None:
+            log.append("replay")
+            self.fn()
+
+    class StandIn:
+        def enabled(self, device) -> bool:
+            return True
+
+        def capturing(self) -> bool:
+            return False
+
+        def capture(self, fn, device):
+            log.append("capture")
+            return Graph(fn)
+
+        def free(self, graph) -> None:
+            pass
+
+    sizes = [5, 0, 17, 3, 40]
+    reference = AdaConsReference(0.9, False, "mean_norm")
+    reducer = adasum.AdaCons(momentum=0.9)
+    import distributed
+
+    device = distributed.device_for(rank)
+    buffer = torch.empty(sum(sizes), dtype=torch.float64, device=device)
+    errors = []
+    with override(transport_first="slices"):
+        comm = communicator()
+        if device.type == "cpu":  # on a GPU the real capture point: CUDA graphs captured and replayed
+            comm.graphs = Graphs(StandIn())
+        for step in range(5):
+            g = torch.Generator().manual_seed(step)
+            per_worker = [torch.randn(sum(sizes), generator=g, dtype=torch.float64) * (1 + j) for j in range(world)]
+            buffer.copy_(per_worker[rank])
+            before = len(log)
+            reducer.all_reduce_flat(buffer, sizes)
+            log.append("eager" if len(log) == before else "")
+            ref = np.concatenate(reference([[t.numpy() for t in w.split(sizes)] for w in per_worker]))
+            errors.append(float(np.linalg.norm(buffer.cpu().numpy() - ref) / np.linalg.norm(ref)))
+        before = len(log)
+        adasum.AdaCons(momentum=0.5).all_reduce_flat(buffer, sizes)  # another rule: another key, eager
+        other = log[before:]
+    return [entry for entry in log if entry], other, max(errors)
+
+
+@pytest.mark.nccl
+def test_a_repeated_call_on_the_movers_reaches_the_capture_points_replay():
+    """The schedule runs through the group's capture point with one key per (rule and momentum state, layout,
+    mover, buffers): the first call (a new momentum state) and the second (the state kept) run eagerly, the third
+    is captured, the fourth and fifth replay, each result the reference's (the captured call's momentum state is
+    the one the later calls hold); another reducer's call gets a key of its own."""
+    import distributed
+
+    if 2 not in distributed.world_sizes(2):
+        pytest.skip("2 ranks need 2 GPUs on NCCL")
+    for log, other, error in distributed.run(2, replay_body):
+        assert error < 1e-12
+        if distributed.BACKEND == "gloo":
+            assert log == ["eager", "eager", "capture", "replay", "replay", "replay"], log
+            assert other == []
+
+
+class _Recording:
+    """A slice mover of rank 0 of two, in one process, that logs the schedule's calls (rows, scatter, join, the
+    sums' all-reduce, discard, gather) and checks that rounds are let go in the order they were given rows; every
+    rank's copy of the slice is this rank's, so the two workers are equal."""
+
+    name, scattered, world, rank, timeout, whole, in_place = "recording", False, 2, 0, None, False, None
+
+    def __init__(self, ahead: int, capacity: int, calls: list) -> None:
+        self.ahead, self.capacity, self.calls = ahead, capacity, calls
+        self.given = 0
+        self.waiting: list[tuple[int, list]] = []
+
+    def round_elements(self, element_size: int, ahead: int = 1) -> int:
+        return self.capacity
+
+    def reserve(self, row: int, like, ahead: int = 1) -> None:
+        assert not self.waiting, "a reserve with rounds in flight"
+        self.calls.append(f"reserve {ahead}")
+        self.given = 0
+
+    def rows(self, buffer, bounds):
+        k, self.given = self.given, self.given + 1
+        self.waiting.append((k, list(bounds)))
+        self.calls.append(f"rows {k}")
+        lo, hi = bounds[self.rank]
+        return [(0, [buffer[lo:hi].clone() for _ in range(self.world)])]
+
+    def scatter(self, buffer, bounds, landed):
+        k = self.waiting[-1][0]
+        self.calls.append(f"scatter {k}")
+        landed(0, bounds[self.rank][1] - bounds[self.rank][0])
+        return lambda: self.calls.append(f"join {k}")
+
+    def all_reduce_sums(self, sums) -> None:
+        self.calls.append("sums")
+
+    def _done(self, bounds, what: str) -> None:
+        k, given = self.waiting.pop(0)
+        assert given == list(bounds), (k, given, bounds)  # in the order they were given rows
+        self.calls.append(f"{what} {k}")
+
+    def discard(self, buffer, bounds) -> None:
+        self._done(bounds, "discard")
+
+    def gather(self, buffer, bounds, finish) -> None:
+        self._done(bounds, "gather")
+        lo, hi = bounds[self.rank]
+        finish(0, hi - lo, [buffer[lo:hi]])
+
+
+@pytest.mark.parametrize("ahead", [1, 2])
+def test_the_two_sweeps_keep_rounds_in_flight_and_let_each_go_in_order(ahead):
+    """Whole-model weights over rounds that cut the tensors (a capacity of 8): the first sweep scatters round
+    k + ahead - 1 before round k's join and discard, one all-reduce of the call's sums follows, then the second
+    sweep scatters and gathers the rounds the same way; equal workers aggregate to themselves."""
+    from adasum.collectives.slices import combine_slices_
+    from adasum.core.layout import Layout
+
+    calls: list[str] = []
+    mover = _Recording(ahead, 8, calls)
+    sizes = (3, 30, 7)
+    buffer = torch.randn(sum(sizes), dtype=torch.float64)
+    before = buffer.clone()
+    op = adacons.Consensus(adasum.AdaCons(), "k", len(sizes), 2, torch.device("cpu"))
+    combine_slices_([(buffer, Layout(sizes))], mover, op)
+
+    def sweep(done: str) -> list[str]:
+        out = [f"reserve {ahead}"]
+        for k in range(5):
+            out += [f"rows {k}", f"scatter {k}"]
+            if k >= ahead - 1:
+                out += [f"join {k - ahead + 1}", f"{done} {k - ahead + 1}"]
+        for k in range(5 - ahead + 1, 5):
+            out += [f"join {k}", f"{done} {k}"]
+        return out
+
+    assert calls == [*sweep("discard"), "sums", *sweep("gather")], calls
+    lo, hi = 0, 0
+    for k in range(5):  # rank 0's slice of each round holds the result
+        lo, hi = 8 * k, 8 * k + 4
+        torch.testing.assert_close(buffer[lo:hi], before[lo:hi], rtol=1e-15, atol=0)

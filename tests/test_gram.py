@@ -5,7 +5,7 @@ import numpy as np
 import pytest
 import torch
 
-from adasum.core.gram import pair_ops, weights
+from adasum.core.gram import consensus_sums, pair_ops, weights
 from adasum.core.tree import Tree, level_pairs
 from adasum.kernels import combine_from_sums, cpu, dot_and_norms
 
@@ -72,3 +72,15 @@ def test_a_non_finite_copy_makes_the_whole_tensor_nan():
     assert torch.isnan(_tree_of(rows)).all()
     rows[3][2] = float("inf")
     assert not torch.isfinite(_tree_of(rows)).any()
+
+
+def test_consensus_sums_are_the_projections_on_the_mean():
+    """AdaCons' sums from the Gram matrices equal the direct float64 sums: <x_i, m>, |x_i|^2, |m|^2 per tensor."""
+    g = np.random.default_rng(4)
+    x = g.standard_normal((5, 3, 11))  # workers, tensors, elements
+    gram = torch.from_numpy(np.einsum("itn,jtn->ijt", x, x))
+    dots, sq_norms, mean_sq = consensus_sums(gram)
+    m = x.mean(0)
+    np.testing.assert_allclose(dots.numpy(), np.einsum("itn,tn->ti", x, m), rtol=1e-13)
+    np.testing.assert_allclose(sq_norms.numpy(), np.einsum("itn,itn->ti", x, x), rtol=1e-13)
+    np.testing.assert_allclose(mean_sq.numpy(), np.einsum("tn,tn->t", m, m), rtol=1e-13)

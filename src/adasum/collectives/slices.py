@@ -22,6 +22,12 @@ runs the same kernels on the same rows, laid out alike in every rank's buffer. I
 shots above P = 2 (as many at P = 2) but takes no all-reduce and no second exchange: the default for small
 buffers where measured faster (`adasum.transport.one_shot`).
 
+**The combine rule is an op** (`CombineOp`): the schedule asks it for the weights from the Gram sums (or, in its
+level form, combines each pair from the level's sums). Adasum's tree is `AdasumTree`, the default; AdaCons'
+consensus is another (`adasum.reducers.adacons.Consensus`, through `combine_slices_`). An op whose weights couple
+the tensors of a call (AdaCons' whole-model form) runs a call of several rounds in two sweeps: the Gram sums round
+by round, then, with the call's weights, the weighted sums round by round (`combine_slices_`).
+
 A mover may keep rounds in flight (`SliceMover.ahead`; the symmetric one keeps two, in two halves of its
 buffer): the schedule then scatters round k + 1 before it runs round k's tree and gather, so the next round's
 moves run beside this round's math. A layout that fits one round of the whole buffer runs in one.
@@ -44,6 +50,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from datetime import timedelta
+from functools import partial
 from typing import Protocol, cast
 
 import torch
@@ -102,6 +109,10 @@ class SliceMover(Protocol):
         slice of `buffer` there first, then wherever the mover takes it from or sends it to); then every rank's
         pieces reach `buffer` everywhere. `finish` reads every row of its positions (a mover may land peers'
         results in the rows only once every rank's `finish` is done)."""
+
+    def discard(self, buffer, bounds: Sequence[tuple[int, int]]) -> None:
+        """The oldest round given rows and not gathered is done with, and no gather follows: its rows were read (the
+        sums of `landed`, joined), so the rounds after it may land in them (`combine_slices_`' first sweep)."""
 
 
 class InPlaceMover(SliceMover, Protocol):
@@ -210,14 +221,15 @@ def _dots(parts, pairs, layout: Layout, where: tuple[int, int], p0: int, p1: int
 
 
 def _combine(
-    parts, pair, sums, layout: Layout, where, p0: int, p1: int, first_tensor: int, outs: Sequence | None
+    op, parts, pair, sums, layout: Layout, where, p0: int, p1: int, first_tensor: int, outs: Sequence | None
 ) -> None:
-    """Positions [p0, p1) of one pair's combination (its [3, T] `sums` complete) into `outs` (None: into the
-    pair's side a). `outs` may be address tables only where [p0, p1) lies in one part."""
+    """Positions [p0, p1) of one pair's combination by `op`'s level form (`CombineOp.pair`; its [3, T] `sums`
+    complete) into `outs` (None: into the pair's side a). `outs` may be address tables only where [p0, p1) lies in
+    one part."""
     a, b, workers_a, workers_b = pair
     for rows, columns, lengths, targets in _runs(parts, layout, where, p0, p1, first_tensor, outs):
-        combine_from_sums(rows[a], rows[b], sums[:, columns], workers_a, workers_b, lengths,
-                          *([rows[a]] if targets is None else targets))
+        op.pair(rows[a], rows[b], sums[:, columns], workers_a, workers_b, lengths,
+                *([rows[a]] if targets is None else targets))
 
 
 def _gram(parts, layout: Layout, where: tuple[int, int], p0: int, p1: int, sums, first_tensor: int) -> None:
@@ -235,39 +247,103 @@ def _weighted(parts, weights, layout: Layout, where, p0: int, p1: int, first_ten
 
 
 def by_gram(dtype: torch.dtype, tree: Tree) -> bool:
-    """Whether the tree on a slice of `dtype` runs from the Gram matrices (`adasum.core.gram`: one pass of sums, one
-    all-reduce, one pass) or level by level (a pass of sums, an all-reduce and a combination per level). The Gram
-    form's error grows as ``eps64 k^2`` where a node nearly cancels (k: the ratio of its terms' magnitudes to
+    """Whether Adasum's tree on a slice of `dtype` runs from the Gram matrices (`adasum.core.gram`: one pass of sums,
+    one all-reduce, one pass) or level by level (a pass of sums, an all-reduce and a combination per level). The
+    Gram form's error grows as ``eps64 k^2`` where a node nearly cancels (k: the ratio of its terms' magnitudes to
     its own), the level form's as ``eps k`` with the dtype's eps, since it rounds every node to the dtype: so
     the Gram form for every dtype narrower than float64, the level form for float64; and the level form for a
     tree of one level (two ranks), where both are the same formulas and the pair kernels measured faster."""
     return dtype != torch.float64 and tree.workers > 2
 
 
-class GramRule(Protocol):
-    """A combine rule other than Adasum's tree that the schedule runs from the Gram matrices of the P copies: the
-    result is ``sum_j w_j x_j`` per tensor, with the weights the rule gives from the whole group's Gram sums (the
-    schedule's arguments and passes as for Adasum's Gram form: one pass of sums, one all-reduce, one pass).
-    AdaCons is one (`adasum.reducers.adacons.AdaCons`); None stands for Adasum's tree (`by_gram` chooses its
-    form)."""
+class CombineOp:
+    """The combine rule the slice-parallel schedule runs: what it asks for coefficients. The schedule moves the
+    copies, adds up the sums and writes ``sum_j w_j x_j`` per tensor; the op turns the sums into the weights.
 
-    def weights(self, gram: torch.Tensor) -> torch.Tensor:
-        """The [P, T] float64 weights (last dimension contiguous) from the [P, P, T] float64 Gram sums of a round's
-        T tensors, the same on every rank (the sums are)."""
+    * Gram form (every op): `weights` from the whole group's ``[P, P, T]`` float64 Gram sums
+      ``G_ij = <x_i, x_j>`` of a round's tensors: one pass of sums, one all-reduce, `weights`, one pass.
+    * Level form (an op whose `levels` says so; Adasum's tree for float64 and two ranks): level by level of the
+      tree, each pair's ``<a,b>``, ``|a|^2``, ``|b|^2`` summed over the group, then `pair` combines the pair's
+      slice from them (`record` sees each level's sums).
+
+    `coupled`: a tensor's weights depend on other tensors' sums (AdaCons' whole-model form). The schedule then
+    has every tensor's Gram sums of the call before it writes any result: a call of several rounds (or several
+    buffers) runs in two sweeps (`combine_slices_`). Otherwise each round's weights come from its own tensors'.
+
+    Adasum's tree is `AdasumTree`; AdaCons' consensus is `adasum.reducers.adacons.Consensus`. A new rule is a
+    subclass with `weights` (and `coupled` where it couples tensors), handed to `combine_slices_`."""
+
+    coupled: bool = False
+
+    def levels(self, dtype: torch.dtype, tree: Tree) -> bool:
+        """Whether a slice of `dtype` runs level by level (`pair`) rather than from the Gram sums (`weights`)."""
+        return False
+
+    def weights(self, gram: torch.Tensor, first: int) -> torch.Tensor:
+        """The [P, T] float64 weights of the P copies (last dimension contiguous) from the [P, P, T] float64 Gram
+        sums of the call's tensors ``first .. first + T`` (columns count over the call's buffers in order), the same
+        on every rank (the sums are). Called once per round in order (once per call where `coupled`); it may add
+        to `gram` over a wider group first (AdaCons' shard group)."""
+        raise NotImplementedError
+
+    def pair(self, a, b, sums: torch.Tensor, workers_a: int, workers_b: int, lengths: Sequence[int], out,
+             *more_outs) -> None:
+        """Level form: ``out = c_a a + c_b b`` per segment from the pair's [3, T] level sums."""
+        raise NotImplementedError(f"{type(self).__name__} has no level form")
+
+    def record(self, sums: torch.Tensor, pairs) -> None:
+        """Level form: see a level's [pairs, 3, T] sums (`adasum.core.statistics`)."""
 
 
-def first_sums(tree: Tree, width: int, dtype: torch.dtype, device, rule: GramRule | None = None) -> torch.Tensor:
-    """Zeroed float64 sums for the first pass over a slice of `dtype` (`by_gram`, or a `rule`'s Gram form):
+class AdasumTree(CombineOp):
+    """Adasum's tree (SPEC 1.3) as the schedule's combine rule: the root's weights from the Gram sums
+    (`adasum.core.gram.weights`, one kernel on GPUs), or level by level from the pairs' sums with the fused combine
+    kernel (`adasum.kernels.combine_from_sums`: `adasum.core.operator.coefficients`), as `by_gram` chooses.
+    `record`: the sums are the whole group's (not one tier's), so a statistics recording takes every level's."""
+
+    def __init__(self, tree: Tree, record: bool = True) -> None:
+        self.tree, self.recording = tree, record
+
+    def levels(self, dtype: torch.dtype, tree: Tree) -> bool:
+        """Level by level where the Gram form is not the more accurate or faster one (`by_gram`)."""
+        return not by_gram(dtype, tree)
+
+    def weights(self, gram: torch.Tensor, first: int) -> torch.Tensor:
+        """The root's weights over the copies (`adasum.kernels.tree_weights`); every pair's sums recorded."""
+        weights, pair_sums = tree_weights(gram, self.tree)
+        if self.recording and statistics.active():
+            at = 0
+            for pairs in level_pairs(self.tree):
+                self.record(pair_sums[at : at + len(pairs)], pairs)
+                at += len(pairs)
+        return weights
+
+    def pair(self, a, b, sums, workers_a, workers_b, lengths, out, *more_outs) -> None:
+        """One pair by the fused combine kernel, its coefficients `adasum.core.operator.coefficients`."""
+        combine_from_sums(a, b, sums, workers_a, workers_b, lengths, out, *more_outs)
+
+    def record(self, sums: torch.Tensor, pairs) -> None:
+        """The level's sums, where they are the whole group's (`record`)."""
+        if self.recording:
+            _record(sums, pairs)
+
+
+def _op(op: CombineOp | None, tree: Tree, record: bool = True) -> CombineOp:
+    return AdasumTree(tree, record) if op is None else op
+
+
+def first_sums(tree: Tree, width: int, dtype: torch.dtype, device, op: CombineOp | None = None) -> torch.Tensor:
+    """Zeroed float64 sums for the first pass over a slice of `dtype` (`op`'s form; None: Adasum's tree):
     [P, P, T] Gram matrices, or [pairs, 3, T] for the first level's pairs."""
-    if rule is not None or by_gram(dtype, tree):
+    if not _op(op, tree).levels(dtype, tree):
         return torch.zeros((tree.workers, tree.workers, width), dtype=torch.float64, device=device)
     return torch.zeros((len(level_pairs(tree)[0]), 3, width), dtype=torch.float64, device=device)
 
 
 def add_first_sums(parts, layout: Layout, where: tuple[int, int], tree: Tree, p0: int, p1: int, sums,
-                   first_tensor: int, rule: GramRule | None = None) -> None:
+                   first_tensor: int, op: CombineOp | None = None) -> None:
     """Add positions [p0, p1)'s share of the first pass's sums (`first_sums`) into `sums`."""
-    if rule is not None or by_gram(parts[0][1][0].dtype, tree):
+    if not _op(op, tree).levels(parts[0][1][0].dtype, tree):
         _gram(parts, layout, where, p0, p1, sums, first_tensor)
     else:
         _dots(parts, level_pairs(tree)[0], layout, where, p0, p1, sums, first_tensor)
@@ -286,56 +362,46 @@ def tree_on_slice_(
     tensors: tuple[int, int],
     sums: torch.Tensor | None = None,
     record: bool = True,
-    rule: GramRule | None = None,
+    op: CombineOp | None = None,
+    column: int = 0,
 ) -> Callable[[int, int, Sequence], None]:
     """Step 2 of the module doc on one rank's slice up to its last pass: the `parts` hold every rank's copy of
     positions `where` of `layout` (a level-by-level tree overwrites them); `tensors` is the round's (first, end)
     tensor range, the columns of the sums. `sums`: the first pass's sums (`first_sums`), already added up over the
     slice. `record`: the sums are the whole group's (not one tier's), so a statistics recording may take every
-    level's (`adasum.core.statistics`). `rule`: another combine rule than Adasum's tree (`GramRule`), run from the
-    Gram sums. Returns ``finish(p0, p1, outs)``, which writes positions [p0, p1) of the result into `outs` (it
-    reads every row there)."""
+    level's (`adasum.core.statistics`). `op`: the combine rule (`CombineOp`; None: Adasum's tree), asked for the
+    weights of the call's tensors from ``column + tensors[0]`` on. Returns ``finish(p0, p1, outs)``, which writes
+    positions [p0, p1) of the result into `outs` (it reads every row there)."""
+    op = _op(op, tree, record)
     width = tensors[1] - tensors[0]
     size = where[1] - where[0]
+    dtype = parts[0][1][0].dtype
     if sums is None:
-        sums = first_sums(tree, width, parts[0][1][0].dtype, parts[0][1][0].device, rule)
-        add_first_sums(parts, layout, where, tree, 0, size, sums, tensors[0], rule)
-    levels = level_pairs(tree)
-    if rule is not None:
+        sums = first_sums(tree, width, dtype, parts[0][1][0].device, op)
+        add_first_sums(parts, layout, where, tree, 0, size, sums, tensors[0], op)
+    if not op.levels(dtype, tree):
         all_reduce_sums(sums)
-        weights = rule.weights(sums)
-
-        def finish_rule(p0: int, p1: int, outs: Sequence) -> None:
-            _weighted(parts, weights, layout, where, p0, p1, tensors[0], outs)
-
-        return finish_rule
-    if by_gram(parts[0][1][0].dtype, tree):
-        all_reduce_sums(sums)
-        weights, pair_sums = tree_weights(sums, tree)
-        if record and statistics.active():
-            first = 0
-            for pairs in levels:
-                _record(pair_sums[first : first + len(pairs)], pairs)
-                first += len(pairs)
+        weights = op.weights(sums, column + tensors[0])
 
         def finish(p0: int, p1: int, outs: Sequence) -> None:
             _weighted(parts, weights, layout, where, p0, p1, tensors[0], outs)
 
         return finish
+    levels = level_pairs(tree)
     for depth, pairs in enumerate(levels):
         if depth:
             sums = torch.zeros((len(pairs), 3, width), dtype=torch.float64, device=sums.device)
             _dots(parts, pairs, layout, where, 0, size, sums, tensors[0])
         all_reduce_sums(sums)
-        if record and statistics.active():
-            _record(sums, pairs)
+        if statistics.active():
+            op.record(sums, pairs)
         if depth < len(levels) - 1:
             for pair, pair_sums in zip(pairs, sums):
-                _combine(parts, pair, pair_sums, layout, where, 0, size, tensors[0], None)
+                _combine(op, parts, pair, pair_sums, layout, where, 0, size, tensors[0], None)
     last, last_sums = levels[-1][0], sums[0]
 
     def finish_level(p0: int, p1: int, outs: Sequence) -> None:
-        _combine(parts, last, last_sums, layout, where, p0, p1, tensors[0], outs)
+        _combine(op, parts, last, last_sums, layout, where, p0, p1, tensors[0], outs)
 
     return finish_level
 
@@ -345,18 +411,19 @@ def _complete(sums: torch.Tensor) -> None:
 
 
 def _start(buffer, layout: Layout, mover: SliceMover, tensors: tuple[int, int], bounds, across, offset: int,
-           rule: GramRule | None = None):
+           op: CombineOp | None = None, column: int = 0):
     """One round of `adasum_slices_` (module doc) up to its scatter: `bounds` every rank's slice of `buffer`
     (positions of `layout`), `tensors` the round's tensor range; `offset` where `buffer` starts in the caller's
-    layout (what `across` is told); `rule` the combine rule (None: Adasum's tree). Returns the rest of the round
-    (its tree and gather) to call later."""
+    layout (what `across` is told); `op` the combine rule (None: Adasum's tree), `column` the buffer's first tensor
+    among the call's (what `op` is told). Returns the rest of the round (its tree and gather) to call later."""
     tree = Tree(mover.world)
+    op = _op(op, tree, across is None)
     where = bounds[mover.rank]
     parts = mover.rows(buffer, bounds)
-    sums = first_sums(tree, tensors[1] - tensors[0], parts[0][1][0].dtype, parts[0][1][0].device, rule)
+    sums = first_sums(tree, tensors[1] - tensors[0], parts[0][1][0].dtype, parts[0][1][0].device, op)
 
     def landed(p0: int, p1: int) -> None:
-        add_first_sums(parts, layout, where, tree, p0, p1, sums, tensors[0], rule)
+        add_first_sums(parts, layout, where, tree, p0, p1, sums, tensors[0], op)
 
     join = mover.scatter(buffer, bounds, landed)
 
@@ -366,7 +433,7 @@ def _start(buffer, layout: Layout, mover: SliceMover, tensors: tuple[int, int], 
         # two tiers (`across`): the mover's sums are one host's, the levels across hosts record theirs; one-shot:
         # every rank's sums are the whole round's already
         add_up = _complete if mover.whole else mover.all_reduce_sums
-        finish = tree_on_slice_(parts, layout, where, tree, add_up, tensors, sums, across is None, rule)
+        finish = tree_on_slice_(parts, layout, where, tree, add_up, tensors, sums, across is None, op, column)
         if across is None:
             mover.gather(buffer, bounds, finish)
             return
@@ -386,16 +453,20 @@ def _start(buffer, layout: Layout, mover: SliceMover, tensors: tuple[int, int], 
 
 def adasum_in_place_(
     flat: torch.Tensor, mover: InPlaceMover, across: Callable[[torch.Tensor, int], None] | None = None,
-    offset: int = 0,
+    offset: int = 0, op: CombineOp | None = None, column: int = 0, sizes: Sequence[int] | None = None,
 ) -> None:
     """Adasum of one tensor's flat buffer across the mover's group, in place, with no more memory than the mover's
     fixed ring (`InPlaceMover`): each rank's copies of the other ranks' slices go to their owners piece by piece,
     and the owners' copies of this rank's slice land where they were; the tree runs there, and the result reaches
-    every rank the same way. `across`, `offset`: as in `adasum_slices_`, `offset` being where `flat` starts."""
+    every rank the same way. `across`, `offset`: as in `adasum_slices_`, `offset` being where `flat` starts. `op`,
+    `column`, `sizes`: another combine rule than Adasum's tree, the round's first tensor among the call's
+    (`combine_slices_`), and the round's tensors (the one with elements, and zero-size ones beside it, whose columns
+    the op's weights cover too: its state per tensor)."""
     bounds = mover.cut(flat.numel())
     if bounds is None:
         raise ValueError(f"a buffer of {flat.numel()} elements is too small to run in place over {mover.world} ranks")
-    _start(flat, Layout((flat.numel(),)), mover, (0, 1), bounds, across, offset)()
+    layout = Layout((flat.numel(),) if sizes is None else tuple(sizes))
+    _start(flat, layout, mover, (0, len(layout.sizes)), bounds, across, offset, op, column)()
 
 
 def adasum_slices_(
@@ -403,6 +474,8 @@ def adasum_slices_(
     layout: Layout,
     mover: SliceMover,
     across: Callable[[torch.Tensor, int], None] | None = None,
+    op: CombineOp | None = None,
+    column: int = 0,
 ) -> None:
     """Adasum of `buffer` (a flat tensor, or a `Scattered` list where ``mover.scattered``) across the mover's
     group, in place, each tensor of `layout` with its own coefficients (module doc); a tensor larger than the
@@ -410,7 +483,8 @@ def adasum_slices_(
 
     `across` (flat buffers only): ``across(slice, offset)`` runs on each rank's finished slice (at layout
     position `offset`) before the gather: the tree's levels above the mover's group (two tiers,
-    `adasum.collectives.hierarchical.adasum_two_tier_flat_`)."""
+    `adasum.collectives.hierarchical.adasum_two_tier_flat_`). `op`, `column`: another combine rule whose rounds are
+    independent (not `CombineOp.coupled`), and the buffer's first tensor among the call's (`combine_slices_`)."""
     if mover.world == 1:
         return
     # two tiers: the levels across hosts run between a round's tree and its gather, one round at a time
@@ -420,26 +494,126 @@ def adasum_slices_(
         if bounds is None:
             while started:
                 started.pop(0)()
-            adasum_in_place_(round_tensor(buffer, first, end, lo, hi), cast(InPlaceMover, mover.in_place), across, lo)
+            adasum_in_place_(round_tensor(buffer, first, end, lo, hi), cast(InPlaceMover, mover.in_place), across, lo,
+                             op, column + first, None if op is None else layout.sizes[first:end])
             continue
-        started.append(_start(buffer, layout, mover, (first, end), bounds, across, 0))
+        started.append(_start(buffer, layout, mover, (first, end), bounds, across, 0, op, column))
         if len(started) >= ahead:  # the next round's scatter is issued: this one's tree and gather run beside it
             started.pop(0)()
     while started:
         started.pop(0)()
 
 
-def rule_slices_(buffer: torch.Tensor, layout: Layout, mover: SliceMover, rule: GramRule) -> bool:
-    """Another combine rule than Adasum's tree (`GramRule`) over a flat `buffer` across the mover's group, in
-    place, on the slice-parallel schedule's moves and passes, where the layout runs in one round of the mover (a
-    rule's weights may couple every tensor of the call, as AdaCons' whole-model form does, so they need the whole
-    call's Gram sums at once). Returns False, having done nothing, where the layout needs several rounds or runs in
-    place (the caller combines it otherwise)."""
+def combine_slices_(buffers: Sequence[tuple[torch.Tensor, Layout]], mover: SliceMover, op: CombineOp) -> None:
+    """The combine rule `op` over flat buffers (one per dtype: the call's tensors are the first buffer's, then the
+    second's, ...; the op's columns count them so) across the mover's group, in place, on the slice-parallel
+    schedule's moves and passes, within the mover's memory budget.
+
+    Rounds independent (``op.coupled`` False): each buffer as `adasum_slices_` runs it, the op's weights per round.
+    Coupled: one buffer that fits one round runs in one (one scatter, one pass of Gram sums, one all-reduce, one
+    pass, one gather: one all-reduce's bytes). Otherwise two sweeps over rounds of at most the mover's capacity,
+    which may cut tensors (each round's sums are partial sums of its tensors; the weights are the call's):
+
+    1. per round: scatter, the round's share of the Gram sums of every tensor it touches, the rows let go
+       (`SliceMover.discard`); then one all-reduce of the call's ``[P, P, T]`` sums and the op's weights;
+    2. per round: scatter again, one pass of ``sum_j w_j x_j`` into the slice, gather.
+
+    Bytes per rank: ``3 N (P-1)/P`` (two all-reduces move ``4 N (P-1)/P``); no buffer sized to a tensor. Each
+    element of the result is computed by one rank and copied: ranks end bitwise equal."""
     if mover.world == 1:
-        return True
-    cut, _ = slice_rounds(layout, mover, buffer, 1)
-    if len(cut) != 1 or cut[0][4] is None or (cut[0][0], cut[0][1]) != (0, len(layout.sizes)):
-        return False
-    _, _, _, _, bounds = cut[0]
-    _start(buffer, layout, mover, (0, len(layout.sizes)), bounds, None, 0, rule)()
-    return True
+        return
+    if not op.coupled:
+        column = 0
+        for buffer, layout in buffers:
+            if layout.numel == 0:  # no round to run: the op still sees the (zero) sums of the empty tensors
+                width = len(layout.sizes)
+                op.weights(torch.zeros((mover.world, mover.world, width), dtype=torch.float64, device=buffer.device),
+                           column)
+            adasum_slices_(buffer, layout, mover, None, op, column)
+            column += len(layout.sizes)
+        return
+    if len(buffers) == 1:
+        buffer, layout = buffers[0]
+        capacity = mover.round_elements(buffer.element_size(), 1)
+        if layout.numel and (capacity is None or layout.numel <= capacity):  # one round of the whole layout
+            ((_, _, _, _, bounds),), _ = slice_rounds(layout, mover, buffer, 1)
+            _start(buffer, layout, mover, (0, len(layout.sizes)), bounds, None, 0, op)()
+            return
+    _two_sweeps(buffers, mover, op)
+
+
+def chunk_rounds(numel: int, mover: SliceMover, like: torch.Tensor) -> tuple[list[list[tuple[int, int]]], int]:
+    """Rounds of at most the mover's capacity over elements [0, numel) of a flat buffer like `like`, cutting tensors
+    where they must (`combine_slices_`' two sweeps): every rank's slice of each round, and how many rounds are in
+    flight (the mover's `ahead`, or 1 where the buffer fits one round of the whole buffer). The mover's buffers are
+    reserved for the largest slice first."""
+    ahead = mover.ahead
+    capacity = mover.round_elements(like.element_size(), ahead)
+    if ahead > 1:
+        whole = mover.round_elements(like.element_size(), 1)
+        if whole is None or numel <= whole:
+            ahead, capacity = 1, whole
+    step = numel if capacity is None else max(1, capacity)
+    cut = [cut_round(mover, lo, min(lo + step, numel)) for lo in range(0, numel, step)]
+    rows = [b - a for bounds in cut for a, b in bounds]
+    if rows:
+        mover.reserve(max(rows), like, ahead)
+    return cut, ahead
+
+
+def _pipelined(rounds: Sequence[Callable[[], Callable[[], None]]], ahead: int) -> None:
+    """Start each round (its scatter) and run its rest once `ahead` rounds are in flight, oldest first."""
+    started: list[Callable[[], None]] = []
+    for start in rounds:
+        started.append(start())
+        if len(started) >= ahead:
+            started.pop(0)()
+    while started:
+        started.pop(0)()
+
+
+def _two_sweeps(buffers: Sequence[tuple[torch.Tensor, Layout]], mover: SliceMover, op: CombineOp) -> None:
+    """`combine_slices_`' two sweeps of a coupled rule."""
+    workers, rank = mover.world, mover.rank
+    widths = [len(layout.sizes) for _, layout in buffers]
+    columns = [sum(widths[:b]) for b in range(len(buffers))]
+    sums = torch.zeros((workers, workers, sum(widths)), dtype=torch.float64, device=buffers[0][0].device)
+
+    def sums_round(buffer, layout: Layout, bounds, view: torch.Tensor) -> Callable[[], None]:
+        where = bounds[rank]
+        parts = mover.rows(buffer, bounds)
+        join = mover.scatter(buffer, bounds, lambda p0, p1: _gram(parts, layout, where, p0, p1, view, 0))
+
+        def rest() -> None:
+            if join is not None:
+                join()
+            mover.discard(buffer, bounds)
+
+        return rest
+
+    def weighted_round(buffer, layout: Layout, bounds, weights: torch.Tensor) -> Callable[[], None]:
+        where = bounds[rank]
+        parts = mover.rows(buffer, bounds)
+        join = mover.scatter(buffer, bounds, lambda p0, p1: None)
+
+        def finish(p0: int, p1: int, outs: Sequence) -> None:
+            _weighted(parts, weights, layout, where, p0, p1, 0, outs)
+
+        def rest() -> None:
+            if join is not None:
+                join()
+            mover.gather(buffer, bounds, finish)
+
+        return rest
+
+    for (buffer, layout), column, width in zip(buffers, columns, widths):
+        cut, ahead = chunk_rounds(layout.numel, mover, buffer)
+        view = sums[:, :, column : column + width]
+        _pipelined([partial(sums_round, buffer, layout, bounds, view) for bounds in cut], ahead)
+    if not mover.whole:  # one-shot: every rank's sums are the whole call's already
+        mover.all_reduce_sums(sums)
+    weights = op.weights(sums, 0)
+    for (buffer, layout), column, width in zip(buffers, columns, widths):
+        cut, ahead = chunk_rounds(layout.numel, mover, buffer)
+        part = weights[:, column : column + width]
+        _pipelined([partial(weighted_round, buffer, layout, bounds, part) for bounds in cut], ahead)

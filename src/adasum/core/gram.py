@@ -14,6 +14,9 @@ level it takes a pass of sums, an all-reduce and a combination pass per level. T
 level-by-level tree in exact arithmetic. Numerically, the inner nodes are never rounded to the tensor's dtype:
 the result is rounded once.
 
+The same Gram sums give AdaCons' per-worker sums (`consensus_sums`): with ``m = (1/P) sum_j x_j``,
+``<x_i, m> = (1/P) sum_j G[i, j]``, ``|x_i|^2 = G[i, i]`` and ``|m|^2 = (1/P^2) sum_ij G[i, j]``.
+
 Non-finite values: a pair whose sums are not all finite gets NaN coefficients, so a tensor with a NaN or Inf in
 any worker's copy comes out NaN everywhere. (The quadratic forms carry one worker's NaN into every node's sums,
 through zero weights: the zero guard, which reads a NaN norm as zero, would otherwise give such nodes
@@ -63,3 +66,19 @@ def weights(gram: torch.Tensor, tree: Tree) -> tuple[torch.Tensor, torch.Tensor]
         coeff_b = torch.where(broken, torch.nan, coeff_b)
         nodes[a] = coeff_a * side_a + coeff_b * side_b
     return nodes[0], sums
+
+
+def consensus_sums(gram: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """AdaCons' sums from ``gram`` ([P, P, T] float64, per tensor the Gram matrix of the P workers' vectors, m their
+    mean): (``<x_i, m>`` [T, P], ``|x_i|^2`` [T, P], ``|m|^2`` [T]), as `adasum.reducers.adacons.coefficients`
+    takes them per segment.
+
+    >>> x = torch.tensor([[3.0, 4.0], [3.0, 4.0]], dtype=torch.float64)   # two equal workers, one tensor
+    >>> dots, sq_norms, mean_sq = consensus_sums((x @ x.T).unsqueeze(-1))
+    >>> dots.tolist(), sq_norms.tolist(), mean_sq.tolist()
+    ([[25.0, 25.0]], [[25.0, 25.0]], [25.0])
+    """
+    workers = gram.shape[0]
+    dots = (gram.sum(1) / workers).T
+    sq_norms = torch.diagonal(gram, dim1=0, dim2=1)
+    return dots, sq_norms, gram.sum((0, 1)) / workers**2

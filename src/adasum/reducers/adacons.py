@@ -30,20 +30,22 @@ Rules chosen here (the paper leaves them open):
   (``per_tensor=False``); ``per_tensor=True`` gives each tensor its own coefficients and momentum.
   In a DDP communication hook each bucket is one call, so "whole model" means "whole bucket".
 
-Communication per call. A call on one flat buffer (`all_reduce_flat`, a DDP bucket; a list of one dtype) that fits
-one round of the slice-parallel schedule's rows (the memory budget, `adasum.settings`), in a group whose movers are
-NVLink's (every rank on one host; anywhere the settings put "slices" first), runs on those movers, as
-Adasum does (`adasum.collectives.slices`, the same code with AdaCons' weights as its rule): each rank receives
-every rank's copy of its slice, adds the slice's share of each tensor's Gram matrix of the N copies
+Communication per call. Where the group's movers are NVLink's (every rank on one host; anywhere the settings put
+"slices" first), a call runs on the slice-parallel schedule's movers (`adasum.collectives.slices.combine_slices_`)
+with AdaCons' weights as its combine op (`Consensus`), within the memory budget (`adasum.settings`): each rank
+receives every rank's copy of its slice, adds the slice's share of each tensor's Gram matrix of the N copies
 (``G_ij = <g_i, g_j>``, float64), one small all-reduce of the ``[N, N, T]`` sums gives every rank
-``<g_i, m> = (1/N) sum_j G_ij``, ``|g_i|^2 = G_ii`` and ``|m|^2 = (1/N^2) sum_ij G_ij``, hence the same
-weights, and one pass writes its slice of ``sum_i w_i g_i`` (float64, rounded once to the dtype), which the
-gather hands to every rank: the bytes of one all-reduce. Otherwise (several dtypes in one whole-model call,
-FSDP's shards, a buffer larger than a round): two all-reduces of the gradient buffer (one flat buffer per dtype
-each, never one per tensor) and one all-gather of ``3 x S`` float64 values per rank (S = 1 whole-model, S =
-number of tensors per-tensor), with dot products and norms accumulated in float64 and the scaled gradient computed
-in float32 or float64 (the wider of the tensor's dtype and float32) and written back in the tensor's dtype before
-the second all-reduce.
+``<g_i, m> = (1/N) sum_j G_ij``, ``|g_i|^2 = G_ii`` and ``|m|^2 = (1/N^2) sum_ij G_ij``, hence the same weights,
+and one pass writes its slice of ``sum_i w_i g_i`` (float64, rounded once to the dtype), which the gather hands to
+every rank: the bytes of one all-reduce for a call of one buffer that fits one round. Whole-model weights over
+several rounds or several dtypes take two sweeps (the Gram sums round by round, then the weighted sums: 3/4 of the
+two all-reduces' bytes); per-tensor weights run round by round as Adasum does. The sharded form adds the Gram
+sums up over the shard group first. On a GPU the schedule runs through the group's capture point, and the
+momentum state, updated in place, advances under a replayed graph. Elsewhere (gloo's default): two all-reduces of
+the gradient buffer (one flat buffer per dtype each, never one per tensor) and one all-gather of ``3 x S`` float64
+values per rank (S = 1 whole-model, S = number of tensors per-tensor), with dot products and norms accumulated in
+float64 and the scaled gradient computed in float32 or float64 (the wider of the tensor's dtype and float32) and
+written back in the tensor's dtype before the second all-reduce.
 
 Momentum state is kept per call site: one float64 ``[S, N]`` tensor per *layout key*, by default a
 digest of the call's tensor dtypes and element counts in order (``key=`` overrides it). So the
@@ -67,9 +69,11 @@ import torch
 import torch.distributed as dist
 
 from adasum.collectives.api import fused_per_dtype
-from adasum.collectives.slices import SliceMover, rule_slices_
+from adasum.collectives.slices import CombineOp, SliceMover, combine_slices_
 from adasum.collectives.vhdd import transport_for
 from adasum.core import statistics
+from adasum.core.gram import consensus_sums
+from adasum.core.keep import kept
 from adasum.core.layout import Layout
 from adasum.core.operator import ZERO_NORM
 from adasum.kernels import dot_and_norms
@@ -77,6 +81,7 @@ from adasum.options import Scale, check_number, check_option
 from adasum.reducers.base import Reducer, check_state_keys, check_workers, is_float8, widened
 from adasum.settings import current
 from adasum.transport.caches import Released
+from adasum.transport.communicator import communicator
 from adasum.transport.errors import failures_named
 from adasum.transport.groups import uses_nccl
 from adasum.transport.topology import Topology
@@ -211,21 +216,42 @@ def layout_key(description: Sequence[tuple[torch.dtype, int]], per_tensor: bool)
     return f"{'tensor' if per_tensor else 'model'}:{len(description)}:{digest.hexdigest()}"
 
 
-class _GramWeights:
-    """AdaCons as a Gram rule of the slice-parallel schedule (`adasum.collectives.slices.GramRule`): from the
-    [P, P, T] Gram sums ``G_ij = <g_i, g_j>`` per tensor, ``<g_i, m> = (1/P) sum_j G_ij``, ``|g_i|^2 = G_ii`` and
-    ``|m|^2 = (1/P^2) sum_ij G_ij``, then the reducer's weights (`AdaCons._weights`: momentum, the key's state)."""
+class Consensus(CombineOp):
+    """AdaCons as the slice-parallel schedule's combine rule (`adasum.collectives.slices.CombineOp`): from the
+    [P, P, T] Gram sums ``G_ij = <g_i, g_j>`` of T tensors, ``<g_i, m> = (1/P) sum_j G_ij``, ``|g_i|^2 = G_ii``
+    and ``|m|^2 = (1/P^2) sum_ij G_ij`` (`adasum.core.gram.consensus_sums`), then the reducer's weights
+    (`consensus`, `worker_weights`) with the momentum state of `key`. Whole-model (``per_tensor=False``) couples
+    every tensor of the call (`coupled`).
 
-    def __init__(self, reducer: AdaCons, key: str) -> None:
-        self.reducer, self.key = reducer, key
+    The state is the reducer's tensor for `key` on the data's `device`, updated in place, so that a CUDA graph of
+    the call replays the momentum too (`AdaCons._momentum`). `order`: the call position of each of the schedule's
+    columns (None: the same order). `shard`: a group over which the Gram sums of tensor shards are added up first
+    (the sharded form: coefficients of the whole tensors)."""
 
-    def weights(self, gram: torch.Tensor) -> torch.Tensor:
+    def __init__(self, reducer: AdaCons, key: str, count: int, workers: int, device: torch.device,
+                 order: Sequence[int] | None = None, shard: dist.ProcessGroup | None = None,
+                 operation: str = "adasum.AdaCons.all_reduce") -> None:
+        self.reducer, self.key, self.shard, self.operation = reducer, key, shard, operation
+        self.coupled = not reducer.per_tensor
+        shape = (count if reducer.per_tensor else 1, workers)
+        self.state, self.fresh = reducer._momentum(key, shape, device)
+        in_order = order is None or list(order) == list(range(count))
+        self.order = None if order is None or in_order else torch.tensor(list(order), dtype=torch.int64, device=device)
+
+    def weights(self, gram: torch.Tensor, first: int) -> torch.Tensor:
         """The [P, T] weights of the P copies per tensor (the whole model's, repeated, unless `per_tensor`)."""
+        if self.shard is not None and dist.get_world_size(self.shard) > 1:
+            with failures_named(self.operation, "the shard sums", self.shard):
+                dist.all_reduce(gram, group=self.shard)
         workers, _, count = gram.shape
-        dots = gram.sum(1) / workers  # [P, T]
-        sq_norms = torch.diagonal(gram, dim1=0, dim2=1)  # [T, P]
-        mean_sq = gram.sum((0, 1)) / workers**2  # [T]
-        weights = self.reducer._weights(self.key, dots.T.contiguous(), sq_norms.contiguous(), mean_sq)  # [S, P]
+        dots, sq_norms, mean_sq = consensus_sums(gram)  # [T, P], [T, P], [T]
+        rows: slice | torch.Tensor = slice(first, first + count)
+        if not self.reducer.per_tensor:
+            dots, sq_norms, mean_sq = (x.sum(0, keepdim=True) for x in (dots, sq_norms, mean_sq))
+            rows = slice(0, 1)
+        elif self.order is not None:
+            rows = kept(self.order)[first : first + count]
+        weights = self.reducer._update(self.key, kept(self.state), self.fresh, rows, dots, sq_norms, mean_sq)
         return weights.T.expand(workers, count).contiguous()
 
 
@@ -269,15 +295,32 @@ class AdaCons(Reducer):
         the key's state."""
         if not self.per_tensor:
             dots, sq_norms, mean_sq = (x.sum(0, keepdim=True) for x in (dots, sq_norms, mean_sq))
+        state, fresh = self._momentum(key, tuple(dots.shape), dots.device)
+        return self._update(key, state, fresh, slice(None), dots, sq_norms, mean_sq)
+
+    def _momentum(self, key: str, shape: tuple[int, ...], device: torch.device) -> tuple[torch.Tensor, bool]:
+        """The key's momentum state, float64 `shape` ([S, N]) on `device`, and whether it is new (the first call
+        under the key: no momentum yet; it is kept once `_update` writes it). ValueError, the same on every rank,
+        where the key's state has another shape."""
         state = self._states.get(key)
-        if state is not None:
-            if state.shape != dots.shape:
-                raise ValueError(
-                    f"AdaCons momentum state {key!r} has shape {list(state.shape)}, this call needs "
-                    f"{list(dots.shape)} (the number of workers or tensors changed)"
-                )
-            state = state.to(dots.device)
-        c, self._states[key] = consensus(dots, sq_norms, state, self.momentum)
+        if state is None:
+            return torch.zeros(shape, dtype=torch.float64, device=device), True
+        if tuple(state.shape) != tuple(shape):
+            raise ValueError(
+                f"AdaCons momentum state {key!r} has shape {list(state.shape)}, this call needs "
+                f"{list(shape)} (the number of workers or tensors changed)"
+            )
+        if state.device != device:
+            state = self._states[key] = state.to(device)
+        return state, False
+
+    def _update(self, key: str, state: torch.Tensor, fresh: bool, rows: slice | torch.Tensor, dots: torch.Tensor,
+                sq_norms: torch.Tensor, mean_sq: torch.Tensor) -> torch.Tensor:
+        """Weights [S, N] from summed partials ([S, N], [S, N], [S]) with the momentum of the key's `state` rows
+        `rows` (none where `fresh`), written back into those rows in place (what a replayed graph updates too)."""
+        c, smoothed = consensus(dots, sq_norms, None if fresh else state[rows], self.momentum)
+        state[rows] = smoothed
+        self._states[key] = state
         if statistics.active():
             statistics.record(statistics.ConsensusWeights(c))
         return worker_weights(c, sq_norms, mean_sq, self.scale)
@@ -372,7 +415,7 @@ class AdaCons(Reducer):
                 wide = [stack.enter_context(widened(f)) for f in flats]
                 self._all_reduce_buffers(wide, sizes, indices, count, group, key, shard, operation)
             return
-        if shard is None and len(flats) == 1 and self._on_movers(flats[0], sizes[0], group, key, operation):
+        if self._on_movers(flats, sizes, indices, count, group, key, shard, operation):
             return
         world = dist.get_world_size(group)
         rank = dist.get_rank(group)
@@ -407,17 +450,21 @@ class AdaCons(Reducer):
             with failures_named(operation, "the weighted-sum all-reduce", group):
                 dist.all_reduce(flat, group=group)
 
-    def _on_movers(self, flat: torch.Tensor, sizes: list[int], group: dist.ProcessGroup | None, key: str,
-                   operation: str) -> bool:
-        """One flat buffer on the slice-parallel schedule's movers (`adasum.collectives.slices.rule_slices_`, the
-        memory budget's rows; on NVLink symmetric memory): every rank's copy of its slice arrives, one pass adds
-        the slice's share of each tensor's Gram matrix of the P copies, one small all-reduce completes them, the
-        weights come from them (`_GramWeights`), and one pass writes the slice of ``sum_i w_i g_i`` that the gather
-        hands to every rank: the traffic of one all-reduce, not two. Where the movers are NVLink's (one host,
-        `adasum.transport.symmetric.supported`; elsewhere only where the settings put "slices" first, the test
-        suite's ``ADASUM_TEST_TRANSPORT``: on gloo the two all-reduces measured faster for a ResNet-50-shaped
-        bucket, docs/benchmarks.md). False where it does not run there, or the buffer needs several rounds of the
-        movers (the two all-reduces then run, `_all_reduce_buffers`)."""
+    def _on_movers(self, flats: list[torch.Tensor], sizes: list[list[int]], indices: list[list[int]], count: int,
+                   group: dist.ProcessGroup | None, key: str, shard: dist.ProcessGroup | None, operation: str) -> bool:
+        """The call on the slice-parallel schedule's movers (`adasum.collectives.slices.combine_slices_`, with
+        AdaCons' weights as its rule, `Consensus`; on NVLink symmetric memory), within the memory budget: every
+        rank's copy of its slice arrives, one pass adds the slice's share of each tensor's Gram matrix of the P
+        copies, one small all-reduce completes them (and one over the `shard` group, the sharded form), the weights
+        come from them, and one pass writes the slice of ``sum_i w_i g_i`` that the gather hands to every rank: the
+        traffic of one all-reduce where the call fits one round of one buffer; a whole-model call of several rounds
+        or dtypes takes two sweeps (the sums, then the weighted sums: ``3 N (P-1)/P`` bytes per rank against the two
+        all-reduces' ``4 N (P-1)/P``). Where the movers are NVLink's (one host, `adasum.transport.symmetric.supported`;
+        elsewhere only where the settings put "slices" first, the test suite's ``ADASUM_TEST_TRANSPORT``: on gloo the
+        two all-reduces measured faster for a ResNet-50-shaped bucket, docs/benchmarks.md). On a GPU the schedule
+        runs through the group's capture point (`adasum.transport.communicator.Communicator.run`): a repeated call on
+        the same buffers replays its CUDA graph, the momentum state updated in place. False where the movers do not
+        serve the group (the two all-reduces then run, `_all_reduce_buffers`)."""
         if dist.get_world_size(group) == 1:
             return False
         if current().transport_first != "slices":
@@ -428,8 +475,21 @@ class AdaCons(Reducer):
             if not symmetric.supported(group):
                 return False
         mover = cast(SliceMover, transport_for(group, "slices", whole_group=True))
-        with failures_named(operation, "the slice-parallel schedule", group, mover.timeout):
-            return rule_slices_(flat, Layout(tuple(sizes)), mover, _GramWeights(self, key))
+        device = flats[0].device
+        order = [i for where in indices for i in where]
+        op = Consensus(self, key, count, mover.world, device, order, shard, operation)
+        buffers = [(flat, Layout(tuple(n))) for flat, n in zip(flats, sizes)]
+
+        def run() -> None:
+            with failures_named(operation, "the slice-parallel schedule", group, mover.timeout):
+                combine_slices_(buffers, mover, op)
+
+        # the plan: the rule and its state, the layout, the mover; where: the buffers (`Communicator.run`: captured
+        # and replayed on a GPU, eager elsewhere)
+        plan = ("adacons", repr(self), key, op.fresh, op.state.data_ptr(), shard is not None, mover.name,
+                tuple((f.dtype, tuple(n)) for f, n in zip(flats, sizes)), tuple(order))
+        communicator(group).run(plan, tuple(f.data_ptr() for f in flats), run, device)
+        return True
 
     # -- sharded: `Reducer.all_reduce_shards`
 

@@ -263,6 +263,9 @@ class C10dSlices(Transport):
         """SUM all-reduce of the small float64 sums over the group."""
         dist.all_reduce(sums, group=self.group)
 
+    def discard(self, buffer: torch.Tensor, bounds: Sequence[tuple[int, int]]) -> None:
+        """Nothing: a round's receives into the rows are posted only once this rank has read the round before."""
+
     def gather(self, buffer: torch.Tensor, bounds: Sequence[tuple[int, int]], finish) -> None:  # type: ignore[override]
         """Write this rank's result slice, then exchange every rank's slice with every peer (one-shot: every rank
         wrote the whole round)."""

@@ -696,6 +696,13 @@ class SymmetricSlices(Transport):
         """SUM all-reduce of the small float64 sums over the group."""
         dist.all_reduce(sums, group=self.group)
 
+    def discard(self, buffer, bounds) -> None:
+        """The oldest round given rows is done with and no gather follows (`adasum.collectives.slices.SliceMover`):
+        one barrier (every rank has read its rows, the joined sums among it), after which the next round that takes
+        its half may store into it, as after a one-shot gather."""
+        state = self._rounds.popleft()
+        state.handle.barrier(channel=0)  # every rank has read its rows: the next round (or call) may store into them
+
     def gather(self, buffer, bounds, finish):
         """Store this rank's result into its next peer's output row by the last pass itself; once every rank's last
         pass is done, into the other peers' receive rows by one copy kernel; then copy the peers' results out of
