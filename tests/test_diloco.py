@@ -2,7 +2,8 @@
 inner SGD on each worker's least-squares loss, the deltas combined by the mean, Adasum (tests/reference.py) or
 AdaCons (tests/reference_adacons.py), the outer Nesterov SGD written out by hand; the pseudo-gradients sent in
 bf16 and fp8 e4m3 (rounded here by torch's dtype conversion, the scale computed here), each rank's deltas before
-the combine and the combined result again after it, with and without error feedback (of both roundings). Ranks end bitwise equal. SlowMo's own update equals the outer optimizer SGD(lr=alpha, momentum=beta)."""
+the combine and the combined result again after it, with and without error feedback (of both roundings). Ranks
+end bitwise equal. SlowMo's own update equals the outer optimizer SGD(lr=alpha, momentum=beta)."""
 
 import io
 

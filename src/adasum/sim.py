@@ -47,8 +47,8 @@ from torch.func import functional_call, grad, vmap
 
 from adasum.checks.nonfinite import NonFinite, check_policy, decide_nonfinite
 from adasum.diagnostics import Orthogonality, orthogonality_stacked
-from adasum.integrations.compression import communication_dtype as wire_dtype
 from adasum.integrations.compression import chunked, compress, dequantize, round_trip
+from adasum.integrations.compression import communication_dtype as wire_dtype
 from adasum.integrations.slowmo import check_slow_options, outer_description, pseudo_gradient, slow_momentum_update
 from adasum.integrations.streaming import fragment_bounds, sync_offsets
 from adasum.options import Mode, Nonfinite, check_count, check_option, check_saved_settings
