@@ -17,7 +17,8 @@ What is combined (the names of `adasum.DistributedOptimizer`'s ``mode``):
   is SlowMo's outer step instead; with ``outer_optimizer`` (DiLoCo) that optimizer's step on the
   pseudo-gradients (`adasum.integrations.slowmo.pseudo_gradient`), and with ``communication_dtype``
   the deltas are rounded as the wire rounds them (`adasum.integrations.compression.compress`, with
-  error feedback's residual per worker) before they are combined.
+  error feedback's residual per worker) before they are combined, and the combined result once more
+  after (`adasum.integrations.compression.round_trip`, where the ranks combine on chunks).
 
 Per-worker copies are stacked as ``[P, ...]`` tensors under one ordinary optimizer: for
 elementwise optimizers (SGD, Adam, ...) that is exactly P independent optimizers. Optimizers
