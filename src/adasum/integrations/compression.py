@@ -220,6 +220,8 @@ class CompressedCombine:
 
     def __call__(self, flat: torch.Tensor, sizes: list[int], number: int = 0) -> None:
         """Combine bucket `number`'s flat deltas (tensors of `sizes`) in place, the same result on every rank."""
+        if flat.numel() == 0:  # the same layout on every rank: nothing to send anywhere
+            return
         values = flat.to(torch.float32)
         residual = self.residuals.get(number)
         if self.error_feedback and residual is not None and residual.shape == values.shape:
