@@ -1,8 +1,9 @@
 """DiLoCo (SlowMo with an outer optimizer) against an independent float64 NumPy reference on gloo at P = 2, 3, 5:
 inner SGD on each worker's least-squares loss, the deltas combined by the mean, Adasum (tests/reference.py) or
 AdaCons (tests/reference_adacons.py), the outer Nesterov SGD written out by hand; the pseudo-gradients sent in
-bf16 and fp8 e4m3 (rounded here by torch's dtype conversion, the scale computed here), with and without error
-feedback. Ranks end bitwise equal. SlowMo's own update equals the outer optimizer SGD(lr=alpha, momentum=beta)."""
+bf16 and fp8 e4m3 (rounded here by torch's dtype conversion, the scale computed here), each rank's deltas before
+the combine and the combined result again after it, with and without error feedback (of both roundings). Ranks
+end bitwise equal. SlowMo's own update equals the outer optimizer SGD(lr=alpha, momentum=beta)."""
 
 import io
 
@@ -52,6 +53,15 @@ def rounded(values, dtype):
     return out
 
 
+def through(values, comm):
+    """One list of float64 arrays through the wire's dtype: bf16, or fp8 with one scale per array (its largest
+    magnitude / 448, computed here)."""
+    if comm != "fp8":
+        return rounded(values, torch.bfloat16)
+    amax = [float(np.abs(np.float32(v)).max()) for v in values]
+    return rounded(values, (torch.float8_e4m3fn, [np.float32(a / 448.0) if a > 0 else np.float32(1.0) for a in amax]))
+
+
 def reference(world, reducer, comm=None, feedback=False, x0=None, buf=None, rounds=ROUNDS, with_buf=False):
     """Every worker's model after `rounds` rounds of H inner SGD steps and the outer Nesterov step (float64), from
     `x0` and the outer momentum `buf` (default: `start()` and none)."""
@@ -64,6 +74,7 @@ def reference(world, reducer, comm=None, feedback=False, x0=None, buf=None, roun
         "adacons": AdaConsReference(),
     }[reducer]
     residuals = [[np.zeros(s) for s in SHAPES] for _ in range(world)]
+    owed = [np.zeros(s) for s in SHAPES]  # the combined result's rounding residual (error feedback)
     for _ in range(rounds):
         deltas = []
         for j in range(world):
@@ -83,6 +94,11 @@ def reference(world, reducer, comm=None, feedback=False, x0=None, buf=None, roun
                 residuals = [[np.float32(v) - s for v, s in zip(vs, ss)] for vs, ss in zip(values, sent)]
             deltas = sent
         combined = combine(deltas)
+        if comm is not None and world > 1:  # the combined chunks cross the wire again
+            values = [np.float32(np.float32(c) + np.float32(r)) for c, r in zip(combined, owed)]
+            combined = through(values, comm)
+            if feedback:
+                owed = [v - c for v, c in zip(values, combined)]
         g = [-c for c in combined]  # the pseudo-gradient x0 - x_bar
         buf = [gi.copy() for gi in g] if buf is None else [OUTER_MOMENTUM * b + gi for b, gi in zip(buf, g)]
         step = [gi + OUTER_MOMENTUM * b for gi, b in zip(g, buf)]  # Nesterov
@@ -117,6 +133,7 @@ CASES = [
     ("adasum", "bf16", True),
     ("mean", "fp8", False),
     ("adasum", "fp8", True),
+    ("adacons", "fp8", True),
 ]
 
 
@@ -223,6 +240,7 @@ def compression_body(rank, world):
             step = [np.float32(a - LR * g) - np.float32(a) for a, g in zip(x0, grads(x0, j))]
             deltas.append(rounded(step, wire))
         combined = [tree([np.ravel(d[k]) for d in deltas]).reshape(SHAPES[k]) for k in range(len(SHAPES))]
+        combined = rounded(combined, wire)  # the combined chunks cross the wire again
         for p, a, c in zip(model.parameters(), x0, combined):
             assert np.allclose(p.detach().numpy(), np.float32(a) + c, rtol=1e-5, atol=1e-6), compression
         out[str(compression)] = b"".join(p.detach().numpy().tobytes() for p in model.parameters())

@@ -17,7 +17,8 @@ What is combined (the names of `adasum.DistributedOptimizer`'s ``mode``):
   is SlowMo's outer step instead; with ``outer_optimizer`` (DiLoCo) that optimizer's step on the
   pseudo-gradients (`adasum.integrations.slowmo.pseudo_gradient`), and with ``communication_dtype``
   the deltas are rounded as the wire rounds them (`adasum.integrations.compression.compress`, with
-  error feedback's residual per worker) before they are combined.
+  error feedback's residual per worker) before they are combined, and the combined result once more
+  after (`adasum.integrations.compression.round_trip`, where the ranks combine on chunks).
 
 Per-worker copies are stacked as ``[P, ...]`` tensors under one ordinary optimizer: for
 elementwise optimizers (SGD, Adam, ...) that is exactly P independent optimizers. Optimizers
@@ -47,8 +48,8 @@ from torch.func import functional_call, grad, vmap
 
 from adasum.checks.nonfinite import NonFinite, check_policy, decide_nonfinite
 from adasum.diagnostics import Orthogonality, orthogonality_stacked
+from adasum.integrations.compression import chunked, compress, dequantize, round_trip
 from adasum.integrations.compression import communication_dtype as wire_dtype
-from adasum.integrations.compression import compress, dequantize
 from adasum.integrations.slowmo import check_slow_options, outer_description, pseudo_gradient, slow_momentum_update
 from adasum.integrations.streaming import fragment_bounds, sync_offsets
 from adasum.options import Mode, Nonfinite, check_count, check_option, check_saved_settings
@@ -280,6 +281,7 @@ class SimulatedWorkers:
         # DiLoCo: the outer optimizer steps the model the workers agree on, with the pseudo-gradients as gradients
         self.outer_optimizer = outer_optimizer(self._anchor) if outer_optimizer is not None else None
         self.residuals: dict[int, torch.Tensor] = {}  # error feedback: per tensor index, [P, ...] float32
+        self.output_residuals: dict[int, torch.Tensor] = {}  # and of the combined result's rounding, per tensor
         # Streaming DiLoCo: the fragments (as `adasum.SlowMo` cuts them) and those in flight: {k: (due, grads)}
         self.bounds = fragment_bounds([p.numel() for p in self._anchor], fragments) if self.streaming else []
         self.offsets = sync_offsets(local_steps, fragments)
@@ -382,9 +384,7 @@ class SimulatedWorkers:
         """x_0 - R(x_i - x_0) of the tensors `indices` (through the wire's dtype where set)."""
         assert self.stacked is not None
         deltas = [self.stacked[i] - self._anchor[i] for i in indices]
-        if self.communication_dtype is not None:
-            deltas = self._through_the_wire(deltas, indices)
-        combined = self.reducer.reduce(_unstack(deltas, self.workers))
+        combined = self._combine_deltas(deltas, indices)
         return {i: pseudo_gradient(self._anchor[i], d, self._anchor[i].dtype) for i, d in zip(indices, combined)}
 
     @torch.no_grad()
@@ -396,9 +396,7 @@ class SimulatedWorkers:
             self._apply_fragment(-1)
             return
         deltas = [w - a for w, a in zip(self.stacked, self._anchor)]
-        if self.communication_dtype is not None:
-            deltas = self._through_the_wire(deltas, list(range(len(deltas))))
-        combined = self.reducer.reduce(_unstack(deltas, self.workers))
+        combined = self._combine_deltas(deltas, list(range(len(deltas))))
         lr = self.optimizer.param_groups[0]["lr"]
         for i, (anchor, delta) in enumerate(zip(self._anchor, combined)):
             target = anchor + delta
@@ -409,6 +407,26 @@ class SimulatedWorkers:
                     anchor.data, target, self.momentum_buffers[i], lr, self.slow_lr, self.slow_momentum
                 )
             self.stacked[i].copy_(anchor.unsqueeze(0).expand_as(self.stacked[i]))
+
+    def _combine_deltas(self, deltas: list[torch.Tensor], indices: list[int]) -> list[torch.Tensor]:
+        """The reducer's combination of the workers' deltas ([P, ...] per tensor `indices`); with
+        `communication_dtype`, through the wire as `adasum.SlowMo` sends them: each worker's deltas rounded before,
+        and (the chunked combine of the library's reducers, `adasum.integrations.compression.chunked`) the
+        combined result rounded again after, each rounding's residual kept with error feedback."""
+        if self.communication_dtype is None:
+            return self.reducer.reduce(_unstack(deltas, self.workers))
+        combined = self.reducer.reduce(_unstack(self._through_the_wire(deltas, indices), self.workers))
+        if self.workers == 1 or not chunked(self.reducer):
+            return combined
+        sizes = [c.numel() for c in combined]
+        values = torch.cat([c.reshape(-1).to(torch.float32) for c in combined])
+        if self.error_feedback and all(i in self.output_residuals for i in indices):
+            values = values + torch.cat([self.output_residuals[i].reshape(-1) for i in indices])
+        sent, residual = round_trip(values, sizes, self.communication_dtype)
+        if self.error_feedback:
+            for i, r, c in zip(indices, residual.split(sizes), combined):
+                self.output_residuals[i] = r.reshape(c.shape)
+        return [v.reshape(c.shape).to(c.dtype) for v, c in zip(sent.split(sizes), combined)]
 
     def _through_the_wire(self, deltas: list[torch.Tensor], indices: list[int]) -> list[torch.Tensor]:
         """The workers' deltas ([P, ...] per tensor) as `adasum.SlowMo` sends them in `communication_dtype`: each
@@ -463,6 +481,7 @@ class SimulatedWorkers:
             "settings": self._settings(),
             "outer": self.outer_optimizer.state_dict() if self.outer_optimizer is not None else None,
             "residuals": {i: r.clone() for i, r in self.residuals.items()},
+            "output_residuals": {i: r.clone() for i, r in self.output_residuals.items()},
             "in_flight": {
                 k: (due, {i: g.clone() for i, g in grads.items()}) for k, (due, grads) in self.in_flight.items()
             },
@@ -489,6 +508,7 @@ class SimulatedWorkers:
         if self.outer_optimizer is not None and state.get("outer") is not None:
             self.outer_optimizer.load_state_dict(state["outer"])
         self.residuals = {int(i): r.clone() for i, r in dict(state.get("residuals") or {}).items()}
+        self.output_residuals = {int(i): r.clone() for i, r in dict(state.get("output_residuals") or {}).items()}
         self.in_flight = {
             int(k): (int(due), {int(i): g.clone() for i, g in grads.items()})
             for k, (due, grads) in dict(state.get("in_flight") or {}).items()

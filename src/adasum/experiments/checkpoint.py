@@ -6,7 +6,8 @@
 * Of one kind: a checkpoint records whether a simulated run or a torchrun job wrote it, and the
   other kind refuses it in one line (their engines' states differ).
 * Under torchrun every rank's own state (its RNG state; in delta mode its optimizer state) is
-  gathered to rank 0, which writes one file; on resume every rank takes its own part back.
+  gathered to rank 0, which writes one file; on resume every rank takes its own part back, and on
+  another world size (an elastic restart) every rank takes rank 0's part (`load_checkpoint`).
 * Checksummed: every checkpoint holds the SHA-256 of its contents (every tensor's bytes, dtype and
   shape, every plain value); loading recomputes it, so a flipped byte that still unpickles
   (a weight, a momentum, an epoch number) is refused in one line instead of resuming silently.
@@ -172,7 +173,9 @@ def load_checkpoint(
     path: Path, device: torch.device | str = "cpu", *, distributed: bool
 ) -> tuple[dict[str, Any], dict[str, Any]]:
     """(state, this rank's local part) from `path`; the local part is the top level when not
-    distributed, else ``state["ranks"][rank]`` (ValueError if the world size changed)."""
+    distributed, else ``state["ranks"][rank]``, or on another world size than the checkpoint's
+    (``saved_world_size(state)``: an elastic restart, docs/faults.md) rank 0's part on every rank,
+    so that every rank starts from the same per-rank state."""
     state = read_checkpoint(path, device)
     kind = state.get("kind", "torchrun" if "ranks" in state else "simulated")
     wanted = "torchrun" if distributed else "simulated"
@@ -186,10 +189,15 @@ def load_checkpoint(
         return state, state
     rank, world = dist.get_rank(), dist.get_world_size()
     ranks = state.get("ranks")
-    if ranks is None or len(ranks) != world:
-        saved = len(ranks) if ranks is not None else 0
-        raise ValueError(f"{path} was written by {saved} ranks, this run has {world}; resume with the same world size")
-    return state, ranks[rank]
+    if not isinstance(ranks, list) or not ranks:
+        raise ValueError(f"{path} holds no rank's part; it is not a checkpoint of a torchrun job: delete it or use "
+                         "another --out")
+    return state, ranks[rank] if len(ranks) == world else ranks[0]
+
+
+def saved_world_size(state: dict[str, Any]) -> int:
+    """The number of ranks that wrote a torchrun job's checkpoint `state` (`load_checkpoint`'s)."""
+    return len(state["ranks"])
 
 
 def kill_at(rank: int, step: int, marker: str | os.PathLike) -> Callable[[int, int], None]:

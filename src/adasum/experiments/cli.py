@@ -209,7 +209,12 @@ def _common(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--threads", type=_positive_int, default=1, help="CPU threads per process (small models are latency bound)"
     )
-    p.add_argument("--resume", action="store_true", help="continue from the checkpoints and results in --out")
+    p.add_argument(
+        "--resume",
+        action="store_true",
+        help="continue from the checkpoints and results in --out (a torchrun job's checkpoint on any number of "
+        "ranks: docs/faults.md, elastic restarts)",
+    )
     p.add_argument(
         "--overwrite",
         action="store_true",

@@ -4,6 +4,8 @@ checkpoints. `train` is what ``adasum train`` runs and what ``adasum compare`` r
 Data split: every epoch a seeded permutation of the training set is cut into global batches of
 P x B examples; worker i takes rows [i B, (i+1) B) of each. Simulated and real workers see the
 same examples in the same order, and one worker (sequential) walks the same permutation B at a time.
+The permutation depends on the seed and the epoch only, not on P: a torchrun job resumed on P' ranks
+from a checkpoint written by P (`resized_position`) goes on in the same permutation, cut for P'.
 """
 
 from __future__ import annotations
@@ -14,6 +16,7 @@ import logging
 import math
 import os
 import time
+import warnings
 from collections.abc import Callable
 from contextlib import nullcontext
 from dataclasses import asdict, dataclass, field, fields
@@ -26,7 +29,7 @@ from torch import nn
 
 from adasum.checks.nonfinite import POLICIES, apply_nonfinite_policy
 from adasum.diagnostics import Orthogonality, all_reduce_orthogonality
-from adasum.experiments.checkpoint import applied, load_checkpoint, save_checkpoint
+from adasum.experiments.checkpoint import applied, load_checkpoint, save_checkpoint, saved_world_size
 from adasum.experiments.data import DEFAULT_MODELS, Dataset, load_task
 from adasum.experiments.io import read_jsonl, write_json_atomic, write_text_atomic
 from adasum.experiments.methods import Method, get_method, method_reducer
@@ -198,6 +201,25 @@ def worker_batches(examples: int, workers: int, batch_size: int, epoch: int, see
     return order.view(steps, workers, batch_size)
 
 
+def resized_position(step: int, saved_workers: int, workers: int, batch_size: int, steps: int) -> tuple[int, int]:
+    """Where a run resumed on `workers` ranks goes on in an epoch that `saved_workers` ranks left after `step`
+    steps of `batch_size` examples each: (the step at the new size, the examples skipped). The saved ranks took
+    the first ``step * saved_workers * batch_size`` examples of the epoch's permutation (`worker_batches`, the
+    same for every worker count); the resumed run takes the first whole global batch of the new size that starts
+    at or after them (none of the epoch's examples is taken twice; fewer than ``workers * batch_size`` are
+    skipped), at most the epoch's `steps` at the new size (the epoch is then over).
+
+    >>> resized_position(3, 3, 2, 4, steps=12)   # 36 examples taken: step 5 of 2 x 4 starts at 40
+    (5, 4)
+    >>> resized_position(4, 2, 4, 8, steps=8)    # 64 examples: step 2 of 4 x 8, nothing skipped
+    (2, 0)
+    """
+    taken = step * saved_workers * batch_size
+    width = workers * batch_size
+    resumed = min(-(-taken // width), steps)
+    return resumed, max(0, resumed * width - taken)
+
+
 @torch.no_grad()
 def evaluate(model: nn.Module, x: torch.Tensor, y: torch.Tensor, batch: int = 500) -> tuple[float, float]:
     """Mean cross-entropy and accuracy (percent, per predicted position) of `model` on (x, y)."""
@@ -356,10 +378,15 @@ class DistributedWorker:
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        """Restore what `state_dict` saved."""
+        """Restore what `state_dict` saved: the model first, then the optimizer (whose `load_state_dict` applies
+        the library's rules to a state saved on another world size, docs/faults.md: a round in flight goes back
+        to its start weights); the reducer's state only from the same world size (AdaCons' per-worker momentum,
+        one entry per rank, starts afresh on another, as the optimizer's rules say)."""
         self.model.load_state_dict(state["model"])
         self.optimizer.load_state_dict(state["optimizer"])
-        self.reducer.load_state_dict(state.get("reducer", {}))
+        saved_world = dict(state["optimizer"]).get("world_size")
+        if saved_world is None or int(saved_world) == dist.get_world_size():
+            self.reducer.load_state_dict(state.get("reducer", {}))
         self.steps = int(state["steps"])
         self.skipped_steps = int(state.get("skipped_steps", 0))
 
@@ -562,13 +589,27 @@ class _Run:
         if not (resume and self.checkpoint is not None and self.checkpoint.exists()):
             return progress
         state, local = load_checkpoint(self.checkpoint, self.device, distributed=self.distributed)
-        check_same_run(state["config"], asdict(self.config), self.checkpoint)
+        saved_workers = saved_world_size(state) if self.distributed else self.workers
+        current = asdict(self.config)
+        if saved_workers != self.workers:  # an elastic restart: the run is the same at any world size
+            current["workers"] = state["config"].get("workers", saved_workers)
+        check_same_run(state["config"], current, self.checkpoint)
         if int(state["epoch"]) > self.config.epochs:
             raise ValueError(
                 f"{self.checkpoint} is at epoch {int(state['epoch'])}, past --epochs {self.config.epochs}; "
                 "drop --resume or use another --out"
             )
-        applied(self.checkpoint, lambda: self.engine.load_state_dict(local["engine"]))
+        with warnings.catch_warnings(record=True) as caught:  # the library's resize rules: into the one line
+            warnings.simplefilter("always")
+            applied(self.checkpoint, lambda: self.engine.load_state_dict(local["engine"]))
+        library_notes = []
+        for caught_warning in caught:
+            text = str(caught_warning.message)
+            if saved_workers != self.workers and " loads on " in text:
+                library_notes.append(text.split(f"loads on {self.workers}: ", 1)[-1])
+            else:
+                warnings.warn_explicit(caught_warning.message, caught_warning.category, caught_warning.filename,
+                                       caught_warning.lineno)
         made: list[_Progress] = []
         applied(self.checkpoint, lambda: made.append(_Progress(
             history=state["history"],
@@ -579,11 +620,38 @@ class _Run:
             partial=state.get("partial"),
         )))
         progress = made[0]
+        if saved_workers != self.workers:
+            self._resized(progress, saved_workers, library_notes)
         applied(self.checkpoint, lambda: torch.set_rng_state(local["rng"]))
         if self.device.type == "cuda" and local.get("cuda_rng") is not None:
             torch.cuda.set_rng_state(local["cuda_rng"], self.device)
         log.info("resumed %s from epoch %d, step %d", self.out, progress.epoch, progress.step)
         return progress
+
+    def _resized(self, progress: _Progress, saved_workers: int, library_notes: list[str]) -> None:
+        """A checkpoint of `saved_workers` ranks resumed on `self.workers` (docs/faults.md): the position in the
+        epoch's permutation carries over (`resized_position`), the learning rate is the method's at the new
+        size, and one warning on every rank says what did not survive (with the library's `library_notes`)."""
+        step, skipped = resized_position(
+            progress.step, saved_workers, self.workers, self.config.batch_size, self.steps_per_epoch
+        )
+        notes = ["every rank starts from rank 0's part (model, optimizer and reducer state, RNG state)"]
+        if progress.step:
+            notes.append(
+                f"epoch {progress.epoch + 1} goes on at example {step * self.workers * self.config.batch_size} of its "
+                f"permutation, step {step} of {self.steps_per_epoch} at {self.workers} ranks"
+                + (f" ({skipped} examples after the {saved_workers} ranks' last step are skipped)" if skipped else "")
+            )
+        progress.step = step
+        groups = self.engine.optimizer.param_groups
+        if any(group["lr"] != self.lr for group in groups):
+            notes.append(f"the learning rate is the method's at {self.workers} ranks, {self.lr:g}")
+            for group in groups:
+                group["lr"] = self.lr
+        log.warning(
+            "adasum train: %s was written by %d ranks and resumes on %d: %s",
+            self.checkpoint, saved_workers, self.workers, "; ".join([*notes, *library_notes]),
+        )
 
     def save(self, progress: _Progress, epoch: int, step_in_epoch: int) -> None:
         """Checkpoint after `epoch` whole epochs and `step_in_epoch` more steps (every rank calls)."""

@@ -1,20 +1,41 @@
 r"""Compressed deltas: what crosses the network in a lower precision, combined in full precision.
 
-For each bucket of deltas (pseudo-gradients) ``d`` of a rank, with error feedback's residual ``r`` (zeros
-without it)::
+For each bucket of deltas (pseudo-gradients) ``d`` of a rank, n values end to end, with error feedback's
+residual ``r`` (zeros without it)::
 
     v     = d + r                                  (float32)
     s     = max_ranks(amax(v_tensor)) / FP8_MAX     (fp8 only: one scale per tensor, the same on every rank)
     q     = round_to_dtype(v / s)                   (bf16, fp16, or fp8 e4m3)
     r'    = v - s q                                 (the rounding residual, kept for the next round)
-    gather q (and s) from every rank; combine the dequantized s q_i with the reducer in float32 (its dot
-    products in float64), the same computation on every rank, so the ranks agree bitwise.
 
-The combine runs in one process over the gathered copies (`adasum.reducers.Reducer.reduce`): each rank
-receives P - 1 compressed copies (P n bytes of q per bucket, against about 2 n of the uncompressed
-all-reduce's parameter dtype), which pays off for the few replicas over slow links that local-step methods
-(SlowMo, DiLoCo) serve. `quantize` and `dequantize` are the math, used by the simulator too;
-`CompressedCombine` is the distributed form.
+then, for the library's reducers (`chunked`: sum, mean, flat Adasum, AdaCons), a reduce-scatter and an all-gather
+of compressed chunks. The bucket is cut into P chunks of ``c = ceil(n / P)`` positions (the last one padded), and
+rank j owns chunk j:
+
+1. **All-to-all.** Rank i sends chunk j of its ``q`` to rank j: rank j receives chunk j of every worker,
+   ``c (P - 1)`` values of the wire dtype, and dequantizes them to float32 (``s q_i``).
+2. **The combine on the chunk.** Sum and mean: the P copies summed in float32 (in rank order; the mean divides by
+   P). Adasum and AdaCons: rank j adds its chunk's share of each tensor's Gram matrix of the P copies
+   (``G_ik = <x_i, x_k>``, float64, P x P per tensor); one float64 SUM all-reduce of the ``[P, P, T]`` partial
+   Grams gives every rank the whole tensors' Gram matrices, hence the same weights (`adasum.core.gram`: Adasum's
+   tree of P for any P; AdaCons' consensus weights and momentum), and rank j writes its chunk of
+   ``sum_i w_i x_i`` (float64, rounded once to float32).
+3. **All-gather, compressed again.** The combined chunk ``y`` (plus the owner's residual ``e``) is rounded to the
+   wire dtype with one scale per tensor (fp8: ``max_ranks(amax(y_tensor)) / FP8_MAX``, agreed with a MAX
+   all-reduce of T values) and all-gathered; every rank dequantizes the same bytes with the same scales, so the
+   ranks agree bitwise. With error feedback the owner keeps ``e' = (y + e) - s q_y`` for its chunk: the second
+   rounding is fed back at the combine's output (as the first is at its input), so neither rounding's error is
+   lost over rounds.
+
+Bytes a rank receives per bucket: ``2 c (P - 1)`` values of the wire dtype, under ``2 n`` whatever P, against
+``(P - 1) n`` for gathering every rank's whole bucket; plus the Gram all-reduce's ``P^2 T`` float64 values (Adasum
+and AdaCons) and, for fp8, the two MAX all-reduces of T float32 scales. Another reducer (a subclass, hierarchical
+Adasum) is combined in one process over the gathered copies (`adasum.reducers.Reducer.reduce`, the same inputs and
+the same computation on every rank): each rank receives P - 1 whole compressed copies, and the result is not
+rounded a second time.
+
+`quantize`, `dequantize`, `compress` and `round_trip` are the math, used by the simulator too; `CompressedCombine`
+is the distributed form.
 """
 
 from __future__ import annotations
@@ -26,7 +47,13 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from adasum.core.layout import Layout
+from adasum.core.tree import Tree
+from adasum.kernels import gram, tree_weights, weighted_sum
 from adasum.reducers import Reducer
+from adasum.reducers.adacons import AdaCons, _GramWeights, layout_key
+from adasum.reducers.adasum import Adasum
+from adasum.reducers.simple import Mean, Sum
 from adasum.transport.errors import failures_named
 
 FP8 = getattr(torch, "float8_e4m3fn", None)
@@ -137,18 +164,42 @@ def compress(
     return quantize(values, dtype, scale), scale
 
 
+def round_trip(values: torch.Tensor, sizes: list[int], dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """`values` (float32, tensors of `sizes` end to end, the same on every rank: a combined result) through the
+    wire and back: ``(dequantized, residual)``, fp8 with one scale per tensor from the tensor's own largest
+    magnitude. The second rounding of the chunked combine (module doc, step 3), for one process.
+
+    >>> round_trip(torch.tensor([1.0 + 2**-10, 3.0]), [1, 1], torch.bfloat16)
+    (tensor([1., 3.]), tensor([0.0010, 0.0000]))
+    """
+    q, scale = compress(values, sizes, dtype, tensor_amax(values, sizes) if dtype == FP8 else None)
+    sent = dequantize(q, scale)
+    return sent, values - sent
+
+
+def chunked(reducer: Reducer) -> bool:
+    """Whether `reducer` combines on chunks (module doc): the library's sum, mean, flat Adasum and AdaCons (not their
+    subclasses, whose `reduce` may compute something else)."""
+    if type(reducer) is Adasum:
+        return not reducer.hierarchical
+    return type(reducer) in (Sum, Mean, AdaCons)
+
+
 class CompressedCombine:
     """Combine one bucket's flat deltas across ranks with `reducer`, sending them in `dtype` (module doc).
 
     Args:
-        reducer: the combine (its one-process form, `Reducer.reduce`, over the gathered copies).
+        reducer: the combine: on chunks for the library's reducers (`chunked`), else its one-process form
+            (`Reducer.reduce`) over the gathered copies.
         dtype: the communication dtype (`communication_dtype`): bfloat16, float16 or float8 e4m3.
         group: the process group.
-        error_feedback: keep each bucket's rounding residual and add it to the next round's deltas.
+        error_feedback: keep each bucket's rounding residuals (this rank's input's, and the combined chunk's it
+            owns) and add them to the next round's.
         operation: names failures.
 
     Call it as the delta combiner's combine function (``combine(flat, sizes, number)``); ``residuals`` holds the
-    error feedback's residuals per bucket (per-rank state, for checkpoints).
+    error feedback's input residuals per bucket and ``chunk_residuals`` the output residuals of this rank's chunk
+    (per-rank state, for checkpoints).
     """
 
     def __init__(
@@ -165,15 +216,18 @@ class CompressedCombine:
         self.error_feedback = error_feedback
         self.operation = operation
         self.residuals: dict[int, torch.Tensor] = {}
+        self.chunk_residuals: dict[int, torch.Tensor] = {}
 
     def __call__(self, flat: torch.Tensor, sizes: list[int], number: int = 0) -> None:
         """Combine bucket `number`'s flat deltas (tensors of `sizes`) in place, the same result on every rank."""
+        if flat.numel() == 0:  # the same layout on every rank: nothing to send anywhere
+            return
         values = flat.to(torch.float32)
         residual = self.residuals.get(number)
         if self.error_feedback and residual is not None and residual.shape == values.shape:
             values = values + residual.to(values.device)
         world = dist.get_world_size(self.group)
-        with failures_named(self.operation, "the compressed deltas' all-gather", self.group):
+        with failures_named(self.operation, "the compressed deltas' exchange", self.group):
             amax = None
             if self.dtype == FP8:  # one scale per tensor, the same on every rank
                 amax = tensor_amax(values, sizes)
@@ -181,19 +235,98 @@ class CompressedCombine:
             q, scale = compress(values, sizes, self.dtype, amax)
             if self.error_feedback:
                 self.residuals[number] = values - dequantize(q, scale)
-            wire = q.view(torch.uint8)  # the bits travel as bytes (gloo has no bf16 or fp8 all-gather)
-            gathered = [torch.empty_like(wire) for _ in range(world)]
-            dist.all_gather(gathered, wire, group=self.group)
-        copies = [dequantize(g.view(self.dtype), scale) for g in gathered]
-        per_worker = [list(c.split(sizes)) for c in copies]
+            if world > 1 and chunked(self.reducer):
+                combined = self._chunked(q, scale, sizes, number, world)
+            else:
+                combined = self._gathered(q, scale, sizes, world)
+        flat.copy_(combined)
+
+    def _gathered(self, q: torch.Tensor, scale: torch.Tensor | None, sizes: list[int], world: int) -> torch.Tensor:
+        """Every rank's whole compressed bucket gathered, combined by `Reducer.reduce` in one process."""
+        wire = q.view(torch.uint8)  # the bits travel as bytes (gloo has no bf16 or fp8 collectives)
+        gathered = [torch.empty_like(wire) for _ in range(world)]
+        dist.all_gather(gathered, wire, group=self.group)
+        per_worker = [list(dequantize(g.view(self.dtype), scale).split(sizes)) for g in gathered]
         combined = self.reducer.reduce(per_worker)
-        flat.copy_(torch.cat([c.reshape(-1) for c in combined]) if combined else flat)
+        return torch.cat([c.reshape(-1) for c in combined]) if combined else q.new_zeros(0, dtype=torch.float32)
+
+    def _chunked(
+        self, q: torch.Tensor, scale: torch.Tensor | None, sizes: list[int], number: int, world: int
+    ) -> torch.Tensor:
+        """Module doc, steps 1-3: all-to-all of the compressed chunks, the combine on this rank's chunk, the combined
+        chunks compressed again and all-gathered."""
+        n, rank, group = q.numel(), dist.get_rank(self.group), self.group
+        width = -(-n // world)  # ceil: every chunk as long, the last padded
+        lo, hi = min(rank * width, n), min((rank + 1) * width, n)
+        size = q.element_size()
+        wire = torch.zeros(world * width * size, dtype=torch.uint8, device=q.device).view(self.dtype)
+        wire[:n] = q
+        received = torch.empty_like(wire.view(torch.uint8))
+        dist.all_to_all_single(received, wire.view(torch.uint8), group=group)
+        copies = received.view(self.dtype).view(world, width)[:, : hi - lo]
+        rows = dequantize(copies, scale[lo:hi] if scale is not None else None).contiguous()  # [P, chunk] float32
+        layout = Layout(tuple(sizes))
+        first, lengths = layout.overlap(lo, hi)
+        mine = self._combine_chunk(rows, sizes, first, lengths, world)
+        if self.error_feedback:
+            owed = self.chunk_residuals.get(number)
+            if owed is not None and owed.shape == mine.shape:
+                mine = mine + owed.to(mine.device)
+        out_scale = None
+        if self.dtype == FP8:  # one scale per tensor of the combined result, agreed: a MAX all-reduce of T values
+            amax = torch.zeros(len(sizes), dtype=torch.float32, device=q.device)
+            if lengths:
+                pieces = mine.split(lengths)
+                amax[first : first + len(lengths)] = torch.stack(
+                    [p.abs().max() if p.numel() else p.new_zeros(()) for p in pieces]
+                )
+            dist.all_reduce(amax, op=dist.ReduceOp.MAX, group=group)
+            out_scale = per_element(scales(amax), sizes)
+        q_out = quantize(mine, self.dtype, out_scale[lo:hi] if out_scale is not None else None)
+        if self.error_feedback:
+            self.chunk_residuals[number] = mine - dequantize(q_out, out_scale[lo:hi] if out_scale is not None else None)
+        send = torch.zeros(width * size, dtype=torch.uint8, device=q.device).view(self.dtype)
+        send[: hi - lo] = q_out
+        gathered = [torch.empty(width * size, dtype=torch.uint8, device=q.device) for _ in range(world)]
+        dist.all_gather(gathered, send.view(torch.uint8), group=group)
+        whole = torch.cat(gathered).view(self.dtype)[:n]
+        return dequantize(whole, out_scale)
+
+    def _combine_chunk(
+        self, rows: torch.Tensor, sizes: list[int], first: int, lengths: list[int], world: int
+    ) -> torch.Tensor:
+        """This rank's chunk of the combination of the P dequantized copies `rows` ([P, chunk] float32): tensors
+        ``first, first + 1, ...`` with `lengths` elements each in the chunk (module doc, step 2)."""
+        reducer = self.reducer
+        if isinstance(reducer, (Sum, Mean)):
+            total = rows.sum(0)
+            return total / world if isinstance(reducer, Mean) else total
+        count = len(sizes)
+        sums = torch.zeros((world, world, count), dtype=torch.float64, device=rows.device)
+        parts = list(rows.unbind(0))
+        if lengths:
+            gram(parts, lengths, out=sums[:, :, first : first + len(lengths)])
+        dist.all_reduce(sums, group=self.group)
+        if isinstance(reducer, AdaCons):
+            weights = _GramWeights(reducer, layout_key([(torch.float32, k) for k in sizes], reducer.per_tensor))
+            coefficients = weights.weights(sums)
+        elif reducer.per_tensor:
+            coefficients = tree_weights(sums, Tree(world))[0]
+        else:  # whole model: one pair of coefficients per node over all tensors (one dtype here)
+            coefficients = tree_weights(sums.sum(-1, keepdim=True), Tree(world))[0].expand(world, count)
+        out = torch.empty(rows.shape[1], dtype=torch.float32, device=rows.device)
+        if lengths:
+            weighted_sum(parts, coefficients[:, first : first + len(lengths)].contiguous(), lengths, out)
+        return out
 
     def state_dict(self) -> dict[str, Any]:
-        """The error feedback's residuals (this rank's own)."""
-        return {"residuals": {k: v.clone() for k, v in self.residuals.items()}}
+        """The error feedback's residuals (this rank's own: its input's per bucket, and its chunk's output's)."""
+        return {
+            "residuals": {k: v.clone() for k, v in self.residuals.items()},
+            "chunk_residuals": {k: v.clone() for k, v in self.chunk_residuals.items()},
+        }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        """Restore what `state_dict` returned."""
+        """Restore what `state_dict` returned (a state without ``chunk_residuals`` starts them at zero)."""
         self.residuals = {int(k): v.clone() for k, v in state.get("residuals", {}).items()}
-
+        self.chunk_residuals = {int(k): v.clone() for k, v in state.get("chunk_residuals", {}).items()}

@@ -287,8 +287,9 @@ class DistributedOptimizer(torch.optim.Optimizer):
             ``compression=hvd.Compression.fp16``): None (default: their own dtype), ``torch.bfloat16``,
             ``torch.float16``, ``torch.float8_e4m3fn`` (one scale per tensor, agreed across ranks) or a
             name ("bf16", "fp16", "fp8", "none"; Horovod's ``Compression.fp16`` and ``.none`` are taken
-            too). Each rank's compressed deltas are gathered and combined in float32 in one process, the
-            same on every rank (`adasum.integrations.compression`). Gradient mode refuses it (ValueError).
+            too). The compressed deltas travel as chunks, combined in float32 on the chunk's owner and
+            all-gathered compressed again, the same on every rank (`adasum.integrations.compression`: about
+            2 n values of the dtype per rank whatever P). Gradient mode refuses it (ValueError).
         sparse_as_dense (True or False): turn sparse gradients (``nn.Embedding(sparse=True)``) into dense ones
             before anything else in ``step()`` (Horovod's option). Without it gradient mode refuses
             sparse gradients; delta mode steps them locally as they are.

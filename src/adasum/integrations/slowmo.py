@@ -219,8 +219,9 @@ class SlowMo:
     (`pseudo_gradient`), and every worker restarts from the result; `diloco_outer` is DiLoCo's
     Nesterov SGD. ``slow_lr``/``slow_momentum`` then stay at their defaults (ValueError otherwise).
     ``communication_dtype`` (None, "bf16", "fp16", "fp8" or a torch dtype) sends the deltas in that
-    dtype, combined in float32 on every rank (`adasum.integrations.compression`), and
-    ``error_feedback=True`` adds each round's rounding residual to the next round's deltas.
+    dtype, as compressed chunks combined in float32 on their owners and all-gathered compressed again
+    (`adasum.integrations.compression`), and ``error_feedback=True`` adds each round's rounding residuals
+    to the next round's (the deltas' before the combine, the combined chunk's after it).
     ``fragments``, ``delay`` and ``mixing`` (with an outer optimizer) are Streaming DiLoCo's: the
     parameters split into fragments synced at staggered steps, each combined on a background thread
     and applied ``delay`` inner steps later, mixed into the local weights
