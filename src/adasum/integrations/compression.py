@@ -51,7 +51,7 @@ from adasum.core.layout import Layout
 from adasum.core.tree import Tree
 from adasum.kernels import gram, tree_weights, weighted_sum
 from adasum.reducers import Reducer
-from adasum.reducers.adacons import AdaCons, _GramWeights, layout_key
+from adasum.reducers.adacons import AdaCons, Consensus, layout_key
 from adasum.reducers.adasum import Adasum
 from adasum.reducers.simple import Mean, Sum
 from adasum.transport.errors import failures_named
@@ -308,8 +308,8 @@ class CompressedCombine:
             gram(parts, lengths, out=sums[:, :, first : first + len(lengths)])
         dist.all_reduce(sums, group=self.group)
         if isinstance(reducer, AdaCons):
-            weights = _GramWeights(reducer, layout_key([(torch.float32, k) for k in sizes], reducer.per_tensor))
-            coefficients = weights.weights(sums)
+            key = layout_key([(torch.float32, k) for k in sizes], reducer.per_tensor)
+            coefficients = Consensus(reducer, key, count, world, rows.device).weights(sums, 0)
         elif reducer.per_tensor:
             coefficients = tree_weights(sums, Tree(world))[0]
         else:  # whole model: one pair of coefficients per node over all tensors (one dtype here)
