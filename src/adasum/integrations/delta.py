@@ -220,11 +220,19 @@ class DeltaCombiner:
         return buffer[:numel]
 
     def combine_flat(self, flat: torch.Tensor, sizes: list[int], label: str = "delta") -> None:
-        """The reducer on one bucket's flat buffer, recorded as one call of the combination; the key names what a
-        captured CUDA graph of the call depends on (its buffer and layout)."""
-        key = (label, flat.data_ptr(), flat.dtype, flat.numel(), tuple(sizes))
+        """The reducer on one bucket's flat buffer through its plan (`adasum.reducers.Reducer.all_reduce_flat`'s,
+        unchecked: the layouts were agreed; a repeat of a captured bucket replays its graph,
+        `adasum.transport.communicator.Communicator.replay`), recorded as one call of the combination; the key
+        names what a captured CUDA graph of the call depends on (its buffer and layout)."""
+        layout = tuple(sizes)
+        key = (label, flat.data_ptr(), flat.dtype, flat.numel(), layout)
+        comm = communicator(self.group)
+        entry = (label, self.reducer, layout)
         with self.statistics.call(key, flat.device):
-            self.reducer.all_reduce_flat(flat, sizes, self.group, check_layout=False)
+            if not comm.replay(entry, (flat,)):  # a repeat of a captured bucket: its graph, nothing else
+                operation = f"adasum.{type(self.reducer).__name__}.all_reduce_flat"
+                comm.run(self.reducer._plan(entry, [flat], layout, self.group, "none", operation, "bucket segments",
+                                            {}), [flat])
 
     def combine(
         self,
