@@ -106,7 +106,8 @@ def _all_reduce(
 ) -> None:
     """`all_reduce` (and `all_reduce_async`): its errors name `operation`, the entry point called; the cross-rank
     check compares "adasum.all_reduce" (either entry point, the same collective)."""
-    check_flag(operation, "check_layout", check_layout)
+    if check_layout is not True and check_layout is not False:
+        check_flag(operation, "check_layout", check_layout)
     entry = ("adasum.all_reduce", transport)
     # a repeat of a recent captured call: the very tensors it checked (so no type check of the list either)
     if nonfinite == "propagate" and (group is None or isinstance(group, dist.ProcessGroup)) and dist.is_initialized():

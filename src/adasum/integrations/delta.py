@@ -111,7 +111,8 @@ class DeltaCombiner:
         self.flats: list[torch.Tensor] = []  # the anchor's storage, one flat buffer per bucket
         self._memory: tuple = ()  # the addresses of the parameters the anchor was made for (`fits`)
         self._mark: tuple | None = None  # the parameters as the last combination left them (`current`)
-        self._slots: dict[tuple, torch.Tensor] = {}  # `IN_FLIGHT` delta buffers per dtype and device
+        self._slots: dict[tuple, torch.Tensor] = {}  # `IN_FLIGHT` delta buffers per dtype and device (`slot`), and
+        # gradient mode's buffer per bucket (`gradient_slot`)
         self._plan: list = []  # the buckets' parameters (`plan`), for `_plan_key`
         self._plan_key: tuple | None = None
 
@@ -214,6 +215,16 @@ class DeltaCombiner:
         needed). Bucket k reuses the slot of bucket k - IN_FLIGHT only after that bucket was applied, which waited
         for its combination."""
         key = (number % IN_FLIGHT, like.device, like.dtype)
+        buffer = self._slots.get(key)
+        if buffer is None or buffer.numel() < numel:
+            buffer = self._slots[key] = torch.empty(numel, dtype=like.dtype, device=like.device)
+        return buffer[:numel]
+
+    def gradient_slot(self, number: int, numel: int, like: torch.Tensor) -> torch.Tensor:
+        """The first `numel` elements of gradient bucket `number`'s own flat buffer for `like`'s dtype and device
+        (gradient mode; grown as needed): kept between steps, so that a repeated step's bucket lies where it lay
+        and its captured call replays (`combine_flat`)."""
+        key = ("gradients", number, like.device, like.dtype)
         buffer = self._slots.get(key)
         if buffer is None or buffer.numel() < numel:
             buffer = self._slots[key] = torch.empty(numel, dtype=like.dtype, device=like.device)

@@ -709,9 +709,9 @@ class DistributedOptimizer(torch.optim.Optimizer):
             self._checked_present = present
         elif any(g.is_sparse for g in grads):
             raise TypeError(f"{operation}: {_sparse_message(self._label(present[0]))}")
-        for bucket in buckets(grads, self.bucket_cap_bytes):
+        for number, bucket in enumerate(buckets(grads, self.bucket_cap_bytes)):
             members = [grads[i] for i in bucket]
-            flat = flatten(members)
+            flat = flatten(members, self._deltas.gradient_slot(number, sum(g.numel() for g in members), members[0]))
             self._deltas.combine_flat(flat, [g.numel() for g in members], "gradient")
             unflatten_into(flat, members)
         self._statistics.finish_step()
