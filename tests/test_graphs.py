@@ -1,7 +1,7 @@
-"""The one capture point (`Communicator.capture`, which `Communicator.run` calls, over `adasum.transport.graphs.Graphs`), run on the CPU with a
-capture that records the calls' launches instead of a CUDA graph: eager on a key's first call, captured on
-its second, replayed from then on; a call made inside a run goes into it; a key whose capture fails runs
-eagerly from then on; graph keys name the plan and the tensors."""
+"""The one capture point (`Communicator.capture`, which `Communicator.run` calls, over
+`adasum.transport.graphs.Graphs`), run on the CPU with a capture that records the calls' launches instead of a
+CUDA graph: eager on a key's first call, captured on its second, replayed from then on; a call made inside a run
+goes into it; a key whose capture fails runs eagerly from then on; graph keys name the plan and the tensors."""
 
 import functools
 import re
@@ -386,8 +386,8 @@ def test_a_graph_keeps_what_its_capture_read_from_a_cache():
 
 
 def test_a_replayed_call_posts_its_fingerprint_once_after_the_launch_and_a_stale_one_posts_none(monkeypatch):
-    """A repeat of a captured list call (`adasum.transport.communicator.Communicator.replay`) takes its guard slot (which raises a
-    kept error, or waits for the guard) before the replay and posts its fingerprint after it; a repeat whose
+    """A repeat of a captured list call (`adasum.transport.communicator.Communicator.replay`) takes its guard slot
+    (which raises a kept error, or waits for the guard) before the replay and posts its fingerprint after it; a repeat whose
     graph was dropped posts nothing, since the checked path it falls back to posts the call's own."""
     from adasum.checks import plan as plan_module
     from adasum.transport.communicator import Recent
