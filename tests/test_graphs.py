@@ -387,8 +387,8 @@ def test_a_graph_keeps_what_its_capture_read_from_a_cache():
 
 def test_a_replayed_call_posts_its_fingerprint_once_after_the_launch_and_a_stale_one_posts_none(monkeypatch):
     """A repeat of a captured list call (`adasum.transport.communicator.Communicator.replay`) takes its guard slot
-    (which raises a kept error, or waits for the guard) before the replay and posts its fingerprint after it; a repeat whose
-    graph was dropped posts nothing, since the checked path it falls back to posts the call's own."""
+    (which raises a kept error, or waits for the guard) before the replay and posts its fingerprint after it; a
+    repeat whose graph was dropped posts nothing, since the checked path it falls back to posts the call's own."""
     from adasum.checks import plan as plan_module
     from adasum.transport.communicator import Recent
 
