@@ -259,6 +259,9 @@ class CountedReplays:
 SRC = str(Path(adasum.__file__).resolve().parent)
 SEAM_FILES = 5
 """The most files of adasum that a repeat of any entry point passes through below it before its graph replays."""
+FIRST_WALK = 22
+"""The most files of adasum that a first `adasum.all_reduce` of a list passes through on gloo (checks, plan, schedule,
+mover, kernels)."""
 
 
 def _files_below(door, call) -> set[str]:
@@ -296,6 +299,8 @@ def doors_body(rank, world):
     from adasum.reducers.base import Reducer, ShardGroups
     from adasum.transport.graphs import Graphs
 
+    first = [torch.ones(n) for n in range(1, 40)]  # a first call: the walk from the door to the data
+    walk = _files_below(api.all_reduce, lambda: adasum.all_reduce(first)) | {"collectives/api.py"}
     capture = CountedReplays()
     communicators.communicator(None).graphs = Graphs(capture)
     g = torch.Generator().manual_seed(rank)
@@ -344,7 +349,7 @@ def doors_body(rank, world):
         files = _files_below(door, call)
         own = own | {door.__code__.co_filename.removeprefix(SRC + "/")}
         out[name] = (sorted(files - own), capture.replays - before)
-    return out
+    return out, sorted(walk)
 
 
 def test_a_repeat_of_every_door_reaches_the_replay_by_the_same_files():
@@ -354,8 +359,52 @@ def test_a_repeat_of_every_door_reaches_the_replay_by_the_same_files():
     from each door, through the same few files."""
     results = distributed.run(2, doors_body)
     distributed.assert_ranks_agree(results)
-    out = results[0]
+    out, walk = results[0]
+    assert len(walk) <= FIRST_WALK, walk
     paths = {name: files for name, (files, _) in out.items()}
     assert all(replays >= 1 for _, replays in out.values()), str({name: r for name, (_, r) in out.items()})
     assert len(set(map(tuple, paths.values()))) == 1, paths
     assert len(paths["adasum.all_reduce"]) <= SEAM_FILES, paths
+
+
+def follows_body(rank, world):
+    """What each list call's plan records (its schedules' movers and fusions, the verdict's transport and fusion)
+    against what its schedules were given when it ran."""
+    from adasum.collectives import api
+
+    given = []
+    original = api.adasum_flat_
+
+    def recording(buffer, sizes, group=None, placement=None, *, transport=None):
+        given.append((transport.name, type(buffer).__name__, len(sizes)))
+        original(buffer, sizes, group, placement, transport=transport)
+
+    api.adasum_flat_ = recording
+    try:
+        g = torch.Generator().manual_seed(rank)
+        mixed = [torch.randn(5, generator=g), torch.randn(3, generator=g, dtype=torch.float64),
+                 torch.randn(4, generator=g)]
+        out = {}
+        for transport in (None, "one-shot", "slices"):
+            given.clear()
+            adasum.all_reduce(mixed, transport=transport)
+            verdicts = [p for p in communicators.communicator(None).plans.values()
+                        if p.config[:2] == ("adasum.all_reduce", f"transport={transport}")]
+            (execution,) = [run for p in verdicts for run in p.runs.values()]
+            planned = [(s.mover.name, s.fusion, s.kind, len(s.sizes)) for s in execution.schedules]
+            out[transport] = (planned, list(given), execution.verdict.transport.name, execution.verdict.fusion)
+        return out
+    finally:
+        api.adasum_flat_ = original
+
+
+def test_the_run_follows_the_plan():
+    """A list's plan decides per dtype the mover, the schedule it serves and the fusion; the run hands each dtype's
+    buffer to that very mover, and the plan's recorded transport and fusion are the ones that ran."""
+    results = distributed.run(2, follows_body)
+    distributed.assert_ranks_agree(results)
+    for transport, (planned, given, recorded, fusion) in results[0].items():
+        assert [(name, "Tensor", n) for name, _, _, n in planned] == given, (transport, planned, given)
+        assert recorded == planned[0][0] and fusion == tuple(f for _, f, _, _ in planned), (transport, planned)
+    assert [kind for _, _, kind, _ in results[0]["one-shot"][0]] == ["one-shot", "one-shot"]
+    assert results[0][None][0][0][:3] == ("p2p", "fused", "vhdd")  # gloo's default: the VHDD levels on c10d
