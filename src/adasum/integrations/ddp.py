@@ -350,7 +350,7 @@ def _close_batch(state: AdasumState) -> None:
         state._agreed.add(key)
     buffers = [buffer for buffer, _, _ in batch]
     comm = communicator(state.group)
-    entry = ("adasum_hook", state.reducer, key)
+    entry = ("adasum_hook", key)  # the key names the reducer (its id) and each bucket's address and segments
     with torch.cuda.stream(side) if device.type == "cuda" else contextlib.nullcontext():
         with state._statistics.call(key, device):
             if not comm.replay(entry, buffers):  # a repeat of a captured batch: its graph, nothing else

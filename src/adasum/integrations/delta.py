@@ -238,7 +238,7 @@ class DeltaCombiner:
         layout = tuple(sizes)
         key = (label, flat.data_ptr(), flat.dtype, flat.numel(), layout)
         comm = communicator(self.group)
-        entry = (label, self.reducer, layout)
+        entry = (label, id(self.reducer), layout)
         with self.statistics.call(key, flat.device):
             if not comm.replay(entry, (flat,)):  # a repeat of a captured bucket: its graph, nothing else
                 operation = f"adasum.{type(self.reducer).__name__}.all_reduce_flat"

@@ -67,6 +67,12 @@ from adasum.transport.topology import Topology
 _INT = frozenset({int})
 
 
+def _identity(reducer: Reducer) -> Hashable:
+    """What names `reducer` in a call's entry (`adasum.transport.communicator.Communicator.replay`): the object, or
+    its id where its class is not hashable (a dataclass with ``eq=True``)."""
+    return reducer if type(reducer).__hash__ is not None else id(reducer)
+
+
 class Reducer:
     """Base class: subclasses implement `reduce` and `_all_reduce_flat` (module doc)."""
 
@@ -119,7 +125,7 @@ class Reducer:
         """
         operation = f"adasum.{type(self).__name__}.all_reduce"
         self._check_options(options, operation)
-        entry = (operation, self, tuple(sorted(options.items())))
+        entry = (operation, _identity(self), repr(sorted(options.items())) if options else "")
         if (group is None or isinstance(group, dist.ProcessGroup)) and dist.is_initialized():
             if communicator(group).replay(entry, tensors, check_layout):
                 return
@@ -151,7 +157,7 @@ class Reducer:
         if not isinstance(buffer, torch.Tensor):
             raise TypeError(f"{operation}: buffer must be a torch.Tensor, got {type(buffer).__name__}")
         layout = tuple(sizes) if type(sizes) in (list, tuple) else None
-        entry = (operation, self, tuple(sorted(options.items())), layout)
+        entry = (operation, _identity(self), repr(sorted(options.items())) if options else "", layout)
         if layout is not None and set(map(type, layout)) <= _INT and dist.is_initialized() and (
             group is None or isinstance(group, dist.ProcessGroup)
         ):
@@ -244,7 +250,7 @@ class Reducer:
         capturable reducer's repeat replays its graph: `adasum.transport.communicator.Communicator.replay`)."""
         operation = f"adasum.{type(self).__name__}.all_reduce_shards"
         shards = tuple(int(n) for n in sizes)
-        entry = (operation, self, groups, key, shards)
+        entry = (operation, _identity(self), groups, key, shards)
         comm = communicator(groups.group)
         if comm.replay(entry, buffer):
             return
