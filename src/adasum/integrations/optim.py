@@ -713,7 +713,9 @@ class DistributedOptimizer(torch.optim.Optimizer):
             raise TypeError(f"{operation}: {_sparse_message(self._label(present[0]))}")
         for number, bucket in enumerate(buckets(grads, self.bucket_cap_bytes)):
             members = [grads[i] for i in bucket]
-            flat = flatten(members, self._deltas.gradient_slot(number, sum(map(_numel, members)), members[0]))
+            one = len(members) == 1 and members[0].is_contiguous()  # a view of it: no copy, no buffer
+            flat = flatten(members, None if one else self._deltas.gradient_slot(number, sum(map(_numel, members)),
+                                                                             members[0]))
             self._deltas.combine_flat(flat, [g.numel() for g in members], "gradient")
             unflatten_into(flat, members)
         self._statistics.finish_step()
