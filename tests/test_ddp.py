@@ -80,16 +80,19 @@ def batches(bucket_bytes, batch_mb) -> int:
 
 
 def count_combines(state) -> list:
-    """Wrap the state's reducer so that each collective call (a batch of buckets) appends to the returned list."""
+    """Wrap the run of the state's group (`Communicator.run`, where every combination goes) so that each collective
+    call (a batch of buckets) appends to the returned list: the number of buffers it combines."""
+    from adasum.transport.communicator import communicator
+
     calls: list = []
-    for name in ("all_reduce", "all_reduce_flat"):
-        original = getattr(state.reducer, name)
+    comm = communicator(state.group)
+    original = comm.run
 
-        def counted(*args, _original=original, _name=name, **kwargs):
-            calls.append(_name)
-            return _original(*args, **kwargs)
+    def counted(plan, tensors):
+        calls.append(len(tensors))
+        return original(plan, tensors)
 
-        setattr(state.reducer, name, counted)
+    comm.run = counted
     return calls
 
 

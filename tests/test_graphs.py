@@ -1,8 +1,9 @@
-"""The one capture point (`Communicator.run` over `adasum.transport.graphs.Graphs`), run on the CPU with a
-capture that records the calls' launches instead of a CUDA graph: eager on a key's first call, captured on
-its second, replayed from then on; a call made inside a run goes into it; a key whose capture fails runs
-eagerly from then on; graph keys name the plan and the tensors."""
+"""The one capture point (`Communicator.capture`, which `Communicator.run` calls, over
+`adasum.transport.graphs.Graphs`), run on the CPU with a capture that records the calls' launches instead of a
+CUDA graph: eager on a key's first call, captured on its second, replayed from then on; a call made inside a run
+goes into it; a key whose capture fails runs eagerly from then on; graph keys name the plan and the tensors."""
 
+import functools
 import re
 from pathlib import Path
 from types import SimpleNamespace
@@ -71,7 +72,7 @@ def test_eager_then_captured_then_replayed():
     log: list = []
     comm, _ = _communicator(log)
     for _ in range(4):
-        key = comm.run("plan", (1, 2), lambda: log.append("launch"), CPU)
+        key = comm.capture("plan", (1, 2), lambda: log.append("launch"), CPU)
     assert log == ["launch", "replay launch", "replay launch", "replay launch"]
     assert key == ("plan", (1, 2)) and comm.graphs.handle(key) is not None and comm.graphs.count() == 1
     handle = comm.graphs.handle(key)
@@ -91,7 +92,7 @@ def test_a_handle_goes_stale_when_the_oldest_graph_is_evicted(monkeypatch):
     handles = []
     for where in (1, 2, 3):
         for _ in range(2):  # eager, then captured
-            key = comm.run("plan", where, lambda w=where: log.append(w), CPU)
+            key = comm.capture("plan", where, lambda w=where: log.append(w), CPU)
         handles.append(comm.graphs.handle(key))
     # the third capture evicted the first graph: every handle taken before it is stale, the last one is not
     assert comm.graphs.handle(("plan", 1)) is None and comm.graphs.count() == 2
@@ -109,14 +110,14 @@ def test_a_call_inside_a_run_goes_into_it_and_is_not_captured_on_its_own():
     comm, _ = _communicator(log)
 
     def inner():
-        comm.run("schedule", 7, lambda: log.append("schedule"), CPU)
+        comm.capture("schedule", 7, lambda: log.append("schedule"), CPU)
 
     def outer():
         log.append("fusion")
         inner()
 
     for _ in range(3):
-        comm.run("list", 7, outer, CPU)
+        comm.capture("list", 7, outer, CPU)
     assert log == ["fusion", "schedule", "replay fusion", "replay schedule", "replay fusion", "replay schedule"]
     assert comm.graphs.count() == 1  # the list call's graph holds the schedule's launches
     del log[:]
@@ -130,7 +131,7 @@ def test_a_key_whose_capture_fails_runs_eagerly_from_then_on():
     comm, backend = _communicator(log)
     backend.refuse = True
     for _ in range(4):
-        key = comm.run("plan", 1, lambda: log.append("launch"), CPU)
+        key = comm.capture("plan", 1, lambda: log.append("launch"), CPU)
     assert log == ["launch"] * 4 and comm.graphs.handle(key) is None and comm.graphs.count() == 0
     assert comm.graphs.handle(key) is None
 
@@ -139,7 +140,7 @@ def test_graphs_are_keyed_by_plan_and_tensors():
     log: list = []
     comm, _ = _communicator(log)
     for plan, where in [("a", 1), ("b", 1), ("a", 2)] * 2:
-        comm.run(plan, where, lambda p=plan, w=where: log.append(f"{p}{w}"), CPU)
+        comm.capture(plan, where, lambda p=plan, w=where: log.append(f"{p}{w}"), CPU)
     assert comm.graphs.count() == 3
     assert log == ["a1", "b1", "a2", "replay a1", "replay b1", "replay a2"]
     comm.clear()
@@ -150,7 +151,7 @@ def test_off_the_gpu_every_call_runs_eagerly():
     comm = Communicator(None)  # the CUDA capture: on the CPU nothing is captured
     log: list = []
     for _ in range(3):
-        key = comm.run("plan", 1, lambda: log.append("launch"), CPU)
+        key = comm.capture("plan", 1, lambda: log.append("launch"), CPU)
     assert log == ["launch"] * 3 and comm.graphs.handle(key) is None
 
 
@@ -183,7 +184,7 @@ def test_an_outgrown_symmetric_buffer_retires_the_groups_graphs():
     like = torch.empty(0)
     pool.staging(10, like)
     for _ in range(3):
-        key = comm.run("plan", (1,), lambda: log.append("launch"), CPU)
+        key = comm.capture("plan", (1,), lambda: log.append("launch"), CPU)
     assert comm.graphs.handle(key) is not None and log == ["launch", "replay launch", "replay launch"]
     graph = weakref.ref(comm.graphs.handle(key)[0])
     comm.recent[(1, 0)] = key
@@ -197,7 +198,7 @@ def test_an_outgrown_symmetric_buffer_retires_the_groups_graphs():
     assert old() is None and len(pool.buffers) == 1  # the outgrown buffer is not kept
     log.clear()
     for _ in range(3):
-        comm.run("plan", (1,), lambda: log.append("launch"), CPU)
+        comm.capture("plan", (1,), lambda: log.append("launch"), CPU)
     assert log == ["launch", "replay launch", "replay launch"]
     assert comm.graphs.count() == 1  # what release() waits for the device for
 
@@ -216,7 +217,7 @@ def test_an_outgrown_buffer_retires_the_graphs_of_every_group():
         for comm in comms:
             comm.graphs = Graphs(RecordingCapture(log))
             for _ in range(2):
-                key = comm.run("plan", (1,), lambda: log.append("launch"), CPU)
+                key = comm.capture("plan", (1,), lambda: log.append("launch"), CPU)
             comm.recent[(1, 0)] = key
             assert comm.graphs.handle(key) is not None
         communicators.retire_graphs()
@@ -240,12 +241,12 @@ def test_a_repeat_on_the_same_memory_replays_before_any_check_of_the_list():
     import torch.distributed as dist
 
     import adasum
-    from adasum.checks.plan import prepare
-    from adasum.collectives import api
+    from adasum.checks.plan import prepare, recheck
     from adasum.transport import communicator as communicators
 
     def remember(comm, tensors, key, plan):
-        api.remember(comm, api._Last.of(tensors, None, comm.graphs.handle(key), plan))
+        check = functools.partial(recheck, plan, None, "adasum.all_reduce")
+        comm.remember(communicators.Recent.of(("adasum.all_reduce", None), tensors, comm.graphs.handle(key), check))
 
     dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
     try:
@@ -256,7 +257,7 @@ def test_a_repeat_on_the_same_memory_replays_before_any_check_of_the_list():
         config = ("adasum.all_reduce", "transport=None", "nonfinite=propagate")
         plan = prepare(tensors, None, config=config, operation="adasum.all_reduce", check="none")
         for _ in range(2):
-            key = comm.run(plan.key, ("tensors",), lambda: log.append("launch"), CPU)
+            key = comm.capture(plan.key, ("tensors",), lambda: log.append("launch"), CPU)
         remember(comm, tensors, key, plan)
         log.clear()
         adasum.all_reduce(tensors, check_layout=False)
@@ -299,12 +300,12 @@ def test_a_repeat_on_the_same_memory_replays_before_any_check_of_the_list():
         adasum.all_reduce([tensors[1]], check_layout=False)
         assert log == ["replay launch"] * 3
         log.clear()
-        others = [[torch.ones(1)] for _ in range(api.RECENT - 1)]
+        others = [[torch.ones(1)] for _ in range(communicators.RECENT - 1)]
         for other in others:
             remember(comm, other, key, plan)
         adasum.all_reduce(tensors, check_layout=False)  # the oldest of RECENT + 1: forgotten
         adasum.all_reduce(others[0], check_layout=False)
-        assert log == ["replay launch"] and len(comm.recent) == api.RECENT
+        assert log == ["replay launch"] and len(comm.recent) == communicators.RECENT
         held = weakref.ref(tensors[1])
         del tensors
         gc.collect()
@@ -329,7 +330,7 @@ def test_a_layout_whose_tensors_are_remade_elsewhere_every_call_warns_once():
     comm, _ = _communicator(log)
 
     def call(plan, where, tensor):
-        comm.run(plan, where, lambda: None, CPU, first=tensor)
+        comm.capture(plan, where, lambda: None, CPU, first=tensor)
 
     held = [torch.ones(1) for _ in range(3 * communicators.MOVED_CALLS)]
     with warnings.catch_warnings():
@@ -345,7 +346,7 @@ def test_a_layout_whose_tensors_are_remade_elsewhere_every_call_warns_once():
         call("plan", "here", torch.ones(1))
         off = Communicator(None)  # graphs off (the CPU): nothing is counted
         for where in range(3 * communicators.MOVED_CALLS):
-            off.run("plan", where, lambda: None, CPU, first=torch.ones(1))
+            off.capture("plan", where, lambda: None, CPU, first=torch.ones(1))
     with pytest.warns(RuntimeWarning, match="set_to_none=False") as caught:
         for where in range(3 * communicators.MOVED_CALLS):  # re-made at new addresses every call
             call("plan", ("moved", where), torch.ones(1))
@@ -373,8 +374,8 @@ def test_a_graph_keeps_what_its_capture_read_from_a_cache():
         read.append(weakref.ref(tables.get(Scattered(listed), 0, 8)))
         log.append("launch")
 
-    comm.run("plan", "here", call, CPU)  # eager: builds the table
-    comm.run("plan", "here", call, CPU)  # captured: reads it from the cache
+    comm.capture("plan", "here", call, CPU)  # eager: builds the table
+    comm.capture("plan", "here", call, CPU)  # captured: reads it from the cache
     tables.get(Scattered([torch.ones(2)]), 0, 2)  # another layout's table evicts it from the cache
     gc.collect()
     assert read[-1]() is not None  # the graph keeps it
@@ -385,12 +386,12 @@ def test_a_graph_keeps_what_its_capture_read_from_a_cache():
 
 
 def test_a_replayed_call_posts_its_fingerprint_once_after_the_launch_and_a_stale_one_posts_none(monkeypatch):
-    """A repeat of a captured list call (`adasum.collectives.api._replayed`) takes its guard slot (which raises a
-    kept error, or waits for the guard) before the replay and posts its fingerprint after it; a repeat whose
-    graph was dropped posts nothing, since the checked path it falls back to posts the call's own."""
+    """A repeat of a captured list call (`adasum.transport.communicator.Communicator.replay`) takes its guard slot
+    (which raises a kept error, or waits for the guard) before the replay and posts its fingerprint after it; a
+    repeat whose graph was dropped posts nothing, since the checked path it falls back to posts the call's own."""
     from adasum.checks import plan as plan_module
-    from adasum.collectives import api
     from adasum.settings import override
+    from adasum.transport.communicator import Recent
 
     events: list = []
 
@@ -407,17 +408,18 @@ def test_a_replayed_call_posts_its_fingerprint_once_after_the_launch_and_a_stale
     comm, _ = _communicator(log)
     tensors = [torch.zeros(3), torch.zeros(5)]
     for _ in range(2):  # eager, then captured
-        key = comm.run("plan", (1, 2), lambda: log.append("launch"), CPU)
+        key = comm.capture("plan", (1, 2), lambda: log.append("launch"), CPU)
     handle = comm.graphs.handle(key)
-    api.remember(comm, api._Last.of(tensors, None, handle, "the plan"))
+    entry = ("adasum.all_reduce", None)
+    comm.remember(Recent.of(entry, tensors, handle, functools.partial(plan_module.recheck, "the plan", None, "op")))
     del log[:]
     original = comm.graphs.launch
     monkeypatch.setattr(comm.graphs, "launch", lambda h: events.append("launch") or original(h))
     with override(deferred_checks=True):  # the checks are deferred, as on a GPU
-        assert api._replayed(comm, None, None, tensors, True)
+        assert comm.replay(entry, tensors, True)
         assert events == ["reserve", "launch", ("post", "the plan", True)]
         assert log == ["replay launch"]
         del events[:], log[:]
         comm.graphs.clear()
-        assert not api._replayed(comm, None, None, tensors, True)
+        assert not comm.replay(entry, tensors, True)
         assert events == [] and log == []

@@ -4,6 +4,7 @@ nothing behind."""
 
 import threading
 import weakref
+from pathlib import Path
 from types import SimpleNamespace
 
 import numpy as np
@@ -228,3 +229,182 @@ def test_gradients_remade_every_call_keep_the_caches_flat():
     sizes, plans, disjoint, most, max_plans, after = results[0]
     assert len(sizes) == 10 and all(n == most for n in sizes), sizes  # flat from the first thousand calls on
     assert plans == max_plans and disjoint <= most and after == 0, results[0]
+
+
+class CountedReplays:
+    """A capture for `adasum.transport.graphs.Graphs` on the CPU: a capture runs the call (so it takes part in the
+    call's collectives, as a CUDA capture's launches do on every rank at the same call), a replay runs no Python of
+    adasum and is counted."""
+
+    def __init__(self) -> None:
+        self.replays = 0
+
+    def enabled(self, device: torch.device) -> bool:
+        return True
+
+    def capturing(self) -> bool:
+        return False
+
+    def capture(self, fn, device):
+        fn()
+        return SimpleNamespace(replay=self._replay)
+
+    def _replay(self) -> None:
+        self.replays += 1
+
+    def free(self, graph) -> None:
+        pass
+
+
+SRC = str(Path(adasum.__file__).resolve().parent)
+SEAM_FILES = 5
+"""The most files of adasum that a repeat of any entry point passes through below it before its graph replays."""
+FIRST_WALK = 22
+"""The most files of adasum that a first `adasum.all_reduce` of a list passes through on gloo (checks, plan, schedule,
+mover, kernels)."""
+
+
+def _files_below(door, call) -> set[str]:
+    """The files of adasum (relative to the package) whose Python runs below the frame of `door` (a function) during
+    ``call()``, from ``sys.setprofile``."""
+    import os
+    import sys
+
+    code, depth, files = door.__code__, [0], set()
+
+    def profile(frame, event, arg):
+        if event == "call":
+            if frame.f_code is code:
+                depth[0] += 1
+            elif depth[0] and frame.f_code.co_filename.startswith(SRC):
+                files.add(os.path.relpath(frame.f_code.co_filename, SRC).replace(os.sep, "/"))
+        elif event == "return" and frame.f_code is code:
+            depth[0] -= 1
+
+    sys.setprofile(profile)
+    try:
+        call()
+    finally:
+        sys.setprofile(None)
+    return files
+
+
+def doors_body(rank, world):
+    """Each entry point, repeated on one layout until its call is captured, then once more under ``sys.setprofile``:
+    the files its Python passes through below the door (the door's own module and, for the integrations, their step
+    records aside) and whether that call replayed."""
+    from adasum.collectives import api
+    from adasum.integrations import ddp as ddp_module
+    from adasum.integrations.delta import DeltaCombiner
+    from adasum.reducers.base import Reducer, ShardGroups
+    from adasum.transport.graphs import Graphs
+
+    first = [torch.ones(n) for n in range(1, 40)]  # a first call: the walk from the door to the data
+    walk = _files_below(api.all_reduce, lambda: adasum.all_reduce(first)) | {"collectives/api.py"}
+    capture = CountedReplays()
+    communicators.communicator(None).graphs = Graphs(capture)
+    g = torch.Generator().manual_seed(rank)
+    sizes = [3, 16, 5, 32, 7]
+    tensors = [torch.randn(n, generator=g) for n in sizes]
+    flat = torch.cat(tensors)
+    shards = torch.cat(tensors)
+    reducer = adasum.Adasum()
+    alone = [dist.new_group([r]) for r in range(world)]
+    grid = ShardGroups(None, dist.new_group(list(range(world))), alone[rank], tuple(range(world)), world, 1)
+
+    def parameters():
+        made = [torch.nn.Parameter(torch.zeros(n)) for n in sizes]
+        for p, t in zip(made, tensors):
+            p.grad = t.clone()
+        return made
+
+    optimizer = adasum.DistributedOptimizer(torch.optim.SGD(parameters(), lr=0.0), reducer="adasum", mode="gradient")
+    slowmo = adasum.SlowMo(torch.optim.SGD(parameters(), lr=0.0), local_steps=1, reducer="adasum")
+    torch.manual_seed(0)
+    model = DDP(torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Linear(8, 2)))
+    model.register_comm_hook(AdasumState(), adasum_hook)
+    x = torch.randn(3, 4, generator=g)
+
+    def backward():
+        model.zero_grad(set_to_none=False)
+        model(x).sum().backward()
+
+    statistics = {"core/statistics.py"}  # an integration's records of its step, kept per call
+    doors = {
+        "adasum.all_reduce": (api.all_reduce, lambda: adasum.all_reduce(tensors, check_layout=False), set()),
+        "Reducer.all_reduce": (Reducer.all_reduce, lambda: reducer.all_reduce(tensors, check_layout=False), set()),
+        "Reducer.all_reduce_flat": (
+            Reducer.all_reduce_flat, lambda: reducer.all_reduce_flat(flat, sizes, check_layout=False), set(),
+        ),
+        "the DDP batch": (ddp_module._close_batch, backward, statistics),
+        "the optimizer's bucket": (DeltaCombiner.combine_flat, optimizer.step, statistics),
+        "SlowMo's sync": (DeltaCombiner.combine_flat, slowmo.step, statistics),
+        "the FSDP unit": (Reducer.all_reduce_shards, lambda: reducer.all_reduce_shards(shards, sizes, grid), set()),
+    }
+    out = {}
+    for name, (door, call, own) in doors.items():
+        for _ in range(4):  # eager, captured, replayed (the DDP hook's buckets are rebuilt after its first step)
+            call()
+        before = capture.replays
+        files = _files_below(door, call)
+        own = own | {door.__code__.co_filename.removeprefix(SRC + "/")}
+        out[name] = (sorted(files - own), capture.replays - before)
+    return out, sorted(walk)
+
+
+def test_a_repeat_of_every_door_reaches_the_replay_by_the_same_files():
+    """`adasum.all_reduce`, a reducer's `all_reduce`, `all_reduce_flat` and `all_reduce_shards` (the FSDP unit's),
+    the DDP hook's batch and the delta combiner's bucket (`DistributedOptimizer`, `SlowMo`) go through one plan and one
+    run (`Communicator.plan`, `Communicator.run`): a repeat of a captured call replays its graph at the same depth
+    from each door, through the same few files."""
+    results = distributed.run(2, doors_body)
+    distributed.assert_ranks_agree(results)
+    out, walk = results[0]
+    assert len(walk) <= FIRST_WALK, walk
+    paths = {name: files for name, (files, _) in out.items()}
+    assert all(replays >= 1 for _, replays in out.values()), str({name: r for name, (_, r) in out.items()})
+    assert len(set(map(tuple, paths.values()))) == 1, paths
+    assert len(paths["adasum.all_reduce"]) <= SEAM_FILES, paths
+
+
+def follows_body(rank, world):
+    """What each list call's plan records (its schedules' movers and fusions, the verdict's transport and fusion)
+    against what its schedules were given when it ran."""
+    from adasum.collectives import api
+
+    given = []
+    original = api.adasum_flat_
+
+    def recording(buffer, sizes, group=None, placement=None, *, transport=None):
+        given.append((transport.name, type(buffer).__name__, len(sizes)))
+        original(buffer, sizes, group, placement, transport=transport)
+
+    api.adasum_flat_ = recording
+    try:
+        g = torch.Generator().manual_seed(rank)
+        mixed = [torch.randn(5, generator=g), torch.randn(3, generator=g, dtype=torch.float64),
+                 torch.randn(4, generator=g)]
+        out = {}
+        for transport in (None, "one-shot", "slices"):
+            given.clear()
+            adasum.all_reduce(mixed, transport=transport)
+            verdicts = [p for p in communicators.communicator(None).plans.values()
+                        if p.config[:2] == ("adasum.all_reduce", f"transport={transport}")]
+            (execution,) = [run for p in verdicts for run in p.runs.values()]
+            planned = [(s.mover.name, s.fusion, s.kind, len(s.sizes)) for s in execution.schedules]
+            out[transport] = (planned, list(given), execution.verdict.transport.name, execution.verdict.fusion)
+        return out
+    finally:
+        api.adasum_flat_ = original
+
+
+def test_the_run_follows_the_plan():
+    """A list's plan decides per dtype the mover, the schedule it serves and the fusion; the run hands each dtype's
+    buffer to that very mover, and the plan's recorded transport and fusion are the ones that ran."""
+    results = distributed.run(2, follows_body)
+    distributed.assert_ranks_agree(results)
+    for transport, (planned, given, recorded, fusion) in results[0].items():
+        assert [(name, "Tensor", n) for name, _, _, n in planned] == given, (transport, planned, given)
+        assert recorded == planned[0][0] and fusion == tuple(f for _, f, _, _ in planned), (transport, planned)
+    assert [kind for _, _, kind, _ in results[0]["one-shot"][0]] == ["one-shot", "one-shot"]
+    assert results[0][None][0][0][:3] == ("p2p", "fused", "vhdd")  # gloo's default: the VHDD levels on c10d

@@ -353,7 +353,7 @@ def hierarchical_body(rank, world):
         with recording() as records:
             adasum.Adasum(hierarchical=mode, local_size=2).all_reduce(mine)
         out[mode] = summarize(records)
-    return out, data
+    return out, [[t.numpy() for t in w] for w in data]  # by value: a tensor's shared storage dies with its process
 
 
 def test_hierarchical_statistics_are_the_levels_across_nodes():
@@ -361,7 +361,7 @@ def test_hierarchical_statistics_are_the_levels_across_nodes():
     node are each node's own, so only the level across nodes counts): the same on every rank, and equal to what
     the single-process trees record at those levels."""
     results = distributed.run(4, hierarchical_body)
-    data = results[0][1]
+    data = [[torch.from_numpy(a) for a in w] for w in results[0][1]]
     with recording() as means:
         adasum.Adasum(hierarchical=True, local_size=2).reduce(data)
     with recording() as flat:

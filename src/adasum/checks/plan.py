@@ -1,11 +1,13 @@
 """One road for every call: a plan per (group, layout, configuration), built once and reused.
 
 Every entry point that combines across ranks (`adasum.all_reduce`, `all_reduce_async`, each
-reducer's `all_reduce` and `all_reduce_flat`, the DDP hook) asks `prepare` for its plan before any
-data moves. A plan lives in the group's `Communicator` and records what was decided for that
-layout once: its description and fingerprint, the checks done (agreed across ranks; the tensors
-whose memory was found disjoint), the transport and the fusion. `prepare` then does the per-call
-part, the same on every entry point:
+reducer's `all_reduce`, `all_reduce_flat` and `all_reduce_shards`, the DDP hook's batch, the delta
+combiner's bucket) asks `prepare` for its plan before any data moves (through
+`adasum.transport.communicator.Communicator.plan`, unless a repeat replays). A plan lives in the group's
+`Communicator` and records what was decided for that layout once: its description and fingerprint, the checks
+done (agreed across ranks; the tensors whose memory was found disjoint), and the executions planned on it
+(`adasum.collectives.api.plan_call`: the schedule, the mover per dtype, the fusion; a list's transport and fusion
+recorded here). `prepare` then does the per-call part, the same on every entry point:
 
 * local problems (`adasum.checks.agreement.local_problem`; with `sizes`, a size that is not an integer, a
   negative size or sizes that do not add up to the buffer's elements); the memory-overlap search runs once per
@@ -92,10 +94,11 @@ class Plan:
     fingerprint: int
     agreed: bool = False  # every rank has passed this layout and configuration (checked across ranks)
     disjoint: dict = field(default_factory=dict)  # addresses and strides found free of shared memory (`DISJOINT`)
-    transport: Any = None  # the transport chosen for it, where the entry point picks one
+    transport: Any = None  # a list's mover (its first dtype's), as its execution chose it (`api.plan_call`)
     uses: int = 0
     key: Hashable = None  # what names it in its communicator (and its CUDA graphs, `Communicator.run`)
-    fusion: tuple[str, ...] | None = None  # per dtype, at its first call: "in place", "view" or "fused" (`api.fusion`)
+    fusion: tuple[str, ...] | None = None  # per dtype: "in place", "view" or "fused", as its execution fuses
+    runs: dict = field(default_factory=dict)  # its executions by entry point and placement (`api.plan_call`)
     sizes: int | None = None  # the fingerprint of its message sizes, where the guard compares them first (guard.py)
 
 

@@ -1,36 +1,31 @@
-"""The user-facing collective: `all_reduce` and `all_reduce_async` of lists of tensors, fused into
-one flat buffer per dtype and combined with the VHDD schedule (`adasum.collectives.vhdd`)."""
+"""The user-facing collective, `all_reduce` and `all_reduce_async` of lists of tensors, and the planner of every
+entry point (`plan_call`, `adasum.transport.communicator.Communicator.plan`): a call's plan, decided once per
+layout and configuration, holds the checks' verdict, one `Schedule` per dtype (the mover its bytes allow, the
+schedule that mover serves, the fusion into one flat buffer) and the graph key; `Communicator.run` executes it."""
 
 from __future__ import annotations
 
+import functools
 import operator
-import weakref
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Hashable, Sequence
 from dataclasses import dataclass
-from typing import Literal
+from typing import Any, Literal, cast
 
 import torch
 import torch.distributed as dist
 
-from adasum.checks.agreement import (
-    _data_ptr,
-    _dtype,
-    _requires_grad,
-    _shape,
-    _stride,
-    tensor_list,
-)
-from adasum.checks.nonfinite import check_finite, check_policy
-from adasum.checks.plan import Plan, prepare, recheck
+from adasum.checks.agreement import tensor_list
+from adasum.checks.nonfinite import check_finite
+from adasum.checks.plan import Check, Plan, prepare, recheck
 from adasum.collectives.vhdd import adasum_flat_, transport_for
 from adasum.core.layout import Scattered, flatten, group_by_dtype, unflatten_into
-from adasum.options import Nonfinite, TransportName, check_flag, not_initialised
+from adasum.options import Nonfinite, TransportName, check_flag, check_option, not_initialised
 from adasum.transport.alone import warn_one_rank
 from adasum.transport.base import Transport
-from adasum.transport.communicator import Communicator, communicator
-from adasum.transport.graphs import MAX_GRAPHS, tensor_key
+from adasum.transport.communicator import Communicator, communicator, register_planner
 from adasum.transport.groups import check_group, group_device
-from adasum.transport.registry import transport_names
+from adasum.transport.registry import serves, transport_names
+from adasum.transport.topology import Topology
 
 
 def all_reduce(
@@ -113,44 +108,277 @@ def _all_reduce(
 ) -> None:
     """`all_reduce` (and `all_reduce_async`): its errors name `operation`, the entry point called; the cross-rank
     check compares "adasum.all_reduce" (either entry point, the same collective)."""
-    check_flag(operation, "check_layout", check_layout)
+    if check_layout is not True and check_layout is not False:
+        check_flag(operation, "check_layout", check_layout)
+    entry = ("adasum.all_reduce", transport)
     # a repeat of a recent captured call: the very tensors it checked (so no type check of the list either)
     if nonfinite == "propagate" and (group is None or isinstance(group, dist.ProcessGroup)) and dist.is_initialized():
-        if _replayed(communicator(group), group, transport, tensors, check_layout):
+        if communicator(group).replay(entry, tensors, check_layout):
             return
     tensors = tensor_list(tensors, operation)
     check_group(group, operation)
     if not dist.is_initialized():
         raise not_initialised(operation)
     comm = communicator(group)
-    check_policy(nonfinite, ("propagate", "raise"), operation)
+    check_option(f"{operation}: nonfinite", nonfinite, Nonfinite, ("propagate", "raise"))
     check_transport(transport, operation)
     # the transport asked for is compared across ranks before it is chosen: the choice can be collective (the
     # symmetric transport's first support query), and a rank that asked for another would not join it
     asked = transport.name if isinstance(transport, Transport) else transport
     config = ("adasum.all_reduce", f"transport={asked}", f"nonfinite={nonfinite}")
-    plan = prepare(tensors, group, config=config, operation=operation, check="call" if check_layout else "none")
-    if nonfinite == "raise":
+    check: Check = "call" if check_layout else "none"
+    if nonfinite == "raise":  # the layout agreed first, then the values, before the schedule is chosen
+        prepare(tensors, group, config=config, operation=operation, check=check)
         check_finite(tensors, group, operation=operation)
+        check = "none"
+    plan = comm.plan(entry, tensors, ADASUM, config=config, operation=operation, check=check, transport=transport,
+                     moves=True, checked_as="adasum.all_reduce")
     if dist.get_world_size(group) == 1:
         warn_one_rank(group, operation)
-        return
+    comm.run(plan, tensors)
+
+
+ADASUM = "adasum"
+"""The op `plan_call` plans itself: Adasum per tensor on the schedules of this layer (VHDD, slice-parallel,
+one-shot, in place), on the mover each dtype's bytes allow."""
+
+Fusion = Literal["in place", "view", "fused"]
+Kind = Literal["vhdd", "in place", "slices", "one-shot"]
+
+
+@dataclass(frozen=True)
+class Schedule:
+    """How one dtype's tensors of a call are combined, decided once per layout and configuration (`plan_call`):
+    `indices` (the call's tensors of this dtype), their `sizes`, the `mover` (the transport its bytes allow:
+    `adasum.transport.select`), the schedule it serves (`kind`: "vhdd", the VHDD levels; "in place", the same
+    with a tensor larger than a round on the mover's in-place mover; "slices", the slice-parallel schedule;
+    "one-shot", every rank takes every copy whole, `adasum.collectives.slices`) and the `fusion` (`_fusion`)."""
+
+    indices: tuple[int, ...]
+    sizes: tuple[int, ...]
+    mover: Transport
+    kind: Kind
+    fusion: Fusion
+
+
+@dataclass(eq=False)
+class Execution:
+    """A call's plan (`plan_call`; the `adasum.transport.communicator.Runnable` that `Communicator.run`
+    executes): the checks' `verdict` (`adasum.checks.plan.Plan`), the `schedules` (one per dtype where the op is
+    `ADASUM`, else none: the op is the caller's own), what ``execute(tensors)`` runs (`work`), and the fields the
+    communicator reads (`entry`, `key`, `device`, `capturable`, `moves`, `exact`, `check`)."""
+
+    verdict: Plan
+    entry: Hashable
+    key: Hashable
+    device: torch.device
+    capturable: bool
+    moves: bool
+    exact: bool
+    check: Callable[[Callable[[], None]], None] | None
+    schedules: tuple[Schedule, ...]
+    work: Callable[[Sequence[torch.Tensor]], None]
+
+    def execute(self, tensors: Sequence[torch.Tensor]) -> None:
+        """Combine `tensors` (the call's, of this plan's layout) as planned."""
+        self.work(tensors)
+
+
+RUNS = 8
+"""Executions a verdict keeps (the oldest goes first): one per entry point, reducer object and placement that calls
+on its layout and configuration (a reducer made anew every call plans anew; memory stays flat)."""
+
+
+def plan_call(
+    comm: Communicator,
+    entry: Hashable,
+    tensors: Sequence[torch.Tensor],
+    op: str | Callable[[Sequence[torch.Tensor]], None],
+    topology: Topology | None = None,
+    *,
+    config: tuple,
+    operation: str,
+    what: str = "tensors",
+    sizes: Sequence[Any] | None = None,
+    check: Check = "call",
+    transport: str | Transport | None = None,
+    capturable: bool = True,
+    moves: bool = False,
+    checked_as: str | None = None,
+) -> Execution:
+    """`Communicator.plan`: the checks' verdict on this call (`adasum.checks.plan.prepare`, by `check`, with
+    `config`, `operation`, `what` and `sizes` as it takes them: raises on every rank where ranks differ), then the
+    execution decided once for its layout, configuration, `entry` and `topology` (kept with the verdict, `RUNS`).
+
+    `tensors` is the call's list, or ``[buffer]`` with `sizes`, or several buffers of one dtype whose segments are
+    `sizes` end to end (a DDP batch: combined as one list of its segments). `op` is `ADASUM` (planned here: per dtype
+    the mover that its bytes and the group allow, `transport` if named, the schedule that mover serves and the
+    fusion, `Schedule`) or ``op(tensors)``, a reducer's own combination of the call's tensors, run as it is.
+    `capturable`: the op never waits on the host (CUDA graphs may hold it); `moves`: the caller re-makes the list's
+    tensors (`adasum.transport.communicator.MOVED_CALLS`); `checked_as`: the operation a replay's cross-rank check
+    names (default `operation`). The graph key is the verdict's key with the entry and the topology."""
+    group = comm.group
+    verdict = prepare(tensors, group, config=config, operation=operation, what=what, sizes=sizes, check=check)
+    several = sizes is not None and len(tensors) > 1
+    native = op == ADASUM
+    local: Hashable = (entry, topology, tuple(map(_numel, tensors)) if several else None,
+                       tuple(map(_contiguous, tensors)) if native and sizes is None else None)
+    runs = verdict.runs
+    found = runs.get(local)
+    if found is not None:
+        return found
+    schedules: tuple[Schedule, ...] = ()
+    if not native:
+        work = cast(Callable[[Sequence[torch.Tensor]], None], op)
+    else:
+        ints = None if sizes is None else tuple(map(operator.index, sizes))
+        schedules, work = _planned(comm, tensors, ints, topology, transport, operation)
+        capturable = capturable and bool(schedules)  # one rank, or no tensors: nothing to capture
+        if ints is None:  # what the list's plan records (`adasum.checks.plan.Plan`)
+            verdict.transport = schedules[0].mover if schedules else None
+            verdict.fusion = tuple(s.fusion for s in schedules)
+    recheck_as = checked_as or operation
+    found = runs[local] = Execution(
+        verdict, entry, (verdict.key, entry, topology), group_device(group), capturable, moves and sizes is None,
+        sizes is not None, functools.partial(recheck, verdict, group, recheck_as, what=what), schedules, work,
+    )
+    while len(runs) > RUNS:
+        del runs[next(iter(runs))]
+    return found
+
+
+register_planner(plan_call)
+
+
+def _nothing(tensors: Sequence[torch.Tensor]) -> None:
+    """A group of one rank: nothing to combine."""
+
+
+def _planned(
+    comm: Communicator, tensors: Sequence[torch.Tensor], sizes: tuple[int, ...] | None, topology: Topology | None,
+    transport: str | Transport | None, operation: str,
+) -> tuple[tuple[Schedule, ...], Callable[[Sequence[torch.Tensor]], None]]:
+    """`ADASUM`'s schedules for `plan_call` and the work that runs them."""
+    group = comm.group
+    peers = dist.get_world_size(group) if topology is None else len(topology.peers)
+    if peers == 1:
+        return (), _nothing
+    if sizes is None:
+        schedules = _list_schedules(group, tensors, transport, operation)
+        return schedules, functools.partial(_run_list, comm, schedules)
+    if len(tensors) == 1:
+        nbytes = tensors[0].numel() * tensors[0].element_size()
+        mover = _mover(group, transport, nbytes, topology, operation)
+        schedule = Schedule((0,), sizes, mover, _kind(mover, sizes, tensors[0].element_size()), "view")
+        return (schedule,), functools.partial(_run_flat, group, topology, schedule)
+    cuts = _cuts(tensors, sizes)
+    schedules = _list_schedules(group, _segments(tensors, cuts), transport, operation)
+    return schedules, functools.partial(_run_batch, comm, cuts, schedules)
+
+
+def _mover(group: dist.ProcessGroup | None, name: str | Transport | None, nbytes: int, topology: Topology | None,
+           operation: str) -> Transport:
+    """The mover of `nbytes` bytes of one dtype: `name` (or that very transport), else the fastest that the group
+    (every rank a leader of the tree where it is a power of two; `topology`'s placement, if given) and the bytes
+    allow (`adasum.collectives.vhdd.transport_for`)."""
+    if isinstance(name, Transport):
+        return name
+    peers = dist.get_world_size(group) if topology is None else len(topology.peers)
     try:
-        chosen = list_transport(group, transport)
-    except ValueError as error:  # a transport the group cannot run: every rank asked for it (checked above)
+        return transport_for(group, name, topology is None and peers & (peers - 1) == 0, topology is not None,
+                             nbytes)
+    except ValueError as error:  # a transport the group cannot run: every rank asked for it (checked before)
         raise ValueError(f"{operation}: {error}") from None
 
-    if plan.transport is None:
-        plan.transport = chosen
-        plan.fusion = fusion(tensors, chosen)
 
-    def run() -> None:
-        adasum_list_(tensors, group, chosen, transport)
+def _kind(mover: Transport, sizes: Sequence[int], element_size: int) -> Kind:
+    """The schedule `mover` serves for tensors of `sizes` (its row of the movers' table,
+    `adasum.transport.registry.serves`)."""
+    if serves(mover) == "slices":
+        return "one-shot" if mover.name == "one-shot" else "slices"
+    capacity = mover.round_elements(element_size)
+    large = capacity is not None and mover.in_place is not None and any(n > capacity for n in sizes)
+    return "in place" if large else "vhdd"
 
-    key = comm.run(plan.key, tensor_key(tensors), run, group_device(group), first=tensors[0] if tensors else None)
-    handle = comm.graphs.handle(key)
-    if handle is not None:
-        remember(comm, _Last.of(tensors, transport, handle, plan))
+
+def _list_schedules(group: dist.ProcessGroup | None, tensors: Sequence[torch.Tensor],
+                    name: str | Transport | None, operation: str) -> tuple[Schedule, ...]:
+    """One `Schedule` per dtype of `tensors` (in `group_by_dtype` order)."""
+    out = []
+    for indices in group_by_dtype(tensors).values():
+        members = [tensors[i] for i in indices]
+        sizes = tuple(t.numel() for t in members)
+        mover = _mover(group, name, sum(sizes) * members[0].element_size(), None, operation)
+        out.append(Schedule(tuple(indices), sizes, mover, _kind(mover, sizes, members[0].element_size()),
+                            _fusion(members, mover)))
+    return tuple(out)
+
+
+def _run_list(comm: Communicator, schedules: Sequence[Schedule], tensors: Sequence[torch.Tensor]) -> None:
+    """Each dtype's tensors as its `Schedule` says: fused (into the mover's own buffer where it has one, else the
+    group's workspace), viewed or handed over in place, combined, and copied back."""
+    for schedule in schedules:
+        members = [tensors[i] for i in schedule.indices]
+        flat: torch.Tensor | Scattered
+        if schedule.fusion == "in place":  # the mover reads and writes the tensors where they are
+            adasum_flat_(Scattered(members), schedule.sizes, comm.group, transport=schedule.mover)
+            continue
+        if schedule.fusion == "view":
+            flat = members[0].view(-1)  # no fusion: no workspace either (a captured graph would keep it)
+        else:
+            numel = sum(schedule.sizes)
+            buffer = schedule.mover.fusion_buffer(numel, members[0])
+            flat = flatten(members, buffer if buffer is not None else comm.workspace.get("fusion", numel, members[0]))
+        adasum_flat_(flat, schedule.sizes, comm.group, transport=schedule.mover)
+        unflatten_into(flat, members)
+
+
+def _run_flat(group: dist.ProcessGroup | None, topology: Topology | None, schedule: Schedule,
+              tensors: Sequence[torch.Tensor]) -> None:
+    """One flat buffer on its `Schedule`'s mover (over `topology`'s placement, if given)."""
+    on_flat(tensors[0], lambda flat: adasum_flat_(flat, schedule.sizes, group, topology, transport=schedule.mover))
+
+
+def _cuts(buffers: Sequence[torch.Tensor], sizes: Sequence[int]) -> tuple[tuple[int, ...], ...]:
+    """Each buffer's share of `sizes` (segments end to end over the buffers)."""
+    out, start = [], 0
+    for buffer in buffers:
+        end, filled = start, 0
+        while filled < buffer.numel() and end < len(sizes):
+            filled += sizes[end]
+            end += 1
+        out.append(tuple(sizes[start:end]))
+        start = end
+    if start < len(sizes):  # empty segments at the end
+        out[-1] = (*out[-1], *sizes[start:])
+    return tuple(out)
+
+
+def _segments(buffers: Sequence[torch.Tensor], cuts: Sequence[Sequence[int]]) -> list[torch.Tensor]:
+    """The segments of `buffers` (flat), as `cuts` cut them."""
+    return [view for buffer, cut in zip(buffers, cuts) for view in buffer.view(-1).split(list(cut))]
+
+
+def batch_segments(buffers: Sequence[torch.Tensor], sizes: Sequence[int]) -> list[torch.Tensor]:
+    """The segments of several flat buffers whose segments are `sizes` end to end (a DDP batch), as views."""
+    return _segments(buffers, _cuts(buffers, sizes))
+
+
+def _run_batch(comm: Communicator, cuts: Sequence[Sequence[int]], schedules: Sequence[Schedule],
+               buffers: Sequence[torch.Tensor]) -> None:
+    """Several buffers, their segments combined as one list (per-tensor coefficients: the same either way)."""
+    _run_list(comm, schedules, _segments(buffers, cuts))
+
+
+def on_flat(buffer: torch.Tensor, combine: Callable[[torch.Tensor], None]) -> None:
+    """``combine(flat)`` on `buffer`'s elements in order (row-major) as one contiguous vector: a view of it, or of
+    a contiguous copy written back where it is not contiguous."""
+    if buffer.is_contiguous():
+        combine(buffer if buffer.dim() == 1 else buffer.view(-1))
+        return
+    flat = buffer.contiguous().view(-1)
+    combine(flat)
+    buffer.copy_(flat.view(buffer.shape))
 
 
 def check_transport(transport: object, operation: str) -> None:
@@ -185,116 +413,18 @@ def list_transport(
 
 
 def adasum_list_(
-    tensors: Sequence[torch.Tensor], group: dist.ProcessGroup | None, transport: Transport,
+    tensors: Sequence[torch.Tensor], group: dist.ProcessGroup | None, transport: Transport | None = None,
     name: str | Transport | None = None,
 ) -> None:
-    """Per-tensor Adasum of checked `tensors` in place: one flat buffer per dtype (`fused_per_dtype`, fused as
-    `transport`, the list's, takes them; a list it reads in place is not copied) through the schedule of `name` (a
-    name or a transport; None: the default for each dtype's bytes, `adasum.transport.select`, whose one-shot mover
-    takes the same fusion as the default for the whole list)."""
-    fused_per_dtype(
-        tensors, lambda flat, sizes: adasum_flat_(flat, sizes, group, transport=name), transport, group=group
-    )
+    """Per-tensor Adasum of checked `tensors` in place, as `ADASUM`'s plan runs it (`Schedule`: per dtype the mover
+    of `name`, or of `transport`, or the default for its bytes, its fusion), planned for this call alone."""
+    if dist.get_world_size(group) == 1:
+        return
+    chosen = name if name is not None else transport
+    _run_list(communicator(group), _list_schedules(group, tensors, chosen, "adasum.all_reduce"), tensors)
 
 
-_numel = torch.Tensor.numel
-
-RECENT = MAX_GRAPHS
-"""Captured list calls a group remembers for the replay's fast path (`_replayed`), as many as the graphs it keeps: a
-step that combines several lists (one per block or parameter group, say) replays each without the plan look-up,
-whose host time grows with the number of tensors (docs/benchmarks.md, settings)."""
-
-
-@dataclass(frozen=True)
-class _Last:
-    """One of the group's recent captured list calls: a repeat on tensors at the same addresses with the same sizes
-    (and the same transport keyword) replays its graph without the plan look-up (its checks passed at capture). The
-    tensors are held weakly: a caller that drops them (``zero_grad(set_to_none=True)``) frees their memory, and the
-    caching allocator may place the next ones there."""
-
-    transport: str | Transport | None
-    tensors: tuple  # weak references
-    pointers: tuple
-    sizes: tuple  # numbers of elements
-    shapes: tuple
-    dtypes: tuple
-    strides: tuple
-    graph: tuple  # its graph's `adasum.transport.graphs.Graphs.handle`
-    plan: Plan
-
-    @classmethod
-    def of(cls, tensors: Sequence[torch.Tensor], transport, graph: tuple, plan: Plan) -> _Last:
-        """The record of a captured call on `tensors` (checked, at least one) with the `transport` keyword."""
-        return cls(
-            transport, tuple(map(weakref.ref, tensors)), tuple(map(_data_ptr, tensors)), tuple(map(_numel, tensors)),
-            tuple(map(_shape, tensors)), tuple(map(_dtype, tensors)), tuple(map(_stride, tensors)),
-            graph, plan,
-        )
-
-    @property
-    def key(self) -> tuple[int, int]:
-        """What finds it among the group's recent calls: its number of tensors and the first one's address (a
-        repeat's own key: ``(len(tensors), tensors[0].data_ptr())``)."""
-        return len(self.pointers), self.pointers[0]
-
-
-_alive = weakref.ref.__call__
-
-
-def remember(comm: Communicator, last: _Last) -> None:
-    """Keep `last` among `comm`'s recent list calls (`RECENT`), by its `_Last.key`."""
-    comm.recent[last.key] = last
-    comm.recent.move_to_end(last.key)
-    while len(comm.recent) > RECENT:
-        comm.recent.popitem(last=False)
-
-
-def _placed_like(tensors: Sequence[torch.Tensor], last: _Last) -> bool:
-    """Whether other tensor objects at the addresses of the call `last`'s (new gradients that the caching allocator
-    placed where the last ones were) are what its graph was captured on: the same dtypes, shapes and strides, so
-    the same memory, which that call found disjoint and its checks passed on (the dtypes floating, the layouts
-    strided; equal addresses put them on its device: CUDA addresses are unified), and, where autograd records,
-    none that requires grad (the checked path's own refusal of a leaf an in-place write would fail on)."""
-    if tuple(map(_dtype, tensors)) != last.dtypes or tuple(map(_shape, tensors)) != last.shapes:
-        return False
-    if tuple(map(_stride, tensors)) != last.strides:
-        return False
-    return not (torch.is_grad_enabled() and any(map(_requires_grad, tensors)))
-
-
-def _replayed(comm: Communicator, group, transport, tensors, check_layout: bool) -> bool:
-    # host time is what the GPU waits for between calls: C-level maps, not a Python loop, and numbers of elements
-    # rather than shapes for a recent call's own tensors (a shape is a new torch.Size per tensor; docs/benchmarks.md,
-    # where the time goes); the addresses first for other objects, which most often differ (`_placed_like` after
-    # them); the fingerprint still goes out (`adasum.checks.plan`). `tensors` is the caller's argument,
-    # unchecked: a tensor, or a list or tuple of a recent call's (checked) tensors or of others placed like them.
-    # The graph reads and writes each tensor as the elements from its address on, so that call's tensors replay it
-    # wherever their addresses and sizes are the same
-    if not comm.recent:
-        return False
-    if isinstance(tensors, torch.Tensor):
-        tensors = (tensors,)
-    elif type(tensors) not in (list, tuple) or not tensors or not isinstance(tensors[0], torch.Tensor):
-        return False
-    last = comm.recent.get((len(tensors), _data_ptr(tensors[0])))  # a recent call's `_Last.key`
-    if last is None or last.transport != transport:
-        return False
-    same = all(map(operator.is_, map(_alive, last.tensors), tensors))
-    try:
-        if tuple(map(_data_ptr, tensors)) != last.pointers:
-            return False
-        if not ((tuple(map(_numel, tensors)) == last.sizes) if same else _placed_like(tensors, last)):
-            return False
-    except (TypeError, RuntimeError):  # not a tensor, or one without storage or strides (sparse): the checked path
-        return False
-    graphs = comm.graphs
-    if not graphs.replayable(last.graph):  # before the check: the checked path that follows checks the call itself
-        return False
-    if check_layout:
-        recheck(last.plan, group, "adasum.all_reduce", lambda: graphs.launch(last.graph))
-    else:
-        graphs.launch(last.graph)
-    return True
+_numel, _contiguous = torch.Tensor.numel, torch.Tensor.is_contiguous
 
 
 def fused_per_dtype(
@@ -338,9 +468,6 @@ def fused_per_dtype(
             flat = flatten(members, buffer if buffer is not None else workspace.get("fusion", numel, members[0]))
         combine(flat, [t.numel() for t in members])
         unflatten_into(flat, members)
-
-
-Fusion = Literal["in place", "view", "fused"]
 
 
 def _fusion(members: Sequence[torch.Tensor], transport: Transport | None) -> Fusion:

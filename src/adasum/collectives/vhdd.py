@@ -226,10 +226,10 @@ def adasum_flat_(
         run()
         return
     # the schedule's plan (transport, dtype, layout, placement) and where the buffer lies; inside a captured list
-    # call or hook this runs eagerly into that capture (`Communicator.run`)
+    # call or hook this runs eagerly into that capture (`Communicator.capture`)
     schedule = ("adasum_flat_", transport.name, buffer.dtype, buffer.numel(), layout.sizes, placement)
     where = buffer.key if isinstance(buffer, Scattered) else buffer.data_ptr()
-    communicator(group).run(schedule, where, run, buffer.device)
+    communicator(group).capture(schedule, where, run, buffer.device)
 
 
 def run_schedule(

@@ -328,26 +328,16 @@ def _plan(state: AdasumState, bucket: dist.GradBucket, buffer: torch.Tensor) -> 
     return plan
 
 
-def _combine(state: AdasumState, batch: list[tuple[torch.Tensor, _BucketPlan, Any]]) -> None:
-    """Combine a batch of buckets in place: one bucket through `Reducer.all_reduce_flat`, several as one list of
-    their segments through `Reducer.all_reduce` (per-tensor reducers only: the same coefficients either way)."""
-    reducer = state.reducer
-    if len(batch) == 1:
-        buffer, plan, _ = batch[0]
-        reducer.all_reduce_flat(buffer, plan.sizes, state.group, check_layout=False)
-        return
-    segments = [view for buffer, plan, _ in batch for view in buffer.split(plan.sizes)]
-    reducer.all_reduce(segments, state.group, check_layout=False)
-
-
 def _take_open_batch(state: AdasumState) -> list[tuple[torch.Tensor, _BucketPlan, torch.futures.Future]]:
     batch, state._open, state._open_bytes = state._open, [], 0
     return batch
 
 
 def _close_batch(state: AdasumState) -> None:
-    """Combine the open batch and complete its Futures (on NCCL: enqueued on the side stream, replayed from a
-    captured graph when the same batch comes again; `Communicator.run` runs it eagerly elsewhere)."""
+    """Combine the open batch and complete its Futures: through the reducer's plan of the batch (one bucket as a
+    flat buffer, several as one list of their segments: per-tensor reducers only, the same coefficients either way),
+    on NCCL enqueued on the side stream and replayed from a captured graph when the same batch comes again
+    (`adasum.transport.communicator.Communicator.replay`); `Communicator.run` runs it eagerly elsewhere."""
     batch = _take_open_batch(state)
     if not batch:
         return
@@ -359,12 +349,15 @@ def _close_batch(state: AdasumState) -> None:
     if key not in state._agreed:
         _agree_batch(state, batch)
         state._agreed.add(key)
+    buffers = [buffer for buffer, _, _ in batch]
+    comm = communicator(state.group)
+    entry = ("adasum_hook", key)  # the key names the reducer (its id) and each bucket's address and segments
     with torch.cuda.stream(side) if device.type == "cuda" else contextlib.nullcontext():
         with state._statistics.call(key, device):
-            if state.reducer.capturable:
-                communicator(state.group).run("adasum_hook", key, lambda: _combine(state, batch), device)
-            else:
-                _combine(state, batch)
+            if not comm.replay(entry, buffers):  # a repeat of a captured batch: its graph, nothing else
+                sizes = [n for _, plan, _ in batch for n in plan.sizes]
+                comm.run(state.reducer._plan(entry, buffers, sizes, state.group, "none", "adasum_hook",
+                                             "bucket segments", {}), buffers)
         for tensor, _, future in batch:
             future.set_result(tensor)
 

@@ -111,7 +111,8 @@ class DeltaCombiner:
         self.flats: list[torch.Tensor] = []  # the anchor's storage, one flat buffer per bucket
         self._memory: tuple = ()  # the addresses of the parameters the anchor was made for (`fits`)
         self._mark: tuple | None = None  # the parameters as the last combination left them (`current`)
-        self._slots: dict[tuple, torch.Tensor] = {}  # `IN_FLIGHT` delta buffers per dtype and device
+        self._slots: dict[tuple, torch.Tensor] = {}  # `IN_FLIGHT` delta buffers per dtype and device (`slot`), and
+        # gradient mode's buffer per bucket (`gradient_slot`)
         self._plan: list = []  # the buckets' parameters (`plan`), for `_plan_key`
         self._plan_key: tuple | None = None
 
@@ -219,12 +220,30 @@ class DeltaCombiner:
             buffer = self._slots[key] = torch.empty(numel, dtype=like.dtype, device=like.device)
         return buffer[:numel]
 
+    def gradient_slot(self, number: int, numel: int, like: torch.Tensor) -> torch.Tensor:
+        """The first `numel` elements of gradient bucket `number`'s own flat buffer for `like`'s dtype and device
+        (gradient mode; grown as needed): kept between steps, so that a repeated step's bucket lies where it lay
+        and its captured call replays (`combine_flat`)."""
+        key = ("gradients", number, like.device, like.dtype)
+        buffer = self._slots.get(key)
+        if buffer is None or buffer.numel() < numel:
+            buffer = self._slots[key] = torch.empty(numel, dtype=like.dtype, device=like.device)
+        return buffer[:numel]
+
     def combine_flat(self, flat: torch.Tensor, sizes: list[int], label: str = "delta") -> None:
-        """The reducer on one bucket's flat buffer, recorded as one call of the combination; the key names what a
-        captured CUDA graph of the call depends on (its buffer and layout)."""
-        key = (label, flat.data_ptr(), flat.dtype, flat.numel(), tuple(sizes))
+        """The reducer on one bucket's flat buffer through its plan (`adasum.reducers.Reducer.all_reduce_flat`'s,
+        unchecked: the layouts were agreed; a repeat of a captured bucket replays its graph,
+        `adasum.transport.communicator.Communicator.replay`), recorded as one call of the combination; the key
+        names what a captured CUDA graph of the call depends on (its buffer and layout)."""
+        layout = tuple(sizes)
+        key = (label, flat.data_ptr(), flat.dtype, flat.numel(), layout)
+        comm = communicator(self.group)
+        entry = (label, id(self.reducer), layout)
         with self.statistics.call(key, flat.device):
-            self.reducer.all_reduce_flat(flat, sizes, self.group, check_layout=False)
+            if not comm.replay(entry, (flat,)):  # a repeat of a captured bucket: its graph, nothing else
+                operation = f"adasum.{type(self.reducer).__name__}.all_reduce_flat"
+                comm.run(self.reducer._plan(entry, [flat], layout, self.group, "none", operation, "bucket segments",
+                                            {}), [flat])
 
     def combine(
         self,

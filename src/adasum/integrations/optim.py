@@ -98,6 +98,8 @@ from adasum.transport.groups import group_device
 
 __all__ = ["DistributedOptimizer", "buckets", "check_same_parameters", "checksum", "nonfinite_message"]
 
+_numel = torch.Tensor.numel
+
 
 def checksum(tensor: torch.Tensor) -> torch.Tensor:
     """Two int64 sums of the tensor's bits (plain and position-weighted), exact in any order of
@@ -706,9 +708,11 @@ class DistributedOptimizer(torch.optim.Optimizer):
             self._checked_present = present
         elif any(g.is_sparse for g in grads):
             raise TypeError(f"{operation}: {_sparse_message(self._label(present[0]))}")
-        for bucket in buckets(grads, self.bucket_cap_bytes):
+        for number, bucket in enumerate(buckets(grads, self.bucket_cap_bytes)):
             members = [grads[i] for i in bucket]
-            flat = flatten(members)
+            one = len(members) == 1 and members[0].is_contiguous()  # a view of it: no copy, no buffer
+            flat = flatten(members, None if one else self._deltas.gradient_slot(number, sum(map(_numel, members)),
+                                                                             members[0]))
             self._deltas.combine_flat(flat, [g.numel() for g in members], "gradient")
             unflatten_into(flat, members)
         self._statistics.finish_step()

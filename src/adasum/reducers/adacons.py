@@ -501,7 +501,7 @@ class AdaCons(Reducer):
     def check_shards(self, shards: int) -> None:
         """Any number of shards: the partials are summed over the shard group."""
 
-    def all_reduce_shards(self, buffer, sizes, groups: Topology, *, key=None):
+    def _all_reduce_shards(self, buffer, sizes, groups: Topology, *, key=None):
         """As `all_reduce_flat` over the replicate group, except that each replica's per-tensor partial
         ``<g_i, m>``, ``|g_i|^2``, ``|m|^2`` are first summed over its shard group (coefficients of the
         whole tensors): the one distributed form (`_all_reduce_buffers`) with the grid's shard group. `key`

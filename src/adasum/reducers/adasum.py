@@ -9,7 +9,7 @@ import torch
 import torch.distributed as dist
 
 from adasum.collectives import hierarchical
-from adasum.collectives.api import adasum_list_, list_transport
+from adasum.collectives.api import ADASUM, adasum_list_
 from adasum.collectives.vhdd import adasum_flat_
 from adasum.core.layout import group_by_dtype
 from adasum.core.operator import check_floating
@@ -107,15 +107,21 @@ class Adasum(Reducer):
             found = self._hierarchies[group] = (pg, hierarchical.build_hierarchy(group, self.local_size, exact=exact))
         return found[1]
 
+    def _op(self, group, sizes, options, topology=None):
+        """Flat and per tensor: the collectives' own Adasum (`adasum.collectives.api.ADASUM`), planned as
+        `adasum.all_reduce` plans it (per dtype the mover its bytes allow; a transport that reads lists in place takes
+        contiguous tensors where they lie: no fusion copy). Hierarchical or whole-model: its own forms. No keyword
+        options (`Reducer.call_options`): the transport and the non-finite policy are `adasum.all_reduce`'s."""
+        if self.hierarchical or not self.per_tensor:
+            return super()._op(group, sizes, options, topology)
+        return ADASUM
+
     def _all_reduce(self, tensors, group=None):
-        """Per tensor and flat, one buffer per dtype on the fastest transport: a transport that reads lists in place
-        (symmetric memory) takes contiguous tensors where they lie, as `adasum.all_reduce` does (no fusion copy).
-        No keyword options (`Reducer.call_options`): the transport and the non-finite policy are
-        `adasum.all_reduce`'s."""
+        """Per tensor and flat: as `_op`'s plan runs it, planned for this call alone (`adasum_list_`)."""
         if self.hierarchical or not self.per_tensor:
             super()._all_reduce(tensors, group)
             return
-        adasum_list_(tensors, group, list_transport(group))
+        adasum_list_(tensors, group)
 
     def _all_reduce_flat(self, buffer, sizes, group=None):
         sizes = sizes if self.per_tensor else [buffer.numel()]
@@ -132,7 +138,7 @@ class Adasum(Reducer):
                 "(shard means are combined across replicas); use Adasum() without hierarchical"
             )
 
-    def all_reduce_shards(self, buffer, sizes, groups: Topology, *, key=None):
+    def _all_reduce_shards(self, buffer, sizes, groups: Topology, *, key=None):
         """The VHDD tree over the replicas holding this rank's shard (`groups.peers`); each level's per-tensor
         partial ``<a,b>``, ``|a|^2``, ``|b|^2`` are summed over the shard group too, so every shard applies
         the coefficients of the whole tensor. One shard per replica: the replicate group's own tree, on

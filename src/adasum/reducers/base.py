@@ -27,13 +27,16 @@ CUDA graph can capture it: the DDP hook replays the graph of a repeated batch of
 ``elementwise`` (each element of the result depends on that element of the inputs only) and
 ``homogeneous`` (inputs scaled by k > 0 give the result scaled by k).
 A subclass implements `reduce` and `_all_reduce_flat` (and `_all_reduce` to combine across
-dtypes, as AdaCons does); the public methods add the checks.
+dtypes, as AdaCons does; `_all_reduce_shards` for the sharded form); the public methods add the checks and run the
+call through its plan (`adasum.transport.communicator.Communicator.plan` and ``run``; `_op` says what the plan
+executes: the reducer's own forms, or the collectives' own Adasum schedules).
 
 Sharded form: ``all_reduce_shards(buffer, sizes, groups)`` combines, across the replicas of a
 `ShardGroups` grid, a flat buffer that holds this rank's shard of each tensor, with the
 coefficients of the whole tensors (FSDP2 across replicas, `adasum.fsdp`). ``check_shards(shards)``
 says beforehand whether a reducer can: element-wise reducers run on the shards as they are; a
-reducer with coefficients overrides both (Adasum, AdaCons); any reducer combines whole tensors
+reducer with coefficients overrides `check_shards` and `_all_reduce_shards` (Adasum, AdaCons); any reducer
+combines whole tensors
 (one shard per replica).
 
 What is combined (gradients, optimizer deltas, model deltas) and what happens afterwards (an
@@ -46,7 +49,7 @@ from __future__ import annotations
 
 import difflib
 import operator
-from collections.abc import Iterable, Iterator, Mapping, Sequence
+from collections.abc import Hashable, Iterable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from typing import Any
 
@@ -54,11 +57,20 @@ import torch
 import torch.distributed as dist
 
 from adasum.checks.agreement import tensor_list
-from adasum.checks.plan import prepare
-from adasum.collectives.api import fused_per_dtype
+from adasum.checks.plan import Check
+from adasum.collectives.api import batch_segments, fused_per_dtype, on_flat
+from adasum.transport.communicator import communicator
 from adasum.transport.groups import check_group
 from adasum.transport.topology import ShardGroups as ShardGroups  # its public path, `adasum.reducers.ShardGroups`
 from adasum.transport.topology import Topology
+
+_INT = frozenset({int})
+
+
+def _identity(reducer: Reducer) -> Hashable:
+    """What names `reducer` in a call's entry (`adasum.transport.communicator.Communicator.replay`): the object, or
+    its id where its class is not hashable (a dataclass with ``eq=True``)."""
+    return reducer if type(reducer).__hash__ is not None else id(reducer)
 
 
 class Reducer:
@@ -108,13 +120,21 @@ class Reducer:
         ``check_layout=False`` (then raised on this rank only). A dead peer raises
         `adasum.CollectiveError`. `options` are the reducer's `call_options` (AdaCons: ``key``); any
         other keyword raises TypeError (for a non-finite check, `adasum.check_finite` first).
+        A capturable reducer's repeated call on GPU tensors replays a captured CUDA graph of the whole call, as
+        `adasum.all_reduce` does (`adasum.transport.communicator.Communicator.replay`).
         """
         operation = f"adasum.{type(self).__name__}.all_reduce"
         self._check_options(options, operation)
+        entry = (operation, _identity(self), repr(sorted(options.items())) if options else "")
+        if (group is None or isinstance(group, dist.ProcessGroup)) and dist.is_initialized():
+            if communicator(group).replay(entry, tensors, check_layout):
+                return
         tensors = tensor_list(tensors, operation)
-        self._prepare(tensors, None, group, check_layout, operation, "tensors", options)
+        check_group(group, operation)
+        plan = self._plan(entry, tensors, None, group, "call" if check_layout else "none", operation, "tensors",
+                          options)
         if tensors:
-            self._all_reduce(tensors, group, **options)
+            communicator(group).run(plan, tensors)
 
     def all_reduce_flat(
         self,
@@ -136,14 +156,17 @@ class Reducer:
         self._check_options(options, operation)
         if not isinstance(buffer, torch.Tensor):
             raise TypeError(f"{operation}: buffer must be a torch.Tensor, got {type(buffer).__name__}")
-        self._prepare([buffer], sizes, group, check_layout, operation, "bucket segments", options)
-        sizes = list(map(operator.index, sizes))  # integers: checked with the layout
-        if buffer.is_contiguous():  # the combinations read and write one contiguous vector: a view of it
-            self._all_reduce_flat(buffer if buffer.dim() == 1 else buffer.view(-1), sizes, group, **options)
-            return
-        flat = buffer.contiguous().view(-1)
-        self._all_reduce_flat(flat, sizes, group, **options)
-        buffer.copy_(flat.view(buffer.shape))
+        layout = tuple(sizes) if type(sizes) in (list, tuple) else None
+        entry = (operation, _identity(self), repr(sorted(options.items())) if options else "", layout)
+        if layout is not None and set(map(type, layout)) <= _INT and dist.is_initialized() and (
+            group is None or isinstance(group, dist.ProcessGroup)
+        ):
+            if communicator(group).replay(entry, buffer, check_layout):
+                return
+        check_group(group, operation)
+        what = "bucket segments"
+        plan = self._plan(entry, [buffer], sizes, group, "call" if check_layout else "none", operation, what, options)
+        communicator(group).run(plan, [buffer])
 
     def _check_options(self, options: dict[str, Any], operation: str) -> None:
         """TypeError, on this rank before anything moves, for a keyword option the reducer does not take."""
@@ -156,22 +179,46 @@ class Reducer:
                 f"{operation}: unexpected keyword argument {unknown[0]!r}; {type(self).__name__} takes {takes}"
             )
 
-    def _prepare(
+    def _plan(
         self,
+        entry: Hashable,
         tensors: list[torch.Tensor],
         sizes: Sequence[Any] | None,
         group: dist.ProcessGroup | None,
-        check_layout: bool,
+        check: Check,
         operation: str,
         what: str,
         options: dict[str, Any],
-    ) -> None:
-        """The call's plan (`adasum.checks.plan.prepare`): the reducer, its options and the layout agree
-        across ranks on every call (with `check_layout`), local problems are raised."""
-        check_group(group, operation)
+        topology: Topology | None = None,
+    ) -> Any:
+        """The call's plan (`adasum.transport.communicator.Communicator.plan`): the reducer, its options and the
+        layout agree across ranks on every call (`check` "call"), local problems are raised; the reducer's
+        combination (`_op`) is what it executes. `tensors` is a list, or ``[buffer]`` (or several buffers: a DDP
+        batch) with `sizes`."""
         config = (operation, repr(self), repr(sorted(options.items())))
-        prepare(tensors, group, config=config, operation=operation, what=what, sizes=sizes,
-                check="call" if check_layout else "none")
+        return communicator(group).plan(
+            entry, tensors, self._op(group, sizes, options, topology), topology, config=config, operation=operation,
+            what=what, sizes=sizes, check=check, capturable=self.capturable, moves=sizes is None,
+        )
+
+    def _op(
+        self, group: dist.ProcessGroup | None, sizes: Sequence[Any] | None, options: dict[str, Any],
+        topology: Topology | None = None,
+    ) -> Any:
+        """What a call's plan runs (`adasum.collectives.api.plan_call`'s `op`): the reducer's own forms on the call's
+        checked tensors (`_all_reduce` on a list or a batch's segments, `_all_reduce_flat` on one buffer); a reducer
+        whose combination the collectives plan themselves returns `adasum.collectives.api.ADASUM`."""
+        if sizes is None:
+            return lambda tensors: self._all_reduce(list(tensors), group, **options)
+
+        def flat(buffers: Sequence[torch.Tensor]) -> None:
+            ints = list(map(operator.index, sizes))  # integers: checked with the layout
+            if len(buffers) > 1:  # several buffers (a DDP batch): their segments as one list
+                self._all_reduce(batch_segments(buffers, ints), group, **options)
+                return
+            on_flat(buffers[0], lambda vector: self._all_reduce_flat(vector, ints, group, **options))
+
+        return flat
 
     def _all_reduce(self, tensors: list[torch.Tensor], group: dist.ProcessGroup | None, **options: Any) -> None:
         """Combine checked `tensors` in place (default: one flat buffer per dtype, `_all_reduce_flat`)."""
@@ -197,10 +244,28 @@ class Reducer:
         """In place across the replicas of `groups`: `buffer` holds this rank's shard of each tensor of
         `sizes` (shard sizes, end to end; zero padding adds nothing), combined per whole tensor.
 
-        Nothing is checked: the caller agreed on the layout across the grid and called `check_shards`.
-        `key` names the state of a reducer that keeps one (AdaCons' momentum). The default serves
-        element-wise reducers and one shard per replica: `_all_reduce_flat` over the replicate group.
-        """
+        Nothing is checked across ranks: the caller agreed on the layout across the grid and called `check_shards`
+        (local problems of the buffer are raised on this rank). `key` names the state of a reducer that keeps one
+        (AdaCons' momentum). The combination is `_all_reduce_shards`, run through the grid group's plan (a
+        capturable reducer's repeat replays its graph: `adasum.transport.communicator.Communicator.replay`)."""
+        operation = f"adasum.{type(self).__name__}.all_reduce_shards"
+        shards = tuple(int(n) for n in sizes)
+        entry = (operation, _identity(self), groups, key, shards)
+        comm = communicator(groups.group)
+        if comm.replay(entry, buffer):
+            return
+        plan = comm.plan(
+            entry, [buffer], lambda buffers: self._all_reduce_shards(buffers[0], shards, groups, key=key), groups,
+            config=(operation, repr(self), f"key={key}"), operation=operation, what="shards", check="none",
+            capturable=self.capturable,
+        )
+        comm.run(plan, [buffer])
+
+    def _all_reduce_shards(
+        self, buffer: torch.Tensor, sizes: Sequence[int], groups: Topology, *, key: str | None = None
+    ) -> None:
+        """`all_reduce_shards`' combination. The default serves element-wise reducers and one shard per replica:
+        `_all_reduce_flat` over the replicate group."""
         self._all_reduce_flat(buffer, [int(n) for n in sizes], groups.replicate)
 
     def setup(self, group: dist.ProcessGroup | None = None) -> None:

@@ -10,21 +10,22 @@ from __future__ import annotations
 
 import atexit
 import functools
+import operator
 import sys
 import threading
 import warnings
 import weakref
 from collections import OrderedDict
-from collections.abc import Callable, Hashable
-from typing import Any, TypeVar, cast
+from collections.abc import Callable, Hashable, Sequence
+from dataclasses import dataclass
+from typing import Any, Protocol, TypeVar, cast
 
 import torch
 import torch.distributed as dist
 
 from adasum.kernels import clear_device_caches
-from adasum.kernels.addresses import AddressTables
 from adasum.options import user_stacklevel
-from adasum.transport.graphs import Graphs
+from adasum.transport.graphs import MAX_GRAPHS, Graphs, tensor_key
 from adasum.transport.groups import check_group, group_timeout, register_exit_handler
 
 R = TypeVar("R")
@@ -33,6 +34,87 @@ R = TypeVar("R")
 MOVED_CALLS = 8
 """List calls in a row of one layout re-made at new addresses (each run eagerly) before a group's communicator warns
 (`Communicator.run`): a repeated call replays its CUDA graph only where its tensors lie where they lay."""
+
+RECENT = MAX_GRAPHS
+"""Captured calls a group remembers for the replay's fast path (`Communicator.replay`), as many as the graphs it keeps:
+a step that combines several lists (one per block or parameter group, say) or buckets replays each without the plan
+look-up, whose host time grows with the number of tensors (docs/benchmarks.md, settings)."""
+
+
+class Runnable(Protocol):
+    """What `Communicator.run` executes: a call's plan (`adasum.collectives.api.Execution`, made by
+    `Communicator.plan`). Its fields, decided once per layout and configuration: `entry` (the entry point and the
+    options a repeat must match to take the fast path), `key` (the plan's part of its CUDA graphs' keys), `device`,
+    `capturable` (the work never waits on the host, so a graph may hold it), `moves` (a list whose tensors the
+    caller re-makes: `MOVED_CALLS` counts them), `exact` (a repeat must match shapes and strides, not only numbers of
+    elements: a flat buffer's segments follow its element order), `check` (the per-call cross-rank check around a
+    replay, or None) and ``execute(tensors)`` (the eager work)."""
+
+    entry: Hashable
+    key: Hashable
+    device: torch.device
+    capturable: bool
+    moves: bool
+    exact: bool
+    check: Callable[[Callable[[], None]], None] | None
+
+    def execute(self, tensors: Sequence[torch.Tensor]) -> None:
+        """Combine `tensors` as planned (eagerly, or into a capture)."""
+
+
+# the per-tensor reads of the replay's fast path, as C-level callables for `map`
+_data_ptr, _stride, _numel = torch.Tensor.data_ptr, torch.Tensor.stride, torch.Tensor.numel
+_dtype, _shape, _requires_grad = (operator.attrgetter(a) for a in ("dtype", "shape", "requires_grad"))
+_alive = weakref.ref.__call__
+
+
+@dataclass(frozen=True)
+class Recent:
+    """One of the group's recent captured calls: a repeat of its entry on tensors at the same addresses with the same
+    sizes replays its graph without the plan look-up (its checks passed at capture). The tensors are held weakly: a
+    caller that drops them (``zero_grad(set_to_none=True)``) frees their memory, and the caching allocator may place
+    the next ones there."""
+
+    entry: Hashable
+    tensors: tuple  # weak references
+    pointers: tuple
+    sizes: tuple  # numbers of elements
+    shapes: tuple
+    dtypes: tuple
+    strides: tuple
+    graph: tuple  # its graph's `adasum.transport.graphs.Graphs.handle`
+    check: Callable[[Callable[[], None]], None] | None
+    exact: bool
+
+    @classmethod
+    def of(cls, entry: Hashable, tensors: Sequence[torch.Tensor], graph: tuple,
+           check: Callable[[Callable[[], None]], None] | None = None, exact: bool = False) -> Recent:
+        """The record of a captured call of `entry` on `tensors` (checked, at least one)."""
+        return cls(
+            entry, tuple(map(weakref.ref, tensors)), tuple(map(_data_ptr, tensors)), tuple(map(_numel, tensors)),
+            tuple(map(_shape, tensors)), tuple(map(_dtype, tensors)), tuple(map(_stride, tensors)),
+            graph, check, exact,
+        )
+
+    @property
+    def key(self) -> tuple[int, int]:
+        """What finds it among the group's recent calls: its number of tensors and the first one's address (a
+        repeat's own key: ``(len(tensors), tensors[0].data_ptr())``)."""
+        return len(self.pointers), self.pointers[0]
+
+
+def _placed_like(tensors: Sequence[torch.Tensor], last: Recent) -> bool:
+    """Whether tensors at the addresses of the call `last`'s (new gradients that the caching allocator placed where
+    the last ones were, or the same objects where the layout is exact) are what its graph was captured on: the same
+    dtypes, shapes and strides, so the same memory, which that call found disjoint and its checks passed on (the
+    dtypes floating, the layouts strided; equal addresses put them on its device: CUDA addresses are unified), and,
+    where autograd records, none that requires grad (the checked path's own refusal of a leaf an in-place write would
+    fail on)."""
+    if tuple(map(_dtype, tensors)) != last.dtypes or tuple(map(_shape, tensors)) != last.shapes:
+        return False
+    if tuple(map(_stride, tensors)) != last.strides:
+        return False
+    return not (torch.is_grad_enabled() and any(map(_requires_grad, tensors)))
 
 
 class Workspace:
@@ -59,11 +141,17 @@ class Workspace:
 class Communicator:
     """Everything adasum keeps for one process group, made on the group's first collective
     (`communicator`) and dropped by `release`: the transports (built once per name), the checks'
-    control group, the plans per layout (`adasum.checks.plan`), the captured CUDA graphs and
-    their one capture point (`run`), the resources by owner (`resource`: the symmetric memory,
+    control group, the plans per layout (`adasum.checks.plan`, each with the executions its entry points
+    planned on it: `plan`), the captured CUDA graphs and their one capture point (`capture`, which `run` calls),
+    the recent captured calls (`replay`), the resources by owner (`resource`: the symmetric memory,
     `adasum.transport.symmetric.SymmetricPool`),
-    the tile addresses of lists the kernels read in place (`adasum.kernels.addresses.AddressTables`),
-    the CPU workspaces, and the guard thread of the deferred checks (stopped by `clear`).
+    the tile addresses of lists the kernels read in place (`adasum.kernels.addresses.AddressTables`, made on first
+    use), the CPU workspaces, and the guard thread of the deferred checks (stopped by `clear`).
+
+    Every entry point that combines (`adasum.all_reduce`, a reducer's `all_reduce`, `all_reduce_flat` and
+    `all_reduce_shards`, the DDP hook's batch, the delta combiner's bucket for `adasum.DistributedOptimizer` and
+    `adasum.SlowMo`) takes one road: ``replay(entry, tensors)`` (a repeat of a recent captured call: its graph
+    launched, nothing else), else ``run(plan(entry, tensors, op, topology, ...), tensors)``.
 
     Calls on one group must come from one thread at a time (as torch.distributed's own collectives
     must: their order pairs them across ranks); different groups may run on different threads.
@@ -78,16 +166,26 @@ class Communicator:
         self.graphs = Graphs()
         # per-group resources by owner (`resource`): the symmetric transports' `SymmetricPool`, say
         self.resources: dict[type, Any] = {}
-        self.tiles = AddressTables()
+        self._tiles: Any = None  # `tiles`, made on first use (the GPU kernels' lists)
         self.workspace = Workspace()
-        # the recent captured list calls, by (number of tensors, first tensor's address): their replays skip the plan
-        # look-up (`adasum.collectives.api`)
+        # the recent captured calls (`Recent`), by (number of tensors, first tensor's address): their replays skip
+        # the plan look-up (`replay`)
         self.recent: OrderedDict[tuple[int, int], Any] = OrderedDict()
         self.guard: Any = None  # the thread that compares deferred checks (`adasum.checks.guard`)
         self.one_rank_warned = False  # a group of one rank was warned for (`adasum.transport.alone`)
         # the last list call's plan, a weak reference to its first tensor, and how many list calls in a row of that
-        # plan ran eagerly on tensors re-made at new addresses (`run`, `_note_moves`)
+        # plan ran eagerly on tensors re-made at new addresses (`capture`, `_note_moves`)
         self._moves: tuple[Hashable, Any, int] = (None, None, 0)
+
+    @property
+    def tiles(self) -> Any:
+        """The group's tile addresses of lists the kernels read in place (`adasum.kernels.addresses.AddressTables`),
+        made on first use."""
+        if self._tiles is None:
+            from adasum.kernels.addresses import AddressTables  # GPU kernels' tables: not on a CPU call's path
+
+            self._tiles = AddressTables()
+        return self._tiles
 
     def resource(self, owner: type[R], make: Callable[[], R]) -> R:
         """The group's resource of class `owner` (memory that several of its transports share), made once
@@ -110,15 +208,90 @@ class Communicator:
             found = self.transports[key] = build()
         return found
 
-    def run(
+    def plan(self, entry: Hashable, tensors: Sequence[torch.Tensor], op: Any, topology: Any = None,
+             **how: Any) -> Runnable:
+        """The plan of a call of `entry` on `tensors` (a list, or ``[buffer]`` with ``sizes=`` its segments), combined
+        by `op` over `topology` (a placement, `adasum.transport.topology.Topology`, or None: the whole group): the
+        checks' verdict for this call, then what was decided once for its layout and configuration (the schedule,
+        the mover per dtype, the fusion, the graph key). The planner is the collectives layer's
+        (`adasum.collectives.api.plan_call`, which documents `op` and `how`), registered when it is imported: the
+        checks and schedules it reads lie above this layer."""
+        planner = _registry.planner
+        if planner is None:  # the collectives are imported with `adasum`; a bare transport import plans nothing
+            raise RuntimeError("Communicator.plan: import adasum (its collectives register the planner)")
+        return cast(Runnable, planner(self, entry, tensors, op, topology, **how))
+
+    def run(self, plan: Runnable, tensors: Sequence[torch.Tensor]) -> None:
+        """Execute `plan` (`plan`) on `tensors`: the one capture-and-replay point of every entry point. Eagerly where
+        it is not capturable or graphs are off (the CPU); else through `capture` (eager on the tensors' first sight,
+        captured on the second, replayed from then on), and a captured call is remembered for `replay`'s fast path
+        (`RECENT` of them)."""
+        if not plan.capturable or not self.graphs.backend.enabled(plan.device):
+            plan.execute(tensors)
+            return
+        key = self.capture(plan.key, tensor_key(tensors), functools.partial(plan.execute, tensors), plan.device,
+                           first=tensors[0] if plan.moves and tensors else None)
+        handle = self.graphs.handle(key)
+        if handle is not None and tensors:
+            self.remember(Recent.of(plan.entry, tensors, handle, plan.check, plan.exact))
+
+    def replay(self, entry: Hashable, tensors: Any, check: bool = False) -> bool:
+        """`run`'s fast path: where `tensors` (the caller's argument, unchecked: a tensor, or a list or tuple of a
+        recent captured call's tensors or of others placed like them) repeat a recent captured call of `entry`,
+        launch its graph (with `check`, inside the call's cross-rank check: `Recent.check`) and return True; else
+        False, and the caller plans and runs the call.
+
+        Host time is what the GPU waits for between calls: C-level maps, not a Python loop, and numbers of elements
+        rather than shapes for a recent call's own tensors (a shape is a new torch.Size per tensor; docs/benchmarks.md,
+        where the time goes) unless its layout is exact; the addresses first for other objects, which most often
+        differ (`_placed_like` after them). The graph reads and writes each tensor as the elements from its address
+        on, so that call's tensors replay it wherever their addresses and sizes are the same."""
+        if not self.recent:
+            return False
+        if isinstance(tensors, torch.Tensor):
+            tensors = (tensors,)
+        elif type(tensors) not in (list, tuple) or not tensors or not isinstance(tensors[0], torch.Tensor):
+            return False
+        last = self.recent.get((len(tensors), _data_ptr(tensors[0])))  # a recent call's `Recent.key`
+        if last is None or last.entry != entry:
+            return False
+        same = all(map(operator.is_, map(_alive, last.tensors), tensors))
+        try:
+            if tuple(map(_data_ptr, tensors)) != last.pointers:
+                return False
+            if same and not last.exact:
+                if tuple(map(_numel, tensors)) != last.sizes:
+                    return False
+            elif not _placed_like(tensors, last):
+                return False
+        except (TypeError, RuntimeError):  # not a tensor, or one without storage or strides (sparse): the checked path
+            return False
+        graphs = self.graphs
+        if not graphs.replayable(last.graph):  # before the check: the checked path that follows checks the call itself
+            return False
+        if check and last.check is not None:
+            last.check(functools.partial(graphs.launch, last.graph))
+        else:
+            graphs.launch(last.graph)
+        return True
+
+    def remember(self, last: Recent) -> None:
+        """Keep `last` among the recent captured calls (`RECENT`), by its `Recent.key`."""
+        self.recent[last.key] = last
+        self.recent.move_to_end(last.key)
+        while len(self.recent) > RECENT:
+            self.recent.popitem(last=False)
+
+    def capture(
         self, plan: Hashable, where: Hashable, fn: Callable[[], None], device: torch.device,
         first: torch.Tensor | None = None,
     ) -> Hashable:
         """`fn()` eagerly, captured into a CUDA graph, or replayed (`adasum.transport.graphs`): the package's one
-        capture point. `plan` names the call's layout and configuration (`adasum.checks.plan.Plan.key`, or
-        the schedule's), `where` the tensors (`adasum.transport.graphs.tensor_key`). A call made while another
-        runs (the schedule inside a captured list call or hook) runs eagerly into it. `first`: a list call's first
-        tensor, for the warning on tensors re-made at new addresses (`_note_moves`). Returns the graph's key."""
+        capture point (`run` and the schedules' own runs call it). `plan` names the call's layout and configuration
+        (a plan's key, or the schedule's), `where` the tensors (`adasum.transport.graphs.tensor_key`). A call made
+        while another runs (the schedule inside a captured list call or hook) runs eagerly into it. `first`: a list
+        call's first tensor, for the warning on tensors re-made at new addresses (`_note_moves`). Returns the graph's
+        key."""
         key = (plan, where)
         first_sight = self.graphs.run(key, fn, device)
         if first is not None:
@@ -167,7 +340,8 @@ class Communicator:
         for resource in self.resources.values():
             resource.release()
         self.resources.clear()
-        self.tiles.clear()
+        if self._tiles is not None:
+            self._tiles.clear()
         self.transports.clear()
         self.plans.clear()
         if self.guard is not None:
@@ -180,10 +354,11 @@ class Communicator:
 
 class _Registry:
     """The transport layer's process-wide mutable state: communicators by process group, side streams by device,
-    the transports' table by name (`adasum.transport.registry.register_transport`), how many guard threads each
-    group name had (`adasum.checks.guard`; never emptied), the caches objects keep for the groups
-    (`emptied_by_release`), and whether the teardown hook is in place. `release` empties the first two and the
-    caches. (The reducers' names are the reducers' own: `adasum.reducers.base`.)"""
+    the transports' table by name (`adasum.transport.registry.register_transport`), the planner
+    (`register_planner`), how many guard threads each group name had (`adasum.checks.guard`; never emptied), the
+    caches objects keep for the groups (`emptied_by_release`), and whether the teardown hook is in place.
+    `release` empties the first two and the caches. (The reducers' names are the reducers' own:
+    `adasum.reducers.base`.)"""
 
     def __init__(self) -> None:
         self.lock = threading.Lock()
@@ -191,6 +366,7 @@ class _Registry:
         self.streams: dict[tuple[torch.device, str], torch.cuda.Stream] = {}
         self.reducers: dict[str, type] = {}
         self.transports: dict[str, Any] = {}  # the movers' table by name (`adasum.transport.registry`)
+        self.planner: Callable[..., Any] | None = None  # `Communicator.plan`'s (`register_planner`)
         self.guards_made: dict[str, int] = {}
         # the caches `release` empties besides the communicators' (`adasum.transport.caches.Released`), by id
         self.caches: weakref.WeakValueDictionary[int, Any] = weakref.WeakValueDictionary()
@@ -207,6 +383,12 @@ def emptied_by_release(cache: Any) -> None:
     the groups keeps for them (`adasum.transport.caches.Released`)."""
     with _registry.lock:
         _registry.caches[id(cache)] = cache
+
+
+def register_planner(planner: Callable[..., Any]) -> None:
+    """Make `planner` the one `Communicator.plan` calls (``planner(comm, entry, tensors, op, topology, **how)``): the
+    collectives layer's, `adasum.collectives.api.plan_call`, registered when that module is imported."""
+    _registry.planner = planner
 
 
 def next_guard(name: str) -> int:

@@ -10,10 +10,10 @@ strides and dtypes; so "the same key" means "the same launches", and replaying r
 tensors hold now. A call made while a run is under way runs eagerly into it (no nested capture).
 
 Each process group's communicator (`adasum.transport.communicator.Communicator`) holds one `Graphs` and
-reaches it through `Communicator.run`, the only capture point of the package. Every rank must take
-the same path (eager, capture, replay) at the same call, as every rank calls with its own copies of
-the same layout; captures are collective (NCCL ops inside a graph pair with their peers' at
-replay). If capture fails, the key runs eagerly from then on. ``ADASUM_CUDA_GRAPHS=0`` turns
+reaches it through `Communicator.capture` (which every entry point's `Communicator.run` calls), the only capture
+point of the package. Every rank must take the same path (eager, capture, replay) at the same call, as every rank
+calls with its own copies of the same layout; captures are collective (NCCL ops inside a graph pair with their
+peers' at replay). If capture fails, the key runs eagerly from then on. ``ADASUM_CUDA_GRAPHS=0`` turns
 capture off (`adasum.settings`). Captured graphs are released by `adasum.release()` (and by
 ``torch.distributed.destroy_process_group``).
 
