@@ -484,11 +484,11 @@ class AdaCons(Reducer):
             with failures_named(operation, "the slice-parallel schedule", group, mover.timeout):
                 combine_slices_(buffers, mover, op)
 
-        # the plan: the rule and its state, the layout, the mover; where: the buffers (`Communicator.run`: captured
+        # the plan: the rule and its state, the layout, the mover; where: the buffers (`Communicator.capture`: captured
         # and replayed on a GPU, eager elsewhere)
         plan = ("adacons", repr(self), key, op.fresh, op.state.data_ptr(), shard is not None, mover.name,
                 tuple((f.dtype, tuple(n)) for f, n in zip(flats, sizes)), tuple(order))
-        communicator(group).run(plan, tuple(f.data_ptr() for f in flats), run, device)
+        communicator(group).capture(plan, tuple(f.data_ptr() for f in flats), run, device)
         return True
 
     # -- sharded: `Reducer.all_reduce_shards`
