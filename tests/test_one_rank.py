@@ -1,6 +1,7 @@
-"""The one-rank warning of the entry points (`adasum.transport.alone`): `adasum.all_reduce`, `DistributedOptimizer`
-and the DDP hook's state on a process group of one rank warn once per group, at the user's line; the framework glue's
-own warning is the only one under it, and a sequential run of the experiment harness says nothing."""
+"""The one-rank warning of the entry points (`adasum.transport.alone`): `adasum.all_reduce`, `DistributedOptimizer`,
+`SlowMo` and the DDP hook's state on a process group of one rank warn once per group, at the user's line; the
+framework glue's own warning is the only one under it, and a sequential run of the experiment harness says
+nothing."""
 
 import pickle
 import warnings
@@ -45,6 +46,13 @@ def test_the_distributed_optimizer_warns_at_construction(one_rank):
         opt = adasum.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1))
         model(torch.ones(1, 2)).sum().backward()
         opt.step()
+    assert [w.filename for w in _ours(caught)] == [__file__]
+
+
+def test_slowmo_warns_at_construction(one_rank):
+    model = torch.nn.Linear(2, 1)
+    with pytest.warns(UserWarning, match=f"^adasum.SlowMo: {ONE_RANK}") as caught:
+        adasum.SlowMo(torch.optim.SGD(model.parameters(), lr=0.1), local_steps=2)
     assert [w.filename for w in _ours(caught)] == [__file__]
 
 

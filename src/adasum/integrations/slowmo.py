@@ -40,6 +40,7 @@ from adasum.integrations.optim import check_same_parameters, check_wrappable, op
 from adasum.integrations.streaming import Streaming, make_group
 from adasum.options import Buffers, Nonfinite, check_count, check_flag, check_number, check_option, check_saved_settings
 from adasum.reducers import Mean, Reducer, get_reducer
+from adasum.transport.alone import warn_one_rank
 from adasum.transport.errors import failures_named
 from adasum.transport.groups import group_device
 
@@ -357,6 +358,7 @@ class SlowMo:
                 stream_group, cap, stream_compressed, nonfinite,
                 fragments=fragments, local_steps=local_steps, delay=delay, mixing=mixing,
             )
+        warn_one_rank(group, operation)
 
     # -- pass-through
 
