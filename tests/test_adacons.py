@@ -11,6 +11,7 @@ import torch
 
 import adasum
 from adasum.reducers import adacons
+from recording import RecordingMover
 
 from reference_adacons import AdaConsReference, smooth_sorted
 
@@ -572,54 +573,19 @@ def test_a_repeated_call_on_the_movers_reaches_the_capture_points_replay():
             assert other == []
 
 
-class _Recording:
-    """A slice mover of rank 0 of two, in one process, that logs the schedule's calls (rows, scatter, join, the
-    sums' all-reduce, discard, gather) and checks that rounds are let go in the order they were given rows; every
-    rank's copy of the slice is this rank's, so the two workers are equal."""
-
-    name, scattered, world, rank, timeout, whole, in_place = "recording", False, 2, 0, None, False, None
-
-    def __init__(self, ahead: int, capacity: int, calls: list) -> None:
-        self.ahead, self.capacity, self.calls = ahead, capacity, calls
-        self.given = 0
-        self.waiting: list[tuple[int, list]] = []
-
-    def round_elements(self, element_size: int, ahead: int = 1) -> int:
-        return self.capacity
+class _Recording(RecordingMover):
+    """The recording mover (`recording.RecordingMover`) that also logs the sums' all-reduce and discards, and
+    refuses a reserve while rounds are in flight."""
 
     def reserve(self, row: int, like, ahead: int = 1) -> None:
         assert not self.waiting, "a reserve with rounds in flight"
-        self.calls.append(f"reserve {ahead}")
-        self.given = 0
-
-    def rows(self, buffer, bounds):
-        k, self.given = self.given, self.given + 1
-        self.waiting.append((k, list(bounds)))
-        self.calls.append(f"rows {k}")
-        lo, hi = bounds[self.rank]
-        return [(0, [buffer[lo:hi].clone() for _ in range(self.world)])]
-
-    def scatter(self, buffer, bounds, landed):
-        k = self.waiting[-1][0]
-        self.calls.append(f"scatter {k}")
-        landed(0, bounds[self.rank][1] - bounds[self.rank][0])
-        return lambda: self.calls.append(f"join {k}")
+        super().reserve(row, like, ahead)
 
     def all_reduce_sums(self, sums) -> None:
         self.calls.append("sums")
 
-    def _done(self, bounds, what: str) -> None:
-        k, given = self.waiting.pop(0)
-        assert given == list(bounds), (k, given, bounds)  # in the order they were given rows
-        self.calls.append(f"{what} {k}")
-
     def discard(self, buffer, bounds) -> None:
-        self._done(bounds, "discard")
-
-    def gather(self, buffer, bounds, finish) -> None:
-        self._done(bounds, "gather")
-        lo, hi = bounds[self.rank]
-        finish(0, hi - lo, [buffer[lo:hi]])
+        self.done(bounds, "discard")
 
 
 @pytest.mark.parametrize("ahead", [1, 2])

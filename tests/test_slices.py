@@ -11,6 +11,7 @@ from adasum.collectives.slices import adasum_slices_, cut_round, rounds, tree_on
 from adasum.core.layout import Layout
 from adasum.core.tree import Tree, level_pairs
 from adasum.transport.base import split
+from recording import RecordingMover
 
 import distributed
 from reference import tree as reference_tree
@@ -79,52 +80,11 @@ def test_rounds_keep_tensors_whole_and_cover_the_layout():
             assert capacity is None or hi - lo <= capacity or sum(n > 0 for n in sizes[first:end]) == 1
 
 
-class _RecordingMover:
-    """A slice mover of rank 0 of two, in one process, that records the schedule's calls: which round is given
-    rows, scattered, joined and gathered, in what order (the sums are this rank's alone; only the order counts)."""
-
-    name, scattered, world, rank, timeout = "recording", False, 2, 0, None
-
-    whole = False
-
-    def __init__(self, ahead: int, capacity: int, calls: list, in_place=None, single: int | None = None) -> None:
-        self.ahead, self.capacity, self.calls, self.in_place = ahead, capacity, calls, in_place
-        self.single = capacity if single is None else single  # a round's elements with one round in flight
-        self.given = 0
-        self.waiting: list[tuple[int, list]] = []
-
-    def round_elements(self, element_size: int, ahead: int = 1) -> int:
-        return self.single if ahead == 1 else self.capacity
-
-    def reserve(self, row: int, like, ahead: int = 1) -> None:
-        self.calls.append(f"reserve {ahead}")
-        self.given = 0
+class _RecordingMover(RecordingMover):
+    """The recording mover (`recording.RecordingMover`) that also cuts one tensor's rounds itself."""
 
     def cut(self, numel: int):
         return split(0, numel, self.world)
-
-    def rows(self, buffer, bounds):
-        k, self.given = self.given, self.given + 1
-        self.waiting.append((k, list(bounds)))
-        self.calls.append(f"rows {k}")
-        lo, hi = bounds[self.rank]
-        return [(0, [buffer[lo:hi].clone() for _ in range(self.world)])]
-
-    def scatter(self, buffer, bounds, landed):
-        k = self.waiting[-1][0]
-        self.calls.append(f"scatter {k}")
-        landed(0, bounds[self.rank][1] - bounds[self.rank][0])
-        return lambda: self.calls.append(f"join {k}")
-
-    def all_reduce_sums(self, sums) -> None:
-        pass
-
-    def gather(self, buffer, bounds, finish) -> None:
-        k, given = self.waiting.pop(0)
-        assert given == list(bounds), (k, given, bounds)  # rounds are gathered in the order they were given rows
-        self.calls.append(f"gather {k}")
-        lo, hi = bounds[self.rank]
-        finish(0, hi - lo, [buffer[lo:hi]])
 
 
 @pytest.mark.parametrize("ahead", [1, 2, 3])
