@@ -241,3 +241,20 @@ def test_added_seeds_go_to_the_primary_cells_only():
     runs = st.confirm_runs(design, chosen)
     extra = {(c.method, c.workers) for c in runs if c.seed in (77, 78)}
     assert extra == {("mean", 4), ("adasum", 4)}
+
+
+def test_a_design_without_sequential_takes_its_fixed_rate_and_target():
+    """A design that borrows sequential training's pick and target from an earlier design runs its rule cells at
+    that rate, tests their failures, and counts steps to that target."""
+    design = replace(TOY, name="toy-rule", methods=MappingProxyType({}), pilot_seeds=(), rule_lr=0.1, target=80.0)
+    runs = st.confirm_runs(design, {})
+    assert {(c.method, c.workers, c.lr) for c in runs} == {("mean-scaled", 4, 0.1), ("adasum", 4, 0.1)}
+    assert {c.seed for c in runs} == set(design.confirm_seeds)
+    rows = [_row(c.method, c.workers, c.lr, c.seed, 85.0 if c.method == "adasum" else 10.0, c.epochs,
+                 chance=10.0) for c in runs]
+    assert st.target_accuracy(rows, design) == 80.0
+    analysis = st.analyze(rows, design)
+    failures = next(o for o in analysis.outcomes if o.hypothesis.kind == "failures")
+    assert failures.effect == len(design.confirm_seeds)
+    assert failures.p == pytest.approx(2 / 2 ** len(design.confirm_seeds))
+    assert "an earlier design's pick" in failures.detail

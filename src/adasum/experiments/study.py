@@ -86,6 +86,10 @@ class Design:
     sequential_epochs: int | None = None
     # more confirmatory seeds for the cells of the primary hypotheses only (`seeds`)
     primary_seeds: tuple[int, ...] = ()
+    # a design without sequential training of its own: the target validation accuracy and the rule cells'
+    # base rate, fixed before its runs from an earlier design's (`target_accuracy`, `rule_rate`)
+    target: float | None = None
+    rule_lr: float | None = None
 
     def seeds(self, method: str, workers: int) -> tuple[int, ...]:
         """The confirmatory seeds of a cell: `confirm_seeds`, and `primary_seeds` for a primary test's cells."""
@@ -249,8 +253,57 @@ FASHION_DILOCO = Design(
         Hypothesis("D2", "the same with AdaCons' combine", "adacons-diloco", "diloco", 16),
     ),
 )
+# --- the third part: registered after part 2's runs, before its own (docs/protocol.md, part 3) ---------------
+ENGLISH_ADAM_BATCHES = Design(
+    name="english-lm-adam-batches",
+    task="english",
+    model="transformer",
+    workers=(64, 128, 256),
+    methods=MappingProxyType({
+        "mean": (0.003, 0.01, 0.03, 0.1),
+        "adasum": (0.001, 0.003, 0.01, 0.03),
+        "adacons": (0.00003, 0.0001, 0.0003, 0.001),  # lr x P: 0.002-0.064 at 64 workers
+        "localsgd": (0.001, 0.003, 0.01, 0.03),
+        "slowmo": (0.001, 0.003, 0.01, 0.03),
+    }),
+    only=MappingProxyType({"adacons": (64,), "localsgd": (64,), "slowmo": (64,)}),
+    optimizer="adam",
+    pilot_seeds=(300, 301),
+    confirm_seeds=tuple(range(3000, 3010)),
+    budget=3,
+    epochs=6,
+    rule=(),
+    target=49.0,  # english-lm-adam's: sequential training's one-epoch validation accuracy, rounded down
+    primary=(
+        Hypothesis("L3", "AdaCons beats averaging on the LM with Adam at 64 x 32 sequences (arXiv 2411.03742)",
+                   "adacons", "mean", 64, budget=3),
+        Hypothesis("L4", "SlowMo beats local SGD at the same tau on the LM with Adam, 64 workers (ICLR 2020)",
+                   "slowmo", "localsgd", 64, budget=3),
+        Hypothesis("L5", "past 2,048: with Adam at 128 x 32 = 4,096 sequences, Adasum gets further than averaging "
+                   "(Adam with Adasum scales to 64K, paper)", "adasum", "mean", 128, budget=3),
+    ),
+)
+FASHION_RESNET_RULE = replace(
+    FASHION_RESNET,
+    name="fashion-mnist-resnet-rule",
+    methods=MappingProxyType({}),
+    only=MappingProxyType({}),
+    pilot_seeds=(),
+    confirm_seeds=tuple(range(3000, 3010)),
+    primary_seeds=(),
+    sequential_epochs=None,
+    rule=("mean-scaled", "adasum"),
+    rule_lr=0.0949,  # fashion-mnist-resnet's sequential pick
+    target=81.5,  # fashion-mnist-resnet's target
+    primary=(
+        Hypothesis("R3", "Horovod's recipe (the mean at lr x P, sequential's base rate) fails at 16 workers where "
+                   "Adasum at the same base rate does not (slides), on the ResNet with momentum 0.9 and warm-up",
+                   "mean-scaled", "adasum", 16, kind="failures", budget=4),
+    ),
+)
 DESIGNS: Mapping[str, Design] = MappingProxyType({
-    d.name: d for d in (FASHION_CNN, DIGITS_CNN, FASHION_RESNET, ENGLISH_LAMB, ENGLISH_ADAM, FASHION_DILOCO)
+    d.name: d for d in (FASHION_CNN, DIGITS_CNN, FASHION_RESNET, ENGLISH_LAMB, ENGLISH_ADAM, FASHION_DILOCO,
+                        ENGLISH_ADAM_BATCHES, FASHION_RESNET_RULE)
 })
 
 
@@ -340,15 +393,22 @@ def confirm_runs(design: Design, chosen: Mapping[Cell, tuple[float, bool]]) -> l
     for (method, workers), (lr, _) in chosen.items():
         runs += [_config(design, method, workers, lr, s, design.length(method), True)
                  for s in design.seeds(method, workers)]
-    sequential = chosen.get(("sequential", 1))
-    if sequential is not None:
+    base = rule_rate(design, chosen)
+    if base is not None:
         for method in design.rule:
             for workers in design.workers:
-                if chosen.get((method, workers), (None,))[0] == sequential[0]:
+                if chosen.get((method, workers), (None,))[0] == base:
                     continue  # that run is already the tuned cell's
-                runs += [_config(design, method, workers, sequential[0], s, design.epochs, True)
+                runs += [_config(design, method, workers, base, s, design.epochs, True)
                          for s in design.confirm_seeds]
     return runs
+
+
+def rule_rate(design: Design, chosen: Mapping[Cell, tuple[float, bool]]) -> float | None:
+    """The fixed-rule cells' base rate: sequential training's pick, or `Design.rule_lr` for a design without
+    sequential training of its own; None before the pick."""
+    sequential = chosen.get(("sequential", 1))
+    return sequential[0] if sequential is not None else design.rule_lr
 
 
 # --- reading the curves ------------------------------------------------------------------------------------
@@ -391,10 +451,11 @@ def _validation_size(row: Row) -> int:
 
 def target_accuracy(rows: Sequence[Row], design: Design) -> float | None:
     """The target validation accuracy: sequential training's (tuned) mean validation accuracy after one
-    epoch over the confirmatory seeds, rounded down to a half point; None without those runs."""
+    epoch over the confirmatory seeds, rounded down to a half point; None without those runs. A design without
+    sequential training of its own has its `Design.target`, fixed before its runs."""
     chosen = picks(rows, design).get(("sequential", 1))
     if chosen is None:
-        return None
+        return design.target
     runs = [r for r in rows_of(rows, design, design.confirm_seeds)
             if r["method"] == "sequential" and r["lr"] == chosen[0]]
     points = [at_epoch(r, 1) for r in runs]
@@ -512,9 +573,9 @@ def _cell_runs(cells: Mapping[tuple[str, int, float], list[Row]], chosen: Mappin
 
 def _test(design: Design, h: Hypothesis, cells: Mapping[tuple[str, int, float], list[Row]],
           chosen: Mapping[Cell, tuple[float, bool]], sd: float, family: int) -> Outcome:
-    sequential = chosen.get(("sequential", 1))
     if h.kind == "failures":
-        rule_lr = sequential[0] if sequential else math.nan
+        base = rule_rate(design, chosen)
+        rule_lr = base if base is not None else math.nan
         a = _cell_runs(cells, chosen, h.method, h.workers, rule_lr)
         b = _cell_runs(cells, chosen, h.against, h.workers, rule_lr)
         seeds = sorted({r["seed"] for r in a} & {r["seed"] for r in b})
@@ -522,7 +583,8 @@ def _test(design: Design, h: Hypothesis, cells: Mapping[tuple[str, int, float], 
         fb = [failed(next(r for r in b if r["seed"] == s), h.budget) for s in seeds]
         p = failure_p(fa, fb) if seeds else math.nan
         detail = (f"{sum(fa)}/{len(seeds)} failed against {sum(fb)}/{len(seeds)}, both at base rate {rule_lr:g} "
-                  f"(sequential's pick; {h.method} gets x {h.workers})")
+                  f"({'sequential' if ('sequential', 1) in chosen else 'an earlier design'}'s pick; {h.method} gets "
+                  f"x {h.workers})")
         effect = float(sum(fa) - sum(fb))
         return Outcome(h, len(seeds), effect, math.nan, math.nan, p, math.nan, math.nan, detail)
     a = _cell_runs(cells, chosen, h.method, h.workers, None)
@@ -592,8 +654,7 @@ def analyze(rows: Sequence[Row], design: Design) -> Analysis:
             budget = min(design.budget, design.length(against))
             h = Hypothesis(f"E-{method}-{against}-{workers}", "", method, against, workers, budget=budget)
             explore.append(_test(design, h, cells, chosen, sd, 1))
-    sequential = chosen.get(("sequential", 1))
-    if sequential is not None and len(design.rule) == 2:
+    if rule_rate(design, chosen) is not None and len(design.rule) == 2:
         for workers in design.workers:
             if (design.rule[0], design.rule[1], workers) not in primary:
                 h = Hypothesis(f"E-failures-{workers}", "", design.rule[0], design.rule[1], workers,
