@@ -341,7 +341,8 @@ def _one_schedule(group: dist.ProcessGroup | None, indices: tuple[int, ...], siz
     tiers = op.tiers
     if tiers is None:
         mover = _mover(group, name, nbytes, topology, operation)
-        return Schedule(indices, sizes, mover, _kind(mover, sizes, size), fusion)
+        # a placement runs the VHDD levels on its slice as they are (no rounds: `adasum_flat_`)
+        return Schedule(indices, sizes, mover, "vhdd" if topology is not None else _kind(mover, sizes, size), fusion)
     if tiers.local_size == 1:  # one rank per node: the flat tree of the group
         mover = _mover(tiers.group, None, nbytes, None, operation)
         return Schedule(indices, sizes, mover, _kind(mover, sizes, size), fusion)

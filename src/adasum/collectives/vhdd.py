@@ -121,7 +121,9 @@ def transport_for(
 ) -> Transport:
     """The transport `adasum.transport.select` picks (for a buffer of `nbytes` bytes, if given: a small one may run
     one-shot), built once per group (its `Communicator`) and choice: the arguments and the settings the choice
-    reads (``piece_elements``, ``one_shot_bytes`` through `one_shot`, the default's ``transport_first``)."""
+    reads (``piece_elements``, ``one_shot_bytes`` through `one_shot`, the default's ``transport_first``). A call's
+    plan chooses its movers here (`adasum.collectives.api.Schedule`), once per layout and configuration; the
+    schedules below it are handed them."""
     settings = current()
     pieces = settings.piece_elements
     small = name is None and not placed and one_shot(dist.get_world_size(group), nbytes)
