@@ -2,6 +2,7 @@
 communicator of a group owns its state, per group and per thread; `adasum.release()` leaves
 nothing behind."""
 
+import functools
 import threading
 import weakref
 from pathlib import Path
@@ -369,11 +370,12 @@ def test_a_repeat_of_every_door_reaches_the_replay_by_the_same_files():
 
 def follows_body(rank, world):
     """What each list call's plan records (its schedules' movers and fusions, the verdict's transport and fusion)
-    against what its schedules were given when it ran."""
-    from adasum.collectives import api
+    against what its schedules were given when it ran, and how many movers were chosen below the plan."""
+    from adasum.collectives import api, vhdd
 
-    given = []
-    original = api.adasum_flat_
+    given, chosen = [], []
+    original, choose = api.adasum_flat_, vhdd.transport_for
+    vhdd.transport_for = functools.partial(_chosen, chosen, choose)  # a choice below the plan
 
     def recording(buffer, sizes, group=None, placement=None, *, transport=None):
         given.append((transport.name, type(buffer).__name__, len(sizes)))
@@ -387,24 +389,118 @@ def follows_body(rank, world):
         out = {}
         for transport in (None, "one-shot", "slices"):
             given.clear()
+            chosen.clear()
             adasum.all_reduce(mixed, transport=transport)
             verdicts = [p for p in communicators.communicator(None).plans.values()
                         if p.config[:2] == ("adasum.all_reduce", f"transport={transport}")]
             (execution,) = [run for p in verdicts for run in p.runs.values()]
             planned = [(s.mover.name, s.fusion, s.kind, len(s.sizes)) for s in execution.schedules]
-            out[transport] = (planned, list(given), execution.verdict.transport.name, execution.verdict.fusion)
+            out[transport] = (planned, list(given), execution.verdict.transport.name, execution.verdict.fusion,
+                              len(chosen))
         return out
     finally:
-        api.adasum_flat_ = original
+        api.adasum_flat_, vhdd.transport_for = original, choose
 
 
 def test_the_run_follows_the_plan():
     """A list's plan decides per dtype the mover, the schedule it serves and the fusion; the run hands each dtype's
-    buffer to that very mover, and the plan's recorded transport and fusion are the ones that ran."""
+    buffer to that very mover (none is chosen again below the plan), and the plan's recorded transport and fusion
+    are the ones that ran."""
     results = distributed.run(2, follows_body)
     distributed.assert_ranks_agree(results)
-    for transport, (planned, given, recorded, fusion) in results[0].items():
-        assert [(name, "Tensor", n) for name, _, _, n in planned] == given, (transport, planned, given)
+    for transport, (planned, given, recorded, fusion, chosen) in results[0].items():
+        assert [(name, "Tensor", n) for name, _, _, n in planned] == given and chosen == 0, (transport, planned, given)
         assert recorded == planned[0][0] and fusion == tuple(f for _, f, _, _ in planned), (transport, planned)
     assert [kind for _, _, kind, _ in results[0]["one-shot"][0]] == ["one-shot", "one-shot"]
     assert results[0][None][0][0][:3] == ("p2p", "fused", "vhdd")  # gloo's default: the VHDD levels on c10d
+
+
+def _chosen(log, choose, *args, **kwargs):
+    log.append(args[1] if len(args) > 1 else kwargs.get("name"))
+    return choose(*args, **kwargs)
+
+
+def follows_tiers_body(rank, world):
+    """On a grid of 2 replicas x 2 shards (the FSDP unit's door) and 2 nodes of 2 ranks (hierarchical Adasum, over
+    node means and in two tiers), per tensor and whole-model: the movers each call's plan chose, whether the
+    trees and the node schedules ran on those very objects, and how many movers were chosen below the plan."""
+    from adasum.collectives import api, hierarchical, vhdd
+    from adasum.reducers.base import ShardGroups
+
+    given, chosen = [], []
+    originals = {(m, name): getattr(m, name) for m in (api, hierarchical) for name in ("adasum_flat_",)}
+    originals[(hierarchical, "adasum_slices_")] = hierarchical.adasum_slices_
+    for module in (vhdd, hierarchical):  # a choice below the plan (the plan's own is `api.transport_for`)
+        originals[(module, "transport_for")] = module.transport_for
+        module.transport_for = functools.partial(_chosen, chosen, module.transport_for)
+
+    def tree(original):
+        def recording(buffer, sizes, group=None, placement=None, *, transport=None):
+            given.append(("tree", transport))
+            original(buffer, sizes, group, placement, transport=transport)
+
+        return recording
+
+    def node(buffer, layout, mover, across=None):
+        given.append(("node", mover))
+        originals[(hierarchical, "adasum_slices_")](buffer, layout, mover, across)
+
+    api.adasum_flat_ = tree(originals[(api, "adasum_flat_")])
+    hierarchical.adasum_flat_ = tree(originals[(hierarchical, "adasum_flat_")])
+    hierarchical.adasum_slices_ = node
+    try:
+        replicates = [dist.new_group([s, s + 2]) for s in range(2)]
+        shard_groups = [dist.new_group([2 * k, 2 * k + 1]) for k in range(2)]
+        replica, shard = divmod(rank, 2)
+        grid = ShardGroups(None, replicates[shard], shard_groups[replica], (shard, shard + 2), 2, 2)
+        g = torch.Generator().manual_seed(rank)
+        mixed = [torch.randn(5, generator=g), torch.randn(3, generator=g, dtype=torch.float64),
+                 torch.randn(4, generator=g)]
+        flat = torch.randn(12, generator=g)
+        reducers = {
+            "shards": adasum.Adasum(), "whole shards": adasum.Adasum(per_tensor=False),
+            "node means": adasum.Adasum(hierarchical=True, local_size=2),
+            "two tiers": adasum.Adasum(hierarchical="exact", local_size=2),
+            "whole": adasum.Adasum(per_tensor=False),
+        }
+        calls = {
+            "shards": lambda r: r.all_reduce_shards(flat, [5, 7], grid),
+            "whole shards": lambda r: r.all_reduce_shards(flat, [5, 7], grid),
+            "node means": lambda r: (r.all_reduce(mixed), r.all_reduce_flat(flat, [5, 7])),
+            "two tiers": lambda r: (r.all_reduce(mixed), r.all_reduce_flat(flat, [5, 7])),
+            "whole": lambda r: (r.all_reduce(mixed), r.all_reduce_flat(flat, [5, 7])),
+        }
+        out = {}
+        for name, reducer in reducers.items():
+            given.clear()
+            chosen.clear()
+            calls[name](reducer)
+            runs = [run for p in communicators.communicator(None).plans.values() for run in p.runs.values()
+                    if run.entry[1] is reducer]
+            movers = [s.mover for run in runs for s in run.schedules]
+            inners = [s.inner for run in runs for s in run.schedules if s.inner is not None]
+            out[name] = (
+                sorted({(s.mover.name, s.kind, s.inner.name if s.inner else None) for run in runs
+                        for s in run.schedules}),
+                len(given) > 0 and all(any(m is t for m in (movers if what == "tree" else inners))
+                                       for what, t in given),
+                all(run.verdict.transport is run.schedules[0].mover for run in runs),
+                len(chosen),
+            )
+        return out
+    finally:
+        for (module, name), original in originals.items():
+            setattr(module, name, original)
+
+
+def test_the_run_follows_the_plan_on_shards_and_tiers():
+    """The FSDP unit's door (a reducer's `all_reduce_shards`), hierarchical Adasum (over node means and in two
+    tiers) and the whole-model variant: their plans choose the movers (the tree's, and the two tiers' node
+    schedule's), and every tree and node schedule that runs is handed that very mover, which the plan records."""
+    results = distributed.run(4, follows_tiers_body)
+    distributed.assert_ranks_agree(results)
+    for name, (planned, followed, recorded, chosen) in results[0].items():
+        assert followed and recorded and chosen == 0, (name, results[0][name])
+    assert results[0]["shards"][0] == [("p2p", "vhdd", None)], results[0]
+    assert results[0]["node means"][0] == [("p2p", "node means", None)], results[0]
+    assert results[0]["two tiers"][0] == [("p2p", "two tiers", "slices")], results[0]

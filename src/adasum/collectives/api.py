@@ -8,7 +8,7 @@ from __future__ import annotations
 import functools
 import operator
 from collections.abc import Callable, Hashable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, Literal, cast
 
 import torch
@@ -17,6 +17,7 @@ import torch.distributed as dist
 from adasum.checks.agreement import tensor_list
 from adasum.checks.nonfinite import check_finite
 from adasum.checks.plan import Check, Plan, prepare, recheck
+from adasum.collectives.hierarchical import adasum_hierarchical_flat_
 from adasum.collectives.vhdd import adasum_flat_, transport_for
 from adasum.core.layout import Scattered, flatten, group_by_dtype, unflatten_into
 from adasum.options import Nonfinite, TransportName, check_flag, check_option, not_initialised
@@ -25,7 +26,7 @@ from adasum.transport.base import Transport
 from adasum.transport.communicator import Communicator, communicator, register_planner
 from adasum.transport.groups import check_group, group_device
 from adasum.transport.registry import serves, transport_names
-from adasum.transport.topology import Topology
+from adasum.transport.topology import Hierarchy, Topology
 
 
 def all_reduce(
@@ -138,34 +139,57 @@ def _all_reduce(
     comm.run(plan, tensors)
 
 
-ADASUM = "adasum"
-"""The op `plan_call` plans itself: Adasum per tensor on the schedules of this layer (VHDD, slice-parallel,
-one-shot, in place), on the mover each dtype's bytes allow."""
+@dataclass(frozen=True)
+class AdasumOp:
+    """The op `plan_call` plans itself: Adasum on the schedules of this layer (VHDD, slice-parallel, one-shot, in
+    place), on the mover the plan picks per dtype (`Schedule`). The default, `ADASUM`, is per tensor over the whole
+    group. `whole`: one pair of coefficients per dtype (the whole-model variant: each dtype's tensors one segment).
+    `tiers`: a hierarchy (`adasum.transport.topology.Hierarchy`, `adasum.collectives.hierarchical.build_hierarchy`):
+    Adasum over the node means, or the flat tree in two tiers where it is exact. `shards`: a shard grid
+    (`adasum.transport.topology.ShardGroups`) whose replicas combine this rank's shard of each tensor (`segments`,
+    the shard sizes end to end) with the whole tensors' coefficients: one shard per replica on the replicate group's
+    own tree, more over the grid's peers at offset 0 (`Reducer.all_reduce_shards`)."""
+
+    whole: bool = False
+    tiers: Topology | None = None
+    shards: Topology | None = None
+    segments: tuple[int, ...] | None = None
+
+
+ADASUM = AdasumOp()
+"""Adasum per tensor over the whole group (`AdasumOp`)."""
 
 Fusion = Literal["in place", "view", "fused"]
-Kind = Literal["vhdd", "in place", "slices", "one-shot"]
+Kind = Literal["vhdd", "in place", "slices", "one-shot", "node means", "two tiers"]
 
 
 @dataclass(frozen=True)
 class Schedule:
     """How one dtype's tensors of a call are combined, decided once per layout and configuration (`plan_call`):
-    `indices` (the call's tensors of this dtype), their `sizes`, the `mover` (the transport its bytes allow:
-    `adasum.transport.select`), the schedule it serves (`kind`: "vhdd", the VHDD levels; "in place", the same
-    with a tensor larger than a round on the mover's in-place mover; "slices", the slice-parallel schedule;
-    "one-shot", every rank takes every copy whole, `adasum.collectives.slices`) and the `fusion` (`_fusion`)."""
+    `indices` (the call's tensors of this dtype), the `sizes` of the segments its coefficients are per (the tensors',
+    or one for the whole-model variant), the `mover` (the transport the group, the placement and the bytes allow:
+    `adasum.collectives.vhdd.transport_for`, `adasum.transport.select`), the schedule it serves (`kind`: "vhdd", the
+    VHDD levels; "in place", the same with a tensor larger than a round on the mover's in-place mover; "slices", the
+    slice-parallel schedule; "one-shot", every rank takes every copy whole, `adasum.collectives.slices`; "node means"
+    and "two tiers", a hierarchy's, `adasum.collectives.hierarchical`, whose tree across nodes runs on `mover` and
+    whose two tiers' node schedule on `inner`) and the `fusion` (`_fusion`; with `workspace`, a fused buffer is the
+    group's workspace, never the mover's: the whole-model variant's and a hierarchy's). Every schedule runs on these
+    movers: none is chosen again below the plan."""
 
     indices: tuple[int, ...]
     sizes: tuple[int, ...]
     mover: Transport
     kind: Kind
     fusion: Fusion
+    inner: Transport | None = None
+    workspace: bool = False
 
 
 @dataclass(eq=False)
 class Execution:
     """A call's plan (`plan_call`; the `adasum.transport.communicator.Runnable` that `Communicator.run`
     executes): the checks' `verdict` (`adasum.checks.plan.Plan`), the `schedules` (one per dtype where the op is
-    `ADASUM`, else none: the op is the caller's own), what ``execute(tensors)`` runs (`work`), and the fields the
+    an `AdasumOp`, else none: the op is the caller's own), what ``execute(tensors)`` runs (`work`), and the fields the
     communicator reads (`entry`, `key`, `device`, `capturable`, `moves`, `exact`, `check`)."""
 
     verdict: Plan
@@ -211,16 +235,17 @@ def plan_call(
     execution decided once for its layout, configuration, `entry` and `topology` (kept with the verdict, `RUNS`).
 
     `tensors` is the call's list, or ``[buffer]`` with `sizes`, or several buffers of one dtype whose segments are
-    `sizes` end to end (a DDP batch: combined as one list of its segments). `op` is `ADASUM` (planned here: per dtype
-    the mover that its bytes and the group allow, `transport` if named, the schedule that mover serves and the
-    fusion, `Schedule`) or ``op(tensors)``, a reducer's own combination of the call's tensors, run as it is.
+    `sizes` end to end (a DDP batch: combined as one list of its segments). `op` is an `AdasumOp` (`ADASUM`, or a
+    reducer's whole-model, hierarchical or sharded form: planned here, per dtype the mover that the group, the
+    placement and the bytes allow, `transport` if named, the schedule that mover serves and the fusion, `Schedule`)
+    or ``op(tensors)``, a reducer's own combination of the call's tensors, run as it is.
     `capturable`: the op never waits on the host (CUDA graphs may hold it); `moves`: the caller re-makes the list's
     tensors (`adasum.transport.communicator.MOVED_CALLS`); `checked_as`: the operation a replay's cross-rank check
     names (default `operation`). The graph key is the verdict's key with the entry and the topology."""
     group = comm.group
     verdict = prepare(tensors, group, config=config, operation=operation, what=what, sizes=sizes, check=check)
     several = sizes is not None and len(tensors) > 1
-    native = op == ADASUM
+    native = isinstance(op, AdasumOp)
     local: Hashable = (entry, topology, tuple(map(_numel, tensors)) if several else None,
                        tuple(map(_contiguous, tensors)) if native and sizes is None else None)
     runs = verdict.runs
@@ -232,11 +257,11 @@ def plan_call(
         work = cast(Callable[[Sequence[torch.Tensor]], None], op)
     else:
         ints = None if sizes is None else tuple(map(operator.index, sizes))
-        schedules, work = _planned(comm, tensors, ints, topology, transport, operation)
+        schedules, work = _planned(comm, tensors, ints, topology, cast(AdasumOp, op), transport, operation)
         capturable = capturable and bool(schedules)  # one rank, or no tensors: nothing to capture
-        if ints is None:  # what the list's plan records (`adasum.checks.plan.Plan`)
-            verdict.transport = schedules[0].mover if schedules else None
-            verdict.fusion = tuple(s.fusion for s in schedules)
+        # what the plan records (`adasum.checks.plan.Plan`): the mover that runs (its first dtype's) and the fusion
+        verdict.transport = schedules[0].mover if schedules else None
+        verdict.fusion = tuple(s.fusion for s in schedules)
     recheck_as = checked_as or operation
     found = runs[local] = Execution(
         verdict, entry, (verdict.key, entry, topology), group_device(group), capturable, moves and sizes is None,
@@ -256,24 +281,27 @@ def _nothing(tensors: Sequence[torch.Tensor]) -> None:
 
 def _planned(
     comm: Communicator, tensors: Sequence[torch.Tensor], sizes: tuple[int, ...] | None, topology: Topology | None,
-    transport: str | Transport | None, operation: str,
+    op: AdasumOp, transport: str | Transport | None, operation: str,
 ) -> tuple[tuple[Schedule, ...], Callable[[Sequence[torch.Tensor]], None]]:
-    """`ADASUM`'s schedules for `plan_call` and the work that runs them."""
+    """`op`'s schedules for `plan_call` and the work that runs them."""
     group = comm.group
+    if op.shards is not None:  # one shard per replica: the replicate group's tree; more: the grid's, at offset 0
+        grid = op.shards
+        group, topology = (grid.replicate, None) if grid.shards == 1 else (grid.group, grid.at(0))
+        sizes = op.segments
     peers = dist.get_world_size(group) if topology is None else len(topology.peers)
     if peers == 1:
         return (), _nothing
     if sizes is None:
-        schedules = _list_schedules(group, tensors, transport, operation)
-        return schedules, functools.partial(_run_list, comm, schedules)
+        schedules = _list_schedules(group, tensors, transport, operation, op)
+        return schedules, functools.partial(_run_list, comm, op.tiers, schedules)
     if len(tensors) == 1:
-        nbytes = tensors[0].numel() * tensors[0].element_size()
-        mover = _mover(group, transport, nbytes, topology, operation)
-        schedule = Schedule((0,), sizes, mover, _kind(mover, sizes, tensors[0].element_size()), "view")
-        return (schedule,), functools.partial(_run_flat, group, topology, schedule)
+        schedule = _one_schedule(group, (0,), (tensors[0].numel(),) if op.whole else sizes, tensors[0], topology,
+                                 transport, operation, op, "view")
+        return (schedule,), functools.partial(_run_flat, group, topology, op.tiers, schedule)
     cuts = _cuts(tensors, sizes)
-    schedules = _list_schedules(group, _segments(tensors, cuts), transport, operation)
-    return schedules, functools.partial(_run_batch, comm, cuts, schedules)
+    schedules = _list_schedules(group, _segments(tensors, cuts), transport, operation, op)
+    return schedules, functools.partial(_run_batch, comm, op.tiers, cuts, schedules)
 
 
 def _mover(group: dist.ProcessGroup | None, name: str | Transport | None, nbytes: int, topology: Topology | None,
@@ -301,22 +329,49 @@ def _kind(mover: Transport, sizes: Sequence[int], element_size: int) -> Kind:
     return "in place" if large else "vhdd"
 
 
+def _one_schedule(group: dist.ProcessGroup | None, indices: tuple[int, ...], sizes: tuple[int, ...],
+                  like: torch.Tensor, topology: Topology | None, name: str | Transport | None, operation: str,
+                  op: AdasumOp, fusion: Fusion) -> Schedule:
+    """The `Schedule` of one dtype's segments of `sizes` (elements like `like`'s) under `op`: on a hierarchy, its
+    tree across nodes on the placed mover of `op.tiers`' group (a tier of one rank per node: the group's own, for
+    the whole buffer's bytes) and, in two tiers, the node group's slice-parallel mover; else the mover of the group
+    (over `topology`'s placement) for the bytes."""
+    size = like.element_size()
+    nbytes = sum(sizes) * size
+    tiers = op.tiers
+    if tiers is None:
+        mover = _mover(group, name, nbytes, topology, operation)
+        # a placement runs the VHDD levels on its slice as they are (no rounds: `adasum_flat_`)
+        return Schedule(indices, sizes, mover, "vhdd" if topology is not None else _kind(mover, sizes, size), fusion)
+    if tiers.local_size == 1:  # one rank per node: the flat tree of the group
+        mover = _mover(tiers.group, None, nbytes, None, operation)
+        return Schedule(indices, sizes, mover, _kind(mover, sizes, size), fusion)
+    outer = _mover(tiers.group, None, nbytes, tiers.at(0), operation)  # a placement's: the bytes do not choose
+    if not tiers.exact:
+        return Schedule(indices, sizes, outer, "node means", fusion)
+    inner = transport_for(tiers.local_group, "slices", whole_group=True)
+    return Schedule(indices, sizes, outer, "two tiers", fusion, inner)
+
+
 def _list_schedules(group: dist.ProcessGroup | None, tensors: Sequence[torch.Tensor],
-                    name: str | Transport | None, operation: str) -> tuple[Schedule, ...]:
-    """One `Schedule` per dtype of `tensors` (in `group_by_dtype` order)."""
+                    name: str | Transport | None, operation: str, op: AdasumOp = ADASUM) -> tuple[Schedule, ...]:
+    """One `Schedule` per dtype of `tensors` (in `group_by_dtype` order). The whole-model variant and a hierarchy
+    fuse into the group's workspace (no mover reads their lists in place)."""
     out = []
     for indices in group_by_dtype(tensors).values():
         members = [tensors[i] for i in indices]
         sizes = tuple(t.numel() for t in members)
-        mover = _mover(group, name, sum(sizes) * members[0].element_size(), None, operation)
-        out.append(Schedule(tuple(indices), sizes, mover, _kind(mover, sizes, members[0].element_size()),
-                            _fusion(members, mover)))
+        segments = (sum(sizes),) if op.whole else sizes
+        schedule = _one_schedule(group, tuple(indices), segments, members[0], None, name, operation, op, "fused")
+        own = op.whole or op.tiers is not None
+        out.append(replace(schedule, fusion=_fusion(members, None if own else schedule.mover), workspace=own))
     return tuple(out)
 
 
-def _run_list(comm: Communicator, schedules: Sequence[Schedule], tensors: Sequence[torch.Tensor]) -> None:
+def _run_list(comm: Communicator, tiers: Topology | None, schedules: Sequence[Schedule],
+              tensors: Sequence[torch.Tensor]) -> None:
     """Each dtype's tensors as its `Schedule` says: fused (into the mover's own buffer where it has one, else the
-    group's workspace), viewed or handed over in place, combined, and copied back."""
+    group's workspace), viewed or handed over in place, combined on its movers, and copied back."""
     for schedule in schedules:
         members = [tensors[i] for i in schedule.indices]
         flat: torch.Tensor | Scattered
@@ -327,16 +382,28 @@ def _run_list(comm: Communicator, schedules: Sequence[Schedule], tensors: Sequen
             flat = members[0].view(-1)  # no fusion: no workspace either (a captured graph would keep it)
         else:
             numel = sum(schedule.sizes)
-            buffer = schedule.mover.fusion_buffer(numel, members[0])
+            buffer = None if schedule.workspace else schedule.mover.fusion_buffer(numel, members[0])
             flat = flatten(members, buffer if buffer is not None else comm.workspace.get("fusion", numel, members[0]))
-        adasum_flat_(flat, schedule.sizes, comm.group, transport=schedule.mover)
+        _combine(flat, comm.group, None, tiers, schedule)
         unflatten_into(flat, members)
 
 
-def _run_flat(group: dist.ProcessGroup | None, topology: Topology | None, schedule: Schedule,
-              tensors: Sequence[torch.Tensor]) -> None:
-    """One flat buffer on its `Schedule`'s mover (over `topology`'s placement, if given)."""
-    on_flat(tensors[0], lambda flat: adasum_flat_(flat, schedule.sizes, group, topology, transport=schedule.mover))
+def _combine(flat: torch.Tensor, group: dist.ProcessGroup | None, topology: Topology | None,
+             tiers: Topology | None, schedule: Schedule) -> None:
+    """One flat buffer of one dtype on its `Schedule`'s movers: the hierarchy's schedule where `tiers` is given,
+    else the tree over the group (over `topology`'s placement, if given)."""
+    if tiers is None:
+        adasum_flat_(flat, schedule.sizes, group, topology, transport=schedule.mover)
+    else:
+        adasum_hierarchical_flat_(flat, schedule.sizes, cast(Hierarchy, tiers), mover=schedule.mover,
+                                  inner=schedule.inner)
+
+
+def _run_flat(group: dist.ProcessGroup | None, topology: Topology | None, tiers: Topology | None,
+              schedule: Schedule, tensors: Sequence[torch.Tensor]) -> None:
+    """One flat buffer on its `Schedule`'s movers (over `topology`'s placement, if given; a hierarchy's schedule
+    where `tiers` is given)."""
+    on_flat(tensors[0], lambda flat: _combine(flat, group, topology, tiers, schedule))
 
 
 def _cuts(buffers: Sequence[torch.Tensor], sizes: Sequence[int]) -> tuple[tuple[int, ...], ...]:
@@ -364,10 +431,10 @@ def batch_segments(buffers: Sequence[torch.Tensor], sizes: Sequence[int]) -> lis
     return _segments(buffers, _cuts(buffers, sizes))
 
 
-def _run_batch(comm: Communicator, cuts: Sequence[Sequence[int]], schedules: Sequence[Schedule],
-               buffers: Sequence[torch.Tensor]) -> None:
+def _run_batch(comm: Communicator, tiers: Topology | None, cuts: Sequence[Sequence[int]],
+               schedules: Sequence[Schedule], buffers: Sequence[torch.Tensor]) -> None:
     """Several buffers, their segments combined as one list (per-tensor coefficients: the same either way)."""
-    _run_list(comm, schedules, _segments(buffers, cuts))
+    _run_list(comm, tiers, schedules, _segments(buffers, cuts))
 
 
 def on_flat(buffer: torch.Tensor, combine: Callable[[torch.Tensor], None]) -> None:
@@ -421,7 +488,7 @@ def adasum_list_(
     if dist.get_world_size(group) == 1:
         return
     chosen = name if name is not None else transport
-    _run_list(communicator(group), _list_schedules(group, tensors, chosen, "adasum.all_reduce"), tensors)
+    _run_list(communicator(group), None, _list_schedules(group, tensors, chosen, "adasum.all_reduce"), tensors)
 
 
 _numel, _contiguous = torch.Tensor.numel, torch.Tensor.is_contiguous

@@ -42,6 +42,7 @@ from adasum.core.layout import Layout
 from adasum.kernels.reduce import reduce
 from adasum.options import check_flag
 from adasum.settings import current
+from adasum.transport.base import Transport
 from adasum.transport.c10d import all_gather_single, reduce_scatter_single
 from adasum.transport.errors import failures_named
 from adasum.transport.groups import check_group, group_device
@@ -166,18 +167,23 @@ def build_hierarchy(
     return Hierarchy(group, local_group, size, nodes, node, local_rank, exact)
 
 
-def adasum_hierarchical_flat_(buffer: torch.Tensor, sizes: Sequence[int], hierarchy: Hierarchy) -> None:
+def adasum_hierarchical_flat_(
+    buffer: torch.Tensor, sizes: Sequence[int], hierarchy: Hierarchy, *, mover: Transport | None = None,
+    inner: Transport | None = None,
+) -> None:
     """Hierarchical Adasum of a flat buffer across the group, in place; `sizes` as in `adasum_flat_`.
 
     Every rank ends with ``adasum.reduce`` over the node means, per tensor (module doc); with an exact
-    hierarchy, over every rank (`adasum_two_tier_flat_`).
+    hierarchy, over every rank (`adasum_two_tier_flat_`). `mover` runs the tree across nodes (with one rank per
+    node, the group's tree) and `inner` the two tiers' node schedule: a call's plan passes the ones it chose
+    (`adasum.collectives.api.Schedule`); left out, each is picked as a plan picks it (`_movers`).
     """
     if hierarchy.exact:
-        adasum_two_tier_flat_(buffer, sizes, hierarchy)
+        adasum_two_tier_flat_(buffer, sizes, hierarchy, mover=mover, inner=inner)
         return
     size, numel = hierarchy.local_size, buffer.numel()
     if size == 1:
-        adasum_flat_(buffer, sizes, hierarchy.group)
+        adasum_flat_(buffer, sizes, hierarchy.group, transport=mover)
         return
     if numel == 0:
         return
@@ -189,31 +195,46 @@ def adasum_hierarchical_flat_(buffer: torch.Tensor, sizes: Sequence[int], hierar
     shard.div_(size)
     start = min(hierarchy.local_rank * shard_len, numel)
     owned = min(numel - start, shard_len)  # the last shards may be partly or wholly padding
-    adasum_flat_(shard[:owned], sizes, hierarchy.group, hierarchy.at(start))
+    adasum_flat_(shard[:owned], sizes, hierarchy.group, hierarchy.at(start),
+                 transport=mover if mover is not None else _movers(hierarchy)[0])
     with failures_named("adasum.hierarchical", "the intra-node all-gather", hierarchy.local_group):
         all_gather_single(padded, shard, group=hierarchy.local_group)
     if padded is not buffer:
         buffer.copy_(padded[:numel])
 
 
-def adasum_two_tier_flat_(buffer: torch.Tensor, sizes: Sequence[int], hierarchy: Hierarchy) -> None:
+def adasum_two_tier_flat_(
+    buffer: torch.Tensor, sizes: Sequence[int], hierarchy: Hierarchy, *, mover: Transport | None = None,
+    inner: Transport | None = None,
+) -> None:
     """The flat tree of Adasum over every rank of the group, in place, computed in two tiers (module doc):
-    equal to `adasum.reduce` of the ranks' buffers per tensor up to float64 rounding, ranks bitwise equal."""
+    equal to `adasum.reduce` of the ranks' buffers per tensor up to float64 rounding, ranks bitwise equal.
+    `mover` and `inner` as in `adasum_hierarchical_flat_`."""
     if hierarchy.local_size == 1:
-        adasum_flat_(buffer, sizes, hierarchy.group)
+        adasum_flat_(buffer, sizes, hierarchy.group, transport=mover)
         return
     layout = Layout(tuple(int(n) for n in sizes))
     if layout.numel != buffer.numel():
         raise ValueError(f"sizes add up to {layout.numel} elements, the buffer has {buffer.numel()}")
 
+    if mover is None or inner is None:
+        mover, inner = _movers(hierarchy)
+
     def across(mine: torch.Tensor, offset: int) -> None:
         if hierarchy.nodes > 1:
-            adasum_flat_(mine, layout.sizes, hierarchy.group, hierarchy.at(offset))
+            adasum_flat_(mine, layout.sizes, hierarchy.group, hierarchy.at(offset), transport=mover)
 
-    # built once per node group and kept by its communicator, with its buffers (as every transport is)
-    mover = cast(SliceMover, transport_for(hierarchy.local_group, "slices", whole_group=True))
     with failures_named("adasum.hierarchical", "the two-tier schedule", hierarchy.group):
-        adasum_slices_(buffer, layout, mover, across)
+        adasum_slices_(buffer, layout, cast(SliceMover, inner), across)
+
+
+def _movers(hierarchy: Hierarchy) -> tuple[Transport, Transport | None]:
+    """The movers of a direct call on a hierarchy of more than one rank per node, picked as a call's plan picks them
+    (`adasum.collectives.api.Schedule`): the placed mover of the tree across nodes and, in two tiers, the node
+    group's slice-parallel one (each built once per group and kept by its communicator, with its buffers)."""
+    outer = transport_for(hierarchy.group, None, whole_group=False, placed=True)
+    inner = transport_for(hierarchy.local_group, "slices", whole_group=True) if hierarchy.exact else None
+    return outer, inner
 
 
 def reduce_hierarchical(tensors: Sequence[torch.Tensor], local_size: int) -> torch.Tensor:

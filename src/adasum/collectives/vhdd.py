@@ -121,7 +121,9 @@ def transport_for(
 ) -> Transport:
     """The transport `adasum.transport.select` picks (for a buffer of `nbytes` bytes, if given: a small one may run
     one-shot), built once per group (its `Communicator`) and choice: the arguments and the settings the choice
-    reads (``piece_elements``, ``one_shot_bytes`` through `one_shot`, the default's ``transport_first``)."""
+    reads (``piece_elements``, ``one_shot_bytes`` through `one_shot`, the default's ``transport_first``). A call's
+    plan chooses its movers here (`adasum.collectives.api.Schedule`), once per layout and configuration; the
+    schedules below it are handed them."""
     settings = current()
     pieces = settings.piece_elements
     small = name is None and not placed and one_shot(dist.get_world_size(group), nbytes)
@@ -162,8 +164,10 @@ def adasum_flat_(
     tree's workers in tree order (the calling rank is one of them); other ranks of the group run their own trees on
     other slices of the same layout at the same time; the per-tensor partial sums are all-reduced over the whole
     group, each rank writing its tree block's row, so the slices of one tensor add up to whole-tensor dot
-    products. Every rank of the group must call with trees of the same size. `transport` names how bytes move ("p2p",
-    "collectives", "symmetric"; None: the fastest the group supports, see `adasum.transport.select`).
+    products. Every rank of the group must call with trees of the same size. `transport` is the mover: the one a
+    call's plan chose (`adasum.collectives.api.Schedule.mover`: every entry point passes it, so nothing is chosen
+    here), or for a direct call a name ("p2p", "collectives", "symmetric") or None, picked as a plan picks it
+    (`transport_for`: the fastest the group and the placement support, see `adasum.transport.select`).
     """
     layout = _layout(tuple(int(n) for n in sizes))
     if placement is None:

@@ -9,7 +9,7 @@ import torch
 import torch.distributed as dist
 
 from adasum.collectives import hierarchical
-from adasum.collectives.api import ADASUM, adasum_list_
+from adasum.collectives.api import ADASUM, AdasumOp, adasum_list_
 from adasum.collectives.vhdd import adasum_flat_
 from adasum.core.layout import group_by_dtype
 from adasum.core.operator import check_floating
@@ -108,13 +108,19 @@ class Adasum(Reducer):
         return found[1]
 
     def _op(self, group, sizes, options, topology=None):
-        """Flat and per tensor: the collectives' own Adasum (`adasum.collectives.api.ADASUM`), planned as
-        `adasum.all_reduce` plans it (per dtype the mover its bytes allow; a transport that reads lists in place takes
-        contiguous tensors where they lie: no fusion copy). Hierarchical or whole-model: its own forms. No keyword
-        options (`Reducer.call_options`): the transport and the non-finite policy are `adasum.all_reduce`'s."""
-        if self.hierarchical or not self.per_tensor:
-            return super()._op(group, sizes, options, topology)
-        return ADASUM
+        """The collectives' own Adasum (`adasum.collectives.api.AdasumOp`), planned as `adasum.all_reduce` plans it:
+        per dtype the movers the group, the placement and the bytes allow (a transport that reads lists in place
+        takes contiguous tensors where they lie: no fusion copy), for the per-tensor or whole-model form, flat or on
+        the hierarchy (`setup`). No keyword options (`Reducer.call_options`): the transport and the non-finite policy
+        are `adasum.all_reduce`'s."""
+        if not self.hierarchical and self.per_tensor:
+            return ADASUM
+        return AdasumOp(whole=not self.per_tensor, tiers=self._hierarchy(group) if self.hierarchical else None)
+
+    def _shards_op(self, sizes, groups, key):
+        """The sharded form as the collectives plan it (`adasum.collectives.api.AdasumOp` with the grid): the
+        movers of `_all_reduce_shards`' trees are the plan's."""
+        return AdasumOp(whole=not self.per_tensor, shards=groups, segments=tuple(sizes))
 
     def _all_reduce(self, tensors, group=None):
         """Per tensor and flat: as `_op`'s plan runs it, planned for this call alone (`adasum_list_`)."""

@@ -207,7 +207,8 @@ class Reducer:
     ) -> Any:
         """What a call's plan runs (`adasum.collectives.api.plan_call`'s `op`): the reducer's own forms on the call's
         checked tensors (`_all_reduce` on a list or a batch's segments, `_all_reduce_flat` on one buffer); a reducer
-        whose combination the collectives plan themselves returns `adasum.collectives.api.ADASUM`."""
+        whose combination the collectives plan themselves returns an `adasum.collectives.api.AdasumOp` (the plan
+        then chooses its movers)."""
         if sizes is None:
             return lambda tensors: self._all_reduce(list(tensors), group, **options)
 
@@ -255,11 +256,17 @@ class Reducer:
         if comm.replay(entry, buffer):
             return
         plan = comm.plan(
-            entry, [buffer], lambda buffers: self._all_reduce_shards(buffers[0], shards, groups, key=key), groups,
+            entry, [buffer], self._shards_op(shards, groups, key), groups,
             config=(operation, repr(self), f"key={key}"), operation=operation, what="shards", check="none",
             capturable=self.capturable,
         )
         comm.run(plan, [buffer])
+
+    def _shards_op(self, sizes: tuple[int, ...], groups: Topology, key: str | None) -> Any:
+        """What `all_reduce_shards`' plan runs (`adasum.collectives.api.plan_call`'s `op`): `_all_reduce_shards` on
+        the call's buffer; a reducer whose sharded form the collectives plan themselves returns an
+        `adasum.collectives.api.AdasumOp` (its movers then the plan's)."""
+        return lambda buffers: self._all_reduce_shards(buffers[0], sizes, groups, key=key)
 
     def _all_reduce_shards(
         self, buffer: torch.Tensor, sizes: Sequence[int], groups: Topology, *, key: str | None = None
