@@ -280,7 +280,7 @@ class AdaCons(Reducer):
         check_number("adasum.AdaCons", "momentum", momentum, "a number in [0, 1)", lambda v: 0 <= v < 1)
         check_option("scale", scale, Scale)
         if not isinstance(per_tensor, bool):
-            raise TypeError(f"per_tensor must be True or False, got {per_tensor!r}")
+            raise TypeError(f"per_tensor must be True or False, got {per_tensor!r}; pass a bool")
         self.momentum = float(momentum)
         self.per_tensor = per_tensor
         self.scale = scale

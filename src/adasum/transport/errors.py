@@ -97,5 +97,5 @@ def failures_named(
         raise CollectiveError(
             f"{operation} on rank {dist.get_rank(group)} of {dist.get_world_size(group)}: {step} failed "
             f"(group timeout {timeout.total_seconds():g} s): a peer died, stalled past the timeout or "
-            f"the connection broke; {cause}"
+            f"the connection broke; {cause} (run again with TORCH_DISTRIBUTED_DEBUG=DETAIL to see which rank)"
         ) from error
