@@ -404,7 +404,8 @@ def test_options_are_checked():
                                                       "bucket_cap_mb= a finite number > 0 (MiB)"),
         ({"bucket_cap_mb": "25"}, TypeError, "bucket_cap_mb must be a finite number > 0 (MiB), got '25'; pass "
                                              "a number"),
-        ({"bucket_cap_mb": None}, TypeError, "bucket_cap_mb must be a finite number > 0 (MiB), got None; pass a number"),
+        ({"bucket_cap_mb": None}, TypeError, "bucket_cap_mb must be a finite number > 0 (MiB), got None; pass "
+                                             "a number"),
         ({"sparse_as_dense": "no"}, TypeError, "sparse_as_dense must be True or False, got 'no'; pass a bool"),
         ({"check": "no"}, TypeError, "check must be True or False, got 'no'; pass a bool"),
         ({"check": 1}, TypeError, "check must be True or False, got 1; pass a bool"),
