@@ -304,7 +304,10 @@ def test_state_of_another_reducer_is_refused():
         adasum.Mean().load_state_dict([("momentum", 0.9)])
     with pytest.raises(ValueError) as info:
         adasum.AdaCons(momentum=0.5).load_state_dict(state)
-    assert str(info.value) == "adasum.AdaCons.load_state_dict: the state has momentum=0.9, this reducer has 0.5"
+    assert str(info.value) == (
+        "adasum.AdaCons.load_state_dict: the state has momentum=0.9, this reducer has 0.5; "
+        "build AdaCons(momentum=0.9) to load it"
+    )
 
 
 def test_reduce_refuses_workers_whose_tensors_differ():
@@ -357,5 +360,5 @@ def test_adacons_momentum_and_key_types():
         ):
             with pytest.raises(TypeError) as info:  # no process group: refused before anything is checked or moved
                 call()
-            assert str(info.value) == f"adasum.AdaCons.{method}: key must be a str or None, got {bad!r}"
+            assert str(info.value) == f"adasum.AdaCons.{method}: key must be a str or None, got {bad!r}; pass a name"
     assert reducer.state_dict()["states"] == {}
