@@ -214,13 +214,15 @@ def test_all_reduce_async_refuses_bad_arguments_naming_itself(world):
     results = distributed.run(world, async_errors_body)
     assert results[0][0] == results[1][0]
     assert results[0][0] == [
-        "TypeError: adasum.all_reduce_async: group must be a torch.distributed ProcessGroup or None, got 'world'",
-        "ValueError: adasum.all_reduce_async: nonfinite must be one of ['propagate', 'raise'], got 'skip'",
-        "TypeError: adasum.all_reduce_async: check_layout must be True or False, got 'no'",
-        "TypeError: adasum.all_reduce_async: check_layout must be True or False, got None",
+        "TypeError: adasum.all_reduce_async: group must be a torch.distributed ProcessGroup or None, got 'world'; "
+        "pass dist.new_group(...) or None",
+        "ValueError: adasum.all_reduce_async: nonfinite must be one of ['propagate', 'raise'], got 'skip'; pass one "
+        "of them",
+        "TypeError: adasum.all_reduce_async: check_layout must be True or False, got 'no'; pass a bool",
+        "TypeError: adasum.all_reduce_async: check_layout must be True or False, got None; pass a bool",
         "adasum.all_reduce_async: on rank 0, tensor 0 has dtype torch.int64; only floating-point tensors can be "
         "combined",
-        "adasum.all_reduce: check_layout must be True or False, got 'no'",
+        "adasum.all_reduce: check_layout must be True or False, got 'no'; pass a bool",
     ]
     assert results[0][1] == results[1][1] == [1.5] * 3  # parallel inputs: their mean
 

@@ -386,11 +386,13 @@ def test_state_options():
     for bad in (-1, float("nan"), float("inf")):  # inf: no byte count; it would fail at the first bucket
         with pytest.raises(ValueError) as e:
             AdasumState(batch_mb=bad)
-        assert str(e.value) == f"adasum.ddp.AdasumState: batch_mb must be a finite number >= 0 (MB), got {bad!r}"
+        assert str(e.value) == (f"adasum.ddp.AdasumState: batch_mb must be a finite number >= 0 (MB), got {bad!r}; "
+                                "pass batch_mb= a finite number >= 0 (MB)")
     for bad in (True, "64", None):
         with pytest.raises(TypeError) as e:
             AdasumState(batch_mb=bad)
-        assert str(e.value) == f"adasum.ddp.AdasumState: batch_mb must be a finite number >= 0 (MB), got {bad!r}"
+        assert str(e.value) == (f"adasum.ddp.AdasumState: batch_mb must be a finite number >= 0 (MB), got {bad!r}; "
+                                "pass a number")
     assert AdasumState(batch_mb=0).batch_mb == 0.0 and AdasumState(batch_mb=64).batch_mb == 64.0
     # whole-model reducers combine bucket by bucket whatever batch_mb says: their coefficients span a call
     assert AdasumState(reducer=adasum.Adasum(per_tensor=False)).batch_bytes == 0

@@ -140,9 +140,13 @@ def test_group_timeout_and_release_refuse_what_is_not_a_group():
     """Not the default timeout (or nothing released) for a name or a number given as the group: TypeError."""
     [(errors, sub, world)] = distributed.run(1, group_argument_body)
     assert errors == [
-        "adasum.group_timeout: group must be a torch.distributed ProcessGroup or None, got 'world'",
-        "adasum.group_timeout: group must be a torch.distributed ProcessGroup or None, got 3",
-        "adasum.release: group must be a torch.distributed ProcessGroup or None, got 'world'",
-        "adasum.release: group must be a torch.distributed ProcessGroup or None, got 3",
+        "adasum.group_timeout: group must be a torch.distributed ProcessGroup or None, got 'world'; pass "
+        "dist.new_group(...) or None",
+        "adasum.group_timeout: group must be a torch.distributed ProcessGroup or None, got 3; pass "
+        "dist.new_group(...) or None",
+        "adasum.release: group must be a torch.distributed ProcessGroup or None, got 'world'; pass "
+        "dist.new_group(...) or None",
+        "adasum.release: group must be a torch.distributed ProcessGroup or None, got 3; pass dist.new_group(...) or "
+        "None",
     ]
     assert (sub, world) == (7, 120)

@@ -529,7 +529,7 @@ def test_enable_refuses_an_include_unused_that_is_not_a_flag():
     for bad in ("no", 0, None):
         with pytest.raises(TypeError) as e:
             adasum.fsdp.enable(nn.Linear(2, 1), None, include_unused=bad)
-        assert str(e.value) == f"adasum.fsdp.enable: include_unused must be True or False, got {bad!r}"
+        assert str(e.value) == f"adasum.fsdp.enable: include_unused must be True or False, got {bad!r}; pass a bool"
 
 
 def test_unit_view_fails_loudly_on_changed_torch():

@@ -165,8 +165,9 @@ def test_build_hierarchy_refuses_local_sizes_and_groups_of_the_wrong_kind():
         f"{operation}: local_size must be an integer >= 1 or None, got 1.5",  # was a node of one rank: int(1.5)
         f"{operation}: local_size must be an integer >= 1 or None, got '2'",
         f"{operation}: local_size must be an integer >= 1 or None, got True",
-        f"{operation}: group must be a torch.distributed ProcessGroup or None, got 'world'",
-        f"{operation}: exact must be True or False, got 'no'",
+        f"{operation}: group must be a torch.distributed ProcessGroup or None, got 'world'; pass dist.new_group(...) "
+        "or None",
+        f"{operation}: exact must be True or False, got 'no'; pass a bool",
     ]
     assert nodes == 1
 

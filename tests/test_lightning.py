@@ -292,20 +292,26 @@ def test_a_state_that_is_not_an_adasum_state_is_refused():
 
 def test_options_are_checked_at_construction():
     name = "adasum.lightning.AdasumDeltaStrategy"
-    with pytest.raises(ValueError, match=f"^{name}: local_steps must be an integer >= 1, got 0$"):
+    with pytest.raises(ValueError, match=f"^{name}: local_steps must be an integer >= 1, got 0; pass local_steps=1 or "
+                                         "more$"):
         adasum.lightning.AdasumDeltaStrategy(local_steps=0)
-    with pytest.raises(TypeError, match=f"^{name}: local_steps must be an integer >= 1, got 2.0$"):
+    with pytest.raises(TypeError, match=f"^{name}: local_steps must be an integer >= 1, got 2.0; pass local_steps= a "
+                                        "whole number$"):
         adasum.lightning.AdasumDeltaStrategy(local_steps=2.0)
-    with pytest.raises(ValueError, match=r"^nonfinite must be one of \['propagate', 'raise', 'skip'\], got 'ignore'$"):
+    with pytest.raises(ValueError, match=r"^nonfinite must be one of \['propagate', 'raise', 'skip'\], got 'ignore'; "
+                                         r"pass one of them$"):
         adasum.lightning.AdasumDeltaStrategy(nonfinite="ignore")
     with pytest.raises(ValueError, match="unknown reducer 'adasun'"):
         adasum.lightning.AdasumDeltaStrategy(reducer="adasun")
     name = "adasum.lightning.AdasumStatistics"
-    with pytest.raises(TypeError, match=f"^{name}: every_n_steps must be an integer >= 1, got 2.5$"):
+    with pytest.raises(TypeError, match=f"^{name}: every_n_steps must be an integer >= 1, got 2.5; pass "
+                                        "every_n_steps= a whole number$"):
         adasum.lightning.AdasumStatistics(every_n_steps=2.5)
-    with pytest.raises(TypeError, match=f"^{name}: every_n_steps must be an integer >= 1, got '2'$"):
+    with pytest.raises(TypeError, match=f"^{name}: every_n_steps must be an integer >= 1, got '2'; pass "
+                                        "every_n_steps= a whole number$"):
         adasum.lightning.AdasumStatistics(every_n_steps="2")
-    with pytest.raises(ValueError, match=f"^{name}: every_n_steps must be an integer >= 1, got 0$"):
+    with pytest.raises(ValueError, match=f"^{name}: every_n_steps must be an integer >= 1, got 0; pass "
+                                         "every_n_steps=1 or more$"):
         adasum.lightning.AdasumStatistics(every_n_steps=0)
 
 

@@ -170,12 +170,15 @@ def test_sparse_tensors_are_checked_by_their_values_and_other_inputs_refused():
     )
     with pytest.raises(TypeError) as info:
         adasum.find_nonfinite([torch.ones(1), 2.0])
-    assert str(info.value) == "adasum.find_nonfinite: element 1 is a float, not a torch.Tensor"
+    assert str(info.value) == "adasum.find_nonfinite: element 1 is a float, not a torch.Tensor; pass tensors only"
     with pytest.raises(TypeError) as info:
         adasum.find_nonfinite([torch.ones(1)], group="world")
     assert str(info.value) == (
-        "adasum.find_nonfinite: group must be a torch.distributed ProcessGroup or None, got 'world'"
+        "adasum.find_nonfinite: group must be a torch.distributed ProcessGroup or None, got 'world'; pass "
+        "dist.new_group(...) or None"
     )
     with pytest.raises(TypeError) as info:  # a string was read as one name a character
         adasum.find_nonfinite([torch.ones(1), torch.ones(1)], names="ab")
-    assert str(info.value) == "adasum.find_nonfinite: names must be a list of names, one per tensor, got 'ab'"
+    assert str(info.value) == (
+        "adasum.find_nonfinite: names must be a list of names, one per tensor, got 'ab'; pass [name, ...]"
+    )

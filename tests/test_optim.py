@@ -385,20 +385,30 @@ def test_options_are_checked():
     # numbers and flags, checked before anything else happens (no process group needed to refuse them)
     op = "adasum.DistributedOptimizer: "
     for kwargs, error, message in [
-        ({"backward_passes_per_step": 1.5}, TypeError, "backward_passes_per_step must be an integer >= 1, got 1.5"),
-        ({"backward_passes_per_step": 0}, ValueError, "backward_passes_per_step must be an integer >= 1, got 0"),
-        ({"backward_passes_per_step": True}, TypeError, "backward_passes_per_step must be an integer >= 1, got True"),
-        ({"local_steps": 1.5}, TypeError, "local_steps must be an integer >= 1, got 1.5"),
-        ({"local_steps": -1}, ValueError, "local_steps must be an integer >= 1, got -1"),
-        ({"bucket_cap_mb": -5}, ValueError, "bucket_cap_mb must be a finite number > 0 (MiB), got -5"),
-        ({"bucket_cap_mb": 0}, ValueError, "bucket_cap_mb must be a finite number > 0 (MiB), got 0"),
-        ({"bucket_cap_mb": float("nan")}, ValueError, "bucket_cap_mb must be a finite number > 0 (MiB), got nan"),
-        ({"bucket_cap_mb": float("inf")}, ValueError, "bucket_cap_mb must be a finite number > 0 (MiB), got inf"),
-        ({"bucket_cap_mb": "25"}, TypeError, "bucket_cap_mb must be a finite number > 0 (MiB), got '25'"),
-        ({"bucket_cap_mb": None}, TypeError, "bucket_cap_mb must be a finite number > 0 (MiB), got None"),
-        ({"sparse_as_dense": "no"}, TypeError, "sparse_as_dense must be True or False, got 'no'"),
-        ({"check": "no"}, TypeError, "check must be True or False, got 'no'"),
-        ({"check": 1}, TypeError, "check must be True or False, got 1"),
+        ({"backward_passes_per_step": 1.5}, TypeError, "backward_passes_per_step must be an integer >= 1, got 1.5; "
+                                                       "pass backward_passes_per_step= a whole number"),
+        ({"backward_passes_per_step": 0}, ValueError, "backward_passes_per_step must be an integer >= 1, got 0; pass "
+                                                      "backward_passes_per_step=1 or more"),
+        ({"backward_passes_per_step": True}, TypeError, "backward_passes_per_step must be an integer >= 1, got True; "
+                                                        "pass backward_passes_per_step= a whole number"),
+        ({"local_steps": 1.5}, TypeError, "local_steps must be an integer >= 1, got 1.5; pass local_steps= a whole "
+                                          "number"),
+        ({"local_steps": -1}, ValueError, "local_steps must be an integer >= 1, got -1; pass local_steps=1 or more"),
+        ({"bucket_cap_mb": -5}, ValueError, "bucket_cap_mb must be a finite number > 0 (MiB), got -5; pass "
+                                            "bucket_cap_mb= a finite number > 0 (MiB)"),
+        ({"bucket_cap_mb": 0}, ValueError, "bucket_cap_mb must be a finite number > 0 (MiB), got 0; pass "
+                                           "bucket_cap_mb= a finite number > 0 (MiB)"),
+        ({"bucket_cap_mb": float("nan")}, ValueError, "bucket_cap_mb must be a finite number > 0 (MiB), got nan; pass "
+                                                      "bucket_cap_mb= a finite number > 0 (MiB)"),
+        ({"bucket_cap_mb": float("inf")}, ValueError, "bucket_cap_mb must be a finite number > 0 (MiB), got inf; pass "
+                                                      "bucket_cap_mb= a finite number > 0 (MiB)"),
+        ({"bucket_cap_mb": "25"}, TypeError, "bucket_cap_mb must be a finite number > 0 (MiB), got '25'; pass "
+                                             "a number"),
+        ({"bucket_cap_mb": None}, TypeError, "bucket_cap_mb must be a finite number > 0 (MiB), got None; pass "
+                                             "a number"),
+        ({"sparse_as_dense": "no"}, TypeError, "sparse_as_dense must be True or False, got 'no'; pass a bool"),
+        ({"check": "no"}, TypeError, "check must be True or False, got 'no'; pass a bool"),
+        ({"check": 1}, TypeError, "check must be True or False, got 1; pass a bool"),
         (
             {"grad_scaler": "yes"},
             TypeError,

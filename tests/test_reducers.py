@@ -234,7 +234,7 @@ def test_keyword_options_the_reducer_does_not_take():
                 with pytest.raises(TypeError) as info:
                     call()
                 assert str(info.value) == (
-                    f"adasum.{cls}.{method}: unexpected keyword argument {keyword!r}; {cls} takes {takes}"
+                    f"adasum.{cls}.{method}: unexpected keyword argument {keyword!r}; {cls} takes {takes}: remove it"
                 )
         if cls != "AdaCons":
             with pytest.raises(TypeError, match="unexpected keyword argument 'key'"):
@@ -245,15 +245,17 @@ def test_adasum_local_size():
     """`local_size` is a positive int, and only with `hierarchical` (as `adasum.ddp.AdasumState` has it)."""
     with pytest.raises(ValueError) as info:
         adasum.Adasum(local_size=4)
-    assert str(info.value) == "local_size needs hierarchical=True or 'exact', got local_size=4 with hierarchical=False"
+    assert str(info.value) == ("local_size needs hierarchical=True or 'exact', got local_size=4 with "
+                               "hierarchical=False; pass hierarchical=True too, or drop local_size")
     for bad in (1.5, True, "2"):
         with pytest.raises(TypeError) as info:
             adasum.Adasum(hierarchical=True, local_size=bad)
-        assert str(info.value) == f"local_size must be a positive int or None, got {bad!r}"
+        assert str(info.value) == (f"local_size must be a positive int or None, got {bad!r}; pass ranks per node, or "
+                                   "None")
     for bad in (0, -2):
         with pytest.raises(ValueError) as info:
             adasum.Adasum(hierarchical="exact", local_size=bad)
-        assert str(info.value) == f"local_size must be a positive int or None, got {bad}"
+        assert str(info.value) == f"local_size must be a positive int or None, got {bad}; pass ranks per node, or None"
     assert adasum.Adasum(hierarchical=True, local_size=np.int64(2)).local_size == 2
     assert adasum.Adasum(hierarchical=True).local_size is None and adasum.Adasum().local_size is None
 
@@ -264,7 +266,7 @@ def test_per_tensor_is_a_bool():
         for bad in ("no", 0, None):
             with pytest.raises(TypeError) as info:
                 reducer(per_tensor=bad)
-            assert str(info.value) == f"per_tensor must be True or False, got {bad!r}"
+            assert str(info.value) == f"per_tensor must be True or False, got {bad!r}; pass a bool"
     assert adasum.Adasum(per_tensor=False).per_tensor is False and adasum.AdaCons(per_tensor=True).per_tensor
 
 
@@ -281,7 +283,7 @@ def test_state_of_another_reducer_is_refused():
         with pytest.raises(ValueError) as info:
             reducer.load_state_dict(state)
         assert str(info.value) == (f"adasum.{cls}.load_state_dict: the state is not this reducer's: unexpected keys "
-                                   f"{keys} ({cls} saves no keys)")
+                                   f"{keys} ({cls} saves no keys); load it into the reducer that saved it")
         with pytest.raises(ValueError, match=r"unexpected keys \['foo'\]"):
             reducer.load_state_dict({"foo": 1})
         reducer.load_state_dict(reducer.state_dict())  # its own (empty) state
@@ -296,13 +298,16 @@ def test_state_of_another_reducer_is_refused():
         with pytest.raises(ValueError) as info:
             resumed.load_state_dict(bad)
         assert str(info.value) == (f"adasum.AdaCons.load_state_dict: the state is not this reducer's: {wrong} "
-                                   f"(AdaCons saves {keys})")
+                                   f"(AdaCons saves {keys}); load it into the reducer that saved it")
         assert resumed.state_dict()["states"].keys() == state["states"].keys()  # the momentum kept
     with pytest.raises(TypeError, match="state must be a dict"):
         adasum.Mean().load_state_dict([("momentum", 0.9)])
     with pytest.raises(ValueError) as info:
         adasum.AdaCons(momentum=0.5).load_state_dict(state)
-    assert str(info.value) == "adasum.AdaCons.load_state_dict: the state has momentum=0.9, this reducer has 0.5"
+    assert str(info.value) == (
+        "adasum.AdaCons.load_state_dict: the state has momentum=0.9, this reducer has 0.5; "
+        "build AdaCons(momentum=0.9) to load it"
+    )
 
 
 def test_reduce_refuses_workers_whose_tensors_differ():
@@ -319,14 +324,16 @@ def test_reduce_refuses_workers_whose_tensors_differ():
         ):
             with pytest.raises(ValueError) as info:
                 reducer.reduce([[torch.ones(1), first], [torch.ones(1), other]])
-            assert str(info.value) == f"adasum.{cls}.reduce: tensor 1: worker 0 has {given}", name
+            assert str(info.value) == (f"adasum.{cls}.reduce: tensor 1: worker 0 has {given}; give every worker the "
+                                       "same layout"), name
         with pytest.raises(TypeError) as info:
             reducer.reduce([[torch.ones(2, dtype=torch.int64)]] * 2)
         assert str(info.value) == (f"adasum.{cls}.reduce: tensor 0 has dtype torch.int64; only floating-point "
-                                   "tensors can be combined"), name
+                                   "tensors can be combined: pass float tensors"), name
         with pytest.raises(TypeError) as info:
             reducer.reduce([[torch.ones(2)], [[1.0, 2.0]]])
-        assert str(info.value) == f"adasum.{cls}.reduce: worker 1's tensor 0 is a list, not a torch.Tensor", name
+        assert str(info.value) == (f"adasum.{cls}.reduce: worker 1's tensor 0 is a list, not a torch.Tensor; pass "
+                                   "tensors"), name
         assert [t.shape for t in reducer.reduce([[torch.ones(2), torch.ones(0)]] * 2)] == [(2,), (0,)]
 
 
@@ -337,11 +344,12 @@ def test_adacons_momentum_and_key_types():
     for bad in ("0.5", None, True):
         with pytest.raises(TypeError) as info:
             adasum.AdaCons(momentum=bad)
-        assert str(info.value) == f"adasum.AdaCons: momentum must be a number in [0, 1), got {bad!r}"
+        assert str(info.value) == f"adasum.AdaCons: momentum must be a number in [0, 1), got {bad!r}; pass a number"
     for bad in (1.0, -0.1, float("nan")):
         with pytest.raises(ValueError) as info:
             adasum.AdaCons(momentum=bad)
-        assert str(info.value) == f"adasum.AdaCons: momentum must be a number in [0, 1), got {bad!r}"
+        assert str(info.value) == (f"adasum.AdaCons: momentum must be a number in [0, 1), got {bad!r}; pass momentum= "
+                                   "a number in [0, 1)")
     assert adasum.AdaCons(momentum=np.float32(0.5)).momentum == 0.5
     reducer = adasum.AdaCons()
     for bad in (["bucket"], 3):
@@ -352,5 +360,5 @@ def test_adacons_momentum_and_key_types():
         ):
             with pytest.raises(TypeError) as info:  # no process group: refused before anything is checked or moved
                 call()
-            assert str(info.value) == f"adasum.AdaCons.{method}: key must be a str or None, got {bad!r}"
+            assert str(info.value) == f"adasum.AdaCons.{method}: key must be a str or None, got {bad!r}; pass a name"
     assert reducer.state_dict()["states"] == {}

@@ -42,7 +42,7 @@ def test_triton_vectors_take_their_values_and_the_boolean_spellings():
         read("4-byte")
     assert str(info.value) == (
         "adasum.settings: ADASUM_TRITON_VECTORS='4-byte' is not one of 1, 2-byte, 0 "
-        "(or 0/1, false/true, no/yes, off/on (any case))"
+        "(or 0/1, false/true, no/yes, off/on (any case)); set one of them"
     )
 
 
@@ -70,7 +70,7 @@ def test_triton_vectors_take_their_values_and_the_boolean_spellings():
 def test_numbers_out_of_range_name_the_variable_and_value(env, message):
     with pytest.raises(ValueError) as info:
         Settings.from_env(env)
-    assert str(info.value) == f"adasum.settings: {message}"
+    assert str(info.value).startswith(f"adasum.settings: {message}; set "), str(info.value)
 
 
 def test_numbers_in_range_and_the_documented_zeros_are_kept():
@@ -103,7 +103,7 @@ def test_override_is_checked_as_the_environment_is(changes, error, message):
     before = current()
     with pytest.raises(error) as info, override(**changes):
         pass
-    assert str(info.value) == f"adasum.settings: {message}"
+    assert str(info.value).startswith(f"adasum.settings: {message}; set "), str(info.value)
     assert current() is before  # nothing changed
 
 
@@ -115,9 +115,9 @@ def test_an_unknown_adasum_variable_warns_with_the_closest_name():
     assert s.cuda_graphs is True  # the typo is not read
     assert [str(w.message) for w in caught] == [
         "adasum.settings: the environment variable ADASUM_CUDA_GRAPH is not a setting of adasum and is ignored "
-        "(did you mean ADASUM_CUDA_GRAPHS?)",
+        "(did you mean ADASUM_CUDA_GRAPHS?); remove or rename it",
         "adasum.settings: the environment variable ADASUM_ZZZ is not a setting of adasum and is ignored "
-        "(docs/settings.md lists the variables)",
+        "(docs/settings.md lists the variables); remove or rename it",
     ]
     assert all(w.category is UserWarning for w in caught)
 
@@ -151,12 +151,14 @@ def test_the_transport_put_first_must_be_a_transport_name():
     with pytest.raises(ValueError) as info:
         Settings.from_env({"ADASUM_TEST_TRANSPORT": "p2pp"})
     assert str(info.value) == (
-        f"adasum.settings: transport_first (ADASUM_TEST_TRANSPORT) must be one of {names} or empty, got 'p2pp'"
+        f"adasum.settings: transport_first (ADASUM_TEST_TRANSPORT) must be one of {names} or empty, got 'p2pp'; set "
+        "one of them"
     )
     with pytest.raises(ValueError) as info, override(transport_first="nccl"):
         pass
     assert str(info.value) == (
-        f"adasum.settings: transport_first (ADASUM_TEST_TRANSPORT) must be one of {names} or empty, got 'nccl'"
+        f"adasum.settings: transport_first (ADASUM_TEST_TRANSPORT) must be one of {names} or empty, got 'nccl'; set "
+        "one of them"
     )
 
 
@@ -172,5 +174,6 @@ def test_override_names_an_unknown_setting_and_the_closest_field(name, hint):
     before = current()
     with pytest.raises(TypeError) as info, override(**{name: 1}):
         pass
-    assert str(info.value) == f"adasum.settings: override got {name!r}, which is not a setting ({hint})"
+    assert str(info.value) == (f"adasum.settings: override got {name!r}, which is not a setting ({hint}); pass a field "
+                               "of Settings")
     assert current() is before

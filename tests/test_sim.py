@@ -344,22 +344,26 @@ def test_bad_input_is_refused_clearly():
     op = "adasum.SimulatedWorkers: "
     delta = {"combine": "delta", "local_steps": 2}
     for workers, kwargs, error, message in [
-        (True, {}, TypeError, "workers must be an integer >= 1, got True"),
-        (2.0, {}, TypeError, "workers must be an integer >= 1, got 2.0"),
-        (2, {"combine": "delta", "local_steps": 1.5}, TypeError, "local_steps must be an integer >= 1, got 1.5"),
-        (2, {"combine": "delta", "local_steps": 0}, ValueError, "local_steps must be an integer >= 1, got 0"),
-        (2, {**delta, "slow_momentum": 1.5}, ValueError, "slow_momentum must be a number in [0, 1), got 1.5"),
+        (True, {}, TypeError, "workers must be an integer >= 1, got True; pass workers= a whole number"),
+        (2.0, {}, TypeError, "workers must be an integer >= 1, got 2.0; pass workers= a whole number"),
+        (2, {"combine": "delta", "local_steps": 1.5}, TypeError, "local_steps must be an integer >= 1, got 1.5; pass "
+                                                                 "local_steps= a whole number"),
+        (2, {"combine": "delta", "local_steps": 0}, ValueError, "local_steps must be an integer >= 1, got 0; pass "
+                                                                "local_steps=1 or more"),
+        (2, {**delta, "slow_momentum": 1.5}, ValueError, "slow_momentum must be a number in [0, 1), got 1.5; pass "
+                                                         "slow_momentum= a number in [0, 1)"),
         (2, {**delta, "slow_momentum": 0.5, "slow_lr": -1}, ValueError,
-         "slow_lr must be a finite number > 0, got -1"),
+         "slow_lr must be a finite number > 0, got -1; pass slow_lr= a finite number > 0"),
         (2, {**delta, "slow_momentum": 0.0, "slow_lr": 0.0}, ValueError,
-         "slow_lr must be a finite number > 0, got 0.0"),
+         "slow_lr must be a finite number > 0, got 0.0; pass slow_lr= a finite number > 0"),
         (2, {**delta, "slow_momentum": 0.5, "slow_lr": float("nan")}, ValueError,
-         "slow_lr must be a finite number > 0, got nan"),
+         "slow_lr must be a finite number > 0, got nan; pass slow_lr= a finite number > 0"),
         (2, {**delta, "slow_lr": 0.5}, ValueError,
          "slow_lr=0.5 needs slow_momentum (SlowMo's outer step, combine='delta'); without it every worker restarts "
          "from the combined model, as slow_lr=1.0 with slow_momentum=0.0 does"),
-        (2, {"chunk_size": 0}, ValueError, "chunk_size must be an integer >= 1, got 0"),
-        (2, {"chunk_size": 2.5}, TypeError, "chunk_size must be an integer >= 1, got 2.5"),
+        (2, {"chunk_size": 0}, ValueError, "chunk_size must be an integer >= 1, got 0; pass chunk_size=1 or more"),
+        (2, {"chunk_size": 2.5}, TypeError, "chunk_size must be an integer >= 1, got 2.5; pass chunk_size= a whole "
+                                            "number"),
     ]:
         with pytest.raises(error) as info:
             SimulatedWorkers(model, workers, sgd, **kwargs)

@@ -312,28 +312,32 @@ def test_pass_through_and_bad_input():
     assert opt.step(lambda: torch.tensor(3.0)) == torch.tensor(3.0)
     fresh = torch.optim.SGD(model.parameters(), lr=0.1)  # `base` is wrapped already (below)
     for kwargs, error, message in [
-        ({"local_steps": 0}, ValueError, "adasum.SlowMo: local_steps must be an integer >= 1, got 0"),
-        ({"local_steps": 1.5}, TypeError, "adasum.SlowMo: local_steps must be an integer >= 1, got 1.5"),
-        ({"local_steps": True}, TypeError, "adasum.SlowMo: local_steps must be an integer >= 1, got True"),
+        ({"local_steps": 0}, ValueError, "adasum.SlowMo: local_steps must be an integer >= 1, got 0; pass "
+                                         "local_steps=1 or more"),
+        ({"local_steps": 1.5}, TypeError, "adasum.SlowMo: local_steps must be an integer >= 1, got 1.5; pass "
+                                          "local_steps= a whole number"),
+        ({"local_steps": True}, TypeError, "adasum.SlowMo: local_steps must be an integer >= 1, got True; pass "
+                                           "local_steps= a whole number"),
         ({"local_steps": 1, "slow_momentum": 1.0}, ValueError,
-         "adasum.SlowMo: slow_momentum must be a number in [0, 1), got 1.0"),
+         "adasum.SlowMo: slow_momentum must be a number in [0, 1), got 1.0; pass slow_momentum= a number in [0, 1)"),
         ({"local_steps": 1, "slow_momentum": float("nan")}, ValueError,
-         "adasum.SlowMo: slow_momentum must be a number in [0, 1), got nan"),
+         "adasum.SlowMo: slow_momentum must be a number in [0, 1), got nan; pass slow_momentum= a number in [0, 1)"),
         ({"local_steps": 1, "slow_momentum": "0.5"}, TypeError,
-         "adasum.SlowMo: slow_momentum must be a number in [0, 1), got '0.5'"),
+         "adasum.SlowMo: slow_momentum must be a number in [0, 1), got '0.5'; pass a number"),
         ({"local_steps": 1, "slow_lr": -1.0}, ValueError,
-         "adasum.SlowMo: slow_lr must be a finite number > 0, got -1.0"),
+         "adasum.SlowMo: slow_lr must be a finite number > 0, got -1.0; pass slow_lr= a finite number > 0"),
         ({"local_steps": 2, "slow_lr": 0.0}, ValueError,
-         "adasum.SlowMo: slow_lr must be a finite number > 0, got 0.0"),
+         "adasum.SlowMo: slow_lr must be a finite number > 0, got 0.0; pass slow_lr= a finite number > 0"),
         ({"local_steps": 2, "slow_lr": float("nan")}, ValueError,
-         "adasum.SlowMo: slow_lr must be a finite number > 0, got nan"),
+         "adasum.SlowMo: slow_lr must be a finite number > 0, got nan; pass slow_lr= a finite number > 0"),
         ({"local_steps": 2, "slow_lr": float("inf")}, ValueError,
-         "adasum.SlowMo: slow_lr must be a finite number > 0, got inf"),
+         "adasum.SlowMo: slow_lr must be a finite number > 0, got inf; pass slow_lr= a finite number > 0"),
         ({"local_steps": 2, "slow_lr": None}, TypeError,
-         "adasum.SlowMo: slow_lr must be a finite number > 0, got None"),
-        ({"local_steps": 1, "check": "no"}, TypeError, "adasum.SlowMo: check must be True or False, got 'no'"),
+         "adasum.SlowMo: slow_lr must be a finite number > 0, got None; pass a number"),
+        ({"local_steps": 1, "check": "no"}, TypeError, "adasum.SlowMo: check must be True or False, got 'no'; pass a "
+                                                       "bool"),
         ({"local_steps": 1, "buffers": "keep"}, ValueError,
-         "buffers must be one of ['local', 'reset', 'average'], got 'keep'"),
+         "buffers must be one of ['local', 'reset', 'average'], got 'keep'; pass one of them"),
         ({"local_steps": 1, "reducer": "median"}, ValueError, None),
         ({"local_steps": 1, "module": 3}, TypeError, "module must be a torch.nn.Module, got int"),
     ]:

@@ -376,7 +376,8 @@ def test_a_transport_the_group_cannot_run_is_refused_on_every_rank():
     """A transport named that a gloo group cannot run is a ValueError naming the call on every rank, after the
     cross-rank check of the transports asked for: where only some ranks name it, every rank gets the
     configuration's difference at once (the others do not wait for the group's timeout)."""
-    needs = "transport='symmetric' needs NCCL and a power-of-two group (no hierarchical placement)"
+    needs = ("transport='symmetric' needs NCCL and a power-of-two group (no hierarchical placement); "
+             "pass transport=None to let adasum choose")
     results = distributed.run(2, refused_body, ["symmetric", "symmetric"], timeout_s=30)
     assert results == [("ValueError", f"adasum.all_reduce: {needs}", True, True)] * 2, results
     results = distributed.run(2, refused_body, ["symmetric", "p2p"], timeout_s=30)

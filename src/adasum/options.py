@@ -10,7 +10,7 @@ saved state's options against an object's (`check_saved_settings`); Horovod's ``
 >>> check_option("mode", "deltas", Mode)
 Traceback (most recent call last):
 ...
-ValueError: mode must be one of ['delta', 'gradient'], got 'deltas'
+ValueError: mode must be one of ['delta', 'gradient'], got 'deltas'; pass one of them
 """
 
 from __future__ import annotations
@@ -48,7 +48,7 @@ def check_option(name: str, value: object, option: Any, allowed: Iterable[str] |
     """Raise ValueError unless `value` is one of `option`'s values (or of `allowed`, a part of them)."""
     values = list(choices(option) if allowed is None else allowed)
     if value not in values:
-        raise ValueError(f"{name} must be one of {values}, got {value!r}")
+        raise ValueError(f"{name} must be one of {values}, got {value!r}; pass one of them")
 
 
 def check_count(operation: str, name: str, value: object) -> None:
@@ -56,12 +56,12 @@ def check_count(operation: str, name: str, value: object) -> None:
 
     >>> check_count("adasum.SlowMo", "local_steps", 1.5)
     Traceback (most recent call last):
-    TypeError: adasum.SlowMo: local_steps must be an integer >= 1, got 1.5
+    TypeError: adasum.SlowMo: local_steps must be an integer >= 1, got 1.5; pass local_steps= a whole number
     """
     if isinstance(value, bool) or not isinstance(value, numbers.Integral):
-        raise TypeError(f"{operation}: {name} must be an integer >= 1, got {value!r}")
+        raise TypeError(f"{operation}: {name} must be an integer >= 1, got {value!r}; pass {name}= a whole number")
     if value < 1:
-        raise ValueError(f"{operation}: {name} must be an integer >= 1, got {value!r}")
+        raise ValueError(f"{operation}: {name} must be an integer >= 1, got {value!r}; pass {name}=1 or more")
 
 
 def check_number(operation: str, name: str, value: object, allowed: str, ok: Callable[[float], bool]) -> None:
@@ -70,18 +70,18 @@ def check_number(operation: str, name: str, value: object, allowed: str, ok: Cal
 
     >>> check_number("adasum.SlowMo", "slow_lr", float("nan"), "a finite number > 0", lambda v: 0 < v < float("inf"))
     Traceback (most recent call last):
-    ValueError: adasum.SlowMo: slow_lr must be a finite number > 0, got nan
+    ValueError: adasum.SlowMo: slow_lr must be a finite number > 0, got nan; pass slow_lr= a finite number > 0
     """
     if isinstance(value, bool) or not isinstance(value, numbers.Real):
-        raise TypeError(f"{operation}: {name} must be {allowed}, got {value!r}")
+        raise TypeError(f"{operation}: {name} must be {allowed}, got {value!r}; pass a number")
     if not ok(float(value)):
-        raise ValueError(f"{operation}: {name} must be {allowed}, got {value!r}")
+        raise ValueError(f"{operation}: {name} must be {allowed}, got {value!r}; pass {name}= {allowed}")
 
 
 def check_flag(operation: str, name: str, value: object) -> None:
     """Raise TypeError unless `value` is True or False (a string such as "no" would count as true)."""
     if not isinstance(value, bool):
-        raise TypeError(f"{operation}: {name} must be True or False, got {value!r}")
+        raise TypeError(f"{operation}: {name} must be True or False, got {value!r}; pass a bool")
 
 
 def check_saved_settings(operation: str, what: str, saved: dict[str, Any] | None, mine: dict[str, Any]) -> None:

@@ -80,7 +80,7 @@ def _parsed(env: Mapping[str, str], name: str, default, parse, what: str):
     try:
         return parse(value)
     except ValueError:
-        raise ValueError(f"adasum.settings: {name}={value!r} is not {what}") from None
+        raise ValueError(f"adasum.settings: {name}={value!r} is not {what}; set {name} to {what} or unset it") from None
 
 
 def _int(env: Mapping[str, str], name: str, default: _Default) -> int | _Default:
@@ -107,7 +107,8 @@ def _vectors(env: Mapping[str, str]) -> str:
         return spelled
     if spelled in _TRUE or spelled in _FALSE:
         return "1" if spelled in _TRUE else "0"
-    raise ValueError(f"adasum.settings: {name}={value!r} is not one of {', '.join(TRITON_VECTORS)} (or {SPELLINGS})")
+    raise ValueError(f"adasum.settings: {name}={value!r} is not one of {', '.join(TRITON_VECTORS)} (or {SPELLINGS}); "
+                     "set one of them")
 
 
 def _warn_unknown(env: Mapping[str, str]) -> None:
@@ -118,7 +119,8 @@ def _warn_unknown(env: Mapping[str, str]) -> None:
         close = difflib.get_close_matches(name[prefix:], [k[prefix:] for k in known], n=1, cutoff=0.6)
         hint = f"did you mean ADASUM_{close[0]}?" if close else "docs/settings.md lists the variables"
         warnings.warn(
-            f"adasum.settings: the environment variable {name} is not a setting of adasum and is ignored ({hint})",
+            f"adasum.settings: the environment variable {name} is not a setting of adasum and is ignored ({hint}); "
+            "remove or rename it",
             UserWarning,
             stacklevel=3,
         )
@@ -183,26 +185,31 @@ class Settings:
         its environment variable and the value: from the environment and from `override` alike."""
         for field in ("cuda_graphs", "symmetric", "symmetric_push", "symmetric_chunks"):
             if not isinstance(getattr(self, field), bool):
-                raise TypeError(f"adasum.settings: {_name(field)} must be a bool, got {getattr(self, field)!r}")
+                raise TypeError(f"adasum.settings: {_name(field)} must be a bool, got {getattr(self, field)!r}; set "
+                                "True or False")
         if self.deferred_checks is not None and not isinstance(self.deferred_checks, bool):
-            raise TypeError(f"adasum.settings: deferred_checks must be a bool or None, got {self.deferred_checks!r}")
+            raise TypeError(f"adasum.settings: deferred_checks must be a bool or None, got {self.deferred_checks!r}; "
+                            "set one")
         if not isinstance(self.transport_first, str):
-            raise TypeError(f"adasum.settings: {_name('transport_first')} must be a str, got {self.transport_first!r}")
+            raise TypeError(f"adasum.settings: {_name('transport_first')} must be a str, got "
+                            f"{self.transport_first!r}; set a name")
         if self.transport_first and self.transport_first not in TRANSPORT_NAMES:
             raise ValueError(
                 f"adasum.settings: {_name('transport_first')} must be one of {list(TRANSPORT_NAMES)} or empty, "
-                f"got {self.transport_first!r}"
+                f"got {self.transport_first!r}; set one of them"
             )
         if self.triton_vectors not in TRITON_VECTORS:
             raise ValueError(
                 f"adasum.settings: {_name('triton_vectors')} must be one of {list(TRITON_VECTORS)}, "
-                f"got {self.triton_vectors!r}"
+                f"got {self.triton_vectors!r}; set one of them"
             )
         pieces = self.piece_elements
         if not (isinstance(pieces, tuple) and len(pieces) == 2 and all(_is_int(p) for p in pieces)):
-            raise TypeError(f"adasum.settings: piece_elements must be a tuple of two ints (gloo, NCCL), got {pieces!r}")
+            raise TypeError("adasum.settings: piece_elements must be a tuple of two ints (gloo, NCCL), got "
+                            f"{pieces!r}; set one")
         if min(pieces) < 1:
-            raise ValueError(f"adasum.settings: piece_elements must be >= 1 element each, got {pieces!r}")
+            raise ValueError(f"adasum.settings: piece_elements must be >= 1 element each, got {pieces!r}; set larger "
+                             "ones")
         minimum = {
             "local_world_size": 1, "local_rank": 0, "group_rank": 0, "symmetric_chunk_bytes": 1,
             "symmetric_max_chunks": 1, "one_shot_bytes": 0,
@@ -212,14 +219,18 @@ class Settings:
             if value is None and field in ("local_world_size", "local_rank", "group_rank"):
                 continue
             if not _is_int(value):
-                raise TypeError(f"adasum.settings: {_name(field)} must be an int, got {value!r}")
+                raise TypeError(f"adasum.settings: {_name(field)} must be an int, got {value!r}; set an int")
             if value < least:
-                raise ValueError(f"adasum.settings: {_name(field)} must be >= {least}, got {value}")
+                raise ValueError(
+                    f"adasum.settings: {_name(field)} must be >= {least}, got {value}; set {least} or more"
+                )
         memory = self.memory_mb
         if not isinstance(memory, (int, float)) or isinstance(memory, bool):
-            raise TypeError(f"adasum.settings: {_name('memory_mb')} must be a number (MiB), got {memory!r}")
+            raise TypeError(f"adasum.settings: {_name('memory_mb')} must be a number (MiB), got {memory!r}; set a "
+                            "number")
         if not (math.isfinite(memory) and memory > 0):
-            raise ValueError(f"adasum.settings: {_name('memory_mb')} must be a finite number > 0 (MiB), got {memory}")
+            raise ValueError(f"adasum.settings: {_name('memory_mb')} must be a finite number > 0 (MiB), got {memory}; "
+                             "set one")
 
     @functools.cached_property
     def shaping(self) -> tuple[str, ...]:
@@ -312,7 +323,8 @@ def override(**changes: object) -> Iterator[Settings]:
                 else f"did you mean {close[0]}?" if close
                 else "the fields of adasum.settings.Settings are the settings"
             )
-            raise TypeError(f"adasum.settings: override got {name!r}, which is not a setting ({hint})")
+            raise TypeError(f"adasum.settings: override got {name!r}, which is not a setting ({hint}); pass a field "
+                            "of Settings")
     token = _in_force.set(dataclasses.replace(current(), **changes))  # type: ignore[arg-type]
     try:
         yield _in_force.get()  # type: ignore[misc]

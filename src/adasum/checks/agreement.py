@@ -312,11 +312,12 @@ def tensor_list(tensors: object, operation: str) -> list[torch.Tensor]:
         raise TypeError(f"{operation}: takes a tensor or a list of tensors, got a {type(tensors).__name__}; "
                         "pass list(d.values())")
     if isinstance(tensors, (str, bytes)) or not isinstance(tensors, Iterable):
-        raise TypeError(f"{operation}: takes a tensor or a list of tensors, got {type(tensors).__name__}")
+        raise TypeError(f"{operation}: takes a tensor or a list of tensors, got {type(tensors).__name__}; pass one of "
+                        "those")
     listed = list(tensors)
     for i, t in enumerate(listed):
         if not isinstance(t, torch.Tensor):
-            raise TypeError(f"{operation}: element {i} is a {type(t).__name__}, not a torch.Tensor")
+            raise TypeError(f"{operation}: element {i} is a {type(t).__name__}, not a torch.Tensor; pass tensors only")
     return listed
 
 

@@ -131,9 +131,11 @@ def find_nonfinite(
     tensors = _checkable(tensor_list(tensors, "adasum.find_nonfinite"))
     check_group(group, "adasum.find_nonfinite")
     if isinstance(names, str):  # a string would be read as one name a character
-        raise TypeError(f"adasum.find_nonfinite: names must be a list of names, one per tensor, got {names!r}")
+        raise TypeError(f"adasum.find_nonfinite: names must be a list of names, one per tensor, got {names!r}; pass "
+                        "[name, ...]")
     if names is not None and len(names) != len(tensors):
-        raise ValueError(f"got {len(names)} names for {len(tensors)} tensors")
+        raise ValueError(f"adasum.find_nonfinite: got {len(names)} names for {len(tensors)} tensors; pass one name "
+                         "per tensor")
     if group is None and not dist.is_initialized():
         rank, world, device = 0, 1, tensors[0].device if tensors else torch.device("cpu")
     else:

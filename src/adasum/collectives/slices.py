@@ -289,7 +289,7 @@ class CombineOp:
     def pair(self, a, b, sums: torch.Tensor, workers_a: int, workers_b: int, lengths: Sequence[int], out,
              *more_outs) -> None:
         """Level form: ``out = c_a a + c_b b`` per segment from the pair's [3, T] level sums."""
-        raise NotImplementedError(f"{type(self).__name__} has no level form")
+        raise NotImplementedError(f"{type(self).__name__} has no level form (internal error; please report)")
 
     def record(self, sums: torch.Tensor, pairs) -> None:
         """Level form: see a level's [pairs, 3, T] sums (`adasum.core.statistics`)."""

@@ -48,7 +48,8 @@ def weights(gram: torch.Tensor, tree: Tree) -> tuple[torch.Tensor, torch.Tensor]
     ``|b|^2`` of each pair of `pair_ops`, in that order)."""
     workers, _, width = gram.shape
     if workers != tree.workers:
-        raise ValueError(f"a Gram matrix of {workers} workers for a tree of {tree.workers}")
+        raise ValueError(f"a Gram matrix of {workers} workers for a tree of {tree.workers} (internal error; please "
+                         "report)")
     nodes = torch.eye(workers, dtype=torch.float64, device=gram.device).unsqueeze(-1).repeat(1, 1, width)
     ops = pair_ops(tree)
     sums = torch.empty(len(ops), 3, width, dtype=torch.float64, device=gram.device)

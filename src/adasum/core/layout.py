@@ -104,7 +104,7 @@ class Scattered:
 
     def __init__(self, tensors: Sequence[torch.Tensor]) -> None:
         if not tensors or any(not t.is_contiguous() for t in tensors):
-            raise ValueError("Scattered needs one or more contiguous tensors")
+            raise ValueError("Scattered needs one or more contiguous tensors; pass .contiguous() ones")
         self.tensors = [t.view(-1) for t in tensors]
         self.layout = Layout(tuple(t.numel() for t in self.tensors))
         self.dtype = tensors[0].dtype

@@ -34,7 +34,8 @@ ZERO_NORM = math.sqrt(torch.finfo(torch.float64).tiny)
 def check_floating(dtype: torch.dtype) -> None:
     """Raise TypeError unless `dtype` is a real floating-point dtype."""
     if not dtype.is_floating_point:
-        raise TypeError(f"Adasum needs floating-point tensors, got {dtype}")
+        raise TypeError(f"Adasum needs floating-point tensors, got {dtype}; pass float tensors (cast with .float() or "
+                        ".to(torch.bfloat16))")
 
 
 def coefficients(

@@ -22,7 +22,7 @@ class Tree:
 
     def __post_init__(self) -> None:
         if self.workers < 1:
-            raise ValueError(f"workers must be >= 1, got {self.workers}")
+            raise ValueError(f"workers must be >= 1, got {self.workers}; pass a count of one or more")
 
     @property
     def groups(self) -> int:

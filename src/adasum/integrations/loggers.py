@@ -64,7 +64,7 @@ def _read(source: HasStatistics | Statistics) -> Statistics:
         return source
     if not callable(getattr(source, "statistics", None)):
         raise TypeError(
-            f"expected a statistics dict or an object with statistics() (adasum.ddp.AdasumState, "
+            f"pass a statistics dict or an object with statistics() (adasum.ddp.AdasumState, "
             f"adasum.DistributedOptimizer, adasum.SlowMo), got {type(source).__name__}"
         )
     return source.statistics()

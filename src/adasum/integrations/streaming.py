@@ -53,7 +53,8 @@ def fragment_bounds(sizes: list[int], fragments: int) -> list[tuple[int, int]]:
     ([(0, 2), (2, 4)], [(0, 1), (1, 3)])
     """
     if not 1 <= fragments <= len(sizes):
-        raise ValueError(f"fragments must be in [1, {len(sizes)}] (one tensor at least each), got {fragments}")
+        raise ValueError(f"fragments must be in [1, {len(sizes)}] (one tensor at least each), got {fragments}; pass "
+                         "fewer fragments")
     total, bounds, start, seen = sum(sizes), [], 0, 0
     for k in range(fragments - 1):
         stop = start + 1

@@ -126,11 +126,11 @@ def copy_table(moves: Sequence[tuple[Run, Run]], device: torch.device) -> CopyTa
     for source, target in moves:
         if source[2] - source[1] != target[2] - target[1]:
             raise ValueError(f"a move copies runs of equal length, got {source[2] - source[1]} and "
-                             f"{target[2] - target[1]}")
+                             f"{target[2] - target[1]} (internal error; please report)")
         cut_by_target = isinstance(target[0], Scattered)
         cut, other = (target, source) if cut_by_target else (source, target)
         if not isinstance(other[0], torch.Tensor):
-            raise ValueError("a move has at most one Scattered side")
+            raise ValueError("a move has at most one Scattered side (internal error; please report)")
         size = source[0].element_size()
         width = max(1, 16 // size)
         base = other[0].data_ptr() + other[1] * size

@@ -559,7 +559,7 @@ def add(
     `TileAddresses` (a list of tensors in place). With `x_too` the result is written into `x` as well (in
     the same pass; not with a copy)."""
     if x_too and y is None:
-        raise ValueError("x_too needs y: a copy into x is no operation")
+        raise ValueError("x_too needs y: a copy into x is no operation (internal error; please report)")
     like = next(t for t in (y, x, out) if isinstance(t, torch.Tensor))
     table = tiles(tuple(lengths), like.device)
     if table.n_tiles:

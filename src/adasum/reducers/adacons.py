@@ -207,7 +207,7 @@ def scale_segments_(flat: torch.Tensor, weights: torch.Tensor, sizes: Sequence[i
 def check_key(key: object, operation: str) -> None:
     """Raise TypeError, before anything moves, unless `key` (the name of a momentum state) is a str or None."""
     if key is not None and not isinstance(key, str):
-        raise TypeError(f"{operation}: key must be a str or None, got {key!r}")
+        raise TypeError(f"{operation}: key must be a str or None, got {key!r}; pass a name")
 
 
 def layout_key(description: Sequence[tuple[torch.dtype, int]], per_tensor: bool) -> str:
@@ -280,7 +280,7 @@ class AdaCons(Reducer):
         check_number("adasum.AdaCons", "momentum", momentum, "a number in [0, 1)", lambda v: 0 <= v < 1)
         check_option("scale", scale, Scale)
         if not isinstance(per_tensor, bool):
-            raise TypeError(f"per_tensor must be True or False, got {per_tensor!r}")
+            raise TypeError(f"per_tensor must be True or False, got {per_tensor!r}; pass a bool")
         self.momentum = float(momentum)
         self.per_tensor = per_tensor
         self.scale = scale
@@ -531,7 +531,7 @@ class AdaCons(Reducer):
             if state[name] != getattr(self, name):
                 raise ValueError(
                     f"adasum.AdaCons.load_state_dict: the state has {name}={state[name]!r}, this reducer has "
-                    f"{getattr(self, name)!r}"
+                    f"{getattr(self, name)!r}; build AdaCons({name}={state[name]!r}) to load it"
                 )
         self._states = Released()
         self._states.update((k, v.detach().clone().to(torch.float64)) for k, v in state["states"].items())

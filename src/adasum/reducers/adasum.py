@@ -47,17 +47,19 @@ class Adasum(Reducer):
         self, per_tensor: bool = True, hierarchical: bool | str = False, local_size: int | None = None
     ) -> None:
         if not isinstance(per_tensor, bool):
-            raise TypeError(f"per_tensor must be True or False, got {per_tensor!r}")
+            raise TypeError(f"per_tensor must be True or False, got {per_tensor!r}; pass a bool")
         if hierarchical not in (False, True, "exact"):
-            raise ValueError(f"hierarchical must be False, True or 'exact', got {hierarchical!r}")
+            raise ValueError(f"hierarchical must be False, True or 'exact', got {hierarchical!r}; pass one of them")
         if local_size is not None:
             if isinstance(local_size, bool) or not isinstance(local_size, numbers.Integral):
-                raise TypeError(f"local_size must be a positive int or None, got {local_size!r}")
+                raise TypeError(f"local_size must be a positive int or None, got {local_size!r}; pass ranks per node, "
+                                "or None")
             if local_size < 1:
-                raise ValueError(f"local_size must be a positive int or None, got {local_size!r}")
+                raise ValueError(f"local_size must be a positive int or None, got {local_size!r}; pass ranks per "
+                                 "node, or None")
             if not hierarchical:
                 raise ValueError(f"local_size needs hierarchical=True or 'exact', got local_size={local_size!r} "
-                                 f"with hierarchical={hierarchical!r}")
+                                 f"with hierarchical={hierarchical!r}; pass hierarchical=True too, or drop local_size")
             local_size = int(local_size)
         self.per_tensor = per_tensor
         self.hierarchical = hierarchical

@@ -155,7 +155,8 @@ class Reducer:
         operation = f"adasum.{type(self).__name__}.all_reduce_flat"
         self._check_options(options, operation)
         if not isinstance(buffer, torch.Tensor):
-            raise TypeError(f"{operation}: buffer must be a torch.Tensor, got {type(buffer).__name__}")
+            raise TypeError(f"{operation}: buffer must be a torch.Tensor, got {type(buffer).__name__}; pass one flat "
+                            "tensor")
         layout = tuple(sizes) if type(sizes) in (list, tuple) else None
         entry = (operation, _identity(self), repr(sorted(options.items())) if options else "", layout)
         if layout is not None and set(map(type, layout)) <= _INT and dist.is_initialized() and (
@@ -176,7 +177,8 @@ class Reducer:
             if not self.call_options:
                 takes = "check_layout only"
             raise TypeError(
-                f"{operation}: unexpected keyword argument {unknown[0]!r}; {type(self).__name__} takes {takes}"
+                f"{operation}: unexpected keyword argument {unknown[0]!r}; {type(self).__name__} takes {takes}: "
+                "remove it"
             )
 
     def _plan(
@@ -229,14 +231,15 @@ class Reducer:
         self, buffer: torch.Tensor, sizes: list[int], group: dist.ProcessGroup | None, **options: Any
     ) -> None:
         """Combine a checked flat buffer in place across `group`."""
-        raise NotImplementedError(f"{type(self).__name__} implements no distributed form (_all_reduce_flat)")
+        raise NotImplementedError(f"{type(self).__name__} implements no distributed form; write _all_reduce_flat, or "
+                                  "use it through reduce() only")
 
     def check_shards(self, shards: int) -> None:
         """Raise ValueError unless `all_reduce_shards` combines tensors split over `shards` ranks per tensor."""
         if shards > 1 and not self.elementwise:
             raise ValueError(
                 f"{self!r} would see tensor shards, not whole tensors: it combines shards only with one shard "
-                "per replica (Adasum, AdaCons, Sum and Mean combine shards per tensor)"
+                "per replica; use Adasum, AdaCons, Sum or Mean, which combine shards per tensor"
             )
 
     def all_reduce_shards(
@@ -303,26 +306,30 @@ def check_workers(per_worker: Sequence[Sequence[torch.Tensor]], operation: str =
 
     >>> check_workers([[torch.zeros(3), torch.zeros(1)], [torch.ones(3), torch.ones(1)]])   # 2 workers, 2 tensors
     2
-    >>> check_workers([[torch.zeros(3)], [torch.ones(3, dtype=torch.float64)]], "adasum.Sum.reduce")
+    >>> check_workers([[torch.zeros(3)], [torch.ones(3, dtype=torch.float64)]],
+    ...               "adasum.Sum.reduce")  # doctest: +ELLIPSIS
     Traceback (most recent call last):
-    ValueError: adasum.Sum.reduce: tensor 0: worker 0 has torch.float32 [3], worker 1 has torch.float64 [3]
+    ValueError: adasum.Sum.reduce: tensor 0: worker 0 has torch.float32 [3], worker 1 has torch.float64 [3]; give ...
     """
     if len(per_worker) == 0:
-        raise ValueError("reduce needs at least one worker")
+        raise ValueError("reduce needs at least one worker; pass one list of tensors per worker")
     count = len(per_worker[0])
     for w, tensors in enumerate(per_worker):
         if len(tensors) != count:
-            raise ValueError(f"worker 0 has {count} tensors, worker {w} has {len(tensors)}")
+            raise ValueError(f"worker 0 has {count} tensors, worker {w} has {len(tensors)}; give every worker the "
+                             "same tensors")
     for i in range(count):
         for w, tensors in enumerate(per_worker):
             if not isinstance(tensors[i], torch.Tensor):
                 raise TypeError(
-                    f"{operation}: worker {w}'s tensor {i} is a {type(tensors[i]).__name__}, not a torch.Tensor"
+                    f"{operation}: worker {w}'s tensor {i} is a {type(tensors[i]).__name__}, not a torch.Tensor; pass "
+                    "tensors"
                 )
         first = per_worker[0][i]
         if not first.is_floating_point():
             raise TypeError(
-                f"{operation}: tensor {i} has dtype {first.dtype}; only floating-point tensors can be combined"
+                f"{operation}: tensor {i} has dtype {first.dtype}; only floating-point tensors can be combined: pass "
+                "float tensors"
             )
         for w, tensors in enumerate(per_worker):
             t = tensors[i]
@@ -330,7 +337,7 @@ def check_workers(per_worker: Sequence[Sequence[torch.Tensor]], operation: str =
                 where = (lambda x: f" on {x.device}") if t.device != first.device else (lambda x: "")
                 raise ValueError(
                     f"{operation}: tensor {i}: worker 0 has {first.dtype} {list(first.shape)}{where(first)}, "
-                    f"worker {w} has {t.dtype} {list(t.shape)}{where(t)}"
+                    f"worker {w} has {t.dtype} {list(t.shape)}{where(t)}; give every worker the same layout"
                 )
     return count
 
@@ -363,7 +370,8 @@ def check_state_keys(reducer: Reducer, state: Any, keys: Iterable[str]) -> None:
     """
     operation = f"adasum.{type(reducer).__name__}.load_state_dict"
     if not isinstance(state, Mapping):
-        raise TypeError(f"{operation}: state must be a dict (what state_dict returned), got {type(state).__name__}")
+        raise TypeError(f"{operation}: state must be a dict (what state_dict returned), got {type(state).__name__}; "
+                        "pass what state_dict() returned")
     expected = sorted(keys)
     unexpected = sorted(set(state) - set(expected), key=str)
     missing = [k for k in expected if k not in state]
@@ -375,7 +383,8 @@ def check_state_keys(reducer: Reducer, state: Any, keys: Iterable[str]) -> None:
     )
     saves = f"saves {expected}" if expected else "saves no keys"
     raise ValueError(
-        f"{operation}: the state is not this reducer's: {wrong} ({name} {saves})"
+        f"{operation}: the state is not this reducer's: {wrong} ({name} {saves}); load it into the reducer that saved "
+        "it"
     )
 
 

@@ -121,12 +121,13 @@ def select(
         name = _default(need, nbytes)
     names = transport_names()
     if name not in names:
-        raise ValueError(f"transport must be one of {list(names)} or None, got {name!r}")
+        raise ValueError(f"transport must be one of {list(names)} or None, got {name!r}; pass one of them or "
+                         "register_transport it")
     row = entry(name)
     world = dist.get_world_size(group)
     for requirement in row.requires:
         if not _has(requirement, need, world):
-            raise ValueError(f"transport={name!r} {REFUSALS[requirement]}")
+            raise ValueError(f"transport={name!r} {REFUSALS[requirement]}; pass transport=None to let adasum choose")
     return cast(Transport, row.factory(need))
 
 

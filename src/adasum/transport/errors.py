@@ -97,5 +97,6 @@ def failures_named(
         raise CollectiveError(
             f"{operation} on rank {dist.get_rank(group)} of {dist.get_world_size(group)}: {step} failed "
             f"(group timeout {timeout.total_seconds():g} s): a peer died, stalled past the timeout or "
-            f"the connection broke; {cause}"
+            f"the connection broke; {cause}. Read the peer's own log for its error; if it was only slow, "
+            "pass a longer timeout= to dist.init_process_group (or dist.new_group)"
         ) from error

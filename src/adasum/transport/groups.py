@@ -38,7 +38,8 @@ EXIT_DRAIN_S = 0.05
 def check_group(group: object, operation: str) -> None:
     """`operation`'s TypeError unless `group` is a torch.distributed process group or None (the default group)."""
     if group is not None and not isinstance(group, dist.ProcessGroup):
-        raise TypeError(f"{operation}: group must be a torch.distributed ProcessGroup or None, got {group!r}")
+        raise TypeError(f"{operation}: group must be a torch.distributed ProcessGroup or None, got {group!r}; pass "
+                        "dist.new_group(...) or None")
 
 
 def _drain_and_destroy() -> None:

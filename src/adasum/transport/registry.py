@@ -95,10 +95,12 @@ def register_transport(
     default's order (`adasum.transport.NCCL_PREFERENCE`). The mover's ``name`` must be `name` (the schedule switch
     and the cross-rank check read it). Registering a name again replaces its row."""
     if serves not in get_args(Schedule):
-        raise ValueError(f"register_transport: serves must be one of {list(get_args(Schedule))}, got {serves!r}")
+        raise ValueError(f"register_transport: serves must be one of {list(get_args(Schedule))}, got {serves!r}; pass "
+                         "one of them")
     unknown = [r for r in (*requires, *prefers) if r not in REFUSALS]
     if unknown:
-        raise ValueError(f"register_transport: requirements must be among {list(REFUSALS)}, got {unknown[0]!r}")
+        raise ValueError(f"register_transport: requirements must be among {list(REFUSALS)}, got {unknown[0]!r}; pass "
+                         "only those")
     if not isinstance(name, str) or not name or not callable(factory):
         raise TypeError("register_transport: give a non-empty name and a callable factory")
     with _registry.lock:

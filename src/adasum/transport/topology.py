@@ -150,6 +150,6 @@ class ShardGroups(Topology):
     def __init__(self, group: dist.ProcessGroup | None, replicate: dist.ProcessGroup, shard: dist.ProcessGroup,
                  peers: tuple[int, ...], replicas: int, shards: int) -> None:
         if len(peers) != replicas:
-            raise ValueError(f"ShardGroups: {len(peers)} peers for {replicas} replicas")
+            raise ValueError(f"ShardGroups: {len(peers)} peers for {replicas} replicas (internal error; please report)")
         super().__init__(group, tuple(peers), inner=shard, outer=replicate, inner_size=int(shards),
                          inner_rank=dist.get_rank(shard), position=dist.get_rank(replicate))
