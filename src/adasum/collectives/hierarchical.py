@@ -36,7 +36,7 @@ from typing import cast
 import torch
 import torch.distributed as dist
 
-from adasum.collectives.slices import SliceMover, adasum_slices_
+from adasum.collectives.slices import CombineOp, SliceMover, adasum_slices_
 from adasum.collectives.vhdd import adasum_flat_, transport_for
 from adasum.core.layout import Layout
 from adasum.kernels.reduce import reduce
@@ -166,18 +166,21 @@ def build_hierarchy(
     return Hierarchy(group, local_group, size, nodes, node, local_rank, exact)
 
 
-def adasum_hierarchical_flat_(buffer: torch.Tensor, sizes: Sequence[int], hierarchy: Hierarchy) -> None:
+def adasum_hierarchical_flat_(
+    buffer: torch.Tensor, sizes: Sequence[int], hierarchy: Hierarchy, op: CombineOp | None = None
+) -> None:
     """Hierarchical Adasum of a flat buffer across the group, in place; `sizes` as in `adasum_flat_`.
 
     Every rank ends with ``adasum.reduce`` over the node means, per tensor (module doc); with an exact
-    hierarchy, over every rank (`adasum_two_tier_flat_`).
+    hierarchy, over every rank (`adasum_two_tier_flat_`). `op`: the combine rule of the tree across nodes (and, two
+    tiers, inside them too; `adasum.collectives.slices.CombineOp`, as `adasum_flat_` takes it; None: Adasum's).
     """
     if hierarchy.exact:
-        adasum_two_tier_flat_(buffer, sizes, hierarchy)
+        adasum_two_tier_flat_(buffer, sizes, hierarchy, op)
         return
     size, numel = hierarchy.local_size, buffer.numel()
     if size == 1:
-        adasum_flat_(buffer, sizes, hierarchy.group)
+        adasum_flat_(buffer, sizes, hierarchy.group, op=op)
         return
     if numel == 0:
         return
@@ -189,18 +192,22 @@ def adasum_hierarchical_flat_(buffer: torch.Tensor, sizes: Sequence[int], hierar
     shard.div_(size)
     start = min(hierarchy.local_rank * shard_len, numel)
     owned = min(numel - start, shard_len)  # the last shards may be partly or wholly padding
-    adasum_flat_(shard[:owned], sizes, hierarchy.group, hierarchy.at(start))
+    adasum_flat_(shard[:owned], sizes, hierarchy.group, hierarchy.at(start), op=op)
     with failures_named("adasum.hierarchical", "the intra-node all-gather", hierarchy.local_group):
         all_gather_single(padded, shard, group=hierarchy.local_group)
     if padded is not buffer:
         buffer.copy_(padded[:numel])
 
 
-def adasum_two_tier_flat_(buffer: torch.Tensor, sizes: Sequence[int], hierarchy: Hierarchy) -> None:
+def adasum_two_tier_flat_(
+    buffer: torch.Tensor, sizes: Sequence[int], hierarchy: Hierarchy, op: CombineOp | None = None
+) -> None:
     """The flat tree of Adasum over every rank of the group, in place, computed in two tiers (module doc):
-    equal to `adasum.reduce` of the ranks' buffers per tensor up to float64 rounding, ranks bitwise equal."""
+    equal to `adasum.reduce` of the ranks' buffers per tensor up to float64 rounding, ranks bitwise equal. `op`:
+    the combine rule of both tiers (a `pairwise` `adasum.collectives.slices.CombineOp`, not `coupled`; None:
+    Adasum's tree): the node's tree on the slice-parallel schedule, the levels across nodes on VHDD."""
     if hierarchy.local_size == 1:
-        adasum_flat_(buffer, sizes, hierarchy.group)
+        adasum_flat_(buffer, sizes, hierarchy.group, op=op)
         return
     layout = Layout(tuple(int(n) for n in sizes))
     if layout.numel != buffer.numel():
@@ -208,12 +215,12 @@ def adasum_two_tier_flat_(buffer: torch.Tensor, sizes: Sequence[int], hierarchy:
 
     def across(mine: torch.Tensor, offset: int) -> None:
         if hierarchy.nodes > 1:
-            adasum_flat_(mine, layout.sizes, hierarchy.group, hierarchy.at(offset))
+            adasum_flat_(mine, layout.sizes, hierarchy.group, hierarchy.at(offset), op=op)
 
     # built once per node group and kept by its communicator, with its buffers (as every transport is)
     mover = cast(SliceMover, transport_for(hierarchy.local_group, "slices", whole_group=True))
     with failures_named("adasum.hierarchical", "the two-tier schedule", hierarchy.group):
-        adasum_slices_(buffer, layout, mover, across)
+        adasum_slices_(buffer, layout, mover, across, op)
 
 
 def reduce_hierarchical(tensors: Sequence[torch.Tensor], local_size: int) -> torch.Tensor:

@@ -60,8 +60,7 @@ def pair_coefficients(
     tensor([[1.],
             [1.]], dtype=torch.float64)
     """
-    if isinstance(workers_a, torch.Tensor):
-        total = (workers_a + workers_b).to(torch.float64)
-    else:
-        total = workers_a + workers_b
+    total: int | torch.Tensor = workers_a + workers_b
+    if isinstance(total, torch.Tensor):
+        total = total.to(torch.float64)
     return torch.stack(coefficients(partials, workers_a / total, workers_b / total))
