@@ -24,6 +24,7 @@ tile_tables.TILE = 2048
 tk.ITERS = tile_tables.TILE // tk.BLOCK
 tk.COPY_ITERS = -(-tile_tables.TILE // tk.COPY_BLOCK)
 g = torch.Generator().manual_seed(3)
+g_given = torch.Generator().manual_seed(5)  # a combine op's coefficients (apart, so that `g`'s draws stay as they were)
 EPS = torch.finfo(torch.float64).eps
 
 
@@ -86,6 +87,13 @@ for number, lengths in enumerate(cases):
         tk.combine(a, b, ref, counts_a, counts_b, lengths, out)
         bound = combine_bound(a, b, ca, cb, lengths, want, dtype)
         assert ((out.double() - want.double()).abs() <= bound).all(), (lengths, dtype, "per segment")
+        # a combine op's coefficients ([2, T], not Adasum's), read by the same kernel (`scale_add`)
+        given = torch.randn(2, len(lengths), generator=g_given, dtype=torch.float64)
+        ops.scale_add(a, b, given[0], given[1], lengths, want)
+        out.fill_(float("nan"))
+        tk.scale_add(a, b, given, lengths, out)
+        bound = combine_bound(a, b, given[0], given[1], lengths, want, dtype)
+        assert ((out.double() - want.double()).abs() <= bound).all(), (lengths, dtype, "given coefficients")
         # the symmetric-memory kernels: the partner's copy read in the same pass as the sums, in its own
         # dtype; the combination stored into several outputs at once (a local and a peer's buffer)
         for lower in (True, False) if number in (1, 3) else ():
@@ -103,6 +111,9 @@ for number, lengths in enumerate(cases):
             bound = combine_bound(a, b, ca, cb, lengths, want, dtype)
             assert ((outs[0].double() - want.double()).abs() <= bound).all(), (lengths, dtype, "several outputs")
             assert all(torch.equal(outs[0], o) for o in outs[1:]), (lengths, dtype)
+            given_outs = [torch.full_like(a, float("nan")) for _ in range(4)]
+            tk.scale_add(a, b, given, lengths, *given_outs)
+            assert all(torch.equal(out, o) for o in given_outs), (lengths, dtype, "given, several outputs")
         # a list of tensors read and written where it lies (Scattered: per-tile addresses), over slices that
         # cut tensors: the same bits as the flat kernels on the same values
         if number in (0, 1, 3) and n and dtype in (torch.float32, torch.bfloat16):
@@ -123,6 +134,13 @@ for number, lengths in enumerate(cases):
                 tk.combine(view, b[lo:hi], want, 2, 3, cut, view, peer_out)
                 whole = torch.cat(scattered.tensors)
                 assert torch.equal(whole[lo:hi], flat_out) and torch.equal(peer_out, flat_out), (lengths, dtype)
+                cut_given = torch.randn(2, len(cut), generator=g_given, dtype=torch.float64)
+                flat_given, peer_given = whole[lo:hi].clone(), torch.full((hi - lo,), float("nan"), dtype=dtype)
+                tk.scale_add(flat_given, b[lo:hi], cut_given, cut, flat_given)
+                tk.scale_add(view, b[lo:hi], cut_given, cut, view, peer_given)
+                whole = torch.cat(scattered.tensors)
+                assert torch.equal(whole[lo:hi], flat_given) and torch.equal(peer_given, flat_given), "given, in place"
+                flat_out = flat_given
                 assert torch.equal(whole[:lo], a[:lo]) and torch.equal(whole[hi:], a[hi:]), "outside: untouched"
                 staged = torch.zeros(n, dtype=dtype)
                 scattered.read_into(staged, lo, hi)

@@ -36,7 +36,7 @@ from typing import cast
 import torch
 import torch.distributed as dist
 
-from adasum.collectives.slices import SliceMover, adasum_slices_
+from adasum.collectives.slices import CombineOp, SliceMover, adasum_slices_
 from adasum.collectives.vhdd import adasum_flat_, transport_for
 from adasum.core.layout import Layout
 from adasum.kernels.reduce import reduce
@@ -168,22 +168,24 @@ def build_hierarchy(
 
 
 def adasum_hierarchical_flat_(
-    buffer: torch.Tensor, sizes: Sequence[int], hierarchy: Hierarchy, *, mover: Transport | None = None,
-    inner: Transport | None = None,
+    buffer: torch.Tensor, sizes: Sequence[int], hierarchy: Hierarchy, op: CombineOp | None = None, *,
+    mover: Transport | None = None, inner: Transport | None = None,
 ) -> None:
     """Hierarchical Adasum of a flat buffer across the group, in place; `sizes` as in `adasum_flat_`.
 
     Every rank ends with ``adasum.reduce`` over the node means, per tensor (module doc); with an exact
-    hierarchy, over every rank (`adasum_two_tier_flat_`). `mover` runs the tree across nodes (with one rank per
-    node, the group's tree) and `inner` the two tiers' node schedule: a call's plan passes the ones it chose
-    (`adasum.collectives.api.Schedule`); left out, each is picked as a plan picks it (`_movers`).
+    hierarchy, over every rank (`adasum_two_tier_flat_`). `op`: the combine rule of the tree across nodes (and, two
+    tiers, inside them too; `adasum.collectives.slices.CombineOp`, as `adasum_flat_` takes it; None: Adasum's).
+    `mover` runs the tree across nodes (with one rank per node, the group's tree) and `inner` the two tiers' node
+    schedule: a call's plan passes the ones it chose (`adasum.collectives.api.Schedule`); left out, each is picked
+    as a plan picks it (`_movers`).
     """
     if hierarchy.exact:
-        adasum_two_tier_flat_(buffer, sizes, hierarchy, mover=mover, inner=inner)
+        adasum_two_tier_flat_(buffer, sizes, hierarchy, op, mover=mover, inner=inner)
         return
     size, numel = hierarchy.local_size, buffer.numel()
     if size == 1:
-        adasum_flat_(buffer, sizes, hierarchy.group, transport=mover)
+        adasum_flat_(buffer, sizes, hierarchy.group, transport=mover, op=op)
         return
     if numel == 0:
         return
@@ -196,7 +198,7 @@ def adasum_hierarchical_flat_(
     start = min(hierarchy.local_rank * shard_len, numel)
     owned = min(numel - start, shard_len)  # the last shards may be partly or wholly padding
     adasum_flat_(shard[:owned], sizes, hierarchy.group, hierarchy.at(start),
-                 transport=mover if mover is not None else _movers(hierarchy)[0])
+                 transport=mover if mover is not None else _movers(hierarchy)[0], op=op)
     with failures_named("adasum.hierarchical", "the intra-node all-gather", hierarchy.local_group):
         all_gather_single(padded, shard, group=hierarchy.local_group)
     if padded is not buffer:
@@ -204,14 +206,16 @@ def adasum_hierarchical_flat_(
 
 
 def adasum_two_tier_flat_(
-    buffer: torch.Tensor, sizes: Sequence[int], hierarchy: Hierarchy, *, mover: Transport | None = None,
-    inner: Transport | None = None,
+    buffer: torch.Tensor, sizes: Sequence[int], hierarchy: Hierarchy, op: CombineOp | None = None, *,
+    mover: Transport | None = None, inner: Transport | None = None,
 ) -> None:
     """The flat tree of Adasum over every rank of the group, in place, computed in two tiers (module doc):
-    equal to `adasum.reduce` of the ranks' buffers per tensor up to float64 rounding, ranks bitwise equal.
-    `mover` and `inner` as in `adasum_hierarchical_flat_`."""
+    equal to `adasum.reduce` of the ranks' buffers per tensor up to float64 rounding, ranks bitwise equal. `op`:
+    the combine rule of both tiers (a `pairwise` `adasum.collectives.slices.CombineOp`, not `coupled`; None:
+    Adasum's tree): the node's tree on the slice-parallel schedule, the levels across nodes on VHDD. `mover` and
+    `inner` as in `adasum_hierarchical_flat_`."""
     if hierarchy.local_size == 1:
-        adasum_flat_(buffer, sizes, hierarchy.group, transport=mover)
+        adasum_flat_(buffer, sizes, hierarchy.group, transport=mover, op=op)
         return
     layout = Layout(tuple(int(n) for n in sizes))
     if layout.numel != buffer.numel():
@@ -222,10 +226,10 @@ def adasum_two_tier_flat_(
 
     def across(mine: torch.Tensor, offset: int) -> None:
         if hierarchy.nodes > 1:
-            adasum_flat_(mine, layout.sizes, hierarchy.group, hierarchy.at(offset), transport=mover)
+            adasum_flat_(mine, layout.sizes, hierarchy.group, hierarchy.at(offset), transport=mover, op=op)
 
     with failures_named("adasum.hierarchical", "the two-tier schedule", hierarchy.group):
-        adasum_slices_(buffer, layout, cast(SliceMover, inner), across)
+        adasum_slices_(buffer, layout, cast(SliceMover, inner), across, op)
 
 
 def _movers(hierarchy: Hierarchy) -> tuple[Transport, Transport | None]:

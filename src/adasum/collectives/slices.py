@@ -56,9 +56,11 @@ from typing import Protocol, cast
 import torch
 
 from adasum.core import statistics
+from adasum.core.gram import weights as gram_weights
 from adasum.core.layout import Layout, Scattered
+from adasum.core.operator import pair_coefficients
 from adasum.core.tree import Tree, level_pairs
-from adasum.kernels import combine_from_sums, dot_and_norms, gram, tree_weights, weighted_sum
+from adasum.kernels import combine_from_sums, combine_with, dot_and_norms, gram, tree_weights, weighted_sum
 from adasum.transport.base import split
 
 Piece = Callable[[int, int], None]
@@ -257,49 +259,93 @@ def by_gram(dtype: torch.dtype, tree: Tree) -> bool:
 
 
 class CombineOp:
-    """The combine rule the slice-parallel schedule runs: what it asks for coefficients. The schedule moves the
-    copies, adds up the sums and writes ``sum_j w_j x_j`` per tensor; the op turns the sums into the weights.
+    """The combine rule a schedule runs: what it asks for coefficients. The schedules move the copies, add up the
+    float64 sums over the group and write the combination per tensor; the op turns the sums into coefficients.
 
-    * Gram form (every op): `weights` from the whole group's ``[P, P, T]`` float64 Gram sums
-      ``G_ij = <x_i, x_j>`` of a round's tensors: one pass of sums, one all-reduce, `weights`, one pass.
-    * Level form (an op whose `levels` says so; Adasum's tree for float64 and two ranks): level by level of the
-      tree, each pair's ``<a,b>``, ``|a|^2``, ``|b|^2`` summed over the group, then `pair` combines the pair's
-      slice from them (`record` sees each level's sums).
+    * Gram form (the slice-parallel schedule): `weights` from the whole group's ``[P, P, T]`` float64 Gram sums
+      ``G_ij = <x_i, x_j>`` of a round's tensors, the schedule writing ``sum_j w_j x_j``: one pass of sums, one
+      all-reduce, `weights`, one pass.
+    * Level form (`pairwise` ops: the VHDD schedule, and the slice-parallel one where `levels` says so; Adasum's
+      tree for float64 and two ranks): level by level of the tree (`adasum.core.tree`: the fold of pairs
+      ``(2i, 2i+1)`` when P is not a power of two, then the levels d = 1, 2, 4, ...), each pair ``a``, ``b`` of
+      the level standing for `workers_a` and `workers_b` workers, its per-tensor ``<a,b>``, ``|a|^2``, ``|b|^2``
+      summed over the group (``[3, T]`` float64, the same on every rank), then `pair` writes
+      ``c_a a + c_b b`` per tensor over this rank's part of the pair. An op states its rule in
+      `pair_coefficients`; the default `pair` applies those with one kernel (`adasum.kernels.combine_with`).
+      `record` sees each level's sums (slice-parallel schedule only).
+
+    What the VHDD schedule (`adasum.collectives.vhdd.run_schedule`) asks: `pair` once per piece of the slice a
+    rank keeps at each level (and of the fold), with that level's complete sums over the piece's tensors and the
+    level's worker counts (ints); every rank of a pair's block asks with the same sums and gets the same
+    coefficients, so ranks end bitwise equal. `pair_coefficients` must run as device work (torch ops on the sums'
+    device, no host synchronisation: a CUDA graph of the call replays it) and depend only on its arguments (the
+    schedule cuts a call into rounds and pieces and asks per piece). A pairwise op without a Gram form of its own
+    gets one: the tree's root weights from the Gram sums level after level with its `pair_coefficients`
+    (`adasum.core.gram.weights`), so it runs on every schedule.
 
     `coupled`: a tensor's weights depend on other tensors' sums (AdaCons' whole-model form). The schedule then
     has every tensor's Gram sums of the call before it writes any result: a call of several rounds (or several
     buffers) runs in two sweeps (`combine_slices_`). Otherwise each round's weights come from its own tensors'.
+    A coupled op has no level form.
 
-    Adasum's tree is `AdasumTree`; AdaCons' consensus is `adasum.reducers.adacons.Consensus`. A new rule is a
-    subclass with `weights` (and `coupled` where it couples tensors), handed to `combine_slices_`."""
+    Adasum's tree is `AdasumTree` (the schedules' default); AdaCons' consensus is
+    `adasum.reducers.adacons.Consensus`. A new rule is a subclass with `weights` (and `coupled` where it couples
+    tensors), handed to `combine_slices_`, or with `pair_coefficients`, handed to either schedule
+    (`adasum.collectives.vhdd.adasum_flat_`'s `op`)."""
 
     coupled: bool = False
 
+    @property
+    def pairwise(self) -> bool:
+        """Whether the op has a level form (it overrides `pair_coefficients` or `pair`): the VHDD schedule runs it."""
+        own = type(self)
+        return own.pair_coefficients is not CombineOp.pair_coefficients or own.pair is not CombineOp.pair
+
     def levels(self, dtype: torch.dtype, tree: Tree) -> bool:
-        """Whether a slice of `dtype` runs level by level (`pair`) rather than from the Gram sums (`weights`)."""
+        """Whether a slice of `dtype` runs level by level (`pair`) rather than from the Gram sums (`weights`) on the
+        slice-parallel schedule."""
         return False
 
     def weights(self, gram: torch.Tensor, first: int) -> torch.Tensor:
         """The [P, T] float64 weights of the P copies (last dimension contiguous) from the [P, P, T] float64 Gram
         sums of the call's tensors ``first .. first + T`` (columns count over the call's buffers in order), the same
         on every rank (the sums are). Called once per round in order (once per call where `coupled`); it may add
-        to `gram` over a wider group first (AdaCons' shard group)."""
-        raise NotImplementedError
+        to `gram` over a wider group first (AdaCons' shard group). A `pairwise` op's default: its tree's root
+        weights (class doc)."""
+        if type(self).pair_coefficients is CombineOp.pair_coefficients:
+            raise NotImplementedError(f"{type(self).__name__} has no Gram form (weights) and no pair_coefficients")
+        weights, _ = gram_weights(gram, Tree(gram.shape[0]), self.pair_coefficients)
+        return weights.contiguous()
+
+    def pair_coefficients(self, sums: torch.Tensor, workers_a: int, workers_b: int) -> torch.Tensor:
+        """Level form: the float64 ``[2, T]`` coefficients (rows c_a, c_b) of a pair from its [3, T] float64 sums
+        (rows ``<a,b>``, ``|a|^2``, ``|b|^2`` per tensor) and the workers each side stands for (class doc)."""
+        raise NotImplementedError(f"{type(self).__name__} has no level form")
 
     def pair(self, a, b, sums: torch.Tensor, workers_a: int, workers_b: int, lengths: Sequence[int], out,
              *more_outs) -> None:
-        """Level form: ``out = c_a a + c_b b`` per segment from the pair's [3, T] level sums."""
-        raise NotImplementedError(f"{type(self).__name__} has no level form (internal error; please report)")
+        """Level form: ``out = c_a a + c_b b`` per segment from the pair's [3, T] level sums (`more_outs`, at most
+        three, get the same values): `pair_coefficients`, applied by `adasum.kernels.combine_with`. An op whose
+        rule has a fused kernel serves `pair` by it (`AdasumTree`)."""
+        coefficients = self.pair_coefficients(sums, workers_a, workers_b)
+        if coefficients.shape != (2, sums.shape[1]) or coefficients.dtype != torch.float64:
+            raise ValueError(f"{type(self).__name__}.pair_coefficients gave {coefficients.dtype} "
+                             f"{tuple(coefficients.shape)}, not float64 (2, {sums.shape[1]}); make it return "
+                             "the pair's two coefficients per tensor in float64")
+        combine_with(a, b, coefficients.contiguous(), lengths, out, *more_outs)
 
     def record(self, sums: torch.Tensor, pairs) -> None:
         """Level form: see a level's [pairs, 3, T] sums (`adasum.core.statistics`)."""
 
 
 class AdasumTree(CombineOp):
-    """Adasum's tree (SPEC 1.3) as the schedule's combine rule: the root's weights from the Gram sums
-    (`adasum.core.gram.weights`, one kernel on GPUs), or level by level from the pairs' sums with the fused combine
-    kernel (`adasum.kernels.combine_from_sums`: `adasum.core.operator.coefficients`), as `by_gram` chooses.
-    `record`: the sums are the whole group's (not one tier's), so a statistics recording takes every level's."""
+    """Adasum's tree (SPEC 1.3) as the schedules' combine rule: the root's weights from the Gram sums
+    (`adasum.core.gram.weights`, one kernel on GPUs), or level by level from the pairs' sums, as `by_gram` chooses
+    on the slice-parallel schedule (always on VHDD). Its level form is served by the fused combine kernel
+    (`adasum.kernels.combine_from_sums`: the coefficients, `adasum.core.operator.coefficients`, computed inside the
+    kernel from the sums); `pair_coefficients` gives the same coefficients as a tensor
+    (`adasum.core.operator.pair_coefficients`). `record`: the sums are the whole group's (not one tier's), so a
+    statistics recording takes every level's."""
 
     def __init__(self, tree: Tree, record: bool = True) -> None:
         self.tree, self.recording = tree, record
@@ -317,6 +363,10 @@ class AdasumTree(CombineOp):
                 self.record(pair_sums[at : at + len(pairs)], pairs)
                 at += len(pairs)
         return weights
+
+    def pair_coefficients(self, sums: torch.Tensor, workers_a: int, workers_b: int) -> torch.Tensor:
+        """Adasum's (c_a, c_b), zero guard included (`adasum.core.operator.pair_coefficients`)."""
+        return pair_coefficients(sums, workers_a, workers_b)
 
     def pair(self, a, b, sums, workers_a, workers_b, lengths, out, *more_outs) -> None:
         """One pair by the fused combine kernel, its coefficients `adasum.core.operator.coefficients`."""

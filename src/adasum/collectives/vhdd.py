@@ -10,13 +10,17 @@ their buffer to rank 2i, which combines the pair; the Q = 2**k group leaders the
    both subtrees and computes per tensor the partial ``<a,b>``, ``|a|^2``, ``|b|^2`` over the
    slice. One all-reduce over the whole group of a float64 ``[Q/2d, 3, T]`` array (each rank
    writes only its block's row) sums the partials of the 2d ranks of each block, so every rank of
-   a block gets the full dot products, computes the same coefficients and applies them to its
-   slice. Slices ignore tensor boundaries.
+   a block gets the full dot products, asks the combine op for the same coefficients and applies
+   them to its slice. Slices ignore tensor boundaries.
 2. Gather, levels in reverse: partners swap their slices until every leader has the whole buffer;
    then leaders send it to their folded partner.
 
 Every element of the result is computed by exactly one rank and copied to the others, so all
 ranks end with bitwise-identical tensors.
+
+The coefficients are the combine op's (`adasum.collectives.slices.CombineOp`, its level form: ``op.pair`` with
+the level's sums and worker counts, at the fold and at every level): Adasum's tree (`AdasumTree`, its fused
+kernel) unless the caller hands another rule (`adasum_flat_`'s `op`).
 
 Point-to-point exchanges go through ``batch_isend_irecv`` so NCCL pairs a send with its receive.
 On NCCL nothing here synchronises the host (all work is stream-ordered on the current stream);
@@ -40,6 +44,8 @@ import torch
 import torch.distributed as dist
 
 from adasum.collectives.slices import (
+    AdasumTree,
+    CombineOp,
     SliceMover,
     adasum_in_place_,
     adasum_slices_,
@@ -50,7 +56,7 @@ from adasum.collectives.slices import (
 from adasum.core import statistics
 from adasum.core.layout import Layout, Scattered
 from adasum.core.tree import Tree
-from adasum.kernels import combine_from_sums, dot_and_norms
+from adasum.kernels import dot_and_norms
 from adasum.settings import current
 from adasum.transport import one_shot, select
 from adasum.transport.base import GatherStep, Level, Transport, aligned_cut
@@ -94,8 +100,9 @@ def _fold_(
     partial_sums: torch.Tensor | None,
     row: int,
     group: dist.ProcessGroup | None,
+    op: CombineOp,
 ) -> None:
-    """Fold in place: buffer := adasum(buffer, other) per tensor, both standing for one worker.
+    """Fold in place: buffer := the op's pair of (buffer, other) per tensor, both standing for one worker.
 
     `buffer` is elements [offset, offset + numel) of the layout. With `partial_sums` (a zeroed
     float64 [rows, 3, T] array; sliced placements only) the partials are summed over the group in
@@ -108,7 +115,7 @@ def _fold_(
         dist.all_reduce(partial_sums, group=group)
         _record_fold(partial_sums)
         sums = partial_sums[row, :, first : first + len(lengths)]
-    combine_from_sums(buffer, other, sums, 1, 1, lengths, out=buffer)
+    op.pair(buffer, other, sums, 1, 1, lengths, buffer)
 
 
 Placement = Topology.placement
@@ -153,6 +160,7 @@ def adasum_flat_(
     placement: Topology | None = None,
     *,
     transport: str | Transport | None = None,
+    op: CombineOp | None = None,
 ) -> None:
     """Adasum of a flat buffer across the group, in place, each of `sizes` a tensor of its own.
     `buffer` may be a `Scattered` list of tensors where the transport takes one (``transport.scattered``).
@@ -168,6 +176,10 @@ def adasum_flat_(
     call's plan chose (`adasum.collectives.api.Schedule.mover`: every entry point passes it, so nothing is chosen
     here), or for a direct call a name ("p2p", "collectives", "symmetric") or None, picked as a plan picks it
     (`transport_for`: the fastest the group and the placement support, see `adasum.transport.select`).
+    `op`: the combine rule (`adasum.collectives.slices.CombineOp`; None: Adasum's tree), not `coupled`; the VHDD
+    schedule asks its level form (``op.pair``, so the op must be `pairwise`), the slice-parallel one its Gram or
+    level form. The same op object call after call keeps a captured CUDA graph replaying (the op is part of its
+    key).
     """
     layout = _layout(tuple(int(n) for n in sizes))
     if placement is None:
@@ -183,6 +195,8 @@ def adasum_flat_(
     world = len(peers)
     if world == 1:
         return
+    if op is not None and op.coupled:
+        raise ValueError(f"{type(op).__name__} couples tensors (coupled): it runs on combine_slices_, not here")
     tree = Tree(world)
     if not isinstance(transport, Transport):
         transport = transport_for(group, transport, placement is None and tree.folded == 0, placement is not None,
@@ -194,6 +208,10 @@ def adasum_flat_(
         transport.scattered and (tree.folded == 0 or slice_parallel) and placement is None
     ):
         raise ValueError(f"the {transport.name} transport takes flat buffers only, not a Scattered list of tensors")
+    if op is not None and not slice_parallel and not op.pairwise:
+        raise ValueError(f"the VHDD schedule ({transport.name}) combines pair by pair: {type(op).__name__} has no "
+                         "level form (pair_coefficients); run it on the slice-parallel movers (transport='slices')")
+    pairs = AdasumTree(tree) if op is None else op  # the VHDD schedule's combine rule
     if isinstance(buffer, Scattered) and buffer.layout.sizes != layout.sizes:
         # the kernels address a Scattered slice tile by tile of its tensors: each segment must be one tensor
         raise ValueError("a Scattered buffer's tensors must be the segments of `sizes`, one tensor per segment")
@@ -202,10 +220,11 @@ def adasum_flat_(
         if slice_parallel:
             mover = cast(SliceMover, transport)  # a mover of the slice-parallel schedule
             with failures_named("adasum.all_reduce", "the slice-parallel schedule", group, mover.timeout):
-                adasum_slices_(buffer, layout, mover)
+                adasum_slices_(buffer, layout, mover, op=op)
             return
         if placement is not None:
-            run_schedule(cast(torch.Tensor, buffer), layout, group, peers, offset, rank, tree, transport, sliced=True)
+            run_schedule(cast(torch.Tensor, buffer), layout, group, peers, offset, rank, tree, transport, sliced=True,
+                         op=pairs)
             return
         # rounds of whole tensors within the transport's memory budget: each an Adasum of its own, since the
         # coefficients are per tensor; a tensor larger than a round runs in place where the transport has an
@@ -216,7 +235,8 @@ def adasum_flat_(
             if hi <= lo:
                 continue
             if runs_in_place(in_place, capacity, lo, hi):
-                adasum_in_place_(round_tensor(buffer, first, end, lo, hi), in_place)
+                adasum_in_place_(round_tensor(buffer, first, end, lo, hi), in_place, op=op, column=first,
+                                 sizes=None if op is None else layout.sizes[first:end])
                 continue
             if (lo, hi) == (0, buffer.numel()):
                 part, part_layout = buffer, layout
@@ -224,14 +244,15 @@ def adasum_flat_(
                 part_layout = _layout(layout.sizes[first:end])
                 part = Scattered(buffer.tensors[first:end]) if isinstance(buffer, Scattered) else buffer[lo:hi]
             # a Scattered list stands in for a flat buffer where the transport reads lists in place (checked above)
-            run_schedule(cast(torch.Tensor, part), part_layout, group, peers, 0, rank, tree, transport, sliced=False)
+            run_schedule(cast(torch.Tensor, part), part_layout, group, peers, 0, rank, tree, transport, sliced=False,
+                         op=pairs)
 
     if buffer.device.type != "cuda":
         run()
         return
     # the schedule's plan (transport, dtype, layout, placement) and where the buffer lies; inside a captured list
     # call or hook this runs eagerly into that capture (`Communicator.capture`)
-    schedule = ("adasum_flat_", transport.name, buffer.dtype, buffer.numel(), layout.sizes, placement)
+    schedule = ("adasum_flat_", transport.name, buffer.dtype, buffer.numel(), layout.sizes, placement, op)
     where = buffer.key if isinstance(buffer, Scattered) else buffer.data_ptr()
     communicator(group).capture(schedule, where, run, buffer.device)
 
@@ -246,6 +267,7 @@ def run_schedule(
     tree: Tree,
     transport: Transport,
     sliced: bool,
+    op: CombineOp | None = None,
 ) -> None:
     """The VHDD schedule (module doc) on `transport`: fold, levels, gather. Its arguments, in one place (the
     transport's protocol, `adasum.transport.base`, and `adasum_flat_` refer here):
@@ -263,7 +285,13 @@ def run_schedule(
     * `transport`: how the bytes move (`adasum.transport.base.Transport`: exchange, exchange_and_dot,
       all_reduce_sums, combine, gather).
     * `sliced`: the buffer is one slice of a tensor layout that other trees of the group share (a placement): the
-      fold's sums are all-reduced over the group too."""
+      fold's sums are all-reduced over the group too.
+    * `op`: the combine rule (`adasum.collectives.slices.CombineOp`, a `pairwise` one; None: Adasum's tree,
+      `AdasumTree`, served by the fused combine kernel). The schedule asks it for each pair's combination from the
+      pair's complete ``[3, T]`` sums (``op.pair(a, b, sums, workers_a, workers_b, lengths, out, ...)``: at the
+      fold with one worker a side, at level d with the workers of the two subtrees, `adasum.core.tree.Tree.count`),
+      once per piece of the slice this rank keeps; ranks of one block ask with the same sums."""
+    op = AdasumTree(tree) if op is None else op
     me = tree.group_of(rank)
     partial_shape = (3, len(layout.sizes))
     timeout = getattr(transport, "timeout", None)
@@ -305,7 +333,7 @@ def run_schedule(
         with step(f"the fold (receiving from rank {follower})"):
             transport.exchange(None, received, follower)
         with step("the fold's dot-product all-reduce"):
-            _fold_(buffer, received, layout, offset, fold_sums() if sliced_fold else None, me, group)
+            _fold_(buffer, received, layout, offset, fold_sums() if sliced_fold else None, me, group, op)
         del received
     elif sliced_fold:
         transport.all_reduce_sums(sums := fold_sums())
@@ -328,7 +356,7 @@ def run_schedule(
             buffer=buffer, kept=kept, given=given, peer=peer, lower=lower,
             theirs=workspace.get("recv", kept[1] - kept[0], buffer) if theirs is None else theirs,
             sums=sums[block], overlap=overlap,
-            workers_a=tree.count(base, d), workers_b=tree.count(base + d, d), last=d == levels[-1],
+            workers_a=tree.count(base, d), workers_b=tree.count(base + d, d), last=d == levels[-1], op=op,
         )
         with step(f"the reduce-scatter exchange at {level_name(i)} with rank {peer}"):
             transport.exchange_and_dot(level)

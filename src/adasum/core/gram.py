@@ -10,7 +10,8 @@ Every node of the tree is a linear combination of the workers' vectors: leaf j i
 so one pass over the P vectors (G's partial sums over a slice, in float64), one all-reduce of G, this small
 computation per tensor, and one pass (``sum_j w_j x_j`` with the root's weights) give the whole tree; level by
 level it takes a pass of sums, an all-reduce and a combination pass per level. The coefficients are those of
-`adasum.core.operator.coefficients`, zero guard included, level after level; the result equals the
+`adasum.core.operator.coefficients`, zero guard included, level after level (or another rule's on the same
+tree: `weights`' `rule`); the result equals the
 level-by-level tree in exact arithmetic. Numerically, the inner nodes are never rounded to the tensor's dtype:
 the result is rounded once.
 
@@ -25,9 +26,11 @@ coefficient 1 and a finite result where the level-by-level tree gives a non-fini
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 
-from adasum.core.operator import coefficients
+from adasum.core.operator import pair_coefficients
 from adasum.core.tree import Tree, level_pairs
 
 
@@ -42,10 +45,14 @@ def pair_ops(tree: Tree) -> list[tuple[int, int, int, int]]:
     return [pair for level in level_pairs(tree) for pair in level]
 
 
-def weights(gram: torch.Tensor, tree: Tree) -> tuple[torch.Tensor, torch.Tensor]:
+def weights(
+    gram: torch.Tensor, tree: Tree, rule: Callable[[torch.Tensor, int, int], torch.Tensor] = pair_coefficients
+) -> tuple[torch.Tensor, torch.Tensor]:
     """The root's weights over the workers and every pair's sums, from ``gram`` ([P, P, T] float64: per tensor
     the Gram matrix of the P workers' vectors): (weights [P, T], sums [P - 1, 3, T]: ``<a,b>``, ``|a|^2``,
-    ``|b|^2`` of each pair of `pair_ops`, in that order)."""
+    ``|b|^2`` of each pair of `pair_ops`, in that order). `rule`: each pair's ``[2, T]`` coefficients from its
+    ``[3, T]`` sums and worker counts (Adasum's, `adasum.core.operator.pair_coefficients`; another tree rule's,
+    `adasum.collectives.slices.CombineOp.pair_coefficients`)."""
     workers, _, width = gram.shape
     if workers != tree.workers:
         raise ValueError(f"a Gram matrix of {workers} workers for a tree of {tree.workers} (internal error; please "
@@ -60,8 +67,7 @@ def weights(gram: torch.Tensor, tree: Tree) -> tuple[torch.Tensor, torch.Tensor]
         sums[k, 0] = (g_a * side_b).sum(0)
         sums[k, 1] = (g_a * side_a).sum(0)
         sums[k, 2] = (g_b * side_b).sum(0)
-        total = workers_a + workers_b
-        coeff_a, coeff_b = coefficients(sums[k], workers_a / total, workers_b / total)
+        coeff_a, coeff_b = rule(sums[k], workers_a, workers_b)
         broken = ~torch.isfinite(sums[k]).all(0)  # module doc: non-finite sums give NaN, never the zero guard's 1
         coeff_a = torch.where(broken, torch.nan, coeff_a)
         coeff_b = torch.where(broken, torch.nan, coeff_b)

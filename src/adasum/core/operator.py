@@ -48,3 +48,20 @@ def coefficients(
     coeff_b = torch.where(norm_b >= ZERO_NORM, 1 - weight_b * dot / norm_b.clamp_min(ZERO_NORM), one)
     return coeff_a, coeff_b
 
+
+def pair_coefficients(
+    partials: torch.Tensor, workers_a: int | torch.Tensor, workers_b: int | torch.Tensor
+) -> torch.Tensor:
+    """Adasum's coefficients of a pair as one float64 ``[2, T]`` tensor (rows c_a, c_b): `coefficients` with the
+    weights ``w_a = n_a / (n_a + n_b)``, ``w_b = n_b / (n_a + n_b)`` of `workers_a` and `workers_b` (ints, or int64
+    tensors with one count per segment). The combine op's question (`adasum.collectives.slices.CombineOp`) as
+    Adasum's tree answers it.
+
+    >>> pair_coefficients(torch.tensor([[0.0], [1.0], [1.0]], dtype=torch.float64), 1, 1)   # orthogonal: sum
+    tensor([[1.],
+            [1.]], dtype=torch.float64)
+    """
+    total: int | torch.Tensor = workers_a + workers_b
+    if isinstance(total, torch.Tensor):
+        total = total.to(torch.float64)
+    return torch.stack(coefficients(partials, workers_a / total, workers_b / total))

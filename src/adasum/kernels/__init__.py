@@ -17,7 +17,7 @@ import torch
 
 from adasum.core.gram import pair_ops, weights
 from adasum.core.layout import Scattered
-from adasum.core.operator import coefficients
+from adasum.core.operator import pair_coefficients
 from adasum.core.tree import Tree
 from adasum.kernels import cpu, torch_ops
 from adasum.kernels.addresses import AddressTables, tile_addresses
@@ -122,7 +122,8 @@ def combine_from_sums(
 ) -> None:
     """``out = c_a a + c_b b`` per segment, `a` standing for `workers_a` workers and `b` for
     `workers_b` (ints, or int64 tensors with one count per segment), with (c_a, c_b) =
-    ``coefficients(sums, w_a, w_b)``. One fused kernel on GPUs with Triton; `out` may alias `a`
+    ``adasum.core.operator.coefficients(sums, w_a, w_b)``: Adasum's pair, the coefficients computed inside the
+    kernel (`combine_with` takes another rule's). One fused kernel on GPUs with Triton; `out` may alias `a`
     or `b`. `more_outs` (at most three) receive the same values (in the same pass with Triton).
     With Triton, `a`, `b` and `out` may be `adasum.kernels.addresses.TileAddresses` (slices of a `Scattered` buffer)."""
     like = next(x for x in (a, b, out) if isinstance(x, torch.Tensor))
@@ -136,13 +137,27 @@ def combine_from_sums(
 
 
 def _combine_unfused(a, b, sums, workers_a, workers_b, lengths, out) -> None:
-    if isinstance(workers_a, torch.Tensor):
-        total = (workers_a + workers_b).to(torch.float64)
-        coeff_a, coeff_b = coefficients(sums, workers_a / total, workers_b / total)
-    else:
-        total = workers_a + workers_b
-        coeff_a, coeff_b = coefficients(sums, workers_a / total, workers_b / total)
+    coeff_a, coeff_b = pair_coefficients(sums, workers_a, workers_b)
     scale_add(a, b, coeff_a, coeff_b, lengths, out)
+
+
+def combine_with(
+    a: torch.Tensor, b: torch.Tensor, coefficients: torch.Tensor, lengths: Sequence[int], out: torch.Tensor,
+    *more_outs: torch.Tensor,
+) -> None:
+    """``out = c_a a + c_b b`` per segment with given coefficients (`coefficients`: [2, T] float64, rows c_a and
+    c_b: a combine op's, `adasum.collectives.slices.CombineOp.pair_coefficients`), computed in float64 and written
+    in out's dtype; `out` may alias `a` or `b`. `more_outs` (at most three) receive the same values. With Triton one
+    kernel, the fused combine's with its coefficients read rather than computed (`adasum.kernels.triton.scale_add`),
+    where `a`, `b` and `out` may be `adasum.kernels.addresses.TileAddresses`; elsewhere `scale_add`."""
+    like = next(x for x in (a, b, out) if isinstance(x, torch.Tensor))
+    triton_kernels = _triton(like.device)
+    if triton_kernels is not None:
+        triton_kernels.scale_add(a, b, coefficients, lengths, out, *more_outs)
+        return
+    scale_add(a, b, coefficients[0], coefficients[1], lengths, out)
+    for extra in more_outs:
+        extra.copy_(out)
 
 
 def _in_place(tensors, like: torch.Tensor, tables: AddressTables | None):

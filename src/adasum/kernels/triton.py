@@ -2,8 +2,9 @@
 
 A slice of a flat buffer is cut into tiles that each lie inside one tensor (segment) and hold at
 most `TILE` elements. `dot_and_norms` reduces each tile in float64 (one program per tile), then
-adds the tiles of each segment together in order; `scale_add` writes ``ca * a + cb * b`` per tile,
-computed in float64, with the tile's segment coefficients. Tile tables are cached per layout, so
+adds the tiles of each segment together in order; `combine` writes ``ca * a + cb * b`` per tile,
+computed in float64, with the tile's segment coefficients (Adasum's, computed in the kernel from the segment's
+sums; `scale_add`: a combine op's, read from a tensor). Tile tables are cached per layout, so
 a call launches two or three kernels and never synchronises the host. Results are deterministic.
 """
 
@@ -136,27 +137,33 @@ if triton is not None:
         a_ptr, b_ptr, sums_ptr, row_stride, workers_a, workers_b, counts_ptr, segments, out_ptr, starts_ptr,
         sizes_ptr, segs_ptr, out2_ptr, out3_ptr, out4_ptr, a_tiles, b_tiles, out_tiles, BLOCK: tl.constexpr,
         ITERS: tl.constexpr, PER_SEGMENT: tl.constexpr, OUTS: tl.constexpr, A_TILES: tl.constexpr,
-        B_TILES: tl.constexpr, OUT_TILES: tl.constexpr, ALIGN: tl.constexpr,
+        B_TILES: tl.constexpr, OUT_TILES: tl.constexpr, ALIGN: tl.constexpr, GIVEN: tl.constexpr,
     ):
         """The coefficients of `adasum.core.operator.coefficients`, computed per tile from the segment's three sums.
         Python floats would arrive as float32 (1/3 inexact, the zero guard 2**-511 flushed to 0),
         so the weights come as worker counts and the guard is built from its float64 bits.
-        With PER_SEGMENT the counts come per segment from counts_ptr ([2, segments] int64)."""
+        With PER_SEGMENT the counts come per segment from counts_ptr ([2, segments] int64).
+        With GIVEN the coefficients are read, not computed: sums_ptr holds a combine op's [2, segments] float64
+        (c_a, then c_b, rows row_stride apart; `scale_add`)."""
         tile = tl.program_id(0)
         start, size = _tile_extent(starts_ptr, sizes_ptr, tile, ALIGN)
         seg = tl.load(segs_ptr + tile)
-        if PER_SEGMENT:
-            count_a = tl.load(counts_ptr + seg).to(tl.float64)
-            count_b = tl.load(counts_ptr + segments + seg).to(tl.float64)
+        if GIVEN:
+            ca = tl.load(sums_ptr + seg)
+            cb = tl.load(sums_ptr + row_stride + seg)
         else:
-            count_a = workers_a.to(tl.float64)
-            count_b = workers_b.to(tl.float64)
-        weight_a = count_a / (count_a + count_b)
-        weight_b = count_b / (count_a + count_b)
-        dot = tl.load(sums_ptr + seg)
-        norm_a = tl.load(sums_ptr + row_stride + seg)
-        norm_b = tl.load(sums_ptr + 2 * row_stride + seg)
-        ca, cb = _coefficients(dot, norm_a, norm_b, weight_a, weight_b)
+            if PER_SEGMENT:
+                count_a = tl.load(counts_ptr + seg).to(tl.float64)
+                count_b = tl.load(counts_ptr + segments + seg).to(tl.float64)
+            else:
+                count_a = workers_a.to(tl.float64)
+                count_b = workers_b.to(tl.float64)
+            weight_a = count_a / (count_a + count_b)
+            weight_b = count_b / (count_a + count_b)
+            dot = tl.load(sums_ptr + seg)
+            norm_a = tl.load(sums_ptr + row_stride + seg)
+            norm_b = tl.load(sums_ptr + 2 * row_stride + seg)
+            ca, cb = _coefficients(dot, norm_a, norm_b, weight_a, weight_b)
         # with X_TILES, X is a `Scattered` buffer's slice: the tile's first element is at x_tiles[tile]
         a_at = _tile_base(a_tiles, tile, a_ptr, start, A_TILES, ALIGN)
         b_at = _tile_base(b_tiles, tile, b_ptr, start, B_TILES, ALIGN)
@@ -507,21 +514,38 @@ def combine(
     ints, or int64 tensors with one count per segment. `more_outs` (at most `MORE_OUTS`, of out's dtype and
     size) receive the same values in the same pass. `a`, `b` and `out` are flat tensors or `TileAddresses`
     (a slice of `adasum.core.layout.Scattered`, read and written in place); one of a and b is a tensor."""
+    _launch_combine(a, b, sums, workers_a, workers_b, lengths, out, more_outs, given=False)
+
+
+def scale_add(a, b, coefficients: torch.Tensor, lengths: Sequence[int], out, *more_outs: torch.Tensor) -> None:
+    """``out = c_a * a + c_b * b`` per segment with a combine op's coefficients (`coefficients`: [2, T] float64,
+    rows c_a and c_b, its last dimension contiguous; `adasum.collectives.slices.CombineOp.pair_coefficients`), in
+    float64, stored in out's dtype: the combine kernel of `combine`, reading the coefficients rather than computing
+    Adasum's. `a`, `b`, `out` and `more_outs` as in `combine`."""
+    _launch_combine(a, b, coefficients, 0, 0, lengths, out, more_outs, given=True)
+
+
+def _launch_combine(a, b, values: torch.Tensor, workers_a, workers_b, lengths: Sequence[int], out, more_outs,
+                    given: bool) -> None:
+    """`combine_kernel` over the tiles of `lengths`: from the pair's sums `values` ([3, T]) and worker counts, or,
+    with `given`, from the coefficients `values` ([2, T])."""
     like = next(x for x in (a, b, out, *more_outs) if isinstance(x, torch.Tensor))
     table = tiles(tuple(lengths), like.device)
     if table.n_tiles:
-        assert sums.stride(1) == 1 and sums.dtype == torch.float64 and len(more_outs) <= MORE_OUTS
+        assert values.stride(1) == 1 and values.dtype == torch.float64 and len(more_outs) <= MORE_OUTS
+        assert not given or values.shape == (2, len(lengths)), values.shape
         per_segment = isinstance(workers_a, torch.Tensor)
         per_segment_counts = cast(list[torch.Tensor], [workers_a, workers_b])
-        counts = torch.stack(per_segment_counts) if per_segment else sums  # any pointer when unused
+        counts = torch.stack(per_segment_counts) if per_segment else values  # any pointer when unused
         (a_ptr, a_tiles, a_at), (b_ptr, b_tiles, b_at) = _operand(a, like), _operand(b, like)
         out_ptr, out_tiles, out_at = _operand(out, like)
         extra = list(more_outs) + [out_ptr] * (MORE_OUTS - len(more_outs))  # unused pointers when fewer
         combine_kernel[(table.n_tiles,)](
-            a_ptr, b_ptr, sums, sums.stride(0), 0 if per_segment else workers_a, 0 if per_segment else workers_b,
+            a_ptr, b_ptr, values, values.stride(0), 0 if per_segment else workers_a, 0 if per_segment else workers_b,
             counts, len(lengths), out_ptr, table.starts, table.sizes, table.segments, *extra,
             a_tiles, b_tiles, out_tiles, BLOCK=BLOCK, ITERS=ITERS, PER_SEGMENT=per_segment, OUTS=1 + len(more_outs),
             A_TILES=a_at, B_TILES=b_at, OUT_TILES=out_at, ALIGN=vector_width(table, a, b, out, *more_outs),
+            GIVEN=given,
         )
 
 

@@ -10,8 +10,9 @@ A transport answers five calls:
   kept slice lands in ``level.theirs`` and the per-tensor partial sums of the kept pair are added
   into ``level.sums`` (a transport may compute them while the bytes arrive).
 * ``all_reduce_sums(sums)``: the small float64 SUM all-reduce of the partial sums.
-* ``combine(level)``: the kept slice := the Adasum of both copies, with the level's sums; on the
-  last level the partner's combined slice also lands in the given slice (the gather's first step).
+* ``combine(level)``: the kept slice := the combination of both copies by the schedule's combine op
+  (``level.op``: Adasum's pair by default), with the level's sums; on the last level the partner's combined
+  slice also lands in the given slice (the gather's first step).
 * ``gather(buffer, steps)``: the rest of the gather, in reverse level order.
 
 Two optional parts: ``fusion_buffer(numel, like)`` names where `adasum.all_reduce` should fuse a
@@ -28,17 +29,27 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from datetime import timedelta
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 import torch.distributed as dist
 
-from adasum.kernels import combine_from_sums, dot_and_norms
+from adasum.kernels import dot_and_norms
+
+
+class PairRule(Protocol):
+    """What a level asks of the schedule's combine op (`adasum.collectives.slices.CombineOp`)."""
+
+    def pair(self, a, b, sums: torch.Tensor, workers_a: int, workers_b: int, lengths: Sequence[int], out,
+             *more_outs) -> None:
+        """``out = c_a a + c_b b`` per segment, the op's coefficients from the pair's [3, T] sums and worker
+        counts; `more_outs` get the same values."""
 
 
 @dataclass
 class Level:
-    """One reduce-scatter level as a transport sees it (positions are indices into `buffer`)."""
+    """One reduce-scatter level as a transport sees it (positions are indices into `buffer`). A transport combines
+    through `combine` (or, writing more outputs, ``op.pair``): the coefficients are the op's, never its own."""
 
     buffer: torch.Tensor
     kept: tuple[int, int]  # the slice this rank keeps and combines
@@ -51,6 +62,7 @@ class Level:
     workers_a: int
     workers_b: int
     last: bool  # the last level: the partner's combined slice must land in `given` too
+    op: PairRule  # the combine rule (`adasum.collectives.slices.CombineOp`; Adasum's tree by default)
 
     def pair(self, lo: int, hi: int) -> tuple[torch.Tensor, torch.Tensor]:
         """(a, b) over buffer positions [lo, hi) of `kept`: this rank's copy and the partner's."""
@@ -64,11 +76,11 @@ class Level:
             dot_and_norms(*self.pair(lo, hi), lengths, out=self.sums[:, first : first + len(lengths)])
 
     def combine(self, lo: int, hi: int) -> None:
-        """Combine buffer positions [lo, hi) of `kept` in place (`sums` complete)."""
+        """Combine buffer positions [lo, hi) of `kept` in place by the op (`sums` complete)."""
         first, lengths = self.overlap(lo, hi)
         if lengths:
             sums = self.sums[:, first : first + len(lengths)]
-            combine_from_sums(*self.pair(lo, hi), sums, self.workers_a, self.workers_b, lengths, out=self.buffer[lo:hi])
+            self.op.pair(*self.pair(lo, hi), sums, self.workers_a, self.workers_b, lengths, self.buffer[lo:hi])
 
 
 @dataclass(frozen=True)

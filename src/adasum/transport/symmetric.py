@@ -61,7 +61,6 @@ import torch
 import torch.distributed as dist
 
 from adasum.core.layout import Scattered
-from adasum.kernels import combine_from_sums
 from adasum.kernels import triton as triton_kernels
 from adasum.kernels.addresses import AddressTables, CopyTables
 from adasum.settings import current
@@ -399,7 +398,7 @@ class SymmetricMemory(Transport):
         # the partner's copy from the local one the pull kept: reading it over NVLink again would run against the
         # direction of this kernel's stores into the partner
         a, b = (mine, theirs) if level.lower else (theirs, mine)
-        combine_from_sums(a, b, sums, level.workers_a, level.workers_b, lengths, mine, *outs)
+        level.op.pair(a, b, sums, level.workers_a, level.workers_b, lengths, mine, *outs)
 
     def _push_combine(self, level: Level) -> None:
         """The push protocol's combination (one level: a group of two), in the exchange's pieces: combine piece c
