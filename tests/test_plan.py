@@ -377,9 +377,9 @@ def follows_body(rank, world):
     original, choose = api.adasum_flat_, vhdd.transport_for
     vhdd.transport_for = functools.partial(_chosen, chosen, choose)  # a choice below the plan
 
-    def recording(buffer, sizes, group=None, placement=None, *, transport=None):
+    def recording(buffer, sizes, group=None, placement=None, *, transport=None, op=None):
         given.append((transport.name, type(buffer).__name__, len(sizes)))
-        original(buffer, sizes, group, placement, transport=transport)
+        original(buffer, sizes, group, placement, transport=transport, op=op)
 
     api.adasum_flat_ = recording
     try:
@@ -435,15 +435,15 @@ def follows_tiers_body(rank, world):
         module.transport_for = functools.partial(_chosen, chosen, module.transport_for)
 
     def tree(original):
-        def recording(buffer, sizes, group=None, placement=None, *, transport=None):
+        def recording(buffer, sizes, group=None, placement=None, *, transport=None, op=None):
             given.append(("tree", transport))
-            original(buffer, sizes, group, placement, transport=transport)
+            original(buffer, sizes, group, placement, transport=transport, op=op)
 
         return recording
 
-    def node(buffer, layout, mover, across=None):
+    def node(buffer, layout, mover, across=None, op=None):
         given.append(("node", mover))
-        originals[(hierarchical, "adasum_slices_")](buffer, layout, mover, across)
+        originals[(hierarchical, "adasum_slices_")](buffer, layout, mover, across, op)
 
     api.adasum_flat_ = tree(originals[(api, "adasum_flat_")])
     hierarchical.adasum_flat_ = tree(originals[(hierarchical, "adasum_flat_")])
