@@ -23,8 +23,9 @@ shots above P = 2 (as many at P = 2) but takes no all-reduce and no second excha
 buffers where measured faster (`adasum.transport.one_shot`).
 
 **The combine rule is an op** (`CombineOp`): the schedule asks it for the weights from the Gram sums (or, in its
-level form, combines each pair from the level's sums). Adasum's tree is `AdasumTree`, the default; AdaCons'
-consensus is another (`adasum.reducers.adacons.Consensus`, through `combine_slices_`). An op whose weights couple
+level form, combines each pair from the level's sums; the VHDD schedule, `adasum.collectives.vhdd`, asks the same
+op's level form). Adasum's tree is `AdasumTree`, the default; AdaCons' consensus is another
+(`adasum.reducers.adacons.Consensus`, through `combine_slices_`). An op whose weights couple
 the tensors of a call (AdaCons' whole-model form) runs a call of several rounds in two sweeps: the Gram sums round
 by round, then, with the call's weights, the weighted sums round by round (`combine_slices_`).
 
