@@ -195,7 +195,7 @@ def _exact(name: str, case: str) -> str | None:
     cls = type(_reducers()[name]).__name__
     if case == "keyword":
         takes = "check_layout and key" if cls == "AdaCons" else "check_layout only"
-        return f"adasum.{cls}.all_reduce: unexpected keyword argument 'nonfinite'; {cls} takes {takes}"
+        return f"adasum.{cls}.all_reduce: unexpected keyword argument 'nonfinite'; {cls} takes {takes}: remove it"
     if case == "negative-size":
         return f"adasum.{cls}.all_reduce_flat: on rank 0, sizes must be >= 0, got -2 at index 1"
     if case == "float-sizes-everywhere":
