@@ -314,14 +314,16 @@ class CombineOp:
         to `gram` over a wider group first (AdaCons' shard group). A `pairwise` op's default: its tree's root
         weights (class doc)."""
         if type(self).pair_coefficients is CombineOp.pair_coefficients:
-            raise NotImplementedError(f"{type(self).__name__} has no Gram form (weights) and no pair_coefficients")
+            raise NotImplementedError(f"{type(self).__name__} has no Gram form (weights) and no pair_coefficients; "
+                                      "write one of them on the op")
         weights, _ = gram_weights(gram, Tree(gram.shape[0]), self.pair_coefficients)
         return weights.contiguous()
 
     def pair_coefficients(self, sums: torch.Tensor, workers_a: int, workers_b: int) -> torch.Tensor:
         """Level form: the float64 ``[2, T]`` coefficients (rows c_a, c_b) of a pair from its [3, T] float64 sums
         (rows ``<a,b>``, ``|a|^2``, ``|b|^2`` per tensor) and the workers each side stands for (class doc)."""
-        raise NotImplementedError(f"{type(self).__name__} has no level form")
+        raise NotImplementedError(f"{type(self).__name__} has no level form; write pair_coefficients on the op, "
+                                  "or run it on a schedule that uses its Gram form")
 
     def pair(self, a, b, sums: torch.Tensor, workers_a: int, workers_b: int, lengths: Sequence[int], out,
              *more_outs) -> None:

@@ -123,7 +123,7 @@ def check_slow_options(operation: str, local_steps: object, slow_lr: object, slo
 
     >>> check_slow_options("adasum.SlowMo", 4, 0.0, 0.5)
     Traceback (most recent call last):
-    ValueError: adasum.SlowMo: slow_lr must be a finite number > 0, got 0.0
+    ValueError: adasum.SlowMo: slow_lr must be a finite number > 0, got 0.0; pass slow_lr= a finite number > 0
     """
     check_count(operation, "local_steps", local_steps)
     check_number(operation, "slow_lr", slow_lr, "a finite number > 0", lambda v: 0 < v < math.inf)

@@ -76,7 +76,9 @@ def failures_named(
     ... except adasum.CollectiveError as error:
     ...     print(textwrap.fill(str(error), 100))
     adasum.all_reduce on rank 0 of 1: the exchange at level 1 failed (group timeout 60 s): a peer died,
-    stalled past the timeout or the connection broke; Connection closed by peer
+    stalled past the timeout or the connection broke; Connection closed by peer. Read the peer's own log
+    for its error; if it was only slow, pass a longer timeout= to dist.init_process_group (or
+    dist.new_group)
     >>> with failures_named("adasum.all_reduce", "the exchange at level 1", None):   # a local error: as itself
     ...     raise RuntimeError("a leaf Variable that requires grad is being used in an in-place operation.")
     Traceback (most recent call last):
