@@ -648,10 +648,8 @@ def analyze(rows: Sequence[Row], design: Design) -> Analysis:
         for workers in design.workers:
             if (method, against, workers) in primary or (method, workers) not in chosen:
                 continue
-            if against != "sequential" and (against, workers) not in chosen:
-                continue
-            if against == "sequential" and ("sequential", 1) not in chosen:
-                continue  # a design without sequential training of its own
+            if (against, 1 if against == "sequential" else workers) not in chosen:
+                continue  # (a design without sequential training of its own has no cell to compare with)
             # against sequential training, at the epochs both ran (sequential may stop early: `sequential_epochs`)
             budget = min(design.budget, design.length(against))
             h = Hypothesis(f"E-{method}-{against}-{workers}", "", method, against, workers, budget=budget)
