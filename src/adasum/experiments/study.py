@@ -301,9 +301,29 @@ FASHION_RESNET_RULE = replace(
                    "mean-scaled", "adasum", 16, kind="failures", budget=4),
     ),
 )
+# --- the fourth part: registered after part 3's runs, before its own (docs/protocol.md, part 4) ------------
+FASHION_RESNET_SLOWMO = replace(
+    FASHION_RESNET,
+    name="fashion-mnist-resnet-slowmo",
+    methods=MappingProxyType({
+        "localsgd": (0.01, 0.03, 0.1, 0.3),
+        "slowmo": (0.01, 0.03, 0.1, 0.3),
+    }),
+    only=MappingProxyType({}),
+    pilot_seeds=(400, 401),
+    confirm_seeds=tuple(range(4000, 4010)),
+    primary_seeds=(),
+    sequential_epochs=None,
+    rule=(),
+    target=81.5,  # fashion-mnist-resnet's target
+    primary=(
+        Hypothesis("R4", "SlowMo beats local SGD at the same tau on the ResNet (momentum SGD, warm-up) at 64 "
+                   "workers (ICLR 2020)", "slowmo", "localsgd", 64, budget=4),
+    ),
+)
 DESIGNS: Mapping[str, Design] = MappingProxyType({
     d.name: d for d in (FASHION_CNN, DIGITS_CNN, FASHION_RESNET, ENGLISH_LAMB, ENGLISH_ADAM, FASHION_DILOCO,
-                        ENGLISH_ADAM_BATCHES, FASHION_RESNET_RULE)
+                        ENGLISH_ADAM_BATCHES, FASHION_RESNET_RULE, FASHION_RESNET_SLOWMO)
 })
 
 
