@@ -13,7 +13,7 @@ from torch import nn
 
 from adasum.sim import KeyedDropout
 
-MODELS = ("cnn", "mlp", "resnet", "transformer", "skipgram")
+MODELS = ("cnn", "mlp", "resnet", "transformer", "skipgram", "sgns")
 
 
 class HorovodCNN(nn.Module):
@@ -195,6 +195,41 @@ class SkipGram(nn.Module):
         return self.out(self.embed(words))
 
 
+class SkipGramNegative(nn.Module):
+    """word2vec's skip-gram with negative sampling (SGNS, Mikolov et al. 2013), as a classifier of candidates.
+
+    Input [B, 2 + k]: the center word, its context word and k noise words. Output [B, 1 + k, 2]: for each
+    candidate (context, then noise) the logits ``(0, s)`` with ``s`` the dot product of the center's input
+    vector and the candidate's output vector, so that cross-entropy against the targets 1 (context) and 0
+    (noise) is word2vec's logistic loss ``-log sigmoid(s_context) - sum log sigmoid(-s_noise)``, divided by
+    1 + k. The input vectors start uniform in +-0.5 / dim and the output vectors at zero, as in word2vec.
+
+    >>> model = SkipGramNegative(10, dim=4)
+    >>> out = model(torch.tensor([[1, 2, 3, 4]]))
+    >>> out.shape, out.abs().max().item()
+    (torch.Size([1, 3, 2]), 0.0)
+    """
+
+    def __init__(self, vocab: int, dim: int = 100) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(vocab, dim)
+        self.context = nn.Embedding(vocab, dim)
+        with torch.no_grad():
+            self.embed.weight.uniform_(-0.5 / dim, 0.5 / dim)
+            self.context.weight.zero_()
+
+    def forward(self, words: torch.Tensor) -> torch.Tensor:
+        """Logits (0, score) of each candidate of each example."""
+        center = self.embed(words[..., 0])  # [B, dim]
+        candidates = self.context(words[..., 1:])  # [B, 1 + k, dim]
+        score = (candidates * center.unsqueeze(-2)).sum(-1)
+        return torch.stack([torch.zeros_like(score), score], dim=-1)
+
+    def embeddings(self) -> torch.Tensor:
+        """The word vectors: the input embedding table [vocab, dim]."""
+        return self.embed.weight
+
+
 def build_model(name: str, input_shape: tuple[int, ...], classes: int) -> nn.Module:
     """A model by name for inputs of `input_shape` (one example) and `classes` outputs.
 
@@ -212,4 +247,6 @@ def build_model(name: str, input_shape: tuple[int, ...], classes: int) -> nn.Mod
         return TransformerLM(classes, context=input_shape[0] if input_shape else 64)
     if name == "skipgram":
         return SkipGram(classes)
+    if name == "sgns":
+        return SkipGramNegative(classes)
     raise ValueError(f"unknown model {name!r}; choose one of {', '.join(MODELS)}")
