@@ -171,7 +171,7 @@ def input_embeddings(model: nn.Module) -> torch.Tensor:
     if isinstance(embed, nn.Embedding):
         return embed.weight
     raise ValueError(f"{type(model).__name__} has no word embeddings (an embeddings() method or an embed table); "
-                     "score a word2vec model (--model sgns or skipgram)")
+                     "score a word2vec model (--model skipgram-neg or skipgram)")
 
 
 @dataclass(frozen=True)

@@ -13,7 +13,7 @@ from torch import nn
 
 from adasum.sim import KeyedDropout
 
-MODELS = ("cnn", "mlp", "resnet", "transformer", "skipgram", "sgns")
+MODELS = ("cnn", "mlp", "resnet", "transformer", "skipgram", "skipgram-neg")
 
 
 class HorovodCNN(nn.Module):
@@ -196,18 +196,17 @@ class SkipGram(nn.Module):
 
 
 class SkipGramNegative(nn.Module):
-    """word2vec's skip-gram with negative sampling (SGNS, Mikolov et al. 2013), as a classifier of candidates.
+    """word2vec's skip-gram with negative sampling (Mikolov et al. 2013), the candidates scored together.
 
-    Input [B, 2 + k]: the center word, its context word and k noise words. Output [B, 1 + k, 2]: for each
-    candidate (context, then noise) the logits ``(0, s)`` with ``s`` the dot product of the center's input
-    vector and the candidate's output vector, so that cross-entropy against the targets 1 (context) and 0
-    (noise) is word2vec's logistic loss ``-log sigmoid(s_context) - sum log sigmoid(-s_noise)``, divided by
-    1 + k. The input vectors start uniform in +-0.5 / dim and the output vectors at zero, as in word2vec.
+    Input [B, 2 + k] word ids: the center word, then 1 + k candidates (its context word among k noise words).
+    Output [B, 1 + k]: the dot product of the center's input vector with each candidate's output vector, so
+    that cross-entropy against the context's place is the softmax over the candidates (InfoNCE). The input
+    vectors start uniform in +-0.5 / dim and the output vectors at zero, as in word2vec.
 
     >>> model = SkipGramNegative(10, dim=4)
     >>> out = model(torch.tensor([[1, 2, 3, 4]]))
     >>> out.shape, out.abs().max().item()
-    (torch.Size([1, 3, 2]), 0.0)
+    (torch.Size([1, 3]), 0.0)
     """
 
     def __init__(self, vocab: int, dim: int = 100) -> None:
@@ -219,11 +218,10 @@ class SkipGramNegative(nn.Module):
             self.context.weight.zero_()
 
     def forward(self, words: torch.Tensor) -> torch.Tensor:
-        """Logits (0, score) of each candidate of each example."""
+        """The score of each candidate of each example."""
         center = self.embed(words[..., 0])  # [B, dim]
         candidates = self.context(words[..., 1:])  # [B, 1 + k, dim]
-        score = (candidates * center.unsqueeze(-2)).sum(-1)
-        return torch.stack([torch.zeros_like(score), score], dim=-1)
+        return (candidates * center.unsqueeze(-2)).sum(-1)
 
     def embeddings(self) -> torch.Tensor:
         """The word vectors: the input embedding table [vocab, dim]."""
@@ -247,6 +245,6 @@ def build_model(name: str, input_shape: tuple[int, ...], classes: int) -> nn.Mod
         return TransformerLM(classes, context=input_shape[0] if input_shape else 64)
     if name == "skipgram":
         return SkipGram(classes)
-    if name == "sgns":
+    if name == "skipgram-neg":
         return SkipGramNegative(classes)
     raise ValueError(f"unknown model {name!r}; choose one of {', '.join(MODELS)}")
