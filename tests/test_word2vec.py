@@ -161,12 +161,12 @@ def test_the_loss_is_the_softmax_over_the_candidates():
 def _toy_task(scorer=None):
     # two topics: words 0-9 co-occur with each other, words 10-19 likewise
     rng = np.random.default_rng(0)
-    topic = rng.integers(0, 2, 6000)
+    topic = rng.integers(0, 2, 1500)
     tokens = [f"w{10 * t + rng.integers(10)}" for t in np.repeat(topic, 8)]
-    text, (x, y), (tx, ty) = _examples(tokens, np.repeat(np.arange(6000), 8), np.arange(6000) % 10 == 0,
+    text, (x, y), (tx, ty) = _examples(tokens, np.repeat(np.arange(1500), 8), np.arange(1500) % 10 == 0,
                                        window=2, negatives=5)
     words = text.words
-    data = Dataset("toy-w2v", torch.from_numpy(x[:20000]), torch.from_numpy(y[:20000]), torch.from_numpy(tx[:2000]),
+    data = Dataset("toy-w2v", torch.from_numpy(x[:8000]), torch.from_numpy(y[:8000]), torch.from_numpy(tx[:2000]),
                    torch.from_numpy(ty[:2000]), len(words), "skipgram-neg", scorer=scorer)
     return data, words
 
@@ -184,8 +184,9 @@ def test_a_tiny_run_learns_and_records_its_scores(tmp_path):
                        optimizer="adam", evals_per_epoch=2)
     result = train(config, tmp_path, dataset=data)
     first, last = result["history"]
-    assert last["val_loss"] < first["val_loss"] < math.log(6)  # log 6: the loss of equal scores
-    assert last["val_accuracy"] > 50 > 100 / 6 + result["chance_noise"]
+    # log 6 at the start (equal scores); the best is about 1.17 (the context is one of ~3.5 words of its topic)
+    assert first["val_loss"] < math.log(6) - 0.3 and last["val_loss"] < 1.3
+    assert last["val_accuracy"] > 28 > result["chance_accuracy"] + result["chance_noise"]
     assert "norm" in last["scores"] and result["scores"] == last["scores"]
     assert all("scores" in point for point in result["curve"]) and len(calls) >= 4
     assert not result["collapsed"]
