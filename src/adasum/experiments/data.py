@@ -673,8 +673,8 @@ def skipgram_examples(
     (('a', 'b'), [(0, 1), (0, 1), (1, 0), (1, 0)])
     """
     if vocab < 2 or window < 1 or negatives < 1 or subsample < 0:
-        raise ValueError(f"vocab >= 2, window >= 1, negatives >= 1 and subsample >= 0 wanted, got {vocab}, "
-                         f"{window}, {negatives}, {subsample}")
+        raise ValueError(f"got vocab {vocab}, window {window}, negatives {negatives}, subsample {subsample}; pass "
+                         "vocab >= 2, window >= 1, negatives >= 1 and subsample >= 0")
     rng = np.random.default_rng(seed)
     is_test = test[blocks]
     counts = Counter(t for t, held in zip(tokens, is_test) if not held)

@@ -61,7 +61,7 @@ def read_pairs(path: str | os.PathLike) -> Pairs:
             continue
         parts = line.split("\t")
         if len(parts) < 3:
-            raise ValueError(f"{path}: {line!r} is not 'word<TAB>word<TAB>score'")
+            raise ValueError(f"{path}: {line!r} is not 'word<TAB>word<TAB>score'; use the file gensim ships")
         out.append((parts[0].strip().lower(), parts[1].strip().lower(), float(parts[2])))
     return out
 
@@ -74,7 +74,7 @@ def read_analogies(path: str | os.PathLike) -> Questions:
             continue
         words = line.lower().split()
         if len(words) != 4:
-            raise ValueError(f"{path}: {line!r} is not four words")
+            raise ValueError(f"{path}: {line!r} is not four words; use the file gensim ships")
         out.append((words[0], words[1], words[2], words[3]))
     return out
 
@@ -108,7 +108,7 @@ def spearman(a: torch.Tensor, b: torch.Tensor) -> float:
     1.0
     """
     if len(a) != len(b):
-        raise ValueError(f"spearman needs vectors of one length, got {len(a)} and {len(b)}")
+        raise ValueError(f"spearman got vectors of {len(a)} and {len(b)} values; pass two of one length")
     if len(a) < 2:
         return math.nan
     ra, rb = ranks(a), ranks(b)
@@ -171,7 +171,7 @@ def input_embeddings(model: nn.Module) -> torch.Tensor:
     if isinstance(embed, nn.Embedding):
         return embed.weight
     raise ValueError(f"{type(model).__name__} has no word embeddings (an embeddings() method or an embed table); "
-                     "score a word2vec model (--model skipgram-neg or skipgram)")
+                     "use a word2vec model (--model skipgram-neg or skipgram)")
 
 
 @dataclass(frozen=True)
