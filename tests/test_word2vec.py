@@ -190,3 +190,29 @@ def test_a_tiny_run_learns_and_records_its_scores(tmp_path):
     assert "norm" in last["scores"] and result["scores"] == last["scores"]
     assert all("scores" in point for point in result["curve"]) and len(calls) >= 4
     assert not result["collapsed"]
+
+
+def _fake_eval(folder):
+    (folder / "wordsim353.tsv").write_text("the\tof\t5.0\nthe\tlist\t3.0\nthing\tlist\t7.0\n")
+    (folder / "simlex999.txt").write_text("the\tof\t5.0\n")
+    (folder / "questions-words.txt").write_text(": s\nthe of thing list\n")
+
+
+def test_the_task_builds_from_a_gcide_file_and_scores_its_embeddings(tmp_path, monkeypatch):
+    from adasum.experiments.data import english_word2vec, load_task
+    from adasum.experiments.models import build_model
+    from test_warmup_english import _fake_gcide
+
+    _fake_gcide(tmp_path, entries=2000)
+    _fake_eval(tmp_path)
+    monkeypatch.setenv(embeddings.ENV, str(tmp_path))
+    data = english_word2vec(tmp_path, vocab=6, max_pairs=5000, block=1000, subsample=0)  # 8 words: 2 dropped
+    assert data.name == "english-word2vec" and data.default_model == "skipgram-neg" and data.classes == 6
+    assert data.train_x.shape == (5000, 7) and len(data.test_x) == 500 and data.train_y.max() == 5
+    model = build_model(data.default_model, data.input_shape, data.classes)
+    assert data.scorer is not None and set(data.scorer(model)) == {"wordsim353", "simlex999", "analogy"}
+    again = english_word2vec(tmp_path, vocab=6, max_pairs=5000, block=1000, subsample=0)
+    assert torch.equal(again.train_x, data.train_x) and torch.equal(again.test_y, data.test_y)  # deterministic
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(FileNotFoundError, match="apt-get install dict-gcide"):
+        load_task("english-word2vec", tmp_path / "empty")
