@@ -185,16 +185,17 @@ def test_text_and_word2vec_corpora():
         ("resnet", (3, 32, 32), 10, torch.randn(3, 3, 32, 32)),
         ("transformer", (16,), 256, torch.randint(0, 256, (3, 16))),
         ("skipgram", (), 50, torch.randint(0, 50, (3,))),
+        ("skipgram-neg", (7,), 50, torch.randint(0, 50, (3, 7))),
     ],
 )
 def test_model_forward_shapes(name, shape, classes, x):
     out = build_model(name, shape, classes)(x)
-    expected = (3, 16, 256) if name == "transformer" else (3, classes)
+    expected = (3, 16, 256) if name == "transformer" else (3, 6) if name == "skipgram-neg" else (3, classes)
     assert out.shape == expected
 
 
 def test_every_model_is_listed_and_unknown_ones_refused():
-    assert set(MODELS) == {"cnn", "mlp", "resnet", "transformer", "skipgram"}
+    assert set(MODELS) == {"cnn", "mlp", "resnet", "transformer", "skipgram", "skipgram-neg"}
     with pytest.raises(ValueError, match="unknown model"):
         build_model("vgg", (1, 28, 28), 10)
 

@@ -13,7 +13,7 @@ from torch import nn
 
 from adasum.sim import KeyedDropout
 
-MODELS = ("cnn", "mlp", "resnet", "transformer", "skipgram")
+MODELS = ("cnn", "mlp", "resnet", "transformer", "skipgram", "skipgram-neg")
 
 
 class HorovodCNN(nn.Module):
@@ -195,6 +195,39 @@ class SkipGram(nn.Module):
         return self.out(self.embed(words))
 
 
+class SkipGramNegative(nn.Module):
+    """word2vec's skip-gram with negative sampling (Mikolov et al. 2013), the candidates scored together.
+
+    Input [B, 2 + k] word ids: the center word, then 1 + k candidates (its context word among k noise words).
+    Output [B, 1 + k]: the dot product of the center's input vector with each candidate's output vector, so
+    that cross-entropy against the context's place is the softmax over the candidates (InfoNCE). The input
+    vectors start uniform in +-0.5 / dim and the output vectors at zero, as in word2vec.
+
+    >>> model = SkipGramNegative(10, dim=4)
+    >>> out = model(torch.tensor([[1, 2, 3, 4]]))
+    >>> out.shape, out.abs().max().item()
+    (torch.Size([1, 3]), 0.0)
+    """
+
+    def __init__(self, vocab: int, dim: int = 100) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(vocab, dim)
+        self.context = nn.Embedding(vocab, dim)
+        with torch.no_grad():
+            self.embed.weight.uniform_(-0.5 / dim, 0.5 / dim)
+            self.context.weight.zero_()
+
+    def forward(self, words: torch.Tensor) -> torch.Tensor:
+        """The score of each candidate of each example."""
+        center = self.embed(words[..., 0])  # [B, dim]
+        candidates = self.context(words[..., 1:])  # [B, 1 + k, dim]
+        return (candidates * center.unsqueeze(-2)).sum(-1)
+
+    def embeddings(self) -> torch.Tensor:
+        """The word vectors: the input embedding table [vocab, dim]."""
+        return self.embed.weight
+
+
 def build_model(name: str, input_shape: tuple[int, ...], classes: int) -> nn.Module:
     """A model by name for inputs of `input_shape` (one example) and `classes` outputs.
 
@@ -212,4 +245,6 @@ def build_model(name: str, input_shape: tuple[int, ...], classes: int) -> nn.Mod
         return TransformerLM(classes, context=input_shape[0] if input_shape else 64)
     if name == "skipgram":
         return SkipGram(classes)
+    if name == "skipgram-neg":
+        return SkipGramNegative(classes)
     raise ValueError(f"unknown model {name!r}; choose one of {', '.join(MODELS)}")

@@ -628,6 +628,29 @@ def table(results: Sequence[Result], fail_below: float | None = None) -> str:
     return "\n".join(rows)
 
 
+def scores_table(results: Sequence[Result]) -> str:
+    """A markdown table of the task's own scores (a row's ``scores``, e.g. english-word2vec's word similarity and
+    analogy scores of the test metric) of every run that has them, one row per seed; empty when none has.
+
+    >>> row = {"method": "adasum", "workers": 4, "lr": 0.003, "seed": 0, "scores": {"wordsim353": 51.25}}
+    >>> print(scores_table([row]))
+    | method | workers | lr | seed | wordsim353 |
+    | --- | ---: | ---: | ---: | ---: |
+    | adasum | 4 | 0.003 | 0 | 51.25 |
+    """
+    scored = [r for r in results if r.get("scores")]
+    if not scored:
+        return ""
+    names = list(dict.fromkeys(name for r in scored for name in r["scores"]))
+    rows = ["| method | workers | lr | seed | " + " | ".join(names) + " |",
+            "| --- | ---: | ---: | ---: | " + " | ".join("---:" for _ in names) + " |"]
+    for r in sorted(scored, key=lambda r: (r["workers"], _method_order(r["method"]), r["lr"], r["seed"])):
+        values = [r["scores"].get(name) for name in names]
+        rows.append(f"| {r['method']} | {r['workers']} | {r['lr']:g} | {r['seed']} | "
+                    + " | ".join("-" if v is None else f"{v:.2f}" for v in values) + " |")
+    return "\n".join(rows)
+
+
 def setting_line(results: Sequence[Result]) -> str:
     """The report's paragraph on the runs' setting (task, model, optimizer, batch, epochs, seeds) and how it reads
     them, from the first run's record and every run's seed."""
@@ -683,6 +706,12 @@ def write_report(results: Sequence[Result], out: Path, title: str = "Comparison"
         "are orthogonal (Adasum adds them), 1/P when they are identical (Adasum averages them). "
         "*failed*: why the run counts as failed (see the summary's footnote).", "",
     ]
+    scores = scores_table(results)
+    if scores:
+        text += ["## Scores", "", scores, "",
+                 "The task's own test metrics after the last epoch (english-word2vec: Spearman x 100 of the "
+                 "embeddings' cosine similarities with the human scores of WordSim-353 and SimLex-999, and the "
+                 "Google analogy accuracy in percent, over the items in the vocabulary).", ""]
     names: tuple[str, ...] = ("lr.png", "accuracy.png", "loss.png", "orthogonality.png") if several else (
         "accuracy.png", "loss.png", "orthogonality.png")
     names += ("curves.png", "steps-to-target.png")

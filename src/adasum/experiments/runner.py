@@ -703,13 +703,20 @@ class _Run:
         if measured is None:
             val_loss, val_acc = evaluate(self.engine.module, self.data.val_x, self.data.val_y)
             test_acc = evaluate(self.engine.module, self.data.test_x, self.data.test_y)[1]
+            scores = self.scores()
         else:
             val_loss, val_acc, test_acc = measured
+            scores = progress.history[-1].get("scores") if progress.history else None
         examples = step * self.workers * self.config.batch_size
         progress.curve.append({
             "step": step, "examples": examples, "epoch": step / self.steps_per_epoch,
             "val_loss": val_loss, "val_accuracy": val_acc, "test_accuracy": test_acc,
+            **({"scores": scores} if scores is not None else {}),
         })
+
+    def scores(self) -> dict[str, float] | None:
+        """The task's own scores of the agreed model (`Dataset.scorer`), or None for a task without them."""
+        return self.data.scorer(self.engine.module) if self.data.scorer is not None else None
 
     def epoch_record(self, progress: _Progress, epoch: int, partial: dict[str, Any], wall_s: float) -> dict[str, Any]:
         """Evaluate the agreed model after `epoch` and append the epoch's record to the history."""
@@ -738,6 +745,9 @@ class _Run:
             "diverged": diverged,
             "skipped_steps": self.engine.skipped_steps,
         }
+        scores = self.scores()
+        if scores is not None:
+            record["scores"] = scores
         record["collapsed"] = not diverged and self.chance.collapsed([*progress.history, record])
         progress.history.append(record)
         if self.eval_every:
@@ -756,7 +766,7 @@ class _Run:
             return
         mean_o = record["orthogonality"]
         log.info(
-            "%s epoch %d/%d: train loss %.4f, val accuracy %.2f%%, test accuracy %.2f%%%s%s",
+            "%s epoch %d/%d: train loss %.4f, val accuracy %.2f%%, test accuracy %.2f%%%s%s%s",
             self.label,
             record["epoch"],
             self.config.epochs,
@@ -764,6 +774,7 @@ class _Run:
             record["val_accuracy"],
             record["test_accuracy"],
             f", orthogonality {mean_o:.3f}" if mean_o is not None else "",
+            "".join(f", {name} {value:.2f}" for name, value in record.get("scores", {}).items()),
             " (diverged)" if record["diverged"] else " (at chance)" if record["collapsed"] else "",
         )
         if metrics is not None:
@@ -807,6 +818,7 @@ class _Run:
             "test_loss": last["test_loss"],
             "train_loss": last["train_loss"],
             "best_val_accuracy": max(h["val_accuracy"] for h in history),
+            **({"scores": last["scores"]} if "scores" in last else {}),
             "chance_accuracy": self.chance.accuracy,
             "chance_noise": self.chance.noise,
             "skipped_steps": self.engine.skipped_steps,
