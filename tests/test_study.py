@@ -7,6 +7,7 @@ import itertools
 import json
 import math
 import random
+import statistics
 import subprocess
 import sys
 from dataclasses import replace
@@ -15,6 +16,7 @@ from types import MappingProxyType
 
 import pytest
 
+from adasum.experiments import stats
 from adasum.experiments import study as st
 from adasum.experiments.stats import detectable_difference, failure_p, sign_flip_p
 
@@ -258,3 +260,51 @@ def test_a_design_without_sequential_takes_its_fixed_rate_and_target():
     assert failures.effect == len(design.confirm_seeds)
     assert failures.p == pytest.approx(2 / 2 ** len(design.confirm_seeds))
     assert "an earlier design's pick" in failures.detail
+
+
+def _scored(row, score):
+    """A row whose evaluations record a task score (``scores["wordsim353"]``) beside their accuracy."""
+    for point in row["history"]:
+        point["scores"] = {"wordsim353": score}
+    return row
+
+
+@pytest.mark.parametrize("shift, verdict", [(0.5, "equivalent within 5 points"), (6.0, "not shown equivalent")])
+def test_an_equivalence_test_on_a_task_score(shift, verdict):
+    """A design whose metric is a task score tests it (not test accuracy), and an equivalence hypothesis says
+    "equivalent" only when the paired differences sit well inside the margin: the same runs with the score moved
+    past the margin are not shown equivalent."""
+    design = replace(
+        TOY, name="toy-score", metric="wordsim353", rule=(),
+        primary=(st.Hypothesis("W", "adasum matches sequential", "adasum", "sequential", 4, kind="equivalence",
+                               budget=1, margin=5.0),),
+    )
+    chosen = {("sequential", 1): (0.1, False), ("adasum", 4): (0.1, False), ("mean", 4): (0.1, False)}
+    rows = []
+    for c in st.confirm_runs(design, chosen):
+        jitter = 0.1 * (c.seed % 3)  # unequal differences; accuracy says the opposite of the score
+        score = 40.0 + (shift + jitter if c.method == "adasum" else 0.0)
+        rows.append(_scored(_row(c.method, c.workers, c.lr, c.seed, 90.0 if c.method != "adasum" else 60.0,
+                                 c.epochs), score))
+    rows += [_scored(r, 40.0) for r in _pilot({("sequential", 1): {0.1: 85}, ("mean", 4): {0.1: 80},
+                                                 ("adasum", 4): {0.1: 84}})]
+    outcome = st.analyze(rows, design).outcomes[0]
+    assert outcome.effect == pytest.approx(shift + 0.1 * statistics.fmean(s % 3 for s in design.confirm_seeds))
+    assert outcome.verdict == verdict
+    table = st.render(rows, design)["toy-score-primary"]
+    assert "WordSim-353 score after 1 epochs within +-5 points" in table
+
+
+def test_equivalence_p_is_the_larger_one_sided_p_by_enumeration():
+    """`equivalence_p` against a direct enumeration of the sign patterns of the shifted differences."""
+    import itertools
+
+    differences, margin = [1.0, -2.0, 0.5, 3.0, -0.5, 1.5, 2.5], 3.0
+
+    def greater(d):
+        observed = sum(d)
+        patterns = list(itertools.product((1, -1), repeat=len(d)))
+        return sum(sum(s * v for s, v in zip(p, d)) >= observed - 1e-12 for p in patterns) / len(patterns)
+
+    expected = max(greater([d + margin for d in differences]), greater([margin - d for d in differences]))
+    assert stats.equivalence_p(differences, margin) == pytest.approx(expected, abs=0)

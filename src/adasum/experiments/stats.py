@@ -166,6 +166,48 @@ def sign_flip_p(differences: Sequence[float]) -> float:
     return float(np.mean(sums >= observed - tolerance))
 
 
+def sign_flip_p_greater(differences: Sequence[float]) -> float:
+    """The exact one-sided p-value of "the mean difference is not above 0" by the sign-flip test: the share of
+    the 2^n sign patterns whose sum is at least the observed one. Its smallest value is 1 / 2^n; NaN under 2
+    differences.
+
+    >>> sign_flip_p_greater([1.0, 2.0, 3.0, 4.0, 5.0, 6.0])
+    0.015625
+    >>> sign_flip_p_greater([-1.0, -2.0, -3.0, -4.0, -5.0, -6.0])
+    1.0
+    """
+    import numpy as np
+
+    d = np.asarray([float(v) for v in differences], dtype=np.float64)
+    n = len(d)
+    if n < 2:
+        return math.nan
+    if n > 20:
+        raise ValueError(f"the exact sign-flip test enumerates 2^n patterns; {n} differences are too many: "
+                         "pass 20 or fewer")
+    signs = 1 - 2 * ((np.arange(2**n)[:, None] >> np.arange(n)) & 1)
+    sums = signs @ d
+    tolerance = 1e-9 * max(1.0, float(np.abs(d).sum()))
+    return float(np.mean(sums >= d.sum() - tolerance))
+
+
+def equivalence_p(differences: Sequence[float], margin: float) -> float:
+    """The p-value of "the mean paired difference lies outside +-`margin`" by two one-sided exact sign-flip
+    tests (TOST): the larger of the p of "not above -margin" (the differences plus the margin) and of "not below
+    +margin" (the margin minus the differences). Below the level, the two are equivalent within the margin.
+
+    >>> equivalence_p([0.5, -0.5, 1.0, -1.0, 0.2, 0.1, -0.3, 0.4], 5.0)   # small differences, a wide margin
+    0.00390625
+    >>> equivalence_p([6.0, 7.0, 5.5, 6.5, 8.0, 6.0, 7.0, 6.0], 5.0)       # all beyond the margin
+    1.0
+    """
+    if not margin > 0:
+        raise ValueError(f"an equivalence margin must be a positive number of points, got {margin}; pass margin=")
+    low = sign_flip_p_greater([d + margin for d in differences])
+    high = sign_flip_p_greater([margin - d for d in differences])
+    return max(low, high)
+
+
 def detectable_difference(sd: float, n: int, family: int = 1, power: float = 0.8, alpha: float = ALPHA) -> float:
     """The smallest true mean paired difference that a two-sided paired t-test on `n` pairs of spread `sd`
     finds at `power`, at the first step of Holm's correction over a family of `family` tests (level

@@ -30,7 +30,16 @@ from typing import Any
 from adasum.experiments.figures import censored_median, steps_to, target_below
 from adasum.experiments.report import cells as by_cell  # runs by (method, workers, lr)
 from adasum.experiments.runner import RunConfig
-from adasum.experiments.stats import ALPHA, Paired, Stat, detectable_difference, failure_p, holm, sign_flip_p
+from adasum.experiments.stats import (
+    ALPHA,
+    Paired,
+    Stat,
+    detectable_difference,
+    equivalence_p,
+    failure_p,
+    holm,
+    sign_flip_p,
+)
 
 Row = dict[str, Any]
 Cell = tuple[str, int]  # (method, workers)
@@ -42,8 +51,11 @@ HALF_DECADE = math.sqrt(10.0)
 class Hypothesis:
     """One test of the study: `method` against `against` at `workers`, paired by seed.
 
-    kind "accuracy": the paired difference of test accuracy (points) at `budget` epochs, exact sign-flip
-    test; kind "failures": the failure counts at the fixed-rule cells (`Design.rule`), exact sign test.
+    kind "accuracy": the paired difference of the design's test metric (`Design.metric`: test accuracy unless
+    the design names another; points) at `budget` epochs, exact sign-flip test; kind "equivalence": the same
+    differences shown to lie within `margin` points either side of 0 (two one-sided exact sign-flip tests on the
+    differences shifted by the margin, `equivalence_p`); kind "failures": the failure counts at the fixed-rule
+    cells (`Design.rule`), exact sign test.
     """
 
     name: str
@@ -53,6 +65,7 @@ class Hypothesis:
     workers: int
     kind: str = "accuracy"
     budget: int = 2
+    margin: float = math.nan  # kind "equivalence": the margin in points
 
 
 @dataclass(frozen=True)
@@ -90,12 +103,20 @@ class Design:
     # base rate, fixed before its runs from an earlier design's (`target_accuracy`, `rule_rate`)
     target: float | None = None
     rule_lr: float | None = None
+    # the test metric: "test_accuracy", or a task score the rows record per evaluation (`scores`, e.g. the
+    # word2vec task's "wordsim353"); picks, targets and failures stay on validation accuracy
+    metric: str = "test_accuracy"
 
     def seeds(self, method: str, workers: int) -> tuple[int, ...]:
         """The confirmatory seeds of a cell: `confirm_seeds`, and `primary_seeds` for a primary test's cells."""
         if any((method, workers) in ((h.method, h.workers), (h.against, h.workers)) for h in self.primary):
             return self.confirm_seeds + self.primary_seeds
         return self.confirm_seeds
+
+    @property
+    def metric_label(self) -> str:
+        """The test metric as the page names it."""
+        return METRIC_LABELS.get(self.metric, self.metric)
 
     def length(self, method: str) -> int:
         """The confirmatory runs' length in epochs for `method`."""
@@ -117,6 +138,17 @@ class Design:
             counts = (1,) if method == "sequential" else self.only.get(method, self.workers)
             out += [(method, w) for w in counts]
         return out
+
+
+METRIC_LABELS = {"test_accuracy": "test accuracy", "wordsim353": "WordSim-353 score",
+                 "simlex999": "SimLex-999 score", "analogy": "analogy accuracy"}
+
+
+def metric_of(point: Mapping[str, Any], design: Design) -> float:
+    """The design's test metric (`Design.metric`) of one evaluation record, in points."""
+    if design.metric == "test_accuracy":
+        return point["test_accuracy"]
+    return point["scores"][design.metric]
 
 
 CNN_GRID = (0.003, 0.01, 0.03, 0.1, 0.3, 1.0)
@@ -321,9 +353,41 @@ FASHION_RESNET_SLOWMO = replace(
                    "workers (ICLR 2020)", "slowmo", "localsgd", 64, budget=4),
     ),
 )
+# --- word2vec: registered after its task was shown to learn, before its runs (docs/protocol.md, part 4) -------
+ENGLISH_WORD2VEC = Design(
+    name="english-word2vec",
+    task="english-word2vec",
+    model="skipgram-neg",
+    workers=(32,),
+    methods=MappingProxyType({
+        "sequential": (0.0003, 0.001, 0.003, 0.01),
+        "mean": (0.001, 0.003, 0.01, 0.03),
+        "adasum": (0.001, 0.003, 0.01, 0.03),
+        "adacons": (0.00003, 0.0001, 0.0003, 0.001),  # lr x P: 0.001-0.032 at 32 workers
+        "localsgd": (0.0003, 0.001, 0.003, 0.01),
+        "slowmo": (0.0003, 0.001, 0.003, 0.01),
+    }),
+    batch_size=128,
+    optimizer="adam",
+    pilot_seeds=(400, 401),
+    confirm_seeds=tuple(range(4000, 4010)),
+    budget=2,
+    epochs=2,
+    rule=(),
+    metric="wordsim353",
+    primary=(
+        Hypothesis("W1", "word2vec with Adasum at 32 workers matches sequential training (slides)", "adasum",
+                   "sequential", 32, kind="equivalence", budget=2, margin=5.0),
+        Hypothesis("W2", "Adasum gets further than averaging at 32 workers", "adasum", "mean", 32, budget=2),
+        Hypothesis("W3", "AdaCons beats averaging (arXiv 2411.03742), on word2vec", "adacons", "mean", 32, budget=2),
+        Hypothesis("W4", "SlowMo beats local SGD at the same tau (ICLR 2020), on word2vec", "slowmo", "localsgd", 32,
+                   budget=2),
+    ),
+)
 DESIGNS: Mapping[str, Design] = MappingProxyType({
     d.name: d for d in (FASHION_CNN, DIGITS_CNN, FASHION_RESNET, ENGLISH_LAMB, ENGLISH_ADAM, FASHION_DILOCO,
-                        ENGLISH_ADAM_BATCHES, FASHION_RESNET_RULE, FASHION_RESNET_SLOWMO)
+                        ENGLISH_ADAM_BATCHES, FASHION_RESNET_RULE, FASHION_RESNET_SLOWMO,
+                        ENGLISH_WORD2VEC)
 })
 
 
@@ -519,9 +583,13 @@ class Outcome:
 
     @property
     def verdict(self) -> str:
-        """Better / worse (Holm's p below `ALPHA`), no difference the test could see, or not tested."""
+        """Better / worse (Holm's p below `ALPHA`), no difference the test could see, or not tested; for an
+        equivalence test: equivalent within its margin, or not shown equivalent."""
         if math.isnan(self.p_holm):
             return "not tested"
+        if self.hypothesis.kind == "equivalence":
+            return (f"equivalent within {self.hypothesis.margin:g} points" if self.p_holm < ALPHA
+                    else "not shown equivalent")
         if self.p_holm >= ALPHA:
             return "no difference the test could see"
         return "better" if self.effect > 0 else "worse"
@@ -557,7 +625,7 @@ def pilot_spread(rows: Sequence[Row], design: Design) -> tuple[float, int]:
         if chosen.get((r["method"], r["workers"]), (None,))[0] == r["lr"] and not failed(r, design.budget):
             point = at_epoch(r, design.budget)
             assert point is not None
-            by.setdefault((r["method"], r["workers"], r["lr"]), []).append(point["test_accuracy"])
+            by.setdefault((r["method"], r["workers"], r["lr"]), []).append(metric_of(point, design))
     squares, dof, count = 0.0, 0, 0
     for values in by.values():
         if len(values) > 1:
@@ -569,7 +637,8 @@ def pilot_spread(rows: Sequence[Row], design: Design) -> tuple[float, int]:
 
 
 def _pair(design: Design, a: list[Row], b: list[Row], budget: int) -> tuple[list[float], list[float], int, int]:
-    """Test accuracies at `budget` paired by seed where neither failed; the runs each lost to failure."""
+    """The test metric at `budget` (`metric_of`) paired by seed where neither failed; the runs each lost to
+    failure."""
     by_a = {r["seed"]: r for r in a}
     by_b = {r["seed"]: r for r in b}
     xs, ys, lost_a, lost_b = [], [], 0, 0
@@ -580,8 +649,8 @@ def _pair(design: Design, a: list[Row], b: list[Row], budget: int) -> tuple[list
         if not (fa or fb):
             pa, pb = at_epoch(by_a[seed], budget), at_epoch(by_b[seed], budget)
             assert pa is not None and pb is not None
-            xs.append(pa["test_accuracy"])
-            ys.append(pb["test_accuracy"])
+            xs.append(metric_of(pa, design))
+            ys.append(metric_of(pb, design))
     return xs, ys, lost_a, lost_b
 
 
@@ -611,7 +680,13 @@ def _test(design: Design, h: Hypothesis, cells: Mapping[tuple[str, int, float], 
     b = _cell_runs(cells, chosen, h.against, 1 if h.against == "sequential" else h.workers, None)
     xs, ys, lost_a, lost_b = _pair(design, a, b, h.budget)
     paired = Paired.of(xs, ys)
-    p = sign_flip_p([x - y for x, y in zip(xs, ys)]) if len(xs) >= 2 else math.nan
+    differences = [x - y for x, y in zip(xs, ys)]
+    if len(xs) < 2:
+        p = math.nan
+    elif h.kind == "equivalence":
+        p = equivalence_p(differences, h.margin)
+    else:
+        p = sign_flip_p(differences)
     detail = f"failed: {lost_a} and {lost_b} of {len({r['seed'] for r in a} & {r['seed'] for r in b})}"
     detectable = detectable_difference(math.sqrt(2) * sd, max(len(xs), 2), family)
     spread = statistics.stdev([x - y for x, y in zip(xs, ys)]) if len(xs) >= 2 else math.nan
@@ -627,7 +702,7 @@ def _summaries(design: Design, cells: Mapping[tuple[str, int, float], list[Row]]
         length = design.length(method)
         for b in budgets:
             good = [at_epoch(r, b) for r in runs if not failed(r, b)] if b <= length else []
-            values = [p["test_accuracy"] for p in good if p is not None]
+            values = [metric_of(p, design) for p in good if p is not None]
             test[b] = Stat.of(values) if values else None
             lost[b] = sum(failed(r, min(b, length)) for r in runs)  # a shorter cell: failed by its end
         steps = [steps_to(r, target) for r in runs] if target is not None else []
@@ -703,12 +778,18 @@ def primary_table(analysis: Analysis) -> str:
     ]
     for o in analysis.outcomes:
         h = o.hypothesis
+        label = analysis.design.metric_label
         if h.kind == "failures":
             test = f"{h.method} vs {h.against}, P = {h.workers}, failures by epoch {h.budget} (exact sign test)"
             effect = o.detail
             power = "-"
+        elif h.kind == "equivalence":
+            test = (f"{h.method} - {h.against}, P = {h.workers}, {label} after {h.budget} epochs within "
+                    f"+-{h.margin:g} points (two one-sided exact sign-flip tests)")
+            effect = f"{o.effect:+.2f} [{o.lo:+.2f}, {o.hi:+.2f}] points ({o.detail})" if o.n else "-"
+            power = "-"
         else:
-            test = (f"{h.method} - {h.against}, P = {h.workers}, test accuracy after {h.budget} epochs "
+            test = (f"{h.method} - {h.against}, P = {h.workers}, {label} after {h.budget} epochs "
                     "(exact sign-flip test)")
             effect = f"{o.effect:+.2f} [{o.lo:+.2f}, {o.hi:+.2f}] points ({o.detail})" if o.n else "-"
             power = f"{o.detectable:.2f} points" if math.isfinite(o.detectable) else "-"
@@ -739,7 +820,8 @@ def cells_table(analysis: Analysis) -> str:
     """Every confirmatory cell: rate, accuracy at each budget, failures, steps and epochs to target."""
     d = analysis.design
     budgets = sorted({1, d.budget, d.epochs})
-    head = " | ".join(f"test acc. after {b} ep. [95%]" for b in budgets)
+    short = "test acc." if d.metric == "test_accuracy" else d.metric_label
+    head = " | ".join(f"{short} after {b} ep. [95%]" for b in budgets)
     lines = [f"| method | P | global batch | base lr | seeds | {head} | failed (by {d.epochs} ep.) | "
              f"reached target | median steps to target | epochs to target |",
              "| --- | ---: | ---: | ---: | ---: | " + " | ".join("---:" for _ in budgets)
@@ -776,7 +858,7 @@ def render(rows: Sequence[Row], design: Design) -> dict[str, str]:
     ``-explore`` and ``-facts`` (the target, the pilot's spread and run counts)."""
     a = analyze(rows, design)
     facts = (
-        f"Pilot: {a.pilot_runs} runs at the picked rates pooled; one run's test accuracy after {design.budget} "
+        f"Pilot: {a.pilot_runs} runs at the picked rates pooled; one run's {design.metric_label} after {design.budget} "
         f"epochs has a spread (pooled standard deviation within cells) of {_num(a.pilot_sd)} points, so the "
         f"difference of two uncorrelated runs has {_num(math.sqrt(2) * a.pilot_sd)} (the power column's "
         "assumption). "
