@@ -307,7 +307,6 @@ def read_config(path: str) -> dict[str, Any]:
             raise ValueError(
                 f"--config {path!r} is not valid JSON: {error}; correct the file at that line (or write it as TOML)"
             ) from None
-
     if not isinstance(values, dict):
         raise ValueError(
             f"--config {path!r} must hold a table of settings, got a {type(values).__name__}; "
@@ -485,7 +484,6 @@ def _device(name: str, local_rank: int | None = None) -> str:
                 f"device {name!r} asked for, but there are {torch.cuda.device_count()} GPUs; "
                 f"pass --device cuda:N with N below {torch.cuda.device_count()} (or auto)"
             )
-
     return name
 
 

@@ -131,7 +131,6 @@ class Dataset:
             raise ValueError(
                 f"{self.name} already has a validation split; call with_validation once, on the data set as loaded"
             )
-
         n = len(self.train_y)
         held = max(1, round(fraction * n))
         if held >= n:
@@ -139,7 +138,6 @@ class Dataset:
                 f"{n} training examples leave none for training after a validation split of {held}; "
                 "pass a smaller validation fraction"
             )
-
         order = torch.randperm(n, generator=torch.Generator().manual_seed(seed)).to(self.train_x.device)
         val, train = order[:held], order[held:]
         return Dataset(
