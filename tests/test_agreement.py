@@ -272,7 +272,7 @@ def test_world_three_names_the_lowest_rank_with_a_problem():
 
 
 BOGUS_TRANSPORT = ("{operation}: transport must be one of ['p2p', 'collectives', 'symmetric', 'slices', 'one-shot'] "
-                   "or None, got 'bogus'")
+                   "or None, got 'bogus'; pass one of them, or None to let adasum choose")
 
 
 def test_transport_typo_on_one_process():
@@ -288,7 +288,8 @@ def test_transport_typo_on_one_process():
             with pytest.raises(TypeError) as info:
                 call(t, transport=2)
             assert str(info.value) == (f"{operation}: transport must be one of ['p2p', 'collectives', 'symmetric', "
-                                       "'slices', 'one-shot'], a Transport or None, got 2")
+                                       "'slices', 'one-shot'], a Transport or None, got 2; pass one of them, or "
+                                       "None to let adasum choose")
             call(t, transport="p2p")  # a name that exists: nothing to combine on one rank
         assert torch.equal(t[0], torch.ones(3))
     finally:

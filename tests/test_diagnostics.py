@@ -53,14 +53,21 @@ def test_mismatched_inputs_are_refused():
     with pytest.raises(ValueError) as info:
         orthogonality_stacked([torch.randn(4, 10), torch.randn(3, 10)])  # 4 workers' copies of one, 3 of the other
     assert str(info.value) == (
-        "every tensor needs the same number of workers first: tensor 0 has 4, tensor 1 has 3"
+        "every tensor needs the same number of workers first: tensor 0 has 4, tensor 1 has 3; "
+        "pass every tensor stacked over the same workers"
     )
     with pytest.raises(ValueError) as info:
         orthogonality_stacked([torch.randn(4, 10), torch.tensor(2.0)])
-    assert str(info.value) == "every tensor needs the worker index first: tensor 1 is a scalar"
+    assert str(info.value) == (
+        "every tensor needs the worker index first: tensor 1 is a scalar; pass torch.stack of the workers' copies "
+        "(shape [workers, ...])"
+    )
     with pytest.raises(ValueError) as info:
         from_norms(torch.tensor([2.0, 1.0]), torch.tensor([4.0]))
-    assert str(info.value) == "sum_of_squares and square_of_sum need one value per tensor each, got 2 and 1"
+    assert str(info.value) == (
+        "sum_of_squares and square_of_sum need one value per tensor each, got 2 and 1; "
+        "pass two 1-D tensors of the same length"
+    )
 
 
 def orthogonality_layouts_body(rank, world):
@@ -98,13 +105,18 @@ def test_all_reduce_orthogonality_refuses_layouts_that_differ_across_ranks():
 def test_orthogonality_refuses_workers_of_other_shapes_or_given_as_tensors():
     with pytest.raises(ValueError) as info:
         orthogonality([[torch.ones(2), torch.ones(3)], [torch.ones(2), torch.ones(4)]])
-    assert str(info.value) == "every worker needs the same shapes: tensor 1 has shape [3] on worker 0, [4] on worker 1"
+    assert str(info.value) == (
+        "every worker needs the same shapes: tensor 1 has shape [3] on worker 0, [4] on worker 1; "
+        "pass tensors of one shape at each index"
+    )
     with pytest.raises(TypeError) as info:  # was read as two tensors of one element each
         orthogonality([torch.tensor([1.0, 0.0]), torch.tensor([0.0, 1.0])])
     assert str(info.value) == (
         "orthogonality takes one list of tensors per worker, got a tensor for worker 0 "
-        "(one tensor per worker: [[g] for g in tensors])"
+        "(one tensor per worker: pass [[g] for g in tensors])"
     )
     with pytest.raises(TypeError) as info:
         orthogonality([[torch.ones(2)], [2.0]])
-    assert str(info.value) == "orthogonality takes tensors: worker 1's tensor 0 is a float"
+    assert str(info.value) == (
+        "orthogonality takes tensors: worker 1's tensor 0 is a float; pass torch tensors (torch.as_tensor(x))"
+    )

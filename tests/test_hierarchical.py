@@ -161,10 +161,11 @@ def test_build_hierarchy_refuses_local_sizes_and_groups_of_the_wrong_kind():
     assert results[0] == results[1]
     errors, nodes = results[0]
     operation = "adasum.hierarchical.build_hierarchy"
+    per_node = "; pass the number of ranks per node, or None to read LOCAL_WORLD_SIZE"
     assert errors == [
-        f"{operation}: local_size must be an integer >= 1 or None, got 1.5",  # was a node of one rank: int(1.5)
-        f"{operation}: local_size must be an integer >= 1 or None, got '2'",
-        f"{operation}: local_size must be an integer >= 1 or None, got True",
+        f"{operation}: local_size must be an integer >= 1 or None, got 1.5{per_node}",  # was a node of one rank
+        f"{operation}: local_size must be an integer >= 1 or None, got '2'{per_node}",
+        f"{operation}: local_size must be an integer >= 1 or None, got True{per_node}",
         f"{operation}: group must be a torch.distributed ProcessGroup or None, got 'world'; pass dist.new_group(...) "
         "or None",
         f"{operation}: exact must be True or False, got 'no'; pass a bool",

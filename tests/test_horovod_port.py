@@ -263,7 +263,7 @@ def test_broadcast_root_names():
         assert (r["pair_src"], r["pair_group_src"], r["pair_state_src"]) == (2.0, 1.0, 2.0), r
     assert results[1]["src not in group"] == results[2]["src not in group"] == (
         "adasum.broadcast_parameters: src=0 (a global rank) is not in the group, whose ranks are [1, 2]; "
-        "group_src= or root= take the rank in the group"
+        "pass src= one of them, or group_src= or root= the rank in the group"
     )
     assert results[1]["two names"] == (
         "adasum.broadcast_parameters: name the root once (root=, Horovod's root_rank=, torch's src= or group_src=), "

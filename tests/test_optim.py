@@ -413,7 +413,7 @@ def test_options_are_checked():
             {"grad_scaler": "yes"},
             TypeError,
             "grad_scaler must be a torch.amp.GradScaler (the scaler whose step() drives this optimizer) or None, "
-            "got str",
+            "got str; pass that scaler or leave grad_scaler= out",
         ),
     ]:
         with pytest.raises(error) as info:

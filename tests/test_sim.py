@@ -360,7 +360,8 @@ def test_bad_input_is_refused_clearly():
          "slow_lr must be a finite number > 0, got nan; pass slow_lr= a finite number > 0"),
         (2, {**delta, "slow_lr": 0.5}, ValueError,
          "slow_lr=0.5 needs slow_momentum (SlowMo's outer step, combine='delta'); without it every worker restarts "
-         "from the combined model, as slow_lr=1.0 with slow_momentum=0.0 does"),
+         "from the combined model, as slow_lr=1.0 with slow_momentum=0.0 does; pass slow_momentum= too (0.0 for none) "
+         "or leave slow_lr out"),
         (2, {"chunk_size": 0}, ValueError, "chunk_size must be an integer >= 1, got 0; pass chunk_size=1 or more"),
         (2, {"chunk_size": 2.5}, TypeError, "chunk_size must be an integer >= 1, got 2.5; pass chunk_size= a whole "
                                             "number"),

@@ -339,7 +339,8 @@ def test_pass_through_and_bad_input():
         ({"local_steps": 1, "buffers": "keep"}, ValueError,
          "buffers must be one of ['local', 'reset', 'average'], got 'keep'; pass one of them"),
         ({"local_steps": 1, "reducer": "median"}, ValueError, None),
-        ({"local_steps": 1, "module": 3}, TypeError, "module must be a torch.nn.Module, got int"),
+        ({"local_steps": 1, "module": 3}, TypeError,
+         "module must be a torch.nn.Module, got int; pass the model or leave module= out"),
     ]:
         with pytest.raises(error) as info:
             adasum.SlowMo(fresh, **kwargs)

@@ -41,7 +41,7 @@ def from_norms(sum_of_squares: torch.Tensor, square_of_sum: torch.Tensor) -> Ort
     if sum_of_squares.shape != square_of_sum.shape or sum_of_squares.dim() != 1:
         raise ValueError(
             "sum_of_squares and square_of_sum need one value per tensor each, "
-            f"got {_count(sum_of_squares)} and {_count(square_of_sum)}"
+            f"got {_count(sum_of_squares)} and {_count(square_of_sum)}; pass two 1-D tensors of the same length"
         )
     num = sum_of_squares.to(torch.float64)
     den = square_of_sum.to(torch.float64)
@@ -68,11 +68,14 @@ def orthogonality_stacked(stacked: Sequence[torch.Tensor]) -> Orthogonality:
         return from_norms(torch.zeros(0, dtype=torch.float64), torch.zeros(0, dtype=torch.float64))
     for i, t in enumerate(stacked):
         if t.dim() == 0:
-            raise ValueError(f"every tensor needs the worker index first: tensor {i} is a scalar")
+            raise ValueError(
+                f"every tensor needs the worker index first: tensor {i} is a scalar; pass torch.stack of the "
+                "workers' copies (shape [workers, ...])"
+            )
         if t.shape[0] != stacked[0].shape[0]:
             raise ValueError(
                 f"every tensor needs the same number of workers first: tensor 0 has {stacked[0].shape[0]}, "
-                f"tensor {i} has {t.shape[0]}"
+                f"tensor {i} has {t.shape[0]}; pass every tensor stacked over the same workers"
             )
     device = stacked[0].device
     # accumulate in float64 whatever the gradient dtype, as Adasum's own reductions do
@@ -93,24 +96,29 @@ def orthogonality(per_worker: Sequence[Sequence[torch.Tensor]]) -> Orthogonality
     tensor([1.0000, 0.5000], dtype=torch.float64)
     """
     if len(per_worker) == 0:
-        raise ValueError("orthogonality needs at least one worker")
+        raise ValueError("orthogonality needs at least one worker; pass one list of tensors per worker")
     for k, w in enumerate(per_worker):
         if isinstance(w, torch.Tensor):
             raise TypeError(
                 f"orthogonality takes one list of tensors per worker, got a tensor for worker {k} "
-                "(one tensor per worker: [[g] for g in tensors])"
+                "(one tensor per worker: pass [[g] for g in tensors])"
             )
     count = len(per_worker[0])
     if any(len(w) != count for w in per_worker):
-        raise ValueError("every worker needs the same number of tensors")
+        raise ValueError(
+            "every worker needs the same number of tensors; give every worker's list the same tensors, in one order"
+        )
     for i in range(count):
         for k, w in enumerate(per_worker):
             if not isinstance(w[i], torch.Tensor):
-                raise TypeError(f"orthogonality takes tensors: worker {k}'s tensor {i} is a {type(w[i]).__name__}")
+                raise TypeError(
+                    f"orthogonality takes tensors: worker {k}'s tensor {i} is a {type(w[i]).__name__}; "
+                    "pass torch tensors (torch.as_tensor(x))"
+                )
             if w[i].shape != per_worker[0][i].shape:
                 raise ValueError(
                     f"every worker needs the same shapes: tensor {i} has shape {list(per_worker[0][i].shape)} on "
-                    f"worker 0, {list(w[i].shape)} on worker {k}"
+                    f"worker 0, {list(w[i].shape)} on worker {k}; pass tensors of one shape at each index"
                 )
     return orthogonality_stacked([torch.stack([w[i] for w in per_worker]) for i in range(count)])
 

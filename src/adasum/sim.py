@@ -101,7 +101,7 @@ class KeyedDropout(nn.Module):
     def __init__(self, p: float = 0.5, channels: bool = False) -> None:
         super().__init__()
         if not 0 <= p < 1:
-            raise ValueError(f"dropout probability must be in [0, 1), got {p}")
+            raise ValueError(f"dropout probability must be in [0, 1), got {p}; pass p= a number in [0, 1), e.g. 0.5")
         self.p, self.channels = p, channels
         self.register_buffer("key", torch.zeros((), dtype=torch.int64), persistent=False)
 
@@ -209,26 +209,38 @@ class SimulatedWorkers:
         check_option("combine", combine, Mode)
         check_slow_options(operation, local_steps, slow_lr, slow_momentum)  # SlowMo's rules
         if combine == "gradient" and (local_steps != 1 or slow_momentum is not None):
-            raise ValueError(f"{operation}: local_steps and slow_momentum need combine='delta'")
+            raise ValueError(
+                f"{operation}: local_steps and slow_momentum need combine='delta'; pass combine='delta' (or "
+                "leave local_steps and slow_momentum out)"
+            )
         if slow_momentum is None and slow_lr != 1.0:
             raise ValueError(
                 f"{operation}: slow_lr={slow_lr!r} needs slow_momentum (SlowMo's outer step, combine='delta'); "
-                "without it every worker restarts from the combined model, as slow_lr=1.0 with slow_momentum=0.0 does"
+                "without it every worker restarts from the combined model, as slow_lr=1.0 with slow_momentum=0.0 does; "
+                "pass slow_momentum= too (0.0 for none) or leave slow_lr out"
             )
         self.communication_dtype = wire_dtype(communication_dtype, operation)
         if (outer_optimizer is not None or self.communication_dtype is not None) and combine != "delta":
-            raise ValueError(f"{operation}: outer_optimizer and communication_dtype need combine='delta'")
+            raise ValueError(
+                f"{operation}: outer_optimizer and communication_dtype need combine='delta'; pass combine='delta' (or "
+                "leave outer_optimizer and communication_dtype out)"
+            )
         if outer_optimizer is not None and slow_momentum is not None:
             raise ValueError(f"{operation}: give either slow_momentum (SlowMo's outer step) or outer_optimizer")
         if error_feedback and self.communication_dtype is None:
-            raise ValueError(f"{operation}: error_feedback=True needs a communication_dtype (bf16, fp16 or fp8)")
+            raise ValueError(
+                f"{operation}: error_feedback=True needs a communication_dtype (bf16, fp16 or fp8); pass "
+                "communication_dtype= too, or drop error_feedback"
+            )
         self.error_feedback = bool(error_feedback)
         self.streaming = fragments > 1 or delay > 0 or mixing != 1.0
         if self.streaming and outer_optimizer is None:
             raise ValueError(f"{operation}: fragments, delay and mixing are Streaming DiLoCo's: give outer_optimizer")
         if self.streaming and not (fragments <= local_steps and 0 <= delay < local_steps and 0 < mixing <= 1):
             raise ValueError(
-                f"{operation}: streaming needs fragments <= local_steps, 0 <= delay < local_steps and mixing in (0, 1]"
+                f"{operation}: streaming needs fragments <= local_steps, 0 <= delay < local_steps and mixing in "
+                f"(0, 1], got fragments={fragments}, delay={delay}, mixing={mixing} with local_steps={local_steps}; "
+                "change the one out of range"
             )
         self.fragments, self.delay, self.mixing = fragments, delay, float(mixing)
         if chunk_size is not None:
@@ -319,7 +331,8 @@ class SimulatedWorkers:
         if inputs.shape[0] != self.workers or targets.shape[0] != self.workers:
             raise ValueError(
                 f"inputs and targets need the worker index first ({self.workers}), "
-                f"got {tuple(inputs.shape)} and {tuple(targets.shape)}"
+                f"got {tuple(inputs.shape)} and {tuple(targets.shape)}; pass one batch per worker, stacked "
+                "([workers, batch, ...])"
             )
         self.module.train()
         grads, losses = self._per_worker_grads(inputs, targets)

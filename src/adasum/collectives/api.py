@@ -456,15 +456,21 @@ def check_transport(transport: object, operation: str) -> None:
 
     >>> check_transport("p2pp", "adasum.all_reduce")  # doctest: +ELLIPSIS
     Traceback (most recent call last):
-    ValueError: adasum.all_reduce: transport must be one of ['p2p', 'collectives', ...] or None, got 'p2pp'
+    ValueError: adasum.all_reduce: transport must be one of ['p2p', 'collectives', ...] or None, got 'p2pp'; pass ...
     """
     if transport is None or isinstance(transport, Transport):
         return
     names = list(transport_names())
     if not isinstance(transport, str):
-        raise TypeError(f"{operation}: transport must be one of {names}, a Transport or None, got {transport!r}")
+        raise TypeError(
+            f"{operation}: transport must be one of {names}, a Transport or None, got {transport!r}; pass one of "
+            "them, or None to let adasum choose"
+        )
     if transport not in names:
-        raise ValueError(f"{operation}: transport must be one of {names} or None, got {transport!r}")
+        raise ValueError(
+            f"{operation}: transport must be one of {names} or None, got {transport!r}; pass one of them, or None "
+            "to let adasum choose"
+        )
 
 
 def list_transport(

@@ -73,21 +73,27 @@ def check_placement(local_sizes: Sequence[int], local_ranks: Sequence[int], node
         if s != size:
             raise ValueError(
                 f"local sizes differ across ranks: rank 0 has {size}, rank {r} has {s} "
-                "(hierarchical mode needs the same number of ranks on every node)"
+                "(hierarchical mode needs the same number of ranks on every node); launch as many ranks on every node "
+                "(torchrun --nproc-per-node), or pass hierarchical=False"
             )
     if size < 1 or world % size:
-        raise ValueError(f"local_size {size} does not divide the world size {world}")
+        raise ValueError(
+            f"local_size {size} does not divide the world size {world}; pass local_size= the number of ranks per "
+            "node (it divides the world size)"
+        )
     for r in range(world):
         if local_ranks[r] >= 0 and local_ranks[r] != r % size:
             raise ValueError(
                 f"ranks are not placed node by node: rank {r} has local rank {local_ranks[r]}, expected "
-                f"{r % size} (hierarchical mode needs node n to hold ranks n*{size} .. n*{size}+{size - 1})"
+                f"{r % size} (hierarchical mode needs node n to hold ranks n*{size} .. n*{size}+{size - 1}); launch "
+                "the ranks node by node (as torchrun numbers them), or pass hierarchical=False"
             )
         first = r - r % size
         if node_ids[r] >= 0 and node_ids[first] >= 0 and node_ids[r] != node_ids[first]:
             raise ValueError(
                 f"ranks are not placed node by node: rank {r} is on node {node_ids[r]}, rank {first} on "
-                f"node {node_ids[first]} (hierarchical mode needs consecutive ranks on each node)"
+                f"node {node_ids[first]} (hierarchical mode needs consecutive ranks on each node); launch the ranks "
+                "node by node (as torchrun numbers them), or pass hierarchical=False"
             )
     leaders = [node_ids[n * size] for n in range(world // size) if node_ids[n * size] >= 0]
     if len(set(leaders)) != len(leaders):
@@ -123,16 +129,19 @@ def build_hierarchy(
     >>> adasum_hierarchical_flat_(buffer, [2, 1], hierarchy)      # one node: its mean is the result
     >>> buffer
     tensor([3., 4., 1.])
-    >>> build_hierarchy(local_size=2)
+    >>> build_hierarchy(local_size=2)  # doctest: +ELLIPSIS
     Traceback (most recent call last):
-    ValueError: local_size 2 does not divide the world size 1
+    ValueError: local_size 2 does not divide the world size 1; pass local_size= the number of ranks per node ...
     >>> dist.destroy_process_group()
     """
     operation = "adasum.hierarchical.build_hierarchy"
     check_group(group, operation)
     check_flag(operation, "exact", exact)
     if local_size is not None and (isinstance(local_size, bool) or not isinstance(local_size, numbers.Integral)):
-        raise TypeError(f"{operation}: local_size must be an integer >= 1 or None, got {local_size!r}")
+        raise TypeError(
+            f"{operation}: local_size must be an integer >= 1 or None, got {local_size!r}; pass the number of ranks "
+            "per node, or None to read LOCAL_WORLD_SIZE"
+        )
     env_size = local_size_from_env()
     size = env_size if local_size is None else int(local_size)
     from_env = size is not None and size == env_size
@@ -219,7 +228,10 @@ def adasum_two_tier_flat_(
         return
     layout = Layout(tuple(int(n) for n in sizes))
     if layout.numel != buffer.numel():
-        raise ValueError(f"sizes add up to {layout.numel} elements, the buffer has {buffer.numel()}")
+        raise ValueError(
+            f"sizes add up to {layout.numel} elements, the buffer has {buffer.numel()}; pass the sizes of the "
+            "tensors the buffer holds, end to end"
+        )
 
     if mover is None or inner is None:
         mover, inner = _movers(hierarchy)
@@ -252,7 +264,10 @@ def reduce_hierarchical(tensors: Sequence[torch.Tensor], local_size: int) -> tor
     tensor([0.5000, 1.0000])
     """
     if local_size < 1 or len(tensors) % local_size:
-        raise ValueError(f"local_size {local_size} does not divide the number of workers {len(tensors)}")
+        raise ValueError(
+            f"local_size {local_size} does not divide the number of workers {len(tensors)}; pass a local_size that "
+            "divides it (the workers per node)"
+        )
     means = [
         torch.stack(list(tensors[n : n + local_size])).sum(0).div_(local_size)
         for n in range(0, len(tensors), local_size)

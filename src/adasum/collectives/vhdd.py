@@ -186,35 +186,53 @@ def adasum_flat_(
         peers: Sequence[int] = range(dist.get_world_size(group))
         offset, rank = 0, dist.get_rank(group)
         if layout.numel != buffer.numel():
-            raise ValueError(f"sizes add up to {layout.numel} elements, the buffer has {buffer.numel()}")
+            raise ValueError(
+                f"sizes add up to {layout.numel} elements, the buffer has {buffer.numel()}; pass the sizes of the "
+                "tensors the buffer holds, end to end"
+            )
     else:
         peers, offset = placement.peers, placement.offset
         rank = peers.index(dist.get_rank(group))
         if offset + buffer.numel() > layout.numel:
-            raise ValueError(f"the slice ends at {offset + buffer.numel()}, past the layout's {layout.numel} elements")
+            raise ValueError(
+                f"the slice ends at {offset + buffer.numel()}, past the layout's {layout.numel} elements; pass a "
+                "placement whose offset plus the buffer's length fits within sizes"
+            )
     world = len(peers)
     if world == 1:
         return
     if op is not None and op.coupled:
-        raise ValueError(f"{type(op).__name__} couples tensors (coupled): it runs on combine_slices_, not here")
+        raise ValueError(
+            f"{type(op).__name__} couples tensors (coupled): it runs on combine_slices_, not here; call "
+            "adasum.collectives.slices.combine_slices_ with it instead"
+        )
     tree = Tree(world)
     if not isinstance(transport, Transport):
         transport = transport_for(group, transport, placement is None and tree.folded == 0, placement is not None,
                                   buffer.numel() * buffer.element_size())
     slice_parallel = serves(transport) == "slices"  # its row of the movers' table (`adasum.transport.registry`)
     if slice_parallel and placement is not None:
-        raise ValueError(f"transport={transport.name!r} runs the tree over the whole group (no hierarchical placement)")
+        raise ValueError(
+            f"transport={transport.name!r} runs the tree over the whole group (no hierarchical placement); pass "
+            "another transport (or None) with a placement"
+        )
     if isinstance(buffer, Scattered) and not (
         transport.scattered and (tree.folded == 0 or slice_parallel) and placement is None
     ):
-        raise ValueError(f"the {transport.name} transport takes flat buffers only, not a Scattered list of tensors")
+        raise ValueError(
+            f"the {transport.name} transport takes flat buffers only, not a Scattered list of tensors; pass a flat "
+            "buffer (the tensors end to end), or a transport whose .scattered is True"
+        )
     if op is not None and not slice_parallel and not op.pairwise:
         raise ValueError(f"the VHDD schedule ({transport.name}) combines pair by pair: {type(op).__name__} has no "
                          "level form (pair_coefficients); run it on the slice-parallel movers (transport='slices')")
     pairs = AdasumTree(tree) if op is None else op  # the VHDD schedule's combine rule
     if isinstance(buffer, Scattered) and buffer.layout.sizes != layout.sizes:
         # the kernels address a Scattered slice tile by tile of its tensors: each segment must be one tensor
-        raise ValueError("a Scattered buffer's tensors must be the segments of `sizes`, one tensor per segment")
+        raise ValueError(
+            "a Scattered buffer's tensors must be the segments of `sizes`, one tensor per segment; pass "
+            "sizes=[t.numel() for t in its tensors]"
+        )
 
     def run() -> None:
         if slice_parallel:

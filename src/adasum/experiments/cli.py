@@ -100,9 +100,9 @@ def _positive_int(text: str) -> int:
     try:
         value = int(text)
     except ValueError:
-        raise argparse.ArgumentTypeError(f"not an integer: {text!r}") from None
+        raise argparse.ArgumentTypeError(f"not an integer: {text!r}; pass a whole number >= 1") from None
     if value < 1:
-        raise argparse.ArgumentTypeError(f"must be >= 1, got {value}")
+        raise argparse.ArgumentTypeError(f"must be >= 1, got {value}; pass a whole number >= 1")
     return value
 
 
@@ -110,9 +110,9 @@ def _positive_float(text: str) -> float:
     try:
         value = float(text)
     except ValueError:
-        raise argparse.ArgumentTypeError(f"not a number: {text!r}") from None
+        raise argparse.ArgumentTypeError(f"not a number: {text!r}; pass a finite number > 0 (e.g. 0.1)") from None
     if not value > 0 or value == float("inf"):
-        raise argparse.ArgumentTypeError(f"must be > 0, got {text}")
+        raise argparse.ArgumentTypeError(f"must be > 0, got {text}; pass a finite number > 0 (e.g. 0.1)")
     return value
 
 
@@ -122,7 +122,10 @@ MAX_TIMEOUT_S = 30 * 24 * 3600  # c10d keeps timeouts in milliseconds; a month i
 def _timeout(text: str) -> float:
     value = _positive_float(text)
     if value > MAX_TIMEOUT_S:
-        raise argparse.ArgumentTypeError(f"must be at most {MAX_TIMEOUT_S} seconds (30 days), got {text}")
+        raise argparse.ArgumentTypeError(
+            f"must be at most {MAX_TIMEOUT_S} seconds (30 days), got {text}; "
+            f"pass a number of seconds in (0, {MAX_TIMEOUT_S}]"
+        )
     return value
 
 
@@ -130,9 +133,9 @@ def _seed(text: str) -> int:
     try:
         value = int(text)
     except ValueError:
-        raise argparse.ArgumentTypeError(f"not an integer: {text!r}") from None
+        raise argparse.ArgumentTypeError(f"not an integer: {text!r}; pass whole-number seeds in [0, 2**31)") from None
     if not 0 <= value < 2**31:
-        raise argparse.ArgumentTypeError(f"seed must be in [0, 2**31), got {value}")
+        raise argparse.ArgumentTypeError(f"seed must be in [0, 2**31), got {value}; pass seeds from 0 to 2147483647")
     return value
 
 
@@ -140,7 +143,7 @@ def _list_of(kind):
     def parse(text: str) -> list:
         items = [t for t in text.split(",") if t.strip()]
         if not items:
-            raise argparse.ArgumentTypeError("empty list")
+            raise argparse.ArgumentTypeError("empty list; pass one or more values separated by commas (e.g. 1,2,4)")
         return [kind(t.strip()) for t in items]
 
     return parse
@@ -257,7 +260,9 @@ DEFAULT_SEEDS = (0, 1, 2, 3, 4)
 def _one_seed(text: str) -> int:
     seeds = _list_of(_seed)(text)
     if len(seeds) != 1:
-        raise argparse.ArgumentTypeError("adasum train runs one seed; adasum compare runs several")
+        raise argparse.ArgumentTypeError(
+            "adasum train runs one seed; pass a single --seeds value, or use adasum compare to run several"
+        )
     return seeds[0]
 
 
@@ -290,16 +295,23 @@ def read_config(path: str) -> dict[str, Any]:
     try:
         text = Path(path).read_text()
     except OSError as error:
-        raise ValueError(f"cannot read --config {path!r}: {error.strerror or error}") from None
+        raise ValueError(
+            f"cannot read --config {path!r}: {error.strerror or error}; pass the path of a readable .json or .toml file"
+        ) from None
     if path.endswith(".toml"):
         values: Any = _toml(text, path)
     else:
         try:
             values = json.loads(text)
         except json.JSONDecodeError as error:
-            raise ValueError(f"--config {path!r} is not valid JSON: {error}") from None
+            raise ValueError(
+                f"--config {path!r} is not valid JSON: {error}; correct the file at that line (or write it as TOML)"
+            ) from None
     if not isinstance(values, dict):
-        raise ValueError(f"--config {path!r} must hold a table of settings, got a {type(values).__name__}")
+        raise ValueError(
+            f"--config {path!r} must hold a table of settings, got a {type(values).__name__}; "
+            'write an object of flag names to values (e.g. {"lr": 0.1, "workers": 4})'
+        )
     if isinstance(values.get("config"), dict):  # a run's result.json
         run = values
         values = dict(run["config"])
@@ -317,7 +329,9 @@ def _toml(text: str, path: str) -> Any:
         try:
             return tomllib.loads(text)
         except tomllib.TOMLDecodeError as error:
-            raise ValueError(f"--config {path!r} is not valid TOML: {error}") from None
+            raise ValueError(
+                f"--config {path!r} is not valid TOML: {error}; correct the file at that line (or write it as JSON)"
+            ) from None
     raise ValueError("a TOML --config needs Python 3.11 or later (tomllib); write it as JSON")
 
 
@@ -335,7 +349,8 @@ def config_arguments(parser: argparse.ArgumentParser, command: str, values: dict
         if action is None or dest in ("config", "out", "resume", "overwrite", "help"):
             flags = [f"--{d.replace('_', '-')}" for d in known if d not in ("config", "help")]
             raise UsageError(f"--config: {key!r} is not a setting of adasum {command}"
-                             f"{did_you_mean('--' + key.replace('_', '-'), flags)}")
+                             f"{did_you_mean('--' + key.replace('_', '-'), flags)}; remove it from the file, or "
+                             f"use one of the flags of adasum {command} --help")
         if value is None or value is False:
             continue
         if command == "train" and dest == "simulate" and value == 1:
@@ -433,14 +448,18 @@ def check_flags_apply(args: argparse.Namespace, methods: Sequence[Method], worke
     ):
         if dest in given and not any(has(m) for m in methods):
             users = [m.name for m in METHODS.values() if has(m)]
-            raise UsageError(f"{flag} applies to {_either(users, 'and')}, not {_either(names, 'or')}")
+            raise UsageError(f"{flag} applies to {_either(users, 'and')}, not {_either(names, 'or')}; "
+                             f"drop {flag} or choose a method it applies to")
     if "momentum" in given and args.optimizer != "sgd":
-        raise UsageError(f"--momentum applies to --optimizer sgd, not {args.optimizer}")
+        raise UsageError(f"--momentum applies to --optimizer sgd, not {args.optimizer}; "
+                         "drop --momentum or pass --optimizer sgd")
     if "simulate" in given and args.simulate > 1 and all(m.single_worker for m in methods):
-        raise UsageError(f"--simulate applies to methods of several workers, not {_either(names, 'or')} (one worker)")
+        raise UsageError(f"--simulate applies to methods of several workers, not {_either(names, 'or')} (one worker); "
+                         "drop --simulate or choose a method of several workers")
     if "chunk_size" in given and not any(m.workers(w) > 1 for m in methods for w in workers):
         option = "--simulate" if args.command == "train" else "--workers"
-        raise UsageError(f"--chunk-size applies to several simulated workers ({option} P with P > 1), not to one")
+        raise UsageError(f"--chunk-size applies to several simulated workers ({option} P with P > 1), not to one; "
+                         f"drop --chunk-size or pass {option} 2 or more")
 
 
 def _device(name: str, local_rank: int | None = None) -> str:
@@ -459,9 +478,12 @@ def _device(name: str, local_rank: int | None = None) -> str:
         raise ValueError(f"cannot train on device {name!r}; use cpu, cuda or cuda:N")
     if device.type == "cuda":
         if not torch.cuda.is_available():
-            raise ValueError(f"device {name!r} asked for, but CUDA is not available")
+            raise ValueError(f"device {name!r} asked for, but CUDA is not available; pass --device cpu (or auto)")
         if device.index is not None and device.index >= torch.cuda.device_count():
-            raise ValueError(f"device {name!r} asked for, but there are {torch.cuda.device_count()} GPUs")
+            raise ValueError(
+                f"device {name!r} asked for, but there are {torch.cuda.device_count()} GPUs; "
+                f"pass --device cuda:N with N below {torch.cuda.device_count()} (or auto)"
+            )
     return name
 
 
@@ -536,7 +558,8 @@ def cmd_train(args: argparse.Namespace) -> int:
         raise ValueError("--simulate runs all workers in one process; do not launch it with torchrun")
     check_flags_apply(args, [method], [args.simulate] if args.simulate is not None else [])
     if args.data_dir is not None and not Path(args.data_dir).is_dir():
-        raise ValueError(f"data directory {args.data_dir!r} does not exist")
+        raise ValueError(f"data directory {args.data_dir!r} does not exist; "
+                         "pass --data-dir an existing folder that holds the data set's files")
     if not under_torchrun:
         _setup_logging(args.quiet, 0)
         out = _output_dir(args.out, args.resume, args.overwrite)
@@ -630,7 +653,8 @@ def cmd_compare(args: argparse.Namespace) -> int:
     methods = parse_methods(args.methods)
     check_flags_apply(args, methods, args.workers)
     if args.data_dir is not None and not Path(args.data_dir).is_dir():
-        raise ValueError(f"data directory {args.data_dir!r} does not exist")
+        raise ValueError(f"data directory {args.data_dir!r} does not exist; "
+                         "pass --data-dir an existing folder that holds the data set's files")
     _setup_logging(args.quiet, 0)
     out = _output_dir(args.out, args.resume, args.overwrite)
     base = _config(args, method=methods[0].name, workers=1, lr=args.lr[0], device=_device(args.device))

@@ -91,7 +91,9 @@ def _previous_rows(path: Path, resume: bool, overwrite: bool) -> list[dict[str, 
     if resume:
         return read_results(path)
     if path.stat().st_size > 0 and not overwrite:
-        raise ValueError(f"{path} already holds runs; --resume adds to them, --overwrite replaces them")
+        raise ValueError(
+            f"{path} already holds runs; pass --resume to add to them, --overwrite to replace them, or another --out"
+        )
     return []
 
 
@@ -146,7 +148,7 @@ def compare(
     (['report.md', 'results.jsonl', 'runs'], ['adasum-P2-lr0.05-seed0', 'sequential-P1-lr0.05-seed0'])
     >>> compare(methods, [2], [0.05], base, folder.name, plot=lambda results, out: [])  # doctest: +ELLIPSIS
     Traceback (most recent call last):
-    ValueError: .../results.jsonl already holds runs; --resume adds to them, --overwrite replaces them
+    ValueError: .../results.jsonl already holds runs; pass --resume to add to them, --overwrite to replace them, ...
     >>> folder.cleanup()
     """
     out = Path(out)

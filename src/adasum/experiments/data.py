@@ -139,13 +139,18 @@ class Dataset:
         torch.Size([400, 1, 28, 28])
         """
         if not 0 < fraction < 1:
-            raise ValueError(f"validation fraction must be in (0, 1), got {fraction}")
+            raise ValueError(f"validation fraction must be in (0, 1), got {fraction}; pass a fraction such as 0.1")
         if self.val_x is not None:
-            raise ValueError(f"{self.name} already has a validation split")
+            raise ValueError(
+                f"{self.name} already has a validation split; call with_validation once, on the data set as loaded"
+            )
         n = len(self.train_y)
         held = max(1, round(fraction * n))
         if held >= n:
-            raise ValueError(f"{n} training examples leave none for training after a validation split of {held}")
+            raise ValueError(
+                f"{n} training examples leave none for training after a validation split of {held}; "
+                "pass a smaller validation fraction"
+            )
         order = torch.randperm(n, generator=torch.Generator().manual_seed(seed)).to(self.train_x.device)
         val, train = order[:held], order[held:]
         return Dataset(
@@ -213,7 +218,9 @@ def _need_dir(name: str, data_dir: str | os.PathLike | None) -> Path:
         raise ValueError(f"task {name!r} reads local files: pass --data-dir DIR (nothing is downloaded)")
     path = Path(data_dir)
     if not path.is_dir():
-        raise FileNotFoundError(f"data directory {str(path)!r} does not exist")
+        raise FileNotFoundError(
+            f"data directory {str(path)!r} does not exist; pass --data-dir an existing folder that holds the files"
+        )
     return path
 
 
@@ -329,19 +336,27 @@ def read_idx(path: str | os.PathLike) -> np.ndarray:
         with opener(path, "rb") as f:
             data = f.read()
     except (EOFError, zlib.error, gzip.BadGzipFile) as error:
-        raise ValueError(f"{path}: not a complete gzip file ({error or type(error).__name__})") from None
+        raise ValueError(
+            f"{path}: not a complete gzip file ({error or type(error).__name__}); "
+            "use an intact copy of the file in its place"
+        ) from None
     if len(data) < 4 or data[0] != 0 or data[1] != 0:
-        raise ValueError(f"{path}: not an idx file")
+        raise ValueError(f"{path}: not an idx file; use the data set's own idx file (raw or .gz) in its place")
     dtypes = {0x08: ">u1", 0x09: ">i1", 0x0B: ">i2", 0x0C: ">i4", 0x0D: ">f4", 0x0E: ">f8"}
     if data[2] not in dtypes:
-        raise ValueError(f"{path}: unknown idx type code {data[2]:#x}")
+        raise ValueError(f"{path}: unknown idx type code {data[2]:#x}; use an intact copy of the idx file in its place")
     ndim = data[3]
     if len(data) < 4 + 4 * ndim:
-        raise ValueError(f"{path}: header of {ndim} dimensions cut short ({len(data)} bytes)")
+        raise ValueError(
+            f"{path}: header of {ndim} dimensions cut short ({len(data)} bytes); "
+            "use an intact copy of the file in its place"
+        )
     shape = struct.unpack(f">{ndim}I", data[4 : 4 + 4 * ndim])
     array = np.frombuffer(data, dtype=dtypes[data[2]], offset=4 + 4 * ndim)
     if array.size != int(np.prod(shape)):
-        raise ValueError(f"{path}: header says {shape}, file holds {array.size} values")
+        raise ValueError(
+            f"{path}: header says {shape}, file holds {array.size} values; use an intact copy of the file in its place"
+        )
     return array.reshape(shape).astype(array.dtype.newbyteorder("="))
 
 
@@ -351,7 +366,10 @@ def _find(directory: Path, names: list[str], subdirs: list[str]) -> Path:
             for candidate in (directory / sub / name, directory / sub / (name + ".gz")):
                 if candidate.exists():
                     return candidate
-    raise FileNotFoundError(f"{names[0]}[.gz] not found in {str(directory)!r}")
+    raise FileNotFoundError(
+        f"{names[0]}[.gz] not found in {str(directory)!r}; put the data set's four idx files there "
+        "(or pass --data-dir the folder that holds them)"
+    )
 
 
 def read_mnist_dir(directory: str | os.PathLike, name: str = "mnist") -> Dataset:
@@ -409,14 +427,17 @@ def _check_mnist_file(path: Path, array: np.ndarray, images: bool, count: int | 
     if images:
         if array.ndim != 3 or array.shape[1:] != (28, 28) or array.dtype != np.uint8:
             raise ValueError(f"{path}: holds {array.dtype} {list(array.shape)}, not 28 x 28 images of bytes "
-                             "[N, 28, 28]")
+                             "[N, 28, 28]; use the data set's own images file in its place")
         return
     if array.ndim != 1 or array.dtype.kind not in "iu":
-        raise ValueError(f"{path}: holds {array.dtype} {list(array.shape)}, not a list of labels [N]")
+        raise ValueError(f"{path}: holds {array.dtype} {list(array.shape)}, not a list of labels [N]; "
+                         "use the data set's own labels file in its place")
     if array.size and (int(array.min()) < 0 or int(array.max()) > 9):
-        raise ValueError(f"{path}: labels run from {int(array.min())} to {int(array.max())}, not within 0-9")
+        raise ValueError(f"{path}: labels run from {int(array.min())} to {int(array.max())}, not within 0-9; "
+                         "use the data set's own labels file in its place")
     if count is not None and len(array) != count:
-        raise ValueError(f"{path}: holds {len(array)} labels for {count} images")
+        raise ValueError(f"{path}: holds {len(array)} labels for {count} images; "
+                         "use the labels file that belongs to the images file (both train or both t10k)")
 
 
 class SafeUnpickler(pickle.Unpickler):
@@ -456,13 +477,17 @@ def _unpickle(path: Path) -> dict:
         with open(path, "rb") as f:
             batch = SafeUnpickler(f, encoding="bytes").load()
     except (pickle.UnpicklingError, EOFError, ValueError, TypeError, AttributeError, IndexError) as error:
-        raise ValueError(f"{path}: not a CIFAR-10 python batch ({error})") from None
+        raise ValueError(
+            f"{path}: not a CIFAR-10 python batch ({error}); use the file from cifar-10-python.tar.gz in its place"
+        ) from None
     data = batch.get(b"data") if isinstance(batch, dict) else None
     labels = batch.get(b"labels") if isinstance(batch, dict) else None
     if not (isinstance(data, np.ndarray) and data.dtype == np.uint8 and data.ndim == 2 and data.shape[1] == 3072):
-        raise ValueError(f"{path}: not a CIFAR-10 python batch (b'data' is not a uint8 [N, 3072] array)")
+        raise ValueError(f"{path}: not a CIFAR-10 python batch (b'data' is not a uint8 [N, 3072] array); "
+                         "use the file from cifar-10-python.tar.gz in its place")
     if not (isinstance(labels, list) and len(labels) == len(data) and all(type(v) is int for v in labels)):
-        raise ValueError(f"{path}: not a CIFAR-10 python batch (b'labels' is not a list of {len(data)} ints)")
+        raise ValueError(f"{path}: not a CIFAR-10 python batch (b'labels' is not a list of {len(data)} ints); "
+                         "use the file from cifar-10-python.tar.gz in its place")
     return batch
 
 
@@ -488,10 +513,16 @@ def read_cifar10_dir(directory: str | os.PathLike) -> Dataset:
     directory = Path(directory).expanduser()
     base = directory / "cifar-10-batches-py" if (directory / "cifar-10-batches-py").is_dir() else directory
     if not (base / "test_batch").exists():
-        raise FileNotFoundError(f"CIFAR-10 python batches (test_batch, data_batch_*) not found in {str(directory)!r}")
+        raise FileNotFoundError(
+            f"CIFAR-10 python batches (test_batch, data_batch_*) not found in {str(directory)!r}; pass --data-dir "
+            "the folder that cifar-10-python.tar.gz unpacks to (cifar-10-batches-py or its parent)"
+        )
     train = [_unpickle(p) for p in sorted(base.glob("data_batch_*"))]
     if not train:
-        raise FileNotFoundError(f"no data_batch_* files in {str(base)!r}")
+        raise FileNotFoundError(
+            f"no data_batch_* files in {str(base)!r}; copy data_batch_1 ... data_batch_5 "
+            "from cifar-10-python.tar.gz beside test_batch (or pass --data-dir the folder unpacked from it)"
+        )
     test = _unpickle(base / "test_batch")
 
     def arrays(batches: list[dict]) -> tuple[torch.Tensor, torch.Tensor]:
@@ -520,7 +551,10 @@ def stdlib_sources(max_bytes: int = 3_000_000) -> list[bytes]:
         if total >= max_bytes:
             break
     if not out:
-        raise FileNotFoundError(f"no Python sources found under {str(root)!r}")
+        raise FileNotFoundError(
+            f"no Python sources found under {str(root)!r}; run with a Python whose standard library ships its .py "
+            "sources (not a .pyc-only or zipped install), or choose another --task"
+        )
     return out
 
 
@@ -602,7 +636,10 @@ def gcide_text(folder: str | os.PathLike) -> bytes:
     entries = [" ".join(e.split()) for e in re.split(r"\n(?=\S)", text)]  # an entry starts at column 0
     kept = [e for e in entries if e and not e.startswith("00-database") and not e.startswith("00database")]
     if len(kept) < 1000:
-        raise ValueError(f"{root} holds {len(kept)} GCIDE entries, not the dictionary; reinstall dict-gcide")
+        raise ValueError(
+            f"{root} holds {len(kept)} GCIDE entries, not the dictionary; "
+            "reinstall it: apt-get install --reinstall dict-gcide"
+        )
     return "\n".join(kept).encode("ascii")
 
 

@@ -195,12 +195,15 @@ def _decoded_lines(path: Path) -> list[str]:
             data = gzip.decompress(data)
         return data.decode().splitlines()
     except (EOFError, zlib.error, gzip.BadGzipFile) as error:
-        raise ResultsFileError(f"{path}: not a complete gzip file ({error or type(error).__name__}); {_FIX}") from None
+        raise ResultsFileError(
+            f"{path}: not a complete gzip file ({error or type(error).__name__}); "
+            "the file is damaged: delete it or use another --out"
+        ) from None
     except UnicodeDecodeError as error:
-        raise ResultsFileError(f"{path}: not text (byte {error.start} is not UTF-8); {_FIX}") from None
-
-
-_FIX = "the file is damaged: delete it or use another --out"
+        raise ResultsFileError(
+            f"{path}: not text (byte {error.start} is not UTF-8); "
+            "the file is damaged: delete it or use another --out"
+        ) from None
 
 
 def _numbered_rows(path: Path) -> list[tuple[int, dict[str, Any]]]:
@@ -212,14 +215,23 @@ def _numbered_rows(path: Path) -> list[tuple[int, dict[str, Any]]]:
         try:
             row = json.loads(line)
         except RecursionError:  # nested past the interpreter's limit: no result of ours nests more than a few levels
-            raise ResultsFileError(f"{path}: line {number} nests too deeply to be a result; {_FIX}") from None
+            raise ResultsFileError(
+                f"{path}: line {number} nests too deeply to be a result; "
+                "the file is damaged: delete it or use another --out"
+            ) from None
         except json.JSONDecodeError as error:
             if all(not rest.strip() for rest in lines[number:]):
                 log.warning("%s: dropped its torn last line %d (an interrupted append: %s)", path, number, error.msg)
                 break
-            raise ResultsFileError(f"{path}: line {number} is not JSON ({error.msg}); {_FIX}") from None
+            raise ResultsFileError(
+                f"{path}: line {number} is not JSON ({error.msg}); "
+                "the file is damaged: delete it or use another --out"
+            ) from None
         if not isinstance(row, dict):
-            raise ResultsFileError(f"{path}: line {number} is a JSON {type(row).__name__}, not an object; {_FIX}")
+            raise ResultsFileError(
+                f"{path}: line {number} is a JSON {type(row).__name__}, not an object; "
+                "the file is damaged: delete it or use another --out"
+            )
         rows.append((number, row))
     return rows
 
@@ -278,7 +290,7 @@ def read_results(path: str | os.PathLike) -> list[dict[str, Any]]:
     >>> write_text_atomic(path, json.dumps(row) + "\n")
     >>> read_results(path)  # doctest: +ELLIPSIS
     Traceback (most recent call last):
-    adasum.experiments.io.ResultsFileError: .../results.jsonl: line 1 has no 'history' (not a result of ...)
+    adasum.experiments.io.ResultsFileError: .../results.jsonl: line 1 has no 'history' (not a result of ...); pass ...
     >>> folder.cleanup()
     """
     path = Path(path)
@@ -286,9 +298,13 @@ def read_results(path: str | os.PathLike) -> list[dict[str, Any]]:
     for number, row in rows:
         for name, (valid, kind) in RESULT_FIELDS.items():
             if name not in row:
-                raise ResultsFileError(f"{path}: line {number} has no {name!r} (not a result of adasum compare/train)")
+                raise ResultsFileError(
+                    f"{path}: line {number} has no {name!r} (not a result of adasum compare/train); pass a "
+                    "results.jsonl that adasum compare or adasum train wrote"
+                )
             if not valid(row[name]):
                 raise ResultsFileError(
-                    f"{path}: line {number}: {name!r} is {json.dumps(row[name])[:40]}, not {kind}; {_FIX}"
+                    f"{path}: line {number}: {name!r} is {json.dumps(row[name])[:40]}, not {kind}; "
+                    "the file is damaged: delete it or use another --out"
                 )
     return [row for _, row in rows]

@@ -122,7 +122,7 @@ def parse_methods(text: str) -> list[Method]:
     """Methods from a comma-separated list of names, in order, without repeats."""
     names = [n.strip() for n in text.split(",") if n.strip()]
     if not names:
-        raise ValueError("no method given")
+        raise ValueError("no method given; pass one or more method names separated by commas (e.g. adasum,mean)")
     return [get_method(n) for n in dict.fromkeys(names)]
 
 
@@ -139,5 +139,5 @@ def method_reducer(method: Method) -> Reducer:
     except ValueError:
         raise ValueError(
             f"method {method.name!r} needs the {method.reducer!r} reducer, which this installation "
-            "of adasum does not provide yet"
+            "of adasum does not provide yet; choose another method"
         ) from None

@@ -28,7 +28,10 @@ class HorovodCNN(nn.Module):
     def __init__(self, input_shape: tuple[int, ...], classes: int, dropout: float = 0.5) -> None:
         super().__init__()
         if len(input_shape) not in (2, 3):
-            raise ValueError(f"the CNN needs [C, L] or [C, H, W] inputs, got {input_shape}")
+            raise ValueError(
+                f"the CNN needs [C, L] or [C, H, W] inputs, got {input_shape}; leave --model out to use the task's "
+                "default model, or choose one that fits its inputs"
+            )
         one_d = len(input_shape) == 2
         conv = nn.Conv1d if one_d else nn.Conv2d
         self.pool = F.max_pool1d if one_d else F.max_pool2d
@@ -104,7 +107,10 @@ class SmallResNet(nn.Module):
     def __init__(self, input_shape: tuple[int, ...], classes: int, width: int = 16, blocks: int = 1) -> None:
         super().__init__()
         if len(input_shape) != 3:
-            raise ValueError(f"the ResNet needs [C, H, W] inputs, got {input_shape}")
+            raise ValueError(
+                f"the ResNet needs [C, H, W] inputs, got {input_shape}; leave --model out to use the task's "
+                "default model, or choose one that fits its inputs"
+            )
         self.stem = nn.Sequential(
             nn.Conv2d(input_shape[0], width, 3, 1, 1, bias=False), nn.GroupNorm(8, width), nn.ReLU()
         )

@@ -93,19 +93,33 @@ _AXES = MappingProxyType({"method": None, "workers": None, "lr": None, "seed": N
 def check_row(row: Any, where: str) -> None:
     """ValueError, in one line naming `where`, unless `row` has every field of a run and their types."""
     if not isinstance(row, dict):
-        raise ValueError(f"{where}: not a JSON object but {type(row).__name__}")
+        raise ValueError(
+            f"{where}: not a JSON object but {type(row).__name__}; pass results files as adasum compare wrote them"
+        )
     missing = [k for k in _FIELDS if k not in row]
     if missing:
-        raise ValueError(f"{where}: lacks {', '.join(missing)} (not a row of `adasum compare`, or an older one)")
+        raise ValueError(
+            f"{where}: lacks {', '.join(missing)} (not a row of `adasum compare`, or an older one); leave that file "
+            "out, or run the sweep again with this adasum compare"
+        )
     for key, types in _FIELDS.items():
         value = row[key]
         if not isinstance(value, types) or (isinstance(value, bool) and bool not in types):
-            raise ValueError(f"{where}: {key} is {_short(value)}, not {' or '.join(t.__name__ for t in types)}")
+            raise ValueError(
+                f"{where}: {key} is {_short(value)}, not {' or '.join(t.__name__ for t in types)}; "
+                "pass results files as adasum compare wrote them"
+            )
     if not _METHOD_NAME.fullmatch(row["method"]):
-        raise ValueError(f"{where}: method is {_short(row['method'])}, not a method name (letters, digits, _ . + -)")
+        raise ValueError(
+            f"{where}: method is {_short(row['method'])}, not a method name (letters, digits, _ . + -); "
+            "pass results files as adasum compare wrote them"
+        )
     for epoch in row["history"]:
         if not isinstance(epoch, dict) or any(k not in epoch for k in _EPOCH_FIELDS):
-            raise ValueError(f"{where}: an epoch of its history lacks one of {', '.join(_EPOCH_FIELDS)}")
+            raise ValueError(
+                f"{where}: an epoch of its history lacks one of {', '.join(_EPOCH_FIELDS)}; "
+                "pass results files as adasum compare wrote them"
+            )
 
 
 def _short(value: Any) -> str:
@@ -146,13 +160,15 @@ def load_results(paths: Sequence[str | Path]) -> list[Result]:
     for name in paths:
         path = Path(name) / "results.jsonl" if Path(name).is_dir() else Path(name)
         if not path.is_file():
-            raise ValueError(f"no results file {str(path)!r}")
+            raise ValueError(
+                f"no results file {str(path)!r}; pass a results.jsonl or the --out folder of adasum compare"
+            )
         for number, row in enumerate(read_jsonl(path), 1):
             check_row(row, f"{path}: row {number}")
             rows.append(row)
             where.append(f"{path}: row {number}")
     if not rows:
-        raise ValueError("the results files hold no runs")
+        raise ValueError("the results files hold no runs; run adasum compare first, or pass the files it wrote")
     check_one_setting(rows, where)
     for field, most in MOST.items():
         distinct = {row[field] for row in rows}

@@ -290,7 +290,10 @@ class DistributedWorker:
         seed: int = 0,
     ) -> None:
         if combine == "gradient" and (local_steps != 1 or slow_momentum is not None):
-            raise ValueError("local_steps and slow_momentum need combine='delta'")
+            raise ValueError(
+                "local_steps and slow_momentum need combine='delta'; pass combine='delta' (or leave local_steps and "
+                "slow_momentum out)"
+            )
         self.model = model
         self.seed = seed
         self.nonfinite = nonfinite
@@ -545,7 +548,7 @@ class _Run:
         if self.steps_per_epoch == 0:
             raise ValueError(
                 f"{len(self.train_x)} training examples are fewer than one global batch of "
-                f"{self.workers} workers x {config.batch_size}"
+                f"{self.workers} workers x {config.batch_size}; pass a smaller --batch-size or fewer workers"
             )
         self.chance = Chance.of(self.train_y, self.data.val_y, self.data.classes)
         # evaluations inside an epoch for the learning curve: every `eval_every` steps, and at each epoch's end

@@ -55,7 +55,7 @@ class Stat:
         """The statistics of `values` (class doc), the interval clipped to `bounds`."""
         values = [float(v) for v in values]
         if not values:
-            raise ValueError("no values")
+            raise ValueError("no values; pass at least one value")
         n, mean = len(values), sum(values) / len(values)
         half = _t_half_width(_sd(values), n) if n > 1 else 0.0
         return cls(mean, max(bounds[0], mean - half), min(bounds[1], mean + half), min(values), max(values), n)
@@ -103,7 +103,10 @@ class Paired:
     def of(cls, a: Sequence[float], b: Sequence[float], bounds: tuple[float, float] = (-100.0, 100.0)) -> Paired:
         """The paired comparison of `a` and `b` (class doc), the interval clipped to `bounds`."""
         if len(a) != len(b):
-            raise ValueError(f"paired values of unequal length: {len(a)} and {len(b)}")
+            raise ValueError(
+                f"paired values of unequal length: {len(a)} and {len(b)}; pass one value per seed, the same seeds in "
+                "both"
+            )
         d = tuple(float(x) - float(y) for x, y in zip(a, b))
         n = len(d)
         if n == 0:
@@ -157,7 +160,10 @@ def sign_flip_p(differences: Sequence[float]) -> float:
     if n < 2:
         return math.nan
     if n > 20:
-        raise ValueError(f"the exact sign-flip test enumerates 2^n patterns; {n} differences are too many")
+        raise ValueError(
+            f"the exact sign-flip test enumerates 2^n patterns; {n} differences are too many: pass at most "
+            f"{EXACT_UP_TO} (Paired.of gives its t-test alone beyond that)"
+        )
     signs = 1 - 2 * ((np.arange(2**n)[:, None] >> np.arange(n)) & 1)
     sums = np.abs(signs @ d)
     observed = abs(d.sum())
@@ -242,7 +248,10 @@ def failure_p(failed_a: Sequence[bool], failed_b: Sequence[bool]) -> float:
     from scipy import stats
 
     if len(failed_a) != len(failed_b):
-        raise ValueError(f"paired outcomes of unequal length: {len(failed_a)} and {len(failed_b)}")
+        raise ValueError(
+            f"paired outcomes of unequal length: {len(failed_a)} and {len(failed_b)}; pass one outcome per seed, "
+            "the same seeds in both"
+        )
     only_a = sum(1 for a, b in zip(failed_a, failed_b) if a and not b)
     only_b = sum(1 for a, b in zip(failed_a, failed_b) if b and not a)
     if only_a + only_b == 0:

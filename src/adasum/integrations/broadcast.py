@@ -133,7 +133,7 @@ def broadcast_optimizer_state(
     keyword = _root_keyword(operation, root, root_rank, src, group_src)
     if not all(hasattr(optimizer, a) for a in ("param_groups", "state_dict", "load_state_dict")):
         raise TypeError(f"{operation} takes an optimizer (param_groups, state_dict() and load_state_dict()), "
-                        f"got {type(optimizer).__name__}")
+                        f"got {type(optimizer).__name__}; pass the torch optimizer itself")
     params = [p for g in optimizer.param_groups for p in g["params"]]
     with failures_named(operation, "the parameter layout check", group):
         check_same_layout(
@@ -212,7 +212,7 @@ def _tensors(params: Params) -> list[torch.Tensor]:
     operation = "adasum.broadcast_parameters"
     if isinstance(params, torch.nn.Module):
         raise TypeError(f"{operation} takes model.state_dict(), model.parameters() or model.named_parameters(), "
-                        f"not the {type(params).__name__} itself")
+                        f"not the {type(params).__name__} itself; pass one of those")
     if isinstance(params, Mapping):
         out = [params[k] for k in sorted(params)]
     elif isinstance(params, Iterable) and not isinstance(params, torch.Tensor):
@@ -258,15 +258,21 @@ def _check_root(keyword: tuple[str, Any], group: dist.ProcessGroup | None, opera
     spelled = f"{name}={value!r}"
     world = dist.get_world_size(group)
     if isinstance(value, bool) or not isinstance(value, int):
-        raise ValueError(f"{operation}: {spelled} is not a rank of the group (0 to {world - 1})")
+        raise ValueError(
+            f"{operation}: {spelled} is not a rank of the group (0 to {world - 1}); pass {name}= an integer from 0 "
+            f"to {world - 1}"
+        )
     if name == "src":
         members = dist.get_process_group_ranks(group) if group is not None else range(world)
         if value not in members:
             raise ValueError(f"{operation}: src={value} (a global rank) is not in the group, whose ranks are "
-                             f"{list(members)}; group_src= or root= take the rank in the group")
+                             f"{list(members)}; pass src= one of them, or group_src= or root= the rank in the group")
         return dist.get_group_rank(group, value) if group is not None else value
     if not 0 <= value < world:
-        raise ValueError(f"{operation}: {spelled} is not a rank of the group (0 to {world - 1})")
+        raise ValueError(
+            f"{operation}: {spelled} is not a rank of the group (0 to {world - 1}); pass {name}= an integer from 0 "
+            f"to {world - 1}"
+        )
     return value
 
 

@@ -90,7 +90,7 @@ def communication_dtype(value: Any, operation: str, option: str = "communication
     (torch.bfloat16, torch.float16)
     >>> communication_dtype("int8", "adasum.SlowMo")
     Traceback (most recent call last):
-    ValueError: adasum.SlowMo: communication_dtype must be None, a torch dtype or one of [...], got 'int8'
+    ValueError: adasum.SlowMo: communication_dtype must be None, a torch dtype or one of [...], got 'int8'; pass ...
     """
     if value is None:
         return None
@@ -100,7 +100,10 @@ def communication_dtype(value: Any, operation: str, option: str = "communication
     choices = sorted(NAMES)
     if isinstance(value, str):
         if value.lower() not in NAMES:
-            raise ValueError(f"{operation}: {option} must be None, a torch dtype or one of {choices}, got {value!r}")
+            raise ValueError(
+                f"{operation}: {option} must be None, a torch dtype or one of {choices}, got {value!r}; pass one of "
+                "them (None: full precision)"
+            )
         return NAMES[value.lower()]
     if isinstance(value, torch.dtype):
         allowed = {d for d in NAMES.values() if d is not None}
@@ -109,11 +112,14 @@ def communication_dtype(value: Any, operation: str, option: str = "communication
         if value not in allowed:
             raise ValueError(
                 f"{operation}: {option} {value} is not one of the communication dtypes "
-                f"{sorted(str(d) for d in allowed)}"
+                f"{sorted(str(d) for d in allowed)}; pass one of them (None: full precision)"
             )
         return value
     kind = type(value).__name__
-    raise TypeError(f"{operation}: {option} must be None, a torch dtype or one of {choices}, got {kind}")
+    raise TypeError(
+        f"{operation}: {option} must be None, a torch dtype or one of {choices}, got {kind}; pass one of them "
+        "(None: full precision)"
+    )
 
 
 def quantize(values: torch.Tensor, dtype: torch.dtype, scale: torch.Tensor | None = None) -> torch.Tensor:

@@ -144,7 +144,7 @@ class AdasumState:
                 )
             reducer = Adasum(hierarchical=hierarchical, local_size=local_size)
         elif local_size is not None:
-            raise ValueError("local_size needs hierarchical=True")
+            raise ValueError("local_size needs hierarchical=True; pass hierarchical=True too, or drop local_size")
         self.group = group
         self.reducer = get_reducer(reducer)
         self.iteration = 0
@@ -263,14 +263,20 @@ def bucket_sizes(bucket: dist.GradBucket) -> list[int]:
     """
     buffer = bucket.buffer()
     if buffer.is_sparse:
-        raise TypeError("adasum_hook does not support sparse gradients")
+        raise TypeError(
+            "adasum_hook does not support sparse gradients; build the model's embeddings dense "
+            "(nn.Embedding(..., sparse=False)) or leave the hook off"
+        )
     base, storage = int(buffer.storage_offset()), buffer.untyped_storage().data_ptr()
     sizes: list[int] = []
     position = 0
     for grad in bucket.gradients():
         start = int(grad.storage_offset()) - base
         if grad.untyped_storage().data_ptr() != storage or start < position:
-            raise RuntimeError("a bucket's gradients are not consecutive views of its buffer")
+            raise RuntimeError(
+                "a bucket's gradients are not consecutive views of its buffer (DDP's bucket layout): internal error; "
+                "please report it with your torch version"
+            )
         if start > position:
             sizes.append(start - position)
         sizes.append(grad.numel())

@@ -135,7 +135,10 @@ def _param_group(module: nn.Module) -> Any:
             raise RuntimeError(_MISSING.format(what="FSDPState._fsdp_param_groups", version=torch.__version__))
         groups = [g for g in (state._fsdp_param_group,) if g is not None]
     if len(groups) > 1:
-        raise ValueError("adasum.fsdp supports one parameter group per fully_shard unit (no per-parameter meshes)")
+        raise ValueError(
+            "adasum.fsdp supports one parameter group per fully_shard unit (no per-parameter meshes); apply "
+            "fully_shard(..., mesh=mesh['shard']) with one mesh for all of a unit's parameters"
+        )
     return groups[0] if groups else None
 
 
@@ -246,7 +249,10 @@ def mesh_groups(mesh: Any) -> Topology:
             "init_device_mesh(device, (replicas, shards), mesh_dim_names=('replicate', 'shard'))"
         )
     if mesh.ndim != 2 or set(names) != set(DIMS):
-        raise ValueError(f"adasum.fsdp.enable needs a 2-D DeviceMesh with dims {DIMS}, got dims {names}")
+        raise ValueError(
+            f"adasum.fsdp.enable needs a 2-D DeviceMesh with dims {DIMS}, got dims {names}; build it with "
+            "init_device_mesh(device, (replicas, shards), mesh_dim_names=('replicate', 'shard'))"
+        )
     ranks = mesh.mesh.permute(names.index("replicate"), names.index("shard"))  # [replicas, shards] global ranks
     replicas, shards = ranks.shape
     everyone = sorted(int(r) for r in ranks.reshape(-1).tolist())
@@ -375,7 +381,8 @@ class FSDPState:
             if self._agreed.get(key) != unit_layout(view, include_unused) or not fits:
                 raise RuntimeError(
                     f"adasum.fsdp: unit {key!r}'s gradient layout changed between the forward and its reduction, "
-                    "or its buffer is not the layout FSDP's state describes"
+                    "or its buffer is not the layout FSDP's state describes; leave the unit's parameters as they are "
+                    "between its forward and backward (if they were, please report it with your torch version)"
                 )
         else:
             self._agree_buffer(key, buffer, sizes, fits)
@@ -403,7 +410,7 @@ class FSDPState:
         if not view.all_reduce:
             raise ValueError(
                 f"adasum.fsdp: set_requires_all_reduce(False) on unit {key!r} is not supported (FSDP would add the "
-                "next step's combined gradient to this step's uncombined one); accumulate with "
+                "next step's combined gradient to this step's uncombined one); to accumulate, call "
                 "set_requires_gradient_sync(False) instead"
             )
         if view.post_divides and not self.reducer.homogeneous:
@@ -456,11 +463,14 @@ def _check_sharding(model: nn.Module, mesh: Any, groups: Topology) -> None:
         if p.device_mesh.ndim != 1:
             raise ValueError(
                 f"parameter {name!r} is on a {p.device_mesh.ndim}-D mesh: native HSDP (fully_shard(mesh=mesh)) "
-                "averages across replicas in a hard-coded all-reduce that a hook cannot replace. Shard with "
-                "fully_shard(..., mesh=mesh['shard']) and let adasum.fsdp combine the replicas"
+                "averages across replicas in a hard-coded all-reduce that a hook cannot replace. Apply "
+                "fully_shard(..., mesh=mesh['shard']) instead and let adasum.fsdp combine the replicas"
             )
         if sorted(int(r) for r in p.device_mesh.mesh.reshape(-1).tolist()) != shard_ranks:
-            raise ValueError(f"parameter {name!r} is sharded on another mesh than mesh['shard']")
+            raise ValueError(
+                f"parameter {name!r} is sharded on another mesh than mesh['shard']; apply "
+                "fully_shard(..., mesh=mesh['shard']) with the mesh given to adasum.fsdp.enable"
+            )
 
 
 def enable(
@@ -509,7 +519,7 @@ def enable(
     if not hasattr(FSDPModule, "set_all_reduce_hook"):
         raise RuntimeError(
             f"adasum.fsdp needs FSDPModule.set_all_reduce_hook, which torch {torch.__version__} does not have "
-            "(torch >= 2.7)"
+            "(torch >= 2.7); install a newer torch (pip install 'torch>=2.7')"
         )
     units = _units(model)
     enabled = [name for name, unit in units if hasattr(unit, ENABLED)]

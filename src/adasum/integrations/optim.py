@@ -176,7 +176,9 @@ def names_by_parameter(named_parameters: Iterable[tuple[str, torch.Tensor]] | No
             )
         name, param = item
         if name in seen:
-            raise ValueError(f"named_parameters names {name!r} twice")
+            raise ValueError(
+                f"named_parameters names {name!r} twice; pass each name once, as model.named_parameters() gives them"
+            )
         seen.add(name)
         out.setdefault(id(param), name)
     return out
@@ -244,7 +246,10 @@ def check_wrappable(optimizer: object, operation: str) -> None:
             "(its .optimizer)"
         )
     if not isinstance(optimizer, torch.optim.Optimizer):
-        raise TypeError(f"{operation} wraps a torch.optim.Optimizer, got {type(optimizer).__name__}")
+        raise TypeError(
+            f"{operation} wraps a torch.optim.Optimizer, got {type(optimizer).__name__}; pass a torch optimizer, "
+            "such as torch.optim.SGD(model.parameters(), lr=0.1)"
+        )
     check_not_sharded((p for g in optimizer.param_groups for p in g["params"]), operation)
 
 
@@ -353,7 +358,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
         check_count(operation, "backward_passes_per_step", backward_passes_per_step)
         check_count(operation, "local_steps", local_steps)
         if mode == "gradient" and local_steps != 1:
-            raise ValueError(f"{operation}: local_steps > 1 needs mode='delta'")
+            raise ValueError(f"{operation}: local_steps > 1 needs mode='delta'; pass mode='delta' or local_steps=1")
         wire = communication_dtype(compression, operation, "compression")
         if mode == "gradient" and wire is not None:
             raise ValueError(
@@ -367,7 +372,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
         if grad_scaler is not None and not isinstance(grad_scaler, torch.amp.GradScaler):
             raise TypeError(
                 f"{operation}: grad_scaler must be a torch.amp.GradScaler (the scaler whose step() drives this "
-                f"optimizer) or None, got {type(grad_scaler).__name__}"
+                f"optimizer) or None, got {type(grad_scaler).__name__}; pass that scaler or leave grad_scaler= out"
             )
         if not dist.is_initialized():
             raise not_initialised(operation)
@@ -440,7 +445,10 @@ class DistributedOptimizer(torch.optim.Optimizer):
         parameters (shapes, dtypes, values), checked as at construction (with ``check=True``); on
         a difference every rank raises ValueError naming it and the group is not added."""
         if self._round_step:
-            raise RuntimeError("add_param_group in the middle of a round of local steps")
+            raise RuntimeError(
+                "add_param_group in the middle of a round of local steps; call it at a round's boundary (after the "
+                "step() that ends the round, every local_steps steps)"
+            )
         self.optimizer.add_param_group(param_group)
         if self.check:
             added = self.optimizer.param_groups[-1]
@@ -579,7 +587,8 @@ class DistributedOptimizer(torch.optim.Optimizer):
         if not all(given):
             raise ValueError(
                 f"adasum.DistributedOptimizer.step: the closure returned a loss on ranks "
-                f"{[r for r, g in enumerate(given) if g]} and None on the others; return the loss on every rank"
+                f"{[r for r, g in enumerate(given) if g]} and None on the others; make the closure return the loss "
+                "on every rank"
             )
         total = 0.0
         for t in everyone:
@@ -762,7 +771,8 @@ class DistributedOptimizer(torch.optim.Optimizer):
                 raise ValueError(
                     f"{operation}: the gradient of parameter {self._label(i)} is {dtype} of shape {list(shape)} on "
                     f"{device} on rank 0 but {other_dtype} of shape {list(other_shape)} on {other_device} on rank "
-                    f"{rank}; convert the model the same way on every rank (model.double() or model.to() on all)"
+                    f"{rank}; convert the model the same way on every rank (call model.double() or model.to() on "
+                    "all)"
                 )
         return tuple(i for i in range(len(params)) if any(theirs[i][2] for theirs, _ in everyone))
 
@@ -889,7 +899,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
             raise ValueError(
                 f"{operation}: the state was saved after {state_dict['passes']} of {self.backward_passes_per_step} "
                 f"backward passes on {saved_world} ranks; a resized job ({world} ranks) cannot take the gradients "
-                "accumulated toward that step: resume from a state saved at a step boundary"
+                "accumulated toward that step: load a state saved at a step boundary"
             )
         self.optimizer.load_state_dict(state_dict["optimizer"])
         self.skipped_steps = int(state_dict.get("skipped_steps", 0))

@@ -139,9 +139,15 @@ def _check_streaming(
     if outer is None:
         raise ValueError(f"{operation}: fragments, delay and mixing are Streaming DiLoCo's: give outer_optimizer too")
     if fragments > local_steps:
-        raise ValueError(f"{operation}: fragments={fragments} needs local_steps >= fragments, got {local_steps}")
+        raise ValueError(
+            f"{operation}: fragments={fragments} needs local_steps >= fragments, got {local_steps}; "
+            "pass fewer fragments or more local_steps"
+        )
     if delay >= local_steps:
-        raise ValueError(f"{operation}: delay={delay} must be below local_steps={local_steps}")
+        raise ValueError(
+            f"{operation}: delay={delay} must be below local_steps={local_steps}; pass a delay from 0 to "
+            f"{local_steps - 1}"
+        )
     if buffers == "average" or module is not None or nonfinite == "skip":
         raise ValueError(
             f"{operation}: streaming fragments combine in the background; buffers='average', module= and "
@@ -277,12 +283,14 @@ class SlowMo:
         check_option("buffers", buffers, Buffers)
         check_flag(operation, "check", check)
         if module is not None and not isinstance(module, torch.nn.Module):
-            raise TypeError(f"module must be a torch.nn.Module, got {type(module).__name__}")
+            raise TypeError(
+                f"module must be a torch.nn.Module, got {type(module).__name__}; pass the model or leave module= out"
+            )
         if outer_optimizer is not None and not callable(outer_optimizer):
             raise TypeError(
-                f"{operation}: outer_optimizer must be a factory of a torch optimizer (params -> Optimizer), such as "
-                "adasum.diloco_outer() or functools.partial(torch.optim.SGD, lr=0.7), got "
-                f"{type(outer_optimizer).__name__}"
+                f"{operation}: outer_optimizer must be a factory of a torch optimizer (params -> Optimizer), got "
+                f"{type(outer_optimizer).__name__}; pass one such as adasum.diloco_outer() or "
+                "functools.partial(torch.optim.SGD, lr=0.7)"
             )
         if outer_optimizer is not None and (slow_lr != 1.0 or slow_momentum != 0.0):
             raise ValueError(
@@ -298,7 +306,10 @@ class SlowMo:
         compress = _communication_dtype(communication_dtype, operation)
         check_flag(operation, "error_feedback", error_feedback)
         if error_feedback and compress is None:
-            raise ValueError(f"{operation}: error_feedback=True needs a communication_dtype (bf16, fp16 or fp8)")
+            raise ValueError(
+                f"{operation}: error_feedback=True needs a communication_dtype (bf16, fp16 or fp8); pass "
+                "communication_dtype= too, or drop error_feedback"
+            )
         self.communication_dtype = compress
         self.error_feedback = error_feedback
         self.optimizer = optimizer
@@ -313,7 +324,10 @@ class SlowMo:
         self.skipped_steps = 0  # steps whose sync was skipped (the round discarded) under nonfinite="skip"
         self._params = [p for g in optimizer.param_groups for p in g["params"]]
         if len({id(p) for p in self._params}) != len(self._params):
-            raise ValueError("a parameter appears more than once in the optimizer's param_groups")
+            raise ValueError(
+                "a parameter appears more than once in the optimizer's param_groups; build the optimizer with each "
+                "parameter in one group, once"
+            )
         if check and _world_size(group) > 1:
             with torch.no_grad():
                 check_same_parameters(self._params, group, optimizer_param_names(optimizer), operation="adasum.SlowMo")
@@ -340,7 +354,7 @@ class SlowMo:
             if not isinstance(self.outer_optimizer, torch.optim.Optimizer):
                 raise TypeError(
                     f"{operation}: outer_optimizer returned {type(self.outer_optimizer).__name__}, not a torch "
-                    "optimizer"
+                    "optimizer; pass a factory that returns a torch.optim.Optimizer, such as adasum.diloco_outer()"
                 )
         self.fragments, self.delay, self.mixing = int(fragments), int(delay), float(mixing)
         self._streaming: Streaming | None = None
@@ -414,7 +428,10 @@ class SlowMo:
             return
         params = [p for g in self.optimizer.param_groups for p in g["params"]]
         if len(params) != len(self._params) or any(p is not q for p, q in zip(params, self._params)):
-            raise ValueError("the optimizer's parameters changed since SlowMo was constructed")
+            raise ValueError(
+                "the optimizer's parameters changed since SlowMo was constructed; build a new SlowMo around the "
+                "optimizer after changing its param_groups"
+            )
         world = _world_size(self.group)
         if world > 1:  # before anything moves: the same dtypes and shapes on every rank (a 24-byte all-reduce)
             self._deltas.check(self._params, "adasum.SlowMo.sync", optimizer_param_names(self.optimizer))
@@ -520,7 +537,8 @@ class SlowMo:
             if anchor.shape != p.shape:
                 raise ValueError(
                     f"adasum.SlowMo.sync: parameter {i} has shape {list(p.shape)}, its anchor {list(anchor.shape)}: "
-                    "a parameter changed shape since SlowMo was constructed"
+                    "a parameter changed shape since SlowMo was constructed; build a new SlowMo after reshaping the "
+                    "model"
                 )
         self._deltas.move(self._params, "adasum.SlowMo.sync")
         self._momentum = [m.to(device=p.device, dtype=p.dtype) for m, p in zip(self._momentum, self._params)]
@@ -623,12 +641,14 @@ class SlowMo:
             saved = state[name]
             if len(saved) != len(self._params):
                 raise ValueError(
-                    f"state has {len(saved)} {name} tensors, the optimizer has {len(self._params)} parameters"
+                    f"state has {len(saved)} {name} tensors, the optimizer has {len(self._params)} parameters; "
+                    "load a state saved by a SlowMo over the same model"
                 )
             for i, (mine, theirs) in enumerate(zip(getattr(self, f"_{name}"), saved)):
                 if mine.shape != theirs.shape:
                     raise ValueError(
-                        f"{name} {i}: state has shape {list(theirs.shape)}, parameter has {list(mine.shape)}"
+                        f"{name} {i}: state has shape {list(theirs.shape)}, parameter has {list(mine.shape)}; "
+                        "load a state saved by a SlowMo over the same model"
                     )
         self.optimizer.load_state_dict(state["optimizer"])
         with torch.no_grad():

@@ -55,9 +55,12 @@ def accumulation_dtype(accumulate: Any = None) -> jnp.dtype:
         return jnp.dtype(jnp.float64 if jax.config.jax_enable_x64 else jnp.float32)  # type: ignore[attr-defined]
     dtype = jnp.dtype(accumulate)
     if dtype not in (jnp.dtype(jnp.float32), jnp.dtype(jnp.float64)):
-        raise ValueError(f"accumulate must be float32 or float64, got {dtype}")
+        raise ValueError(f"accumulate must be float32 or float64, got {dtype}; pass jnp.float32, jnp.float64 or None")
     if dtype == jnp.float64 and not jax.config.jax_enable_x64:  # type: ignore[attr-defined]
-        raise ValueError("accumulate=float64 needs jax.config.update('jax_enable_x64', True)")
+        raise ValueError(
+            "accumulate=float64 needs x64 arrays: call jax.config.update('jax_enable_x64', True) first, or pass "
+            "accumulate=jnp.float32"
+        )
     return dtype
 
 
@@ -84,8 +87,8 @@ def check_leaves(leaves: list[Any], caller: str) -> None:
         dtype = jnp.result_type(leaf)
         if not jnp.issubdtype(dtype, jnp.floating):
             raise TypeError(
-                f"{caller}: leaf {i} has dtype {dtype}; Adasum combines floating-point arrays only "
-                f"(filter integer leaves out, e.g. with optax.masked or eqx.partition)"
+                f"{caller}: leaf {i} has dtype {dtype}; Adasum combines floating-point arrays only: "
+                f"leave integer leaves out (use optax.masked or eqx.partition)"
             )
 
 
@@ -130,7 +133,7 @@ def check_per_device(leaves: list[Any], axis_name: Any, caller: str) -> None:
             raise ValueError(
                 f"{caller}: leaf {i} is the same on every device of axis {same[0]!r} (replicated), so "
                 f"there is nothing to combine. If it is a gradient with respect to replicated parameters, "
-                f"jax.grad inside shard_map has already summed it over the axis: differentiate with "
+                f"jax.grad inside shard_map has already summed it over the axis: use jax.grad with "
                 f"respect to adasum.jax.vary(params, {axis_name!r}) to get each device's own gradient"
             )
 

@@ -140,7 +140,7 @@ def adacons(
     >>> opt = optax.chain(adasum.jax.adacons("data", momentum=0.99), optax.sgd(0.1))
     """
     if not 0.0 <= momentum < 1.0:
-        raise ValueError(f"momentum must be in [0, 1), got {momentum}")
+        raise ValueError(f"momentum must be in [0, 1), got {momentum}; pass momentum= a number in [0, 1), e.g. 0.9")
     check_option("scale", scale, Scale)
     if devices is not None:
         check_count("adasum.jax.adacons", "devices", devices)
@@ -166,13 +166,14 @@ def adacons(
         n = axis_size(axis_name, "adasum.jax.adacons")
         if state.sorted_momentum.shape[-1] != n:
             raise ValueError(f"AdaCons state is for {state.sorted_momentum.shape[-1]} devices, axis "
-                             f"{axis_name!r} has {n}")
+                             f"{axis_name!r} has {n}; call init again inside the mapped function, or build "
+                             f"adacons(..., devices={n}) and call its init")
         segments = len(leaves) if per_leaf else 1
         if state.sorted_momentum.shape[0] != segments:
             raise ValueError(
                 f"adasum.jax.adacons: the state has momentum for {state.sorted_momentum.shape[0]} segments, "
                 f"these updates need {segments} ({'one per leaf' if per_leaf else 'one for the whole tree'}); "
-                f"init the state with the same per_leaf and a tree of the same leaves"
+                f"call init for the state with the same per_leaf and a tree of the same leaves"
             )
         if not leaves:
             return updates, state

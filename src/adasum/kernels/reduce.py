@@ -20,9 +20,9 @@ def combine_weighted(a: torch.Tensor, b: torch.Tensor, workers_a: int, workers_b
         raise TypeError(f"adasum.combine takes two tensors, got {type(a).__name__} and {type(b).__name__}; for "
                         "lists of tensors per worker use adasum.Adasum().reduce([list_a, list_b])")
     if a.shape != b.shape:
-        raise ValueError(f"shapes differ: {tuple(a.shape)} and {tuple(b.shape)}")
+        raise ValueError(f"shapes differ: {tuple(a.shape)} and {tuple(b.shape)}; pass two tensors of one shape")
     if a.dtype != b.dtype:
-        raise TypeError(f"dtypes differ: {a.dtype} and {b.dtype}")
+        raise TypeError(f"dtypes differ: {a.dtype} and {b.dtype}; cast them to one dtype first (b.to(a.dtype))")
     check_floating(a.dtype)
     flat_a, flat_b = a.reshape(-1), b.reshape(-1)
     lengths = [flat_a.numel()]
@@ -58,7 +58,7 @@ def reduce(tensors: Sequence[torch.Tensor]) -> torch.Tensor:
     tensor([1., 3.])
     """
     if len(tensors) == 0:
-        raise ValueError("reduce needs at least one tensor")
+        raise ValueError("reduce needs at least one tensor; pass one tensor per worker")
     for i, t in enumerate(tensors):
         if not isinstance(t, torch.Tensor):
             raise TypeError(
@@ -71,7 +71,7 @@ def reduce(tensors: Sequence[torch.Tensor]) -> torch.Tensor:
         if t.shape != first.shape or t.dtype != first.dtype:
             raise ValueError(
                 f"all tensors need one shape and dtype: {tuple(first.shape)} {first.dtype} "
-                f"vs {tuple(t.shape)} {t.dtype}"
+                f"vs {tuple(t.shape)} {t.dtype}; pass one tensor per worker, all of one shape and dtype"
             )
     stacked = torch.stack([t.reshape(-1) for t in tensors])
     return reduce_stacked(stacked, [first.numel()]).view(first.shape)
@@ -108,7 +108,10 @@ def reduce_stacked(stacked: torch.Tensor, sizes: Sequence[int]) -> torch.Tensor:
     """
     workers, n = stacked.shape
     if sum(sizes) != n:
-        raise ValueError(f"sizes add up to {sum(sizes)} elements, the rows have {n}")
+        raise ValueError(
+            f"sizes add up to {sum(sizes)} elements, the rows have {n}; pass the sizes of the tensors each row holds, "
+            "end to end"
+        )
     tree = Tree(workers)
     sizes = tuple(int(x) for x in sizes)
     rows: list[torch.Tensor] = []

@@ -141,7 +141,10 @@ class SymmetricPool:
         entry = self.buffers.get(key)
         if entry is None or entry[0].numel() < numel:
             if like.device.type == "cuda" and torch.cuda.is_current_stream_capturing():
-                raise RuntimeError("adasum: the symmetric buffer cannot grow during CUDA graph capture")
+                raise RuntimeError(
+                    "adasum: the symmetric buffer cannot grow during CUDA graph capture; run the same call once "
+                    "before capturing it (a warm-up), so that its buffer has its size"
+                )
             most = most if most is not None else 1 << 62
             capacity = max(numel, min(1 << 20, most))
             if entry is not None:
@@ -186,7 +189,10 @@ def pool(group: dist.ProcessGroup | None, backend=None) -> SymmetricPool:
     A group's memory comes from one backend: another one for a group whose pool exists is a ValueError."""
     found = communicator(group).resource(SymmetricPool, lambda: SymmetricPool(group, backend, outgrown=retire_graphs))
     if backend is not None and found.backend is not backend:
-        raise ValueError("this group's symmetric memory comes from another backend (adasum.release() drops it)")
+        raise ValueError(
+            "this group's symmetric memory comes from another backend; call adasum.release() first to drop it, or "
+            "leave backend= out to use the one it has"
+        )
     return found
 
 
@@ -259,7 +265,10 @@ class SymmetricMemory(Transport):
 
     def exchange(self, send, recv, peer):
         """Not supported: the symmetric transport runs power-of-two groups (no fold)."""
-        raise RuntimeError("the symmetric-memory transport runs power-of-two groups only (no fold)")
+        raise RuntimeError(
+            "the symmetric-memory transport runs power-of-two groups only (no fold), and the schedules never ask it "
+            "to fold: internal error; please report"
+        )
 
     def _setup(self, buffer: torch.Tensor | Scattered):
         shared, handle = self._stage(buffer.numel(), buffer)
