@@ -497,10 +497,10 @@ def test_a_captured_graph_of_the_op_replays_the_momentum():
 
 
 def replay_body(rank, world):
-    """Five calls of AdaCons' flat form on the movers through the group's capture point, with a capture stand-in
-    that logs which calls ran eagerly, were captured and were replayed, and replays by running the captured call's
-    function again: the objects of the captured call (its op, its momentum state), not those of the call that
-    replays, as a graph works on the captured call's memory; then another reducer's call on the same buffer."""
+    """Five calls of AdaCons' flat form on the movers through the group's capture point (the whole call: AdaCons is
+    capturable), with a capture stand-in that logs which calls ran eagerly, were captured and were replayed, and
+    replays by running the captured call's function again (on the captured call's buffer, as a graph works on the
+    captured call's memory); then another reducer's call on the same buffer."""
     from adasum.settings import override
     from adasum.transport.communicator import communicator
     from adasum.transport.graphs import Graphs
@@ -558,10 +558,10 @@ def replay_body(rank, world):
 
 @pytest.mark.nccl
 def test_a_repeated_call_on_the_movers_reaches_the_capture_points_replay():
-    """The schedule runs through the group's capture point with one key per (rule and momentum state, layout,
-    mover, buffers): the first call (a new momentum state) and the second (the state kept) run eagerly, the third
-    is captured, the fourth and fifth replay, each result the reference's (the captured call's momentum state is
-    the one the later calls hold); another reducer's call gets a key of its own."""
+    """The whole call runs through the group's capture point (`Communicator.run`) with one key per (entry point and
+    reducer, layout, buffers): the first call (a new momentum state) runs eagerly, the second (the state primed on
+    the device, the same launches) is captured, the third to fifth replay from the fast path, each result the
+    reference's; another reducer's call gets a key of its own."""
     import distributed
 
     if 2 not in distributed.world_sizes(2):
@@ -569,7 +569,7 @@ def test_a_repeated_call_on_the_movers_reaches_the_capture_points_replay():
     for log, other, error in distributed.run(2, replay_body):
         assert error < 1e-12
         if distributed.BACKEND == "gloo":
-            assert log == ["eager", "eager", "capture", "replay", "replay", "replay"], log
+            assert log == ["eager", "capture", "replay", "replay", "replay", "replay"], log
             assert other == []
 
 
