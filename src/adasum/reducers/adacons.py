@@ -298,7 +298,7 @@ class Consensus(CombineOp):
             rows = slice(0, 1)
         elif self.order is not None:
             rows = kept(self.order)[first : first + count]
-        weights = self.reducer._update(kept(self.momentum), rows, dots, sq_norms, mean_sq)
+        weights = self.reducer._update(self.momentum, rows, dots, sq_norms, mean_sq)
         return weights.T.expand(workers, count).contiguous()
 
 
@@ -352,7 +352,7 @@ class AdaCons(Reducer):
     def _momentum(self, key: str, shape: tuple[int, ...], device: torch.device) -> tuple[Momentum, bool]:
         """The key's momentum state (`Momentum`: float64 `shape` ([S, N]) values and [S] flags) on `device`, and
         whether it was made now (no state under the key yet: every row unprimed, so the call takes the first-call
-        rule). A graph being captured keeps the state it reads (`adasum.core.keep.kept`). ValueError, the same on
+        rule). ValueError, the same on
         every rank, where the key's state has another shape and holds momentum (a state of another shape that
         holds none, as `load_state_dict` leaves one it did not have, is made anew: reading its flags waits on the
         host, only here, where a call's layout changed under its key)."""
@@ -369,16 +369,19 @@ class AdaCons(Reducer):
                 torch.zeros(shape, dtype=torch.float64, device=device),
                 torch.zeros(shape[:1], dtype=torch.bool, device=device),
             )
-            return kept(state), True
+            return state, True
         if state.values.device != device:
             state.values, state.primed = state.values.to(device), state.primed.to(device)
-        return kept(state), False
+        return state, False
 
     def _update(self, state: Momentum, rows: slice | torch.Tensor, dots: torch.Tensor, sq_norms: torch.Tensor,
                 mean_sq: torch.Tensor) -> torch.Tensor:
         """Weights [S, N] from summed partials ([S, N], [S, N], [S]) with the momentum of `state`'s rows `rows`
         (the first-call rule where a row is not primed), written back into those rows in place and the rows marked
-        primed: device work only, so a replayed graph updates the state as an eager call does."""
+        primed: device work only, so a replayed graph updates the state as an eager call does. A graph being captured
+        keeps the tensors it reads and writes (`adasum.core.keep.kept`): a state replaced later (loaded with another
+        shape, moved to another device, evicted) never frees memory a graph writes."""
+        kept((state.values, state.primed))
         c, smoothed = consensus(dots, sq_norms, state.values[rows], self.momentum, state.primed[rows])
         if isinstance(rows, slice):
             state.values[rows] = smoothed
@@ -574,7 +577,7 @@ class AdaCons(Reducer):
 
     def state_dict(self) -> dict[str, Any]:
         """The momentum states (CPU float64), keyed by call site, and the settings. A key's state is saved once a
-        call wrote momentum into it (its flags read from the device: this waits for the device, once)."""
+        call wrote momentum into it (its flags are read from the device: this waits for the device)."""
         entries = list(self._states.items())
         held = torch.stack([s.primed.any().cpu() for _, s in entries]).tolist() if entries else []
         return {
