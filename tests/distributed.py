@@ -55,8 +55,8 @@ def _worker(rank, world_size, store_path, backend, timeout_s, env, body, args, r
     # a rank still running at its timeout prints every thread's stack (pytest shows it with -s), then goes on
     faulthandler.dump_traceback_later(timeout_s, exit=False)
     try:
-        if backend == "nccl":
-            torch.cuda.set_device(device_for(rank))
+        if backend == "nccl":  # its own GPU, also where the suite's backend is gloo (a test asks for NCCL)
+            torch.cuda.set_device(torch.device("cuda", rank % torch.cuda.device_count()))
         store = dist.FileStore(store_path, world_size)
         dist.init_process_group(
             backend, store=store, rank=rank, world_size=world_size, timeout=timedelta(seconds=timeout_s)

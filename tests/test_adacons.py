@@ -1,6 +1,7 @@
 """AdaCons's coefficient math and single-process form, against the independent NumPy reference of
 `reference_adacons.py`. The distributed form is checked against this one in test_reducers.py."""
 
+import contextlib
 import os
 import subprocess
 import sys
@@ -189,6 +190,84 @@ def test_state_dict_round_trip_continues_identically():
         assert all(torch.equal(x, y) for x, y in zip(resumed.reduce(d), expected))
     with pytest.raises(ValueError, match="momentum"):
         adasum.AdaCons(momentum=0.1).load_state_dict(first.state_dict())
+
+
+def test_sort_momentum_takes_the_first_call_rule_where_a_row_is_not_primed():
+    """The first call's rule as a device flag per row (`primed`): a primed row blends its state, an unprimed one
+    takes ``sort(a)`` as with no state at all, bit for bit, whatever the state holds (the same launches either
+    way, so a CUDA graph replays both)."""
+    a = [[5.0, 1.0, 3.0, 4.0], [0.5, 7.0, -1.0, 2.0]]
+    state = [[1.0, 2.0, 3.0, 4.0], [float("nan"), 9.0, 9.0, 9.0]]  # the unprimed row's state is never read
+    got, new = adacons.sort_momentum(torch.tensor(a, dtype=torch.float64), torch.tensor(state, dtype=torch.float64),
+                                     0.6, torch.tensor([True, False]))
+    want_0, state_0 = smooth_sorted(a[0], state[0], 0.6)
+    want_1, state_1 = smooth_sorted(a[1], None, 0.6)
+    assert np.allclose(got[0].numpy(), want_0, rtol=1e-15, atol=0) and np.allclose(new[0].numpy(), state_0)
+    assert got[1].tolist() == want_1 and new[1].tolist() == state_1
+    alone, alone_state = adacons.sort_momentum(torch.tensor(a[1:], dtype=torch.float64), None, 0.6)
+    assert torch.equal(got[1:], alone) and torch.equal(new[1:], alone_state)
+
+
+def test_load_state_dict_copies_into_the_live_state_and_keeps_the_first_call_rule():
+    """`load_state_dict` writes into the tensors the reducer holds (what a captured CUDA graph of its calls reads):
+    the same objects afterwards, with the loaded values, and the calls continue as the state's owner's, bit for bit;
+    a key the loaded state lacks keeps its tensors, unprimed, so its next call is a first call (a fresh reducer's,
+    and the NumPy reference's), and it may then change its number of workers; pickling keeps all of it."""
+    import pickle
+
+    shapes, cpu = [(5,), (2, 3)], torch.device("cpu")
+    data = [random_workers(40 + s, 3, shapes) for s in range(8)]
+    key = adacons.layout_key([(torch.float64, 5), (torch.float64, 6)], True)
+
+    def held(reducer, workers=3):  # the key's live state, as the movers' combine op reads it
+        op = adacons.Consensus(reducer, key, 2, workers, cpu)
+        return op.state, op.momentum.primed
+
+    live, owner = (adasum.AdaCons(momentum=0.7, per_tensor=True) for _ in range(2))
+    for d in data[:2]:
+        live.reduce(d)
+    for d in data[2:5]:
+        owner.reduce(d)
+    values, primed = held(live)
+    live.load_state_dict(owner.state_dict())
+    assert held(live)[0] is values and held(live)[1] is primed and bool(primed.all())
+    assert torch.equal(values, owner.state_dict()["states"][key])
+    assert all(torch.equal(x, y) for x, y in zip(live.reduce(data[5]), owner.reduce(data[5])))
+    resumed = pickle.loads(pickle.dumps(live))
+    assert all(torch.equal(x, y) for x, y in zip(resumed.reduce(data[6]), owner.reduce(data[6])))
+
+    live.load_state_dict({**live.state_dict(), "states": {}})  # what an elastic restart loads (docs/faults.md)
+    assert live.state_dict()["states"] == {}
+    assert held(live)[0] is values and not bool(primed.any())
+    fresh, reference = adasum.AdaCons(momentum=0.7, per_tensor=True), AdaConsReference(0.7, True)
+    for d in data[:3]:
+        got = live.reduce(d)
+        assert all(torch.equal(x, y) for x, y in zip(got, fresh.reduce(d)))
+        want = reference([[t.numpy() for t in w] for w in d])
+        assert all(np.allclose(x.numpy(), e, rtol=1e-12, atol=1e-14) for x, e in zip(got, want))
+    live.load_state_dict({**live.state_dict(), "states": {}})
+    four = [random_workers(60, 4, shapes)[j] for j in range(4)]
+    assert all(torch.equal(x, y) for x, y in zip(live.reduce(four),
+                                                 adasum.AdaCons(momentum=0.7, per_tensor=True).reduce(four)))
+    with pytest.raises(ValueError, match="number of workers"):  # now the key holds momentum of 4 workers
+        live.reduce(data[0])
+
+
+def test_an_earlier_pickle_with_a_tensor_per_key_loads():
+    """A reducer pickled when a state was one tensor per key loads with every row of each primed."""
+    from adasum.transport.caches import Released
+
+    data = [random_workers(70 + s, 2, [(4,)]) for s in range(3)]
+    reducer = adasum.AdaCons(momentum=0.5)
+    reducer.reduce(data[0])
+    states: Released = Released()
+    states.update(reducer.state_dict()["states"])
+    old = adasum.AdaCons.__new__(adasum.AdaCons)
+    old.__setstate__({"momentum": 0.5, "per_tensor": False, "scale": "mean_norm", "_states": states})
+    got, want = old.state_dict()["states"], reducer.state_dict()["states"]
+    assert list(got) == list(want) and all(torch.equal(got[k], want[k]) for k in want)
+    for d in data[1:]:
+        assert all(torch.equal(x, y) for x, y in zip(old.reduce(d), reducer.reduce(d)))
 
 
 def test_bad_input_and_names():
@@ -497,10 +576,10 @@ def test_a_captured_graph_of_the_op_replays_the_momentum():
 
 
 def replay_body(rank, world):
-    """Five calls of AdaCons' flat form on the movers through the group's capture point, with a capture stand-in
-    that logs which calls ran eagerly, were captured and were replayed, and replays by running the captured call's
-    function again: the objects of the captured call (its op, its momentum state), not those of the call that
-    replays, as a graph works on the captured call's memory; then another reducer's call on the same buffer."""
+    """Five calls of AdaCons' flat form on the movers through the group's capture point (the whole call: AdaCons is
+    capturable), with a capture stand-in that logs which calls ran eagerly, were captured and were replayed, and
+    replays by running the captured call's function again (on the captured call's buffer, as a graph works on the
+    captured call's memory); then another reducer's call on the same buffer."""
     from adasum.settings import override
     from adasum.transport.communicator import communicator
     from adasum.transport.graphs import Graphs
@@ -558,10 +637,10 @@ def replay_body(rank, world):
 
 @pytest.mark.nccl
 def test_a_repeated_call_on_the_movers_reaches_the_capture_points_replay():
-    """The schedule runs through the group's capture point with one key per (rule and momentum state, layout,
-    mover, buffers): the first call (a new momentum state) and the second (the state kept) run eagerly, the third
-    is captured, the fourth and fifth replay, each result the reference's (the captured call's momentum state is
-    the one the later calls hold); another reducer's call gets a key of its own."""
+    """The whole call runs through the group's capture point (`Communicator.run`) with one key per (entry point and
+    reducer, layout, buffers): the first call (a new momentum state) runs eagerly, the second (the state primed on
+    the device, the same launches) is captured, the third to fifth replay from the fast path, each result the
+    reference's; another reducer's call gets a key of its own."""
     import distributed
 
     if 2 not in distributed.world_sizes(2):
@@ -569,8 +648,127 @@ def test_a_repeated_call_on_the_movers_reaches_the_capture_points_replay():
     for log, other, error in distributed.run(2, replay_body):
         assert error < 1e-12
         if distributed.BACKEND == "gloo":
-            assert log == ["eager", "eager", "capture", "replay", "replay", "replay"], log
+            assert log == ["eager", "capture", "replay", "replay", "replay", "replay"], log
             assert other == []
+
+
+def no_host_tensors_body(rank, world):
+    """Each form (a list of two dtypes, a flat buffer) on both roads (the movers, the two all-reduces) and both
+    granularities: the first call of a layout, then a second one with `torch.tensor` refusing to run, the
+    host-to-device copy that a CUDA graph cannot capture (the index tensors come from the reducer's cache); the
+    results against the NumPy reference."""
+    from unittest import mock
+
+    from adasum.settings import override
+
+    sizes = [5, 0, 17, 3, 40]
+    errors = []
+    for first in ("slices", ""):
+        for per_tensor in (False, True):
+            reducer, reference = adasum.AdaCons(momentum=0.9, per_tensor=per_tensor), None
+            reference = AdaConsReference(0.9, per_tensor, "mean_norm")
+            with override(transport_first=first):
+                for step in range(2):
+                    g = torch.Generator().manual_seed(10 * step + world)
+                    per_worker = [[torch.randn(n, generator=g, dtype=torch.float64) * (1 + j) for n in sizes[:3]]
+                                  + [torch.randn(4, generator=g)] for j in range(world)]
+                    tensors = [t.clone() for t in per_worker[rank]]
+                    refuse = mock.patch.object(torch, "tensor", side_effect=AssertionError("torch.tensor called"))
+                    with refuse if step else contextlib.nullcontext():
+                        reducer.all_reduce(tensors, check_layout=False)
+                    want = reference([[t.numpy() for t in w] for w in per_worker])
+                    got = np.concatenate([t.numpy().reshape(-1) for t in tensors])
+                    ref = np.concatenate([e.reshape(-1) for e in want])
+                    errors.append(float(np.linalg.norm(got - ref) / np.linalg.norm(ref)))
+    return max(errors)
+
+
+def test_a_repeated_call_builds_no_tensor_on_the_host():
+    import distributed
+
+    errors = distributed.run(2, no_host_tensors_body)
+    assert all(error < 1e-6 for error in errors), errors  # one float32 tensor among float64 ones
+
+
+def cuda_graph_body(rank, world, per_tensor):
+    """On one GPU (a group of one rank, NCCL): a list of two dtypes and a flat buffer, each combined six times by one
+    reducer through its CUDA graphs (captured on the second call, replayed after) and by another with graphs off,
+    both inside the owners' statistics (`StepStatistics`); after the third step both load the same altered state
+    (copied into the live tensors), after the fifth an empty one (every row unprimed: a first call again). Returns
+    per step whether results and states are bitwise equal, how often the captured reducer's Python ran, the graphs
+    alive and both summaries."""
+    from unittest import mock
+
+    from adasum.core.statistics import StepStatistics
+    from adasum.settings import override
+    from adasum.transport.communicator import communicator
+
+    device = torch.device("cuda", torch.cuda.current_device())
+    sizes = [5, 0, 17, 3, 40]
+    captured, eager = (adasum.AdaCons(momentum=0.9, per_tensor=per_tensor) for _ in range(2))
+    ran = []  # the captured reducer's Python runs of the weights (one per call on one rank)
+    python = adacons.consensus
+
+    def counted(*args, **kwargs):
+        ran.append(1)
+        return python(*args, **kwargs)
+
+    statistics = {"captured": StepStatistics(), "eager": StepStatistics()}
+    flat = torch.empty(sum(sizes), device=device)
+    listed = [torch.empty(5, device=device), torch.empty(3, 4, dtype=torch.float64, device=device),
+              torch.empty(7, device=device)]
+    steps = []
+    for step in range(6):
+        g = torch.Generator().manual_seed(step)
+        values = [torch.randn(sum(sizes), generator=g) * (1 + step)] + [
+            torch.randn(t.shape, generator=g, dtype=t.dtype) + step for t in listed]
+        flat.copy_(values[0])
+        for t, v in zip(listed, values[1:]):
+            t.copy_(v)
+        with mock.patch.object(adacons, "consensus", counted):  # the eager reducer's calls are not counted
+            with statistics["captured"].call("flat", device):
+                captured.all_reduce_flat(flat, sizes)
+            with statistics["captured"].call("list", device):
+                captured.all_reduce(listed)
+        statistics["captured"].finish_step()
+        with override(cuda_graphs=False):
+            other_flat, other_list = values[0].to(device), [v.to(device) for v in values[1:]]
+            with statistics["eager"].call("flat", device):
+                eager.all_reduce_flat(other_flat, sizes)
+            with statistics["eager"].call("list", device):
+                eager.all_reduce(other_list)
+            statistics["eager"].finish_step()
+        torch.cuda.synchronize()
+        mine, theirs = captured.state_dict()["states"], eager.state_dict()["states"]
+        steps.append(torch.equal(flat, other_flat) and all(map(torch.equal, listed, other_list))
+                     and list(mine) == list(theirs) and all(torch.equal(mine[k], theirs[k]) for k in mine))
+        if step == 2:
+            state = eager.state_dict()
+            state = {**state, "states": {k: v * 0.5 + 1 for k, v in state["states"].items()}}
+            captured.load_state_dict(state)
+            eager.load_state_dict(state)
+        if step == 4:
+            captured.load_state_dict({**captured.state_dict(), "states": {}})
+            eager.load_state_dict({**eager.state_dict(), "states": {}})
+    summaries = {name: s.summary() for name, s in statistics.items()}
+    return steps, len(ran), communicator().graphs.count(), summaries
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU: CUDA graphs capture CUDA work only")
+@pytest.mark.parametrize("per_tensor", [False, True])
+def test_a_captured_call_replays_as_eager_calls_do_through_state_loads(per_tensor):
+    """AdaCons is capturable: on one GPU each form's repeated call is captured once and replayed (its Python ran
+    twice: the first call, eager, and the capture), and every step's results and momentum states equal, bit for
+    bit, those of calls with graphs off, also after a state is loaded into the live tensors and after an empty
+    one (the first-call rule, on the device, under replay); the consensus weights the owners' statistics read
+    from the replayed graphs are the eager calls' (1 for one worker)."""
+    import distributed
+
+    ((steps, ran, graphs, summaries),) = distributed.run(1, cuda_graph_body, per_tensor, backend="nccl")
+    assert steps == [True] * 6, steps
+    assert ran == 4 and graphs >= 2, (ran, graphs)  # two forms: each eager once, captured once
+    assert summaries["captured"] == summaries["eager"], summaries
+    assert summaries["captured"]["consensus_weight_min"] == summaries["captured"]["consensus_weight_max"] == 1.0
 
 
 class _Recording(RecordingMover):

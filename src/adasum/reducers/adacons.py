@@ -40,12 +40,23 @@ and one pass writes its slice of ``sum_i w_i g_i`` (float64, rounded once to the
 every rank: the bytes of one all-reduce for a call of one buffer that fits one round. Whole-model weights over
 several rounds or several dtypes take two sweeps (the Gram sums round by round, then the weighted sums: 3/4 of the
 two all-reduces' bytes); per-tensor weights run round by round as Adasum does. The sharded form adds the Gram
-sums up over the shard group first. On a GPU the schedule runs through the group's capture point, and the
-momentum state, updated in place, advances under a replayed graph. Elsewhere (gloo's default): two all-reduces of
+sums up over the shard group first. Elsewhere (gloo's default): two all-reduces of
 the gradient buffer (one flat buffer per dtype each, never one per tensor) and one all-gather of ``3 x S`` float64
 values per rank (S = 1 whole-model, S = number of tensors per-tensor), with dot products and norms accumulated in
 float64 and the scaled gradient computed in float32 or float64 (the wider of the tensor's dtype and float32) and
 written back in the tensor's dtype before the second all-reduce.
+
+CUDA graphs. AdaCons is `capturable`: a call, on either road, is device work only, so on a GPU each entry point's
+plan captures the whole call in a CUDA graph on its second sight and replays it from then on
+(`adasum.transport.communicator.Communicator.run`), as Adasum's calls are. What makes a call the same launches every
+time: the momentum state is a `Momentum` of device tensors read and written in place, whose first-call rule is a
+device-side flag per segment (``torch.where``, not a host branch); the index tensors a call reads (the call order of
+the tensors, the segment counts) are made once per layout and device (`adasum.transport.caches.DeviceIndices`,
+emptied by `adasum.release()`); nothing reads a device value on the host. `load_state_dict` copies into the live
+state (a replayed graph reads what was loaded). The statistics (`adasum.core.statistics`) record a reference to the
+consensus weights the call computes: a replay rewrites that tensor, so the records of the key's captured call (the
+DDP hook's and the optimizers' `StepStatistics`) read the replay's weights when they are summarized; a replay
+inside a plain `recording` block records nothing, as for Adasum.
 
 Momentum state is kept per call site: one float64 ``[S, N]`` tensor per *layout key*, by default a
 digest of the call's tensor dtypes and element counts in order (``key=`` overrides it). So the
@@ -53,7 +64,8 @@ buckets of a DDP model, which differ in layout, each keep their own momentum; tw
 same layout (identical buckets, or one object used for gradients and for model deltas of the same
 parameters) share one state, updated once per call. Use one AdaCons object per purpose, or pass
 `key`. The states travel in `state_dict()`. An object keeps the states of its last 512 keys
-(`adasum.transport.caches.MOST`; a key that comes back after that starts afresh, as a first call),
+(`adasum.transport.caches.MOST`; a key that comes back after that starts afresh, as a first call, while a graph
+captured on the evicted state keeps it and goes on replaying it),
 and `adasum.release()` (so ``destroy_process_group``) empties them: they belong to the group they were
 made on (one entry per rank); take `state_dict()` before.
 """
@@ -63,6 +75,7 @@ from __future__ import annotations
 import hashlib
 from collections.abc import Sequence
 from contextlib import ExitStack
+from dataclasses import dataclass
 from typing import Any, cast
 
 import torch
@@ -80,8 +93,7 @@ from adasum.kernels import dot_and_norms
 from adasum.options import Scale, check_number, check_option
 from adasum.reducers.base import Reducer, check_state_keys, check_workers, is_float8, widened
 from adasum.settings import current
-from adasum.transport.caches import Released
-from adasum.transport.communicator import communicator
+from adasum.transport.caches import DeviceIndices, Released
 from adasum.transport.errors import failures_named
 from adasum.transport.groups import uses_nccl
 from adasum.transport.topology import Topology
@@ -101,18 +113,28 @@ def projections(dots: torch.Tensor, sq_norms: torch.Tensor) -> torch.Tensor:
 
 
 def sort_momentum(
-    a: torch.Tensor, state: torch.Tensor | None, beta: float
+    a: torch.Tensor, state: torch.Tensor | None, beta: float, primed: torch.Tensor | None = None
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Subspace momentum over the sorted coefficients: ``(smoothed a, new state)``.
 
     ``s = beta * state + (1 - beta) * sort(a)`` along the last (worker) dim, ``s = sort(a)`` when
     `state` is None (the first call); each worker gets the value of its rank position,
-    ``smoothed[idx] = s`` with ``idx = argsort(a)`` (stable: ties go by worker index).
+    ``smoothed[idx] = s`` with ``idx = argsort(a)`` (stable: ties go by worker index). `primed` (bool, one per
+    row of `a`) decides the first call on the device instead: ``s = sort(a)`` in the rows where it is False, the
+    same launches either way (a CUDA graph replays them whatever the flags hold).
 
     >>> smoothed, state = sort_momentum(torch.tensor([[3.0, 1.0, 2.0]]), None, 0.9)
+    >>> state
+    tensor([[1., 2., 3.]])
+    >>> sort_momentum(torch.tensor([[3.0, 1.0, 2.0]]), torch.zeros(1, 3), 0.9, torch.tensor([False]))[1]
+    tensor([[1., 2., 3.]])
     """
     ordered, idx = torch.sort(a, dim=-1, stable=True)
-    state = ordered if state is None else state * beta + ordered * (1 - beta)
+    if state is None:
+        state = ordered
+    else:
+        blended = state * beta + ordered * (1 - beta)
+        state = blended if primed is None else torch.where(primed.unsqueeze(-1), blended, ordered)
     smoothed = torch.empty_like(a).scatter_(-1, idx, state)
     return smoothed, state
 
@@ -151,16 +173,18 @@ def worker_weights(
 
 
 def consensus(
-    dots: torch.Tensor, sq_norms: torch.Tensor, state: torch.Tensor | None, beta: float
+    dots: torch.Tensor, sq_norms: torch.Tensor, state: torch.Tensor | None, beta: float,
+    primed: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """The normalized coefficients ``c`` ([S, N], summing to 1 over the workers) and the new momentum state,
-    from the per-worker ``<g_i, m>`` and ``|g_i|^2``: projections, sort momentum, normalization.
+    from the per-worker ``<g_i, m>`` and ``|g_i|^2``: projections, sort momentum (`primed`: `sort_momentum`'s),
+    normalization.
 
     >>> c, state = consensus(torch.tensor([[3.0, 1.0]]).double(), torch.tensor([[9.0, 1.0]]).double(), None, 0.0)
     >>> c
     tensor([[0.5000, 0.5000]], dtype=torch.float64)
     """
-    smoothed, state = sort_momentum(projections(dots, sq_norms), state, beta)
+    smoothed, state = sort_momentum(projections(dots, sq_norms), state, beta, primed)
     return normalize(smoothed), state
 
 
@@ -186,15 +210,20 @@ def coefficients(
     return worker_weights(c, sq_norms, mean_sq_norm, scale), state
 
 
-def scale_segments_(flat: torch.Tensor, weights: torch.Tensor, sizes: Sequence[int]) -> None:
+def scale_segments_(
+    flat: torch.Tensor, weights: torch.Tensor, sizes: Sequence[int], counts: torch.Tensor | None = None
+) -> None:
     """``flat[segment s] *= weights[s]`` in place; one weight for the whole buffer if ``len(weights) == 1``.
 
-    Computed in the wider of flat's dtype and float32, written back in flat's dtype.
+    Computed in the wider of flat's dtype and float32, written back in flat's dtype. `counts`: `sizes` as an int64
+    tensor on flat's device, made once by the caller (`adasum.transport.caches.DeviceIndices`; without it, one is
+    copied from the host).
     """
     compute = torch.promote_types(flat.dtype, torch.float32)
     w = weights.to(device=flat.device, dtype=compute)
     if w.numel() > 1:
-        counts = torch.tensor(list(sizes), dtype=torch.int64, device=flat.device)
+        if counts is None:
+            counts = torch.tensor(list(sizes), dtype=torch.int64, device=flat.device)
         w = torch.repeat_interleave(w, counts, output_size=flat.numel())
     else:
         w = w.reshape(())
@@ -216,6 +245,22 @@ def layout_key(description: Sequence[tuple[torch.dtype, int]], per_tensor: bool)
     return f"{'tensor' if per_tensor else 'model'}:{len(description)}:{digest.hexdigest()}"
 
 
+@dataclass(eq=False)
+class Momentum:
+    """One key's momentum state on one device: `values` ``[S, N]`` float64 (the sorted coefficients' momentum per
+    segment) and `primed` ``[S]`` bool (a row holds momentum once a call wrote it; until then a call takes the
+    row's first-call rule, `sort_momentum`). Both are read and written in place, by eager calls and replayed CUDA
+    graphs alike (`AdaCons._update`); `AdaCons.load_state_dict` copies into them."""
+
+    values: torch.Tensor
+    primed: torch.Tensor
+
+
+def _primed(values: torch.Tensor) -> Momentum:
+    """A state that holds momentum in every row: `values` ([S, N] float64) with its flags, on its device."""
+    return Momentum(values, torch.ones(values.shape[:1], dtype=torch.bool, device=values.device))
+
+
 class Consensus(CombineOp):
     """AdaCons as the slice-parallel schedule's combine rule (`adasum.collectives.slices.CombineOp`): from the
     [P, P, T] Gram sums ``G_ij = <g_i, g_j>`` of T tensors, ``<g_i, m> = (1/P) sum_j G_ij``, ``|g_i|^2 = G_ii``
@@ -223,10 +268,11 @@ class Consensus(CombineOp):
     (`consensus`, `worker_weights`) with the momentum state of `key`. Whole-model (``per_tensor=False``) couples
     every tensor of the call (`coupled`).
 
-    The state is the reducer's tensor for `key` on the data's `device`, updated in place, so that a CUDA graph of
-    the call replays the momentum too (`AdaCons._momentum`). `order`: the call position of each of the schedule's
-    columns (None: the same order). `shard`: a group over which the Gram sums of tensor shards are added up first
-    (the sharded form: coefficients of the whole tensors)."""
+    The state is the reducer's `Momentum` for `key` on the data's `device` (`state`: its values), updated in place,
+    so that a CUDA graph of the call replays the momentum too (`AdaCons._momentum`); `fresh`: the key had no state
+    before (the device-side flags, not this, decide the first-call rule). `order`: the call position of each of the
+    schedule's columns (None: the same order), as a device tensor made once per order. `shard`: a group over which
+    the Gram sums of tensor shards are added up first (the sharded form: coefficients of the whole tensors)."""
 
     def __init__(self, reducer: AdaCons, key: str, count: int, workers: int, device: torch.device,
                  order: Sequence[int] | None = None, shard: dist.ProcessGroup | None = None,
@@ -234,9 +280,10 @@ class Consensus(CombineOp):
         self.reducer, self.key, self.shard, self.operation = reducer, key, shard, operation
         self.coupled = not reducer.per_tensor
         shape = (count if reducer.per_tensor else 1, workers)
-        self.state, self.fresh = reducer._momentum(key, shape, device)
+        self.momentum, self.fresh = reducer._momentum(key, shape, device)
+        self.state = self.momentum.values
         in_order = order is None or list(order) == list(range(count))
-        self.order = None if order is None or in_order else torch.tensor(list(order), dtype=torch.int64, device=device)
+        self.order = None if order is None or in_order else reducer._indices.of(order, device)
 
     def weights(self, gram: torch.Tensor, first: int) -> torch.Tensor:
         """The [P, T] weights of the P copies per tensor (the whole model's, repeated, unless `per_tensor`)."""
@@ -251,7 +298,7 @@ class Consensus(CombineOp):
             rows = slice(0, 1)
         elif self.order is not None:
             rows = kept(self.order)[first : first + count]
-        weights = self.reducer._update(self.key, kept(self.state), self.fresh, rows, dots, sq_norms, mean_sq)
+        weights = self.reducer._update(self.momentum, rows, dots, sq_norms, mean_sq)
         return weights.T.expand(workers, count).contiguous()
 
 
@@ -272,6 +319,9 @@ class AdaCons(Reducer):
     """
 
     name = "adacons"
+    capturable = True
+    """Every call's work is device work (the momentum's first-call rule on device flags, the index tensors made once
+    per layout): on NCCL a repeated call is captured in a CUDA graph once and replayed (module doc)."""
     call_options = frozenset({"key"})
     state_keys = ("momentum", "per_tensor", "scale", "states")
     """What `state_dict` saves; `load_state_dict` takes a state with these keys only."""
@@ -284,7 +334,8 @@ class AdaCons(Reducer):
         self.momentum = float(momentum)
         self.per_tensor = per_tensor
         self.scale = scale
-        self._states: Released[str, torch.Tensor] = Released()  # bounded; adasum.release() empties it
+        self._states: Released[str, Momentum] = Released()  # bounded; adasum.release() empties it
+        self._indices = DeviceIndices()  # the calls' index tensors per layout and device (released alike)
 
     # -- shared by both forms
 
@@ -295,33 +346,50 @@ class AdaCons(Reducer):
         the key's state."""
         if not self.per_tensor:
             dots, sq_norms, mean_sq = (x.sum(0, keepdim=True) for x in (dots, sq_norms, mean_sq))
-        state, fresh = self._momentum(key, tuple(dots.shape), dots.device)
-        return self._update(key, state, fresh, slice(None), dots, sq_norms, mean_sq)
+        state, _ = self._momentum(key, tuple(dots.shape), dots.device)
+        return self._update(state, slice(None), dots, sq_norms, mean_sq)
 
-    def _momentum(self, key: str, shape: tuple[int, ...], device: torch.device) -> tuple[torch.Tensor, bool]:
-        """The key's momentum state, float64 `shape` ([S, N]) on `device`, and whether it is new (the first call
-        under the key: no momentum yet; it is kept once `_update` writes it). ValueError, the same on every rank,
-        where the key's state has another shape."""
+    def _momentum(self, key: str, shape: tuple[int, ...], device: torch.device) -> tuple[Momentum, bool]:
+        """The key's momentum state (`Momentum`: float64 `shape` ([S, N]) values and [S] flags) on `device`, and
+        whether it was made now (no state under the key yet: every row unprimed, so the call takes the first-call
+        rule). ValueError, the same on
+        every rank, where the key's state has another shape and holds momentum (a state of another shape that
+        holds none, as `load_state_dict` leaves one it did not have, is made anew: reading its flags waits on the
+        host, only here, where a call's layout changed under its key)."""
         state = self._states.get(key)
+        if state is not None and tuple(state.values.shape) != tuple(shape):
+            if bool(state.primed.any()):
+                raise ValueError(
+                    f"AdaCons momentum state {key!r} has shape {list(state.values.shape)}, this call needs "
+                    f"{list(shape)} (the number of workers or tensors changed)"
+                )
+            state = None
         if state is None:
-            return torch.zeros(shape, dtype=torch.float64, device=device), True
-        if tuple(state.shape) != tuple(shape):
-            raise ValueError(
-                f"AdaCons momentum state {key!r} has shape {list(state.shape)}, this call needs "
-                f"{list(shape)} (the number of workers or tensors changed)"
+            state = self._states[key] = Momentum(
+                torch.zeros(shape, dtype=torch.float64, device=device),
+                torch.zeros(shape[:1], dtype=torch.bool, device=device),
             )
-        if state.device != device:
-            state = self._states[key] = state.to(device)
+            return state, True
+        if state.values.device != device:
+            state.values, state.primed = state.values.to(device), state.primed.to(device)
         return state, False
 
-    def _update(self, key: str, state: torch.Tensor, fresh: bool, rows: slice | torch.Tensor, dots: torch.Tensor,
-                sq_norms: torch.Tensor, mean_sq: torch.Tensor) -> torch.Tensor:
-        """Weights [S, N] from summed partials ([S, N], [S, N], [S]) with the momentum of the key's `state` rows
-        `rows` (none where `fresh`), written back into those rows in place (what a replayed graph updates too)."""
-        c, smoothed = consensus(dots, sq_norms, None if fresh else state[rows], self.momentum)
-        state[rows] = smoothed
-        self._states[key] = state
-        if statistics.active():
+    def _update(self, state: Momentum, rows: slice | torch.Tensor, dots: torch.Tensor, sq_norms: torch.Tensor,
+                mean_sq: torch.Tensor) -> torch.Tensor:
+        """Weights [S, N] from summed partials ([S, N], [S, N], [S]) with the momentum of `state`'s rows `rows`
+        (the first-call rule where a row is not primed), written back into those rows in place and the rows marked
+        primed: device work only, so a replayed graph updates the state as an eager call does. A graph being captured
+        keeps the tensors it reads and writes (`adasum.core.keep.kept`): a state replaced later (loaded with another
+        shape, moved to another device, evicted) never frees memory a graph writes."""
+        kept((state.values, state.primed))
+        c, smoothed = consensus(dots, sq_norms, state.values[rows], self.momentum, state.primed[rows])
+        if isinstance(rows, slice):
+            state.values[rows] = smoothed
+            state.primed[rows].fill_(True)
+        else:
+            state.values.index_copy_(0, rows, smoothed)
+            state.primed.index_fill_(0, rows, True)
+        if statistics.active():  # a reference to the tensor: a replayed graph rewrites it (module doc)
             statistics.record(statistics.ConsensusWeights(c))
         return worker_weights(c, sq_norms, mean_sq, self.scale)
 
@@ -428,7 +496,7 @@ class AdaCons(Reducer):
             mean.div_(world)
             # rows: <g_i, m>, |g_i|^2, |m|^2 for each tensor of this buffer
             part = dot_and_norms(flat, mean, segment_sizes)  # float64 sums, no float64 copies
-            partials[:, torch.tensor(where, dtype=torch.int64, device=device)] = part.to(device)
+            partials.index_copy_(1, self._indices.of(where, device), part.to(device))
             del mean
         if shard is not None and dist.get_world_size(shard) > 1:
             with failures_named(operation, "the shard sums", shard):
@@ -443,8 +511,9 @@ class AdaCons(Reducer):
         weights = self._weights(key, stacked[:, 0].T, stacked[:, 1].T, stacked[0, 2])
         mine = weights[:, rank]
         for flat, segment_sizes, where in zip(flats, sizes, indices):
-            if self.per_tensor:
-                scale_segments_(flat, mine[torch.tensor(where, dtype=torch.int64, device=mine.device)], segment_sizes)
+            if self.per_tensor:  # the index and count tensors made once per layout (no host copy: capturable)
+                counts = self._indices.of(segment_sizes, flat.device)
+                scale_segments_(flat, mine[self._indices.of(where, mine.device)], segment_sizes, counts)
             else:
                 scale_segments_(flat, mine, segment_sizes)
             with failures_named(operation, "the weighted-sum all-reduce", group):
@@ -461,10 +530,10 @@ class AdaCons(Reducer):
         or dtypes takes two sweeps (the sums, then the weighted sums: ``3 N (P-1)/P`` bytes per rank against the two
         all-reduces' ``4 N (P-1)/P``). Where the movers are NVLink's (one host, `adasum.transport.symmetric.supported`;
         elsewhere only where the settings put "slices" first, the test suite's ``ADASUM_TEST_TRANSPORT``: on gloo the
-        two all-reduces measured faster for a ResNet-50-shaped bucket, docs/benchmarks.md). On a GPU the schedule
-        runs through the group's capture point (`adasum.transport.communicator.Communicator.run`): a repeated call on
-        the same buffers replays its CUDA graph, the momentum state updated in place. False where the movers do not
-        serve the group (the two all-reduces then run, `_all_reduce_buffers`)."""
+        two all-reduces measured faster for a ResNet-50-shaped bucket, docs/benchmarks.md). On a GPU the whole call,
+        this schedule within it, is what the entry point's plan captures and replays
+        (`adasum.transport.communicator.Communicator.run`; `capturable`), the momentum state updated in place. False
+        where the movers do not serve the group (the two all-reduces then run, `_all_reduce_buffers`)."""
         if dist.get_world_size(group) == 1:
             return False
         if current().transport_first != "slices":
@@ -479,16 +548,8 @@ class AdaCons(Reducer):
         order = [i for where in indices for i in where]
         op = Consensus(self, key, count, mover.world, device, order, shard, operation)
         buffers = [(flat, Layout(tuple(n))) for flat, n in zip(flats, sizes)]
-
-        def run() -> None:
-            with failures_named(operation, "the slice-parallel schedule", group, mover.timeout):
-                combine_slices_(buffers, mover, op)
-
-        # the plan: the rule and its state, the layout, the mover; where: the buffers (`Communicator.capture`: captured
-        # and replayed on a GPU, eager elsewhere)
-        plan = ("adacons", repr(self), key, op.fresh, op.state.data_ptr(), shard is not None, mover.name,
-                tuple((f.dtype, tuple(n)) for f, n in zip(flats, sizes)), tuple(order))
-        communicator(group).capture(plan, tuple(f.data_ptr() for f in flats), run, device)
+        with failures_named(operation, "the slice-parallel schedule", group, mover.timeout):
+            combine_slices_(buffers, mover, op)
         return True
 
     # -- sharded: `Reducer.all_reduce_shards`
@@ -515,17 +576,27 @@ class AdaCons(Reducer):
     # -- state
 
     def state_dict(self) -> dict[str, Any]:
-        """The momentum states (CPU float64), keyed by call site, and the settings."""
+        """The momentum states (CPU float64), keyed by call site, and the settings. A key's state is saved once a
+        call wrote momentum into it (its flags are read from the device: this waits for the device)."""
+        entries = list(self._states.items())
+        held = torch.stack([s.primed.any().cpu() for _, s in entries]).tolist() if entries else []
         return {
             "momentum": self.momentum,
             "per_tensor": self.per_tensor,
             "scale": self.scale,
-            "states": {k: v.detach().cpu().clone() for k, v in self._states.items()},
+            "states": {k: s.values.detach().cpu().clone() for (k, s), keep in zip(entries, held) if keep},
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Restore the momentum states from what `state_dict` saved (its four keys, `state_keys`; another
-        reducer's state or a misspelt key raises ValueError); the settings must match this object's."""
+        reducer's state or a misspelt key raises ValueError); the settings must match this object's.
+
+        In place, so that a captured CUDA graph of a call goes on reading the live state: a key this reducer holds
+        with the loaded shape has the loaded values copied into its tensors (kept on their device) and every row
+        primed; a key it holds that the state lacks keeps its tensors with every row unprimed (its next call,
+        eager or replayed, is a first call); a new key, or one of another shape, gets the loaded values as new
+        tensors (a graph captured on a state of the old shape is one of another layout or group, whose eager call
+        would refuse the state)."""
         check_state_keys(self, state, self.state_keys)
         for name in ("momentum", "per_tensor", "scale"):
             if state[name] != getattr(self, name):
@@ -533,8 +604,32 @@ class AdaCons(Reducer):
                     f"adasum.AdaCons.load_state_dict: the state has {name}={state[name]!r}, this reducer has "
                     f"{getattr(self, name)!r}; build AdaCons({name}={state[name]!r}) to load it"
                 )
-        self._states = Released()
-        self._states.update((k, v.detach().clone().to(torch.float64)) for k, v in state["states"].items())
+        loaded = {k: v.detach() for k, v in state["states"].items()}
+        for key, held in self._states.items():
+            if key not in loaded:
+                held.primed.fill_(False)
+        for key, values in loaded.items():
+            held = self._states.get(key)
+            if held is not None and tuple(held.values.shape) == tuple(values.shape):
+                held.values.copy_(values)
+                held.primed.fill_(True)
+            else:
+                self._states[key] = _primed(values.clone().to(torch.float64))
+
+    def __getstate__(self) -> dict[str, Any]:
+        # the index tensors are the device's, made again on first use
+        return {**self.__dict__, "_indices": DeviceIndices()}
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        states = state.get("_states")
+        if states is not None and any(isinstance(v, torch.Tensor) for v in states.values()):
+            # pickled by an earlier version, a plain tensor per key: every row primed
+            for key, value in list(states.items()):
+                if isinstance(value, torch.Tensor):
+                    states[key] = _primed(value)
+        self.__dict__.update(state)
+        if "_indices" not in state:
+            self._indices = DeviceIndices()
 
     def __repr__(self) -> str:
         return f"AdaCons(momentum={self.momentum}, per_tensor={self.per_tensor}, scale={self.scale!r})"

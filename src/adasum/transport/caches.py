@@ -11,14 +11,20 @@ so that layouts re-made every call keep memory flat.
 ['a', 'c']
 
 `Released` caches are emptied by `adasum.release()` too (`adasum.transport.communicator.release`): state that
-belongs to the groups it was made on, kept by objects that outlive them (a reducer's momentum).
+belongs to the groups it was made on, kept by objects that outlive them (a reducer's momentum). `DeviceIndices`
+is one that holds small int64 index tensors on devices, made once per values: a repeated call reads the same
+tensors, with no host-to-device copy (which waits on the host, and which a CUDA graph cannot capture).
 """
 
 from __future__ import annotations
 
 from collections import OrderedDict
+from collections.abc import Sequence
 from typing import Any, TypeVar
 
+import torch
+
+from adasum.core.keep import kept
 from adasum.transport.communicator import emptied_by_release
 
 K = TypeVar("K")
@@ -56,3 +62,25 @@ class Released(Bounded[K, V]):
     def __init__(self, most: int = MOST) -> None:
         super().__init__(most)
         emptied_by_release(self)
+
+
+class DeviceIndices(Released[tuple[tuple[int, ...], torch.device], torch.Tensor]):
+    """int64 tensors of given values on devices, one per (values, device), made on first use (a call's first,
+    eager run: the capture of a repeat finds them made), at most `MOST`, emptied by `adasum.release()`. A graph
+    being captured keeps the ones it reads (`adasum.core.keep.kept`), so an eviction never frees memory a graph
+    reads.
+
+    >>> indices = DeviceIndices()
+    >>> indices.of([2, 0, 1], torch.device("cpu"))
+    tensor([2, 0, 1])
+    >>> indices.of((2, 0, 1), torch.device("cpu")) is indices.of([2, 0, 1], torch.device("cpu"))
+    True
+    """
+
+    def of(self, values: Sequence[int], device: torch.device) -> torch.Tensor:
+        """The int64 tensor of `values` on `device` (made once; the same object on every later call)."""
+        key = (tuple(values), torch.device(device))
+        found = self.get(key)
+        if found is None:
+            found = self[key] = torch.tensor(key[0], dtype=torch.int64, device=key[1])
+        return kept(found)
