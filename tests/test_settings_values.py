@@ -111,6 +111,7 @@ def test_an_unknown_adasum_variable_warns_with_the_closest_name():
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         s = Settings.from_env({"ADASUM_CUDA_GRAPH": "0", "ADASUM_CACHE": "/tmp", "ADASUM_TEST_BACKEND": "gloo",
+                               "ADASUM_WORD2VEC_EVAL": "/tmp",
                                "OTHER_THING": "1", "ADASUM_ZZZ": "1"})
     assert s.cuda_graphs is True  # the typo is not read
     assert [str(w.message) for w in caught] == [

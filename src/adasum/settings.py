@@ -55,8 +55,9 @@ VARIABLES: Mapping[str, str] = MappingProxyType({
 })
 """The environment variable of each field that has one (docs/settings.md)."""
 
-READ_ELSEWHERE = ("ADASUM_CACHE", "ADASUM_TEST_BACKEND", "ADASUM_JAX_TESTS")
-"""``ADASUM_*`` variables that are not settings: the experiment harness's data cache and the test suite's own."""
+READ_ELSEWHERE = ("ADASUM_CACHE", "ADASUM_WORD2VEC_EVAL", "ADASUM_TEST_BACKEND", "ADASUM_JAX_TESTS")
+"""``ADASUM_*`` variables that are not settings: the experiment harness's data cache and word2vec evaluation files
+(`adasum.experiments.embeddings.ENV`), and the test suite's own."""
 
 
 def _flag(env: Mapping[str, str], name: str, default: bool = True) -> bool:
