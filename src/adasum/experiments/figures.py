@@ -97,6 +97,9 @@ def curves(groups: Groups, out: Path, failed: Callable[[Row], bool], key: str = 
     for ax in axes[:, 0]:
         ax.set_ylabel(key.replace("_", " ") + " (%)", fontsize=8)
     if title:
+        if cols == 1 and len(title) > 60:  # one panel: the title on two lines, at its last comma
+            head, _, tail = title.rpartition(", ")
+            title = f"{head},\n{tail}" if head else title
         fig.suptitle(title, fontsize=10)
     fig.tight_layout()
     path = out / filename

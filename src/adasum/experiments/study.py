@@ -725,6 +725,19 @@ def _order(method: str) -> int:
     return ORDER.index(method) if method in ORDER else len(ORDER)
 
 
+def _reachable(outcome: Outcome, family: int) -> Outcome:
+    """A primary test on too few pairs for its exact test to reach Holm's first level (the smallest p of n pairs is
+    2 / 2^n, one-sided 1 / 2^n) is "not tested", not "no difference": runs cut short (the device time) leave its
+    cells incomplete."""
+    if outcome.hypothesis.kind == "failures" or math.isnan(outcome.p):
+        return outcome
+    smallest = (1.0 if outcome.hypothesis.kind == "equivalence" else 2.0) / 2**outcome.n
+    if smallest < ALPHA / family:
+        return outcome
+    return replace(outcome, p_holm=math.nan,
+                   detail=f"{outcome.detail}; {outcome.n} pairs: too few for the test to reach its level")
+
+
 def analyze(rows: Sequence[Row], design: Design) -> Analysis:
     """The study's results for `design` from `rows` (pilot and confirmatory; other rows are ignored)."""
     chosen = picks(rows, design)
@@ -734,7 +747,7 @@ def analyze(rows: Sequence[Row], design: Design) -> Analysis:
     family = len(design.primary)
     outcomes = [_test(design, h, cells, chosen, sd, family) for h in design.primary]
     adjusted = holm([o.p for o in outcomes])
-    outcomes = [replace(o, p_holm=q) for o, q in zip(outcomes, adjusted)]
+    outcomes = [_reachable(replace(o, p_holm=q), family) for o, q in zip(outcomes, adjusted)]
     explore = []
     primary = {(h.method, h.against, h.workers) for h in design.primary}
     for method, against in (("adasum", "mean"), ("adacons", "mean"), ("slowmo", "localsgd"), ("mean", "sequential"),
