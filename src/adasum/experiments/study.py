@@ -140,8 +140,10 @@ class Design:
         return out
 
 
-METRIC_LABELS = {"test_accuracy": "test accuracy", "wordsim353": "WordSim-353 score",
-                 "simlex999": "SimLex-999 score", "analogy": "analogy accuracy"}
+METRIC_LABELS: Mapping[str, str] = MappingProxyType({
+    "test_accuracy": "test accuracy", "wordsim353": "WordSim-353 score", "simlex999": "SimLex-999 score",
+    "analogy": "analogy accuracy",
+})
 
 
 def metric_of(point: Mapping[str, Any], design: Design) -> float:
