@@ -19,6 +19,7 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Any
 
 ALPHA = 0.05
 FEW_SEEDS = 5
@@ -153,23 +154,30 @@ def sign_flip_p(differences: Sequence[float]) -> float:
     >>> sign_flip_p([1.0, -1.0, 2.0, -2.0])
     1.0
     """
+    patterns = _sign_patterns(differences)
+    if patterns is None:
+        return math.nan
+    sums, observed, tolerance = patterns
+    return float((abs(sums) >= abs(observed) - tolerance).mean())
+
+
+def _sign_patterns(differences: Sequence[float]) -> tuple[Any, float, float] | None:
+    """The sums of the differences under all 2^n sign patterns (a NumPy array), the observed sum, and the
+    rounding within which a pattern's sum ties with it; None under 2 differences (no test)."""
     import numpy as np
 
     d = np.asarray([float(v) for v in differences], dtype=np.float64)
     n = len(d)
     if n < 2:
-        return math.nan
+        return None
     if n > 20:
         raise ValueError(
             f"the exact sign-flip test enumerates 2^n patterns; {n} differences are too many: pass at most "
             f"{EXACT_UP_TO} (Paired.of gives its t-test alone beyond that)"
         )
     signs = 1 - 2 * ((np.arange(2**n)[:, None] >> np.arange(n)) & 1)
-    sums = np.abs(signs @ d)
-    observed = abs(d.sum())
     # a pattern ties with the observed sum within rounding of the sums of n values
-    tolerance = 1e-9 * max(1.0, float(np.abs(d).sum()))
-    return float(np.mean(sums >= observed - tolerance))
+    return signs @ d, float(d.sum()), 1e-9 * max(1.0, float(np.abs(d).sum()))
 
 
 def sign_flip_p_greater(differences: Sequence[float]) -> float:
@@ -182,19 +190,11 @@ def sign_flip_p_greater(differences: Sequence[float]) -> float:
     >>> sign_flip_p_greater([-1.0, -2.0, -3.0, -4.0, -5.0, -6.0])
     1.0
     """
-    import numpy as np
-
-    d = np.asarray([float(v) for v in differences], dtype=np.float64)
-    n = len(d)
-    if n < 2:
+    patterns = _sign_patterns(differences)
+    if patterns is None:
         return math.nan
-    if n > 20:
-        raise ValueError(f"the exact sign-flip test enumerates 2^n patterns; {n} differences are too many: "
-                         "pass 20 or fewer")
-    signs = 1 - 2 * ((np.arange(2**n)[:, None] >> np.arange(n)) & 1)
-    sums = signs @ d
-    tolerance = 1e-9 * max(1.0, float(np.abs(d).sum()))
-    return float(np.mean(sums >= d.sum() - tolerance))
+    sums, observed, tolerance = patterns
+    return float((sums >= observed - tolerance).mean())
 
 
 def equivalence_p(differences: Sequence[float], margin: float) -> float:
