@@ -366,3 +366,14 @@ def test_the_conclusion_counts_failures_at_rates_that_were_not_picked():
     rows += [run("adasum", 8, s, 10.0, lr=1.0, collapsed=True) for s in range(3)]  # a rate that was not picked
     text = conclusion(rows, comparisons(rows))
     assert "no run at the picked learning rates failed (3 of the 3 runs at other rates did)" in text, text
+
+
+def test_figure_colours_follow_a_fixed_order_not_a_sets():
+    # labels outside the method list ("... (rule)") tie on their place; the label breaks the tie, so the
+    # order, and with it each line's colour, is the same in every process (str hashes are randomised)
+    from adasum.experiments.figures import _order
+
+    labels = ["slowmo", "mean-scaled (rule)", "adasum (rule)", "sequential", "adasum", "custom-b", "custom-a"]
+    expected = ["sequential", "mean-scaled (rule)", "adasum", "adasum (rule)", "slowmo", "custom-a", "custom-b"]
+    for shift in range(len(labels)):
+        assert sorted(labels[shift:] + labels[:shift], key=_order) == expected

@@ -31,8 +31,11 @@ ORDER = ("sequential", "mean", "mean-scaled", "sum", "adasum", "adasum-delta", "
          "adasum-localsgd", "slowmo")
 
 
-def _order(name: str) -> int:
-    return ORDER.index(name) if name in ORDER else len(ORDER)
+def _order(name: str) -> tuple[int, str]:
+    """Sort key of a method's label ("adasum", "adasum (rule)"): its place in ORDER, then the label, so that
+    the order (and so the colours) never depends on a set's iteration order."""
+    base = name.split(" ")[0]
+    return (ORDER.index(base) if base in ORDER else len(ORDER), name)
 
 
 def _colors(methods: Sequence[str]) -> dict[str, Any]:

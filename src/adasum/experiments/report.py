@@ -192,7 +192,7 @@ def _method_order(name: str) -> int:
 
 
 def _ordered(keys):
-    return sorted(keys, key=lambda k: (k[1], _method_order(k[0])) + tuple(k[2:]))
+    return sorted(keys, key=lambda k: (k[1], _method_order(k[0]), k[0]) + tuple(k[2:]))
 
 
 def _score(r: Result) -> float:
