@@ -76,7 +76,9 @@ def run_all(configs: list[RunConfig], rows: list[dict], path: Path, procs: int, 
         pending = []
         queue = list(todo)
         while queue or pending:
-            while queue and len(pending) < 2 * procs and time.time() < deadline:
+            # at most `procs` submitted, so every pending run has started and the hard deadline stops only
+            # runs that began before the deadline, never queued ones
+            while queue and len(pending) < procs and time.time() < deadline:
                 pending.append(pool.apply_async(_train, (queue.pop(0),)))
             if time.time() >= deadline:
                 queue.clear()
