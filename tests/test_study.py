@@ -161,6 +161,19 @@ def test_a_planted_difference_is_found_and_none_is_not_invented():
     assert none.verdict == "no difference the test could see"
 
 
+def test_runs_at_a_pick_the_extension_moved_are_left_out():
+    # confirmatory runs made at mean's edge pick (1.0), then the extension moves the pick to 3.16: the runs at
+    # 1.0 stay in the rows but no table, test or figure counts them as mean's cell
+    rows = _pilot(PILOT)
+    stale = [_row("mean", 4, 1.0, s, 99.0, TOY.epochs) for s in TOY.confirm_seeds[:3]]
+    rows += _pilot({("mean", 4): {3.16: 90, 10.0: 50}}) + stale
+    assert st.picks(rows, TOY)[("mean", 4)] == (3.16, False)
+    rows = _confirm(rows, effect=0.0, rule_failures=0)
+    cells = {(c.method, c.lr): c.seeds for c in st.analyze(rows, TOY).cells}
+    assert ("mean", 1.0) not in cells and cells[("mean", 3.16)] == 10
+    assert [k for k in st.groups(rows, TOY) if k[0].startswith("mean ")] == []
+
+
 def test_failures_are_judged_on_validation_and_tested_exactly():
     rows = _confirm(_pilot(PILOT), effect=0.0, rule_failures=8)
     outcome = st.analyze(rows, TOY).outcomes[1]

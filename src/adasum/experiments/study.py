@@ -612,8 +612,13 @@ class Analysis:
 
 
 def _confirm_cells(rows: Sequence[Row], design: Design) -> dict[tuple[str, int, float], list[Row]]:
+    """The confirmatory runs of the cells that `confirm_runs` plans from the pilot's picks. Runs at a rate
+    that is no longer planned (a pick the pilot's extension moved after they ran) stay in the rows but are
+    left out of every table, test and figure."""
+    planned = {(c.method, c.workers, c.lr) for c in confirm_runs(design, picks(rows, design))}
     confirm = rows_of(rows, design, design.confirm_seeds + design.primary_seeds)
     return by_cell([r for r in confirm if r["epochs"] == design.length(r["method"])
+                    and (r["method"], r["workers"], r["lr"]) in planned
                     and r["seed"] in design.seeds(r["method"], r["workers"])])
 
 
