@@ -371,9 +371,9 @@ def test_the_conclusion_counts_failures_at_rates_that_were_not_picked():
 def test_figure_colours_follow_a_fixed_order_not_a_sets():
     # labels outside the method list ("... (rule)") tie on their place; the label breaks the tie, so the
     # order, and with it each line's colour, is the same in every process (str hashes are randomised)
-    from adasum.experiments.figures import _order
+    from adasum.experiments.figures import method_order
 
     labels = ["slowmo", "mean-scaled (rule)", "adasum (rule)", "sequential", "adasum", "custom-b", "custom-a"]
     expected = ["sequential", "mean-scaled (rule)", "adasum", "adasum (rule)", "slowmo", "custom-a", "custom-b"]
     for shift in range(len(labels)):
-        assert sorted(labels[shift:] + labels[:shift], key=_order) == expected
+        assert sorted(labels[shift:] + labels[:shift], key=method_order) == expected

@@ -31,7 +31,7 @@ ORDER = ("sequential", "mean", "mean-scaled", "sum", "adasum", "adasum-delta", "
          "adasum-localsgd", "slowmo")
 
 
-def _order(name: str) -> tuple[int, str]:
+def method_order(name: str) -> tuple[int, str]:
     """Sort key of a method's label ("adasum", "adasum (rule)"): its place in ORDER, then the label, so that
     the order (and so the colours) never depends on a set's iteration order."""
     base = name.split(" ")[0]
@@ -64,7 +64,7 @@ def curves(groups: Groups, out: Path, failed: Callable[[Row], bool], key: str = 
     if not with_curves:
         return None
     counts = sorted({w for (m, w) in with_curves if m != "sequential"}) or [1]
-    methods = sorted({m for (m, _) in with_curves}, key=_order)
+    methods = sorted({m for (m, _) in with_curves}, key=method_order)
     colors = _colors(methods)
     cols = min(len(counts), 2)
     rows_n = math.ceil(len(counts) / cols)
@@ -176,7 +176,7 @@ def steps_to_target(groups: Groups, target: float, out: Path, filename: str = "s
     if seq is None or seq[0] is None:
         return None
     seq_batch = groups[("sequential", 1)][0]["batch_size"]
-    methods = sorted({m for (m, _) in table if m != "sequential"}, key=_order)
+    methods = sorted({m for (m, _) in table if m != "sequential"}, key=method_order)
     colors = _colors(["sequential", *methods])
     fig, ax = plt.subplots(figsize=(6.4, 4.4))
     batches = sorted({w * groups[(m, w)][0]["batch_size"] for (m, w) in table})
