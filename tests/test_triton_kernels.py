@@ -54,7 +54,7 @@ def combine_bound(a, b, ca, cb, lengths, want, dtype):
 
 
 # segments spanning several tiles, multiples of the tile, empty ones, many tiny ones
-cases = [[5, 0, 33000, 1, 0, 300], [16384, 16385, 1], [0], [7] * 40, [], [3, 0, 4]]
+cases = [[5, 0, 33000, 1, 0, 300], [16384, 16385, 1], [0], [7] * 12, [], [3, 0, 4]]
 for number, lengths in enumerate(cases):
     for dtype in (torch.float32, torch.bfloat16, torch.float16, torch.float64)[: 4 if number == 0 else 2]:
         n = sum(lengths)
@@ -216,7 +216,9 @@ for dtype in (torch.float32, torch.bfloat16):
 from adasum.core.gram import pair_ops, weights as torch_weights
 from adasum.core.tree import Tree
 from adasum.kernels import cpu as cpu_kernels
-CASES = ((2, torch.float32), (3, torch.bfloat16), (4, torch.float32), (5, torch.float32), (8, torch.bfloat16))
+# one level, two and three (5 workers: a tree that is not a power of two), both dtypes: the kernels take P and the
+# tree's pair list as data, so 4 and 8 workers add no path, only interpreter time (it grows with P^2)
+CASES = ((2, torch.float32), (3, torch.bfloat16), (5, torch.float32))
 for world, dtype in CASES:
     lengths = [5, 0, 4100, 1, 2048, 64]
     n = sum(lengths)
