@@ -212,6 +212,29 @@ def test_the_results_page_is_what_its_rows_give():
     assert done.returncode == 0, done.stderr[-2000:]
 
 
+def test_adasum_report_draws_a_study_from_its_rows(tmp_path, capsys):
+    """`adasum report --design NAME ROWS` gives the page's tables for that study (every one the page shows) and
+    its figures; without --design, the mixed settings of a pilot and a confirmation name the flag to pass."""
+    import re
+
+    from adasum.experiments.cli import main
+
+    rows = ROOT / "benchmarks" / "results" / "study-english-word2vec.jsonl.gz"
+    assert main(["report", str(rows), "--out", str(tmp_path / "plain")]) == 2
+    assert "pass --design english-word2vec" in capsys.readouterr().err
+    assert main(["report", "--design", "english-word2vec", str(rows), "--out", str(tmp_path)]) == 0
+    report = (tmp_path / "report.md").read_text()
+    page = (ROOT / "docs" / "results.md").read_text()
+    shown = re.findall(r"<!-- rendered: (english-word2vec-[\w-]+) -->\n\n(.*?)\n\n<!-- end -->", page, re.S)
+    assert len(shown) >= 4
+    for name, table in shown:
+        assert f"<!-- {name} -->\n\n{table}" in report, name
+    for figure in ("english-word2vec-curves.png", "english-word2vec-steps.png"):
+        assert f"]({figure})" in report and (tmp_path / figure).stat().st_size > 10_000
+    assert main(["report", "--design", "fashion-mnist-cnn", str(rows), "--out", str(tmp_path / "other")]) == 2
+    assert "pass --design english-word2vec: they are the study english-word2vec's" in capsys.readouterr().err
+
+
 def test_the_stored_cell_comes_out_of_the_current_code():
     """A small cell of the demo's setting, re-run on CPU: a change that alters training (the dropout change
     that moved the CNN's one-epoch accuracy from 43 % to 68 % did) fails here. The bound: reordering float

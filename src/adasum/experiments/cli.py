@@ -416,6 +416,9 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument("results", nargs="+", help="results.jsonl files or the sweep folders holding them")
     r.add_argument("--out", required=True, help="folder for report.md and the plots")
     r.add_argument("--title", default=None, help="the report's title (default: the task)")
+    r.add_argument("--design", default=None, metavar="NAME",
+                   help="the rows are the pre-registered study NAME (benchmarks/study.py's rows): its tables and "
+                        "figures, as docs/results.md has them")
     r.add_argument("--quiet", action="store_true", help="log warnings only")
     r.add_argument("--threads", type=_positive_int, default=1, help=argparse.SUPPRESS)
     return parser
@@ -674,12 +677,48 @@ def cmd_compare(args: argparse.Namespace) -> int:
     return 0
 
 
+def _report_study(args: argparse.Namespace) -> int:
+    """``adasum report --design NAME``: the study's tables and figures from its rows."""
+    from adasum.experiments.report import read_rows
+    from adasum.experiments.study import DESIGNS, designs_of, write_report
+
+    if args.design not in DESIGNS:
+        raise ValueError(f"--design: no study {args.design!r}{did_you_mean(args.design, DESIGNS)}; pass one of "
+                         f"{', '.join(DESIGNS)}")
+    rows = read_rows(args.results)
+    if args.design not in designs_of(rows):
+        found = designs_of(rows)
+        fix = f"--design {found[0]}: they are the study {' or '.join(found)}'s" if found else \
+            "the rows benchmarks/study.py wrote for it"
+        raise ValueError(f"--design {args.design}: the rows are not all that study's runs (its task, model, batch, "
+                         f"optimizer and seeds); pass {fix}")
+    out = _writable_dir(args.out)
+    with writing(out, f"the report in {out}"):
+        report = write_report(rows, DESIGNS[args.design], out, title=args.title)
+    print(f"wrote {report} and its figures in {out}")
+    return 0
+
+
 def cmd_report(args: argparse.Namespace) -> int:
     """``adasum report``: one report from several sweep folders; returns the exit status."""
     from adasum.experiments.report import load_results, plot, summary_table, to_terminal, write_report
 
     _setup_logging(args.quiet, 0)
-    results = load_results(args.results)  # one-line errors for malformed rows or mixed settings
+    if args.design is not None:
+        return _report_study(args)
+    try:
+        results = load_results(args.results)  # one-line errors for malformed rows or mixed settings
+    except ValueError as error:
+        if "another setting" not in str(error):
+            raise
+        from adasum.experiments.report import read_rows
+        from adasum.experiments.study import designs_of
+
+        names = designs_of(read_rows(args.results))
+        if not names:
+            raise
+        raise ValueError(f"{error}; these are the rows of the study {' or '.join(names)}: pass --design "
+                         f"{names[0]}") from None
     tasks = sorted({str(r.get("task")) for r in results})
     out = _writable_dir(args.out)
     with writing(out, f"the figures in {out}"):

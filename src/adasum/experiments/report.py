@@ -150,11 +150,7 @@ def check_one_setting(results: Sequence[Result], sources: Sequence[str] | None =
             )
 
 
-def load_results(paths: Sequence[str | Path]) -> list[Result]:
-    """The runs of the ``results.jsonl[.gz]`` files (or sweep folders) in `paths`, a run found twice
-    counted once. A malformed row, runs of different settings (checked over every row, before a run found twice is
-    counted once: two sweeps that differ in their epochs are refused, not merged), or more distinct worker counts,
-    methods or learning rates than a report takes (`MOST`) end in a one-line ValueError."""
+def _read(paths: Sequence[str | Path]) -> tuple[list[Result], list[str]]:
     rows: list[Result] = []
     where: list[str] = []
     for name in paths:
@@ -169,6 +165,22 @@ def load_results(paths: Sequence[str | Path]) -> list[Result]:
             where.append(f"{path}: row {number}")
     if not rows:
         raise ValueError("the results files hold no runs; run adasum compare first, or pass the files it wrote")
+    return rows, where
+
+
+def read_rows(paths: Sequence[str | Path]) -> list[Result]:
+    """Every row of the ``results.jsonl[.gz]`` files (or sweep folders) in `paths`, each checked as
+    `load_results` checks it (a one-line ValueError), but of any settings and not deduplicated: the rows
+    of a study's pilot and confirmation, say."""
+    return _read(paths)[0]
+
+
+def load_results(paths: Sequence[str | Path]) -> list[Result]:
+    """The runs of the ``results.jsonl[.gz]`` files (or sweep folders) in `paths`, a run found twice
+    counted once. A malformed row, runs of different settings (checked over every row, before a run found twice is
+    counted once: two sweeps that differ in their epochs are refused, not merged), or more distinct worker counts,
+    methods or learning rates than a report takes (`MOST`) end in a one-line ValueError."""
+    rows, where = _read(paths)
     check_one_setting(rows, where)
     for field, most in MOST.items():
         distinct = {row[field] for row in rows}

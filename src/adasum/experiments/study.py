@@ -940,3 +940,39 @@ def draw(rows: Sequence[Row], design: Design, out: Any) -> list[Any]:
                                                title=f"{design.task}: median steps to {target:g} % validation "
                                                "accuracy (dotted: critical batch)"))
     return [p for p in written if p is not None]
+
+
+def designs_of(rows: Sequence[Row]) -> list[str]:
+    """The names of the designs that every row belongs to (its task, model, batch, optimizer and one of its
+    seeds): the designs whose study these rows can be."""
+    names = []
+    for name, design in DESIGNS.items():
+        seeds = design.pilot_seeds + design.confirm_seeds + design.primary_seeds
+        if rows and len(rows_of(rows, design, seeds)) == len(rows):
+            names.append(name)
+    return names
+
+
+REPORT_ORDER = ("primary-first", "primary", "facts", "explore", "cells", "picks")
+"""The order of a design's tables in its report (``render``'s names without the design's)."""
+
+
+def write_report(rows: Sequence[Row], design: Design, out: Any, title: str | None = None) -> Any:
+    """Write `design`'s study from `rows` into folder `out`, as the results page has it: ``report.md`` with
+    every table of `render` (in `REPORT_ORDER`) and the figures of `draw`. Returns the report's path."""
+    from pathlib import Path
+
+    folder = Path(out)
+    tables = render(rows, design)
+    pictures = draw(rows, design, folder)
+    parts = [f"# {title or f'The {design.name} study'}",
+             f"Rows: {len(rows)} ({len(rows_of(rows, design, design.pilot_seeds))} of the pilot). Tables and figures "
+             "as `adasum.experiments.study` renders them; verdicts from the confirmatory runs only."]
+    for suffix in REPORT_ORDER:
+        name = f"{design.name}-{suffix}"
+        if name in tables:
+            parts.append(f"<!-- {name} -->\n\n{tables[name]}")
+    parts += [f"![{p.stem}]({p.name})" for p in pictures]
+    report = folder / "report.md"
+    report.write_text("\n\n".join(parts) + "\n")
+    return report
